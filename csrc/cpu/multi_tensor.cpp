@@ -1,0 +1,85 @@
+// CPU kernels of the multi-tensor family: unscale, unscale into, copy, L2 norm.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../validate.h"
+#include "engine.h"
+#include "kernels.h"
+
+namespace mixedprec::cpu {
+
+void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
+                           const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
+  run_scale<CpuEngine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
+                       found_inf.data_ptr<float>());
+}
+
+void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
+  run_scale<CpuEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+}
+
+void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
+  check_multi_tensor_copy(src, dst);
+  run_scale<CpuEngine>(src, dst, nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
+                                                       const std::optional<at::Tensor>& inv_scale,
+                                                       bool per_tensor) {
+  check_multi_tensor_l2norm(tensors, inv_scale);
+  const float scale = inv_scale.has_value() ? *inv_scale->const_data_ptr<float>() : 1.f;
+  std::vector<int64_t> numels;
+  for (const auto& t : tensors) numels.push_back(t.numel());
+  const auto plans = plan_launches(numels, 0, 0);
+  const LaunchPlan empty_plan;
+  const LaunchPlan& plan = plans.empty() ? empty_plan : plans.front();
+  const int64_t num_chunks = static_cast<int64_t>(plan.block_slot.size());
+
+  // Squares are summed in double within a chunk, then per tensor in chunk order:
+  // the result does not depend on the number of threads.
+  std::vector<double> partial(num_chunks, 0.0);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int t = plan.tensors[plan.block_slot[b]];
+      const int64_t begin = static_cast<int64_t>(plan.block_chunk[b]) * kChunkSize;
+      const int64_t end = std::min(numels[t], begin + kChunkSize);
+      MP_DISPATCH_FLOATS(tensors[t].scalar_type(), "multi_tensor_l2norm", scalar_t, [&] {
+        const scalar_t* data = tensors[t].const_data_ptr<scalar_t>();
+        double acc = 0.0;
+        for (int64_t i = begin; i < end; ++i) {
+          const double v = static_cast<float>(data[i]) * scale;
+          acc += v * v;
+        }
+        partial[b] = acc;
+      });
+    }
+  });
+  std::vector<double> squares(tensors.size(), 0.0);
+  for (int64_t b = 0; b < num_chunks; ++b) squares[plan.tensors[plan.block_slot[b]]] += partial[b];
+
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  at::Tensor per = at::empty({per_tensor ? static_cast<int64_t>(tensors.size()) : 0}, options);
+  double total = 0.0;
+  for (size_t t = 0; t < squares.size(); ++t) {
+    total += squares[t];
+    if (per_tensor) per.data_ptr<float>()[t] = static_cast<float>(std::sqrt(squares[t]));
+  }
+  at::Tensor norm = at::empty({1}, options);
+  norm.data_ptr<float>()[0] = static_cast<float>(std::sqrt(total));
+  return {norm, per};
+}
+
+TORCH_LIBRARY_IMPL(mixedprec, CPU, m) {
+  m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
+  m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
+  m.impl("multi_tensor_copy_", &multi_tensor_copy_);
+  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
+}
+
+}  // namespace mixedprec::cpu

@@ -1,0 +1,26 @@
+// An empty Python module: importing mixedprec._C loads the shared library, whose
+// static initialisers register the operators with the dispatcher. No pybind, so
+// one wheel serves every Python version (py_limited_api). The engine's sizes are
+// exported so that tests can aim at its edges without restating them.
+#include <Python.h>
+
+#include "multi_tensor_plan.h"
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+  };
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  if (PyModule_AddIntConstant(module, "CHUNK_SIZE", mixedprec::kChunkSize) < 0 ||
+      PyModule_AddIntConstant(module, "MAX_BLOCKS_PER_LAUNCH",
+                              mixedprec::kMaxBlocksPerLaunch) < 0 ||
+      PyModule_AddIntConstant(module, "MAX_TENSORS_PER_LAUNCH",
+                              mixedprec::max_tensors_per_launch(1)) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}
+}

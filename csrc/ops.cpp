@@ -1,0 +1,34 @@
+// The schemas of every mixedprec operator: the single source of truth.
+// Backends register kernels in csrc/cpu/*.cpp and csrc/cuda/*.cu; fake (Meta)
+// kernels and autograd live in mixedprec/ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(mixedprec, m) {
+  m.def(
+      "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor(b!) found_inf, "
+      "Tensor inv_scale) -> ()");
+  m.def(
+      "multi_tensor_unscale_to_(Tensor[] src, Tensor(a!)[] dst, "
+      "Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  m.def("multi_tensor_copy_(Tensor[] src, Tensor(a!)[] dst) -> ()");
+  m.def(
+      "multi_tensor_l2norm(Tensor[] tensors, Tensor? inv_scale, "
+      "bool per_tensor) -> (Tensor, Tensor)");
+  m.def(
+      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, "
+      "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
+      "float momentum, float dampening, float weight_decay, bool nesterov, "
+      "bool first_run, Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.def(
+      "fused_adam_(Tensor(a!)[] params, Tensor[] grads, "
+      "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool adamw, "
+      "bool bias_correction, Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.def("sum_fp32(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor");
+  m.def(
+      "update_loss_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, "
+      "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+      "float backoff_factor, int growth_interval, int hysteresis, "
+      "float min_scale, float max_scale) -> ()");
+}

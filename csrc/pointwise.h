@@ -1,0 +1,189 @@
+// The per-element math of every multi-tensor op, written once for the CPU and
+// CUDA engines. All math is fp32 whatever the storage type.
+//
+// A functor works on `kDepth` parallel lists. For one element index it gets
+// x[k], the value of list k as float (for the lists in kReads), updates x[k] for
+// the lists in kWrites, and returns true when it saw a non-finite input that the
+// op reports in found_inf. resolve() runs once per block (CUDA) or call (CPU),
+// on the device that holds the data, to read device-side scalars such as
+// inv_scale and step.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MP_HD __host__ __device__ __forceinline__
+#else
+#define MP_HD inline
+#endif
+
+namespace mixedprec {
+
+template <typename... Ts>
+struct TypeList {};
+
+MP_HD bool is_finite(float x) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+// Typed element access for the engines: a null pointer is an absent list (or
+// one the functor does not read or write) and is skipped.
+template <typename T>
+MP_HD void load_element(const void* p, int64_t i, float& out) {
+  if (p != nullptr) out = static_cast<float>(static_cast<const T*>(p)[i]);
+}
+
+template <typename T>
+MP_HD void store_element(void* p, int64_t i, float value) {
+  if (p != nullptr) static_cast<T*>(p)[i] = static_cast<T>(value);
+}
+
+// dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
+// non-finite inputs when the engine is given a found_inf.
+struct ScaleOp {
+  static constexpr int kDepth = 2;  // src, dst
+  static constexpr unsigned kReads = 0b01;
+  static constexpr unsigned kWrites = 0b10;
+
+  const float* inv_scale_ptr = nullptr;
+  float inv_scale = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+  }
+  MP_HD bool apply(float* x) const {
+    x[1] = x[0] * inv_scale;
+    return !is_finite(x[0]);
+  }
+};
+
+// torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
+struct SgdOp {
+  static constexpr int kDepth = 4;  // params, grads, momentum_buffers, model_params
+  static constexpr unsigned kReads = 0b0111;
+  static constexpr unsigned kWrites = 0b1101;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, Model>;
+
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov, first_run;
+  const float* inv_scale_ptr = nullptr;
+  float inv_scale = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+  }
+  MP_HD bool apply(float* x) const {
+    float p = x[0];
+    float g = x[1] * inv_scale;
+    if (weight_decay != 0.f) g = g + weight_decay * p;
+    if (momentum != 0.f) {
+      const float buf = first_run ? g : x[2] * momentum + (1.f - dampening) * g;
+      x[2] = buf;
+      g = nesterov ? g + momentum * buf : buf;
+    }
+    p = p - lr * g;
+    x[0] = p;
+    x[3] = p;
+    return false;
+  }
+};
+
+// torch.optim.Adam (adamw false) and AdamW (adamw true) on fp32 math. `step`
+// has already been incremented on the device when resolve() reads it.
+struct AdamOp {
+  static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sqs, model_params
+  static constexpr unsigned kReads = 0b01111;
+  static constexpr unsigned kWrites = 0b11101;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, float, Model>;
+
+  double lr, beta1, beta2, eps, weight_decay;
+  bool adamw, bias_correction;
+  const float* step_ptr = nullptr;
+  const float* inv_scale_ptr = nullptr;
+  // Filled by resolve(); the scalars are rounded to float as torch.optim does.
+  float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
+  float decay = 1.f, beta2_f = 0.f, eps_f = 0.f, wd_f = 0.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    const double step = *step_ptr;
+    double bc1 = 1.0, bc2 = 1.0;
+    if (bias_correction) {
+      bc1 = 1.0 - pow(beta1, step);
+      bc2 = 1.0 - pow(beta2, step);
+    }
+    step_size = static_cast<float>(lr / bc1);
+    bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+    decay = static_cast<float>(1.0 - lr * weight_decay);
+    beta2_f = static_cast<float>(beta2);
+    eps_f = static_cast<float>(eps);
+    wd_f = static_cast<float>(weight_decay);
+  }
+  MP_HD bool apply(float* x) const {
+    float p = x[0];
+    float g = x[1] * inv_scale;
+    if (wd_f != 0.f) {
+      if (adamw) {
+        p = p * decay;
+      } else {
+        g = g + wd_f * p;
+      }
+    }
+    // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
+    const float w = static_cast<float>(1.0 - beta1);
+    const float m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
+    const float v = x[3] * beta2_f + (1.f - beta2_f) * (g * g);
+    const float denom = sqrtf(v) / bias_correction2_sqrt + eps_f;
+    p = p - step_size * (m / denom);
+    x[0] = p;
+    x[2] = m;
+    x[3] = v;
+    x[4] = p;
+    return false;
+  }
+};
+
+// fused_adam_'s step counter: incremented once per call, unless skipped.
+MP_HD void increment_step(float* step, const float* found_inf) {
+  if (found_inf == nullptr || *found_inf == 0.f) *step += 1.f;
+}
+
+struct LossScaleArgs {
+  float growth_factor, backoff_factor, min_scale, max_scale;
+  int32_t growth_interval, hysteresis;
+};
+
+// Dynamic loss scaling with hysteresis, a floor and a ceiling.
+MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker,
+                             int32_t* hysteresis_tracker, const float* found_inf,
+                             const LossScaleArgs& a) {
+  if (*found_inf != 0.f) {
+    *hysteresis_tracker -= 1;
+    if (*hysteresis_tracker <= 0) {
+      const float backed_off = *scale * a.backoff_factor;
+      *scale = backed_off > a.min_scale ? backed_off : a.min_scale;
+    }
+    *growth_tracker = 0;
+    return;
+  }
+  *hysteresis_tracker = a.hysteresis;
+  *growth_tracker += 1;
+  if (*growth_tracker >= a.growth_interval) {
+    const float grown = *scale * a.growth_factor;
+    const float capped = grown < a.max_scale ? grown : a.max_scale;
+    if (is_finite(capped)) *scale = capped;
+    *growth_tracker = 0;
+  }
+}
+
+}  // namespace mixedprec

@@ -1,0 +1,243 @@
+"""Typed wrappers of the ``torch.ops.mixedprec`` operators, with their fake kernels.
+
+The schemas live in ``csrc/ops.cpp``; CPU and CUDA kernels in ``csrc/cpu`` and
+``csrc/cuda``. Conventions shared by every op:
+
+* Scalar-like tensors hold one element on the device of the data: ``found_inf``,
+  ``inv_scale``, ``step`` and ``scale`` are float32, the loss-scale trackers int32.
+* Data tensors are float32, float16 or bfloat16 (mixed dtypes within one list are
+  allowed); optimizer state (momentum buffers, ``exp_avgs``, ``exp_avg_sqs``) is
+  float32. All math is done in float32.
+* Tensors in lists must be dense and non-overlapping: contiguous, or a permutation
+  such as channels_last. Tensors paired across lists must have the same number of
+  elements and the same memory order. Other layouts are rejected, not copied.
+* Bad arguments raise ``TypeError`` (dtype, layout), ``ValueError`` (lengths, sizes,
+  hyper-parameters) or ``RuntimeError`` (devices), naming the argument, before
+  anything is written. Empty lists and zero-element tensors are no-ops.
+* No op synchronises with the host.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C  # loads the library, which registers the ops
+
+#: Elements per chunk of the multi-tensor engine (one CUDA block each).
+CHUNK_SIZE: int = _C.CHUNK_SIZE
+#: The most tensors one launch of the engine takes (for single-list ops).
+MAX_TENSORS_PER_LAUNCH: int = _C.MAX_TENSORS_PER_LAUNCH
+#: The most chunks one launch of the engine takes.
+MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
+
+__all__ = [
+    "multi_tensor_unscale_",
+    "multi_tensor_unscale_to_",
+    "multi_tensor_copy_",
+    "multi_tensor_l2norm",
+    "fused_sgd_",
+    "fused_adam_",
+    "sum_fp32",
+    "update_loss_scale_",
+]
+
+
+def multi_tensor_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Multiplies every tensor in place by ``inv_scale``; sets ``found_inf`` to 1.0 when
+    any input element is inf or NaN (never clears it)."""
+    torch.ops.mixedprec.multi_tensor_unscale_.default(tensors, found_inf, inv_scale)
+
+
+@torch.library.register_fake("mixedprec::multi_tensor_unscale_")
+def _(tensors, found_inf, inv_scale):
+    return None
+
+
+def multi_tensor_unscale_to_(
+    src: List[Tensor], dst: List[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    """``dst[i] = src[i] * inv_scale`` with a cast to ``dst[i].dtype`` (e.g. fp16/bf16
+    gradients into fp32 master gradients); sets ``found_inf`` like
+    :func:`multi_tensor_unscale_`."""
+    torch.ops.mixedprec.multi_tensor_unscale_to_.default(src, dst, found_inf, inv_scale)
+
+
+@torch.library.register_fake("mixedprec::multi_tensor_unscale_to_")
+def _(src, dst, found_inf, inv_scale):
+    return None
+
+
+def multi_tensor_copy_(src: List[Tensor], dst: List[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` with a cast, for all pairs in few launches (masters into
+    the model)."""
+    if not src and not dst:
+        return  # no tensor to dispatch on
+    torch.ops.mixedprec.multi_tensor_copy_.default(src, dst)
+
+
+@torch.library.register_fake("mixedprec::multi_tensor_copy_")
+def _(src, dst):
+    return None
+
+
+def multi_tensor_l2norm(
+    tensors: List[Tensor], inv_scale: Optional[Tensor] = None, per_tensor: bool = False
+) -> Tuple[Tensor, Tensor]:
+    """The L2 norm of all ``tensors`` together (float32, shape ``[1]``), each element
+    multiplied by ``inv_scale`` when given, accumulated in float32; and, when
+    ``per_tensor``, the float32 vector of per-tensor norms (else an empty tensor).
+    The result is deterministic: partial sums are combined in a fixed order."""
+    if not tensors and inv_scale is None:
+        return torch.zeros(1), torch.empty(0)  # no tensor to dispatch on
+    return torch.ops.mixedprec.multi_tensor_l2norm.default(tensors, inv_scale, per_tensor)
+
+
+@torch.library.register_fake("mixedprec::multi_tensor_l2norm")
+def _(tensors, inv_scale, per_tensor):
+    like = tensors[0] if tensors else inv_scale
+    norm = like.new_empty([1], dtype=torch.float32)
+    per = like.new_empty([len(tensors) if per_tensor else 0], dtype=torch.float32)
+    return norm, per
+
+
+def fused_sgd_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    momentum_buffers: List[Tensor],
+    model_params: List[Tensor],
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    first_run: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One ``torch.optim.SGD`` step over all ``params`` in few launches.
+
+    ``params`` are fp32 masters when ``model_params`` is non-empty (the updated
+    masters are then written, cast, into ``model_params`` in the same pass), else the
+    parameters themselves (fp32/fp16/bf16). ``grads`` (fp32/fp16/bf16) are multiplied
+    by ``inv_scale`` when given. ``momentum_buffers`` are fp32, one per param, and
+    empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
+    When ``found_inf`` is given and nonzero, nothing at all is written."""
+    if not params:
+        return
+    torch.ops.mixedprec.fused_sgd_.default(
+        params, grads, momentum_buffers, model_params, lr, momentum, dampening,
+        weight_decay, nesterov, first_run, inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_sgd_")
+def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
+      weight_decay, nesterov, first_run, inv_scale, found_inf):
+    return None
+
+
+def fused_adam_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    model_params: List[Tensor],
+    step: Tensor,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
+    or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
+
+    ``step`` (float32, one element) is incremented on the device before use, unless
+    ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32. Masters, model
+    copy, unscale and skip behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_adam_.default(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+        weight_decay, adamw, bias_correction, inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_adam_")
+def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+      weight_decay, adamw, bias_correction, inv_scale, found_inf):
+    return None
+
+
+def sum_fp32(self: Tensor, dim: Optional[Sequence[int]] = None, keepdim: bool = False) -> Tensor:
+    """Sum of a float16/bfloat16/float32 tensor accumulated in float32 and returned as
+    float32 (float64 input stays float64), so that large fp16 reductions do not
+    overflow or round: 4095 fp16 elements of 4.0 sum to exactly 16380. ``dim=None``
+    reduces every dimension. Differentiable; the gradient has the input's dtype.
+    Any strides are accepted."""
+    return torch.ops.mixedprec.sum_fp32.default(self, dim, keepdim)
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("mixedprec::sum_fp32")
+def _(self, dim=None, keepdim=False):
+    return torch.sum(self, dim, keepdim, dtype=_sum_dtype(self.dtype))
+
+
+def _sum_fp32_setup_context(ctx, inputs, output):
+    self, dim, keepdim = inputs
+    ctx.shape = self.shape
+    ctx.dtype = self.dtype
+    ctx.dims = None if dim is None else [d % max(self.dim(), 1) for d in dim]
+    ctx.keepdim = keepdim
+
+
+def _sum_fp32_backward(ctx, grad):
+    if not ctx.keepdim and ctx.dims and len(ctx.shape) > 0:
+        for d in sorted(ctx.dims):
+            grad = grad.unsqueeze(d)
+    return grad.expand(ctx.shape).to(ctx.dtype), None, None
+
+
+torch.library.register_autograd(
+    "mixedprec::sum_fp32", _sum_fp32_backward, setup_context=_sum_fp32_setup_context
+)
+
+
+def update_loss_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: float = float("inf"),
+) -> None:
+    """Dynamic loss scaling on the device.
+
+    On overflow (``found_inf`` nonzero): ``hysteresis_tracker -= 1``; when it is then
+    <= 0, ``scale = max(scale * backoff_factor, min_scale)``; ``growth_tracker = 0``.
+    Otherwise: ``hysteresis_tracker = hysteresis``, ``growth_tracker += 1``, and when
+    it reaches ``growth_interval``, ``scale = min(scale * growth_factor, max_scale)``
+    if that is finite, and ``growth_tracker = 0``. ``scale`` and ``found_inf`` are
+    float32, the trackers int32, all one element on the same device. The defaults
+    of ``min_scale`` and ``max_scale`` set no floor and no ceiling."""
+    torch.ops.mixedprec.update_loss_scale_.default(
+        scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+        backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+    )
+
+
+@torch.library.register_fake("mixedprec::update_loss_scale_")
+def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale):
+    return None

@@ -1,0 +1,52 @@
+"""Builds the one extension, mixedprec._C.
+
+Environment variables:
+  MIXEDPREC_CUDA=0        build the CPU kernels only (default: CUDA kernels are built
+                          whenever the CUDA toolkit and a CUDA build of torch are
+                          present; no GPU is needed to build them).
+  TORCH_CUDA_ARCH_LIST    GPU architectures to build for (default: DEFAULT_ARCH_LIST).
+  MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+# Ampere and Hopper machine code, plus PTX of the newest for later GPUs to JIT.
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+
+
+def want_cuda():
+    if os.environ.get("MIXEDPREC_CUDA", "1") == "0":
+        return False
+    import torch
+
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++17"]
+    if not want_cuda():
+        return cpp_extension.CppExtension(
+            "mixedprec._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True
+        )
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    nvcc = ["-O3", "-std=c++17", "-lineinfo"]
+    return cpp_extension.CUDAExtension(
+        "mixedprec._C",
+        sources,
+        extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"], "nvcc": nvcc},
+        py_limited_api=True,
+    )
+
+
+setup(
+    packages=find_packages(include=["mixedprec", "mixedprec.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
