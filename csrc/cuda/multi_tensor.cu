@@ -1,0 +1,186 @@
+// CUDA kernels of the multi-tensor family: unscale, unscale into, copy, L2 norm.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../validate.h"
+#include "multi_tensor_apply.cuh"
+
+namespace mixedprec::cuda {
+namespace {
+
+void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
+                           const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  run_scale<CudaEngine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
+                        found_inf.data_ptr<float>());
+}
+
+void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  run_scale<CudaEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+}
+
+void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
+  check_multi_tensor_copy(src, dst);
+  if (src.empty()) return;
+  const c10::cuda::CUDAGuard guard(src[0].device());
+  run_scale<CudaEngine>(src, dst, nullptr, nullptr);
+}
+
+// A fixed-order block reduction (warp shuffles, then the first warp): the same
+// inputs give the same bits on every run. The result is valid in thread 0.
+__device__ float block_sum(float v) {
+  __shared__ float warp_sums[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// Stage 1: the sum of squares of each chunk, at partial[first_block + block].
+template <typename T>
+__global__ void __launch_bounds__(kBlockSize)
+    l2norm_chunks_kernel(const __grid_constant__ TensorListMeta<1> meta, const float* inv_scale,
+                         float* partial, int64_t first_block) {
+  const Chunk c = block_chunk(meta);
+  const T* data = static_cast<const T*>(meta.ptrs[0][c.slot]) + c.start;
+  const float scale = inv_scale != nullptr ? *inv_scale : 1.f;
+  float acc = 0.f;
+  int64_t done = 0;
+  if (vector_aligned<T>(data)) {
+    done = c.size / kILP * kILP;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < done;
+         i += static_cast<int64_t>(blockDim.x) * kILP) {
+      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(data + i);
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        const float x = static_cast<float>(v.v[j]) * scale;
+        acc += x * x;
+      }
+    }
+  }
+  for (int64_t i = done + threadIdx.x; i < c.size; i += blockDim.x) {
+    const float x = static_cast<float>(data[i]) * scale;
+    acc += x * x;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[first_block + blockIdx.x] = acc;
+}
+
+// Stage 2: per tensor, the sum of its chunks' partials (a contiguous range).
+constexpr int kRangesPerLaunch = 1024;
+struct Ranges {
+  int64_t begin[kRangesPerLaunch];
+  int32_t count[kRangesPerLaunch];
+};
+
+__global__ void l2norm_tensors_kernel(const __grid_constant__ Ranges ranges,
+                                      const float* partial, float* squares) {
+  const int64_t begin = ranges.begin[blockIdx.x];
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < ranges.count[blockIdx.x]; i += blockDim.x) {
+    acc += partial[begin + i];
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) squares[blockIdx.x] = acc;
+}
+
+// Stage 3: the global norm, and the per-tensor norms when asked for.
+__global__ void l2norm_total_kernel(const float* squares, int64_t n, float* norm,
+                                    float* per_tensor) {
+  float acc = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    acc += squares[i];
+    if (per_tensor != nullptr) per_tensor[i] = sqrtf(squares[i]);
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) *norm = sqrtf(acc);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
+                                                       const std::optional<at::Tensor>& inv_scale,
+                                                       bool per_tensor) {
+  check_multi_tensor_l2norm(tensors, inv_scale);
+  const at::Device device = tensors.empty() ? inv_scale->device() : tensors[0].device();
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+
+  // Chunks are grouped by dtype; each tensor's chunks stay contiguous in `partial`.
+  std::vector<int64_t> first_partial(n, 0);
+  std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> groups;
+  int64_t total_chunks = 0;
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    std::vector<int64_t> members;
+    for (int64_t t = 0; t < n; ++t) {
+      if (tensors[t].scalar_type() != dtype) continue;
+      members.push_back(t);
+      first_partial[t] = total_chunks;
+      total_chunks += num_chunks(tensors[t].numel());
+    }
+    if (!members.empty()) groups.emplace_back(dtype, std::move(members));
+  }
+
+  at::Tensor partial = at::empty({std::max<int64_t>(total_chunks, 1)}, options);
+  int64_t group_base = 0;
+  for (const auto& group : groups) {
+    const at::ScalarType dtype = group.first;
+    const std::vector<int64_t>& members = group.second;
+    Lists<1> lists;
+    for (const int64_t t : members) lists[0].push_back(tensors[t]);
+    MP_DISPATCH_FLOATS(dtype, "multi_tensor_l2norm", scalar_t, [&] {
+      for_each_launch<1>(lists, [&](const TensorListMeta<1>& meta, int num_blocks,
+                                    int64_t first_block) {
+        l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
+            meta, optional_ptr(inv_scale), partial.data_ptr<float>(), group_base + first_block);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+    for (const int64_t t : members) group_base += num_chunks(tensors[t].numel());
+  }
+
+  at::Tensor squares = at::empty({std::max<int64_t>(n, 1)}, options);
+  for (int64_t first = 0; first < n; first += kRangesPerLaunch) {
+    const int64_t count = std::min<int64_t>(kRangesPerLaunch, n - first);
+    Ranges ranges{};
+    for (int64_t i = 0; i < count; ++i) {
+      ranges.begin[i] = first_partial[first + i];
+      ranges.count[i] = static_cast<int32_t>(num_chunks(tensors[first + i].numel()));
+    }
+    l2norm_tensors_kernel<<<static_cast<int>(count), 256, 0, stream>>>(
+        ranges, partial.data_ptr<float>(), squares.data_ptr<float>() + first);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  at::Tensor norm = at::empty({1}, options);
+  at::Tensor per = at::empty({per_tensor ? n : 0}, options);
+  l2norm_total_kernel<<<1, 1024, 0, stream>>>(squares.data_ptr<float>(), n,
+                                               norm.data_ptr<float>(),
+                                               per_tensor ? per.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {norm, per};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) {
+  m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
+  m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
+  m.impl("multi_tensor_copy_", &multi_tensor_copy_);
+  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
+}
+
+}  // namespace mixedprec::cuda
