@@ -66,6 +66,15 @@ void run_scale(at::TensorList src, at::TensorList dst, const float* inv_scale,
   }
 }
 
+template <class Engine>
+void run_check_finite(at::TensorList tensors, float* found_inf) {
+  for (const auto& g : group_by_dtype<1>({tensors})) {
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "multi_tensor_check_finite_", scalar_t, [&] {
+      Engine::template run<CheckFiniteOp, scalar_t>(g, CheckFiniteOp{}, nullptr, found_inf);
+    });
+  }
+}
+
 template <class Engine, typename Op, typename... Ts>
 void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
                const float* skip) {
@@ -107,7 +116,7 @@ void run_fused_sgd(at::TensorList params, at::TensorList grads, at::TensorList m
   SgdOp op;
   op.lr = static_cast<float>(lr);
   op.momentum = static_cast<float>(momentum);
-  op.dampening = static_cast<float>(dampening);
+  op.grad_weight = static_cast<float>(1.0 - dampening);
   op.weight_decay = static_cast<float>(weight_decay);
   op.nesterov = nesterov;
   op.first_run = first_run;

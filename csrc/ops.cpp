@@ -10,6 +10,7 @@ TORCH_LIBRARY(mixedprec, m) {
   m.def(
       "multi_tensor_unscale_to_(Tensor[] src, Tensor(a!)[] dst, "
       "Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  m.def("multi_tensor_check_finite_(Tensor[] tensors, Tensor(a!) found_inf) -> ()");
   m.def("multi_tensor_copy_(Tensor[] src, Tensor(a!)[] dst) -> ()");
   m.def(
       "multi_tensor_l2norm(Tensor[] tensors, Tensor? inv_scale, "

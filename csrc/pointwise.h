@@ -65,6 +65,16 @@ struct ScaleOp {
   }
 };
 
+// A read-only overflow check: reports non-finite elements, writes nothing else.
+struct CheckFiniteOp {
+  static constexpr int kDepth = 1;
+  static constexpr unsigned kReads = 0b1;
+  static constexpr unsigned kWrites = 0b0;
+
+  MP_HD void resolve() {}
+  MP_HD bool apply(const float* x) const { return !is_finite(x[0]); }
+};
+
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 struct SgdOp {
   static constexpr int kDepth = 4;  // params, grads, momentum_buffers, model_params
@@ -73,7 +83,8 @@ struct SgdOp {
   template <typename Param, typename Grad, typename Model>
   using Storage = TypeList<Param, Grad, float, Model>;
 
-  float lr, momentum, dampening, weight_decay;
+  float lr, momentum, weight_decay;
+  float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
   const float* inv_scale_ptr = nullptr;
   float inv_scale = 1.f;
@@ -86,7 +97,7 @@ struct SgdOp {
     float g = x[1] * inv_scale;
     if (weight_decay != 0.f) g = g + weight_decay * p;
     if (momentum != 0.f) {
-      const float buf = first_run ? g : x[2] * momentum + (1.f - dampening) * g;
+      const float buf = first_run ? g : x[2] * momentum + grad_weight * g;
       x[2] = buf;
       g = nesterov ? g + momentum * buf : buf;
     }
@@ -110,9 +121,10 @@ struct AdamOp {
   bool adamw, bias_correction;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
-  // Filled by resolve(); the scalars are rounded to float as torch.optim does.
+  // Filled by resolve(): weights such as 1 - beta2 are formed in double and then
+  // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
-  float decay = 1.f, beta2_f = 0.f, eps_f = 0.f, wd_f = 0.f;
+  float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
@@ -125,7 +137,9 @@ struct AdamOp {
     step_size = static_cast<float>(lr / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
     decay = static_cast<float>(1.0 - lr * weight_decay);
+    avg_weight = static_cast<float>(1.0 - beta1);
     beta2_f = static_cast<float>(beta2);
+    sq_weight = static_cast<float>(1.0 - beta2);
     eps_f = static_cast<float>(eps);
     wd_f = static_cast<float>(weight_decay);
   }
@@ -140,9 +154,9 @@ struct AdamOp {
       }
     }
     // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
-    const float w = static_cast<float>(1.0 - beta1);
+    const float w = avg_weight;
     const float m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
-    const float v = x[3] * beta2_f + (1.f - beta2_f) * (g * g);
+    const float v = x[3] * beta2_f + sq_weight * (g * g);
     const float denom = sqrtf(v) / bias_correction2_sqrt + eps_f;
     p = p - step_size * (m / denom);
     x[0] = p;

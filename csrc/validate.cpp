@@ -15,6 +15,7 @@ enum DTypeSet : unsigned {
   kF16 = 2u,
   kBF16 = 4u,
   kF64 = 8u,
+  kI32 = 16u,
   kFloats = kF32 | kF16 | kBF16,
 };
 
@@ -24,6 +25,7 @@ unsigned bit(at::ScalarType t) {
     case at::kHalf: return kF16;
     case at::kBFloat16: return kBF16;
     case at::kDouble: return kF64;
+    case at::kInt: return kI32;
     default: return 0;
   }
 }
@@ -34,13 +36,14 @@ std::string dtype_name(at::ScalarType t) {
     case at::kHalf: return "Float16";
     case at::kBFloat16: return "BFloat16";
     case at::kDouble: return "Float64";
+    case at::kInt: return "Int32";
     default: return c10::toString(t);
   }
 }
 
 std::string dtype_names(unsigned set) {
   std::string out;
-  const at::ScalarType all[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
+  const at::ScalarType all[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kInt};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
@@ -158,6 +161,12 @@ void check_multi_tensor_unscale_to(at::TensorList src, at::TensorList dst,
   c.list(src, "src", kFloats);
   c.list(dst, "dst", kFloats);
   c.paired(src, "src", dst, "dst");
+}
+
+void check_multi_tensor_check_finite(at::TensorList tensors, const at::Tensor& found_inf) {
+  Checker c("multi_tensor_check_finite_");
+  c.scalar(found_inf, "found_inf", at::kFloat);
+  c.list(tensors, "tensors", kFloats);
 }
 
 void check_multi_tensor_copy(at::TensorList src, at::TensorList dst) {

@@ -16,6 +16,7 @@ void check_multi_tensor_unscale(at::TensorList tensors, const at::Tensor& found_
                                 const at::Tensor& inv_scale);
 void check_multi_tensor_unscale_to(at::TensorList src, at::TensorList dst,
                                    const at::Tensor& found_inf, const at::Tensor& inv_scale);
+void check_multi_tensor_check_finite(at::TensorList tensors, const at::Tensor& found_inf);
 void check_multi_tensor_copy(at::TensorList src, at::TensorList dst);
 void check_multi_tensor_l2norm(at::TensorList tensors,
                                const std::optional<at::Tensor>& inv_scale);

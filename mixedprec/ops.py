@@ -34,6 +34,7 @@ MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 __all__ = [
     "multi_tensor_unscale_",
     "multi_tensor_unscale_to_",
+    "multi_tensor_check_finite_",
     "multi_tensor_copy_",
     "multi_tensor_l2norm",
     "fused_sgd_",
@@ -65,6 +66,18 @@ def multi_tensor_unscale_to_(
 
 @torch.library.register_fake("mixedprec::multi_tensor_unscale_to_")
 def _(src, dst, found_inf, inv_scale):
+    return None
+
+
+def multi_tensor_check_finite_(tensors: List[Tensor], found_inf: Tensor) -> None:
+    """Sets ``found_inf`` to 1.0 when any element of ``tensors`` is inf or NaN (never
+    clears it); reads the tensors and writes nothing else. The read-only pass that
+    lets a fused optimizer skip a step on the device before it writes anything."""
+    torch.ops.mixedprec.multi_tensor_check_finite_.default(tensors, found_inf)
+
+
+@torch.library.register_fake("mixedprec::multi_tensor_check_finite_")
+def _(tensors, found_inf):
     return None
 
 

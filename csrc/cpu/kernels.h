@@ -13,6 +13,7 @@ void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
                            const at::Tensor& inv_scale);
 void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
                               const at::Tensor& inv_scale);
+void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf);
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst);
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
                                                        const std::optional<at::Tensor>& inv_scale,

@@ -1,4 +1,5 @@
-// CPU kernels of the multi-tensor family: unscale, unscale into, copy, L2 norm.
+// CPU kernels of the multi-tensor family: unscale, unscale into, overflow check,
+// copy, L2 norm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,6 +23,11 @@ void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::
                               const at::Tensor& inv_scale) {
   check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
   run_scale<CpuEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+}
+
+void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
+  check_multi_tensor_check_finite(tensors, found_inf);
+  run_check_finite<CpuEngine>(tensors, found_inf.data_ptr<float>());
 }
 
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
@@ -75,11 +81,20 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   return {norm, per};
 }
 
-TORCH_LIBRARY_IMPL(mixedprec, CPU, m) {
+namespace {
+
+void register_kernels(torch::Library& m) {
   m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
   m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
+  m.impl("multi_tensor_check_finite_", &multi_tensor_check_finite_);
   m.impl("multi_tensor_copy_", &multi_tensor_copy_);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cpu

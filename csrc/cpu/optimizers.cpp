@@ -33,9 +33,17 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                             bias_correction, optional_ptr(inv_scale), optional_ptr(found_inf));
 }
 
-TORCH_LIBRARY_IMPL(mixedprec, CPU, m) {
+namespace {
+
+void register_kernels(torch::Library& m) {
   m.impl("fused_sgd_", &fused_sgd_);
   m.impl("fused_adam_", &fused_adam_);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cpu

@@ -28,9 +28,17 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
                                     min_scale, max_scale));
 }
 
-TORCH_LIBRARY_IMPL(mixedprec, CPU, m) {
+namespace {
+
+void register_kernels(torch::Library& m) {
   m.impl("sum_fp32", &sum_fp32);
   m.impl("update_loss_scale_", &update_loss_scale_);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cpu

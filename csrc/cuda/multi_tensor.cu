@@ -1,4 +1,5 @@
-// CUDA kernels of the multi-tensor family: unscale, unscale into, copy, L2 norm.
+// CUDA kernels of the multi-tensor family: unscale, unscale into, overflow check,
+// copy, L2 norm.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -24,6 +25,12 @@ void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::
   check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
   const c10::cuda::CUDAGuard guard(found_inf.device());
   run_scale<CudaEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+}
+
+void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
+  check_multi_tensor_check_finite(tensors, found_inf);
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+  run_check_finite<CudaEngine>(tensors, found_inf.data_ptr<float>());
 }
 
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
@@ -174,13 +181,18 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   return {norm, per};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) {
+void register_kernels(torch::Library& m) {
   m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
   m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
+  m.impl("multi_tensor_check_finite_", &multi_tensor_check_finite_);
   m.impl("multi_tensor_copy_", &multi_tensor_copy_);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cuda

@@ -41,11 +41,15 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) {
+void register_kernels(torch::Library& m) {
   m.impl("sum_fp32", &sum_fp32);
   m.impl("update_loss_scale_", &update_loss_scale_);
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cuda
