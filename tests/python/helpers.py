@@ -1,0 +1,117 @@
+"""Tensor builders and assertions shared by the op tests."""
+
+import pytest
+import torch
+
+# (dtype, atol, rtol) for a result stored in `dtype` and computed in fp32: about two
+# units in the last place of the storage type, the rounding eager PyTorch itself
+# incurs when it writes an fp32 result into that type.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=2e-3),
+    torch.bfloat16: dict(atol=1e-4, rtol=1.6e-2),
+}
+DTYPES = list(TOLERANCES)
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+FLOAT_DTYPES = [pytest.param(dtype, tol["atol"], tol["rtol"], id=name)
+                for (dtype, tol), name in zip(TOLERANCES.items(), DTYPE_IDS)]
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def randn(shape, dtype, device, seed, scale=1.0):
+    """Normal values drawn on the CPU from `seed`, so that the CPU and CUDA twins of
+    a test see the same data."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def adam_state(params, device, seed):
+    """fp32 moments as a few steps of Adam leave them: |exp_avg| <= sqrt(exp_avg_sq)."""
+    m = [randn(p.shape, torch.float32, device, seed=seed + i, scale=0.1)
+         for i, p in enumerate(params)]
+    v = [mi.square() + randn(mi.shape, torch.float32, device, seed=seed + 500 + i,
+                             scale=0.1).square() for i, mi in enumerate(m)]
+    return m, v
+
+
+def scalar(value, device, dtype=torch.float32):
+    """A one-element tensor (found_inf, inv_scale, step, scale, trackers)."""
+    return torch.tensor([value], dtype=dtype, device=device)
+
+
+def offset_copy(t, offset=1):
+    """A copy of `t` that starts `offset` elements into its storage, so that its data
+    pointer is not aligned to 16 bytes."""
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    view = buf[offset:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+def fp32_math(fn, *tensors, dtype):
+    """What eager PyTorch gives for `fn` evaluated in fp32 and stored in `dtype`."""
+    return fn(*(t.float() for t in tensors)).to(dtype)
+
+
+def bits(t):
+    """The raw bits of a floating-point tensor (an integer view), else the tensor."""
+    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
+
+
+def assert_bitwise_equal(actual, expected, msg=""):
+    assert actual.dtype == expected.dtype, f"{msg}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{msg}: shape {actual.shape} != {expected.shape}"
+    assert actual.device == expected.device, f"{msg}: device {actual.device} != {expected.device}"
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=msg or None)
+    assert torch.equal(bits(actual), bits(expected)), f"{msg}: bits differ"
+
+
+def named_tensors(obj, name="arg"):
+    """(name, tensor) for every tensor in nested lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from named_tensors(item, f"{name}[{i}]")
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from named_tensors(item, key)
+
+
+def snapshot(obj):
+    """Clones of every tensor in `obj` (sparse ones densified), for assert_unchanged."""
+    return [
+        (name, (t.to_dense() if t.layout != torch.strided else t).detach().clone())
+        for name, t in named_tensors(obj)
+    ]
+
+
+def assert_unchanged(obj, before):
+    """Every tensor in `obj` holds bit for bit what `snapshot` saw."""
+    after = snapshot(obj)
+    assert [n for n, _ in after] == [n for n, _ in before]
+    for (name, now), (_, then) in zip(after, before):
+        assert_bitwise_equal(now, then, msg=f"{name} was modified")
+
+
+def max_abs_error(actual, reference):
+    return (actual.double() - reference.double()).abs().max().item()
+
+
+def assert_within_eager_error(actual, reference, eager, factor=2.0):
+    """The error of `actual` against the fp64 `reference` is at most `factor` times
+    that of eager PyTorch's `eager`, plus the rounding of an fp32 result."""
+    floor = 2 * torch.finfo(torch.float32).eps * reference.double().abs().max().item()
+    error = max_abs_error(actual, reference)
+    eager_error = max_abs_error(eager, reference)
+    assert error <= factor * eager_error + floor, (
+        f"error {error:.3e} > {factor} x eager error {eager_error:.3e} + {floor:.3e}"
+    )

@@ -1,0 +1,102 @@
+"""Plain float64 PyTorch (and, for the loss scale, fp32 Python) references of the
+mixedprec operators, written from their contract rather than from the kernels."""
+
+import math
+
+import numpy as np
+import torch
+
+
+def has_non_finite(tensors):
+    return any(not torch.isfinite(t).all().item() for t in tensors)
+
+
+def ref_unscale(tensors, inv_scale):
+    """Values of multi_tensor_unscale_ / multi_tensor_unscale_to_ (float64) and
+    whether found_inf must be set."""
+    return [t.double() * inv_scale for t in tensors], has_non_finite(tensors)
+
+
+def ref_copy(src):
+    return [t.double() for t in src]
+
+
+def ref_l2norm(tensors, inv_scale=None, per_tensor=False):
+    scale = 1.0 if inv_scale is None else inv_scale
+    squares = [((t.double() * scale) ** 2).sum() for t in tensors]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    per = torch.stack(squares).sqrt() if per_tensor and squares else torch.zeros(0)
+    return total.sqrt().reshape(1), per.double()
+
+
+def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
+            weight_decay=0.0, nesterov=False, first_run=False, inv_scale=None):
+    """One torch.optim.SGD step in float64: (new params, new momentum buffers)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    new_params, new_buffers = [], []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p, g = p.double(), g.double() * scale
+        if weight_decay != 0:
+            g = g + weight_decay * p
+        if momentum != 0:
+            if first_run:
+                buf = g.clone()
+            else:
+                buf = momentum * momentum_buffers[i].double() + (1 - dampening) * g
+            new_buffers.append(buf)
+            g = g + momentum * buf if nesterov else buf
+        new_params.append(p - lr * g)
+    return new_params, new_buffers
+
+
+def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
+             eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=None):
+    """One torch.optim.Adam (adamw=False) / AdamW (adamw=True) step in float64 from
+    the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    step = step + 1
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    out_p, out_m, out_v = [], [], []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p, g, m, v = p.double(), g.double() * scale, m.double(), v.double()
+        if weight_decay != 0:
+            if adamw:
+                p = p * (1 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
+        out_p.append(p)
+        out_m.append(m)
+        out_v.append(v)
+    return out_p, out_m, out_v, step
+
+
+def ref_sum_fp32(x, dim=None, keepdim=False):
+    return x.double().sum(dim=dim, keepdim=keepdim)
+
+
+def ref_update_loss_scale(state, found_inf, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=2000, hysteresis=1, min_scale=0.0,
+                          max_scale=float("inf")):
+    """One update of (scale, growth_tracker, hysteresis_tracker), with the scale
+    arithmetic in float32 as the contract states."""
+    f32 = np.float32
+    scale, growth_tracker, hysteresis_tracker = state
+    with np.errstate(over="ignore"):
+        if found_inf != 0:
+            hysteresis_tracker -= 1
+            if hysteresis_tracker <= 0:
+                scale = max(f32(scale) * f32(backoff_factor), f32(min_scale))
+            growth_tracker = 0
+        else:
+            hysteresis_tracker = hysteresis
+            growth_tracker += 1
+            if growth_tracker >= growth_interval:
+                grown = min(f32(scale) * f32(growth_factor), f32(max_scale))
+                if np.isfinite(grown):
+                    scale = grown
+                growth_tracker = 0
+    return float(f32(scale)), growth_tracker, hysteresis_tracker

@@ -1,0 +1,437 @@
+"""The multi-tensor engine at its edges: chunk boundaries, more tensors than one
+launch holds, more chunks than one launch holds, non-finite values at the first,
+middle and last element of the last tensor, unaligned storage, zero-size tensors and
+empty lists."""
+
+import pytest
+import torch
+from helpers import (
+    DTYPE_IDS,
+    DTYPES,
+    TOLERANCES,
+    adam_state,
+    assert_bitwise_equal,
+    assert_unchanged,
+    assert_within_eager_error,
+    offset_copy,
+    randn,
+    scalar,
+    snapshot,
+)
+from references import ref_adam, ref_l2norm, ref_sgd
+
+from mixedprec import ops
+
+C = ops.CHUNK_SIZE
+EDGE_SIZES = [C - 1, C, C + 1, 2 * C + 1]
+EDGE_IDS = ["chunk-1", "chunk", "chunk+1", "2chunk+1"]
+MANY = ops.MAX_TENSORS_PER_LAUNCH + 9  # more tensors than one launch holds
+INV_SCALE = 1 / 3
+
+# Masters are fp32 whatever the model: fp32 math, compared tightly.
+MASTER_TOL = TOLERANCES[torch.float32]
+
+
+def edge_list(device, dtypes=DTYPES, seed=0):
+    """One tensor of each edge size, dtypes taken in turn."""
+    return [randn(n, dtypes[i % len(dtypes)], device, seed=seed + i, scale=10.0)
+            for i, n in enumerate(EDGE_SIZES)]
+
+
+def unscaled(t, inv_scale):
+    return (t.float() * inv_scale).to(t.dtype)
+
+
+# --- chunk boundaries -------------------------------------------------------------
+
+@pytest.mark.parametrize("size", EDGE_SIZES, ids=EDGE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_unscale_at_chunk_edges(device, size, dtype):
+    tensors = [randn(size, dtype, device, seed=size)]
+    expected = [unscaled(tensors[0], INV_SCALE)]
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_(tensors, found_inf, scalar(INV_SCALE, device))
+
+    assert_bitwise_equal(tensors[0], expected[0])
+    assert found_inf.item() == 0.0
+
+
+def test_unscale_to_and_copy_at_chunk_edges(device):
+    src = edge_list(device)
+    dst = [torch.empty_like(s, dtype=DTYPES[(i + 1) % 3]) for i, s in enumerate(src)]
+    copies = [torch.empty_like(s, dtype=DTYPES[(i + 2) % 3]) for i, s in enumerate(src)]
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, scalar(INV_SCALE, device))
+    ops.multi_tensor_copy_(src, copies)
+
+    for s, d, c in zip(src, dst, copies):
+        assert_bitwise_equal(d, (s.float() * INV_SCALE).to(d.dtype))
+        assert_bitwise_equal(c, s.to(c.dtype))
+    assert found_inf.item() == 0.0
+
+
+def test_l2norm_at_chunk_edges(device):
+    tensors = edge_list(device)
+    ref_norm, ref_per = ref_l2norm(tensors, INV_SCALE, per_tensor=True)
+    scaled = [t.float() * INV_SCALE for t in tensors]
+    eager_per = torch.stack([torch.linalg.vector_norm(s) for s in scaled])
+    eager_norm = torch.linalg.vector_norm(torch.cat(scaled)).reshape(1)
+
+    norm, per = ops.multi_tensor_l2norm(tensors, scalar(INV_SCALE, device), True)
+
+    assert_within_eager_error(norm, ref_norm.to(device), eager_norm)
+    assert_within_eager_error(per, ref_per.to(device), eager_per)
+
+
+@pytest.mark.parametrize("model_dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_sgd_at_chunk_edges(device, model_dtype):
+    masters = edge_list(device, [torch.float32])
+    grads = [randn(p.shape, model_dtype, device, seed=100 + i) for i, p in enumerate(masters)]
+    bufs = [randn(p.shape, torch.float32, device, seed=200 + i) for i, p in enumerate(masters)]
+    model = [p.to(model_dtype) for p in masters]
+    hyper = dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2)
+    ref_p, ref_b = ref_sgd(masters, grads, bufs, inv_scale=INV_SCALE, **hyper)
+
+    ops.fused_sgd_(masters, grads, bufs, model, inv_scale=scalar(INV_SCALE, device), **hyper)
+
+    for p, b, m, rp, rb in zip(masters, bufs, model, ref_p, ref_b):
+        torch.testing.assert_close(p.double(), rp, **MASTER_TOL)
+        torch.testing.assert_close(b.double(), rb, **MASTER_TOL)
+        assert_bitwise_equal(m, p.to(model_dtype))
+
+
+@pytest.mark.parametrize("model_dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_adam_at_chunk_edges(device, model_dtype):
+    masters = edge_list(device, [torch.float32])
+    grads = [randn(p.shape, model_dtype, device, seed=100 + i) for i, p in enumerate(masters)]
+    m, v = adam_state(masters, device, seed=200)
+    model = [p.to(model_dtype) for p in masters]
+    step = scalar(3.0, device)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=True)
+    ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 3.0, inv_scale=INV_SCALE, **hyper)
+
+    ops.fused_adam_(masters, grads, m, v, model, step, inv_scale=scalar(INV_SCALE, device),
+                    **hyper)
+
+    assert step.item() == 4.0
+    for p, mm, vv, mod, rp, rm, rv in zip(masters, m, v, model, ref_p, ref_m, ref_v):
+        torch.testing.assert_close(p.double(), rp, **MASTER_TOL)
+        torch.testing.assert_close(mm.double(), rm, **MASTER_TOL)
+        torch.testing.assert_close(vv.double(), rv, **MASTER_TOL)
+        assert_bitwise_equal(mod, p.to(model_dtype))
+
+
+# --- more tensors than one launch holds ----------------------------------------------
+
+def many_tensors(device, seed=0, dtypes=DTYPES):
+    """MANY small tensors of varied sizes, magnitudes and dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 40, (MANY,), generator=gen).tolist()
+    return [randn(n, dtypes[i % len(dtypes)], device, seed=seed + i, scale=1.0 + i)
+            for i, n in enumerate(sizes)]
+
+
+def test_unscale_more_tensors_than_one_launch(device):
+    tensors = many_tensors(device)
+    tensors[-1][-1] = float("inf")  # only the last launch sees it
+    expected = [unscaled(t, INV_SCALE) for t in tensors]
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_(tensors, found_inf, scalar(INV_SCALE, device))
+
+    assert found_inf.item() == 1.0
+    for t, e in zip(tensors, expected):
+        assert_bitwise_equal(t, e)
+
+
+def test_check_finite_more_tensors_than_one_launch(device):
+    tensors = many_tensors(device)
+    found_inf = scalar(0.0, device)
+    ops.multi_tensor_check_finite_(tensors, found_inf)
+    assert found_inf.item() == 0.0
+
+    tensors[-1][-1] = float("nan")  # only the last launch sees it
+    ops.multi_tensor_check_finite_(tensors, found_inf)
+    assert found_inf.item() == 1.0
+
+
+def test_unscale_to_more_tensors_than_one_launch(device):
+    src = many_tensors(device)
+    dst = [torch.empty_like(s, dtype=torch.float32) for s in src]
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, scalar(INV_SCALE, device))
+
+    assert found_inf.item() == 0.0
+    for s, d in zip(src, dst):
+        assert_bitwise_equal(d, s.float() * INV_SCALE)
+
+
+def test_l2norm_per_tensor_more_tensors_than_one_launch(device):
+    tensors = many_tensors(device)
+    ref_norm, ref_per = ref_l2norm(tensors, per_tensor=True)
+
+    norm, per = ops.multi_tensor_l2norm(tensors, None, True)
+
+    # Each tensor has its own magnitude, so a norm in the wrong slot shows.
+    torch.testing.assert_close(per.double(), ref_per.to(device), atol=0, rtol=1e-5)
+    torch.testing.assert_close(norm.double(), ref_norm.to(device), atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_model", [False, True], ids=["params", "masters"])
+def test_fused_adam_more_tensors_than_one_launch(device, with_model):
+    if with_model:
+        params = many_tensors(device, dtypes=[torch.float32])
+        grads = [randn(p.shape, DTYPES[i % 3], device, seed=5000 + i) for i, p in enumerate(params)]
+        model = [p.to(DTYPES[(i + 1) % 3]) for i, p in enumerate(params)]
+    else:
+        params = many_tensors(device)
+        grads = [randn(p.shape, torch.float32, device, seed=5000 + i) for i, p in enumerate(params)]
+        model = []
+    m = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    step = scalar(0.0, device)
+    hyper = dict(lr=1e-2, weight_decay=1e-2, adamw=False)
+    ref_p, ref_m, ref_v, _ = ref_adam(params, grads, m, v, 0.0, **hyper)
+
+    ops.fused_adam_(params, grads, m, v, model, step, **hyper)
+
+    assert step.item() == 1.0
+    for i, (p, rp) in enumerate(zip(params, ref_p)):
+        tol = TOLERANCES[p.dtype]  # without masters the result is rounded to p's dtype
+        torch.testing.assert_close(p.double(), rp, **tol, msg=f"params[{i}]")
+        torch.testing.assert_close(m[i].double(), ref_m[i], **MASTER_TOL)
+        torch.testing.assert_close(v[i].double(), ref_v[i], **MASTER_TOL)
+    for mod, p in zip(model, params):
+        assert_bitwise_equal(mod, p.to(mod.dtype))
+
+
+def test_fused_sgd_more_tensors_than_one_launch(device):
+    params = many_tensors(device, dtypes=[torch.float32])
+    grads = [randn(p.shape, DTYPES[i % 3], device, seed=5000 + i) for i, p in enumerate(params)]
+    bufs = [randn(p.shape, torch.float32, device, seed=6000 + i) for i, p in enumerate(params)]
+    model = [p.to(DTYPES[(i + 1) % 3]) for i, p in enumerate(params)]
+    hyper = dict(lr=0.05, momentum=0.9, nesterov=True)
+    ref_p, ref_b = ref_sgd(params, grads, bufs, **hyper)
+
+    ops.fused_sgd_(params, grads, bufs, model, **hyper)
+
+    for p, b, mod, rp, rb in zip(params, bufs, model, ref_p, ref_b):
+        torch.testing.assert_close(p.double(), rp, **MASTER_TOL)
+        torch.testing.assert_close(b.double(), rb, **MASTER_TOL)
+        assert_bitwise_equal(mod, p.to(mod.dtype))
+
+
+# --- more chunks than one launch holds -------------------------------------------------
+
+def test_unscale_and_l2norm_more_chunks_than_one_launch(device):
+    n = ops.MAX_BLOCKS_PER_LAUNCH * C + 2  # the last element lands in a second launch
+    t = torch.full((n,), 3.0, dtype=torch.float16, device=device)
+    t[-1] = float("inf")
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_([t], found_inf, scalar(0.5, device))
+
+    assert found_inf.item() == 1.0
+    assert bool((t[:-1] == 1.5).all())
+    t[-1] = 1.5
+    norm, _ = ops.multi_tensor_l2norm([t], None, False)
+    # Every chunk of 1.5s contributes exactly; 1.5 * sqrt(n) rounded once to fp32.
+    assert norm.item() == pytest.approx(1.5 * n**0.5, rel=1e-6)
+
+
+# --- non-finite values ------------------------------------------------------------
+
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+NON_FINITE_IDS = ["nan", "inf", "-inf"]
+POSITIONS = {"first": 0, "middle": C, "last": 2 * C}  # in a tensor of 2 * C + 1
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=NON_FINITE_IDS)
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("last_dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["unscale_", "unscale_to_"])
+def test_non_finite_in_last_tensor_sets_found_inf(device, value, position, last_dtype,
+                                                   out_of_place):
+    src = edge_list(device, dtypes=DTYPES[:3])
+    src[-1] = src[-1].to(last_dtype)
+    src[-1][POSITIONS[position]] = value
+    expected = [(s.float() * INV_SCALE).to(torch.float32 if out_of_place else s.dtype)
+                for s in src]
+    found_inf = scalar(0.0, device)
+    inv_scale = scalar(INV_SCALE, device)
+
+    if out_of_place:
+        dst = [torch.empty_like(s, dtype=torch.float32) for s in src]
+        ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
+    else:
+        dst = src
+        ops.multi_tensor_unscale_(dst, found_inf, inv_scale)
+
+    assert found_inf.item() == 1.0
+    for d, e in zip(dst, expected):
+        torch.testing.assert_close(d, e, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("out_of_place", [False, True], ids=["unscale_", "unscale_to_"])
+def test_found_inf_is_never_cleared(device, out_of_place):
+    src = edge_list(device)
+    expected = [unscaled(s, INV_SCALE) for s in src]
+    found_inf = scalar(1.0, device)
+    inv_scale = scalar(INV_SCALE, device)
+
+    if out_of_place:
+        dst = [torch.empty_like(s) for s in src]
+        ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
+    else:
+        dst = src
+        ops.multi_tensor_unscale_(dst, found_inf, inv_scale)
+
+    assert found_inf.item() == 1.0
+    for d, e in zip(dst, expected):
+        assert_bitwise_equal(d, e)  # the data is unscaled all the same
+
+
+# --- unaligned storage ------------------------------------------------------------
+
+UNALIGNED_SIZES = [37, C + 3]
+
+
+@pytest.mark.parametrize("size", UNALIGNED_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_unscale_unaligned(device, size, dtype):
+    t = offset_copy(randn(size, dtype, device, seed=size))
+    expected = unscaled(t, INV_SCALE)
+    guard = t._base[0].clone()  # the element before the view
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_([t], found_inf, scalar(INV_SCALE, device))
+
+    assert_bitwise_equal(t, expected)
+    assert_bitwise_equal(t._base[0], guard, msg="wrote before the view")
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("size", UNALIGNED_SIZES)
+@pytest.mark.parametrize("src_offset, dst_offset", [(1, 0), (0, 1), (1, 3)])
+def test_unscale_to_copy_and_l2norm_unaligned(device, size, src_offset, dst_offset):
+    def place(t, offset):
+        return offset_copy(t, offset) if offset else t
+
+    src = [place(randn(size, dtype, device, seed=i), src_offset) for i, dtype in enumerate(DTYPES)]
+    dst = [place(torch.zeros(size, dtype=DTYPES[(i + 1) % 3], device=device), dst_offset)
+           for i in range(3)]
+    copies = [place(torch.zeros(size, dtype=DTYPES[(i + 2) % 3], device=device), dst_offset)
+              for i in range(3)]
+    found_inf = scalar(0.0, device)
+
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, scalar(INV_SCALE, device))
+    ops.multi_tensor_copy_(src, copies)
+    norm, per = ops.multi_tensor_l2norm(src, None, True)
+
+    for s, d, c in zip(src, dst, copies):
+        assert_bitwise_equal(d, (s.float() * INV_SCALE).to(d.dtype))
+        assert_bitwise_equal(c, s.to(c.dtype))
+    ref_norm, ref_per = ref_l2norm(src, per_tensor=True)
+    torch.testing.assert_close(norm.double(), ref_norm.to(device), atol=0, rtol=1e-5)
+    torch.testing.assert_close(per.double(), ref_per.to(device), atol=0, rtol=1e-5)
+    assert found_inf.item() == 0.0
+
+
+@pytest.mark.parametrize("size", UNALIGNED_SIZES)
+def test_optimizers_unaligned(device, size):
+    """Masters, grads, state and model copy each at a different misalignment."""
+    def lists(seed):
+        masters = [offset_copy(randn(size, torch.float32, device, seed=seed), 1)]
+        grads = [offset_copy(randn(size, torch.float16, device, seed=seed + 1), 3)]
+        state = [offset_copy(randn(size, torch.float32, device, seed=seed + 2).abs(), 2)]
+        model = [offset_copy(masters[0].to(torch.bfloat16), 1)]
+        return masters, grads, state, model
+
+    masters, grads, bufs, model = lists(0)
+    ref_p, ref_b = ref_sgd(masters, grads, bufs, lr=0.1, momentum=0.9)
+    ops.fused_sgd_(masters, grads, bufs, model, lr=0.1, momentum=0.9)
+    torch.testing.assert_close(masters[0].double(), ref_p[0], **MASTER_TOL)
+    torch.testing.assert_close(bufs[0].double(), ref_b[0], **MASTER_TOL)
+    assert_bitwise_equal(model[0], masters[0].to(torch.bfloat16))
+
+    masters, grads, _, model = lists(10)
+    m, v = adam_state(masters, device, seed=20)
+    m, v = [offset_copy(m[0], 2)], [offset_copy(v[0], 3)]
+    step = scalar(0.0, device)
+    ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 0.0, lr=1e-2)
+    ops.fused_adam_(masters, grads, m, v, model, step, lr=1e-2)
+    torch.testing.assert_close(masters[0].double(), ref_p[0], **MASTER_TOL)
+    torch.testing.assert_close(m[0].double(), ref_m[0], **MASTER_TOL)
+    torch.testing.assert_close(v[0].double(), ref_v[0], **MASTER_TOL)
+    assert_bitwise_equal(model[0], masters[0].to(torch.bfloat16))
+
+
+# --- zero-size tensors and empty lists ----------------------------------------------
+
+def zero_size_mix(device, dtype=torch.float32, seed=0):
+    return [torch.empty(0, dtype=dtype, device=device),
+            randn((3, 4), dtype, device, seed=seed),
+            torch.empty((0, 5), dtype=dtype, device=device)]
+
+
+@pytest.mark.parametrize("initial", [0.0, 1.0])
+def test_empty_lists_are_no_ops(device, initial):
+    found_inf = scalar(initial, device)
+    inv_scale = scalar(INV_SCALE, device)
+    step = scalar(5.0, device)
+    before = snapshot([found_inf, inv_scale, step])
+
+    ops.multi_tensor_unscale_([], found_inf, inv_scale)
+    ops.multi_tensor_unscale_to_([], [], found_inf, inv_scale)
+    ops.multi_tensor_copy_([], [])
+    ops.fused_sgd_([], [], [], [], lr=0.1, inv_scale=inv_scale, found_inf=found_inf)
+    # The wrapper returns early on no params; the op itself must cope too.
+    torch.ops.mixedprec.fused_sgd_.default([], [], [], [], 0.1, 0.0, 0.0, 0.0, False, False,
+                                           inv_scale, found_inf)
+    ops.fused_adam_([], [], [], [], [], step, lr=0.1, inv_scale=inv_scale, found_inf=found_inf)
+    norm, per = ops.multi_tensor_l2norm([], inv_scale, True)
+
+    assert_unchanged([found_inf, inv_scale, step], before)
+    assert norm.tolist() == [0.0] and norm.device.type == device
+    assert per.shape == (0,) and per.device.type == device
+
+
+def test_zero_size_tensors_are_skipped(device):
+    tensors = zero_size_mix(device)
+    expected = unscaled(tensors[1], INV_SCALE)
+    found_inf = scalar(0.0, device)
+    inv_scale = scalar(INV_SCALE, device)
+
+    ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
+    assert_bitwise_equal(tensors[1], expected)
+
+    dst = [torch.empty_like(t, dtype=torch.float16) for t in tensors]
+    ops.multi_tensor_unscale_to_(tensors, dst, found_inf, inv_scale)
+    ops.multi_tensor_copy_(dst, tensors)
+    assert_bitwise_equal(tensors[1], (expected * INV_SCALE).half().float())
+
+    norm, per = ops.multi_tensor_l2norm(tensors, None, True)
+    assert per[0].item() == 0.0 and per[2].item() == 0.0
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(tensors[1]).reshape(1))
+    torch.testing.assert_close(per[1], torch.linalg.vector_norm(tensors[1]))
+    assert found_inf.item() == 0.0
+
+    params = zero_size_mix(device, seed=1)
+    grads = zero_size_mix(device, dtype=torch.float16, seed=2)
+    bufs = [torch.zeros_like(p) for p in params]
+    model = [p.to(torch.bfloat16) for p in params]
+    ref_p, _ = ref_sgd(params, grads, bufs, lr=0.1, momentum=0.5)
+    ops.fused_sgd_(params, grads, bufs, model, lr=0.1, momentum=0.5)
+    torch.testing.assert_close(params[1].double(), ref_p[1], **MASTER_TOL)
+
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    step = scalar(0.0, device)
+    ref_p, _, _, _ = ref_adam(params, grads, m, v, 0.0, lr=0.1)
+    ops.fused_adam_(params, grads, m, v, model, step, lr=0.1)
+    torch.testing.assert_close(params[1].double(), ref_p[1], **MASTER_TOL)
+    assert step.item() == 1.0
+    assert_bitwise_equal(model[1], params[1].to(torch.bfloat16))

@@ -1,0 +1,382 @@
+"""Bad arguments: the exception type, a message that names the argument, and no
+tensor written. Each case starts from a valid call (test_valid_calls) and breaks
+one thing."""
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+from helpers import assert_unchanged, randn, scalar, snapshot
+
+from mixedprec import ops
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+# --- valid calls --------------------------------------------------------------------
+
+def unscale_args(d):
+    return dict(tensors=[randn(4, F32, d, 0), randn((3, 4), F16, d, 1), randn(5, BF16, d, 2)],
+                found_inf=scalar(0.0, d), inv_scale=scalar(0.5, d))
+
+
+def unscale_to_args(d):
+    src = [randn(4, F32, d, 0), randn((3, 4), F16, d, 1), randn((2, 3, 2, 2), BF16, d, 2)]
+    dst = [torch.zeros_like(src[0], dtype=F16), torch.zeros_like(src[1], dtype=F32),
+           torch.zeros_like(src[2], dtype=F32)]
+    return dict(src=src, dst=dst, found_inf=scalar(0.0, d), inv_scale=scalar(0.5, d))
+
+
+def copy_args(d):
+    args = unscale_to_args(d)
+    return dict(src=args["src"], dst=args["dst"])
+
+
+def l2norm_args(d):
+    return dict(tensors=unscale_args(d)["tensors"], inv_scale=scalar(0.5, d), per_tensor=True)
+
+
+def optimizer_lists(d):
+    params = [randn(4, F32, d, 0), randn((3, 4), F32, d, 1), randn(5, F32, d, 2)]
+    grads = [randn(4, F16, d, 3), randn((3, 4), BF16, d, 4), randn(5, F32, d, 5)]
+    model = [params[0].to(F16), params[1].to(BF16), params[2].clone()]
+    return params, grads, model
+
+
+def sgd_args(d):
+    params, grads, model = optimizer_lists(d)
+    return dict(params=params, grads=grads,
+                momentum_buffers=[torch.zeros_like(p) for p in params], model_params=model,
+                lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+                first_run=False, inv_scale=scalar(0.5, d), found_inf=scalar(0.0, d))
+
+
+def adam_args(d):
+    params, grads, model = optimizer_lists(d)
+    return dict(params=params, grads=grads, exp_avgs=[torch.zeros_like(p) for p in params],
+                exp_avg_sqs=[torch.zeros_like(p) for p in params], model_params=model,
+                step=scalar(0.0, d), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=scalar(0.5, d),
+                found_inf=scalar(0.0, d))
+
+
+def sum_args(d):
+    return {"self": randn((3, 4), F16, d, 0), "dim": [1], "keepdim": False}
+
+
+def loss_scale_args(d):
+    return dict(scale=scalar(1024.0, d), growth_tracker=scalar(0, d, torch.int32),
+                hysteresis_tracker=scalar(1, d, torch.int32), found_inf=scalar(0.0, d),
+                growth_factor=2.0, backoff_factor=0.5, growth_interval=100, hysteresis=1,
+                min_scale=1.0, max_scale=2.0**24)
+
+
+def check_finite_args(d):
+    args = unscale_args(d)
+    return dict(tensors=args["tensors"], found_inf=args["found_inf"])
+
+
+OPS = {
+    "multi_tensor_unscale_": (ops.multi_tensor_unscale_, unscale_args),
+    "multi_tensor_check_finite_": (ops.multi_tensor_check_finite_, check_finite_args),
+    "multi_tensor_unscale_to_": (ops.multi_tensor_unscale_to_, unscale_to_args),
+    "multi_tensor_copy_": (ops.multi_tensor_copy_, copy_args),
+    "multi_tensor_l2norm": (ops.multi_tensor_l2norm, l2norm_args),
+    "fused_sgd_": (ops.fused_sgd_, sgd_args),
+    "fused_adam_": (ops.fused_adam_, adam_args),
+    "sum_fp32": (ops.sum_fp32, sum_args),
+    "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
+}
+
+
+@pytest.mark.parametrize("op_name", OPS)
+def test_valid_calls(device, op_name):
+    """The starting point of every error case is accepted."""
+    op, build = OPS[op_name]
+    op(**build(device))
+
+
+# --- breaking one thing ------------------------------------------------------------
+
+def set_arg(name, value):
+    """Replaces argument `name` by value(kwargs, device) (or a constant)."""
+    def mutate(args, d):
+        args[name] = value(args, d) if callable(value) else value
+    return mutate
+
+
+def set_item(name, i, value):
+    """Replaces element i of list argument `name` by value(old tensor)."""
+    def mutate(args, d):
+        args[name][i] = value(args[name][i])
+    return mutate
+
+
+def drop_last(name):
+    def mutate(args, d):
+        args[name].pop()
+    return mutate
+
+
+def as_dtype(dtype):
+    return lambda t: t.to(dtype)
+
+
+def sparse(t):
+    return t.to_sparse()
+
+
+def non_dense(t):
+    """Same shape and dtype, every other column of a wider tensor."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    view = wide[..., ::2]
+    view.copy_(t)
+    assert view.stride(-1) == 2  # a gap between neighbours: not dense
+    return view
+
+
+def other_numel(t):
+    return torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
+
+
+def channels_last(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def one(dtype):
+    return lambda args, d: scalar(0.0, d, dtype)
+
+
+def sized(name, numel):
+    """A replacement for scalar argument `name` with `numel` elements, of its dtype."""
+    return lambda args, d: torch.zeros(numel, device=d, dtype=args[name].dtype)
+
+
+@dataclass
+class Case:
+    op: str
+    id: str
+    mutate: Callable
+    error: type
+    name: str  # the argument the message must name
+
+    def param(self):
+        return pytest.param(self, id=f"{self.op}-{self.id}")
+
+
+def list_cases(op, list_name, index, dtypes_rejected, layout=True):
+    """Dtype, sparse and non-dense cases for one element of a list argument."""
+    cases = [Case(op, f"{list_name}-{str(dt).split('.')[-1]}",
+                  set_item(list_name, index, as_dtype(dt)), TypeError, f"{list_name}[{index}]")
+             for dt in dtypes_rejected]
+    if layout:
+        cases += [
+            Case(op, f"{list_name}-sparse", set_item(list_name, index, sparse), TypeError,
+                 f"{list_name}[{index}]"),
+            Case(op, f"{list_name}-non-dense", set_item(list_name, index, non_dense), ValueError,
+                 f"{list_name}[{index}]"),
+        ]
+    return cases
+
+
+def scalar_cases(op, name, good_dtype=torch.float32):
+    bad = [t for t in (torch.float32, torch.float16, torch.float64, torch.int32, torch.int64)
+           if t != good_dtype]
+    return [Case(op, f"{name}-{str(dt).split('.')[-1]}", set_arg(name, one(dt)), TypeError, name)
+            for dt in bad] + [
+        Case(op, f"{name}-2-elements", set_arg(name, sized(name, 2)), ValueError, name),
+        Case(op, f"{name}-0-elements", set_arg(name, sized(name, 0)), ValueError, name),
+    ]
+
+
+def value_case(op, name, value):
+    return Case(op, f"{name}={value}", set_arg(name, value), ValueError, name)
+
+
+BAD_LIST_DTYPES = [torch.int32, torch.complex64, torch.float64]
+
+CASES = [
+    # multi_tensor_unscale_
+    *list_cases("multi_tensor_unscale_", "tensors", 1, BAD_LIST_DTYPES),
+    *list_cases("multi_tensor_unscale_", "tensors", 2, [torch.float64], layout=False),
+    Case("multi_tensor_unscale_", "tensors-overlapping",
+         set_item("tensors", 0, lambda t: t[:1].expand(t.shape)), ValueError, "tensors[0]"),
+    *scalar_cases("multi_tensor_unscale_", "found_inf"),
+    *scalar_cases("multi_tensor_unscale_", "inv_scale"),
+    # multi_tensor_check_finite_
+    *list_cases("multi_tensor_check_finite_", "tensors", 0, BAD_LIST_DTYPES),
+    *scalar_cases("multi_tensor_check_finite_", "found_inf"),
+    # multi_tensor_unscale_to_
+    Case("multi_tensor_unscale_to_", "dst-shorter", drop_last("dst"), ValueError, "dst"),
+    Case("multi_tensor_unscale_to_", "dst-numel", set_item("dst", 1, other_numel), ValueError,
+         "dst[1]"),
+    Case("multi_tensor_unscale_to_", "dst-memory-order", set_item("dst", 2, channels_last),
+         ValueError, "dst[2]"),
+    *list_cases("multi_tensor_unscale_to_", "src", 0, BAD_LIST_DTYPES),
+    *list_cases("multi_tensor_unscale_to_", "dst", 1, BAD_LIST_DTYPES),
+    *scalar_cases("multi_tensor_unscale_to_", "found_inf"),
+    *scalar_cases("multi_tensor_unscale_to_", "inv_scale"),
+    # multi_tensor_copy_
+    Case("multi_tensor_copy_", "dst-shorter", drop_last("dst"), ValueError, "dst"),
+    Case("multi_tensor_copy_", "src-shorter", drop_last("src"), ValueError, "dst"),
+    Case("multi_tensor_copy_", "dst-numel", set_item("dst", 0, other_numel), ValueError, "dst[0]"),
+    *list_cases("multi_tensor_copy_", "src", 2, BAD_LIST_DTYPES),
+    *list_cases("multi_tensor_copy_", "dst", 1, BAD_LIST_DTYPES),
+    # multi_tensor_l2norm
+    *list_cases("multi_tensor_l2norm", "tensors", 1, BAD_LIST_DTYPES),
+    *scalar_cases("multi_tensor_l2norm", "inv_scale"),
+    # fused_sgd_
+    Case("fused_sgd_", "grads-shorter", drop_last("grads"), ValueError, "grads"),
+    Case("fused_sgd_", "grads-numel", set_item("grads", 2, other_numel), ValueError, "grads[2]"),
+    Case("fused_sgd_", "momentum_buffers-shorter", drop_last("momentum_buffers"), ValueError,
+         "momentum_buffers"),
+    Case("fused_sgd_", "momentum_buffers-numel", set_item("momentum_buffers", 1, other_numel),
+         ValueError, "momentum_buffers[1]"),
+    Case("fused_sgd_", "momentum_buffers-with-momentum-0", set_arg("momentum", 0.0), ValueError,
+         "momentum_buffers"),
+    Case("fused_sgd_", "model_params-shorter", drop_last("model_params"), ValueError,
+         "model_params"),
+    Case("fused_sgd_", "model_params-numel", set_item("model_params", 0, other_numel),
+         ValueError, "model_params[0]"),
+    Case("fused_sgd_", "masters-fp16", set_item("params", 1, as_dtype(torch.float16)), TypeError,
+         "params[1]"),
+    Case("fused_sgd_", "grads-memory-order", set_item("grads", 1, lambda t: t.t().contiguous().t()),
+         ValueError, "grads[1]"),
+    *list_cases("fused_sgd_", "params", 0, BAD_LIST_DTYPES),
+    *list_cases("fused_sgd_", "grads", 1, BAD_LIST_DTYPES),
+    *list_cases("fused_sgd_", "momentum_buffers", 2, [torch.float16, torch.bfloat16]),
+    *list_cases("fused_sgd_", "model_params", 0, BAD_LIST_DTYPES),
+    *scalar_cases("fused_sgd_", "found_inf"),
+    *scalar_cases("fused_sgd_", "inv_scale"),
+    value_case("fused_sgd_", "lr", -0.1),
+    value_case("fused_sgd_", "lr", float("nan")),
+    value_case("fused_sgd_", "lr", float("inf")),
+    value_case("fused_sgd_", "momentum", -0.5),
+    value_case("fused_sgd_", "momentum", float("inf")),
+    value_case("fused_sgd_", "dampening", float("inf")),
+    value_case("fused_sgd_", "weight_decay", -1e-4),
+    Case("fused_sgd_", "nesterov-momentum-0",
+         lambda a, d: a.update(nesterov=True, momentum=0.0, momentum_buffers=[]),
+         ValueError, "momentum"),
+    Case("fused_sgd_", "nesterov-dampening", lambda a, d: a.update(nesterov=True, dampening=0.1),
+         ValueError, "dampening"),
+    # fused_adam_
+    *scalar_cases("fused_adam_", "step"),
+    *scalar_cases("fused_adam_", "found_inf"),
+    *scalar_cases("fused_adam_", "inv_scale"),
+    Case("fused_adam_", "grads-shorter", drop_last("grads"), ValueError, "grads"),
+    Case("fused_adam_", "exp_avgs-shorter", drop_last("exp_avgs"), ValueError, "exp_avgs"),
+    Case("fused_adam_", "exp_avg_sqs-numel", set_item("exp_avg_sqs", 1, other_numel),
+         ValueError, "exp_avg_sqs[1]"),
+    Case("fused_adam_", "model_params-shorter", drop_last("model_params"), ValueError,
+         "model_params"),
+    Case("fused_adam_", "masters-bf16", set_item("params", 0, as_dtype(torch.bfloat16)),
+         TypeError, "params[0]"),
+    *list_cases("fused_adam_", "params", 2, BAD_LIST_DTYPES),
+    *list_cases("fused_adam_", "grads", 0, BAD_LIST_DTYPES),
+    *list_cases("fused_adam_", "exp_avgs", 1, [torch.float16, torch.bfloat16]),
+    *list_cases("fused_adam_", "exp_avg_sqs", 2, [torch.float16, torch.float64]),
+    *list_cases("fused_adam_", "model_params", 1, BAD_LIST_DTYPES),
+    value_case("fused_adam_", "lr", -1e-3),
+    value_case("fused_adam_", "lr", float("nan")),
+    value_case("fused_adam_", "beta1", 1.0),
+    value_case("fused_adam_", "beta1", -0.1),
+    value_case("fused_adam_", "beta2", 1.5),
+    value_case("fused_adam_", "beta2", float("nan")),
+    value_case("fused_adam_", "eps", -1e-8),
+    value_case("fused_adam_", "eps", float("inf")),
+    value_case("fused_adam_", "weight_decay", -0.1),
+    # sum_fp32
+    Case("sum_fp32", "self-int32", set_arg("self", lambda a, d: a["self"].int()),
+         TypeError, "self"),
+    Case("sum_fp32", "self-complex64", set_arg("self", lambda a, d: a["self"].to(torch.complex64)),
+         TypeError, "self"),
+    Case("sum_fp32", "self-sparse", set_arg("self", lambda a, d: a["self"].float().to_sparse()),
+         TypeError, "self"),
+    # update_loss_scale_
+    *scalar_cases("update_loss_scale_", "scale"),
+    *scalar_cases("update_loss_scale_", "growth_tracker", torch.int32),
+    *scalar_cases("update_loss_scale_", "hysteresis_tracker", torch.int32),
+    *scalar_cases("update_loss_scale_", "found_inf"),
+    value_case("update_loss_scale_", "growth_factor", 0.5),
+    value_case("update_loss_scale_", "growth_factor", float("inf")),
+    value_case("update_loss_scale_", "backoff_factor", 0.0),
+    value_case("update_loss_scale_", "backoff_factor", 1.5),
+    value_case("update_loss_scale_", "growth_interval", 0),
+    value_case("update_loss_scale_", "hysteresis", 0),
+    value_case("update_loss_scale_", "min_scale", -1.0),
+    value_case("update_loss_scale_", "min_scale", 2.0**25),  # above max_scale
+    Case("update_loss_scale_", "max_scale=0", lambda a, d: a.update(min_scale=0.0, max_scale=0.0),
+         ValueError, "max_scale"),
+]
+
+
+def check_rejected(case, args):
+    op, _ = OPS[case.op]
+    before = snapshot(args)
+    with pytest.raises(case.error, match=re.escape(case.name)):
+        op(**args)
+    assert_unchanged(args, before)
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_bad_argument(device, case):
+    args = OPS[case.op][1](device)
+    case.mutate(args, device)
+    check_rejected(case, args)
+
+
+# --- tensors on another device -------------------------------------------------------
+
+def move(name, index=None):
+    """Moves argument `name` (or its element `index`) to the other device."""
+    def mutate(args, other):
+        if index is None:
+            args[name] = args[name].to(other)
+        else:
+            args[name][index] = args[name][index].to(other)
+    return mutate
+
+
+DEVICE_CASES = [
+    Case("multi_tensor_unscale_", "tensors", move("tensors", 2), RuntimeError, "tensors[2]"),
+    Case("multi_tensor_unscale_", "found_inf", move("found_inf"), RuntimeError, "found_inf"),
+    Case("multi_tensor_unscale_", "inv_scale", move("inv_scale"), RuntimeError, "inv_scale"),
+    Case("multi_tensor_check_finite_", "tensors", move("tensors", 1), RuntimeError,
+         "tensors[1]"),
+    Case("multi_tensor_check_finite_", "found_inf", move("found_inf"), RuntimeError,
+         "found_inf"),
+    Case("multi_tensor_unscale_to_", "dst", move("dst", 1), RuntimeError, "dst[1]"),
+    Case("multi_tensor_unscale_to_", "src", move("src", 0), RuntimeError, "src[0]"),
+    Case("multi_tensor_copy_", "src", move("src", 1), RuntimeError, "src[1]"),
+    Case("multi_tensor_copy_", "dst", move("dst", 0), RuntimeError, "dst[0]"),
+    Case("multi_tensor_l2norm", "tensors", move("tensors", 1), RuntimeError, "tensors[1]"),
+    Case("multi_tensor_l2norm", "inv_scale", move("inv_scale"), RuntimeError, "inv_scale"),
+    Case("fused_sgd_", "grads", move("grads", 2), RuntimeError, "grads[2]"),
+    Case("fused_sgd_", "params", move("params", 1), RuntimeError, "params[1]"),
+    Case("fused_sgd_", "momentum_buffers", move("momentum_buffers", 0), RuntimeError,
+         "momentum_buffers[0]"),
+    Case("fused_sgd_", "model_params", move("model_params", 1), RuntimeError, "model_params[1]"),
+    Case("fused_sgd_", "found_inf", move("found_inf"), RuntimeError, "found_inf"),
+    Case("fused_sgd_", "inv_scale", move("inv_scale"), RuntimeError, "inv_scale"),
+    Case("fused_adam_", "step", move("step"), RuntimeError, "step"),
+    Case("fused_adam_", "found_inf", move("found_inf"), RuntimeError, "found_inf"),
+    Case("fused_adam_", "inv_scale", move("inv_scale"), RuntimeError, "inv_scale"),
+    Case("fused_adam_", "exp_avg_sqs", move("exp_avg_sqs", 1), RuntimeError, "exp_avg_sqs[1]"),
+    Case("fused_adam_", "exp_avgs", move("exp_avgs", 2), RuntimeError, "exp_avgs[2]"),
+    Case("fused_adam_", "model_params", move("model_params", 0), RuntimeError,
+         "model_params[0]"),
+    Case("update_loss_scale_", "scale", move("scale"), RuntimeError, "scale"),
+    Case("update_loss_scale_", "found_inf", move("found_inf"), RuntimeError, "found_inf"),
+    Case("update_loss_scale_", "hysteresis_tracker", move("hysteresis_tracker"), RuntimeError,
+         "hysteresis_tracker"),
+]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in DEVICE_CASES])
+def test_tensor_on_another_device(device, other_device, case):
+    args = OPS[case.op][1](device)
+    case.mutate(args, other_device)
+    check_rejected(case, args)
