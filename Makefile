@@ -1,0 +1,59 @@
+# make demo   set up, build, run the self-check (examples/selfcheck.py)
+# make test   set up, build, run the GoogleTest suite (ctest) and pytest
+#
+# Setup is a virtual environment in .venv with pinned torch; the extension is
+# built in place (mixedprec/_C*.so). Variables:
+#   MIXEDPREC_CUDA=0   build the CPU kernels only
+#   MAX_JOBS=N         parallel compile jobs (default 2)
+#   PYTHON=python3.12  the interpreter that creates .venv
+
+PYTHON ?= python3
+TORCH_VERSION := 2.11.0
+MAX_JOBS ?= 2
+MIXEDPREC_CUDA ?= 1
+export MAX_JOBS MIXEDPREC_CUDA
+
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+# ninja from .venv, for torch's BuildExtension and CMake
+export PATH := $(VENV)/bin:$(PATH)
+
+VENV_STAMP := $(VENV)/.deps-torch-$(TORCH_VERSION)
+# Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
+EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+
+.PHONY: demo test build cpp-test py-test clean
+
+demo: build
+	PYTHONPATH=$(CURDIR) $(PY) examples/selfcheck.py
+
+test: build cpp-test py-test
+
+build: $(EXT_STAMP)
+
+$(VENV_STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
+		numpy pytest ninja setuptools wheel
+	touch $@
+
+$(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
+	mkdir -p build && rm -f build/ext-cuda*.stamp
+	$(PY) scripts/check_cuda.py > $@.tmp
+	$(PY) setup.py build_ext --inplace
+	mv $@.tmp $@
+
+build/cpp/build.ninja: tests/cpp/CMakeLists.txt $(VENV_STAMP)
+	cmake -S tests/cpp -B build/cpp -G Ninja -DPython3_EXECUTABLE=$(PY)
+
+cpp-test: build/cpp/build.ninja
+	cmake --build build/cpp -j $(MAX_JOBS)
+	ctest --test-dir build/cpp --output-on-failure
+
+py-test: build
+	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1; fi; \
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest tests/python
+
+clean:
+	rm -rf build mixedprec/_C*.so

@@ -1,0 +1,287 @@
+"""Self-check of the mixedprec operators (``make demo``).
+
+Runs each operator on small inputs, on the CPU and, when there is a
+GPU and the CUDA kernels were built, on CUDA, and compares the results with a
+float64 PyTorch reference. Prints a table op x device -> PASS/FAIL with the largest
+absolute error, and exits with status 1 when any check fails.
+"""
+
+import math
+import sys
+
+import torch
+
+import mixedprec
+from mixedprec import ops
+
+# Relative tolerance by storage dtype: a few roundings of that dtype.
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+ATOL = 1e-6
+
+
+class Result:
+    """The largest error and any failed check of one op on one device."""
+
+    def __init__(self):
+        self.max_err = 0.0
+        self.failures = []
+        self.notes = []
+
+    def close(self, got, want, rtol, what):
+        got = got.detach().cpu().double()
+        want = want.detach().cpu().double()
+        if got.shape != want.shape:
+            self.failures.append(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+            return
+        if got.numel():
+            self.max_err = max(self.max_err, (got - want).abs().max().item())
+        if not torch.allclose(got, want, rtol=rtol, atol=ATOL):
+            self.failures.append(f"{what}: not within rtol={rtol:g} of the reference")
+
+    def expect(self, ok, what):
+        if not ok:
+            self.failures.append(what)
+
+
+def scalar(value, device, dtype=torch.float32):
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def check_unscale(dev, r):
+    chunk = ops.CHUNK_SIZE
+    tensors = [
+        torch.randn(1000, device=dev) * 1024,
+        (torch.randn(chunk + 3, device=dev) * 1024).half(),
+        (torch.randn(77, device=dev) * 1024).bfloat16(),
+    ]
+    inv_scale = scalar(1 / 1000, dev)
+    want = [t.double() * inv_scale.double() for t in tensors]
+    found_inf = scalar(0.0, dev)
+    ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
+    for i, (t, w) in enumerate(zip(tensors, want)):
+        r.close(t, w, RTOL[t.dtype], f"tensors[{i}] ({t.dtype})")
+    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    tensors[1][-1] = float("inf")
+    ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
+    r.expect(found_inf.item() == 1, "found_inf not set by an inf in the last element")
+
+
+def check_unscale_to(dev, r):
+    src = [(torch.randn(n, device=dev) * 512).half() for n in (ops.CHUNK_SIZE + 1, 50)]
+    dst = [torch.empty(s.shape, device=dev) for s in src]
+    inv_scale = scalar(1 / 512, dev)
+    found_inf = scalar(0.0, dev)
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
+    for i, (s, d) in enumerate(zip(src, dst)):
+        r.close(d, s.double() / 512, RTOL[torch.float32], f"dst[{i}]")
+    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    src[0][0] = float("nan")
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
+    r.expect(found_inf.item() == 1, "found_inf not set by a NaN in the first element")
+
+
+def check_check_finite(dev, r):
+    tensors = [torch.randn(2 * ops.CHUNK_SIZE + 1, device=dev).half(), torch.randn(10, device=dev)]
+    before = [t.clone() for t in tensors]
+    found_inf = scalar(0.0, dev)
+    ops.multi_tensor_check_finite_(tensors, found_inf)
+    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, tensors)), "a tensor was written")
+    tensors[0][ops.CHUNK_SIZE] = float("-inf")
+    ops.multi_tensor_check_finite_(tensors, found_inf)
+    r.expect(found_inf.item() == 1, "found_inf not set by an inf in the middle chunk")
+
+
+def check_copy(dev, r):
+    src = [
+        torch.randn(ops.CHUNK_SIZE + 1, device=dev),
+        torch.randn(300, device=dev),
+        torch.randn(40, device=dev).bfloat16(),
+    ]
+    dst = [
+        torch.empty(ops.CHUNK_SIZE + 1, device=dev, dtype=torch.float16),
+        torch.empty(300, device=dev, dtype=torch.bfloat16),
+        torch.empty(40, device=dev),
+    ]
+    ops.multi_tensor_copy_(src, dst)
+    for i, (s, d) in enumerate(zip(src, dst)):
+        r.close(d, s.double(), RTOL[d.dtype], f"dst[{i}] ({s.dtype} -> {d.dtype})")
+
+
+def check_l2norm(dev, r):
+    tensors = [
+        torch.randn(ops.CHUNK_SIZE + 5, device=dev),
+        torch.randn(300, device=dev).half(),
+        torch.randn(1000, device=dev).bfloat16(),
+        torch.empty(0, device=dev),
+    ]
+    norm, per_tensor = ops.multi_tensor_l2norm(tensors, scalar(0.5, dev), per_tensor=True)
+    want_per = torch.stack([torch.linalg.vector_norm(t.double() * 0.5) for t in tensors])
+    r.close(per_tensor, want_per, RTOL[torch.float32], "per-tensor norms")
+    r.close(norm, torch.linalg.vector_norm(want_per).reshape(1), RTOL[torch.float32], "norm")
+
+
+def check_sgd(dev, r):
+    lr, momentum, weight_decay, loss_scale = 0.1, 0.9, 1e-2, 128.0
+    n = [ops.CHUNK_SIZE + 2, 33]
+    params = [torch.randn(k, device=dev) for k in n]
+    grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
+    bufs = [torch.randn(k, device=dev) for k in n]
+    model = [torch.empty(k, device=dev, dtype=torch.float16) for k in n]
+    want_p, want_b = [], []
+    for p, g, b in zip(params, grads, bufs):
+        g = g.double() / loss_scale + weight_decay * p.double()
+        b = b.double() * momentum + g
+        want_b.append(b)
+        want_p.append(p.double() - lr * (g + momentum * b))  # nesterov
+    ops.fused_sgd_(params, grads, bufs, model, lr, momentum, 0.0, weight_decay, nesterov=True,
+                   inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+    for i in range(len(n)):
+        r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}]")
+        r.close(bufs[i], want_b[i], RTOL[torch.float32], f"momentum_buffers[{i}]")
+        r.close(model[i], want_p[i], RTOL[torch.float16], f"model_params[{i}]")
+    before = [t.clone() for t in params + bufs + model]
+    ops.fused_sgd_(params, grads, bufs, model, lr, momentum, 0.0, weight_decay, nesterov=True,
+                   found_inf=scalar(1.0, dev))
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, params + bufs + model)),
+             "a step with found_inf set changed a tensor")
+
+
+def check_adam(dev, r):
+    lr, beta1, beta2, eps, weight_decay, loss_scale = 1e-2, 0.9, 0.999, 1e-8, 1e-2, 1024.0
+    n = [ops.CHUNK_SIZE + 9, 100]
+    params = [torch.randn(k, device=dev) for k in n]
+    exp_avgs = [torch.zeros(k, device=dev) for k in n]
+    exp_avg_sqs = [torch.zeros(k, device=dev) for k in n]
+    model = [torch.empty(k, device=dev, dtype=torch.bfloat16) for k in n]
+    step = scalar(0.0, dev)
+    ref = [[p.double(), torch.zeros_like(p, dtype=torch.float64),
+            torch.zeros_like(p, dtype=torch.float64)] for p in params]
+    for t in range(1, 4):
+        grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
+        ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr, beta1, beta2,
+                        eps, weight_decay, adamw=True, inv_scale=scalar(1 / loss_scale, dev),
+                        found_inf=scalar(0.0, dev))
+        for state, g in zip(ref, grads):  # torch.optim.AdamW in float64
+            p, m, v = state
+            g = g.double() / loss_scale
+            p = p * (1 - lr * weight_decay)
+            m = beta1 * m + (1 - beta1) * g
+            v = beta2 * v + (1 - beta2) * g * g
+            denom = v.sqrt() / math.sqrt(1 - beta2**t) + eps
+            state[:] = [p - lr / (1 - beta1**t) * m / denom, m, v]
+    r.expect(step.item() == 3, f"step is {step.item()} after 3 steps, expected 3")
+    for i, (p, m, v) in enumerate(ref):
+        r.close(params[i], p, RTOL[torch.float32], f"params[{i}]")
+        r.close(exp_avgs[i], m, RTOL[torch.float32], f"exp_avgs[{i}]")
+        r.close(exp_avg_sqs[i], v, RTOL[torch.float32], f"exp_avg_sqs[{i}]")
+        r.close(model[i], p, RTOL[torch.bfloat16], f"model_params[{i}]")
+    before = [t.clone() for t in params + exp_avgs + exp_avg_sqs + model + [step]]
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr,
+                    found_inf=scalar(1.0, dev))
+    after = params + exp_avgs + exp_avg_sqs + model + [step]
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
+             "a step with found_inf set changed a tensor or the step")
+
+
+def check_sum(dev, r):
+    # The seed case: fp16 accumulation rounds 16380 to 16384; sum_fp32 is exact.
+    x = torch.full((4095,), 4.0, dtype=torch.float16, device=dev)
+    got = ops.sum_fp32(x)
+    r.expect(got.dtype == torch.float32, f"sum_fp32 returned {got.dtype}")
+    r.close(got, torch.tensor(16380.0, dtype=torch.float64), 0.0, "4095 x fp16 4.0")
+    r.notes.append(f"4095 x fp16 4.0: sum_fp32 {got.item():g}, torch fp16 sum {x.sum().item():g}")
+    y = torch.randn(64, 33, 5, device=dev).bfloat16()
+    r.close(ops.sum_fp32(y, [0, 2], keepdim=True), y.double().sum([0, 2], keepdim=True),
+            RTOL[torch.float32], "bf16 sum over dims [0, 2]")
+
+
+def check_loss_scale(dev, r):
+    args = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2,
+                min_scale=2.0**10, max_scale=2.0**17)
+    scale = scalar(2.0**16, dev)
+    growth, hyst = scalar(0, dev, torch.int32), scalar(2, dev, torch.int32)
+    want = [2.0**16, 0, 2]
+    for found in [0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]:
+        ops.update_loss_scale_(scale, growth, hyst, scalar(float(found), dev), **args)
+        s, g, h = want
+        if found:  # the docstring of update_loss_scale_, in Python
+            h -= 1
+            if h <= 0:
+                s = max(s * args["backoff_factor"], args["min_scale"])
+            g = 0
+        else:
+            h, g = args["hysteresis"], g + 1
+            if g >= args["growth_interval"]:
+                s, g = min(s * args["growth_factor"], args["max_scale"]), 0
+        want = [s, g, h]
+        got = [scale.item(), growth.item(), hyst.item()]
+        r.max_err = max(r.max_err, abs(got[0] - want[0]))
+        if got != want:
+            r.expect(False, f"after found_inf={found}: (scale, growth, hysteresis) = {got}, "
+                            f"expected {want}")
+            return
+
+
+CHECKS = {
+    "multi_tensor_unscale_": check_unscale,
+    "multi_tensor_unscale_to_": check_unscale_to,
+    "multi_tensor_check_finite_": check_check_finite,
+    "multi_tensor_copy_": check_copy,
+    "multi_tensor_l2norm": check_l2norm,
+    "fused_sgd_": check_sgd,
+    "fused_adam_": check_adam,
+    "sum_fp32": check_sum,
+    "update_loss_scale_": check_loss_scale,
+}
+
+
+def has_kernels(key):
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mixedprec::{op}", key)
+               for op in CHECKS)
+
+
+def main():
+    torch.manual_seed(0)
+    cuda_kernels = has_kernels("CUDA")
+    print(f"mixedprec {mixedprec.__version__}, torch {torch.__version__}, "
+          f"CUDA build: {torch.version.cuda or 'none'}")
+    print(f"mixedprec CUDA kernels registered: {'yes' if cuda_kernels else 'no'}")
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()}")
+        if cuda_kernels:
+            devices.append("cuda")
+        else:
+            print("not checking CUDA: the CUDA kernels were not built")
+    else:
+        print("GPU: none")
+    print()
+
+    width = max(map(len, CHECKS)) + 2
+    print("op".ljust(width) + "".join(d.ljust(26) for d in devices))
+    failures, notes, failed = [], [], 0
+    for op, check in CHECKS.items():
+        row = op.ljust(width)
+        for dev in devices:
+            r = Result()
+            try:
+                check(dev, r)
+            except Exception as e:  # report every op, not just the first that raises
+                r.failures.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            status = "FAIL" if r.failures else "PASS"
+            row += f"{status}  max err {r.max_err:.1e}".ljust(26)
+            failed += bool(r.failures)
+            failures += [f"{op} on {dev}: {f}" for f in r.failures]
+            notes += [f"{op} on {dev}: {n}" for n in r.notes]
+        print(row)
+    print()
+    for line in notes + failures:
+        print(line)
+    print(f"{'FAIL' if failed else 'PASS'}: {len(CHECKS) * len(devices) - failed} of "
+          f"{len(CHECKS) * len(devices)} op x device checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

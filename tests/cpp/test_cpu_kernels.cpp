@@ -1,0 +1,516 @@
+// The CPU kernels called directly (mixedprec::cpu::*), their validation, and the
+// registration of every schema with the dispatcher.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu/kernels.h"
+#include "multi_tensor_plan.h"
+
+namespace mixedprec {
+namespace {
+
+using at::Tensor;
+
+const float kInf = std::numeric_limits<float>::infinity();
+
+Tensor scalar(float v) { return at::full({1}, v, at::kFloat); }
+Tensor counter(int32_t v) { return at::full({1}, v, at::kInt); }
+float value(const Tensor& t) { return t.item<float>(); }
+
+std::vector<Tensor> clones(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  for (const auto& t : ts) out.push_back(t.clone());
+  return out;
+}
+
+void expect_same(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(at::equal(a[i], b[i])) << "tensor " << i << " changed";
+  }
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double rtol, double atol,
+                  const std::string& what = "") {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  EXPECT_TRUE(at::allclose(g, w, rtol, atol))
+      << what << ": max abs error " << (g - w).abs().max().item<double>() << ", max relative error "
+      << ((g - w).abs() / w.abs()).max().item<double>();
+}
+
+// Runs f, which must throw a c10::Error whose message names `name`.
+template <class F>
+void expect_error_naming(F&& f, const std::string& name) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find(name), std::string::npos) << "message does not name " << name << ": " << msg;
+    return;
+  }
+  ADD_FAILURE() << "expected a c10::Error naming " << name;
+}
+
+// ---------------------------------------------------------------- registration
+
+TEST(Registration, EveryOpHasASchemaAndACpuKernel) {
+  const char* ops[] = {"multi_tensor_unscale_",
+                       "multi_tensor_unscale_to_",
+                       "multi_tensor_check_finite_",
+                       "multi_tensor_copy_",
+                       "multi_tensor_l2norm",
+                       "fused_sgd_",
+                       "fused_adam_",
+                       "sum_fp32",
+                       "update_loss_scale_"};
+  for (const char* op : ops) {
+    const auto handle =
+        c10::Dispatcher::singleton().findSchema({std::string("mixedprec::") + op, ""});
+    ASSERT_TRUE(handle.has_value()) << op;
+    EXPECT_TRUE(handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) << op;
+  }
+}
+
+// ------------------------------------------------------------ multi-tensor ops
+
+TEST(MultiTensorUnscale, MultipliesInPlace) {
+  std::vector<Tensor> ts = {at::arange(10, at::kFloat), at::full({kChunkSize + 3}, 8.f),
+                            at::empty({0})};
+  const auto want = clones(ts);
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_unscale_(ts, found_inf, scalar(0.125f));
+  for (size_t i = 0; i < ts.size(); ++i) EXPECT_TRUE(at::equal(ts[i], want[i] * 0.125f));
+  EXPECT_EQ(value(found_inf), 0.f);
+}
+
+TEST(MultiTensorUnscale, NonFiniteSetsFoundInfAndNeverClearsIt) {
+  for (int64_t where : {int64_t{0}, kChunkSize, 2 * kChunkSize}) {
+    std::vector<Tensor> ts = {at::ones({7}), at::ones({2 * kChunkSize + 1})};
+    ts[1][where] = where == kChunkSize ? std::nanf("") : kInf;
+    const Tensor found_inf = scalar(0.f);
+    cpu::multi_tensor_unscale_(ts, found_inf, scalar(0.5f));
+    EXPECT_EQ(value(found_inf), 1.f) << "non-finite at " << where;
+  }
+  std::vector<Tensor> finite = {at::ones({3})};
+  const Tensor found_inf = scalar(1.f);
+  cpu::multi_tensor_unscale_(finite, found_inf, scalar(0.5f));
+  EXPECT_EQ(value(found_inf), 1.f);
+}
+
+TEST(MultiTensorUnscale, HalfAndMixedLists) {
+  std::vector<Tensor> ts = {at::full({100}, 1024.f, at::kHalf), at::full({5}, 3.f, at::kBFloat16),
+                            at::full({5}, 2.f)};
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_unscale_(ts, found_inf, scalar(0.125f));
+  EXPECT_TRUE(at::equal(ts[0], at::full({100}, 128.f, at::kHalf)));
+  EXPECT_TRUE(at::equal(ts[1], at::full({5}, 0.375f, at::kBFloat16)));
+  EXPECT_TRUE(at::equal(ts[2], at::full({5}, 0.25f)));
+  EXPECT_EQ(value(found_inf), 0.f);
+}
+
+TEST(MultiTensorUnscaleTo, HalfIntoFloat) {
+  const std::vector<Tensor> src = {at::randn({kChunkSize + 1}).to(at::kHalf),
+                                   at::randn({33}).to(at::kHalf)};
+  const auto src_before = clones(src);
+  std::vector<Tensor> dst = {at::empty({kChunkSize + 1}), at::empty({33})};
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_unscale_to_(src, dst, found_inf, scalar(0.25f));
+  for (size_t i = 0; i < src.size(); ++i) {
+    EXPECT_TRUE(at::equal(dst[i], src[i].to(at::kFloat) * 0.25f));
+  }
+  expect_same(src, src_before);
+  EXPECT_EQ(value(found_inf), 0.f);
+
+  src[1][32] = kInf;
+  cpu::multi_tensor_unscale_to_(src, dst, found_inf, scalar(0.25f));
+  EXPECT_EQ(value(found_inf), 1.f);
+}
+
+TEST(MultiTensorCheckFinite, ReportsNonFiniteAndWritesNothingElse) {
+  const std::vector<Tensor> ts = {at::randn({9}), at::randn({2 * kChunkSize + 1}).to(at::kHalf),
+                                  at::randn({4}).to(at::kBFloat16)};
+  const auto before = clones(ts);
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_check_finite_(ts, found_inf);
+  EXPECT_EQ(value(found_inf), 0.f);
+  expect_same(ts, before);
+
+  ts[1][2 * kChunkSize] = std::nanf("");
+  cpu::multi_tensor_check_finite_(ts, found_inf);
+  EXPECT_EQ(value(found_inf), 1.f);
+  ts[1][2 * kChunkSize] = 0.f;
+  cpu::multi_tensor_check_finite_(ts, found_inf);
+  EXPECT_EQ(value(found_inf), 1.f) << "found_inf must never be cleared";
+}
+
+TEST(MultiTensorCopy, CastsLikeTo) {
+  const std::vector<Tensor> src = {at::randn({kChunkSize + 5}), at::randn({17}),
+                                   at::randn({4}).to(at::kBFloat16)};
+  std::vector<Tensor> dst = {at::empty({kChunkSize + 5}, at::kBFloat16), at::empty({17}, at::kHalf),
+                             at::empty({4})};
+  cpu::multi_tensor_copy_(src, dst);
+  for (size_t i = 0; i < src.size(); ++i) {
+    EXPECT_TRUE(at::equal(dst[i], src[i].to(dst[i].scalar_type()))) << "pair " << i;
+  }
+}
+
+TEST(MultiTensorL2Norm, MatchesDoubleReference) {
+  const std::vector<Tensor> ts = {at::randn({kChunkSize + 7}), at::empty({0}),
+                                  at::randn({1000}).to(at::kHalf),
+                                  at::randn({3 * kChunkSize}).to(at::kBFloat16)};
+  for (const std::optional<Tensor>& inv_scale :
+       {std::optional<Tensor>(), std::optional<Tensor>(scalar(0.5f))}) {
+    const double s = inv_scale.has_value() ? 0.5 : 1.0;
+    const auto [norm, per] = cpu::multi_tensor_l2norm(ts, inv_scale, /*per_tensor=*/true);
+    EXPECT_EQ(norm.scalar_type(), at::kFloat);
+    EXPECT_EQ(per.scalar_type(), at::kFloat);
+    ASSERT_EQ(norm.sizes(), at::IntArrayRef({1}));
+    ASSERT_EQ(per.sizes(), at::IntArrayRef({4}));
+    std::vector<Tensor> want_per;
+    for (const auto& t : ts) want_per.push_back(at::linalg_vector_norm(t.to(at::kDouble) * s));
+    expect_close(per, at::stack(want_per), 1e-6, 0);
+    expect_close(norm, at::linalg_vector_norm(at::stack(want_per)).reshape({1}), 1e-6, 0);
+  }
+  const auto [norm, per] = cpu::multi_tensor_l2norm(ts, std::nullopt, /*per_tensor=*/false);
+  EXPECT_EQ(per.numel(), 0);
+  EXPECT_GT(value(norm), 0.f);
+}
+
+// --------------------------------------------------------------- optimizers
+
+TEST(FusedSgd, OneStepMatchesTheFormula) {
+  const float lr = 0.1f, momentum = 0.9f, dampening = 0.1f, weight_decay = 0.01f;
+  const float inv_scale = 0.5f;
+  for (bool nesterov : {false, true}) {
+    const float damp = nesterov ? 0.f : dampening;
+    std::vector<Tensor> params = {at::randn({kChunkSize + 2}), at::randn({9})};
+    std::vector<Tensor> grads = {at::randn({kChunkSize + 2}).to(at::kHalf),
+                                 at::randn({9}).to(at::kHalf)};
+    std::vector<Tensor> bufs = {at::randn({kChunkSize + 2}), at::randn({9})};
+    std::vector<Tensor> model = {at::empty({kChunkSize + 2}, at::kHalf), at::empty({9}, at::kHalf)};
+    const auto p0 = clones(params), b0 = clones(bufs);
+    cpu::fused_sgd_(params, grads, bufs, model, lr, momentum, damp, weight_decay, nesterov,
+                    /*first_run=*/false, scalar(inv_scale), scalar(0.f));
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Tensor g = grads[i].to(at::kDouble) * inv_scale + weight_decay * p0[i].to(at::kDouble);
+      const Tensor buf = b0[i].to(at::kDouble) * momentum + (1 - damp) * g;
+      const Tensor step = nesterov ? g + momentum * buf : buf;
+      const Tensor p = p0[i].to(at::kDouble) - lr * step;
+      expect_close(bufs[i], buf, 1e-5, 1e-6, "momentum_buffers");
+      expect_close(params[i], p, 1e-5, 1e-6, "params");
+      EXPECT_TRUE(at::equal(model[i], params[i].to(at::kHalf)));
+    }
+  }
+}
+
+TEST(FusedSgd, FirstRunStartsTheBufferAtTheGradient) {
+  std::vector<Tensor> params = {at::randn({50})};
+  std::vector<Tensor> grads = {at::randn({50})};
+  std::vector<Tensor> bufs = {at::full({50}, 123.f)};
+  const Tensor p0 = params[0].clone();
+  cpu::fused_sgd_(params, grads, bufs, {}, 0.1, 0.9, 0.0, 0.0, false, /*first_run=*/true,
+                  std::nullopt, std::nullopt);
+  EXPECT_TRUE(at::equal(bufs[0], grads[0]));
+  expect_close(params[0], p0.to(at::kDouble) - 0.1 * grads[0].to(at::kDouble), 1e-6, 1e-7);
+}
+
+TEST(FusedSgd, FoundInfSkipsEverything) {
+  std::vector<Tensor> params = {at::randn({20})}, grads = {at::randn({20})},
+                      bufs = {at::randn({20})}, model = {at::zeros({20}, at::kHalf)};
+  const auto p0 = clones(params), b0 = clones(bufs), m0 = clones(model);
+  cpu::fused_sgd_(params, grads, bufs, model, 0.1, 0.9, 0.0, 0.0, false, false, scalar(1.f),
+                  scalar(1.f));
+  expect_same(params, p0);
+  expect_same(bufs, b0);
+  expect_same(model, m0);
+}
+
+struct AdamCase {
+  std::vector<Tensor> params, grads, exp_avgs, exp_avg_sqs, model;
+  Tensor step;
+};
+
+AdamCase adam_case(float step) {
+  AdamCase c;
+  for (int64_t n : {kChunkSize + 1, int64_t{31}}) {
+    c.params.push_back(at::randn({n}));
+    c.grads.push_back(at::randn({n}).to(at::kBFloat16));
+    c.exp_avgs.push_back(at::randn({n}) * 0.1);
+    c.exp_avg_sqs.push_back(at::rand({n}) * 0.01);
+    c.model.push_back(at::empty({n}, at::kBFloat16));
+  }
+  c.step = scalar(step);
+  return c;
+}
+
+TEST(FusedAdam, OneStepMatchesTheFormula) {
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, wd = 0.01, inv_scale = 0.25;
+  for (bool adamw : {false, true}) {
+    AdamCase c = adam_case(4.f);
+    const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
+    cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, beta1,
+                     beta2, eps, wd, adamw, /*bias_correction=*/true, scalar(inv_scale),
+                     scalar(0.f));
+    EXPECT_EQ(value(c.step), 5.f);
+    const double step = 5, bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      Tensor p = p0[i].to(at::kDouble);
+      Tensor g = c.grads[i].to(at::kDouble) * inv_scale;
+      if (adamw) {
+        p = p * (1 - lr * wd);
+      } else {
+        g = g + wd * p;
+      }
+      const Tensor m = m0[i].to(at::kDouble) * beta1 + (1 - beta1) * g;
+      const Tensor v = v0[i].to(at::kDouble) * beta2 + (1 - beta2) * g * g;
+      p = p - (lr / bc1) * m / (v.sqrt() / std::sqrt(bc2) + eps);
+      expect_close(c.exp_avgs[i], m, 1e-5, 1e-7, "exp_avgs");
+      expect_close(c.exp_avg_sqs[i], v, 1e-5, 1e-9, "exp_avg_sqs");
+      expect_close(c.params[i], p, 1e-5, 1e-6, "params");
+      EXPECT_TRUE(at::equal(c.model[i], c.params[i].to(at::kBFloat16)));
+    }
+  }
+}
+
+TEST(FusedAdam, FoundInfLeavesEverythingIdentical) {
+  AdamCase c = adam_case(7.f);
+  const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs),
+             model0 = clones(c.model);
+  cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9, 0.999,
+                   1e-8, 0.0, true, true, scalar(1.f), scalar(1.f));
+  EXPECT_EQ(value(c.step), 7.f);
+  expect_same(c.params, p0);
+  expect_same(c.exp_avgs, m0);
+  expect_same(c.exp_avg_sqs, v0);
+  for (size_t i = 0; i < c.model.size(); ++i) {
+    // bitwise: uninitialised bf16 memory may hold NaNs, which at::equal treats as unequal
+    EXPECT_EQ(std::memcmp(c.model[i].data_ptr(), model0[i].data_ptr(), c.model[i].nbytes()), 0);
+  }
+}
+
+// -------------------------------------------------------- reduction, loss scale
+
+TEST(SumFp32, HalfSumIsExact) {
+  // The same sum in fp16 rounds to 16384: the reason for the op.
+  const Tensor x = at::full({4095}, 4.f, at::kHalf);
+  const Tensor s = cpu::sum_fp32(x, std::nullopt, false);
+  EXPECT_EQ(s.scalar_type(), at::kFloat);
+  EXPECT_EQ(s.dim(), 0);
+  EXPECT_EQ(s.item<float>(), 16380.f);
+  EXPECT_EQ(x.sum().item<float>(), 16384.f);
+}
+
+TEST(SumFp32, DimAndKeepdim) {
+  const Tensor x = at::randn({3, 5, 7}).to(at::kBFloat16);
+  const std::vector<int64_t> dims = {0, 2};
+  const Tensor s = cpu::sum_fp32(x, dims, true);
+  EXPECT_EQ(s.sizes(), at::IntArrayRef({1, 5, 1}));
+  expect_close(s, x.to(at::kDouble).sum(dims, true), 1e-5, 1e-5);
+  EXPECT_EQ(cpu::sum_fp32(at::ones({4}, at::kDouble), std::nullopt, false).scalar_type(),
+            at::kDouble);
+}
+
+struct LossScale {
+  Tensor scale = scalar(1024.f), growth = counter(0), hysteresis = counter(1);
+  void update(float found_inf, int64_t interval = 3, int64_t hyst = 1, double min = 0,
+              double max = kInf) {
+    cpu::update_loss_scale_(scale, growth, hysteresis, scalar(found_inf), 2.0, 0.5, interval, hyst,
+                            min, max);
+  }
+};
+
+TEST(UpdateLossScale, BackoffOnOverflow) {
+  LossScale s;
+  s.growth.fill_(2);
+  s.update(1.f);
+  EXPECT_EQ(value(s.scale), 512.f);
+  EXPECT_EQ(s.growth.item<int32_t>(), 0);
+}
+
+TEST(UpdateLossScale, GrowthAfterInterval) {
+  LossScale s;
+  s.update(0.f);
+  s.update(0.f);
+  EXPECT_EQ(value(s.scale), 1024.f);
+  EXPECT_EQ(s.growth.item<int32_t>(), 2);
+  s.update(0.f);
+  EXPECT_EQ(value(s.scale), 2048.f);
+  EXPECT_EQ(s.growth.item<int32_t>(), 0);
+}
+
+TEST(UpdateLossScale, Hysteresis) {
+  LossScale s;
+  s.hysteresis.fill_(2);
+  s.update(1.f, 3, 2);
+  EXPECT_EQ(value(s.scale), 1024.f);
+  EXPECT_EQ(s.hysteresis.item<int32_t>(), 1);
+  s.update(1.f, 3, 2);
+  EXPECT_EQ(value(s.scale), 512.f);
+  s.update(0.f, 3, 2);
+  EXPECT_EQ(s.hysteresis.item<int32_t>(), 2);
+}
+
+TEST(UpdateLossScale, FloorAndCeiling) {
+  LossScale s;
+  s.update(1.f, 3, 1, /*min=*/800.0);
+  EXPECT_EQ(value(s.scale), 800.f);
+  s.update(1.f, 3, 1, /*min=*/800.0);
+  EXPECT_EQ(value(s.scale), 800.f);
+  for (int i = 0; i < 3; ++i) s.update(0.f, 3, 1, 0.0, /*max=*/1000.0);
+  EXPECT_EQ(value(s.scale), 1000.f);
+  for (int i = 0; i < 3; ++i) s.update(0.f, 3, 1, 0.0, /*max=*/1000.0);
+  EXPECT_EQ(value(s.scale), 1000.f);
+}
+
+TEST(UpdateLossScale, NoGrowthToInfinity) {
+  LossScale s;
+  s.scale.fill_(std::numeric_limits<float>::max());
+  for (int i = 0; i < 3; ++i) s.update(0.f);
+  EXPECT_EQ(value(s.scale), std::numeric_limits<float>::max());
+}
+
+// ----------------------------------------------------------------- validation
+
+TEST(Validation, MultiTensorOps) {
+  std::vector<Tensor> ts = {at::ones({4}), at::ones({4}, at::kInt)};
+  const Tensor found_inf = scalar(0.f);
+  expect_error_naming([&] { cpu::multi_tensor_unscale_(ts, found_inf, scalar(0.5f)); },
+                      "tensors[1]");
+  EXPECT_TRUE(at::equal(ts[0], at::ones({4})));
+  EXPECT_EQ(value(found_inf), 0.f);
+
+  expect_error_naming([&] { cpu::multi_tensor_check_finite_(ts, found_inf); }, "tensors[1]");
+  expect_error_naming([&] { cpu::multi_tensor_check_finite_({ts[0]}, at::zeros({1}, at::kHalf)); },
+                      "found_inf");
+  EXPECT_EQ(value(found_inf), 0.f);
+
+  std::vector<Tensor> ok = {at::ones({4})};
+  expect_error_naming(
+      [&] { cpu::multi_tensor_unscale_(ok, at::zeros({1}, at::kDouble), scalar(0.5f)); },
+      "found_inf");
+  expect_error_naming([&] { cpu::multi_tensor_unscale_(ok, found_inf, at::ones({2})); },
+                      "inv_scale");
+  const Tensor strided = at::ones({8}).slice(0, 0, 8, 2);
+  expect_error_naming(
+      [&] {
+        cpu::multi_tensor_unscale_({ok[0], strided}, found_inf, scalar(0.5f));
+      },
+      "tensors[1]");
+  EXPECT_TRUE(at::equal(ok[0], at::ones({4})));
+
+  const std::vector<Tensor> src = {at::full({4}, 3.f), at::full({5}, 3.f)};
+  std::vector<Tensor> dst = {at::zeros({4}), at::zeros({6})};
+  expect_error_naming([&] { cpu::multi_tensor_unscale_to_(src, dst, found_inf, scalar(1.f)); },
+                      "dst[1]");
+  expect_error_naming([&] { cpu::multi_tensor_unscale_to_(src, {dst[0]}, found_inf, scalar(1.f)); },
+                      "dst");
+  expect_error_naming([&] { cpu::multi_tensor_copy_(src, dst); }, "dst[1]");
+  expect_error_naming(
+      [&] {
+        cpu::multi_tensor_copy_(src, {dst[0], at::empty({5}, at::kMeta)});
+      },
+      "dst[1]");
+  EXPECT_TRUE(at::equal(dst[0], at::zeros({4})));
+
+  const Tensor a = at::ones({2, 3}), b = at::zeros({3, 2}).t();  // same numel, other order
+  expect_error_naming([&] { cpu::multi_tensor_copy_({a}, {b}); }, "dst[0]");
+  EXPECT_TRUE(at::equal(b, at::zeros({2, 3})));
+
+  expect_error_naming([&] { cpu::multi_tensor_l2norm(ok, at::ones({1}, at::kHalf), false); },
+                      "inv_scale");
+  expect_error_naming([&] { cpu::multi_tensor_l2norm({at::ones({2}, at::kLong)}, {}, false); },
+                      "tensors[0]");
+}
+
+TEST(Validation, FusedSgd) {
+  std::vector<Tensor> params = {at::ones({4})}, grads = {at::ones({4})}, bufs = {at::zeros({4})},
+                      model = {at::zeros({4}, at::kHalf)};
+  const auto sgd = [&](double lr, double momentum, double dampening, bool nesterov,
+                       std::vector<Tensor> b) {
+    cpu::fused_sgd_(params, grads, b, model, lr, momentum, dampening, 0.0, nesterov, false,
+                    std::nullopt, std::nullopt);
+  };
+  expect_error_naming([&] { sgd(-0.1, 0.9, 0.0, false, bufs); }, "lr");
+  expect_error_naming([&] { sgd(0.1, 0.0, 0.0, false, bufs); }, "momentum_buffers");
+  expect_error_naming([&] { sgd(0.1, 0.9, 0.1, true, bufs); }, "dampening");
+  expect_error_naming([&] { sgd(0.1, 0.9, 0.0, false, {at::zeros({4}, at::kHalf)}); },
+                      "momentum_buffers[0]");
+  expect_error_naming([&] { sgd(0.1, 0.9, 0.0, false, {}); }, "momentum_buffers");
+  expect_same(params, {at::ones({4})});
+  expect_same(bufs, {at::zeros({4})});
+  expect_same(model, {at::zeros({4}, at::kHalf)});
+
+  std::vector<Tensor> half_params = {at::ones({4}, at::kHalf)};
+  expect_error_naming(
+      [&] {
+        cpu::fused_sgd_(half_params, grads, {}, model, 0.1, 0.0, 0.0, 0.0, false, false,
+                        std::nullopt, std::nullopt);
+      },
+      "params[0]");
+  expect_error_naming(
+      [&] {
+        cpu::fused_sgd_(params, {at::ones({5})}, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
+                        std::nullopt, std::nullopt);
+      },
+      "grads[0]");
+  expect_error_naming(
+      [&] {
+        cpu::fused_sgd_(params, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false, std::nullopt,
+                        at::zeros({1}, at::kInt));
+      },
+      "found_inf");
+  EXPECT_TRUE(at::equal(half_params[0], at::ones({4}, at::kHalf)));
+  expect_same(params, {at::ones({4})});
+}
+
+TEST(Validation, FusedAdam) {
+  AdamCase c = adam_case(0.f);
+  const auto p0 = clones(c.params), m0 = clones(c.exp_avgs);
+  const auto adam = [&](const Tensor& step, double beta1, double eps,
+                        const std::vector<Tensor>& exp_avgs) {
+    cpu::fused_adam_(c.params, c.grads, exp_avgs, c.exp_avg_sqs, c.model, step, 1e-3, beta1, 0.999,
+                     eps, 0.0, true, true, std::nullopt, std::nullopt);
+  };
+  expect_error_naming([&] { adam(c.step, 1.0, 1e-8, c.exp_avgs); }, "beta1");
+  expect_error_naming([&] { adam(c.step, 0.9, -1.0, c.exp_avgs); }, "eps");
+  expect_error_naming([&] { adam(at::zeros({1}, at::kInt), 0.9, 1e-8, c.exp_avgs); }, "step");
+  expect_error_naming([&] { adam(at::zeros({2}), 0.9, 1e-8, c.exp_avgs); }, "step");
+  expect_error_naming(
+      [&] {
+        adam(c.step, 0.9, 1e-8, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)});
+      },
+      "exp_avgs[1]");
+  EXPECT_EQ(value(c.step), 0.f);
+  expect_same(c.params, p0);
+  expect_same(c.exp_avgs, m0);
+}
+
+TEST(Validation, SumFp32AndUpdateLossScale) {
+  expect_error_naming([&] { cpu::sum_fp32(at::ones({3}, at::kInt), std::nullopt, false); }, "self");
+
+  LossScale s;
+  const auto update = [&](const Tensor& growth, double backoff, int64_t interval, double min,
+                          double max) {
+    cpu::update_loss_scale_(s.scale, growth, s.hysteresis, scalar(1.f), 2.0, backoff, interval, 1,
+                            min, max);
+  };
+  expect_error_naming([&] { update(at::zeros({1}), 0.5, 3, 0, kInf); }, "growth_tracker");
+  expect_error_naming([&] { update(s.growth, 0.0, 3, 0, kInf); }, "backoff_factor");
+  expect_error_naming([&] { update(s.growth, 0.5, 0, 0, kInf); }, "growth_interval");
+  expect_error_naming([&] { update(s.growth, 0.5, 3, 2048, 1024); }, "min_scale");
+  EXPECT_EQ(value(s.scale), 1024.f);
+  EXPECT_EQ(s.hysteresis.item<int32_t>(), 1);
+}
+
+}  // namespace
+}  // namespace mixedprec
