@@ -25,7 +25,7 @@ std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numels,
     const int64_t chunks = num_chunks(numels[t]);
     if (chunks == 0) continue;
     if (chunks > INT32_MAX) throw std::invalid_argument("plan_launches: tensor too large");
-    if (full_tensors()) flush();
+    if (full_tensors() || full_blocks()) flush();
     current.tensors.push_back(static_cast<int>(t));
     for (int64_t c = 0; c < chunks; ++c) {
       if (full_blocks()) {
