@@ -1,0 +1,326 @@
+"""Fused optimizers with fp32 master weights for fp16/bf16 models.
+
+:class:`FusedSGD` and :class:`FusedAdam` take Apex's argument names and defaults and
+behave as full :class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
+``add_param_group``, ``zero_grad``, LR schedulers). Each step is one fused op call per
+param group and device (two for SGD while some momentum buffers are new), which:
+
+* reads fp32, fp16 or bf16 gradients and multiplies them by ``1 / grad_scale`` when a
+  ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``;
+* skips the whole update on the device when the scaler set ``found_inf``, so an
+  overflow never forces a host synchronisation;
+* with ``master_weights=True`` updates fp32 master copies of fp16/bf16 parameters
+  (kept in the optimizer state as ``master_param``) and writes them, cast, into the
+  model parameters in the same pass.
+
+Optimizer state (moments, momentum buffers, masters) is always float32.
+"""
+
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import ops
+
+__all__ = ["FusedSGD", "FusedAdam"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# State entries that are float32 whatever the parameter's dtype.
+_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, Tensor) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"expected {name} >= 0, got {value}")
+
+
+class _FusedOptimizer(Optimizer):
+    """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
+
+    # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
+    # unscaling and checking gradients itself.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults: Dict[str, Any], master_weights: bool,
+                 set_grad_none: bool):
+        self.master_weights = bool(master_weights)
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.layout != torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support sparse parameters")
+            if p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
+                    f"bfloat16, got {p.dtype}"
+                )
+        self._create_master_weights(self.param_groups[-1])
+
+    def _create_master_weights(self, group: Dict[str, Any]) -> None:
+        if not self.master_weights:
+            return
+        for p in group["params"]:
+            if p.dtype in _HALF_DTYPES and "master_param" not in self.state[p]:
+                self.state[p]["master_param"] = p.detach().to(torch.float32, copy=True)
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Zeroes the gradients; ``set_to_none`` defaults to the constructor's
+        ``set_grad_none``."""
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _scaling(self, device: torch.device):
+        """``(inv_scale, found_inf)`` on `device` from what a GradScaler set, or None."""
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        inv_scale = None
+        if grad_scale is not None:
+            inv_scale = grad_scale.to(device, torch.float64).reciprocal().to(torch.float32)
+        if found_inf is not None:
+            found_inf = found_inf.to(device, torch.float32)
+        return inv_scale, found_inf
+
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, List[Tensor]]:
+        """The group's parameters that have gradients, by device, after checking them."""
+        by_device: Dict[torch.device, List[Tensor]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if p.grad.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
+                    f"bfloat16, got {p.grad.dtype}"
+                )
+            by_device.setdefault(p.device, []).append(p)
+        self._check_devices(by_device)
+        return by_device
+
+    def _check_devices(self, by_device: Dict[torch.device, List[Tensor]]) -> None:
+        """Hook: reject a device layout the optimizer cannot step (before any update)."""
+
+    def _master(self, p: Tensor) -> Optional[Tensor]:
+        """p's fp32 master (created or moved on demand), or None when p needs none."""
+        if not self.master_weights or p.dtype not in _HALF_DTYPES:
+            return None
+        state = self.state[p]
+        master = state.get("master_param")
+        if master is None:  # the model was cast to half after the optimizer was built
+            master = state["master_param"] = p.detach().to(torch.float32, copy=True)
+        elif master.device != p.device:  # the model moved after the optimizer was built
+            master = state["master_param"] = master.to(p.device)
+        return master
+
+    @staticmethod
+    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor) -> Tensor:
+        """state[key] as an fp32 tensor on like's device, created as zeros if absent."""
+        value = state.get(key)
+        if value is None:
+            value = state[key] = torch.zeros_like(like, dtype=torch.float32,
+                                                  memory_format=torch.preserve_format)
+        elif value.device != like.device:
+            value = state[key] = value.to(like.device)
+        return value
+
+    def _update_lists(self, params: List[Tensor]):
+        """(update targets, model copies) for one op call: the fp32 masters and the
+        model params when any param has a master (an fp32 param is then its own
+        master), else the params themselves and no model copy."""
+        masters = [self._master(p) for p in params]
+        if all(m is None for m in masters):
+            return list(params), []
+        return [p if m is None else m for p, m in zip(params, masters)], list(params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step (on the device, without host synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Check every group before touching any state, so a bad gradient changes nothing.
+        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        for group, by_device in work:
+            for device, params in by_device.items():
+                self._step_group(group, device, params, *self._scaling(device))
+        return loss
+
+    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict saved by this optimizer class.
+
+        Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
+        moments, momentum buffers) stays float32 instead of being cast to the dtype of
+        fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
+        a ValueError names it and nothing is changed.
+        """
+        name = type(self).__name__
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
+                f"the optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: Dict[Any, Tensor] = {}
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
+                    f"params in the state dict and {len(group['params'])} in the optimizer"
+                )
+            id_to_param.update(zip(saved["params"], group["params"]))
+
+        new_state: Dict[Tensor, Dict[str, Any]] = {}
+        for key, saved_state in state_dict["state"].items():
+            if key not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+            p = id_to_param[key]
+            new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            new_group = {k: v for k, v in saved.items() if k != "params"}
+            self._load_group_state(new_group, group)
+            new_group["params"] = group["params"]
+            new_groups.append(new_group)
+
+        self.state.clear()
+        self.state.update(new_state)
+        self.param_groups = new_groups
+
+    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
+        if key in _FP32_STATE:
+            if value.shape != p.shape:
+                raise ValueError(f"{where} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(p.shape)}")
+            if value.dtype != torch.float32:
+                raise ValueError(f"{where} has dtype {value.dtype}, expected torch.float32")
+        return value.to(p.device, copy=True)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """Hook for group-level state tensors (FusedAdam's step)."""
+
+
+class FusedSGD(_FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov momentum and weight decay, fused over all
+    parameters; ``torch.optim.SGD`` semantics (the first step's momentum buffer is the
+    gradient), Apex's ``FusedSGD`` argument names.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr: learning rate (required).
+        momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        master_weights: keep fp32 masters of fp16/bf16 parameters in the state and
+            update them; the parameters receive the cast masters.
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
+
+    Momentum buffers are float32. Apex's ``wd_after_momentum`` and
+    ``materialize_master_grads`` are not supported.
+    """
+
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 master_weights: bool = False, set_grad_none: bool = False):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+        momentum = group["momentum"]
+        # Params whose momentum buffer starts now (first_run) go in a call of their own.
+        calls: Dict[bool, List[Tensor]] = {}
+        for p in params:
+            calls.setdefault(momentum != 0 and "momentum_buffer" not in self.state[p], []).append(p)
+        for first_run, ps in calls.items():
+            targets, model = self._update_lists(ps)
+            buffers = [self._state_tensor(self.state[p], "momentum_buffer", t)
+                       for p, t in zip(ps, targets)] if momentum != 0 else []
+            ops.fused_sgd_(targets, [p.grad for p in ps], buffers, model, group["lr"], momentum,
+                           group["dampening"], group["weight_decay"], group["nesterov"],
+                           first_run, inv_scale, found_inf)
+
+
+class FusedAdam(_FusedOptimizer):
+    """Adam (``adam_w_mode=False``: L2 weight decay added to the gradient) and AdamW
+    (``adam_w_mode=True``, the default: decoupled weight decay), fused over all
+    parameters; ``torch.optim.Adam``/``AdamW`` math, Apex's ``FusedAdam`` argument
+    names and defaults.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        bias_correction: apply Adam's bias correction.
+        adam_w_mode: decoupled weight decay (AdamW) when True.
+        amsgrad: not supported (a ValueError, as in Apex).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        capturable: accepted for Apex compatibility; every step already runs without
+            host synchronisation (the step count lives on the device).
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    As in Apex, the step count belongs to the param group (``group["step"]``, a float32
+    device tensor) rather than to each parameter: every parameter of a group is
+    assumed to step together. A group's parameters must share one device. Moments are
+    float32.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 capturable: bool = False, master_weights: bool = False):
+        if amsgrad:
+            raise ValueError("FusedAdam does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        self.capturable = capturable
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def _check_devices(self, by_device: Dict[torch.device, List[Tensor]]) -> None:
+        if len(by_device) > 1:
+            raise ValueError("FusedAdam: the parameters of a param group must share one "
+                             f"device (the group's step count lives there), got {list(by_device)}")
+
+    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+        step = group.get("step")
+        if step is None:
+            step = group["step"] = torch.zeros(1, dtype=torch.float32, device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        targets, model = self._update_lists(params)
+        exp_avgs = [self._state_tensor(self.state[p], "exp_avg", t) for p, t in zip(params, targets)]
+        exp_avg_sqs = [self._state_tensor(self.state[p], "exp_avg_sq", t)
+                       for p, t in zip(params, targets)]
+        beta1, beta2 = group["betas"]
+        ops.fused_adam_(targets, [p.grad for p in params], exp_avgs, exp_avg_sqs, model, step,
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                        group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        step = new_group.get("step")
+        if step is None:
+            return
+        if not isinstance(step, Tensor) or step.numel() != 1:
+            raise ValueError("FusedAdam.load_state_dict: a param group's 'step' must be a "
+                             "1-element tensor")
+        device = group["params"][0].device if group["params"] else step.device
+        new_group["step"] = step.to(device, torch.float32, copy=True)
