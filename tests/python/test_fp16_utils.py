@@ -1,0 +1,642 @@
+"""mixedprec.fp16_utils (the apex.fp16_utils replacement): conversions, FP16_Optimizer
+against a plain-PyTorch reimplementation of the same steps, dynamic loss scaling
+against Apex's rule, skipped steps, no host synchronisation, checkpoints, bad input."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, assert_unchanged, snapshot
+from torch import nn
+
+from mixedprec import fp16_utils as fp16
+from mixedprec.fp16_utils import (
+    BN_convert_float,
+    DynamicLossScaler,
+    FP16_Optimizer,
+    FP16Model,
+    LossScaler,
+    convert_module,
+    convert_network,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+    tofp16,
+)
+
+HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+
+def mixedprec_optimizers():
+    """mixedprec.optimizers (written alongside this module): skip the test without it."""
+    return pytest.importorskip("mixedprec.optimizers")
+
+
+# Inner optimizers by name; each factory takes a list of parameters. The fused ones take
+# the overflow flag as `optimizer.found_inf` (torch.amp.GradScaler's hand-off).
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3),
+    "adam_fused": lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+    "sgd_fused": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
+    "mixedprec_adam": lambda params: mixedprec_optimizers().FusedAdam(
+        params, lr=1e-2, weight_decay=1e-3),
+    "mixedprec_sgd": lambda params: mixedprec_optimizers().FusedSGD(
+        params, lr=0.05, momentum=0.9),
+}
+SKIPPING_OPTIMIZERS = list(OPTIMIZERS)
+
+
+def make_model(device, dtype, seed=0):
+    """A small MLP with a BatchNorm, converted by network_to_half (BN stays fp32)."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    net = net.to(device)
+    return net if dtype == torch.float32 else network_to_half(net, dtype)
+
+
+def batch(step, device):
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(32, 8, generator=gen)
+    y = torch.randn(32, 4, generator=gen)
+    return x.to(device), y.to(device)
+
+
+def loss_of(model, step, device):
+    x, y = batch(step, device)
+    return (model(x).float() - y).pow(2).mean()
+
+
+def inject_inf(model_param):
+    model_param.grad.view(-1)[0] = float("inf")
+
+
+class ApexDynamicScale:
+    """Apex's DynamicLossScaler.update_scale, written from its documentation."""
+
+    def __init__(self, init_scale, scale_factor=2.0, scale_window=1000):
+        self.scale, self.factor, self.window = init_scale, scale_factor, scale_window
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update(self, overflow):
+        if overflow:
+            self.scale = max(self.scale / self.factor, 1)
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+            self.scale *= self.factor
+        self.cur_iter += 1
+
+
+class Reference:
+    """FP16_Optimizer's arithmetic in plain PyTorch: fp32 masters, grad.float() * (1/S)
+    (fp32 reciprocal), an ordinary torch optimizer, masters copied into the model, and
+    an overflowed step skipped by not calling the optimizer."""
+
+    def __init__(self, model, make_optimizer, scale, dynamic_args=None):
+        self.model = model
+        self.pairs = []
+        group = []
+        for p in model.parameters():
+            if p.dtype in (torch.float16, torch.bfloat16):
+                master = p.detach().clone().float().requires_grad_(True)
+                self.pairs.append((p, master))
+                group.append(master)
+            else:
+                group.append(p)
+        self.fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
+        self.optimizer = make_optimizer(group)
+        if dynamic_args:
+            # FP16_Optimizer keeps torch's step counters on a GPU (capturable=True) so
+            # that a skipped step needs no host read; so does the reference.
+            for g in self.optimizer.param_groups:
+                if g.get("capturable") is False and not g.get("fused") and all(
+                        p.device.type == "cuda" for p in g["params"]):
+                    g["capturable"] = True
+        self.masters = [m for _, m in self.pairs]
+        self.dynamic = ApexDynamicScale(**dynamic_args) if dynamic_args else None
+        self.scale = dynamic_args["init_scale"] if dynamic_args else scale
+
+    def step(self, step, device, overflow_at=()):
+        for p in self.model.parameters():
+            p.grad = None
+        (loss_of(self.model, step, device).float() * self.scale).backward()
+        if step in overflow_at:
+            inject_inf(self.pairs[0][0])
+        inv = torch.reciprocal(torch.tensor([self.scale], dtype=torch.float32, device=device))
+        overflow = False
+        with torch.no_grad():
+            for p, m in self.pairs:
+                m.grad = p.grad.float() * inv
+                overflow |= not torch.isfinite(m.grad).all().item()
+            for p in self.fp32:
+                p.grad.mul_(inv)
+                overflow |= not torch.isfinite(p.grad).all().item()
+        if self.dynamic is not None:
+            self.dynamic.update(overflow)
+            self.scale = self.dynamic.scale
+            if overflow:
+                return
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.copy_(m)
+
+
+def wrapped(device, dtype, opt_name, seed=0, **kwargs):
+    model = make_model(device, dtype, seed)
+    kwargs.setdefault("verbose", False)
+    return model, FP16_Optimizer(OPTIMIZERS[opt_name](list(model.parameters())), **kwargs)
+
+
+def train_step(model, optimizer, step, device, overflow_at=()):
+    optimizer.zero_grad()
+    loss = loss_of(model, step, device)
+    if step in overflow_at:
+        optimizer.backward(loss, update_master_grads=False)
+        inject_inf(next(p for p in model.parameters() if p.dtype != torch.float32))
+        optimizer.update_master_grads()
+    else:
+        optimizer.backward(loss)
+    optimizer.step()
+    return loss
+
+
+def assert_model_is_masters(optimizer):
+    for p, m in zip(optimizer.all_fp16_params, optimizer.all_fp32_from_fp16_params):
+        assert_bitwise_equal(p.detach(), m.detach().to(p.dtype), "model param vs cast master")
+
+
+# ---------------------------------------------------------------------------------------
+# Conversions
+# ---------------------------------------------------------------------------------------
+
+def conv_net(device):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, affine=False),
+        nn.Flatten(), nn.Linear(4 * 6 * 6, 5),
+    ).to(device)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_network_to_half_keeps_affine_batchnorm_fp32(device, dtype):
+    net = network_to_half(conv_net(device), dtype)
+    assert isinstance(net[0], tofp16)
+    body = net[1]
+    for i in (0, 3, 6):
+        assert {p.dtype for p in body[i].parameters()} == {dtype}
+    bn, bn_plain = body[1], body[4]
+    bn_tensors = (bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    assert {t.dtype for t in bn_tensors} == {torch.float32}
+    assert bn.num_batches_tracked.dtype == torch.int64
+    # As in Apex, only affine BatchNorm is kept in fp32.
+    assert bn_plain.running_mean.dtype == dtype
+    out = net(torch.randn(2, 3, 8, 8, device=device))
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_convert_network_and_fp16_model(device, dtype):
+    reference = conv_net(device)
+    net = convert_network(copy.deepcopy(reference), dtype)
+    assert net[0].weight.dtype == dtype and net[6].bias.dtype == dtype
+    assert net[1].weight.dtype == torch.float32 and net[1].running_var.dtype == torch.float32
+    assert net[4].running_mean.dtype == dtype
+
+    model = FP16Model(copy.deepcopy(reference), dtype)
+    assert model.network[0].weight.dtype == dtype and model.network[1].weight.dtype == torch.float32
+    x = torch.randn(2, 3, 8, 8, device=device)
+    out = model(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, model.network(x.to(dtype)), rtol=0, atol=0)
+
+    # Integer inputs (token ids) are not cast, unlike Apex's t.half().
+    emb = FP16Model(nn.Embedding(10, 3).to(device), dtype)
+    ids = torch.tensor([1, 2, 3], device=device)
+    assert emb(ids).dtype == dtype
+
+
+def test_convert_module_casts_grads_and_only_its_own_tensors(device):
+    net = nn.Sequential(nn.Linear(2, 2)).to(device)
+    net[0].weight.grad = torch.ones(2, 2, device=device)
+    weight = net[0].weight
+    convert_module(net, torch.float16)  # the container holds no parameter itself
+    assert weight.dtype == torch.float32
+    convert_module(net[0], torch.float16)
+    assert net[0].weight is weight and weight.dtype == torch.float16
+    assert weight.grad.dtype == torch.float16
+    assert BN_convert_float(nn.BatchNorm1d(2).half()).weight.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------
+# FP16_Optimizer against the plain-PyTorch reference
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_training_matches_reference_and_fp32(device, dtype, opt_name):
+    steps, scale = 50, 128.0
+    model, optimizer = wrapped(device, dtype, opt_name, static_loss_scale=scale)
+    reference = Reference(make_model(device, dtype), OPTIMIZERS[opt_name], scale)
+    fp32_model = make_model(device, torch.float32)
+    fp32_optimizer = OPTIMIZERS[opt_name](list(fp32_model.parameters()))
+    losses, fp32_losses = [], []
+    for step in range(steps):
+        losses.append(train_step(model, optimizer, step, device).item())
+        reference.step(step, device)
+        fp32_optimizer.zero_grad()
+        loss = loss_of(fp32_model, step, device)
+        loss.backward()
+        fp32_optimizer.step()
+        fp32_losses.append(loss.item())
+
+    # Exactly the reference's arithmetic.
+    for got, expected in zip(optimizer.all_fp32_from_fp16_params, reference.masters):
+        assert_bitwise_equal(got.detach(), expected.detach(), "master")
+    for got, expected in zip(optimizer.all_fp32_from_fp32_params, reference.fp32):
+        assert_bitwise_equal(got.detach(), expected.detach(), "fp32 param")
+    assert_model_is_masters(optimizer)
+    assert optimizer.loss_scale == scale and not optimizer.overflow
+
+    # Close to fp32 training: the loss falls alike and the weights stay near.
+    assert losses[-1] < 0.9 * losses[0]
+    tol = 0.05 if dtype == torch.float16 else 0.15
+    assert abs(losses[-1] - fp32_losses[-1]) <= tol * fp32_losses[-1]
+    fp32_weights = [p for p in fp32_model.parameters()]
+    masters = optimizer.param_groups[0]["params"]
+    for got, expected in zip(masters, fp32_weights):
+        torch.testing.assert_close(got.detach(), expected.detach(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("opt_name", SKIPPING_OPTIMIZERS)
+def test_dynamic_scaling_matches_apex_rule_and_skips(device, opt_name):
+    dtype = torch.float16
+    args = dict(init_scale=2.0**10, scale_factor=2.0, scale_window=3)
+    overflow_at = {0, 4, 5, 11, 12, 13, 20}
+    model, optimizer = wrapped(device, dtype, opt_name, dynamic_loss_scale=True,
+                               dynamic_loss_args=args)
+    reference = Reference(make_model(device, dtype), OPTIMIZERS[opt_name], None, args)
+    scales = []
+    for step in range(26):
+        train_step(model, optimizer, step, device, overflow_at)
+        reference.step(step, device, overflow_at)
+        scales.append(optimizer.loss_scale)
+        assert scales[-1] == reference.scale, f"step {step}"
+        assert optimizer.overflow == (step in overflow_at)
+    assert min(scales) < 2**10 and any(b > a for a, b in zip(scales, scales[1:]))  # grew too
+    for got, expected in zip(optimizer.all_fp32_from_fp16_params, reference.masters):
+        assert_bitwise_equal(got.detach(), expected.detach(), "master")
+    for got, expected in zip(optimizer.all_fp32_from_fp32_params, reference.fp32):
+        assert_bitwise_equal(got.detach(), expected.detach(), "fp32 param")
+    assert_model_is_masters(optimizer)
+
+
+@pytest.mark.parametrize("opt_name", SKIPPING_OPTIMIZERS)
+def test_skipped_step_leaves_everything_bit_identical(device, opt_name):
+    model, optimizer = wrapped(device, torch.float16, opt_name, dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=256.0, scale_window=2))
+    # An overflow in the very first step: the inner optimizer creates no state.
+    train_step(model, optimizer, 0, device, overflow_at={0})
+    assert len(optimizer.state) == 0 and optimizer.loss_scale == 128.0
+    for step in (1, 2, 3):
+        train_step(model, optimizer, step, device)
+    assert optimizer.loss_scale == 256.0  # grew back after scale_window good steps
+
+    before = snapshot([list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                       optimizer.optimizer.state_dict()["state"]])
+    train_step(model, optimizer, 4, device, overflow_at={4})
+    assert optimizer.overflow and optimizer.loss_scale == 128.0
+    assert_unchanged([list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                      optimizer.optimizer.state_dict()["state"]], before)
+    assert optimizer.clip_master_grads(1.0).item() == -1  # Apex's overflow value
+    with pytest.warns(UserWarning, match="overflowed"):
+        assert optimizer.inspect_master_grad_data() is None
+
+
+def test_groups_frozen_params_and_existing_state(device, capsys):
+    model = make_model(device, torch.float16)
+    first, bn, last = model[1][0], model[1][1], model[1][3]
+    last.bias.requires_grad_(False)
+    inner = torch.optim.SGD([
+        {"params": [first.weight, first.bias], "lr": 0.1},
+        {"params": [*bn.parameters(), last.weight, last.bias], "lr": 0.01},
+    ], lr=0.05, momentum=0.9)
+    loss_of(model, 0, device).backward()
+    inner.step()  # momentum buffers in fp16, keyed by the fp16 parameters
+    buffer = inner.state[first.weight]["momentum_buffer"].clone()
+    optimizer = FP16_Optimizer(inner, dynamic_loss_scale=True)
+    assert "FP16_Optimizer processing param group 1:" in capsys.readouterr().out
+
+    assert [len(g) for g in optimizer.fp16_groups] == [2, 1]
+    assert [len(g) for g in optimizer.fp32_from_fp32_groups] == [0, 2]
+    master = optimizer.param_groups[0]["params"][0]
+    assert master.dtype == torch.float32 and master is optimizer.fp32_from_fp16_groups[0][0]
+    moved = optimizer.state[master]["momentum_buffer"]
+    assert moved.dtype == torch.float32 and torch.equal(moved, buffer.float())
+    assert first.weight not in optimizer.state
+    assert optimizer.param_groups[1]["params"][-1] is last.bias  # frozen: left alone
+    frozen = last.bias.detach().clone()
+    for step in range(1, 4):
+        train_step(model, optimizer, step, device, overflow_at={2})
+    assert_bitwise_equal(last.bias.detach(), frozen)
+    assert last.bias.grad is None
+    assert_model_is_masters(optimizer)
+
+
+def test_static_loss_scale_and_setter(device):
+    model, optimizer = wrapped(device, torch.float16, "sgd", static_loss_scale=64.0)
+    train_step(model, optimizer, 0, device)
+    grads = optimizer.inspect_master_grad_data()
+    # The master grads are unscaled: compare with fp32 backward of the same loss.
+    ref_model = make_model(device, torch.float16)
+    (loss_of(ref_model, 0, device) * 64.0).backward()
+    for got, p in zip(grads[0], ref_model.parameters()):
+        expected = p.grad.float() * (1 / 64.0) if p.dtype == torch.float16 else p.grad / 64.0
+        assert_bitwise_equal(got, expected)
+    optimizer.loss_scale = 32.0
+    assert optimizer.loss_scale == 32.0 and optimizer.loss_scaler.loss_scale == 32.0
+    assert not optimizer.overflow and not optimizer.dynamic_loss_scale
+
+
+def test_multiple_losses_and_closure(device):
+    model, optimizer = wrapped(device, torch.float16, "sgd", dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=2.0**40))
+    optimizer.zero_grad()
+    optimizer.backward(loss_of(model, 0, device), update_master_grads=False)
+    optimizer.backward(loss_of(model, 1, device), update_master_grads=False)
+    optimizer.update_master_grads()  # one scale update for both losses
+    assert optimizer.overflow and optimizer.loss_scale == 2.0**39
+
+    calls = []
+
+    def closure():
+        calls.append(optimizer.loss_scale)
+        optimizer.zero_grad()
+        loss = loss_of(model, 2, device)
+        optimizer.backward(loss)
+        return loss
+
+    loss = optimizer.step(closure)
+    # The closure is re-run while the gradients overflow, with a smaller scale each time.
+    assert len(calls) > 1 and calls == sorted(calls, reverse=True)
+    assert not optimizer.overflow and torch.isfinite(loss)
+    assert all(torch.isfinite(m).all() for m in optimizer.all_fp32_from_fp16_params)
+    assert_model_is_masters(optimizer)
+
+
+@pytest.mark.parametrize("opt_name", SKIPPING_OPTIMIZERS)
+def test_no_host_sync_in_the_step(device, opt_name, monkeypatch):
+    if opt_name == "adam" and device == "cpu":
+        pytest.skip("torch.optim.Adam reads its own CPU step counter with .item()")
+    model, optimizer = wrapped(device, torch.float16, opt_name, dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=256.0, scale_window=2))
+    train_step(model, optimizer, 0, device)  # creates the optimizer state (host read)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation in the training step")
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "__bool__", "cpu", "tolist"):
+            patch.setattr(torch.Tensor, name, forbidden)
+        for step in range(1, 7):
+            if step == 3:
+                before_skip = [m.detach().clone() for m in optimizer.all_fp32_from_fp16_params]
+            train_step(model, optimizer, step, device, overflow_at={3})
+            if step == 3:
+                after_skip = [m.detach().clone() for m in optimizer.all_fp32_from_fp16_params]
+        optimizer.clip_master_grads(1.0)
+        with pytest.raises(AssertionError, match="host synchronisation"):
+            optimizer.overflow  # noqa: B018 (proves the patch is in force)
+    for got, expected in zip(after_skip, before_skip):
+        assert_bitwise_equal(got, expected, f"{opt_name}: master changed by a skipped step")
+    # 256 -> 512 (steps 0, 1) -> 256 (overflow at 3) -> 512 (4, 5) -> still 512 (6)
+    assert optimizer.loss_scale == 512.0, opt_name
+    assert_model_is_masters(optimizer)
+
+
+# ---------------------------------------------------------------------------------------
+# Clipping and helpers
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_master_grads_matches_torch(device, norm_type):
+    model, optimizer = wrapped(device, torch.float16, "sgd", static_loss_scale=8.0)
+    optimizer.zero_grad()
+    optimizer.backward(loss_of(model, 0, device) * 100)
+    params = [p for p in optimizer.param_groups[0]["params"]]
+    clones = [p.detach().clone().requires_grad_(True) for p in params]
+    for c, p in zip(clones, params):
+        c.grad = p.grad.clone()
+    max_norm = 0.5
+    expected = torch.nn.utils.clip_grad_norm_(clones, max_norm, norm_type)
+    total = optimizer.clip_master_grads(max_norm, norm_type)
+    assert total.shape == () and total.dtype == torch.float32
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    assert expected.item() > max_norm  # the grads were clipped
+    for c, p in zip(clones, params):
+        torch.testing.assert_close(p.grad, c.grad, rtol=2e-5, atol=1e-7)
+    assert to_python_float(total) == pytest.approx(expected.item(), rel=1e-5)
+    assert fp16.clip_grad_norm(clones, 1e9, norm_type).item() == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_to_python_float():
+    assert to_python_float(torch.tensor([2.5])) == 2.5
+    assert to_python_float(torch.tensor(3)) == 3
+    assert to_python_float(1.5) == 1.5
+    assert to_python_float([4.0]) == 4.0
+
+
+@pytest.mark.parametrize("flat_master", [False, True])
+def test_manual_master_helpers(device, flat_master):
+    model = make_model(device, torch.float16)  # fp16 Linear weights, fp32 BatchNorm
+    model_params, master_params = prep_param_lists(model, flat_master=flat_master)
+    assert model_params == [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        assert len(master_params) == 1 and master_params[0].dtype == torch.float32
+        assert master_params[0].numel() == sum(p.numel() for p in model_params)
+        assert master_params[0].grad is not None
+    else:
+        assert all(m.dtype == torch.float32 and m.requires_grad and m.shape == p.shape
+                   for m, p in zip(master_params, model_params))
+    loss_of(model, 0, device).backward()
+    model_grads_to_master_grads(model_params, master_params, flat_master=flat_master)
+    expected = torch.cat([p.grad.float().reshape(-1) for p in model_params])
+    got = (master_params[0].grad if flat_master
+           else torch.cat([m.grad.reshape(-1) for m in master_params]))
+    assert_bitwise_equal(got, expected)
+
+    with torch.no_grad():
+        for m in master_params:
+            m.add_(torch.linspace(-1, 1, m.numel(), device=device).view(m.shape))
+    master_params_to_model_params(model_params, master_params, flat_master=flat_master)
+    flat = master_params[0] if flat_master else torch.cat([m.reshape(-1) for m in master_params])
+    offset = 0
+    for p in model_params:
+        piece = flat[offset:offset + p.numel()].view(p.shape)
+        assert_bitwise_equal(p.detach(), piece.detach().to(p.dtype))
+        offset += p.numel()
+
+    with pytest.raises(ValueError, match="master"):
+        master_params_to_model_params(model_params, master_params[:1] * 2, flat_master)
+
+
+# ---------------------------------------------------------------------------------------
+# Standalone scalers
+# ---------------------------------------------------------------------------------------
+
+def test_standalone_scalers(device):
+    w = torch.ones(3, device=device, requires_grad=True)
+    LossScaler(4.0).backward((w * 2).sum())
+    assert_bitwise_equal(w.grad, torch.full((3,), 8.0, device=device))
+    assert not LossScaler(4.0).has_overflow([w])
+
+    scaler = DynamicLossScaler(init_scale=2.0**4, scale_factor=2.0, scale_window=2)
+    apex = ApexDynamicScale(2.0**4, 2.0, 2)
+    pattern = [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0]
+    for flag in pattern:
+        w.grad = torch.full((3,), float("inf") if flag else 1.0, device=device)
+        overflow = scaler.has_overflow([w])
+        assert overflow == bool(flag)
+        scaler.update_scale(overflow)
+        apex.update(overflow)
+        assert scaler.loss_scale == apex.scale == scaler.cur_scale
+    assert scaler.loss_scale >= 1.0  # Apex's floor was reached on the way
+    # A device tensor works too, without a host read.
+    scaler.update_scale(torch.ones(1, device=device))
+    apex.update(True)
+    assert scaler.loss_scale == apex.scale
+
+    state = scaler.state_dict()
+    clone = DynamicLossScaler(init_scale=1.0, scale_factor=2.0, scale_window=2)
+    clone.load_state_dict(state)
+    assert clone.loss_scale == scaler.loss_scale
+    with pytest.raises(ValueError, match="static"):
+        LossScaler().load_state_dict(state)
+
+
+def test_scaler_arguments_are_checked():
+    with pytest.raises(ValueError, match="scale_factor"):
+        DynamicLossScaler(scale_factor=1.0)
+    with pytest.raises(ValueError, match="scale_window"):
+        DynamicLossScaler(scale_window=0)
+    with pytest.raises(ValueError, match="init_scale"):
+        DynamicLossScaler(init_scale=-1)
+    with pytest.raises(ValueError, match="scale"):
+        LossScaler(float("inf"))
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adam_fused"])
+def test_state_dict_round_trip_resumes_bit_for_bit(device, opt_name, tmp_path):
+    kwargs = dict(dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=512.0, scale_window=3))
+    overflow_at = {2, 7}
+    model, optimizer = wrapped(device, torch.bfloat16, opt_name, **kwargs)
+    for step in range(10):
+        train_step(model, optimizer, step, device, overflow_at)
+
+    model_a, optimizer_a = wrapped(device, torch.bfloat16, opt_name, **kwargs)
+    for step in range(5):
+        train_step(model_a, optimizer_a, step, device, overflow_at)
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": model_a.state_dict(), "optimizer": optimizer_a.state_dict()}, path)
+    checkpoint = torch.load(path, weights_only=True)
+
+    model_b, optimizer_b = wrapped(device, torch.bfloat16, opt_name, seed=1, **kwargs)
+    model_b.load_state_dict(checkpoint["model"])
+    optimizer_b.load_state_dict(checkpoint["optimizer"])
+    assert optimizer_b.loss_scale == optimizer_a.loss_scale
+    for step in range(5, 10):
+        train_step(model_b, optimizer_b, step, device, overflow_at)
+
+    assert optimizer_b.loss_scale == optimizer.loss_scale
+    for got, expected in zip(model_b.state_dict().values(), model.state_dict().values()):
+        assert_bitwise_equal(got, expected, "model")
+    for got, expected in zip(optimizer_b.all_fp32_from_fp16_params,
+                             optimizer.all_fp32_from_fp16_params):
+        assert_bitwise_equal(got.detach(), expected.detach(), "master")
+    state_b = snapshot(optimizer_b.optimizer.state_dict()["state"])
+    assert_unchanged(optimizer.optimizer.state_dict()["state"], state_b)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------
+
+def test_rejects_what_is_not_an_optimizer(device):
+    model = make_model(device, torch.float16)
+    with pytest.raises(TypeError, match="init_optimizer"):
+        FP16_Optimizer(list(model.parameters()))
+    double = nn.Linear(2, 2).double().to(device)
+    inner = torch.optim.SGD(double.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="float64"):
+        FP16_Optimizer(inner, verbose=False)
+    assert all(p.dtype == torch.float64 for p in inner.param_groups[0]["params"])
+
+
+def test_sparse_gradients_rejected_before_anything_changes(device):
+    model = nn.Embedding(10, 4, sparse=True).half().to(device)
+    optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               dynamic_loss_scale=True, verbose=False)
+    before = snapshot([optimizer.all_fp32_from_fp16_params, optimizer.loss_scaler._scale,
+                       optimizer._found_inf])
+    with pytest.raises(TypeError, match="sparse"):
+        optimizer.backward(model(torch.tensor([1, 2], device=device)).float().sum())
+    assert_unchanged([optimizer.all_fp32_from_fp16_params, optimizer.loss_scaler._scale,
+                      optimizer._found_inf], before)
+    assert optimizer.all_fp32_from_fp16_params[0].grad is None
+
+
+def _corrupt(state_dict, what):
+    sd = copy.deepcopy(state_dict)
+    if what == "groups":
+        sd["fp32_from_fp16"].append([])
+    elif what == "size":
+        sd["fp32_from_fp16"][0][0] = torch.zeros(3)
+    elif what == "dtype":
+        sd["fp32_from_fp16"][0][0] = sd["fp32_from_fp16"][0][0].double()
+    elif what == "state size":
+        first = next(iter(sd["optimizer_state_dict"]["state"].values()))
+        first["exp_avg"] = torch.zeros(7)
+    elif what == "inner groups":
+        sd["optimizer_state_dict"]["param_groups"].append(
+            dict(sd["optimizer_state_dict"]["param_groups"][0], params=[]))
+    elif what == "scaler dtype":
+        sd["loss_scaler"]["loss_scale"] = sd["loss_scaler"]["loss_scale"].double()
+    elif what == "missing key":
+        del sd["loss_scaler"]
+    return sd
+
+
+@pytest.mark.parametrize("what, match", [
+    ("groups", "groups"), ("size", "size"), ("dtype", "dtype"), ("state size", "exp_avg"),
+    ("inner groups", "parameter groups"), ("scaler dtype", "loss_scale"),
+    ("missing key", "loss_scaler"),
+])
+def test_load_state_dict_mismatch_changes_nothing(device, what, match):
+    model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=64.0))
+    train_step(model, optimizer, 0, device)
+    good = copy.deepcopy(optimizer.state_dict())
+    buffer = io.BytesIO()
+    torch.save(_corrupt(good, what), buffer)
+    buffer.seek(0)
+    bad = torch.load(buffer, weights_only=True)
+    train_step(model, optimizer, 1, device)
+
+    def watched():
+        return [list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                optimizer.optimizer.state_dict()["state"], optimizer.loss_scaler._scale]
+
+    before = snapshot(watched())
+    with pytest.raises(ValueError, match=match):
+        optimizer.load_state_dict(bad)
+    assert_unchanged(watched(), before)
