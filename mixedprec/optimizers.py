@@ -50,7 +50,16 @@ class _FusedOptimizer(Optimizer):
                  set_grad_none: bool):
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
+        self._next_scaling: Optional[tuple] = None
         super().__init__(params, defaults)
+
+    def set_grad_scaling(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        """Hands the next :meth:`step` the loss scale its gradients carry (they are
+        divided by it inside the update; None: already unscaled) and an overflow flag
+        (nonzero: the step writes nothing), both device tensors. For loss-scaling front
+        ends other than a GradScaler, such as :mod:`mixedprec.amp`; a GradScaler's
+        ``grad_scale``/``found_inf`` take precedence. Used by one step."""
+        self._next_scaling = (grad_scale, found_inf)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -76,10 +85,9 @@ class _FusedOptimizer(Optimizer):
         ``set_grad_none``."""
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
-    def _scaling(self, device: torch.device):
-        """``(inv_scale, found_inf)`` on `device` from what a GradScaler set, or None."""
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+    def _scaling(self, device: torch.device, scaling):
+        """``(inv_scale, found_inf)`` on `device` from (grad_scale, found_inf)."""
+        grad_scale, found_inf = scaling
         inv_scale = None
         if grad_scale is not None:
             inv_scale = grad_scale.to(device, torch.float64).reciprocal().to(torch.float32)
@@ -148,10 +156,20 @@ class _FusedOptimizer(Optimizer):
                 loss = closure()
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        scaling, self._next_scaling = self._next_scaling or (None, None), None
+        if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):  # from a GradScaler
+            scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         for group, by_device in work:
             for device, params in by_device.items():
-                self._step_group(group, device, params, *self._scaling(device))
+                self._step_group(group, device, params, *self._scaling(device, scaling))
         return loss
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.optim.Optimizer keeps only defaults, state and param_groups.
+        state = super().__getstate__()
+        state.update(master_weights=self.master_weights, set_grad_none=self.set_grad_none,
+                     _next_scaling=None)
+        return state
 
     def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
         raise NotImplementedError
@@ -290,9 +308,8 @@ class FusedAdam(_FusedOptimizer):
             _check_nonnegative(name, value)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
-        self.capturable = capturable
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+                        weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         super().__init__(params, defaults, master_weights, set_grad_none)
 
     def _check_devices(self, by_device: Dict[torch.device, List[Tensor]]) -> None:
