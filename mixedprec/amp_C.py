@@ -1,0 +1,319 @@
+"""Apex's ``amp_C`` extension on mixedprec's operators, for CPU and CUDA tensors.
+
+Every function keeps Apex's calling convention, ``fn(chunk_size, noop_flag,
+tensor_lists, *args)``, usually reached through
+:data:`mixedprec.multi_tensor_apply.multi_tensor_applier`. What carries over and what
+differs:
+
+* ``chunk_size`` is accepted and ignored: the operators chunk by
+  :data:`mixedprec.ops.CHUNK_SIZE`.
+* ``noop_flag`` is Apex's one-element int32 tensor and stays int32. It is read and
+  written on the device, never on the host. ``multi_tensor_scale``,
+  ``multi_tensor_axpby`` and the norms set it to 1 on inf/NaN input (and never clear
+  it); ``multi_tensor_sgd`` and ``multi_tensor_adam`` write nothing when it is set.
+  (Apex's non-capturable Adam kernel ignored the flag; here it skips, as its SGD
+  kernel and its capturable Adam do.)
+* Math is fp32 whatever the storage type, as in Apex. Tensors must be dense (Apex
+  required contiguous ones); fp64 tensors, which some Apex kernels took, are rejected.
+* Optimizer state (momentum buffers, ``m``, ``v``) that is not fp32 (Apex's all-fp16
+  case) is updated through fp32 copies and written back: correct, but slower than
+  the fp32 state that mixedprec's own optimizers keep.
+
+Functions of Apex's ``amp_C`` that are not listed in ``__all__`` (LAMB, NovoGrad,
+Adagrad, the capturable Adam variants, ...) are not provided; looking one up raises
+``AttributeError`` naming it.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = [
+    "multi_tensor_scale",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_unscale_l2norm",
+    "multi_tensor_adam",
+    "multi_tensor_sgd",
+    "update_scale_hysteresis",
+]
+
+TensorLists = Sequence[List[Tensor]]
+
+
+def _lists(fn: str, tensor_lists: TensorLists, depths: Tuple[int, ...]) -> List[List[Tensor]]:
+    lists = [list(tl) for tl in tensor_lists]
+    if len(lists) not in depths:
+        expected = " or ".join(str(d) for d in depths)
+        raise ValueError(f"{fn}: expected tensor_lists to hold {expected} lists, got {len(lists)}")
+    return lists
+
+
+def _device(lists: List[List[Tensor]], noop_flag: Tensor) -> torch.device:
+    for tl in lists:
+        if tl:
+            return tl[0].device
+    return noop_flag.device
+
+
+def _check_flag(fn: str, noop_flag: Tensor) -> None:
+    if not isinstance(noop_flag, Tensor) or noop_flag.numel() != 1:
+        raise ValueError(f"{fn}: expected noop_flag to be a one-element tensor, got {noop_flag!r}")
+
+
+def _found_inf_of(noop_flag: Tensor, device: torch.device) -> Tensor:
+    """float32 ``found_inf`` (1.0 when the flag is set) on ``device``, made on the device."""
+    return (noop_flag != 0).to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _raise_flag(noop_flag: Tensor, found_inf: Tensor) -> None:
+    """``noop_flag = 1`` where ``found_inf`` is set; never clears it, keeps its dtype."""
+    hit = (found_inf != 0).to(noop_flag.device).reshape(noop_flag.shape)
+    noop_flag.masked_fill_(hit, 1)
+
+
+def _scalar(value: float, device: torch.device) -> Tensor:
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def _fp32_state(tensors: List[Tensor]) -> Tuple[List[Tensor], List[Tensor], List[Tensor]]:
+    """fp32 stand-ins for optimizer state: (state for the op, copies to write back,
+    their originals). fp32 tensors are used as they are."""
+    state, copies, originals = [], [], []
+    for t in tensors:
+        if t.dtype == torch.float32:
+            state.append(t)
+        else:
+            copy = t.float()
+            state.append(copy)
+            copies.append(copy)
+            originals.append(t)
+    return state, copies, originals
+
+
+def multi_tensor_scale(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float
+) -> None:
+    """Apex ``amp_C.multi_tensor_scale``: ``dst[i] = src[i] * scale`` for
+    ``tensor_lists = [src, dst]``, cast to each ``dst`` dtype (``src is dst`` works
+    in place); sets ``noop_flag`` when any ``src`` element is inf/NaN. The output is
+    written either way. One :func:`mixedprec.ops.multi_tensor_unscale_to_` call."""
+    _check_flag("multi_tensor_scale", noop_flag)
+    src, dst = _lists("multi_tensor_scale", tensor_lists, (2,))
+    device = _device([src, dst], noop_flag)
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    ops.multi_tensor_unscale_to_(src, dst, found_inf, _scalar(scale, device))
+    _raise_flag(noop_flag, found_inf)
+
+
+def multi_tensor_axpby(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    a: float,
+    b: float,
+    arg_to_check: int,
+) -> None:
+    """Apex ``amp_C.multi_tensor_axpby``: ``out[i] = a * x[i] + b * y[i]`` in fp32 for
+    ``tensor_lists = [x, y, out]``, cast to each ``out`` dtype (``out`` may be ``x``
+    or ``y``). Sets ``noop_flag`` on inf/NaN in ``x`` (``arg_to_check=0``), ``y``
+    (``1``) or either (``-1``); the output is written either way.
+
+    The check is :func:`mixedprec.ops.multi_tensor_check_finite_`; the arithmetic is
+    two ``torch._foreach`` calls on fp32 copies and the store one
+    :func:`mixedprec.ops.multi_tensor_copy_` (mixedprec has no axpby operator)."""
+    _check_flag("multi_tensor_axpby", noop_flag)
+    x, y, out = _lists("multi_tensor_axpby", tensor_lists, (3,))
+    if arg_to_check not in (-1, 0, 1):
+        raise ValueError(
+            f"multi_tensor_axpby: expected arg_to_check in (-1, 0, 1), got {arg_to_check}"
+        )
+    if not (len(x) == len(y) == len(out)):
+        raise ValueError(
+            f"multi_tensor_axpby: expected x, y and out of one length, got {len(x)}, {len(y)}, "
+            f"{len(out)}"
+        )
+    if not x:
+        return
+    device = _device([x, y, out], noop_flag)
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    checked = {-1: x + y, 0: x, 1: y}[arg_to_check]
+    ops.multi_tensor_check_finite_(checked, found_inf)
+    result = torch._foreach_mul([t.float() for t in x], float(a))
+    torch._foreach_add_(result, [t.float() for t in y], alpha=float(b))
+    ops.multi_tensor_copy_(result, out)
+    _raise_flag(noop_flag, found_inf)
+
+
+def multi_tensor_l2norm(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor: Optional[bool] = False,
+) -> Tuple[Tensor, Tensor]:
+    """Apex ``amp_C.multi_tensor_l2norm``: for ``tensor_lists = [tensors]``, the fp32 L2
+    norm of all tensors together (shape ``[1]``) and, when ``per_tensor``, the fp32
+    vector of per-tensor norms (else an empty tensor). Sets ``noop_flag`` when the
+    norm is not finite. :func:`mixedprec.ops.multi_tensor_l2norm`, which (unlike
+    Apex) combines partial sums in a fixed order: the result is deterministic."""
+    return multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, None, per_tensor)
+
+
+def multi_tensor_l2norm_mp(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor: Optional[bool] = False,
+) -> Tuple[Tensor, Tensor]:
+    """Apex ``amp_C.multi_tensor_l2norm_mp``: the same as :func:`multi_tensor_l2norm`
+    (whose fp32 accumulation already covers fp16/bf16 input)."""
+    return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+
+def multi_tensor_unscale_l2norm(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    inv_scale: Optional[Tensor],
+    per_tensor: Optional[bool] = False,
+) -> Tuple[Tensor, Tensor]:
+    """Apex ``amp_C.multi_tensor_unscale_l2norm``: :func:`multi_tensor_l2norm` of every
+    element multiplied by ``inv_scale`` (a one-element float32 tensor, or None)."""
+    _check_flag("multi_tensor_l2norm", noop_flag)
+    (tensors,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
+    if not tensors:
+        device = noop_flag.device
+        empty = torch.empty(0, dtype=torch.float32, device=device)
+        return torch.zeros(1, dtype=torch.float32, device=device), empty
+    norm, norms = ops.multi_tensor_l2norm(tensors, inv_scale, bool(per_tensor))
+    _raise_flag(noop_flag, ~torch.isfinite(norm))
+    return norm, norms
+
+
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """Apex ``amp_C.multi_tensor_adam``: one Adam step for ``tensor_lists = [g, p, m,
+    v]``, or ``[g, p, m, v, p_master]`` (the order of Apex's capturable master-weight
+    kernel) to update fp32 masters and write them, cast, into the model ``p``.
+
+    ``step`` is the step number after this update (1 on the first call), a Python int
+    as in Apex; ``mode`` 0 adds ``weight_decay * p`` to the gradient (Adam, L2), 1
+    decays the weights directly (AdamW); ``bias_correction`` 1 or 0. Gradients are read,
+    not written. Skipped, on the device, when ``noop_flag`` is set.
+
+    :func:`mixedprec.ops.fused_adam_`, with ``step`` passed as a float32 device tensor
+    holding ``step - 1`` (the op increments it before use)."""
+    _check_flag("multi_tensor_adam", noop_flag)
+    lists = _lists("multi_tensor_adam", tensor_lists, (4, 5))
+    if mode not in (0, 1):
+        raise ValueError(f"multi_tensor_adam: expected mode 0 (L2) or 1 (AdamW), got {mode}")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    model_params: List[Tensor] = []
+    if len(lists) == 5:
+        params, model_params = lists[4], params
+    if not params:
+        return
+    device = params[0].device
+    exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
+    exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
+    ops.fused_adam_(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, _scalar(step - 1, device), lr,
+        beta1, beta2, epsilon, weight_decay, adamw=mode == 1,
+        bias_correction=bool(bias_correction), found_inf=_found_inf_of(noop_flag, device),
+    )
+    ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
+
+
+def multi_tensor_sgd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    wd: float,
+    momentum: float,
+    dampening: float,
+    lr: float,
+    nesterov: bool,
+    first_run: bool,
+    wd_after_momentum: bool,
+    scale: float = 1.0,
+) -> None:
+    """Apex ``amp_C.multi_tensor_sgd``: one SGD step for ``tensor_lists = [g, p, m]`` or
+    ``[g, p, m, p_model]`` (``p`` fp32 masters written, cast, into the model copy).
+    Gradients are multiplied by ``scale`` (Apex passes the inverse loss scale) and
+    read, not written; ``first_run`` starts the momentum buffers as the gradient;
+    with ``momentum`` 0 the buffers are not touched. Skipped, on the device, when
+    ``noop_flag`` is set. :func:`mixedprec.ops.fused_sgd_`.
+
+    ``wd_after_momentum=True`` with a nonzero ``wd`` raises ``NotImplementedError``:
+    mixedprec's SGD applies weight decay before momentum, as ``torch.optim.SGD``."""
+    _check_flag("multi_tensor_sgd", noop_flag)
+    lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    if wd_after_momentum and wd != 0:
+        raise NotImplementedError(
+            "multi_tensor_sgd: wd_after_momentum=True is not supported by mixedprec (weight "
+            "decay is applied before momentum, as in torch.optim.SGD); pass "
+            "wd_after_momentum=False"
+        )
+    grads, params, momentum_buffers = lists[:3]
+    model_params = lists[3] if len(lists) == 4 else []
+    if not params:
+        return
+    device = params[0].device
+    copies: List[Tensor] = []
+    originals: List[Tensor] = []
+    if momentum == 0:
+        momentum_buffers = []
+    else:
+        momentum_buffers, copies, originals = _fp32_state(momentum_buffers)
+    ops.fused_sgd_(
+        params, grads, momentum_buffers, model_params, lr, momentum, dampening, wd,
+        bool(nesterov), bool(first_run),
+        inv_scale=None if scale == 1.0 else _scalar(scale, device),
+        found_inf=_found_inf_of(noop_flag, device),
+    )
+    ops.multi_tensor_copy_(copies, originals)
+
+
+def update_scale_hysteresis(
+    current_scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> Tensor:
+    """Apex ``amp_C.update_scale_hysteresis``: the dynamic loss scale with hysteresis,
+    updated on the device (float32 scale and found_inf, int32 trackers); returns
+    ``current_scale``. :func:`mixedprec.ops.update_loss_scale_` with no floor and no
+    ceiling (a scale that would grow to inf stays where it is, as in Apex)."""
+    ops.update_loss_scale_(
+        current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+        backoff_factor, growth_interval, hysteresis,
+    )
+    return current_scale
+
+
+def __getattr__(name: str):
+    if name.startswith("multi_tensor_") or name.startswith("update_scale"):
+        raise AttributeError(
+            f"mixedprec's amp_C does not provide Apex's {name}; it provides "
+            f"{', '.join(__all__)}"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,77 @@
+"""``python -m mixedprec.apex script.py [args...]`` or ``python -m mixedprec.apex -m
+module [args...]``: runs a legacy Apex script with ``apex`` and ``amp_C`` resolving to
+mixedprec (see :mod:`mixedprec.apex`).
+
+The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python
+script.py args...`` would set them. For child Python processes (multiprocessing
+spawn, ``torch.distributed.launch``, ``subprocess``), a temporary directory with
+two small files, ``apex/__init__.py`` and ``amp_C.py``, goes first on
+``PYTHONPATH`` and on ``sys.path``: when a child imports ``apex`` or ``amp_C``,
+they install the alias there. The directory is removed when the script ends.
+"""
+
+import os
+import runpy
+import site
+import sys
+import tempfile
+from typing import List, Optional
+
+import mixedprec
+
+USAGE = "usage: python -m mixedprec.apex (script.py | -m module) [args...]"
+
+_SHIM = (
+    "# Written by `python -m mixedprec.apex`: `import {name}` in a child process\n"
+    "# resolves to mixedprec's Apex alias.\n"
+    "from mixedprec.apex import _adopt\n"
+    "_adopt(__name__)\n"
+)
+
+
+def _write_shim(directory: str) -> None:
+    os.makedirs(os.path.join(directory, "apex"))
+    with open(os.path.join(directory, "apex", "__init__.py"), "w") as f:
+        f.write(_SHIM.format(name="apex"))
+    with open(os.path.join(directory, "amp_C.py"), "w") as f:
+        f.write(_SHIM.format(name="amp_C"))
+
+
+def _child_pythonpath(shim: str) -> str:
+    entries = [shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Children must find mixedprec itself: add where it lives unless that is a
+    # site-packages directory, which they search anyway.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(mixedprec.__file__)))
+    site_dirs = site.getsitepackages() if hasattr(site, "getsitepackages") else []
+    if root not in entries and root not in site_dirs:
+        entries.append(root)
+    return os.pathsep.join(entries)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0)
+    if not argv or argv == ["-m"]:
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    with tempfile.TemporaryDirectory(prefix="mixedprec-apex-") as shim:
+        _write_shim(shim)
+        os.environ["MIXEDPREC_APEX_SHIM"] = shim
+        os.environ["PYTHONPATH"] = _child_pythonpath(shim)
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            sys.path.insert(1, shim)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = list(argv)
+            # As `python script.py`: the script's directory first, not the cwd.
+            sys.path[0] = os.path.dirname(os.path.abspath(script))
+            sys.path.insert(1, shim)
+            runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""mixedprec.parallel: LARC against a plain float64 reference of Apex's algorithm,
+convert_syncbn_model, and DistributedDataParallel with Apex's arguments on two gloo
+processes (parameters in sync, gradients averaged or summed, one bucket, no_sync)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import randn
+from torch import nn
+
+from mixedprec.parallel import (
+    LARC,
+    DistributedDataParallel,
+    Reducer,
+    SyncBatchNorm,
+    convert_syncbn_model,
+)
+
+# --- LARC ----------------------------------------------------------------------------
+
+
+def ref_larc_grads(params, grads, lr, weight_decay, trust_coefficient, clip, eps):
+    """Apex's LARC gradient adaptation, with host-side tests, in float64."""
+    out = []
+    for p, g in zip(params, grads):
+        p, g = p.double(), g.double()
+        param_norm, grad_norm = p.norm().item(), g.norm().item()
+        if param_norm != 0 and grad_norm != 0:
+            local = trust_coefficient * param_norm / (grad_norm + param_norm * weight_decay + eps)
+            if clip:
+                local = min(local / lr, 1.0)
+            g = (g + weight_decay * p) * local
+        out.append(g)
+    return out
+
+
+def larc_setup(device, dtype=torch.float32):
+    shapes = [(4, 3), (7,), (2, 2, 5), (3,)]
+    params = [randn(s, dtype, device, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    grads = [randn(s, dtype, device, seed=10 + i, scale=0.1 * (i + 1))
+             for i, s in enumerate(shapes)]
+    with torch.no_grad():
+        params[3].zero_()  # a zero parameter: its gradient is left alone
+    grads[1] = torch.zeros_like(grads[1])  # a zero gradient: likewise
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params, grads
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "scale"])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2], ids=["no_decay", "decay"])
+def test_larc_matches_reference(device, clip, weight_decay):
+    params, grads = larc_setup(device)
+    before = [p.detach().clone() for p in params]
+    lr, tc = 0.5, 0.02
+    optimizer = LARC(torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
+                     trust_coefficient=tc, clip=clip)
+    expected_grads = ref_larc_grads(before, grads, lr, weight_decay, tc, clip, 1e-8)
+
+    optimizer.step()
+
+    for p, ref_g, p0 in zip(params, expected_grads, before):
+        torch.testing.assert_close(p.grad.double(), ref_g, atol=1e-7, rtol=1e-5)
+        # The wrapped SGD stepped with weight decay 0: LARC folded it into the grad.
+        torch.testing.assert_close(p.detach().double(), p0.double() - lr * ref_g,
+                                   atol=1e-6, rtol=1e-5)
+    assert optimizer.param_groups[0]["weight_decay"] == weight_decay
+
+
+def test_larc_fp16_grads(device):
+    params, grads = larc_setup(device, torch.float16)
+    optimizer = LARC(torch.optim.SGD(params, lr=0.1, weight_decay=1e-3))
+    expected = ref_larc_grads([p.detach() for p in params], grads, 0.1, 1e-3, 0.02, True, 1e-8)
+    optimizer.step()
+    for p, ref_g in zip(params, expected):
+        assert p.grad.dtype == torch.float16
+        torch.testing.assert_close(p.grad.double(), ref_g, atol=1e-5, rtol=2e-3)
+
+
+def test_larc_forwards_to_the_optimizer():
+    params, _ = larc_setup("cpu")
+    sgd = torch.optim.SGD(params[:2], lr=0.1, momentum=0.9)
+    optimizer = LARC(sgd, trust_coefficient=0.01, clip=False, eps=1e-6)
+    assert optimizer.param_groups is sgd.param_groups and optimizer.state is sgd.state
+    assert repr(optimizer) == repr(sgd)
+    optimizer.add_param_group({"params": params[2:]})
+    assert len(sgd.param_groups) == 2
+    optimizer.step()
+    state = optimizer.state_dict()
+    assert state == sgd.state_dict()
+    optimizer.load_state_dict(state)
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in params)
+    calls = []
+    optimizer.step(lambda: calls.append(1))
+    assert calls == [1]
+
+
+def test_larc_step_does_not_synchronize():
+    if not torch.cuda.is_available():
+        pytest.skip("the host-sync check needs CUDA")
+    params, _ = larc_setup("cuda")
+
+    class NoStep(torch.optim.Optimizer):
+        def step(self, closure=None):
+            pass
+
+    optimizer = LARC(NoStep(params, dict(lr=0.1, weight_decay=1e-2)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# --- SyncBatchNorm -------------------------------------------------------------------
+
+
+def test_convert_syncbn_model_replaces_batch_norms():
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.BatchNorm1d(5, affine=False)),
+    )
+    model[1].running_mean.fill_(0.5)
+    weight = model[1].weight
+
+    converted = convert_syncbn_model(model, process_group=None, channel_last=True)
+
+    assert SyncBatchNorm is nn.SyncBatchNorm
+    assert isinstance(converted[1], nn.SyncBatchNorm)
+    assert isinstance(converted[3][2], nn.SyncBatchNorm)
+    assert not converted[3][2].affine
+    assert isinstance(converted[0], nn.Conv2d) and isinstance(converted[3][1], nn.Linear)
+    assert converted[1].weight is weight
+    assert torch.equal(converted[1].running_mean, torch.full((4,), 0.5))
+    converted.eval()
+    assert converted(torch.randn(2, 3, 6, 6)).shape == (2, 5)
+
+    single = convert_syncbn_model(nn.BatchNorm1d(3))
+    assert isinstance(single, nn.SyncBatchNorm)
+
+
+# --- DistributedDataParallel on two gloo processes -----------------------------------
+
+WORLD_SIZE = 2
+
+
+def tiny_model(dtype=torch.float32):
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+
+
+def batch(rank, step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(6, 4, generator=gen).to(dtype)
+
+
+def gathered(tensor):
+    out = [torch.empty_like(tensor) for _ in range(WORLD_SIZE)]
+    dist.all_gather(out, tensor)
+    return out
+
+
+def flat_params(module):
+    return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def local_grads(module, x):
+    """Gradients of this rank's loss, without any communication."""
+    module.zero_grad()
+    module(x).square().sum().backward()
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def assert_grads(ddp_module, expected, **tol):
+    for p, e in zip(ddp_module.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, **tol)
+
+
+def ddp_worker(rank, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD_SIZE)
+    try:
+        check_ddp(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_ddp(rank):
+    torch.manual_seed(rank)  # different initial weights on each rank
+    apex_kwargs = dict(
+        message_size=50, delay_allreduce=False, shared_param=False,
+        allreduce_trigger_params=None, retain_allreduce_buffers=False,
+        allreduce_always_fp32=False, num_allreduce_streams=1, allreduce_communicators=None,
+        gradient_average=True, gradient_predivide_factor=1.0, prof=False,
+    )
+    model = tiny_model()
+    ddp = DistributedDataParallel(model, **apex_kwargs)
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is model
+    assert abs(ddp.bucket_bytes_cap - 50 * 4) <= 1  # message_size elements of fp32
+    first, second = gathered(flat_params(model))
+    assert torch.equal(first, second), "parameters were not broadcast from rank 0"
+
+    # Averaged gradients, and parameters that stay in sync over a few steps.
+    reference = tiny_model()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = batch(rank, step)
+        mine = local_grads(reference, x)
+        expected = [sum(gathered(g)) / WORLD_SIZE for g in mine]
+        optimizer.zero_grad()
+        ddp(x).square().sum().backward()
+        assert_grads(ddp, expected)
+        optimizer.step()
+        reference.load_state_dict(model.state_dict())
+        first, second = gathered(flat_params(model))
+        assert torch.equal(first, second), f"parameters diverged at step {step}"
+
+    # gradient_average=False sums; a predivide factor with averaging still averages.
+    for options, divisor in [(dict(gradient_average=False), 1),
+                             (dict(gradient_predivide_factor=4.0), WORLD_SIZE),
+                             (dict(gradient_average=False, gradient_predivide_factor=2.0), 2)]:
+        summed = DistributedDataParallel(tiny_model(), **options)
+        reference.load_state_dict(summed.module.state_dict())
+        x = batch(rank, 10)
+        expected = [sum(gathered(g)) / divisor for g in local_grads(reference, x)]
+        summed(x).square().sum().backward()
+        assert_grads(summed, expected)
+
+    # allreduce_always_fp32 on an fp16 model; delay_allreduce puts all in one bucket.
+    half = DistributedDataParallel(tiny_model(torch.float16), allreduce_always_fp32=True,
+                                   delay_allreduce=True)
+    total_bytes = sum(p.numel() * p.element_size() for p in half.parameters())
+    assert half.bucket_bytes_cap >= total_bytes
+    reference = tiny_model(torch.float16)
+    reference.load_state_dict(half.module.state_dict())
+    x = batch(rank, 20, torch.float16)
+    expected = [(sum(g.float() for g in gathered(g16)) / WORLD_SIZE).half()
+                for g16 in local_grads(reference, x)]
+    half(x).float().square().sum().backward()
+    assert_grads(half, expected, atol=1e-3, rtol=2e-3)
+
+    # disable_allreduce leaves gradients local until enable_allreduce.
+    local = DistributedDataParallel(tiny_model(), bucket_cap_mb=1)
+    local.disable_allreduce()
+    reference = tiny_model()
+    reference.load_state_dict(local.module.state_dict())
+    x = batch(rank, 30)
+    local(x).square().sum().backward()
+    assert_grads(local, local_grads(reference, x))
+    local.enable_allreduce()
+    assert local.require_backward_grad_sync
+
+    # Reducer: broadcast at construction, average on reduce().
+    torch.manual_seed(rank)
+    module = tiny_model()
+    reducer = Reducer(module)
+    first, second = gathered(flat_params(module))
+    assert torch.equal(first, second)
+    x = batch(rank, 40)
+    mine = local_grads(module, x)
+    reducer.reduce()
+    assert_grads(module, [sum(gathered(g)) / WORLD_SIZE for g in mine])
+
+
+def test_distributed_data_parallel_two_processes(tmp_path):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(ddp_worker, args=(str(tmp_path / "init"),), nprocs=WORLD_SIZE, join=True)
+
+
+def test_apex_positional_arguments_and_unknown_keywords():
+    """Apex's positional order is kept; a keyword neither Apex nor torch knows fails."""
+    import inspect
+
+    names = list(inspect.signature(DistributedDataParallel.__init__).parameters)[1:14]
+    assert names == [
+        "module", "message_size", "delay_allreduce", "shared_param",
+        "allreduce_trigger_params", "retain_allreduce_buffers", "allreduce_always_fp32",
+        "num_allreduce_streams", "allreduce_communicators", "gradient_average",
+        "gradient_predivide_factor", "gradient_average_split_factor", "prof",
+    ]
+    with pytest.raises(TypeError):
+        DistributedDataParallel(tiny_model(), not_an_argument=1)
