@@ -62,15 +62,17 @@ class _FusedOptimizer(Optimizer):
         self._next_scaling = (grad_scale, found_inf)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            if p.layout != torch.strided:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:  # checked before torch adds the group, so a bad one changes nothing
+            if isinstance(p, Tensor) and p.layout != torch.strided:
                 raise TypeError(f"{type(self).__name__} does not support sparse parameters")
-            if p.dtype not in _FLOAT_DTYPES:
+            if isinstance(p, Tensor) and p.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
                     f"bfloat16, got {p.dtype}"
                 )
+        super().add_param_group(dict(param_group, params=params))
         self._create_master_weights(self.param_groups[-1])
 
     def _create_master_weights(self, group: Dict[str, Any]) -> None:
@@ -180,9 +182,15 @@ class _FusedOptimizer(Optimizer):
         Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
         moments, momentum buffers) stays float32 instead of being cast to the dtype of
         fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
-        a ValueError names it and nothing is changed.
+        a ValueError names it and nothing is changed. The optimizer's load_state_dict
+        pre- and post-hooks run as in torch.
         """
         name = type(self).__name__
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -215,6 +223,8 @@ class _FusedOptimizer(Optimizer):
         self.state.clear()
         self.state.update(new_state)
         self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
         if not isinstance(value, Tensor):
