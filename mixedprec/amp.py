@@ -154,6 +154,10 @@ class LossScaler:
         self.growth_tracker = torch.zeros(1, dtype=torch.int32)
         self.hysteresis_tracker = torch.ones(1, dtype=torch.int32)
 
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (Apex's name; reads the device)."""
+        return float(self.scale.item())  # sync-ok: an explicit read by the caller
+
     def to(self, device: torch.device) -> None:
         for name in ("scale", "growth_tracker", "hysteresis_tracker"):
             setattr(self, name, getattr(self, name).to(device))
@@ -219,6 +223,7 @@ class _AmpState:
 
     def __init__(self, props: Properties, num_losses: int, min_loss_scale, max_loss_scale):
         self.props = props
+        self.opt_properties = props  # Apex's name, read by some legacy scripts
         self.loss_scalers = [LossScaler(props.loss_scale, min_loss_scale, max_loss_scale)
                              for _ in range(num_losses)]
         self.optimizers: List["_OptimizerAmp"] = []
@@ -615,6 +620,20 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
             for master, value in zip(amp.masters.values(), saved):
                 master.copy_(value)
             ops.multi_tensor_copy_(list(amp.masters.values()), list(amp.masters))
+
+
+class _CurrentAmpState:
+    """Apex's ``amp._amp_state``: legacy scripts import it early and later read
+    ``loss_scalers[i].loss_scale()`` or ``opt_properties``; this follows the latest
+    ``initialize``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if _current is None:
+            raise AttributeError(f"amp._amp_state.{name}: amp.initialize has not been called")
+        return getattr(_current, name)
+
+
+_amp_state = _CurrentAmpState()
 
 
 # --- function casts (O1) -----------------------------------------------------------
