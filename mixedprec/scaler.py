@@ -15,6 +15,17 @@ from . import ops
 __all__ = ["GradScaler"]
 
 
+def _check_hysteresis(hysteresis: Any) -> None:
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+        raise ValueError(f"expected hysteresis to be an int >= 1, got {hysteresis!r}")
+
+
+def _check_scale_bounds(min_scale: float, max_scale: float) -> None:
+    if not 0.0 <= min_scale <= max_scale:
+        raise ValueError(f"expected 0 <= min_scale <= max_scale, got min_scale={min_scale} "
+                         f"and max_scale={max_scale}")
+
+
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with the same arguments, defaults, methods and
     ``state_dict`` keys, plus:
@@ -41,11 +52,8 @@ class GradScaler(torch.amp.GradScaler):
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, hysteresis: int = 1,
                  min_scale: float = 0.0, max_scale: float = math.inf) -> None:
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(f"expected hysteresis to be an int >= 1, got {hysteresis!r}")
-        if not 0.0 <= min_scale <= max_scale:
-            raise ValueError(f"expected 0 <= min_scale <= max_scale, got min_scale={min_scale} "
-                             f"and max_scale={max_scale}")
+        _check_hysteresis(hysteresis)
+        _check_scale_bounds(min_scale, max_scale)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled)
         self._hysteresis = hysteresis
@@ -150,18 +158,23 @@ class GradScaler(torch.amp.GradScaler):
         return self._hysteresis
 
     def set_hysteresis(self, new_hysteresis: int) -> None:
+        _check_hysteresis(new_hysteresis)
         self._hysteresis = new_hysteresis
+        if self._hysteresis_tracker is None:  # not started yet: the first steps use it too
+            self._init_hysteresis_tracker = new_hysteresis
 
     def get_min_scale(self) -> float:
         return self._min_scale
 
     def set_min_scale(self, new_min_scale: float) -> None:
+        _check_scale_bounds(new_min_scale, self._max_scale)
         self._min_scale = float(new_min_scale)
 
     def get_max_scale(self) -> float:
         return self._max_scale
 
     def set_max_scale(self, new_max_scale: float) -> None:
+        _check_scale_bounds(self._min_scale, new_max_scale)
         self._max_scale = float(new_max_scale)
 
     def _get_hysteresis_tracker(self) -> int:
