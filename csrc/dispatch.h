@@ -150,10 +150,10 @@ inline LossScaleArgs loss_scale_args(double growth_factor, double backoff_factor
                                      int64_t growth_interval, int64_t hysteresis,
                                      double min_scale, double max_scale) {
   LossScaleArgs a;
-  a.growth_factor = static_cast<float>(growth_factor);
-  a.backoff_factor = static_cast<float>(backoff_factor);
-  a.min_scale = static_cast<float>(min_scale);
-  a.max_scale = static_cast<float>(max_scale);
+  a.growth_factor = growth_factor;
+  a.backoff_factor = backoff_factor;
+  a.min_scale = min_scale;
+  a.max_scale = max_scale;
   a.growth_interval = static_cast<int32_t>(growth_interval);
   a.hysteresis = static_cast<int32_t>(hysteresis);
   return a;

@@ -173,19 +173,20 @@ MP_HD void increment_step(float* step, const float* found_inf) {
 }
 
 struct LossScaleArgs {
-  float growth_factor, backoff_factor, min_scale, max_scale;
+  double growth_factor, backoff_factor, min_scale, max_scale;
   int32_t growth_interval, hysteresis;
 };
 
-// Dynamic loss scaling with hysteresis, a floor and a ceiling.
+// Dynamic loss scaling with hysteresis, a floor and a ceiling. Products are formed
+// in double and rounded once to float, as torch's _amp_update_scale_ does.
 MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker,
                              int32_t* hysteresis_tracker, const float* found_inf,
                              const LossScaleArgs& a) {
   if (*found_inf != 0.f) {
     *hysteresis_tracker -= 1;
     if (*hysteresis_tracker <= 0) {
-      const float backed_off = *scale * a.backoff_factor;
-      *scale = backed_off > a.min_scale ? backed_off : a.min_scale;
+      const double backed_off = static_cast<double>(*scale) * a.backoff_factor;
+      *scale = static_cast<float>(backed_off > a.min_scale ? backed_off : a.min_scale);
     }
     *growth_tracker = 0;
     return;
@@ -193,8 +194,8 @@ MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker,
   *hysteresis_tracker = a.hysteresis;
   *growth_tracker += 1;
   if (*growth_tracker >= a.growth_interval) {
-    const float grown = *scale * a.growth_factor;
-    const float capped = grown < a.max_scale ? grown : a.max_scale;
+    const double grown = static_cast<double>(*scale) * a.growth_factor;
+    const float capped = static_cast<float>(grown < a.max_scale ? grown : a.max_scale);
     if (is_finite(capped)) *scale = capped;
     *growth_tracker = 0;
   }

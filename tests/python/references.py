@@ -1,4 +1,4 @@
-"""Plain float64 PyTorch (and, for the loss scale, fp32 Python) references of the
+"""Plain float64 PyTorch (and, for the loss scale, Python with fp32 rounding) references of the
 mixedprec operators, written from their contract rather than from the kernels."""
 
 import math
@@ -81,21 +81,22 @@ def ref_sum_fp32(x, dim=None, keepdim=False):
 def ref_update_loss_scale(state, found_inf, growth_factor=2.0, backoff_factor=0.5,
                           growth_interval=2000, hysteresis=1, min_scale=0.0,
                           max_scale=float("inf")):
-    """One update of (scale, growth_tracker, hysteresis_tracker), with the scale
-    arithmetic in float32 as the contract states."""
+    """One update of (scale, growth_tracker, hysteresis_tracker): the scale is a
+    float32, each product is formed in double and rounded once (as torch's
+    _amp_update_scale_ does)."""
     f32 = np.float32
     scale, growth_tracker, hysteresis_tracker = state
     with np.errstate(over="ignore"):
         if found_inf != 0:
             hysteresis_tracker -= 1
             if hysteresis_tracker <= 0:
-                scale = max(f32(scale) * f32(backoff_factor), f32(min_scale))
+                scale = f32(max(float(f32(scale)) * backoff_factor, min_scale))
             growth_tracker = 0
         else:
             hysteresis_tracker = hysteresis
             growth_tracker += 1
             if growth_tracker >= growth_interval:
-                grown = min(f32(scale) * f32(growth_factor), f32(max_scale))
+                grown = f32(min(float(f32(scale)) * growth_factor, max_scale))
                 if np.isfinite(grown):
                     scale = grown
                 growth_tracker = 0
