@@ -243,9 +243,9 @@ class _OptimizerAmp:
         self.model_of = {m: p for p, m in (masters or {}).items()}
         self.found_inf: Optional[Tensor] = None
         self.grads_scaled = False  # grads gathered with delay_unscale still carry the scale
-        self.unscaled = False  # some grads were already unscaled before this backward
         self.pending_scale: Optional[Tensor] = None  # the scale a fused step will divide by
-        self.stash: List[Optional[Tensor]] = []
+        self.stash: List[Optional[Tensor]] = []  # gradients set aside during a backward
+        self.stash_scale: Optional[Tensor] = None  # the scale they carry (fused only)
         if not self.fused:
             optimizer.register_step_pre_hook(self._before_step)
             optimizer.register_step_post_hook(self._after_step)
@@ -282,12 +282,12 @@ class _OptimizerAmp:
         if self.found_inf is not None:
             self.found_inf.zero_()
         self.grads_scaled = False
-        self.unscaled = False
         self.pending_scale = None
 
 
 _optimizer_amp: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerAmp]" = (
     weakref.WeakKeyDictionary())
+_disabled: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _current: Optional[_AmpState] = None
 _registered_casts: List[tuple] = []
 
@@ -379,6 +379,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     """
     global _current
     if not enabled:
+        for o in _as_list(optimizers or []):
+            _disabled.add(o)
         return models if optimizers is None else (models, optimizers)
     model_list, optimizer_list = _as_list(models), _as_list(optimizers or [])
     for m in model_list:
@@ -470,14 +472,16 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
                ) -> Iterator[Tensor]:
     """Yields ``loss * scale`` for ``backward()``; on exit the gradients are unscaled
     (or handed to the fused optimizer with their scale), overflow is checked on the
-    device, and the loss scale is updated. With ``delay_unscale=True`` the gradients
-    stay scaled until a later ``scale_loss`` exit (gradient accumulation). Apex's
-    ``model`` and ``delay_overflow_check`` are accepted and have no effect."""
-    amps = [_optimizer_amp.get(o) for o in _as_list(optimizers)]
-    if not amps or any(a is None for a in amps):
-        if _current is None or not amps:
-            yield loss
-            return
+    device, and the loss scale is updated. An overflow in any optimizer's gradients
+    skips the steps of all the optimizers given. With ``delay_unscale=True`` the
+    gradients stay scaled until a later ``scale_loss`` exit (gradient accumulation).
+    Apex's ``model`` and ``delay_overflow_check`` are accepted and have no effect."""
+    optimizer_list = _as_list(optimizers)
+    amps = [_optimizer_amp.get(o) for o in optimizer_list]
+    if not amps or all(a is None and o in _disabled for a, o in zip(amps, optimizer_list)):
+        yield loss  # amp is off for these optimizers (initialize(enabled=False))
+        return
+    if any(a is None for a in amps):
         raise ValueError("amp.scale_loss: every optimizer must have been passed to "
                          "amp.initialize")
     state = amps[0].state
@@ -487,90 +491,134 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
     scaler = state.loss_scalers[loss_id]
     if scaler.scale.device != loss.device:
         scaler.to(loss.device)
-    for amp in amps:
-        _set_aside_unscaled(amp)
     # The scale this backward uses; update() below changes scaler.scale in place.
     scale = scaler.scale.clone()
-    yield loss.float() * scale
-    if delay_unscale:
+    for amp in amps:
+        _before_backward(amp, scale)
+    try:
+        yield loss.float() * scale.reshape(())
+    except BaseException:
         for amp in amps:
             _restore_stash(amp)
+        raise
+    if delay_unscale:
+        for amp in amps:
+            _restore_stash(amp, scale)
+            amp.pending_scale = scale if amp.fused else None
             amp.grads_scaled = True
         return
 
     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
     for amp in amps:
-        _unscale(amp, scaler, scale, found_inf)
+        _after_backward(amp, scale, found_inf)
+    # Only now is found_inf complete: every optimizer skips if any gradient overflowed.
+    for amp in amps:
+        if scaler.dynamic:
+            amp.flag(found_inf.device).add_(found_inf)
+        if amp.fused:
+            amp.optimizer().set_grad_scaling(amp.pending_scale, amp.found_inf)
     if scaler.dynamic:  # a static scale never skips a step
         scaler.update(found_inf)
         state.reporter.record(loss_id, found_inf, scaler.scale)
 
 
-def _set_aside_unscaled(amp: _OptimizerAmp) -> None:
-    """Before another backward: gradients that an earlier loss left for a fused step to
-    unscale are unscaled now; then all unscaled gradients are set aside, to be added
-    back after this loss's gradients are unscaled. Gradients gathered under
-    ``delay_unscale`` stay, since they carry the same scale as the new ones."""
-    amp.stash = []
+def _grads(params: Iterable[Tensor]) -> List[Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _before_backward(amp: _OptimizerAmp, scale: Tensor) -> None:
+    """Prepares the gradients already present for this loss's backward.
+
+    Gradients an earlier loss left scaled for a fused update, and unscaled ones of a
+    non-fused optimizer, are set aside so that this loss's overflow check sees only
+    its own gradients; they are added back afterwards, at the right scale. Other
+    gradients present at a fused optimizer (zeros after ``zero_grad(set_to_none=False)``)
+    are brought to this loss's scale in place. Gradients gathered under
+    ``delay_unscale`` carry this scale already."""
+    amp.stash, amp.stash_scale = [], None
     if amp.grads_scaled:
         return
     params = amp.model_params()
-    if amp.pending_scale is not None:
-        grads = [p.grad for p in params if p.grad is not None]
-        ops.multi_tensor_unscale_(grads, amp.flag(amp.pending_scale.device),
-                                  amp.pending_scale.double().reciprocal().float())
-        amp.pending_scale = None
-        amp.unscaled = True
-        amp.optimizer().set_grad_scaling(None, amp.found_inf)
+    if amp.fused and amp.pending_scale is None:
+        grads = _grads(params)
+        if grads:
+            ops.multi_tensor_unscale_(grads, amp.flag(scale.device), scale)
+        return
+    amp.stash_scale = amp.pending_scale if amp.fused else None
     for p in params:
         amp.stash.append(p.grad)
         p.grad = None
 
 
-def _restore_stash(amp: _OptimizerAmp) -> None:
-    for p, old in zip(amp.model_params(), amp.stash):
-        if old is not None:
-            p.grad = old if p.grad is None else p.grad.add_(old)
-    amp.stash = []
+def _restore_stash(amp: _OptimizerAmp, scale: Optional[Tensor] = None) -> None:
+    """Adds the gradients set aside back; those a fused update will unscale are first
+    brought from their scale to `scale`."""
+    stash = [(p, old) for p, old in zip(amp.model_params(), amp.stash) if old is not None]
+    if stash and scale is not None and amp.stash_scale is not None:
+        ops.multi_tensor_unscale_([old for _, old in stash], amp.flag(scale.device),
+                                  scale / amp.stash_scale)
+    for p, old in stash:
+        p.grad = old if p.grad is None else p.grad.add_(old)
+    amp.stash, amp.stash_scale = [], None
 
 
-def _unscale(amp: _OptimizerAmp, scaler: LossScaler, scale: Tensor, found_inf: Tensor) -> None:
-    """Unscales one optimizer's new gradients (or hands their scale to a fused
-    optimizer) and accumulates the overflow flag."""
-    params = [p for p in amp.model_params() if p.grad is not None]
-    inv_scale = scale.double().reciprocal().float()
-    had_unscaled = amp.unscaled or any(s is not None for s in amp.stash)
+def _after_backward(amp: _OptimizerAmp, scale: Tensor, found_inf: Tensor) -> None:
+    """Checks one optimizer's new gradients for overflow into found_inf and unscales
+    them, unless its fused update will."""
     amp.grads_scaled = False
-    if params and amp.masters:  # O2 with a non-fused optimizer: into the master grads
-        halves = [p for p in params if p in amp.masters]
-        fp32_params = [p for p in params if p not in amp.masters]
-        if halves:
-            masters = [amp.masters[p] for p in halves]
-            # Master grads left by an earlier loss are added to, not overwritten.
-            dst = [torch.empty_like(m) for m in masters]
-            ops.multi_tensor_unscale_to_([p.grad for p in halves], dst, found_inf, inv_scale)
-            for p, m, g in zip(halves, masters, dst):
-                m.grad = g if m.grad is None else m.grad.add_(g)
-                p.grad = None
-        if fp32_params:
-            ops.multi_tensor_unscale_([p.grad for p in fp32_params], found_inf, inv_scale)
-    elif params and amp.fused and not had_unscaled:
-        # The fused optimizer divides by the scale inside its update.
-        ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
-        amp.pending_scale = scale
-    elif params:
-        ops.multi_tensor_unscale_([p.grad for p in params], found_inf, inv_scale)
-        amp.unscaled = True
-    _restore_stash(amp)
-    if scaler.dynamic:
-        amp.flag(found_inf.device).add_(found_inf)
+    params = [p for p in amp.model_params() if p.grad is not None]
     if amp.fused:
-        amp.optimizer().set_grad_scaling(amp.pending_scale, amp.found_inf)
+        ops.multi_tensor_check_finite_(_grads(params), found_inf)
+        _restore_stash(amp, scale)
+        amp.pending_scale = scale
+        return
+    inv_scale = scale.double().reciprocal().float()
+    halves = [p for p in params if amp.masters and p in amp.masters]
+    others = [p for p in params if not (amp.masters and p in amp.masters)]
+    if halves:  # O2: into fp32 master grads, added to those of an earlier loss
+        masters = [amp.masters[p] for p in halves]
+        dst = [torch.empty_like(m) for m in masters]
+        ops.multi_tensor_unscale_to_(_grads(halves), dst, found_inf, inv_scale)
+        for p, m, g in zip(halves, masters, dst):
+            m.grad = g if m.grad is None else m.grad.add_(g)
+            p.grad = None
+    if others:
+        ops.multi_tensor_unscale_(_grads(others), found_inf, inv_scale)
+    _restore_stash(amp)
+
+
+def _materialize_unscaled_grads(amp: _OptimizerAmp) -> None:
+    """For clipping through master_params: turns the scaled gradients a fused
+    optimizer would unscale itself into unscaled fp32 master gradients (the optimizer
+    reads a master's .grad when it has one), or unscales fp32 ones in place."""
+    if amp.pending_scale is None:
+        return
+    optimizer = amp.optimizer()
+    inv_scale = amp.pending_scale.double().reciprocal().float()
+    flag = amp.flag(amp.pending_scale.device)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    with_master = [p for p in params if "master_param" in optimizer.state.get(p, {})]
+    without = [p for p in params if "master_param" not in optimizer.state.get(p, {})]
+    if with_master:
+        dst = [torch.empty_like(optimizer.state[p]["master_param"]) for p in with_master]
+        ops.multi_tensor_unscale_to_(_grads(with_master), dst, flag, inv_scale)
+        for p, g in zip(with_master, dst):
+            optimizer.state[p]["master_param"].grad = g
+            p.grad = None
+    if without:
+        ops.multi_tensor_unscale_(_grads(without), flag, inv_scale)
+    amp.pending_scale = None
+    optimizer.set_grad_scaling(None, amp.found_inf)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     """The fp32 parameters the optimizer updates: its master weights at O2, else its
-    parameters. Use them for gradient clipping (their ``.grad`` is unscaled)."""
+    parameters. Their ``.grad`` is unscaled, so they serve for gradient clipping
+    between ``scale_loss`` and ``step`` (with a fused optimizer this materializes
+    the fp32 master gradients its update then reads)."""
+    amp = _optimizer_amp.get(optimizer)
+    if amp is not None and amp.fused:
+        _materialize_unscaled_grads(amp)
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})

@@ -97,18 +97,28 @@ class _FusedOptimizer(Optimizer):
             found_inf = found_inf.to(device, torch.float32)
         return inv_scale, found_inf
 
+    def _grad(self, p: Tensor) -> Optional[Tensor]:
+        """The gradient the update reads: the fp32 master's ``.grad`` when one was
+        materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
+        the parameter's."""
+        master = self.state[p].get("master_param") if p in self.state else None
+        if master is not None and master.grad is not None:
+            return master.grad
+        return p.grad
+
     def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, List[Tensor]]:
         """The group's parameters that have gradients, by device, after checking them."""
         by_device: Dict[torch.device, List[Tensor]] = {}
         for p in group["params"]:
-            if p.grad is None:
+            grad = self._grad(p)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if p.grad.dtype not in _FLOAT_DTYPES:
+            if grad.dtype not in _FLOAT_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
-                    f"bfloat16, got {p.grad.dtype}"
+                    f"bfloat16, got {grad.dtype}"
                 )
             by_device.setdefault(p.device, []).append(p)
         self._check_devices(by_device)
@@ -164,6 +174,11 @@ class _FusedOptimizer(Optimizer):
         for group, by_device in work:
             for device, params in by_device.items():
                 self._step_group(group, device, params, *self._scaling(device, scaling))
+        for group, by_device in work:  # master gradients are used by one step
+            for p in (p for params in by_device.values() for p in params):
+                master = self.state[p].get("master_param")
+                if master is not None:
+                    master.grad = None
         return loss
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -257,6 +272,12 @@ class FusedSGD(_FusedOptimizer):
 
     Momentum buffers are float32. Apex's ``wd_after_momentum`` and
     ``materialize_master_grads`` are not supported.
+
+    A step skipped on the device (``found_inf`` set) still creates the momentum
+    buffers of parameters stepped for the first time, as zeros. With ``dampening``
+    0 the next step is then exactly torch.optim.SGD's first; with ``dampening`` d it
+    starts the buffer at ``(1 - d) * grad`` instead of ``grad`` (torch's own
+    ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.0,
@@ -280,7 +301,8 @@ class FusedSGD(_FusedOptimizer):
             targets, model = self._update_lists(ps)
             buffers = [self._state_tensor(self.state[p], "momentum_buffer", t)
                        for p, t in zip(ps, targets)] if momentum != 0 else []
-            ops.fused_sgd_(targets, [p.grad for p in ps], buffers, model, group["lr"], momentum,
+            ops.fused_sgd_(targets, [self._grad(p) for p in ps], buffers, model, group["lr"],
+                           momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
                            first_run, inv_scale, found_inf)
 
@@ -338,7 +360,8 @@ class FusedAdam(_FusedOptimizer):
         exp_avg_sqs = [self._state_tensor(self.state[p], "exp_avg_sq", t)
                        for p, t in zip(params, targets)]
         beta1, beta2 = group["betas"]
-        ops.fused_adam_(targets, [p.grad for p in params], exp_avgs, exp_avg_sqs, model, step,
+        ops.fused_adam_(targets, [self._grad(p) for p in params], exp_avgs, exp_avg_sqs, model,
+                        step,
                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf)
 

@@ -1,0 +1,665 @@
+"""mixedprec.GradScaler against torch.amp.GradScaler and a plain Python reference of the
+loss-scale algorithm; both scalers driving FusedSGD/FusedAdam; and no host
+synchronisation in scale/step/update with the fused optimizers."""
+
+import contextlib
+import copy
+import inspect
+import io
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOLERANCES, assert_bitwise_equal, randn
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixedprec import FusedAdam, FusedSGD, GradScaler
+
+INF = float("inf")
+TIGHT = TOLERANCES[torch.float32]
+TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+EXTRA_KEYS = {"hysteresis", "min_scale", "max_scale", "_hysteresis_tracker"}
+SCALERS = [pytest.param(torch.amp.GradScaler, id="torch"),
+           pytest.param(GradScaler, id="mixedprec")]
+FUSED = [
+    pytest.param(FusedSGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2}, id="sgd"),
+    pytest.param(FusedSGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.2}, id="sgd-dampening"),
+    pytest.param(FusedSGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}, id="sgd-nesterov"),
+    pytest.param(FusedAdam, {"lr": 1e-2, "adam_w_mode": False, "weight_decay": 1e-2}, id="adam"),
+    pytest.param(FusedAdam, {"lr": 1e-2, "weight_decay": 1e-1}, id="adamw"),
+]
+
+
+# --- a small model -----------------------------------------------------------------------
+
+class Net(nn.Module):
+    """Two linear layers; the math runs in fp32 on weights cast from the parameters'
+    dtype (fp16/bf16 matmuls are slow on CPU), gradients come back in that dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)
+        self.fc2 = nn.Linear(10, 3)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
+        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
+
+
+def make_model(device, dtype=torch.float32):
+    model = Net()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(randn(p.shape, torch.float32, "cpu", seed=i, scale=0.5))
+    return model.to(device=device, dtype=dtype)
+
+
+def loss_of(model, step):
+    device = model.fc1.weight.device
+    x = randn((8, 6), torch.float32, device, seed=10_000 + step)
+    y = randn((8, 3), torch.float32, device, seed=20_000 + step)
+    return (model(x) - y).pow(2).mean()
+
+
+def torch_optimizer(cls, params, kwargs):
+    kwargs = dict(kwargs)
+    if cls is FusedSGD:
+        return torch.optim.SGD(params, foreach=False, **kwargs)
+    torch_cls = torch.optim.AdamW if kwargs.pop("adam_w_mode", True) else torch.optim.Adam
+    return torch_cls(params, foreach=False, **kwargs)
+
+
+def full_snapshot(model, opt):
+    """{name: clone} of everything a step may write: params, per-param state, group
+    tensors (FusedAdam's step), named by position and key."""
+    tensors = {}
+    for i, p in enumerate(model.parameters()):
+        tensors[f"param{i}"] = p
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state{i}.{key}"] = value
+    for j, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"group{j}.{key}"] = value
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def assert_same_snapshot(a, b, msg=""):
+    assert sorted(a) == sorted(b), msg
+    for name in a:
+        assert_bitwise_equal(a[name], b[name], msg=f"{msg} {name}")
+
+
+def assert_untouched(model, opt, before, msg):
+    """Nothing that existed in `before` (a full_snapshot) changed. State first created
+    by the skipped step (zero moments, a zero step count) is allowed if it is zero;
+    whether it then behaves like absent state is for the tests against torch.optim."""
+    after = full_snapshot(model, opt)
+    for name, then in before.items():
+        assert_bitwise_equal(after.pop(name), then, msg=f"{msg} {name}")
+    for name, new in after.items():
+        assert not new.any(), f"{msg}: new state {name} is not zero"
+
+
+def train_with_scaler(model, opt, scaler, steps, inf_step, clip=None):
+    """`steps` iterations of scale/backward/step/update with an inf in one gradient at
+    `inf_step`; checks that this step is skipped and the scale backs off. Returns the
+    scales after each update."""
+    scales = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_of(model, step)).backward()
+        if step == inf_step:
+            model.fc2.weight.grad[1, 2] = INF
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = full_snapshot(model, opt)
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if step == inf_step:
+            assert_untouched(model, opt, before, f"skipped step {step}")
+            assert scales[-1] == scale_before * 0.5
+    return scales
+
+
+# --- the loss-scale algorithm, as a plain Python reference -----------------------------
+
+def reference_states(flags, init_scale, growth_factor=2.0, backoff_factor=0.5,
+                     growth_interval=2000, hysteresis=1, min_scale=0.0, max_scale=INF):
+    """(scale, growth_tracker, hysteresis_tracker) after each update, for overflow
+    `flags`: the documented algorithm, the scale a float32."""
+    f32 = np.float32
+    scale, growth, tracker = f32(init_scale), 0, hysteresis
+    states = []
+    with np.errstate(over="ignore"):
+        for overflow in flags:
+            if overflow:
+                tracker -= 1
+                if tracker <= 0:
+                    scale = max(scale * f32(backoff_factor), f32(min_scale))
+                growth = 0
+            else:
+                tracker = hysteresis
+                growth += 1
+                if growth == growth_interval:
+                    grown = min(scale * f32(growth_factor), f32(max_scale))
+                    if np.isfinite(grown):
+                        scale = grown
+                    growth = 0
+            states.append((float(scale), growth, tracker))
+    return states
+
+
+def run_flags(scaler, device, flags, optimizer="fused", init=True):
+    """Steps `scaler` over overflow `flags` (an inf gradient or a clean one) and returns
+    (scale, growth tracker, hysteresis tracker or None) after each update."""
+    p = nn.Parameter(torch.zeros(5, device=device))
+    opt = FusedSGD([p], lr=0.0) if optimizer == "fused" else torch.optim.SGD([p], lr=0.0)
+    if init:
+        scaler.scale(torch.ones((), device=device))
+    states = []
+    for overflow in flags:
+        p.grad = torch.full_like(p, INF if overflow else 1.0)
+        scaler.step(opt)
+        scaler.update()
+        sd = scaler.state_dict()
+        states.append((scaler.get_scale(), sd["_growth_tracker"], sd.get("_hysteresis_tracker")))
+    return states
+
+
+def random_flags(seed, n=120, p_overflow=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, generator=gen) < p_overflow).tolist()
+
+
+RUNS = [1] * 12 + [0] * 40 + [1, 0, 1, 1, 0, 1, 1, 1] + [0] * 10
+SEQUENCES = [
+    pytest.param({"growth_interval": 3}, random_flags(0), id="hysteresis1"),
+    pytest.param({"growth_interval": 3, "hysteresis": 3}, random_flags(1), id="hysteresis3"),
+    pytest.param({"growth_interval": 2, "hysteresis": 2}, RUNS, id="hysteresis2-runs"),
+    pytest.param({"growth_interval": 3, "min_scale": 4.0, "max_scale": 2.0**12},
+                 RUNS + random_flags(2), id="floor-ceiling"),
+    pytest.param({"growth_interval": 3, "hysteresis": 2, "min_scale": 4.0, "max_scale": 1000.0},
+                 RUNS + random_flags(3), id="floor-ceiling-hysteresis2"),
+    pytest.param({"growth_interval": 1, "growth_factor": 4.0, "backoff_factor": 0.25,
+                  "min_scale": 1.0}, random_flags(4, p_overflow=0.5), id="factors4"),
+]
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "torch.optim"])
+@pytest.mark.parametrize("config, flags", SEQUENCES)
+def test_scale_sequence_follows_the_reference(device, config, flags, optimizer):
+    scaler = GradScaler(device, init_scale=256.0, **config)
+
+    states = run_flags(scaler, device, flags, optimizer)
+
+    expected = reference_states(flags, 256.0, **config)
+    for i, (got, want) in enumerate(zip(states, expected)):
+        assert got == want, f"update {i} (overflow={flags[i]}): got {got}, expected {want}"
+    assert len({s for s, _, _ in states}) > 3  # it both grew and backed off
+
+
+TORCH_CONFIGS = [
+    pytest.param({"init_scale": 2.0**16}, random_flags(5), id="defaults"),
+    pytest.param({"init_scale": 256.0, "growth_interval": 3}, random_flags(6), id="interval3"),
+    pytest.param({"init_scale": 2.0**120, "growth_interval": 1, "growth_factor": 4.0},
+                 [0] * 8 + [1] + [0] * 8, id="growth-to-overflow"),
+    # Factors that are not powers of two: torch rounds scale * factor (a double) to fp32.
+    pytest.param({"init_scale": 1000.0, "growth_interval": 1, "growth_factor": 1.7,
+                      "backoff_factor": 0.3}, [0, 0, 1, 0, 1, 1, 0, 0], id="factors-1.7-0.3"),
+]
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "torch.optim"])
+@pytest.mark.parametrize("config, flags", TORCH_CONFIGS)
+def test_scale_sequence_equals_torch(device, config, flags, optimizer):
+    ours = run_flags(GradScaler(device, **config), device, flags, optimizer)
+    theirs = run_flags(torch.amp.GradScaler(device, **config), device, flags, optimizer)
+
+    assert [s[:2] for s in ours] == [s[:2] for s in theirs]
+
+
+# --- constructor, accessors, state_dict ---------------------------------------------
+
+def test_constructor_follows_torch():
+    ours = inspect.signature(GradScaler).parameters
+    theirs = inspect.signature(torch.amp.GradScaler).parameters
+    assert list(ours)[:len(theirs)] == list(theirs)
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+    assert {k: v.default for k, v in ours.items() if k not in theirs} == {
+        "hysteresis": 1, "min_scale": 0.0, "max_scale": INF}
+    assert issubclass(GradScaler, torch.amp.GradScaler)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"hysteresis": 0}, {"hysteresis": -1}, {"hysteresis": 1.5}, {"hysteresis": True},
+    {"hysteresis": "2"}, {"min_scale": -1.0}, {"min_scale": 8.0, "max_scale": 4.0},
+    {"max_scale": -1.0}, {"min_scale": float("nan")}, {"max_scale": float("nan")},
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_invalid_arguments(kwargs):
+    with pytest.raises(ValueError):
+        GradScaler("cpu", **kwargs)
+
+
+def test_accessors(device):
+    scaler = GradScaler(device, init_scale=8.0, growth_factor=3.0, backoff_factor=0.25,
+                        growth_interval=7, hysteresis=3, min_scale=1.0, max_scale=1024.0)
+    assert scaler.is_enabled()
+    assert scaler.get_scale() == 8.0  # before the scale tensor exists
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (3.0, 0.25, 7)
+    assert (scaler.get_hysteresis(), scaler.get_min_scale(), scaler.get_max_scale()) == (
+        3, 1.0, 1024.0)
+
+    new = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2, "hysteresis": 2,
+               "min_scale": 2.0, "max_scale": 32.0}
+    scaler.set_growth_factor(2.0)
+    scaler.set_backoff_factor(0.5)
+    scaler.set_growth_interval(2)
+    scaler.set_hysteresis(2)
+    scaler.set_min_scale(2.0)
+    scaler.set_max_scale(32.0)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval(),
+            scaler.get_hysteresis(), scaler.get_min_scale(), scaler.get_max_scale()) == (
+        2.0, 0.5, 2, 2, 2.0, 32.0)
+
+    # The new values drive the updates (the first update is clean: it resets the
+    # hysteresis tracker to the new hysteresis).
+    flags = [0] + [0] * 6 + [1] * 8 + [0, 1, 0, 1, 1] + [0] * 4
+    states = run_flags(scaler, device, flags)
+    assert states == reference_states(flags, 8.0, **new)
+
+
+def test_hysteresis_set_before_the_first_step(device):
+    """set_hysteresis before training: that many consecutive overflows back off."""
+    scaler = GradScaler(device, init_scale=64.0, hysteresis=2)
+    scaler.set_hysteresis(3)
+
+    states = run_flags(scaler, device, [1, 1, 1, 1])
+
+    assert [s for s, _, _ in states] == [64.0, 64.0, 32.0, 16.0]
+
+
+def test_state_dict_keys(device):
+    scaler = GradScaler(device, init_scale=64.0, hysteresis=3, min_scale=2.0, max_scale=2.0**20)
+    sd = scaler.state_dict()  # before the first scale(): the initial values
+    assert set(sd) == TORCH_KEYS | EXTRA_KEYS
+    assert sd == {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                  "growth_interval": 2000, "_growth_tracker": 0, "hysteresis": 3,
+                  "min_scale": 2.0, "max_scale": 2.0**20, "_hysteresis_tracker": 3}
+
+    run_flags(scaler, device, [0, 0, 1])
+    sd = scaler.state_dict()
+    assert sd["_growth_tracker"] == 0 and sd["_hysteresis_tracker"] == 2
+    assert isinstance(sd["scale"], float) and isinstance(sd["_growth_tracker"], int)
+    assert isinstance(sd["_hysteresis_tracker"], int)
+    assert set(torch.amp.GradScaler(device).state_dict()) == TORCH_KEYS
+
+
+@pytest.mark.parametrize("target_initialised", [False, True], ids=["fresh", "initialised"])
+def test_state_dict_round_trip(device, target_initialised):
+    config = {"init_scale": 256.0, "growth_interval": 3, "hysteresis": 3, "min_scale": 4.0,
+                  "max_scale": 2.0**12}
+    source = GradScaler(device, **config)
+    run_flags(source, device, [0, 0, 1, 0, 0, 1, 1])  # stops mid-hysteresis
+    sd = source.state_dict()
+    assert sd["_hysteresis_tracker"] == 1 and sd["_growth_tracker"] == 0
+    buffer = io.BytesIO()
+    torch.save(sd, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+
+    target = GradScaler(device)
+    if target_initialised:
+        target.scale(torch.ones((), device=device))
+    target.load_state_dict(loaded)
+
+    assert target.state_dict() == sd
+    flags = [1, 0, 0, 0, 1, 1, 1, 1] + random_flags(8, 40)
+    assert run_flags(target, device, flags, init=not target_initialised) == run_flags(
+        source, device, flags, init=False)
+
+
+def test_load_a_torch_state_dict(device):
+    theirs = torch.amp.GradScaler(device, init_scale=256.0, growth_interval=4)
+    run_flags(theirs, device, [0, 0, 1, 0, 0, 0])
+    sd = theirs.state_dict()
+    assert sd["_growth_tracker"] == 3
+
+    ours = GradScaler(device, hysteresis=1, max_scale=2.0**30)
+    ours.load_state_dict(sd)
+
+    mine = ours.state_dict()
+    assert {k: mine[k] for k in TORCH_KEYS} == sd
+    assert (mine["hysteresis"], mine["min_scale"], mine["max_scale"]) == (1, 0.0, 2.0**30)
+    flags = [0, 1, 0, 0, 0, 0] + random_flags(9, 40)
+    assert [s[:2] for s in run_flags(ours, device, flags)] == [
+        s[:2] for s in run_flags(theirs, device, flags, init=False)]
+
+
+def test_pickle_round_trip(device):
+    scaler = GradScaler(device, init_scale=256.0, growth_interval=3, hysteresis=3)
+    run_flags(scaler, device, [0, 1, 0, 0, 1])
+    clone = copy.deepcopy(scaler)
+    assert clone.state_dict() == scaler.state_dict()
+    flags = [1, 1, 0, 0, 0, 1, 1, 1]
+    assert run_flags(clone, device, flags) == run_flags(scaler, device, flags, init=False)
+
+
+def test_disabled_is_a_pass_through(device):
+    def run(scaler_cls):
+        model = make_model(device)
+        opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = scaler_cls(device, enabled=False)
+        loss = loss_of(model, 0)
+        assert scaler.scale(loss) is loss
+        outputs = [loss, loss * 2]
+        assert scaler.scale(outputs) is outputs
+        loss.backward()
+        model.fc2.weight.grad[0, 0] = 1e30  # no overflow check: the step is taken
+        grads = [p.grad.clone() for p in model.parameters()]
+        scaler.unscale_(opt)
+        for p, g in zip(model.parameters(), grads):
+            assert_bitwise_equal(p.grad, g)
+        scaler.step(opt)
+        scaler.update()
+        assert not scaler.is_enabled()
+        assert scaler.get_scale() == 1.0
+        assert scaler.state_dict() == {}
+        scaler.load_state_dict({"scale": 8.0})  # a no-op
+        assert scaler.get_scale() == 1.0
+        return full_snapshot(model, opt)
+
+    ours, theirs = run(GradScaler), run(torch.amp.GradScaler)
+    assert_same_snapshot(ours, theirs)
+    assert GradScaler(device, enabled=False).found_inf() is None
+
+
+# --- unscale_ ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inf_step", [None, 3])
+def test_unscale_then_step_matches_torch_on_torch_sgd(device, inf_step):
+    results = []
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        model = make_model(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+        scaler = scaler_cls(device, init_scale=2.0**10, growth_interval=3)
+        scales = train_with_scaler(model, opt, scaler, 8, inf_step, clip=0.05)
+        results.append((scales, full_snapshot(model, opt)))
+
+    assert results[0][0] == results[1][0]
+    assert_same_snapshot(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("cls, kwargs", FUSED[:1] + FUSED[3:4])
+def test_unscale_then_step_with_a_fused_optimizer(device, cls, kwargs):
+    """unscale_ (then clipping) before step: the fused optimizer gets no grad_scale
+    and matches torch.optim under torch's scaler."""
+    model, twin = make_model(device), make_model(device)
+    opt = cls(model.parameters(), **kwargs)
+    twin_opt = torch_optimizer(cls, twin.parameters(), kwargs)
+    scales = train_with_scaler(model, opt, GradScaler(device, init_scale=2.0**10), 8, 3,
+                               clip=0.05)
+    twin_scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    twin_scales = train_with_scaler(twin, twin_opt, twin_scaler, 8, 3, clip=0.05)
+
+    assert scales == twin_scales
+    for p, tp in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, tp, **TIGHT)
+
+
+def test_unscale_bf16_grads(device):
+    model = make_model(device)
+    model.fc1.to(torch.bfloat16)  # bf16 and fp32 gradients in one optimizer
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(device, init_scale=8.0)
+    scaler.scale(loss_of(model, 0)).backward()
+    assert model.fc1.weight.grad.dtype == torch.bfloat16
+    scaled = [p.grad.clone() for p in model.parameters()]
+
+    scaler.unscale_(opt)
+
+    for p, g in zip(model.parameters(), scaled):
+        assert_bitwise_equal(p.grad, (g.float() * 0.125).to(g.dtype))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.found_inf().item() == 0.0 and scaler.get_scale() == 8.0
+
+    # An inf in a bf16 gradient is found: the step is skipped, the scale backs off.
+    opt.zero_grad()
+    scaler.scale(loss_of(model, 1)).backward()
+    model.fc1.weight.grad[2, 3] = INF
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.found_inf().item() != 0.0 and scaler.get_scale() == 4.0
+    for p, then in zip(model.parameters(), before):
+        assert_bitwise_equal(p.detach(), then)
+
+
+@pytest.mark.parametrize("scaler_cls", SCALERS)
+def test_unscale_refuses_fp16_grads_like_torch(device, scaler_cls):
+    model = make_model(device, torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_cls(device)
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.unscale_(opt)
+
+
+def test_found_inf(device):
+    scaler = GradScaler(device, init_scale=16.0)
+    assert scaler.found_inf() is None
+    run_flags(scaler, device, [0])
+    flag = scaler.found_inf()
+    assert isinstance(flag, torch.Tensor) and flag.device.type == device
+    assert flag.dtype == torch.float32 and flag.numel() == 1 and flag.item() == 0.0
+    run_flags(scaler, device, [1], init=False)
+    assert scaler.found_inf().item() != 0.0
+    run_flags(scaler, device, [0], init=False)
+    assert scaler.found_inf().item() == 0.0
+
+
+# --- both scalers driving the fused optimizers -----------------------------------------
+
+@pytest.mark.parametrize("inf_step", [0, 4])
+@pytest.mark.parametrize("dtype, master_weights", [
+    pytest.param(torch.float32, False, id="fp32"),
+    pytest.param(torch.float16, True, id="fp16-masters"),
+    pytest.param(torch.bfloat16, True, id="bf16-masters"),
+])
+@pytest.mark.parametrize("cls, kwargs", FUSED)
+def test_both_scalers_drive_fused_optimizers_alike(device, cls, kwargs, dtype, master_weights,
+                                                    inf_step):
+    results = []
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        model = make_model(device, dtype)
+        opt = cls(model.parameters(), master_weights=master_weights, **kwargs)
+        scaler = scaler_cls(device, init_scale=2.0**8, growth_interval=3)
+        scales = train_with_scaler(model, opt, scaler, 10, inf_step)
+        if cls is FusedAdam:
+            assert opt.param_groups[0]["step"].item() == 9  # the skipped step is not counted
+        results.append((scales, full_snapshot(model, opt)))
+
+    assert results[0][0] == results[1][0]
+    assert_same_snapshot(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("inf_step", [0, 4])
+@pytest.mark.parametrize("cls, kwargs", FUSED)
+def test_fused_optimizers_under_a_scaler_match_torch_optim(request, device, cls, kwargs,
+                                                          inf_step):
+    """An fp32 model: FusedSGD/FusedAdam under mixedprec's scaler against torch.optim
+    under torch's (which skips the step on the host)."""
+    if kwargs.get("dampening") and inf_step == 0:
+        from test_fused_optimizers import DAMPENED_FIRST_STEP
+        request.applymarker(pytest.mark.xfail(strict=True, reason=DAMPENED_FIRST_STEP))
+    model, twin = make_model(device), make_model(device)
+    opt = cls(model.parameters(), **kwargs)
+    twin_opt = torch_optimizer(cls, twin.parameters(), kwargs)
+    scaler = GradScaler(device, init_scale=2.0**8, growth_interval=3)
+    twin_scaler = torch.amp.GradScaler(device, init_scale=2.0**8, growth_interval=3)
+
+    scales = train_with_scaler(model, opt, scaler, 10, inf_step)
+    twin_scales = train_with_scaler(twin, twin_opt, twin_scaler, 10, inf_step)
+
+    assert scales == twin_scales
+    for p, tp in zip(model.parameters(), twin.parameters()):
+        for key, value in twin_opt.state[tp].items():
+            if key != "step":
+                torch.testing.assert_close(opt.state[p][key], value, **TIGHT,
+                                           msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(p, tp, **TIGHT)
+
+
+# --- no host synchronisation ------------------------------------------------------------
+
+SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
+_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal")
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+class _ForbidSyncOps(TorchDispatchMode):
+    """Catches the ATen ops that read a tensor on the host, however they are reached
+    (also a `.item()` that bypasses the Python attribute), and device-to-host copies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS:
+            raise HostSyncError(f"{func} during a sync-free call")
+        if name in ("_to_copy", "copy_"):
+            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+            if kwargs.get("device") is not None:
+                devices.add(torch.device(kwargs["device"]).type)
+            if "cpu" in devices and len(devices) > 1:
+                raise HostSyncError(f"{func} between the host and the device")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(monkeypatch):
+    """Tensor.item/__bool__/cpu/tolist/__float__/__int__ raise (and are recorded), the
+    ATen ops behind them raise, and on CUDA so does any synchronising CUDA call."""
+    calls = []
+
+    def forbidden(name):
+        def method(self, *args, **kwargs):
+            calls.append(name)
+            raise HostSyncError(f"Tensor.{name} during a sync-free call")
+        return method
+
+    patched = {name: forbidden(name) for name in SYNC_METHODS}
+    with monkeypatch.context() as m:
+        for name, method in patched.items():
+            m.setattr(torch.Tensor, name, method)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with _ForbidSyncOps():
+                yield calls
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
+        # What ran was the patched version, and nothing swallowed a HostSyncError.
+        assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
+        assert calls == [], f"host syncs: {calls}"
+
+
+SYNC_CALLS = [
+    pytest.param(lambda t: t.sum().item(), id="item"),
+    pytest.param(lambda t: bool(t.sum()), id="bool"),
+    pytest.param(lambda t: float(t.sum()), id="float"),
+    pytest.param(lambda t: int(t.sum()), id="int"),
+    pytest.param(lambda t: t.tolist(), id="tolist"),
+    pytest.param(lambda t: t.cpu(), id="cpu"),
+    pytest.param(lambda t: torch._C.TensorBase.item(t.sum()), id="base-item"),
+    pytest.param(lambda t: 1 if t.sum() > 0 else 0, id="if-tensor"),
+    pytest.param(lambda t: torch.equal(t, t), id="equal"),
+]
+
+
+@pytest.mark.parametrize("call", SYNC_CALLS)
+def test_the_guard_catches_host_syncs(device, monkeypatch, call):
+    t = torch.ones(3, device=device)
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+    with pytest.raises(HostSyncError), forbid_host_sync(monkeypatch):
+        call(t)
+    # Restored afterwards.
+    assert all(getattr(torch.Tensor, name) is f for name, f in originals.items())
+    call(t)
+
+
+@pytest.mark.parametrize("scaler_cls", SCALERS)
+def test_the_guard_catches_torch_optim_step(device, monkeypatch, scaler_cls):
+    """A plain optimizer makes scaler.step read the overflow flag on the host: the guard
+    must see that."""
+    model = make_model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_cls(device)
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(HostSyncError), forbid_host_sync(monkeypatch):
+        scaler.step(opt)
+
+
+@pytest.mark.parametrize("dtype, master_weights, unscale_first", [
+    pytest.param(torch.float32, False, False, id="fp32"),
+    pytest.param(torch.float16, False, False, id="fp16-params"),
+    pytest.param(torch.float16, True, False, id="fp16-masters"),
+    pytest.param(torch.bfloat16, True, False, id="bf16-masters"),
+    # unscale_ refuses fp16 gradients (as torch's does).
+    pytest.param(torch.float32, False, True, id="fp32-unscale_"),
+    pytest.param(torch.bfloat16, True, True, id="bf16-masters-unscale_"),
+])
+@pytest.mark.parametrize("cls, kwargs", FUSED[:1] + FUSED[4:])
+@pytest.mark.parametrize("scaler_cls", SCALERS)
+def test_no_host_sync(device, monkeypatch, scaler_cls, cls, kwargs, dtype, master_weights,
+                      unscale_first):
+    model = make_model(device, dtype)
+    opt = cls(model.parameters(), master_weights=master_weights, **kwargs)
+    scaler = scaler_cls(device, init_scale=2.0**8, growth_interval=2)
+    start = [p.detach().clone() for p in model.parameters()]
+    flags = []
+    for step in range(5):
+        opt.zero_grad()
+        loss = loss_of(model, step)  # the batch is drawn on the host
+        with forbid_host_sync(monkeypatch):
+            scaled = scaler.scale(loss)
+        scaled.backward()
+        if step == 2:
+            model.fc1.weight.grad[0, 1] = INF
+        with forbid_host_sync(monkeypatch):
+            if unscale_first:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            if scaler_cls is GradScaler:
+                flags.append(scaler.found_inf().clone())
+    # And plain steps, without a scaler.
+    for step in range(5, 7):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        with forbid_host_sync(monkeypatch):
+            opt.step()
+
+    # The work was done: the scale grew (step 1), backed off (step 2, skipped), grew.
+    assert scaler.get_scale() == 2.0**9
+    if flags:
+        assert [f.item() != 0 for f in flags] == [False, False, True, False, False]
+    if cls is FusedAdam:
+        assert opt.param_groups[0]["step"].item() == 6
+    for p, before in zip(model.parameters(), start):
+        assert torch.isfinite(p).all() and not torch.equal(p, before)
