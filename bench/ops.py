@@ -1,0 +1,838 @@
+"""Benchmark of mixedprec's fused ops against their PyTorch counterparts.
+
+Each op runs on the same inputs as its native PyTorch counterpart, in one run:
+
+- unscale fp16/fp32: ``ops.multi_tensor_unscale_`` vs
+  ``torch._amp_foreach_non_finite_check_and_unscale_``;
+- adam: ``ops.multi_tensor_check_finite_`` + ``ops.fused_adam_`` (fp32 masters, fp16
+  grads and model copy, inv_scale, found_inf), and ``mixedprec.FusedAdam.step``, vs
+  GradScaler's check pass + ``torch.optim.AdamW(fused=True).step`` and GradScaler's
+  ``unscale_`` + ``AdamW(foreach=True).step``, on fp32 parameters;
+- sgd: ``ops.multi_tensor_check_finite_`` + ``ops.fused_sgd_`` (momentum 0.9,
+  masters), and ``mixedprec.FusedSGD.step``, vs GradScaler's check pass +
+  ``torch.optim.SGD(fused=True).step``;
+- sum fp16/bf16: ``ops.sum_fp32`` vs ``torch.sum(x, dtype=torch.float32)``;
+- l2norm fp32/fp16: ``ops.multi_tensor_l2norm`` vs ``torch._foreach_norm`` then
+  ``vector_norm(stack(...))`` (what ``clip_grad_norm_`` does);
+
+on parameter lists shaped like ResNet-50 (161 tensors, 25.6M elements), GPT-2-medium
+(292 tensors, 355M) and one flat tensor of 1e9 elements. Reported per case: the
+median device time (CUDA events; see common.Timer), the effective bandwidth from the
+fewest bytes the op must move (formulas in BYTES and bench/README.md), that bandwidth
+as a percentage of a large device-to-device copy's measured in the same run, and the
+speed-up over PyTorch (PyTorch's time / mixedprec's time).
+
+With no arguments: the full run on a GPU when CUDA is available, else a small smoke
+run on the CPU (sizes divided by 1000, wall-clock timing, results under
+bench/results/cpu-smoke/ so that they never read as results).
+"""
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def _load_common():
+    name = "mixedprec_bench_common"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("common.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+C = _load_common()
+
+Shapes = List[Tuple[int, ...]]
+
+# --- parameter lists ------------------------------------------------------------------
+
+
+def resnet50_shapes_fixed() -> Shapes:
+    """torchvision's ResNet-50 parameter shapes in ``parameters()`` order, written out
+    (for machines without torchvision): 161 tensors, 25,557,032 elements."""
+    shapes: Shapes = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(width, inplanes, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (width * 4, width, 1, 1), (width * 4,), (width * 4,)]
+            if b == 0:  # downsample: 1x1 conv and batchnorm
+                shapes += [(width * 4, inplanes, 1, 1), (width * 4,), (width * 4,)]
+            inplanes = width * 4
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def resnet50_shapes() -> Tuple[Shapes, str]:
+    try:
+        import torchvision
+    except ImportError:
+        return resnet50_shapes_fixed(), "hard-coded"
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    return [tuple(p.shape) for p in model.parameters()], "torchvision"
+
+
+def gpt2_medium_shapes(layers: int = 24, d: int = 1024, vocab: int = 50257,
+                       ctx: int = 1024) -> Shapes:
+    """GPT-2-medium's parameters (HF order): token and position embeddings, 24 blocks
+    of (ln_1, c_attn, c_proj, ln_2, c_fc, mlp c_proj) weights and biases, ln_f:
+    292 tensors, 354,823,168 elements."""
+    shapes: Shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+def flat_shapes(n: int = 1_000_000_000) -> Shapes:
+    return [(n,)]
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def scaled(shapes: Shapes, factor: int) -> Shapes:
+    """The same number of tensors, each with numel // factor elements (at least 1),
+    as 1-D tensors: the smoke-test version of a list."""
+    if factor <= 1:
+        return list(shapes)
+    return [(max(1, numel(s) // factor),) for s in shapes]
+
+
+LIST_LABELS = {"resnet50": "ResNet-50", "gpt2-medium": "GPT-2-medium", "flat-1b": "flat 1B"}
+# Lists on which the bandwidth targets apply (>= 100M elements at full size).
+LARGE_LISTS = ("gpt2-medium", "flat-1b")
+
+
+def build_lists(names: Sequence[str], factor: int) -> Dict[str, Dict[str, Any]]:
+    out = {}
+    for name in names:
+        if name == "resnet50":
+            shapes, source = resnet50_shapes()
+        elif name == "gpt2-medium":
+            shapes, source = gpt2_medium_shapes(), "GPT-2-medium layout"
+        elif name == "flat-1b":
+            shapes, source = flat_shapes(), "one tensor"
+        else:
+            raise SystemExit(f"unknown list {name!r}; choose from {', '.join(LIST_LABELS)}")
+        full = sum(numel(s) for s in shapes)
+        shapes = scaled(shapes, factor)
+        out[name] = dict(label=LIST_LABELS[name], shapes=shapes, tensors=len(shapes),
+                         numel=sum(numel(s) for s in shapes), full_numel=full, source=source,
+                         scale=factor)
+    return out
+
+
+# --- bytes each op must move, per element ------------------------------------------------
+
+# Each input read once and each output written once; found_inf, inv_scale and the
+# other one-element tensors are left out. fp16 = 2 B, fp32 = 4 B.
+BYTES = {
+    # in place: read and write each gradient
+    "unscale fp16": {"mixedprec": 2 + 2, "torch": 2 + 2},
+    "unscale fp32": {"mixedprec": 4 + 4, "torch": 4 + 4},
+    # DESIGN.md: check pass reads the fp16 grad (2); update reads grad 2 + master 4 +
+    # m 4 + v 4 = 14 and writes master 4 + m 4 + v 4 + fp16 model copy 2 = 14. Total 30.
+    # PyTorch on fp32 params: the check op as called unscales in place (read 4 + write
+    # 4); the update reads grad, param, m, v (16) and writes param, m, v (12). Total 36.
+    # (Its fused kernel also writes the unscaled grad back when given grad_scale: not
+    # counted, as it is not needed.)
+    "adam": {"mixedprec": 2 + 14 + 14, "torch": 8 + 16 + 12},
+    # check 2; update reads grad 2 + master 4 + momentum 4, writes master 4 +
+    # momentum 4 + model 2: 22. PyTorch fp32: check 8 + reads 12 + writes 8: 28.
+    "sgd": {"mixedprec": 2 + 10 + 10, "torch": 8 + 12 + 8},
+    # read-only reductions
+    "sum fp16": {"mixedprec": 2, "torch": 2},
+    "sum bf16": {"mixedprec": 2, "torch": 2},
+    "l2norm fp32": {"mixedprec": 4, "torch": 4},
+    "l2norm fp16": {"mixedprec": 2, "torch": 2},
+}
+OP_GROUPS = {
+    "unscale": ["unscale fp16", "unscale fp32"],
+    "adam": ["adam"],
+    "sgd": ["sgd"],
+    "sum": ["sum fp16", "sum bf16"],
+    "l2norm": ["l2norm fp32", "l2norm fp16"],
+}
+# Ops with targets: >= 90% of copy bandwidth on the large lists, faster than PyTorch.
+TARGET_OPS = ("unscale fp16", "unscale fp32", "adam", "sgd")
+BANDWIDTH_TARGET = 0.90
+
+LR, BETAS, EPS, WD, MOMENTUM = 1e-3, (0.9, 0.999), 1e-8, 0.01, 0.9
+# The checks compare updates (parameter after - before); a large learning rate keeps
+# the rounding of the parameters themselves far below the tolerance.
+CHECK_LR = 0.1
+
+
+# --- inputs -------------------------------------------------------------------------------
+
+class Inputs:
+    """Random tensors of one list on one device (never zeros: see METHOD.md)."""
+
+    def __init__(self, shapes: Shapes, device: torch.device, seed: int = 0):
+        self.shapes = shapes
+        self.device = device
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+
+    def randn(self, dtype: torch.dtype, std: float = 1.0) -> List[torch.Tensor]:
+        out = []
+        for s in self.shapes:
+            t = torch.randn(s, dtype=dtype, device=self.device, generator=self.gen)
+            out.append(t.mul_(std) if std != 1.0 else t)
+        return out
+
+    def rand(self, dtype: torch.dtype, lo: float, hi: float) -> List[torch.Tensor]:
+        out = []
+        for s in self.shapes:
+            t = torch.rand(s, dtype=dtype, device=self.device, generator=self.gen)
+            out.append(t.mul_(hi - lo).add_(lo))
+        return out
+
+    def scalar(self, value: float, shape: Tuple[int, ...] = (1,)) -> torch.Tensor:
+        """A float32 one-element tensor: shape (1,) for mixedprec's ops, () as
+        torch.amp.GradScaler makes its scale and found_inf."""
+        return torch.full(shape, value, dtype=torch.float32, device=self.device)
+
+    def tscalar(self, value: float) -> torch.Tensor:
+        return self.scalar(value, ())
+
+
+def _pairs(inp: Inputs, shape: Tuple[int, ...] = (1,)):
+    """Loss scales alternating between 2 and 1/2 with their inverses: exact in every
+    dtype, so gradients unscaled in place every repetition return to their values
+    every other repetition instead of drifting to zero."""
+    scales = [inp.scalar(2.0, shape), inp.scalar(0.5, shape)]
+    invs = [inp.scalar(0.5, shape), inp.scalar(2.0, shape)]
+    return scales, invs
+
+
+# --- the cases: each builds its inputs, returns fn(i) to time ------------------------------
+
+Case = Callable[[Inputs], Tuple[Callable[[int], Any], Callable[[], Dict[str, Any]]]]
+
+
+def _no_skip(*flags: torch.Tensor) -> Callable[[], Dict[str, Any]]:
+    """After timing: every found_inf flag must still be 0 (a skipped update would be
+    faster than a real one and void the timing)."""
+    def after():
+        return {"found_inf": max(float(f.max().item()) for f in flags)}  # sync-ok: after timing
+    return after
+
+
+def case_unscale_mixedprec(dtype):
+    def build(inp: Inputs):
+        from mixedprec import ops
+        grads = inp.randn(dtype)
+        found_inf = inp.scalar(0.0)
+        _, invs = _pairs(inp)
+        fn = lambda i: ops.multi_tensor_unscale_(grads, found_inf, invs[i % 2])  # noqa: E731
+        return fn, _no_skip(found_inf)
+    return build
+
+
+def case_unscale_torch(dtype):
+    def build(inp: Inputs):
+        grads = inp.randn(dtype)
+        found_inf = inp.tscalar(0.0)
+        _, invs = _pairs(inp, ())
+        return (lambda i: torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, invs[i % 2])), _no_skip(found_inf)
+    return build
+
+
+def _as_params(tensors: List[torch.Tensor], grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    params = [torch.nn.Parameter(t, requires_grad=True) for t in tensors]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params
+
+
+def case_adam_mixedprec_op(inp: Inputs):
+    from mixedprec import ops
+    masters = inp.randn(torch.float32)
+    model = [m.to(torch.float16) for m in masters]
+    grads = inp.randn(torch.float16)
+    exp_avgs = inp.randn(torch.float32, std=0.1)
+    exp_avg_sqs = inp.rand(torch.float32, 0.01, 1.0)
+    step = inp.scalar(0.0)
+    found_inf = inp.scalar(0.0)
+    _, invs = _pairs(inp)
+
+    def fn(i):
+        ops.multi_tensor_check_finite_(grads, found_inf)  # what a GradScaler does first
+        ops.fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, model, step, LR, BETAS[0],
+                        BETAS[1], EPS, WD, True, True, invs[i % 2], found_inf)
+    return fn, _no_skip(found_inf)
+
+
+def case_adam_mixedprec_optimizer(inp: Inputs):
+    import mixedprec
+    from mixedprec import ops
+    params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
+    grads = [p.grad for p in params]
+    opt = mixedprec.FusedAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                              master_weights=True)
+    found_inf = inp.scalar(0.0)
+    scales, _ = _pairs(inp)
+
+    def fn(i):
+        ops.multi_tensor_check_finite_(grads, found_inf)
+        opt.set_grad_scaling(scales[i % 2], found_inf)
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def _torch_adamw(inp: Inputs, **kw):
+    params = _as_params(inp.randn(torch.float32), inp.randn(torch.float32))
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+    return params, [p.grad for p in params], opt
+
+
+def case_adam_torch_fused(inp: Inputs):
+    params, grads, opt = _torch_adamw(inp, fused=True)
+    found_inf, one = inp.tscalar(0.0), inp.tscalar(1.0)
+    scales, _ = _pairs(inp, ())
+
+    def fn(i):
+        # torch.amp.GradScaler.step with a fused optimizer: check pass (in-place unscale
+        # by 1.0), then the optimizer divides by grad_scale and skips on found_inf.
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def case_adam_torch_foreach(inp: Inputs):
+    params, grads, opt = _torch_adamw(inp, foreach=True)
+    found_inf = inp.tscalar(0.0)
+    _, invs = _pairs(inp, ())
+
+    def fn(i):
+        # GradScaler.unscale_ (the found_inf.item() GradScaler then reads is left out)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, invs[i % 2])
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def case_sgd_mixedprec_op(inp: Inputs):
+    from mixedprec import ops
+    masters = inp.randn(torch.float32)
+    model = [m.to(torch.float16) for m in masters]
+    grads = inp.randn(torch.float16)
+    buffers = inp.randn(torch.float32, std=0.1)
+    found_inf = inp.scalar(0.0)
+    _, invs = _pairs(inp)
+
+    def fn(i):
+        ops.multi_tensor_check_finite_(grads, found_inf)
+        ops.fused_sgd_(masters, grads, buffers, model, LR, MOMENTUM, 0.0, 0.0, False, False,
+                       invs[i % 2], found_inf)
+    return fn, _no_skip(found_inf)
+
+
+def case_sgd_mixedprec_optimizer(inp: Inputs):
+    import mixedprec
+    from mixedprec import ops
+    params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
+    grads = [p.grad for p in params]
+    opt = mixedprec.FusedSGD(params, lr=LR, momentum=MOMENTUM, master_weights=True)
+    found_inf = inp.scalar(0.0)
+    scales, _ = _pairs(inp)
+
+    def fn(i):
+        ops.multi_tensor_check_finite_(grads, found_inf)
+        opt.set_grad_scaling(scales[i % 2], found_inf)
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def case_sgd_torch_fused(inp: Inputs):
+    params = _as_params(inp.randn(torch.float32), inp.randn(torch.float32))
+    grads = [p.grad for p in params]
+    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, fused=True)
+    found_inf, one = inp.tscalar(0.0), inp.tscalar(1.0)
+    scales, _ = _pairs(inp, ())
+
+    def fn(i):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def _flat(inp: Inputs, dtype) -> torch.Tensor:
+    """One tensor with as many elements as the list."""
+    n = sum(numel(s) for s in inp.shapes)
+    return torch.randn(n, dtype=dtype, device=inp.device, generator=inp.gen)
+
+
+def case_sum_mixedprec(dtype):
+    def build(inp: Inputs):
+        from mixedprec import ops
+        x = _flat(inp, dtype)
+        return (lambda i: ops.sum_fp32(x)), dict
+    return build
+
+
+def case_sum_torch(dtype):
+    def build(inp: Inputs):
+        x = _flat(inp, dtype)
+        return (lambda i: torch.sum(x, dtype=torch.float32)), dict
+    return build
+
+
+def case_l2norm_mixedprec(dtype):
+    def build(inp: Inputs):
+        from mixedprec import ops
+        grads = inp.randn(dtype)
+        return (lambda i: ops.multi_tensor_l2norm(grads, None, False)), dict
+    return build
+
+
+def torch_total_norm(grads: List[torch.Tensor]) -> torch.Tensor:
+    """clip_grad_norm_'s foreach path (torch.nn.utils.get_total_norm)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+
+
+def case_l2norm_torch(dtype):
+    def build(inp: Inputs):
+        grads = inp.randn(dtype)
+        return (lambda i: torch_total_norm(grads)), dict
+    return build
+
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+# op -> [(implementation label, side, case)]; side "mixedprec" or "torch".
+CASES: Dict[str, List[Tuple[str, str, Case]]] = {
+    "unscale fp16": [
+        ("mixedprec multi_tensor_unscale_", "mixedprec", case_unscale_mixedprec(F16)),
+        ("torch _amp_foreach_non_finite_check_and_unscale_", "torch", case_unscale_torch(F16)),
+    ],
+    "unscale fp32": [
+        ("mixedprec multi_tensor_unscale_", "mixedprec", case_unscale_mixedprec(F32)),
+        ("torch _amp_foreach_non_finite_check_and_unscale_", "torch", case_unscale_torch(F32)),
+    ],
+    "adam": [
+        ("mixedprec check_finite_ + fused_adam_", "mixedprec", case_adam_mixedprec_op),
+        ("mixedprec FusedAdam.step (+ check)", "mixedprec", case_adam_mixedprec_optimizer),
+        ("torch AdamW fused=True (+ check)", "torch", case_adam_torch_fused),
+        ("torch AdamW foreach=True (+ unscale_)", "torch", case_adam_torch_foreach),
+    ],
+    "sgd": [
+        ("mixedprec check_finite_ + fused_sgd_", "mixedprec", case_sgd_mixedprec_op),
+        ("mixedprec FusedSGD.step (+ check)", "mixedprec", case_sgd_mixedprec_optimizer),
+        ("torch SGD fused=True (+ check)", "torch", case_sgd_torch_fused),
+    ],
+    "sum fp16": [
+        ("mixedprec sum_fp32", "mixedprec", case_sum_mixedprec(F16)),
+        ("torch sum(dtype=float32)", "torch", case_sum_torch(F16)),
+    ],
+    "sum bf16": [
+        ("mixedprec sum_fp32", "mixedprec", case_sum_mixedprec(BF16)),
+        ("torch sum(dtype=float32)", "torch", case_sum_torch(BF16)),
+    ],
+    "l2norm fp32": [
+        ("mixedprec multi_tensor_l2norm", "mixedprec", case_l2norm_mixedprec(F32)),
+        ("torch _foreach_norm + vector_norm", "torch", case_l2norm_torch(F32)),
+    ],
+    "l2norm fp16": [
+        ("mixedprec multi_tensor_l2norm", "mixedprec", case_l2norm_mixedprec(F16)),
+        ("torch _foreach_norm + vector_norm", "torch", case_l2norm_torch(F16)),
+    ],
+}
+DTYPE_NOTE = {
+    "unscale fp16": "fp16 grads", "unscale fp32": "fp32 grads",
+    "adam": "mixedprec: fp16 grads/model, fp32 masters+moments; torch: fp32",
+    "sgd": "mixedprec: fp16 grads/model, fp32 masters+momentum; torch: fp32",
+    "sum fp16": "fp16 input, fp32 result", "sum bf16": "bf16 input, fp32 result",
+    "l2norm fp32": "fp32 grads", "l2norm fp16": "fp16 grads",
+}
+
+
+# --- correctness checks (before timing, on the first list) -------------------------------
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    den = torch.linalg.vector_norm(b).item()
+    return torch.linalg.vector_norm(a - b).item() / (den if den > 0 else 1.0)
+
+
+def _cat(ts: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for t in ts])
+
+
+def run_checks(shapes: Shapes, device: torch.device, ops_selected: Sequence[str]) -> List[Dict]:
+    """Fresh random inputs; mixedprec against PyTorch (or float64) on the same data."""
+    inp = Inputs(shapes, device, seed=1234)
+    checks: List[Dict] = []
+
+    def add(name, err, tol, extra=None):
+        ok = err is not None and math.isfinite(err) and err <= tol
+        checks.append(dict(name=name, rel_err=err, tol=tol, ok=bool(ok), **(extra or {})))
+
+    for op in ops_selected:
+        try:
+            _check_one(op, inp, device, add)
+        except Exception as e:  # noqa: BLE001  (a failed check; the run exits 1)
+            checks.append(dict(name=op, rel_err=None, tol=None, ok=False,
+                               error=f"{type(e).__name__}: {e}"))
+        C.free_memory()
+    return checks
+
+
+def _check_one(op: str, inp: "Inputs", device: torch.device, add) -> None:
+    """One check; ``add(name, rel_err, tol, extra)`` records it."""
+    from mixedprec import ops
+    if op.startswith("unscale"):
+        dtype = F16 if op.endswith("fp16") else F32
+        g = inp.randn(dtype)
+        ref = [t.clone() for t in g]
+        fi, fi_ref, inv = inp.scalar(0.0), inp.tscalar(0.0), inp.scalar(1 / 1024)
+        ops.multi_tensor_unscale_(g, fi, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, fi_ref, inv)
+        err = _rel(_cat(g), _cat(ref))
+        # and the flag: an inf in the last tensor must be seen by both
+        g[-1].view(-1)[-1] = float("inf")
+        ref[-1].view(-1)[-1] = float("inf")
+        ops.multi_tensor_unscale_(g, fi, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, fi_ref, inv)
+        flags = (fi.item(), fi_ref.item())
+        add(op, err if flags == (1.0, 1.0) else float("nan"), 0.0,
+            {"found_inf (mixedprec, torch) after an inf": flags})
+    elif op in ("adam", "sgd"):
+        masters = inp.randn(F32)
+        grads16 = inp.randn(F16)
+        model = [m.to(F16) for m in masters]
+        params = [torch.nn.Parameter(m.clone()) for m in masters]
+        for p, g in zip(params, grads16):
+            p.grad = g.float()
+        scale = 512.0
+        fi, fi_ref = inp.scalar(0.0), inp.tscalar(0.0)
+        if op == "adam":
+            m1, v1 = inp.randn(F32, std=0.1), inp.rand(F32, 0.01, 1.0)
+            opt = torch.optim.AdamW(params, lr=CHECK_LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                    fused=True)
+            for p, a, b in zip(params, m1, v1):
+                opt.state[p] = {"step": torch.zeros((), dtype=F32, device=device),
+                                "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
+            ops.fused_adam_(masters, grads16, m1, v1, model, inp.scalar(0.0), CHECK_LR, BETAS[0],
+                            BETAS[1], EPS, WD, True, True, inp.scalar(1 / scale), fi)
+        else:
+            buf = inp.randn(F32, std=0.1)
+            opt = torch.optim.SGD(params, lr=CHECK_LR, momentum=MOMENTUM, fused=True)
+            for p, b in zip(params, buf):
+                opt.state[p] = {"momentum_buffer": b.clone()}
+            ops.fused_sgd_(masters, grads16, buf, model, CHECK_LR, MOMENTUM, 0.0, 0.0, False,
+                           False, inp.scalar(1 / scale), fi)
+        before = _cat([p.detach() for p in params])
+        opt.grad_scale, opt.found_inf = inp.tscalar(scale), fi_ref
+        opt.step()
+        after_ref = _cat([p.detach() for p in params])
+        # compare the updates (the parameters themselves would hide errors)
+        err = _rel(_cat(masters) - before, after_ref - before)
+        copy_exact = all(torch.equal(a, m.to(F16)) for a, m in zip(model, masters))
+        add(op, err if copy_exact and fi.item() == 0 else float("nan"), 1e-4,
+            {"model copy == masters cast": copy_exact})
+    elif op.startswith("sum"):
+        x = _flat(inp, F16 if op.endswith("fp16") else BF16)
+        ref = x.double().sum()
+        scale = x.double().abs().sum().item()  # error relative to sum |x|
+        err = abs(ops.sum_fp32(x).double().item() - ref.item()) / scale
+        err_torch = abs(torch.sum(x, dtype=F32).double().item() - ref.item()) / scale
+        add(op, err, 1e-5, {"torch rel_err": err_torch})
+    elif op.startswith("l2norm"):
+        g = inp.randn(F16 if op.endswith("fp16") else F32)
+        ref = torch.linalg.vector_norm(_cat(g))
+        norm, _ = ops.multi_tensor_l2norm(g, None, False)
+        add(op, _rel(norm.reshape(()), ref), 1e-5,
+            {"torch rel_err": _rel(torch_total_norm(g).float(), ref)})
+
+
+# --- running ----------------------------------------------------------------------------
+
+def measure_copy(device: torch.device, elems: int, timer) -> Dict[str, Any]:
+    src = torch.randn(elems, device=device)
+    dst = torch.empty_like(src)
+    nbytes = 2 * src.numel() * src.element_size()
+    t = timer(lambda i: dst.copy_(src))
+    src = dst = None  # noqa: F841  (frees the buffers before the next case)
+    C.free_memory()
+    return dict(bytes=nbytes, gbps=nbytes / (t["median_ms"] * 1e6), **t)
+
+
+def run_case(case: Case, shapes: Shapes, device: torch.device, timer) -> Dict[str, Any]:
+    inp = Inputs(shapes, device)
+    fn, after = case(inp)
+    t = timer(fn)
+    t.update(after())
+    del fn, after, inp
+    C.free_memory()
+    return t
+
+
+def parse_args(argv: Optional[Sequence[str]]):
+    p = argparse.ArgumentParser(
+        description="Times mixedprec's ops against PyTorch's on ResNet-50-, "
+                    "GPT-2-medium-shaped and flat 1B-element parameter lists.",
+        epilog="With no arguments: the full GPU run when CUDA is available, else a CPU "
+               "smoke run (sizes / 1000) written to bench/results/cpu-smoke/.")
+    p.add_argument("--out", help="output directory (default bench/results, or "
+                                 "bench/results/cpu-smoke for a CPU run)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--lists", default="resnet50,gpt2-medium,flat-1b",
+                   help="comma-separated: resnet50, gpt2-medium, flat-1b")
+    p.add_argument("--ops", default=",".join(OP_GROUPS),
+                   help=f"comma-separated: {', '.join(OP_GROUPS)}")
+    p.add_argument("--scale", type=int,
+                   help="divide every tensor's size by this (default 1 on a GPU, 1000 on CPU)")
+    p.add_argument("--warmup", type=int, help="warm-up calls per case (default 5 GPU, 1 CPU)")
+    p.add_argument("--reps", type=int,
+                   help="the fewest timed repetitions (default 20 GPU, 3 CPU; the GPU run "
+                        "takes more, up to 200, where a case is short)")
+    p.add_argument("--copy-elems", type=int,
+                   help="fp32 elements of the copy reference (default 2**29, / scale)")
+    p.add_argument("--no-checks", action="store_true", help="skip the correctness checks")
+    p.add_argument("--time-budget", type=float, default=200.0,
+                   help="seconds; cases past it are skipped and marked so (default 200)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads (default: 1 on a CPU smoke run, which is not a "
+                        "measurement and shares its machine)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    C.ensure_importable()
+    import mixedprec  # noqa: F401  (fail early with a clear error)
+
+    device = C.pick_device(args.device)
+    threads = torch.get_num_threads()
+    if args.threads or device.type != "cuda":
+        torch.set_num_threads(args.threads or 1)
+    try:
+        return _run(args, argv, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv, device: torch.device) -> int:
+    gpu = device.type == "cuda"
+    smoke = not gpu
+    factor = args.scale if args.scale else (1 if gpu else 1000)
+    list_names = [s for s in args.lists.split(",") if s]
+    op_names = []
+    for g in (s for s in args.ops.split(",") if s):
+        if g not in OP_GROUPS:
+            raise SystemExit(f"unknown op {g!r}; choose from {', '.join(OP_GROUPS)}")
+        op_names += OP_GROUPS[g]
+    lists = build_lists(list_names, factor)
+    timer = C.Timer(device, warmup=args.warmup if args.warmup is not None else (5 if gpu else 1),
+                    min_reps=args.reps or (20 if gpu else 3), max_reps=200 if gpu else 3)
+    env = C.environment(device)
+    out = C.out_dir(args.out, smoke)
+    t_start = time.time()
+    print(f"mixedprec ops benchmark on {env['device']}"
+          + (" (CPU SMOKE RUN: not results)" if smoke else ""), flush=True)
+
+    checks = []
+    if not args.no_checks and list_names:
+        checks = run_checks(lists[list_names[0]]["shapes"], device, op_names)
+        for c in checks:
+            detail = (c["error"] if "error" in c else
+                      f"rel_err {c['rel_err']:.2e} (tol {c['tol']:.0e})")
+            print(f"  check {c['name']:<14} {detail} {'ok' if c['ok'] else 'FAILED'}", flush=True)
+
+    copy_elems = args.copy_elems or max(1 << 12, (1 << 29) // factor)
+    copy = measure_copy(device, copy_elems, timer)
+    print(f"  copy reference: {copy['bytes'] / 1e9:.3g} GB moved, {copy['median_ms']:.3f} ms, "
+          f"{copy['gbps']:.1f} GB/s", flush=True)
+
+    results: List[Dict[str, Any]] = []
+    for lname, lst in lists.items():
+        for op in op_names:
+            for impl, side, case in CASES[op]:
+                row = dict(list=lname, op=op, impl=impl, side=side, dtypes=DTYPE_NOTE[op],
+                           numel=lst["numel"], tensors=lst["tensors"],
+                           bytes_per_elem=BYTES[op][side])
+                row["bytes"] = row["bytes_per_elem"] * lst["numel"]
+                if time.time() - t_start > args.time_budget:
+                    row["skipped"] = f"time budget of {args.time_budget:.0f} s spent"
+                    results.append(row)
+                    print(f"  {lst['label']:<13} {op:<13} {impl:<50} skipped", flush=True)
+                    continue
+                try:
+                    row.update(run_case(case, lst["shapes"], device, timer))
+                    row["gbps"] = row["bytes"] / (row["median_ms"] * 1e6)
+                    row["pct_copy"] = 100.0 * row["gbps"] / copy["gbps"]
+                except Exception as e:  # noqa: BLE001  (recorded, and the run fails)
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    C.free_memory()
+                results.append(row)
+                msg = row.get("error") or (f"{row['median_ms']:9.4f} ms {row['gbps']:8.1f} GB/s "
+                                           f"{row['pct_copy']:5.1f}% of copy")
+                print(f"  {lst['label']:<13} {op:<13} {impl:<50} {msg}", flush=True)
+
+    # speed-ups: PyTorch's time / this time, against each PyTorch counterpart
+    for row in results:
+        if row["side"] != "mixedprec" or "median_ms" not in row:
+            continue
+        refs = [r for r in results if r["list"] == row["list"] and r["op"] == row["op"]
+                and r["side"] == "torch" and "median_ms" in r]
+        row["speedup"] = {r["impl"]: r["median_ms"] / row["median_ms"] for r in refs}
+        if refs:
+            row["speedup_vs_fastest_torch"] = min(r["median_ms"] for r in refs) / row["median_ms"]
+
+    targets = evaluate_targets(results, lists, smoke)
+    data = dict(benchmark="mixedprec ops", smoke=smoke,
+                argv=list(sys.argv[1:] if argv is None else argv), env=env,
+                config=dict(scale=factor,
+                            lists={k: {kk: vv for kk, vv in v.items() if kk != "shapes"}
+                                   for k, v in lists.items()},
+                            lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, momentum=MOMENTUM,
+                            timing=("CUDA events, stream held while queued, L2 flushed, "
+                                    "median" if gpu else "wall clock, median"),
+                            bytes_per_elem=BYTES),
+                copy=copy, checks=checks, results=results, targets=targets,
+                elapsed_s=time.time() - t_start)
+    stem = f"ops-{C.device_slug(env)}"
+    C.write_json(out / f"{stem}.json", data)
+    md = markdown(data, lists, op_names)
+    (out / f"{stem}.md").write_text(md)
+    print()
+    print(md)
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} "
+          f"in {data['elapsed_s']:.0f} s")
+    copied = C.copy_out([out / f"{stem}.json", out / f"{stem}.md"], bool(args.out), smoke)
+    if copied:
+        print(f"copied them to {copied}")
+    failed = [r for r in results if "error" in r] + [c for c in checks if not c["ok"]] + \
+        [r for r in results if r.get("found_inf")]
+    if failed:
+        print(f"FAILED: {len(failed)} case(s) raised, failed a check, or skipped a step",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def evaluate_targets(results, lists, smoke: bool) -> List[Dict[str, Any]]:
+    """H100 targets: the fused optimizers and unscale ops reach >= 90% of the copy
+    bandwidth on the large lists and beat every PyTorch counterpart on every list.
+    Reported, never enforced; not evaluated on a CPU smoke run."""
+    out = []
+    for row in results:
+        if row["side"] != "mixedprec" or row["op"] not in TARGET_OPS or "median_ms" not in row:
+            continue
+        if row["impl"].startswith("mixedprec Fused"):  # optimizer-level rows: info only
+            continue
+        label = f"{row['op']} on {lists[row['list']]['label']}"
+        if row["list"] in LARGE_LISTS:
+            value = row["pct_copy"] / 100
+            out.append(dict(target=f"{label}: >= 90% of copy bandwidth",
+                            value=round(value * 100, 1), unit="% of copy",
+                            passed=None if smoke else value >= BANDWIDTH_TARGET))
+        for impl, s in row.get("speedup", {}).items():
+            out.append(dict(target=f"{label}: faster than {impl}", value=round(s, 3),
+                            unit="x", passed=None if smoke else s > 1.0))
+    return out
+
+
+def markdown(data: Dict[str, Any], lists: Dict[str, Dict], op_names: Sequence[str]) -> str:
+    env, smoke, results = data["env"], data["smoke"], data["results"]
+    copy = data["copy"]
+    lnames = list(lists)
+    lines = [f"# mixedprec ops vs PyTorch — {env['device']}", ""]
+    lines += C.env_lines(env, smoke)
+    sizes = ", ".join(f"{v['label']}: {v['tensors']} tensor{'s' if v['tensors'] > 1 else ''}, "
+                      f"{v['numel']:,} elements"
+                      + (f" (full size / {v['scale']})" if v["scale"] > 1 else "")
+                      for v in lists.values())
+    lines += [f"- lists: {sizes}",
+              f"- copy reference: {copy['bytes'] / 1e9:.3g} GB moved (read + write) in "
+              f"{copy['median_ms']:.3f} ms = **{copy['gbps']:.1f} GB/s**",
+              f"- timing: {data['config']['timing']}", ""]
+
+    def cell(row, key, digits=3):
+        if row is None:
+            return ""
+        if "error" in row:
+            return "error"
+        if "skipped" in row:
+            return "skipped"
+        return C.fmt(row.get(key), digits)
+
+    rows_by = {(r["list"], r["op"], r["impl"]): r for r in results}
+    impls = []
+    for op in op_names:
+        for impl, side, _ in CASES[op]:
+            impls.append((op, impl, side))
+
+    lines += ["## Time (median ms) and speed-up over PyTorch", "",
+              "`vs PyTorch` = fastest PyTorch counterpart's time / this time "
+              "(> 1: mixedprec is faster), like the seeds' 16/32 column.", ""]
+    header = ["Time (ms)"]
+    for ln in lnames:
+        header += [lists[ln]["label"], "vs PyTorch"]
+    body = []
+    for op, impl, side in impls:
+        row = [f"{op}: {impl}"]
+        for ln in lnames:
+            r = rows_by.get((ln, op, impl))
+            row += [cell(r, "median_ms", 4),
+                    cell(r, "speedup_vs_fastest_torch", 2) if side == "mixedprec" else ""]
+        body.append(row)
+    lines += C.md_table(header, body) + [""]
+
+    lines += ["## Effective bandwidth", "",
+              "From the fewest bytes each op must move (B/elem column; see bench/README.md), "
+              "and as a percentage of the copy's bandwidth.", ""]
+    header = ["Bandwidth", "B/elem"]
+    for ln in lnames:
+        header += [f"{lists[ln]['label']} GB/s", "% copy"]
+    body = []
+    for op, impl, side in impls:
+        row = [f"{op}: {impl}", BYTES[op][side]]
+        for ln in lnames:
+            r = rows_by.get((ln, op, impl))
+            row += [cell(r, "gbps", 1), cell(r, "pct_copy", 1)]
+        body.append(row)
+    lines += C.md_table(header, body) + [""]
+
+    lines += ["## Targets (H100)", ""]
+    if smoke:
+        lines += ["Not evaluated: CPU smoke run.", ""]
+    body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
+             C.verdict(t["passed"])] for t in data["targets"]]
+    if body:
+        lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
+        if not smoke:
+            n = sum(1 for t in data["targets"] if t["passed"])
+            lines += [f"{n} of {len(body)} targets met.", ""]
+
+    if data["checks"]:
+        lines += ["## Correctness checks (first list, before timing)", ""]
+        body = [[c["name"], f"{c['rel_err']:.2e}" if c["rel_err"] is not None else
+                 c.get("error", "nan"), "" if c["tol"] is None else f"{c['tol']:.0e}",
+                 "ok" if c["ok"] else "FAILED"] for c in data["checks"]]
+        lines += C.md_table(["Check", "rel. error", "tolerance", "result"], body, "lrrr") + [""]
+    errors = [r for r in results if "error" in r]
+    if errors:
+        lines += ["## Errors", ""] + [f"- {r['list']} {r['op']} {r['impl']}: {r['error']}"
+                                      for r in errors] + [""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Smoke tests of the benchmarks (bench/ops.py, bench/train.py) on the CPU.
+
+They run each script's ``main`` with tiny settings into a temporary directory and
+check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
+a Speed column and a 16/32 ratio per batch size) and the PNG chart. Nothing here is
+timed. The GPU-only report paths (peak memory, largest batch, target verdicts) are
+exercised on made-up numbers.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _load(name: str):
+    module_name = f"mixedprec_bench_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / "bench" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+@pytest.fixture(scope="module")
+def bench_ops():
+    return _load("ops")
+
+
+@pytest.fixture(scope="module")
+def bench_train():
+    return _load("train")
+
+
+def _needs_torchvision():
+    return pytest.importorskip(
+        "torchvision", reason="torchvision is not installed: the ResNet parts of the "
+                              "benchmark smoke test are skipped")
+
+
+ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn", "mixedprec"}
+
+
+@pytest.mark.parametrize("name", ["ops", "train", "common"])
+def test_help(name):
+    module = _load(name)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+
+
+def test_ops_smoke(bench_ops, tmp_path):
+    threads = torch.get_num_threads()
+    rc = bench_ops.main(["--device", "cpu", "--out", str(tmp_path), "--lists", "resnet50,flat-1b",
+                         "--scale", "10000", "--warmup", "0", "--reps", "1"])
+    assert rc == 0
+    assert torch.get_num_threads() == threads  # restored
+    data = json.loads((tmp_path / "ops-cpu.json").read_text())
+    assert data["smoke"] is True
+    assert ENV_KEYS <= set(data["env"])
+    assert data["copy"]["gbps"] > 0
+    assert data["checks"] and all(c["ok"] for c in data["checks"]), data["checks"]
+    assert {c["name"] for c in data["checks"]} == set(bench_ops.CASES)
+
+    results = data["results"]
+    expected = {(lst, op, impl) for lst in ("resnet50", "flat-1b")
+                for op, cases in bench_ops.CASES.items() for impl, _, _ in cases}
+    assert {(r["list"], r["op"], r["impl"]) for r in results} == expected
+    for r in results:
+        assert "error" not in r, r
+        assert r["median_ms"] > 0 and r["gbps"] > 0 and r["pct_copy"] > 0
+        assert r["bytes"] == r["bytes_per_elem"] * r["numel"]
+        assert not r.get("found_inf")
+        if r["side"] == "mixedprec":
+            assert r["speedup"] and r["speedup_vs_fastest_torch"] > 0
+    assert data["config"]["lists"]["resnet50"]["tensors"] == 161
+    assert data["config"]["bytes_per_elem"]["adam"]["mixedprec"] == 30  # DESIGN.md
+    assert data["targets"] and all(t["passed"] is None for t in data["targets"])
+
+    md = (tmp_path / "ops-cpu.md").read_text()
+    assert "CPU smoke run" in md
+    assert "| Time (ms) | ResNet-50 | vs PyTorch | flat 1B | vs PyTorch |" in md
+    assert "| adam: mixedprec check_finite_ + fused_adam_ |" in md
+    assert "| Bandwidth | B/elem |" in md
+    assert "Not evaluated: CPU smoke run." in md
+
+
+def test_ops_lists(bench_ops):
+    fixed = bench_ops.resnet50_shapes_fixed()
+    assert len(fixed) == 161
+    assert sum(bench_ops.numel(s) for s in fixed) == 25_557_032
+    gpt = bench_ops.gpt2_medium_shapes()
+    assert len(gpt) == 292
+    assert 350e6 < sum(bench_ops.numel(s) for s in gpt) < 360e6
+    small = bench_ops.scaled(gpt, 1000)
+    assert len(small) == 292 and all(len(s) == 1 and s[0] >= 1 for s in small)
+
+
+def test_ops_resnet50_shapes_match_torchvision(bench_ops):
+    _needs_torchvision()
+    shapes, source = bench_ops.resnet50_shapes()
+    assert source == "torchvision"
+    assert shapes == bench_ops.resnet50_shapes_fixed()
+
+
+def test_ops_targets_on_gpu_numbers(bench_ops):
+    """Target verdicts of a (made-up) GPU run: bandwidth on the large lists only,
+    speed-up on every list; optimizer-level rows are information only."""
+    lists = {n: {"label": bench_ops.LIST_LABELS[n]} for n in ("resnet50", "gpt2-medium")}
+    fused = "torch AdamW fused=True (+ check)"
+    op_impl = "mixedprec check_finite_ + fused_adam_"
+    results = [
+        dict(list="resnet50", op="adam", side="mixedprec", impl=op_impl, median_ms=1.0,
+             pct_copy=50.0, speedup={fused: 1.2}),
+        dict(list="gpt2-medium", op="adam", side="mixedprec", impl=op_impl, median_ms=1.0,
+             pct_copy=91.0, speedup={fused: 0.9}),
+        dict(list="gpt2-medium", op="adam", side="mixedprec",
+             impl="mixedprec FusedAdam.step (+ check)", median_ms=1.0, pct_copy=10.0,
+             speedup={"x": 0.1}),
+        dict(list="gpt2-medium", op="sum fp16", side="mixedprec", impl="mixedprec sum_fp32",
+             median_ms=1.0, pct_copy=10.0, speedup={"x": 0.1}),
+    ]
+    targets = bench_ops.evaluate_targets(results, lists, smoke=False)
+    verdicts = {t["target"]: t["passed"] for t in targets}
+    assert verdicts == {
+        "adam on ResNet-50: faster than torch AdamW fused=True (+ check)": True,
+        "adam on GPT-2-medium: >= 90% of copy bandwidth": True,
+        "adam on GPT-2-medium: faster than torch AdamW fused=True (+ check)": False,
+    }
+
+
+def _check_train_outputs(bench_train, tmp_path, models, modes):
+    data = json.loads((tmp_path / "train-cpu.json").read_text())
+    assert data["smoke"] is True
+    assert ENV_KEYS <= set(data["env"])
+    runs = data["runs"]
+    assert {(r["model"], r["mode"]) for r in runs} == {(m, o) for m in models for o in modes}
+    for r in runs:
+        assert r["status"] == "ok", r
+        assert r["throughput"] > 0 and r["median_step_ms"] > 0 and r["batch"] == 2
+        assert r["unit"] == ("img/s" if r["model"].startswith("resnet") else "tok/s")
+        assert r["loss_end"] is not None
+    assert data["max_batch"] == [] and "needs a GPU" in data["max_batch_note"]
+    assert all(t["passed"] is None for t in data["targets"])
+    md = (tmp_path / "train-cpu.md").read_text()
+    assert "CPU smoke run" in md
+    if HAS_MATPLOTLIB:
+        png = (tmp_path / "train-cpu.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    return data, md
+
+
+def test_train_smoke_transformer(bench_train, tmp_path):
+    modes = ["fp32", "amp", "o1", "o2"]
+    rc = bench_train.main(["--device", "cpu", "--out", str(tmp_path), "--models", "gpt-tiny",
+                           "--lm-batch-sizes", "2", "--modes", ",".join(modes),
+                           "--steps", "1", "--warmup", "0"])
+    assert rc == 0
+    data, md = _check_train_outputs(bench_train, tmp_path, ["gpt-tiny"], modes)
+    assert data["config"]["dtype"] == "bfloat16"
+    assert "| Speed (tok/s) | B=2 | 16/32 |" in md
+    for label in ("GPTtiny-32", "GPTtiny-bf16 AMP", "GPTtiny-bf16 O1", "GPTtiny-bf16 O2"):
+        assert f"| {label} |" in md
+    o1 = next(r for r in data["runs"] if r["mode"] == "o1")
+    assert o1["optimizer"] == "mixedprec.FusedAdam"
+
+
+def test_train_smoke_resnet(bench_train, tmp_path):
+    _needs_torchvision()
+    modes = ["fp32", "o1", "o2"]
+    rc = bench_train.main(["--device", "cpu", "--out", str(tmp_path), "--models", "resnet18",
+                           "--batch-sizes", "2", "--image-size", "32", "--modes", ",".join(modes),
+                           "--steps", "1", "--warmup", "0"])
+    assert rc == 0
+    data, md = _check_train_outputs(bench_train, tmp_path, ["resnet18"], modes)
+    # shaped like the seeds: |   Speed   |  B=128 | 16/32 | ...
+    assert "| Speed (img/s) | B=2 | 16/32 |" in md
+    for label in ("Resnet18-32", "Resnet18-bf16 O1", "Resnet18-bf16 O2"):
+        assert f"| {label} |" in md
+    o2 = next(r for r in data["runs"] if r["mode"] == "o2")
+    assert o2["channels_last"] is True
+    assert o2["optimizer"] == "mixedprec.FusedSGD(momentum=0.9)"
+
+
+def test_train_report_on_gpu_numbers(bench_train, tmp_path):
+    """The GPU-only parts of the report (peak memory, largest batch, target verdicts,
+    chart) on made-up numbers."""
+    def run(model, mode, batch, tput, mem):
+        return dict(model=model, mode=mode, batch=batch, status="ok", throughput=tput,
+                    unit="img/s", median_step_ms=1.0, peak_mem_gib=mem)
+    runs = []
+    for batch in (128, 256):
+        for mode, speed in (("fp32", 1000), ("tf32", 1600), ("amp", 2600), ("o1", 2500),
+                            ("o2", 2700), ("o3", 2900)):
+            mem = 20.0 if mode in ("fp32", "tf32") else 11.0
+            runs.append(run("resnet50", mode, batch, speed, mem))
+    runs.append(dict(model="gpt2-small", mode="amp", batch=8, status="ok", throughput=100000.0,
+                     unit="tok/s", median_step_ms=80.0, peak_mem_gib=30.0))
+    runs.append(dict(model="gpt2-small", mode="o2", batch=8, status="ok", throughput=104000.0,
+                     unit="tok/s", median_step_ms=78.0, peak_mem_gib=25.0))
+    runs.append(dict(model="gpt2-small", mode="fp32", batch=8, status="oom", error="CUDA OOM"))
+    maxb = [dict(model="resnet50", mode="fp32", status="ok", largest=700, smallest_failing=720,
+                 exact=True, probes=[]),
+            dict(model="resnet50", mode="o2", status="ok", largest=1400, smallest_failing=1440,
+                 exact=True, probes=[])]
+    targets = bench_train.evaluate_targets(runs, maxb, smoke=False)
+    verdicts = {t["target"]: t["passed"] for t in targets}
+    assert verdicts["Resnet50 B=128: O2 / AMP >= 1.0"] is True
+    assert verdicts["Resnet50 B=256: O2 / FP32 >= 2.5"] is True
+    assert verdicts["GPT2small B=8: O2 / AMP >= 1.05"] is False
+    assert verdicts["Resnet50 largest batch: O2 / FP32 >= 1.8"] is True
+
+    env = {"date": "2026-01-01T00:00:00+00:00", "device": "NVIDIA H100 80GB HBM3",
+           "device_type": "cuda", "driver": "580", "torch": "2.11", "cuda": "13.0",
+           "cudnn": 91900, "python": "3.12", "mixedprec": "0.1.0", "capability": "9.0",
+           "multiprocessors": 132, "memory_gib": 79.2}
+    data = dict(env=env, smoke=False, runs=runs, max_batch=maxb, max_batch_note="",
+                targets=targets,
+                config=dict(models=["resnet50", "gpt2-small"], modes=list(bench_train.MODES),
+                            dtype="float16", steps=10, warmup=3, image_size=224))
+    md = bench_train.markdown(data)
+    assert "| Resnet50-16 O2 | 2,700 | 2.70 | 2,700 | 2.70 |" in md
+    assert "| Memory (GiB) | B=128 | 16/32 | B=256 | 16/32 |" in md
+    assert "| GPT2small-32 | oom |  |" in md
+    assert "O2 / FP32: **2.00**" in md
+    assert "| Resnet50 largest batch: O2 / FP32 >= 1.8 | 2.00 | pass |" in md
+    if HAS_MATPLOTLIB:
+        assert bench_train.chart(data, tmp_path / "chart.png") is None
+        assert (tmp_path / "chart.png").stat().st_size > 0
