@@ -455,7 +455,8 @@ def _use_master_params(optimizer: torch.optim.Optimizer,
         new_params = []
         for p in group["params"]:
             if p.dtype in _HALF:
-                master = nn.Parameter(fp32.get(p, p.detach().float()), requires_grad=p.requires_grad)
+                master = nn.Parameter(fp32.get(p, p.detach().float()),
+                                      requires_grad=p.requires_grad)
                 masters[p] = master
                 if p in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(p)

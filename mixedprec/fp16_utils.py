@@ -383,7 +383,7 @@ def to_python_float(t: Any) -> float:
     ``.item()``; Python numbers are returned as floats (Apex failed on them), other
     sequences give ``t[0]`` as in Apex. Reading a device tensor synchronises."""
     if hasattr(t, "item"):
-        return t.item()
+        return t.item()  # sync-ok: Apex API, a host read by definition
     if isinstance(t, (int, float)):
         return float(t)
     return t[0]
@@ -419,7 +419,8 @@ def _grads_have_inf_or_nan(params: Iterable[Tensor]) -> bool:
             torch.maximum(flag, bad.reshape(1), out=flag)
     for device, grads in fast.items():
         ops.multi_tensor_check_finite_(grads, flags[device])
-    return any(bool(flag.item()) for flag in flags.values())
+    # sync-ok: Apex's has_overflow API returns a Python bool
+    return any(bool(flag.item()) for flag in flags.values())  # sync-ok: see above
 
 
 class LossScaler:
@@ -464,7 +465,7 @@ class LossScaler:
     @property
     def loss_scale(self) -> float:
         """The current scale (reads the device tensor)."""
-        return self._scale.item()
+        return self._scale.item()  # sync-ok: reading the scale is the caller's choice
 
     @loss_scale.setter
     def loss_scale(self, value: float) -> None:
@@ -589,7 +590,7 @@ class DynamicLossScaler(LossScaler):
 
     @staticmethod
     def _has_inf_or_nan(x: Tensor) -> bool:
-        return bool((~torch.isfinite(x)).any().item())
+        return bool((~torch.isfinite(x)).any().item())  # sync-ok: Apex API returns a Python bool
 
     def update_scale(self, overflow: Any) -> None:
         """Applies one step of the rule. ``overflow`` is a bool or a device tensor (any
@@ -1069,7 +1070,8 @@ class FP16_Optimizer:  # Apex's name
                     "the overflow flag on the host in every step", stacklevel=3)
 
         if need_host:
-            if bool(self._found_inf.item()):
+            # Only state the host must undo gets here (warned above).
+            if bool(self._found_inf.item()):  # sync-ok: see above
                 self._restore_on_host(params, state_before, groups_before, snapshots)
             return retval
         with torch.no_grad():
@@ -1149,7 +1151,7 @@ class FP16_Optimizer:  # Apex's name
         static scale, as in Apex). Reads the device flag on the host."""
         if not self.dynamic_loss_scale:
             return False
-        return bool(self._found_inf.item())
+        return bool(self._found_inf.item())  # sync-ok: reading overflow is the caller's choice
 
     @overflow.setter
     def overflow(self, value: bool) -> None:

@@ -174,11 +174,12 @@ class _FusedOptimizer(Optimizer):
         for group, by_device in work:
             for device, params in by_device.items():
                 self._step_group(group, device, params, *self._scaling(device, scaling))
-        for group, by_device in work:  # master gradients are used by one step
-            for p in (p for params in by_device.values() for p in params):
-                master = self.state[p].get("master_param")
-                if master is not None:
-                    master.grad = None
+        for _, by_device in work:  # master gradients are used by one step
+            for params in by_device.values():
+                for p in params:
+                    master = self.state[p].get("master_param")
+                    if master is not None:
+                        master.grad = None
         return loss
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -356,7 +357,8 @@ class FusedAdam(_FusedOptimizer):
         elif step.device != device:  # the model moved after the optimizer was built
             step = group["step"] = step.to(device)
         targets, model = self._update_lists(params)
-        exp_avgs = [self._state_tensor(self.state[p], "exp_avg", t) for p, t in zip(params, targets)]
+        exp_avgs = [self._state_tensor(self.state[p], "exp_avg", t)
+                    for p, t in zip(params, targets)]
         exp_avg_sqs = [self._state_tensor(self.state[p], "exp_avg_sq", t)
                        for p, t in zip(params, targets)]
         beta1, beta2 = group["betas"]

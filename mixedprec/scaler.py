@@ -7,7 +7,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
-from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
+from torch._prims_common import (
+    is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense,
+)
 from torch.amp.grad_scaler import _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import ops
