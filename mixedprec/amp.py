@@ -297,7 +297,8 @@ class AmpModel(nn.Module):
 
     O1 runs the forward under ``torch.autocast`` (fp16, or bf16 with
     ``cast_model_type=torch.bfloat16``); O2/O3 cast floating-point inputs to the model's
-    dtype and outputs to ``cast_model_outputs`` (default float32), as Apex did. Other
+    dtype, as Apex did. Outputs are cast to ``cast_model_outputs``, by default float32
+    (at O1 too: Apex ran the loss functions after the model in fp32). Other
     attributes are looked up on ``module``; ``state_dict`` and ``load_state_dict`` are
     the module's own, so checkpoints keep their keys.
     """
@@ -310,6 +311,9 @@ class AmpModel(nn.Module):
         self._output_dtype = props.cast_model_outputs
         if props.patch_torch_functions:
             self._autocast_dtype = props.cast_model_type or torch.float16
+            # Apex's O1 ran loss functions in fp32 wherever they were called; autocast
+            # covers only the forward, so the outputs leave it as fp32.
+            self._output_dtype = props.cast_model_outputs or torch.float32
         elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
             self._input_dtype = props.cast_model_type
             self._output_dtype = props.cast_model_outputs or torch.float32

@@ -282,7 +282,8 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
     x, y = batch(0, device, n=8)
     amp_model.train()
     out = amp_model(x)
-    expect_out = {"O0": torch.float32, "O1": half, "O2": torch.float32, "O3": torch.float32}
+    expect_out = {"O0": torch.float32, "O1": torch.float32, "O2": torch.float32,
+                  "O3": torch.float32}  # O1: fp32 outputs, for the loss (Apex ran it in fp32)
     assert out.dtype == expect_out[level]
     assert out.shape == (8, 1)
 
@@ -305,7 +306,7 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
 @pytest.mark.parametrize("level,half,outputs,expected", [
     ("O0", None, torch.float16, torch.float16),
     ("O1", torch.float16, torch.float32, torch.float32),
-    ("O1", torch.bfloat16, None, torch.bfloat16),
+    ("O1", torch.bfloat16, None, torch.float32),
     ("O2", torch.float16, None, torch.float32),
     ("O2", torch.float16, torch.float16, torch.float16),
     ("O2", torch.bfloat16, torch.bfloat16, torch.bfloat16),
@@ -846,7 +847,8 @@ def test_small_gradients_keep_their_precision_at_o2(device, opt_name, set_to_non
 # --- function casts ----------------------------------------------------------------------------
 
 def _dtypes_and_sum(a, b):
-    return (a.dtype, b.dtype, torch.is_autocast_enabled(a.device.type)), a + b
+    out = a + b
+    return (a.dtype, b.dtype, torch.is_autocast_enabled(a.device.type), out.dtype), out
 
 
 class Calls(nn.Module):
@@ -873,12 +875,13 @@ def test_half_float_promote_functions_under_o1(device, half):
         assert wrapped.__name__ == "_dtypes_and_sum"
         model = amp.initialize(Calls(wrapped).to(device), opt_level="O1", verbosity=0,
                                cast_model_type=half if half is torch.bfloat16 else None)
-        (seen_a, seen_b, autocast_inside), out = model(torch.randn(2, 4, device=device))
-        assert (seen_a, seen_b, out.dtype) == (a_dtype, b_dtype, out_dtype), wrap.__name__
+        (seen_a, seen_b, autocast_inside, inner), out = model(torch.randn(2, 4, device=device))
+        assert (seen_a, seen_b, inner) == (a_dtype, b_dtype, out_dtype), wrap.__name__
         assert not autocast_inside, wrap.__name__
+        assert out.dtype == torch.float32  # O1's model outputs leave as fp32
         # Outside autocast the wrapped function is the function itself.
         x = torch.randn(2, 4, device=device)
-        (seen_a, seen_b, _), out = wrapped(x, x.to(half))
+        (seen_a, seen_b, _, _), out = wrapped(x, x.to(half))
         assert (seen_a, seen_b) == (torch.float32, half)
     # promote_function of two half tensors stays half.
     both_half = amp.promote_function(lambda a, b: (a.dtype, b.dtype))
