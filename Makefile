@@ -1,4 +1,6 @@
-# make demo   set up, build, run the self-check (examples/selfcheck.py)
+# make demo   set up, build, run the self-check (examples/selfcheck.py) and the
+#             digits job (examples/digits/train.py: fp32 vs O1/O2 in fp16 and bf16,
+#             output in build/digits/)
 # make test   set up, build, run the GoogleTest suite (ctest) and pytest
 #
 # Setup is a virtual environment in .venv with pinned torch; the extension is
@@ -9,6 +11,8 @@
 
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
+# torchvision's release that matches torch's
+TORCHVISION_VERSION := 0.26.0
 MAX_JOBS ?= 2
 MIXEDPREC_CUDA ?= 1
 export MAX_JOBS MIXEDPREC_CUDA
@@ -18,7 +22,7 @@ PY := $(VENV)/bin/python
 # ninja from .venv, for torch's BuildExtension and CMake
 export PATH := $(VENV)/bin:$(PATH)
 
-VENV_STAMP := $(VENV)/.deps-torch-$(TORCH_VERSION)
+VENV_STAMP := $(VENV)/.deps-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
@@ -27,6 +31,7 @@ SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.c
 
 demo: build
 	PYTHONPATH=$(CURDIR) $(PY) examples/selfcheck.py
+	PYTHONPATH=$(CURDIR) $(PY) examples/digits/train.py --out build/digits
 
 test: build cpp-test py-test
 
@@ -35,7 +40,8 @@ build: $(EXT_STAMP)
 $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
-		numpy pytest ninja setuptools wheel
+		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
+		scikit-learn matplotlib tqdm
 	touch $@
 
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
