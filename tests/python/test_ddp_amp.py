@@ -100,6 +100,9 @@ def worker(rank, init_file, result_file):
         results = {mode: check(rank, mode) for mode in ("amp", "scaler")}
         if rank == 0:
             torch.save(results, result_file)
+        # Tear gloo down together: a rank that leaves while its peer's connections
+        # are live can make gloo abort the peer.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

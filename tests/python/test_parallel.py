@@ -185,6 +185,7 @@ def ddp_worker(rank, init_file):
                             world_size=WORLD_SIZE)
     try:
         check_ddp(rank)
+        dist.barrier()  # tear gloo down together (a rank leaving early can abort its peer)
     finally:
         dist.destroy_process_group()
 
