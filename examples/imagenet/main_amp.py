@@ -357,6 +357,7 @@ def main():
 
 def cleanup():
     if args.distributed:
+        dist.barrier()  # leave together: a rank exiting early can abort gloo in its peer
         dist.destroy_process_group()
 
 
