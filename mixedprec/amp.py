@@ -5,7 +5,8 @@ What differs from Apex:
 
 * O1 runs the model's forward under ``torch.autocast`` instead of patching torch's
   functions globally. ``cast_model_type=torch.bfloat16`` selects bf16 autocast at O1,
-  and bf16 weights at O2/O3 (where the loss scale then defaults to a static 1.0).
+  and bf16 weights at O2/O3; with bf16 the loss scale defaults to a static 1.0 (bf16
+  has fp32's exponent range).
 * ``initialize`` returns the models wrapped in :class:`AmpModel` (it casts inputs and
   outputs, or enters autocast, around the user's module; ``state_dict`` keeps the
   module's own keys) instead of patching ``forward``. Optimizers are returned as given:
@@ -80,7 +81,7 @@ class Properties:
         self.opt_level = opt_level
         self.options = dict(_OPT_LEVELS[opt_level], cast_model_outputs=None)
         bf16 = overrides.get("cast_model_type") is torch.bfloat16
-        if bf16 and overrides.get("loss_scale") is None and opt_level != "O1":
+        if bf16 and overrides.get("loss_scale") is None and opt_level != "O0":
             self.options["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling needed
         for name, value in overrides.items():
             if value is not None:

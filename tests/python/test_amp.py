@@ -276,7 +276,7 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
 
     # Default loss scale: dynamic (2**16) at O1 and fp16 O2; static 1.0 at O0, O3 and
     # for bf16 at O2/O3.
-    dynamic = level == "O1" or (level == "O2" and half is torch.float16)
+    dynamic = level in ("O1", "O2") and half is torch.float16  # bf16: a static 1.0
     assert scaler_state() == ((2.0**16 if dynamic else 1.0), 0)
 
     x, y = batch(0, device, n=8)
