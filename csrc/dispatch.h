@@ -1,6 +1,6 @@
-// Host-side driving of the pointwise functors, shared by both backends: split
-// the lists into groups of equal dtypes, pick the storage types, and hand each
-// group to the backend's engine.
+// The op entries shared by both backends, and the host-side driving of the
+// pointwise functors: split the lists into groups of equal dtypes, pick the
+// storage types, and hand each group to the backend's engine.
 //
 // An Engine provides
 //   template <typename Op, typename... Ts>
@@ -8,11 +8,13 @@
 //                   const float* skip, float* found_inf);
 // which applies `op` to every element (list k stored as Ts[k]; an empty list is
 // absent), writes nothing when *skip != 0, and sets *found_inf = 1 when any
-// apply() reported a non-finite input.
+// apply() reported a non-finite input; increment_step and update_loss_scale,
+// which run the functions of pointwise.h of that name on the device; and Guard,
+// which makes a device current.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <map>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "pointwise.h"
+#include "validate.h"
 
 namespace mixedprec {
 
@@ -158,5 +161,99 @@ inline LossScaleArgs loss_scale_args(double growth_factor, double backoff_factor
   a.hysteresis = static_cast<int32_t>(hysteresis);
   return a;
 }
+
+// --- The op entries --------------------------------------------------------------
+// Each checks its arguments before anything is written, makes the data's device
+// current, and runs on the engine. Signatures follow the schemas in ops.cpp.
+namespace entry {
+
+template <class Engine>
+void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
+                           const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
+  const typename Engine::Guard guard(found_inf.device());
+  run_scale<Engine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
+                    found_inf.data_ptr<float>());
+}
+
+template <class Engine>
+void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst,
+                              const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
+  const typename Engine::Guard guard(found_inf.device());
+  run_scale<Engine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+}
+
+template <class Engine>
+void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
+  check_multi_tensor_check_finite(tensors, found_inf);
+  const typename Engine::Guard guard(found_inf.device());
+  run_check_finite<Engine>(tensors, found_inf.data_ptr<float>());
+}
+
+template <class Engine>
+void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
+  check_multi_tensor_copy(src, dst);
+  if (src.empty()) return;
+  const typename Engine::Guard guard(src[0].device());
+  run_scale<Engine>(src, dst, nullptr, nullptr);
+}
+
+template <class Engine>
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                at::TensorList model_params, double lr, double momentum, double dampening,
+                double weight_decay, bool nesterov, bool first_run,
+                const std::optional<at::Tensor>& inv_scale,
+                const std::optional<at::Tensor>& found_inf) {
+  check_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
+                  weight_decay, nesterov, inv_scale, found_inf);
+  if (params.empty()) return;
+  const typename Engine::Guard guard(params[0].device());
+  run_fused_sgd<Engine>(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
+                        weight_decay, nesterov, first_run, optional_ptr(inv_scale),
+                        optional_ptr(found_inf));
+}
+
+template <class Engine>
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& found_inf) {
+  check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
+                   eps, weight_decay, inv_scale, found_inf);
+  if (params.empty()) return;
+  const typename Engine::Guard guard(step.device());
+  run_fused_adam<Engine>(params, grads, exp_avgs, exp_avg_sqs, model_params,
+                         step.data_ptr<float>(), lr, beta1, beta2, eps, weight_decay, adamw,
+                         bias_correction, optional_ptr(inv_scale), optional_ptr(found_inf));
+}
+
+template <class Engine>
+at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool keepdim) {
+  check_sum_fp32(self);
+  const typename Engine::Guard guard(self.device());
+  // ATen's reduction reads the input in its own dtype and accumulates and writes in
+  // the requested one (on CUDA without an fp32 copy of the input).
+  const auto out_dtype = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::sum(self, dim, keepdim, out_dtype);
+}
+
+template <class Engine>
+void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                        double growth_factor, double backoff_factor, int64_t growth_interval,
+                        int64_t hysteresis, double min_scale, double max_scale) {
+  check_update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  const typename Engine::Guard guard(scale.device());
+  Engine::update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                            hysteresis_tracker.data_ptr<int32_t>(),
+                            found_inf.const_data_ptr<float>(),
+                            loss_scale_args(growth_factor, backoff_factor, growth_interval,
+                                            hysteresis, min_scale, max_scale));
+}
+
+}  // namespace entry
 
 }  // namespace mixedprec

@@ -14,25 +14,20 @@ namespace mixedprec::cpu {
 
 void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
                            const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
-  run_scale<CpuEngine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
-                       found_inf.data_ptr<float>());
+  entry::multi_tensor_unscale_<CpuEngine>(tensors, found_inf, inv_scale);
 }
 
 void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
                               const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
-  run_scale<CpuEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
+  entry::multi_tensor_unscale_to_<CpuEngine>(src, dst, found_inf, inv_scale);
 }
 
 void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
-  check_multi_tensor_check_finite(tensors, found_inf);
-  run_check_finite<CpuEngine>(tensors, found_inf.data_ptr<float>());
+  entry::multi_tensor_check_finite_<CpuEngine>(tensors, found_inf);
 }
 
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
-  check_multi_tensor_copy(src, dst);
-  run_scale<CpuEngine>(src, dst, nullptr, nullptr);
+  entry::multi_tensor_copy_<CpuEngine>(src, dst);
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,

@@ -1,7 +1,6 @@
 // CPU kernels of the optimizer family: fused SGD and Adam/AdamW.
 #include <torch/library.h>
 
-#include "../validate.h"
 #include "engine.h"
 #include "kernels.h"
 
@@ -12,12 +11,9 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
                 const std::optional<at::Tensor>& found_inf) {
-  check_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-                  weight_decay, nesterov, inv_scale, found_inf);
-  if (params.empty()) return;
-  run_fused_sgd<CpuEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
-                           dampening, weight_decay, nesterov, first_run,
-                           optional_ptr(inv_scale), optional_ptr(found_inf));
+  entry::fused_sgd_<CpuEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
+                               dampening, weight_decay, nesterov, first_run, inv_scale,
+                               found_inf);
 }
 
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -25,12 +21,9 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf) {
-  check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
-                   eps, weight_decay, inv_scale, found_inf);
-  if (params.empty()) return;
-  run_fused_adam<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params,
-                            step.data_ptr<float>(), lr, beta1, beta2, eps, weight_decay, adamw,
-                            bias_correction, optional_ptr(inv_scale), optional_ptr(found_inf));
+  entry::fused_adam_<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr,
+                                beta1, beta2, eps, weight_decay, adamw, bias_correction,
+                                inv_scale, found_inf);
 }
 
 namespace {

@@ -1,31 +1,22 @@
 // CPU kernels of the reduction and loss-scale family: sum_fp32, update_loss_scale_.
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "../dispatch.h"
-#include "../validate.h"
+#include "engine.h"
 #include "kernels.h"
 
 namespace mixedprec::cpu {
 
 at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool keepdim) {
-  check_sum_fp32(self);
-  // ATen's reduction reads the input in its own dtype and accumulates and writes
-  // in the requested one.
-  const auto out_dtype = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return at::sum(self, dim, keepdim, out_dtype);
+  return entry::sum_fp32<CpuEngine>(self, dim, keepdim);
 }
 
 void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
                         const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,
                         int64_t hysteresis, double min_scale, double max_scale) {
-  check_update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                    hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(),
-                    loss_scale_args(growth_factor, backoff_factor, growth_interval, hysteresis,
-                                    min_scale, max_scale));
+  entry::update_loss_scale_<CpuEngine>(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                       growth_factor, backoff_factor, growth_interval,
+                                       hysteresis, min_scale, max_scale);
 }
 
 namespace {

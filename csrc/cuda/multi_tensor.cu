@@ -12,34 +12,6 @@
 namespace mixedprec::cuda {
 namespace {
 
-void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
-                           const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  run_scale<CudaEngine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
-                        found_inf.data_ptr<float>());
-}
-
-void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
-                              const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  run_scale<CudaEngine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
-}
-
-void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
-  check_multi_tensor_check_finite(tensors, found_inf);
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  run_check_finite<CudaEngine>(tensors, found_inf.data_ptr<float>());
-}
-
-void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
-  check_multi_tensor_copy(src, dst);
-  if (src.empty()) return;
-  const c10::cuda::CUDAGuard guard(src[0].device());
-  run_scale<CudaEngine>(src, dst, nullptr, nullptr);
-}
-
 // A fixed-order block reduction (warp shuffles, then the first warp): the same
 // inputs give the same bits on every run. The result is valid in thread 0.
 __device__ float block_sum(float v) {
@@ -182,10 +154,10 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
 }
 
 void register_kernels(torch::Library& m) {
-  m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
-  m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
-  m.impl("multi_tensor_check_finite_", &multi_tensor_check_finite_);
-  m.impl("multi_tensor_copy_", &multi_tensor_copy_);
+  m.impl("multi_tensor_unscale_", &entry::multi_tensor_unscale_<CudaEngine>);
+  m.impl("multi_tensor_unscale_to_", &entry::multi_tensor_unscale_to_<CudaEngine>);
+  m.impl("multi_tensor_check_finite_", &entry::multi_tensor_check_finite_<CudaEngine>);
+  m.impl("multi_tensor_copy_", &entry::multi_tensor_copy_<CudaEngine>);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
 }
 

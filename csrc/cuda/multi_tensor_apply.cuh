@@ -11,6 +11,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <cstdint>
 #include <utility>
@@ -160,15 +161,25 @@ __global__ void __launch_bounds__(kBlockSize)
   pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
 }
 
-// A template so that the header can define it in every file that includes it.
+// Single-thread kernels of the step counter and the loss scale; templates so that
+// the header can define them in every file that includes it.
 template <int Unused = 0>
 __global__ void increment_step_kernel(float* step, const float* found_inf) {
   increment_step(step, found_inf);
 }
 
+template <int Unused = 0>
+__global__ void update_loss_scale_kernel(float* scale, int32_t* growth_tracker,
+                                         int32_t* hysteresis_tracker, const float* found_inf,
+                                         LossScaleArgs args) {
+  update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
+}
+
 // The Engine of csrc/dispatch.h for CUDA: launches on the current stream of the
-// current device (the caller sets the device guard).
+// current device (the entries set it with Guard).
 struct CudaEngine {
+  using Guard = c10::cuda::CUDAGuard;
+
   template <typename Op, typename... Ts>
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {
@@ -183,6 +194,14 @@ struct CudaEngine {
 
   static void increment_step(float* step, const float* found_inf) {
     increment_step_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(step, found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  static void update_loss_scale(float* scale, int32_t* growth_tracker,
+                                int32_t* hysteresis_tracker, const float* found_inf,
+                                const LossScaleArgs& args) {
+    update_loss_scale_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+        scale, growth_tracker, hysteresis_tracker, found_inf, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };

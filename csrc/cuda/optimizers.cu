@@ -1,44 +1,14 @@
-// CUDA kernels of the optimizer family: fused SGD and Adam/AdamW.
-#include <c10/cuda/CUDAGuard.h>
+// CUDA kernels of the optimizer family: fused SGD and Adam/AdamW, on the engine.
 #include <torch/library.h>
 
-#include "../validate.h"
 #include "multi_tensor_apply.cuh"
 
 namespace mixedprec::cuda {
 namespace {
 
-void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                at::TensorList model_params, double lr, double momentum, double dampening,
-                double weight_decay, bool nesterov, bool first_run,
-                const std::optional<at::Tensor>& inv_scale,
-                const std::optional<at::Tensor>& found_inf) {
-  check_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-                  weight_decay, nesterov, inv_scale, found_inf);
-  if (params.empty()) return;
-  const c10::cuda::CUDAGuard guard(params[0].device());
-  run_fused_sgd<CudaEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
-                            dampening, weight_decay, nesterov, first_run,
-                            optional_ptr(inv_scale), optional_ptr(found_inf));
-}
-
-void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                 at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
-                 const std::optional<at::Tensor>& found_inf) {
-  check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
-                   eps, weight_decay, inv_scale, found_inf);
-  if (params.empty()) return;
-  const c10::cuda::CUDAGuard guard(step.device());
-  run_fused_adam<CudaEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params,
-                             step.data_ptr<float>(), lr, beta1, beta2, eps, weight_decay, adamw,
-                             bias_correction, optional_ptr(inv_scale), optional_ptr(found_inf));
-}
-
 void register_kernels(torch::Library& m) {
-  m.impl("fused_sgd_", &fused_sgd_);
-  m.impl("fused_adam_", &fused_adam_);
+  m.impl("fused_sgd_", &entry::fused_sgd_<CudaEngine>);
+  m.impl("fused_adam_", &entry::fused_adam_<CudaEngine>);
 }
 
 }  // namespace
