@@ -2,6 +2,7 @@
 when only one rank's gradients overflow: the all-reduce spreads the inf, so every rank
 skips the same step and backs off its scale the same way."""
 
+import gc
 import os
 
 import torch
@@ -100,11 +101,17 @@ def worker(rank, init_file, result_file):
         results = {mode: check(rank, mode) for mode in ("amp", "scaler")}
         if rank == 0:
             torch.save(results, result_file)
-        # Tear gloo down together: a rank that leaves while its peer's connections
-        # are live can make gloo abort the peer.
+        # DDP's reducer sits in reference cycles: free it while the process group still
+        # exists, then tear gloo down together (a rank that leaves while its peer's
+        # connections are live, or a reducer destroyed after its group, aborts).
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation, where gloo threads still referenced by leftover
+    # objects can abort ("terminate called without an active exception"). Failures
+    # raise above and reach mp.spawn as usual.
+    os._exit(0)
 
 
 def test_ddp_ranks_stay_in_sync_when_one_rank_overflows(tmp_path):

@@ -2,6 +2,7 @@
 convert_syncbn_model, and DistributedDataParallel with Apex's arguments on two gloo
 processes (parameters in sync, gradients averaged or summed, one bucket, no_sync)."""
 
+import gc
 import os
 
 import pytest
@@ -185,9 +186,11 @@ def ddp_worker(rank, init_file):
                             world_size=WORLD_SIZE)
     try:
         check_ddp(rank)
+        gc.collect()  # free DDP reducers while their process group exists
         dist.barrier()  # tear gloo down together (a rank leaving early can abort its peer)
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # skip interpreter finalisation (gloo threads can abort there); see test_ddp_amp
 
 
 def check_ddp(rank):
