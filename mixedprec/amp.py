@@ -224,11 +224,15 @@ class _AmpState:
 
     def __init__(self, props: Properties, num_losses: int, min_loss_scale, max_loss_scale):
         self.props = props
-        self.opt_properties = props  # Apex's name, read by some legacy scripts
         self.loss_scalers = [LossScaler(props.loss_scale, min_loss_scale, max_loss_scale)
                              for _ in range(num_losses)]
         self.optimizers: List["_OptimizerAmp"] = []
         self.reporter = _OverflowReporter()
+
+    @property
+    def opt_properties(self) -> Properties:
+        """Apex's name for ``props``, read by some legacy scripts."""
+        return self.props
 
 
 class _OptimizerAmp:
@@ -528,6 +532,11 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
         state.reporter.record(loss_id, found_inf, scaler.scale)
 
 
+def _inverse(scale: Tensor) -> Tensor:
+    """1 / scale on the device, rounded once from double (as torch's GradScaler)."""
+    return scale.double().reciprocal().float()
+
+
 def _grads(params: Iterable[Tensor]) -> List[Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
@@ -578,7 +587,7 @@ def _after_backward(amp: _OptimizerAmp, scale: Tensor, found_inf: Tensor) -> Non
         _restore_stash(amp, scale)
         amp.pending_scale = scale
         return
-    inv_scale = scale.double().reciprocal().float()
+    inv_scale = _inverse(scale)
     halves = [p for p in params if amp.masters and p in amp.masters]
     others = [p for p in params if not (amp.masters and p in amp.masters)]
     if halves:  # O2: into fp32 master grads, added to those of an earlier loss
@@ -600,7 +609,7 @@ def _materialize_unscaled_grads(amp: _OptimizerAmp) -> None:
     if amp.pending_scale is None:
         return
     optimizer = amp.optimizer()
-    inv_scale = amp.pending_scale.double().reciprocal().float()
+    inv_scale = _inverse(amp.pending_scale)
     flag = amp.flag(amp.pending_scale.device)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     with_master = [p for p in params if "master_param" in optimizer.state.get(p, {})]

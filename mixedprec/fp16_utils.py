@@ -66,23 +66,9 @@ def _check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
-def _is_dense(t: Tensor) -> bool:
-    """Dense and non-overlapping: contiguous or a permutation of a contiguous layout."""
-    if t.layout != torch.strided:
-        return False
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _same_layout(a: Tensor, b: Tensor) -> bool:
     """Whether the multi-tensor ops can pair ``a`` with ``b`` element for element."""
-    if not (_is_dense(a) and _is_dense(b)) or a.numel() != b.numel():
+    if not (ops.is_dense(a) and ops.is_dense(b)) or a.numel() != b.numel():
         return False
     return (a.is_contiguous() and b.is_contiguous()) or (
         a.shape == b.shape and a.stride() == b.stride()
@@ -411,7 +397,7 @@ def _grads_have_inf_or_nan(params: Iterable[Tensor]) -> bool:
         if g is None:
             continue
         flag = flags.setdefault(g.device, torch.zeros(1, dtype=torch.float32, device=g.device))
-        if g.layout == torch.strided and g.dtype in _FLOAT_DTYPES and _is_dense(g):
+        if g.layout == torch.strided and g.dtype in _FLOAT_DTYPES and ops.is_dense(g):
             fast.setdefault(g.device, []).append(g)
         else:
             values = g.coalesce().values() if g.layout == torch.sparse_coo else g
@@ -931,7 +917,7 @@ class FP16_Optimizer:  # Apex's name
                     if grad is None:
                         master.grad = None
                         continue
-                    if not _is_dense(grad):
+                    if not ops.is_dense(grad):
                         grad = grad.contiguous()
                     if master.grad is None or not _same_layout(grad, master.grad):
                         master.grad = torch.empty_like(grad, dtype=torch.float32)
@@ -945,7 +931,7 @@ class FP16_Optimizer:  # Apex's name
                 for p in params:
                     if p.grad is None:
                         continue
-                    if not _is_dense(p.grad):
+                    if not ops.is_dense(p.grad):
                         p.grad = p.grad.contiguous()
                     grads.append(p.grad)
                 if grads:

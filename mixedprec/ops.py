@@ -32,6 +32,7 @@ MAX_TENSORS_PER_LAUNCH: int = _C.MAX_TENSORS_PER_LAUNCH
 MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 
 __all__ = [
+    "is_dense",
     "multi_tensor_unscale_",
     "multi_tensor_unscale_to_",
     "multi_tensor_check_finite_",
@@ -42,6 +43,22 @@ __all__ = [
     "sum_fp32",
     "update_loss_scale_",
 ]
+
+
+def is_dense(t: Tensor) -> bool:
+    """Whether the multi-tensor ops take ``t`` as it is: strided, dense and
+    non-overlapping (contiguous, or a permutation of a contiguous layout such as
+    channels_last). Size-1 dimensions may have any stride."""
+    if t.layout != torch.strided:
+        return False
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def multi_tensor_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:

@@ -250,24 +250,9 @@ def _flat_dist_call(tensors: List[Tensor], call: Callable[..., Any], *args: Any,
             t.copy_(synced)
 
 
-def _is_dense(t: Tensor) -> bool:
-    """Whether ``t`` is strided, dense and non-overlapping (contiguous up to a
-    permutation of its dimensions), as the multi-tensor operators require."""
-    if t.layout != torch.strided:
-        return False
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.size(d) != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
-
-
 def _per_tensor_norms(tensors: List[Tensor]) -> Tensor:
     """fp32 L2 norm of each tensor (all on one device), as a vector on that device."""
-    if all(_is_dense(t) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if all(ops.is_dense(t) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
            for t in tensors):
         return ops.multi_tensor_l2norm(tensors, None, True)[1]
     return torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])

@@ -7,9 +7,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
-from torch._prims_common import (
-    is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense,
-)
 from torch.amp.grad_scaler import _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import ops
@@ -94,8 +91,8 @@ class GradScaler(torch.amp.GradScaler):
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         with torch.no_grad():
             for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
-                dense = [g for g in grads if is_non_overlapping_and_dense(g)]
-                other = [g for g in grads if not is_non_overlapping_and_dense(g)]
+                dense = [g for g in grads if ops.is_dense(g)]
+                other = [g for g in grads if not ops.is_dense(g)]
                 ops.multi_tensor_unscale_(dense, per_device_found_inf.get(device),
                                           per_device_inv_scale.get(device))
                 if other:  # rare layouts the multi-tensor kernel does not take
@@ -112,10 +109,10 @@ class GradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for device, grads in self._grads_by_device(optimizer, True).items():
                 flag = per_device_found_inf.get(device)
-                dense = [g for g in grads if is_non_overlapping_and_dense(g)]
+                dense = [g for g in grads if ops.is_dense(g)]
                 ops.multi_tensor_check_finite_(dense, flag)
                 for g in grads:
-                    if not is_non_overlapping_and_dense(g):
+                    if not ops.is_dense(g):
                         flag.add_((~torch.isfinite(g)).any())
         states = self._per_optimizer_states[id(optimizer)]
         states["found_inf_per_device"] = per_device_found_inf._per_device_tensors
