@@ -33,28 +33,8 @@ template <typename T>
 __global__ void __launch_bounds__(kBlockSize)
     l2norm_chunks_kernel(const __grid_constant__ TensorListMeta<1> meta, const float* inv_scale,
                          float* partial, int64_t first_block) {
-  const Chunk c = block_chunk(meta);
-  const T* data = static_cast<const T*>(meta.ptrs[0][c.slot]) + c.start;
   const float scale = inv_scale != nullptr ? *inv_scale : 1.f;
-  float acc = 0.f;
-  int64_t done = 0;
-  if (vector_aligned<T>(data)) {
-    done = c.size / kILP * kILP;
-    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < done;
-         i += static_cast<int64_t>(blockDim.x) * kILP) {
-      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(data + i);
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) {
-        const float x = static_cast<float>(v.v[j]) * scale;
-        acc += x * x;
-      }
-    }
-  }
-  for (int64_t i = done + threadIdx.x; i < c.size; i += blockDim.x) {
-    const float x = static_cast<float>(data[i]) * scale;
-    acc += x * x;
-  }
-  acc = block_sum(acc);
+  const float acc = block_sum(chunk_sum_of_squares<T>(meta, scale));
   if (threadIdx.x == 0) partial[first_block + blockIdx.x] = acc;
 }
 

@@ -1,0 +1,189 @@
+// The per-block half of the CUDA multi-tensor engine: the kernel parameters, their
+// packing on the host, and what one block does with its chunk. It uses no CUDA
+// headers or launch syntax, so tests/cpp/test_cuda_blocks.cpp can compile it as
+// host code and run a launch block by block, one thread at a time, on CPU tensors.
+// (Under nvcc, threadIdx, blockIdx and blockDim are CUDA's; the host build declares
+// them before including this file.)
+//
+// Each block owns one chunk of kChunkSize elements; indices are 64-bit, so tensors
+// over 2^31 elements are fine. A block uses 4-element vector loads when all its
+// pointers are aligned for them and a plain strided loop otherwise (any size,
+// alignment or storage offset). Skipping on overflow reads the flag on the device.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "../dispatch.h"
+#include "../multi_tensor_plan.h"
+
+#if defined(__CUDACC__)
+#define MP_DEVICE __device__ __forceinline__
+#else
+#define MP_DEVICE inline
+#endif
+
+namespace mixedprec::cuda {
+
+constexpr int kBlockSize = 512;
+constexpr int kILP = 4;  // elements per vector access
+
+template <int D>
+struct TensorListMeta {
+  static constexpr int kMaxTensors = max_tensors_per_launch(D);
+  void* ptrs[D][kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int32_t block_chunk[kMaxBlocksPerLaunch];
+  uint16_t block_slot[kMaxBlocksPerLaunch];
+};
+static_assert(sizeof(TensorListMeta<5>) <= 16384, "kernel parameters over budget");
+
+// Plans the launches over `lists` (list 0 gives the sizes; an empty list is
+// absent and gets null pointers) and calls launch(meta, num_blocks, first_block)
+// for each, where first_block counts the blocks of the launches before it.
+template <int D, typename LaunchFn>
+void for_each_launch(const Lists<D>& lists, LaunchFn&& launch) {
+  std::vector<int64_t> numels;
+  for (const auto& t : lists[0]) numels.push_back(t.numel());
+  int64_t first_block = 0;
+  for (const LaunchPlan& plan :
+       plan_launches(numels, TensorListMeta<D>::kMaxTensors, kMaxBlocksPerLaunch)) {
+    TensorListMeta<D> meta{};
+    for (size_t s = 0; s < plan.tensors.size(); ++s) {
+      const int t = plan.tensors[s];
+      for (int k = 0; k < D; ++k) {
+        meta.ptrs[k][s] = lists[k].empty() ? nullptr : lists[k][t].data_ptr();
+      }
+      meta.numel[s] = numels[t];
+    }
+    const int num_blocks = static_cast<int>(plan.block_slot.size());
+    for (int b = 0; b < num_blocks; ++b) {
+      meta.block_chunk[b] = plan.block_chunk[b];
+      meta.block_slot[b] = static_cast<uint16_t>(plan.block_slot[b]);
+    }
+    launch(meta, num_blocks, first_block);
+    first_block += num_blocks;
+  }
+}
+
+// The chunk a block owns: its tensor slot, first element and length.
+struct Chunk {
+  int slot;
+  int64_t start;
+  int64_t size;
+};
+
+template <int D>
+MP_DEVICE Chunk block_chunk(const TensorListMeta<D>& meta) {
+  const int slot = meta.block_slot[blockIdx.x];
+  const int64_t start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t rest = meta.numel[slot] - start;
+  return {slot, start, rest < kChunkSize ? rest : kChunkSize};
+}
+
+template <typename T>
+struct alignas(sizeof(T) * kILP) Vec {
+  T v[kILP];
+};
+
+template <typename T>
+MP_DEVICE bool vector_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(Vec<T>) == 0;
+}
+
+template <typename T>
+MP_DEVICE void* offset(void* p, int64_t start) {
+  return p == nullptr ? nullptr : static_cast<T*>(p) + start;
+}
+
+template <typename T, int D>
+MP_DEVICE void load_vector(const void* p, int64_t i, float (&x)[kILP][D], int k) {
+  if (p == nullptr) return;
+  const Vec<T> v = *reinterpret_cast<const Vec<T>*>(static_cast<const T*>(p) + i);
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) x[j][k] = static_cast<float>(v.v[j]);
+}
+
+template <typename T, int D>
+MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k) {
+  if (p == nullptr) return;
+  Vec<T> v;
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) v.v[j] = static_cast<T>(x[j][k]);
+  *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
+}
+
+// Applies `op` to the n elements at ptrs (list k stored as Ts[k]); returns
+// whether this thread saw a non-finite input that op reports.
+template <typename Op, typename... Ts, size_t... K>
+MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t n,
+                           std::index_sequence<K...>) {
+  constexpr int D = sizeof...(Ts);
+  const void* in[D] = {((Op::kReads >> K) & 1u) ? ptrs[K] : nullptr...};
+  void* out[D] = {((Op::kWrites >> K) & 1u) ? ptrs[K] : nullptr...};
+  bool bad = false;
+  int64_t done = 0;
+  if ((vector_aligned<Ts>(ptrs[K]) && ...)) {
+    done = n / kILP * kILP;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < done;
+         i += static_cast<int64_t>(blockDim.x) * kILP) {
+      float x[kILP][D] = {};
+      (load_vector<Ts, D>(in[K], i, x, K), ...);
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) bad |= op.apply(x[j]);
+      (store_vector<Ts, D>(out[K], i, x, K), ...);
+    }
+  }
+  for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+    float x[D] = {};
+    (load_element<Ts>(in[K], i, x[K]), ...);
+    bad |= op.apply(x);
+    (store_element<Ts>(out[K], i, x[K]), ...);
+  }
+  return bad;
+}
+
+// One thread's part of a pointwise launch over lists stored as Ts: nothing when
+// *skip != 0, else `op` over its share of the block's chunk; a non-finite input
+// that op reports sets *found_inf.
+template <typename Op, typename... Ts, size_t... K>
+MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
+                               const float* skip, float* found_inf,
+                               std::index_sequence<K...> seq) {
+  if (skip != nullptr && *skip != 0.f) return;
+  op.resolve();
+  const Chunk c = block_chunk(meta);
+  void* const ptrs[sizeof...(Ts)] = {offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
+  const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.size, seq);
+  if (bad && found_inf != nullptr) *found_inf = 1.f;
+}
+
+// One thread's part of the sum of squares of its block's chunk (of the one list),
+// each element first multiplied by `scale`.
+template <typename T>
+MP_DEVICE float chunk_sum_of_squares(const TensorListMeta<1>& meta, float scale) {
+  const Chunk c = block_chunk(meta);
+  const T* data = static_cast<const T*>(meta.ptrs[0][c.slot]) + c.start;
+  float acc = 0.f;
+  int64_t done = 0;
+  if (vector_aligned<T>(data)) {
+    done = c.size / kILP * kILP;
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < done;
+         i += static_cast<int64_t>(blockDim.x) * kILP) {
+      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(data + i);
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        const float x = static_cast<float>(v.v[j]) * scale;
+        acc += x * x;
+      }
+    }
+  }
+  for (int64_t i = done + threadIdx.x; i < c.size; i += blockDim.x) {
+    const float x = static_cast<float>(data[i]) * scale;
+    acc += x * x;
+  }
+  return acc;
+}
+
+}  // namespace mixedprec::cuda

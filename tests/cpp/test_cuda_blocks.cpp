@@ -1,0 +1,369 @@
+// The CUDA engine's block code (csrc/cuda/multi_tensor_block.cuh), compiled as
+// host code and run on CPU tensors, so that machines without a GPU still test the
+// parameter packing, the block -> chunk mapping, the vector and scalar paths, the
+// 64-bit offsets and the device-side skip of every pointwise op.
+//
+// A launch is emulated block by block and, within a block, thread by thread. That
+// is exact for the pointwise kernels, whose threads share nothing but found_inf.
+// The op entries of csrc/dispatch.h are then run on this engine and on the CPU
+// engine over the same inputs, and must give the same bits: both apply the same
+// functors of csrc/pointwise.h to every element exactly once.
+//
+// Not covered here: the warp-shuffle reductions of the L2 norm, the launches
+// themselves and real concurrency; scripts/gpu_check.sh runs those on a GPU.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+// CUDA's built-in index variables, for the host build of the block code.
+struct EmulatedDim3 {
+  unsigned x = 0;
+};
+EmulatedDim3 threadIdx, blockIdx, blockDim;
+}  // namespace
+
+#include "cpu/engine.h"
+#include "cuda/multi_tensor_block.cuh"
+
+namespace mixedprec::cuda {
+namespace {
+
+using at::Tensor;
+
+int g_launches = 0;  // launches of the emulated engine, for the tests below
+
+// The Engine of csrc/dispatch.h with CudaEngine's block code, on the host. It keeps
+// the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
+// kernels call the same functions of pointwise.h.
+struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
+  template <typename Op, typename... Ts>
+  static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
+                  float* found_inf) {
+    constexpr int D = sizeof...(Ts);
+    for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
+      ++g_launches;
+      blockDim.x = kBlockSize;
+      for (int b = 0; b < num_blocks; ++b) {
+        blockIdx.x = static_cast<unsigned>(b);
+        for (int t = 0; t < kBlockSize; ++t) {
+          threadIdx.x = static_cast<unsigned>(t);
+          pointwise_block<Op, Ts...>(meta, op, skip, found_inf,
+                                     std::index_sequence_for<Ts...>{});
+        }
+      }
+    });
+  }
+};
+
+using mixedprec::cpu::CpuEngine;
+
+const float kInf = std::numeric_limits<float>::infinity();
+
+Tensor scalar(float v) { return at::full({1}, v, at::kFloat); }
+
+// A tensor of `numel` elements starting `offset` elements into its storage, so
+// that odd offsets break the alignment of vector accesses.
+Tensor make(int64_t numel, at::ScalarType dtype, int64_t offset = 0, double mean = 0.0) {
+  return (at::randn({numel + offset}, at::kFloat) + mean).to(dtype).narrow(0, offset, numel);
+}
+
+// Each element of `spec` is (numel, offset); the dtypes cycle through `dtypes`.
+std::vector<Tensor> make_list(const std::vector<std::pair<int64_t, int64_t>>& spec,
+                              const std::vector<at::ScalarType>& dtypes, double mean = 0.0) {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < spec.size(); ++i) {
+    out.push_back(make(spec[i].first, dtypes[i % dtypes.size()], spec[i].second, mean));
+  }
+  return out;
+}
+
+std::vector<Tensor> like(const std::vector<Tensor>& ts, at::ScalarType dtype) {
+  std::vector<Tensor> out;
+  for (const auto& t : ts) out.push_back(make(t.numel(), dtype, t.storage_offset() % 3));
+  return out;
+}
+
+std::vector<Tensor> clones(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  for (const auto& t : ts) out.push_back(t.clone());
+  return out;
+}
+
+void expect_bitwise_equal(const std::vector<Tensor>& got, const std::vector<Tensor>& want,
+                          const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i].scalar_type(), want[i].scalar_type()) << what << "[" << i << "]";
+    EXPECT_TRUE(at::equal(got[i], want[i])) << what << "[" << i << "] differs";
+  }
+}
+
+// Sizes at the chunk size and the vector width, with aligned and misaligned starts.
+std::vector<std::pair<int64_t, int64_t>> edge_sizes() {
+  return {{0, 0},
+          {1, 0},
+          {3, 1},
+          {4, 0},
+          {5, 2},
+          {4097, 3},
+          {kChunkSize - 1, 0},
+          {kChunkSize, 1},
+          {kChunkSize + 1, 0},
+          {2 * kChunkSize + 3, 2},
+          {3 * kChunkSize, 0}};
+}
+
+const std::vector<at::ScalarType> kAllFloats = {at::kFloat, at::kHalf, at::kBFloat16};
+
+TEST(CudaBlocks, UnscaleMatchesTheCpuEngine) {
+  at::manual_seed(0);
+  const auto tensors = make_list(edge_sizes(), kAllFloats);
+  auto cpu = clones(tensors), emulated = clones(tensors);
+  Tensor cpu_inf = scalar(0.f), emulated_inf = scalar(0.f);
+  const Tensor inv_scale = scalar(1.f / 1024.f);
+  entry::multi_tensor_unscale_<CpuEngine>(cpu, cpu_inf, inv_scale);
+  entry::multi_tensor_unscale_<EmulatedCudaEngine>(emulated, emulated_inf, inv_scale);
+  expect_bitwise_equal(emulated, cpu, "tensors");
+  EXPECT_FALSE(at::equal(emulated.back(), tensors.back())) << "nothing was unscaled";
+  EXPECT_EQ(emulated_inf.item<float>(), 0.f);
+}
+
+TEST(CudaBlocks, NonFiniteAnywhereSetsFoundInf) {
+  at::manual_seed(1);
+  // First, a middle and the last element of the last tensor, in the vector part and
+  // the scalar tail, on aligned and misaligned data.
+  for (const int64_t offset : {0, 1}) {
+    const int64_t n = 2 * kChunkSize + 3;
+    for (const int64_t at_index : {int64_t{0}, kChunkSize + 17, n - 4, n - 1}) {
+      for (const float bad : {kInf, -kInf, std::nanf("")}) {
+        auto tensors = make_list({{5, 0}, {kChunkSize, 1}, {n, offset}}, kAllFloats);
+        tensors.back()[at_index] = bad;
+        Tensor found_inf = scalar(0.f);
+        entry::multi_tensor_unscale_<EmulatedCudaEngine>(tensors, found_inf, scalar(0.5f));
+        EXPECT_EQ(found_inf.item<float>(), 1.f)
+            << "offset " << offset << ", element " << at_index << ", value " << bad;
+        Tensor checked = scalar(0.f);
+        entry::multi_tensor_check_finite_<EmulatedCudaEngine>(tensors, checked);
+        EXPECT_EQ(checked.item<float>(), 1.f) << "check_finite, element " << at_index;
+      }
+    }
+  }
+}
+
+TEST(CudaBlocks, UnscaleToAndCopyCastLikeTheCpuEngine) {
+  at::manual_seed(2);
+  const auto src = make_list(edge_sizes(), kAllFloats);
+  for (const auto dst_dtype : kAllFloats) {
+    const auto dst = like(src, dst_dtype);
+    auto cpu = clones(dst), emulated = clones(dst);
+    Tensor cpu_inf = scalar(0.f), emulated_inf = scalar(0.f);
+    const Tensor inv_scale = scalar(0.125f);
+    entry::multi_tensor_unscale_to_<CpuEngine>(src, cpu, cpu_inf, inv_scale);
+    entry::multi_tensor_unscale_to_<EmulatedCudaEngine>(src, emulated, emulated_inf, inv_scale);
+    expect_bitwise_equal(emulated, cpu, "unscale_to dst");
+    EXPECT_EQ(emulated_inf.item<float>(), 0.f);
+
+    cpu = clones(dst);
+    emulated = clones(dst);
+    entry::multi_tensor_copy_<CpuEngine>(src, cpu);
+    entry::multi_tensor_copy_<EmulatedCudaEngine>(src, emulated);
+    expect_bitwise_equal(emulated, cpu, "copy dst");
+    for (size_t i = 0; i < src.size(); ++i) {
+      EXPECT_TRUE(at::equal(emulated[i], src[i].to(dst_dtype))) << "copy is not a cast, " << i;
+    }
+  }
+}
+
+TEST(CudaBlocks, MoreTensorsThanOneLaunchHolds) {
+  at::manual_seed(3);
+  std::vector<std::pair<int64_t, int64_t>> spec;
+  for (int i = 0; i < 900; ++i) spec.emplace_back(1 + (i * 37) % 300, i % 3);
+  const auto src = make_list(spec, kAllFloats);
+  const auto dst = like(src, at::kHalf);
+  auto cpu = clones(dst), emulated = clones(dst);
+  g_launches = 0;
+  entry::multi_tensor_copy_<CpuEngine>(src, cpu);
+  entry::multi_tensor_copy_<EmulatedCudaEngine>(src, emulated);
+  expect_bitwise_equal(emulated, cpu, "copy dst");
+  // Three dtype groups of 300 tensors each, over the 256 a launch holds at depth 2:
+  // two launches for each group.
+  EXPECT_EQ(TensorListMeta<2>::kMaxTensors, 256);
+  EXPECT_EQ(g_launches, 6);
+}
+
+TEST(CudaBlocks, TensorOfMoreChunksThanOneLaunchHolds) {
+  at::manual_seed(4);
+  // 1025 chunks (1024 blocks fit in a launch), starting off alignment.
+  const int64_t n = (kMaxBlocksPerLaunch + 1) * kChunkSize - 5;
+  const std::vector<Tensor> src = {make(n, at::kHalf, 1)};
+  const std::vector<Tensor> dst = {at::zeros({n}, at::kFloat)};
+  g_launches = 0;
+  Tensor found_inf = scalar(0.f);
+  entry::multi_tensor_unscale_to_<EmulatedCudaEngine>(src, dst, found_inf, scalar(2.f));
+  EXPECT_EQ(g_launches, 2);
+  EXPECT_TRUE(at::equal(dst[0], src[0].to(at::kFloat) * 2.f));
+  EXPECT_EQ(found_inf.item<float>(), 0.f);
+}
+
+struct SgdCase {
+  at::ScalarType param, grad, model;  // model: unused when has_model is false
+  bool has_model;
+  double momentum, dampening, weight_decay;
+  bool nesterov;
+};
+
+TEST(CudaBlocks, FusedSgdMatchesTheCpuEngine) {
+  at::manual_seed(5);
+  const std::vector<SgdCase> cases = {
+      {at::kFloat, at::kHalf, at::kHalf, true, 0.9, 0.0, 1e-4, false},
+      {at::kFloat, at::kBFloat16, at::kBFloat16, true, 0.9, 0.0, 0.0, true},
+      {at::kFloat, at::kHalf, at::kFloat, true, 0.9, 0.1, 1e-4, false},
+      {at::kFloat, at::kFloat, at::kFloat, false, 0.0, 0.0, 1e-2, false},
+      {at::kHalf, at::kHalf, at::kFloat, false, 0.5, 0.0, 0.0, true},
+  };
+  for (const auto& c : cases) {
+    const auto params = make_list(edge_sizes(), {c.param});
+    const auto grads = like(params, c.grad);
+    std::vector<Tensor> bufs, model;
+    if (c.momentum != 0.0) bufs = like(params, at::kFloat);
+    if (c.has_model) model = like(params, c.model);
+    auto run = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> b,
+                   std::vector<Tensor> m, const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      for (const bool first_run : {true, false, false}) {
+        entry::fused_sgd_<Engine>(p, grads, b, m, 0.01, c.momentum, c.dampening,
+                                  c.weight_decay, c.nesterov, first_run, scalar(0.25f),
+                                  found_inf);
+      }
+      std::vector<std::vector<Tensor>> out = {p, b, m};
+      return out;
+    };
+    const auto cpu = run(CpuEngine{}, clones(params), clones(bufs), clones(model), scalar(0.f));
+    const auto emulated =
+        run(EmulatedCudaEngine{}, clones(params), clones(bufs), clones(model), scalar(0.f));
+    expect_bitwise_equal(emulated[0], cpu[0], "params");
+    expect_bitwise_equal(emulated[1], cpu[1], "momentum_buffers");
+    expect_bitwise_equal(emulated[2], cpu[2], "model_params");
+    EXPECT_FALSE(at::equal(emulated[0].back(), params.back())) << "no step was taken";
+    if (c.has_model) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(at::equal(emulated[2][i], emulated[0][i].to(c.model))) << "model " << i;
+      }
+    }
+    // Skipped on the device: every tensor keeps its bits.
+    const auto skipped =
+        run(EmulatedCudaEngine{}, clones(params), clones(bufs), clones(model), scalar(1.f));
+    expect_bitwise_equal(skipped[0], params, "skipped params");
+    expect_bitwise_equal(skipped[1], bufs, "skipped momentum_buffers");
+    expect_bitwise_equal(skipped[2], model, "skipped model_params");
+  }
+}
+
+TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
+  at::manual_seed(6);
+  struct Case {
+    at::ScalarType param, grad, model;
+    bool has_model, adamw;
+    double weight_decay;
+  };
+  const std::vector<Case> cases = {
+      {at::kFloat, at::kHalf, at::kHalf, true, true, 1e-2},
+      {at::kFloat, at::kBFloat16, at::kBFloat16, true, false, 1e-2},
+      {at::kBFloat16, at::kBFloat16, at::kFloat, false, true, 0.0},
+      {at::kFloat, at::kFloat, at::kFloat, false, false, 0.0},
+  };
+  for (const auto& c : cases) {
+    const auto params = make_list(edge_sizes(), {c.param});
+    const auto grads = like(params, c.grad);
+    std::vector<Tensor> exp_avgs, exp_avg_sqs, model;
+    for (const auto& p : params) {
+      exp_avgs.push_back(at::zeros({p.numel()}, at::kFloat));
+      exp_avg_sqs.push_back(at::zeros({p.numel()}, at::kFloat));
+    }
+    if (c.has_model) model = like(params, c.model);
+    auto run = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> m1,
+                   std::vector<Tensor> m2, std::vector<Tensor> m, const Tensor& step,
+                   const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      for (int i = 0; i < 3; ++i) {
+        entry::fused_adam_<Engine>(p, grads, m1, m2, m, step, 1e-3, 0.9, 0.999, 1e-8,
+                                   c.weight_decay, c.adamw, true, scalar(0.5f), found_inf);
+      }
+      std::vector<std::vector<Tensor>> out = {p, m1, m2, m};
+      return out;
+    };
+    const Tensor cpu_step = scalar(0.f), emulated_step = scalar(0.f);
+    const auto cpu = run(CpuEngine{}, clones(params), clones(exp_avgs), clones(exp_avg_sqs),
+                         clones(model), cpu_step, scalar(0.f));
+    const auto emulated = run(EmulatedCudaEngine{}, clones(params), clones(exp_avgs),
+                              clones(exp_avg_sqs), clones(model), emulated_step, scalar(0.f));
+    expect_bitwise_equal(emulated[0], cpu[0], "params");
+    expect_bitwise_equal(emulated[1], cpu[1], "exp_avgs");
+    expect_bitwise_equal(emulated[2], cpu[2], "exp_avg_sqs");
+    expect_bitwise_equal(emulated[3], cpu[3], "model_params");
+    EXPECT_EQ(emulated_step.item<float>(), 3.f);
+    EXPECT_FALSE(at::equal(emulated[0].back(), params.back())) << "no step was taken";
+
+    const Tensor skipped_step = scalar(7.f);
+    const auto skipped = run(EmulatedCudaEngine{}, clones(params), clones(exp_avgs),
+                             clones(exp_avg_sqs), clones(model), skipped_step, scalar(1.f));
+    expect_bitwise_equal(skipped[0], params, "skipped params");
+    expect_bitwise_equal(skipped[1], exp_avgs, "skipped exp_avgs");
+    expect_bitwise_equal(skipped[2], exp_avg_sqs, "skipped exp_avg_sqs");
+    expect_bitwise_equal(skipped[3], model, "skipped model_params");
+    EXPECT_EQ(skipped_step.item<float>(), 7.f);
+  }
+}
+
+// Stage 1 of the L2 norm: block b of all launches holds the sum of squares of
+// the b-th chunk, tensor by tensor (the order stage 2 relies on).
+TEST(CudaBlocks, L2NormChunkSumsAreTensorMajor) {
+  at::manual_seed(7);
+  std::vector<std::pair<int64_t, int64_t>> spec = edge_sizes();
+  for (int i = 0; i < 300; ++i) spec.emplace_back(1 + (i * 101) % 5000, i % 3);
+  for (const auto dtype : kAllFloats) {
+    const auto tensors = make_list(spec, {dtype});
+    Lists<1> lists;
+    lists[0] = tensors;
+    const float scale = 0.5f;
+    std::vector<double> partial;
+    for_each_launch<1>(lists, [&](const TensorListMeta<1>& meta, int num_blocks,
+                                  int64_t first_block) {
+      EXPECT_EQ(first_block, static_cast<int64_t>(partial.size()));
+      blockDim.x = kBlockSize;
+      for (int b = 0; b < num_blocks; ++b) {
+        blockIdx.x = static_cast<unsigned>(b);
+        double sum = 0.0;
+        for (int t = 0; t < kBlockSize; ++t) {
+          threadIdx.x = static_cast<unsigned>(t);
+          MP_DISPATCH_FLOATS(dtype, "test", scalar_t, [&] {
+            sum += chunk_sum_of_squares<scalar_t>(meta, scale);
+          });
+        }
+        partial.push_back(sum);
+      }
+    });
+    size_t b = 0;
+    for (const auto& t : tensors) {
+      const Tensor x = t.to(at::kDouble) * scale;
+      for (int64_t start = 0; start < t.numel(); start += kChunkSize, ++b) {
+        ASSERT_LT(b, partial.size());
+        const double want =
+            x.narrow(0, start, std::min(kChunkSize, t.numel() - start)).square().sum().item<double>();
+        EXPECT_NEAR(partial[b], want, 1e-4 * want + 1e-30) << "block " << b;
+      }
+    }
+    EXPECT_EQ(b, partial.size()) << "blocks beyond the last chunk";
+  }
+}
+
+}  // namespace
+}  // namespace mixedprec::cuda
