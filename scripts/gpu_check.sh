@@ -3,12 +3,15 @@
 # Validation on a GPU machine (H100/H200, no network) in one command, from the
 # repository root or anywhere:
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh [STEP...]
 #
 # Prints the machine and versions, builds the extension with its CUDA kernels in
-# place, then runs the self-check, the full pytest suite (CUDA tests included,
-# MIXEDPREC_EXPECT_CUDA=1), the GoogleTest suite, the benchmarks (bench/*.py) and
-# compute-sanitizer memcheck over the CUDA op tests. Everything is also written to
+# place, then runs the steps: selfcheck, pytest (the full suite, CUDA tests
+# included, MIXEDPREC_EXPECT_CUDA=1), ctest (the GoogleTest suite), bench
+# (bench/ops.py and bench/train.py) and memcheck (compute-sanitizer over the CUDA
+# tests of the ops). With no STEP, all of them in that order; naming some (e.g.
+# `bash scripts/gpu_check.sh pytest memcheck`) splits a run over several calls
+# that each fit a time limit. Everything is also written to
 # ${OUT:-/tmp}/gpu_check.log. Ends with a summary; exits 1 when any step failed.
 #
 # Uses python3 (torch 2.11 built for CUDA 13.0), nvcc, ninja, cmake, pytest and
@@ -104,28 +107,43 @@ cpp_tests() {
   cmake --build build/cpp -j "$MAX_JOBS" && ctest --test-dir build/cpp --output-on-failure -j 8
 }
 
+ALL_STEPS=(selfcheck pytest ctest bench memcheck)
+# The op tests: what compute-sanitizer checks (the rest of the suite drives the same
+# kernels through the Python layer, at many times the run time under the tool).
+OP_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py
+  tests/python/test_fused_optimizers.py tests/python/test_sum_fp32.py
+  tests/python/test_loss_scale.py tests/python/test_errors.py)
+
+run_step() {
+  case $1 in
+    selfcheck) step "selfcheck" "$PY" examples/selfcheck.py ;;
+    pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra ;;
+    ctest) step "ctest" cpp_tests ;;
+    bench)
+      step "bench ops.py" "$PY" bench/ops.py
+      step "bench train.py" "$PY" bench/train.py
+      ;;
+    # Without the caching allocator every tensor is its own allocation, so an
+    # out-of-bounds access is caught instead of landing in a neighbour's memory.
+    memcheck)
+      step "memcheck (op tests, cuda)" env MIXEDPREC_EXPECT_CUDA=1 \
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-300}" \
+        "$SANITIZER" --tool memcheck --error-exitcode 1 \
+        "$PY" -m pytest "${OP_TESTS[@]}" -k cuda -x -q
+      ;;
+  esac
+}
+
 main() {
-  echo "mixedprec GPU check, log: $LOG"
+  echo "mixedprec GPU check, log: $LOG, steps: ${STEPS[*]}"
   step "environment" environment
   if ! step "build (CUDA)" build; then
     skip "tests" "the build failed"
     return
   fi
-  step "selfcheck" "$PY" examples/selfcheck.py
-  step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra
-  step "ctest" cpp_tests
-  shopt -s nullglob
-  local benches=(bench/ops.py bench/train.py)
-  [ ${#benches[@]} -gt 0 ] || skip "benchmarks" "none in bench/"
-  for bench in "${benches[@]}"; do
-    step "bench $(basename "$bench")" "$PY" "$bench"
+  for s in "${STEPS[@]}"; do
+    run_step "$s"
   done
-  # Without the caching allocator every tensor is its own allocation, so an
-  # out-of-bounds access is caught instead of landing in a neighbour's memory.
-  # --target-processes all: also check processes pytest or torch may start.
-  step "memcheck (pytest -k cuda)" env MIXEDPREC_EXPECT_CUDA=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-    timeout "${SANITIZER_TIMEOUT:-300}" "$SANITIZER" --tool memcheck --target-processes all \
-    --error-exitcode 1 "$PY" -m pytest tests/python -k cuda -x -q
 }
 
 summary() {
@@ -134,6 +152,15 @@ summary() {
   echo "steps: $PASSED passed, $FAILED failed, $SKIPPED skipped"
   [ "$FAILED" -eq 0 ]
 }
+
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || STEPS=("${ALL_STEPS[@]}")
+for s in "${STEPS[@]}"; do
+  if [[ ! " ${ALL_STEPS[*]} " =~ \ $s\  ]]; then
+    echo "gpu_check.sh: unknown step '$s'; expected some of: ${ALL_STEPS[*]}" >&2
+    exit 2
+  fi
+done
 
 mkdir -p "$(dirname "$LOG")"
 {

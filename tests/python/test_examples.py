@@ -1,7 +1,7 @@
 """Smoke tests of the examples: each runs as a user would run it (a subprocess with
 PYTHONPATH at the repository), cut down to seconds: the digits job of ``make demo``,
 the ImageNet recipe on synthetic data (one process, and two under torchrun with
-gloo) and the FP16_Optimizer recipe. They skip when an example's dependencies
+gloo) and the FP16_Optimizer recipe; and that scripts/gpu_check.sh parses. They skip when an example's dependencies
 (torchvision, scikit-learn, matplotlib, tqdm) are not installed."""
 
 import importlib.util
@@ -188,3 +188,16 @@ def test_fp16_optimizer_recipe_dynamic_bf16(tmp_path):
                "--dynamic-loss-scale", "--print-freq", "20"], tmp_path)
     assert "bfloat16 model with fp32 masters, dynamic loss scale from 65536" in log
     assert "step   40" in log
+
+
+def test_gpu_check_script_parses_and_rejects_unknown_steps(tmp_path):
+    """scripts/gpu_check.sh only runs on GPU machines; here: its syntax, and that a
+    misspelt step fails at once, naming the steps, before building anything."""
+    script = REPO / "scripts" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    proc = subprocess.run(["bash", str(script), "pytest", "benchmarks"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path)))
+    assert proc.returncode == 2
+    assert "unknown step 'benchmarks'" in proc.stderr
+    assert "selfcheck pytest ctest bench memcheck" in proc.stderr
+    assert not (tmp_path / "gpu_check.log").exists()
