@@ -1,8 +1,9 @@
 """Smoke tests of the examples: each runs as a user would run it (a subprocess with
 PYTHONPATH at the repository), cut down to seconds: the digits job of ``make demo``,
 the ImageNet recipe on synthetic data (one process, and two under torchrun with
-gloo) and the FP16_Optimizer recipe; and that scripts/gpu_check.sh parses. They skip when an example's dependencies
-(torchvision, scikit-learn, matplotlib, tqdm) are not installed."""
+gloo) and the FP16_Optimizer recipe; and that scripts/gpu_check.sh parses. They
+skip when an example's dependencies (torchvision, scikit-learn, matplotlib, tqdm)
+are not installed."""
 
 import importlib.util
 import json
