@@ -34,18 +34,6 @@ MP_HD bool is_finite(float x) {
 #endif
 }
 
-// Typed element access for the engines: a null pointer is an absent list (or
-// one the functor does not read or write) and is skipped.
-template <typename T>
-MP_HD void load_element(const void* p, int64_t i, float& out) {
-  if (p != nullptr) out = static_cast<float>(static_cast<const T*>(p)[i]);
-}
-
-template <typename T>
-MP_HD void store_element(void* p, int64_t i, float value) {
-  if (p != nullptr) static_cast<T*>(p)[i] = static_cast<T>(value);
-}
-
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
 // non-finite inputs when the engine is given a found_inf.
 struct ScaleOp {

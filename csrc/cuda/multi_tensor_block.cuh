@@ -97,6 +97,18 @@ MP_DEVICE void* offset(void* p, int64_t start) {
   return p == nullptr ? nullptr : static_cast<T*>(p) + start;
 }
 
+// One element of a list as fp32, and back; a null pointer is an absent list (or
+// one the functor does not read or write) and is skipped.
+template <typename T>
+MP_DEVICE void load_element(const void* p, int64_t i, float& out) {
+  if (p != nullptr) out = static_cast<float>(static_cast<const T*>(p)[i]);
+}
+
+template <typename T>
+MP_DEVICE void store_element(void* p, int64_t i, float value) {
+  if (p != nullptr) static_cast<T*>(p)[i] = static_cast<T>(value);
+}
+
 template <typename T, int D>
 MP_DEVICE void load_vector(const void* p, int64_t i, float (&x)[kILP][D], int k) {
   if (p == nullptr) return;
