@@ -78,37 +78,18 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t n = static_cast<int64_t>(tensors.size());
 
-  // Chunks are grouped by dtype; each tensor's chunks stay contiguous in `partial`.
-  std::vector<int64_t> first_partial(n, 0);
-  std::vector<std::pair<at::ScalarType, std::vector<int64_t>>> groups;
-  int64_t total_chunks = 0;
-  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
-    std::vector<int64_t> members;
-    for (int64_t t = 0; t < n; ++t) {
-      if (tensors[t].scalar_type() != dtype) continue;
-      members.push_back(t);
-      first_partial[t] = total_chunks;
-      total_chunks += num_chunks(tensors[t].numel());
-    }
-    if (!members.empty()) groups.emplace_back(dtype, std::move(members));
-  }
-
-  at::Tensor partial = at::empty({std::max<int64_t>(total_chunks, 1)}, options);
-  int64_t group_base = 0;
-  for (const auto& group : groups) {
-    const at::ScalarType dtype = group.first;
-    const std::vector<int64_t>& members = group.second;
-    Lists<1> lists;
-    for (const int64_t t : members) lists[0].push_back(tensors[t]);
-    MP_DISPATCH_FLOATS(dtype, "multi_tensor_l2norm", scalar_t, [&] {
-      for_each_launch<1>(lists, [&](const TensorListMeta<1>& meta, int num_blocks,
-                                    int64_t first_block) {
+  const L2NormLayout layout = l2norm_layout(tensors);
+  at::Tensor partial = at::empty({std::max<int64_t>(layout.total_chunks, 1)}, options);
+  for (const auto& group : layout.groups) {
+    MP_DISPATCH_FLOATS(group.dtype, "multi_tensor_l2norm", scalar_t, [&] {
+      for_each_launch<1>(group.lists, [&](const TensorListMeta<1>& meta, int num_blocks,
+                                          int64_t first_block) {
         l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
-            meta, optional_ptr(inv_scale), partial.data_ptr<float>(), group_base + first_block);
+            meta, optional_ptr(inv_scale), partial.data_ptr<float>(),
+            group.first_partial + first_block);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
-    for (const int64_t t : members) group_base += num_chunks(tensors[t].numel());
   }
 
   at::Tensor squares = at::empty({std::max<int64_t>(n, 1)}, options);
@@ -116,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
     const int64_t count = std::min<int64_t>(kRangesPerLaunch, n - first);
     Ranges ranges{};
     for (int64_t i = 0; i < count; ++i) {
-      ranges.begin[i] = first_partial[first + i];
+      ranges.begin[i] = layout.first_partial[first + i];
       ranges.count[i] = static_cast<int32_t>(num_chunks(tensors[first + i].numel()));
     }
     l2norm_tensors_kernel<<<static_cast<int>(count), 256, 0, stream>>>(

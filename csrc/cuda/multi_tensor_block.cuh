@@ -171,6 +171,37 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }
 
+// Where the L2 norm's stage 1 puts each chunk's partial sum: the tensors are grouped
+// by dtype (fp32, fp16, bf16; list order within a group), each group is one series
+// of launches writing from its first_partial on, so every tensor's chunks form one
+// contiguous range of the partials, from first_partial[tensor] on.
+struct L2NormLayout {
+  struct Group {
+    at::ScalarType dtype;
+    Lists<1> lists;
+    int64_t first_partial;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> first_partial;  // per tensor
+  int64_t total_chunks = 0;
+};
+
+inline L2NormLayout l2norm_layout(at::TensorList tensors) {
+  L2NormLayout layout;
+  layout.first_partial.assign(tensors.size(), 0);
+  for (const auto dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    L2NormLayout::Group group{dtype, {}, layout.total_chunks};
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      if (tensors[t].scalar_type() != dtype) continue;
+      group.lists[0].push_back(tensors[t]);
+      layout.first_partial[t] = layout.total_chunks;
+      layout.total_chunks += num_chunks(tensors[t].numel());
+    }
+    if (!group.lists[0].empty()) layout.groups.push_back(std::move(group));
+  }
+  return layout;
+}
+
 // One thread's part of the sum of squares of its block's chunk (of the one list),
 // each element first multiplied by `scale`.
 template <typename T>

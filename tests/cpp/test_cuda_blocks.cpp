@@ -9,8 +9,9 @@
 // engine over the same inputs, and must give the same bits: both apply the same
 // functors of csrc/pointwise.h to every element exactly once.
 //
-// Not covered here: the warp-shuffle reductions of the L2 norm, the launches
-// themselves and real concurrency; scripts/gpu_check.sh runs those on a GPU.
+// Not covered here: the warp-shuffle reductions of the L2 norm (stages 2 and 3),
+// the launches themselves and real concurrency; scripts/gpu_check.sh runs those on
+// a GPU.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -323,46 +324,49 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
-// Stage 1 of the L2 norm: block b of all launches holds the sum of squares of
-// the b-th chunk, tensor by tensor (the order stage 2 relies on).
-TEST(CudaBlocks, L2NormChunkSumsAreTensorMajor) {
+// Stage 1 of the L2 norm, as multi_tensor.cu drives it over a list of mixed dtypes:
+// the partial sum of every chunk lands in its tensor's contiguous range of the
+// partials, in chunk order (stage 2 sums those ranges).
+TEST(CudaBlocks, L2NormPartialsOfEachTensorAreContiguous) {
   at::manual_seed(7);
   std::vector<std::pair<int64_t, int64_t>> spec = edge_sizes();
-  for (int i = 0; i < 300; ++i) spec.emplace_back(1 + (i * 101) % 5000, i % 3);
-  for (const auto dtype : kAllFloats) {
-    const auto tensors = make_list(spec, {dtype});
-    Lists<1> lists;
-    lists[0] = tensors;
-    const float scale = 0.5f;
-    std::vector<double> partial;
-    for_each_launch<1>(lists, [&](const TensorListMeta<1>& meta, int num_blocks,
-                                  int64_t first_block) {
-      EXPECT_EQ(first_block, static_cast<int64_t>(partial.size()));
+  for (int i = 0; i < 600; ++i) spec.emplace_back(1 + (i * 101) % 5000, i % 3);
+  const auto tensors = make_list(spec, {at::kHalf, at::kFloat, at::kBFloat16, at::kHalf});
+  const float scale = 0.5f;
+  const L2NormLayout layout = l2norm_layout(tensors);
+  ASSERT_EQ(layout.groups.size(), 3u);
+  std::vector<double> partial(layout.total_chunks, std::nan(""));
+  for (const auto& group : layout.groups) {
+    for_each_launch<1>(group.lists, [&](const TensorListMeta<1>& meta, int num_blocks,
+                                        int64_t first_block) {
       blockDim.x = kBlockSize;
       for (int b = 0; b < num_blocks; ++b) {
         blockIdx.x = static_cast<unsigned>(b);
         double sum = 0.0;
         for (int t = 0; t < kBlockSize; ++t) {
           threadIdx.x = static_cast<unsigned>(t);
-          MP_DISPATCH_FLOATS(dtype, "test", scalar_t, [&] {
+          MP_DISPATCH_FLOATS(group.dtype, "test", scalar_t, [&] {
             sum += chunk_sum_of_squares<scalar_t>(meta, scale);
           });
         }
-        partial.push_back(sum);
+        const int64_t at = group.first_partial + first_block + b;
+        ASSERT_LT(at, layout.total_chunks);
+        EXPECT_TRUE(std::isnan(partial[at])) << "partial " << at << " written twice";
+        partial[at] = sum;
       }
     });
-    size_t b = 0;
-    for (const auto& t : tensors) {
-      const Tensor x = t.to(at::kDouble) * scale;
-      for (int64_t start = 0; start < t.numel(); start += kChunkSize, ++b) {
-        ASSERT_LT(b, partial.size());
-        const double want =
-            x.narrow(0, start, std::min(kChunkSize, t.numel() - start)).square().sum().item<double>();
-        EXPECT_NEAR(partial[b], want, 1e-4 * want + 1e-30) << "block " << b;
-      }
-    }
-    EXPECT_EQ(b, partial.size()) << "blocks beyond the last chunk";
   }
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const Tensor x = tensors[t].to(at::kDouble) * scale;
+    int64_t at = layout.first_partial[t];
+    for (int64_t start = 0; start < x.numel(); start += kChunkSize, ++at) {
+      const int64_t n = std::min(kChunkSize, x.numel() - start);
+      const double want = x.narrow(0, start, n).square().sum().item<double>();
+      EXPECT_NEAR(partial[at], want, 1e-4 * want + 1e-30) << "tensor " << t << ", chunk at "
+                                                          << start;
+    }
+  }
+  for (const double p : partial) EXPECT_FALSE(std::isnan(p)) << "a partial was not written";
 }
 
 }  // namespace
