@@ -1,7 +1,9 @@
-"""Tensor builders and assertions shared by the op tests."""
+"""Tensor builders and assertions shared by the op and optimizer tests."""
 
 import pytest
 import torch
+
+from mixedprec import FusedSGD
 
 # (dtype, atol, rtol) for a result stored in `dtype` and computed in fp32: about two
 # units in the last place of the storage type, the rounding eager PyTorch itself
@@ -100,6 +102,41 @@ def assert_unchanged(obj, before):
     assert [n for n, _ in after] == [n for n, _ in before]
     for (name, now), (_, then) in zip(after, before):
         assert_bitwise_equal(now, then, msg=f"{name} was modified")
+
+
+def torch_optimizer(cls, params, kwargs):
+    """The torch.optim counterpart of FusedSGD/FusedAdam(params, **kwargs)."""
+    kwargs = dict(kwargs)
+    if cls is FusedSGD:
+        return torch.optim.SGD(params, foreach=False, **kwargs)
+    adam_w_mode = kwargs.pop("adam_w_mode", True)
+    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    kwargs.setdefault("weight_decay", 0.0)  # AdamW's default is 1e-2, Apex's 0
+    return torch_cls(params, foreach=False, **kwargs)
+
+
+def full_snapshot(model, opt):
+    """{name: clone} of everything an optimizer step may write: params, per-param
+    state, group tensors (FusedAdam's step), named by position and key (whatever
+    order the dicts were filled in)."""
+    tensors = {}
+    for i, p in enumerate(model.parameters()):
+        tensors[f"param{i}"] = p
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state{i}.{key}"] = value
+    for j, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"group{j}.{key}"] = value
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+def assert_same_snapshot(a, b, msg=""):
+    """Two full_snapshots hold the same names and the same bits."""
+    assert sorted(a) == sorted(b), msg
+    for name in a:
+        assert_bitwise_equal(a[name], b[name], msg=f"{msg} {name}")
 
 
 def max_abs_error(actual, reference):

@@ -9,7 +9,8 @@ import io
 
 import pytest
 import torch
-from helpers import TOLERANCES, assert_bitwise_equal, randn, snapshot
+from helpers import (TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full_snapshot,
+                     randn, snapshot, torch_optimizer)
 from references import ref_adam
 from torch import nn
 from torch.nn import functional as F
@@ -99,17 +100,6 @@ def feed_grads(model, twin):
         tp.grad = None if p.grad is None else p.grad.detach().float()
 
 
-def torch_optimizer(cls, params, kwargs):
-    """The torch.optim counterpart of FusedSGD/FusedAdam(params, **kwargs)."""
-    kwargs = dict(kwargs)
-    if cls is FusedSGD:
-        return torch.optim.SGD(params, foreach=False, **kwargs)
-    adam_w_mode = kwargs.pop("adam_w_mode", True)
-    torch_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-    kwargs.setdefault("weight_decay", 0.0)  # AdamW's default is 1e-2, Apex's 0
-    return torch_cls(params, foreach=False, **kwargs)
-
-
 def train(model, opt, twin, twin_opt, steps, start=0):
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
@@ -143,32 +133,9 @@ def group_steps(opt):
     return [g["step"].item() if "step" in g else 0.0 for g in opt.param_groups]
 
 
-def full_snapshot(model, opt):
-    """{name: clone} of everything a step may write: params, per-param state, group
-    tensors (FusedAdam's step), named by position and key (whatever order the dicts
-    were filled in)."""
-    tensors = {}
-    for i, p in enumerate(model.parameters()):
-        tensors[f"param{i}"] = p
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state{i}.{key}"] = value
-    for j, group in enumerate(opt.param_groups):
-        for key, value in group.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"group{j}.{key}"] = value
-    return {name: t.detach().clone() for name, t in tensors.items()}
-
-
 def named_snapshot(obj):
     """helpers.snapshot of `obj` as {position:name: clone}."""
     return {f"{i}:{name}": t for i, (name, t) in enumerate(snapshot(obj))}
-
-
-def assert_same_snapshot(a, b, msg=""):
-    assert sorted(a) == sorted(b), msg
-    for name in a:
-        assert_bitwise_equal(a[name], b[name], msg=f"{msg} {name}")
 
 
 # --- the constructors ---------------------------------------------------------------------

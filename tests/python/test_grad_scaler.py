@@ -10,7 +10,8 @@ import io
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCES, assert_bitwise_equal, randn
+from helpers import (TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full_snapshot,
+                     randn, torch_optimizer)
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,36 +62,6 @@ def loss_of(model, step):
     x = randn((8, 6), torch.float32, device, seed=10_000 + step)
     y = randn((8, 3), torch.float32, device, seed=20_000 + step)
     return (model(x) - y).pow(2).mean()
-
-
-def torch_optimizer(cls, params, kwargs):
-    kwargs = dict(kwargs)
-    if cls is FusedSGD:
-        return torch.optim.SGD(params, foreach=False, **kwargs)
-    torch_cls = torch.optim.AdamW if kwargs.pop("adam_w_mode", True) else torch.optim.Adam
-    return torch_cls(params, foreach=False, **kwargs)
-
-
-def full_snapshot(model, opt):
-    """{name: clone} of everything a step may write: params, per-param state, group
-    tensors (FusedAdam's step), named by position and key."""
-    tensors = {}
-    for i, p in enumerate(model.parameters()):
-        tensors[f"param{i}"] = p
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state{i}.{key}"] = value
-    for j, group in enumerate(opt.param_groups):
-        for key, value in group.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"group{j}.{key}"] = value
-    return {name: t.detach().clone() for name, t in tensors.items()}
-
-
-def assert_same_snapshot(a, b, msg=""):
-    assert sorted(a) == sorted(b), msg
-    for name in a:
-        assert_bitwise_equal(a[name], b[name], msg=f"{msg} {name}")
 
 
 def assert_untouched(model, opt, before, msg):
