@@ -260,6 +260,33 @@ def _as_params(tensors: List[torch.Tensor], grads: List[torch.Tensor]) -> List[t
     return params
 
 
+def _mixedprec_scaled_step(inp: Inputs, grads: List[torch.Tensor], opt):
+    """A step of a mixedprec fused optimizer as mixedprec's GradScaler drives it: the
+    overflow check, then the step, which unscales and skips on the device."""
+    from mixedprec import ops
+    found_inf = inp.scalar(0.0)
+    scales, _ = _pairs(inp)
+
+    def fn(i):
+        ops.multi_tensor_check_finite_(grads, found_inf)
+        opt.set_grad_scaling(scales[i % 2], found_inf)
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
+def _torch_scaled_fused_step(inp: Inputs, grads: List[torch.Tensor], opt):
+    """torch.amp.GradScaler.step with a fused torch optimizer: the check pass (in-place
+    unscale by 1.0), then the optimizer divides by grad_scale and skips on found_inf."""
+    found_inf, one = inp.tscalar(0.0), inp.tscalar(1.0)
+    scales, _ = _pairs(inp, ())
+
+    def fn(i):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
+        opt.step()
+    return fn, _no_skip(found_inf)
+
+
 def case_adam_mixedprec_op(inp: Inputs):
     from mixedprec import ops
     masters = inp.randn(torch.float32)
@@ -280,19 +307,11 @@ def case_adam_mixedprec_op(inp: Inputs):
 
 def case_adam_mixedprec_optimizer(inp: Inputs):
     import mixedprec
-    from mixedprec import ops
     params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
     grads = [p.grad for p in params]
     opt = mixedprec.FusedAdam(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                               master_weights=True)
-    found_inf = inp.scalar(0.0)
-    scales, _ = _pairs(inp)
-
-    def fn(i):
-        ops.multi_tensor_check_finite_(grads, found_inf)
-        opt.set_grad_scaling(scales[i % 2], found_inf)
-        opt.step()
-    return fn, _no_skip(found_inf)
+    return _mixedprec_scaled_step(inp, grads, opt)
 
 
 def _torch_adamw(inp: Inputs, **kw):
@@ -303,16 +322,7 @@ def _torch_adamw(inp: Inputs, **kw):
 
 def case_adam_torch_fused(inp: Inputs):
     params, grads, opt = _torch_adamw(inp, fused=True)
-    found_inf, one = inp.tscalar(0.0), inp.tscalar(1.0)
-    scales, _ = _pairs(inp, ())
-
-    def fn(i):
-        # torch.amp.GradScaler.step with a fused optimizer: check pass (in-place unscale
-        # by 1.0), then the optimizer divides by grad_scale and skips on found_inf.
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
-        opt.step()
-    return fn, _no_skip(found_inf)
+    return _torch_scaled_fused_step(inp, grads, opt)
 
 
 def case_adam_torch_foreach(inp: Inputs):
@@ -345,32 +355,17 @@ def case_sgd_mixedprec_op(inp: Inputs):
 
 def case_sgd_mixedprec_optimizer(inp: Inputs):
     import mixedprec
-    from mixedprec import ops
     params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
     grads = [p.grad for p in params]
     opt = mixedprec.FusedSGD(params, lr=LR, momentum=MOMENTUM, master_weights=True)
-    found_inf = inp.scalar(0.0)
-    scales, _ = _pairs(inp)
-
-    def fn(i):
-        ops.multi_tensor_check_finite_(grads, found_inf)
-        opt.set_grad_scaling(scales[i % 2], found_inf)
-        opt.step()
-    return fn, _no_skip(found_inf)
+    return _mixedprec_scaled_step(inp, grads, opt)
 
 
 def case_sgd_torch_fused(inp: Inputs):
     params = _as_params(inp.randn(torch.float32), inp.randn(torch.float32))
     grads = [p.grad for p in params]
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, fused=True)
-    found_inf, one = inp.tscalar(0.0), inp.tscalar(1.0)
-    scales, _ = _pairs(inp, ())
-
-    def fn(i):
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
-        opt.step()
-    return fn, _no_skip(found_inf)
+    return _torch_scaled_fused_step(inp, grads, opt)
 
 
 def _flat(inp: Inputs, dtype) -> torch.Tensor:
