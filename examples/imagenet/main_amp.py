@@ -491,21 +491,8 @@ def train(train_loader, model, criterion, optimizer, epoch):
             # iteration, since they incur an allreduce and some host<->device syncs.
             n = i % args.print_freq or args.print_freq
 
-            # Measure accuracy
-            prec1, prec5 = accuracy(output.data, target, topk=(1, 5))
-
-            # Average loss and accuracy across processes for logging
-            if args.distributed:
-                reduced_loss = reduce_tensor(loss.data)
-                prec1 = reduce_tensor(prec1)
-                prec5 = reduce_tensor(prec5)
-            else:
-                reduced_loss = loss.data
-
             # to_python_float incurs a host<->device sync
-            losses.update(to_python_float(reduced_loss), input.size(0))
-            top1.update(to_python_float(prec1), input.size(0))
-            top5.update(to_python_float(prec5), input.size(0))
+            update_meters(output, target, loss, losses, top1, top5)
 
             synchronize()
             batch_time.update((time.time() - end) / n)
@@ -572,18 +559,7 @@ def validate(val_loader, model, criterion):
             loss = criterion(output.float(), target)
 
         # measure accuracy and record loss
-        prec1, prec5 = accuracy(output.data, target, topk=(1, 5))
-
-        if args.distributed:
-            reduced_loss = reduce_tensor(loss.data)
-            prec1 = reduce_tensor(prec1)
-            prec5 = reduce_tensor(prec5)
-        else:
-            reduced_loss = loss.data
-
-        losses.update(to_python_float(reduced_loss), input.size(0))
-        top1.update(to_python_float(prec1), input.size(0))
-        top5.update(to_python_float(prec5), input.size(0))
+        update_meters(output, target, loss, losses, top1, top5)
 
         # measure elapsed time
         batch_time.update(time.time() - end)
@@ -672,6 +648,19 @@ def accuracy(output, target, topk=(1,)):
         correct_k = correct[:min(k, maxk)].reshape(-1).float().sum(0, keepdim=True)
         res.append(correct_k.mul_(100.0 / batch_size))
     return res
+
+
+def update_meters(output, target, loss, losses, top1, top5):
+    """Records the batch's loss and top-1/top-5 accuracy, averaged over the processes
+    when distributed."""
+    prec1, prec5 = accuracy(output.data, target, topk=(1, 5))
+    loss = loss.data
+    if args.distributed:
+        loss, prec1, prec5 = reduce_tensor(loss), reduce_tensor(prec1), reduce_tensor(prec5)
+    n = output.size(0)
+    losses.update(to_python_float(loss), n)
+    top1.update(to_python_float(prec1), n)
+    top5.update(to_python_float(prec5), n)
 
 
 def reduce_tensor(tensor):
