@@ -1001,9 +1001,11 @@ def test_ddp_wrapped_model_is_rejected(tmp_path):
 
 
 def test_data_parallel_model_is_rejected():
-    model, opt, before = fresh()
+    model, opt, _ = fresh()
+    wrapped = nn.DataParallel(model)  # with one GPU, this moves the model onto it
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="DataParallel"):
-        amp.initialize(nn.DataParallel(model), opt, opt_level="O2", verbosity=0)
+        amp.initialize(wrapped, opt, opt_level="O2", verbosity=0)
     assert_untouched(model, opt, before)
 
 

@@ -165,10 +165,10 @@ def test_l2norm_matches_reference(device, dtype, per_tensor):
     norm, per = apply(amp_C.multi_tensor_l2norm, noop_flag, [ts], per_tensor)
 
     assert norm.dtype == torch.float32 and norm.shape == (1,) and norm.device == ts[0].device
-    torch.testing.assert_close(norm.double().cpu(), ref_norm, **MASTER_TOL)
+    torch.testing.assert_close(norm.double(), ref_norm, **MASTER_TOL)
     if per_tensor:
         assert per.shape == (len(ts),) and per.dtype == torch.float32
-        torch.testing.assert_close(per.double().cpu(), ref_per, **MASTER_TOL)
+        torch.testing.assert_close(per.double(), ref_per, **MASTER_TOL)
     else:
         assert per.numel() == 0
     assert_flag(noop_flag, 0)
@@ -179,12 +179,12 @@ def test_l2norm_default_and_mp_and_unscale(device):
     ref_norm, _ = ref_l2norm(ts)
     norm, per = amp_C.multi_tensor_l2norm(2048, flag(device), [ts])
     assert per.numel() == 0
-    torch.testing.assert_close(norm.double().cpu(), ref_norm, **MASTER_TOL)
+    torch.testing.assert_close(norm.double(), ref_norm, **MASTER_TOL)
     norm_mp, _ = amp_C.multi_tensor_l2norm_mp(2048, flag(device), [ts], False)
     assert_bitwise_equal(norm_mp, norm)
     scaled, per = amp_C.multi_tensor_unscale_l2norm(2048, flag(device), [ts],
                                                    scalar(0.5, device), True)
-    torch.testing.assert_close(scaled.double().cpu(), ref_norm * 0.5, **MASTER_TOL)
+    torch.testing.assert_close(scaled.double(), ref_norm * 0.5, **MASTER_TOL)
     assert per.shape == (len(ts),)
 
 
