@@ -435,3 +435,65 @@ def test_zero_size_tensors_are_skipped(device):
     torch.testing.assert_close(params[1].double(), ref_p[1], **MASTER_TOL)
     assert step.item() == 1.0
     assert_bitwise_equal(model[1], params[1].to(torch.bfloat16))
+
+
+# --- a tensor of more than 2^31 elements ----------------------------------------------
+
+BIG = 2**31 + 5  # an fp16 tensor of 4 GiB; its last elements lie past int32 indexing
+TAIL = 8  # the last TAIL elements straddle index 2^31 and hold distinct values
+
+
+@pytest.fixture
+def big_device(device):
+    """CUDA with room for two 4 GiB tensors and their checks; the CPU twin skips, to
+    keep CI's memory and time (the CPU engine's indexing is the planner's, covered by
+    the GoogleTest suite's plan tests)."""
+    if device == "cpu":
+        pytest.skip("tensors of 2^31 elements are checked on a GPU only")
+    free, _ = torch.cuda.mem_get_info()
+    if free < 16 * 2**30:
+        pytest.skip(f"needs 16 GiB of free GPU memory, has {free / 2**30:.1f}")
+    return device
+
+
+def big_tensor(device, head, tail):
+    t = torch.full((BIG,), head, dtype=torch.float16, device=device)
+    t[-TAIL:] = torch.tensor(tail, dtype=torch.float16)
+    assert BIG - TAIL < 2**31 < BIG - 1
+    return t
+
+
+def test_ops_on_a_tensor_of_more_than_2_31_elements(big_device):
+    device = big_device
+    tail = [float(k) for k in range(1, TAIL + 1)]
+    t = big_tensor(device, 2.0, tail)
+    found_inf = scalar(0.0, device)
+
+    # The overflow check sees an inf at the very last element, and only there.
+    ops.multi_tensor_check_finite_([t], found_inf)
+    assert found_inf.item() == 0.0
+    t[-1] = float("inf")
+    ops.multi_tensor_check_finite_([t], found_inf)
+    assert found_inf.item() == 1.0
+    t[-1] = tail[-1]
+    found_inf.zero_()
+
+    # Unscale writes every element exactly once: none skipped, none twice.
+    ops.multi_tensor_unscale_([t], found_inf, scalar(0.5, device))
+    assert found_inf.item() == 0.0
+    assert bool((t[:-TAIL] == 1.0).all())
+    assert t[-TAIL:].tolist() == [k / 2 for k in tail]
+
+    # The L2 norm counts every element once.
+    norm, per = ops.multi_tensor_l2norm([t], None, True)
+    expected = ((BIG - TAIL) + sum((k / 2) ** 2 for k in tail)) ** 0.5
+    assert norm.item() == pytest.approx(expected, rel=1e-6)
+    assert per.item() == pytest.approx(expected, rel=1e-6)
+
+    # SGD on an fp16 parameter without masters: p -= lr * g / scale.
+    grad = big_tensor(device, 4.0, [8.0] * TAIL)
+    ops.fused_sgd_([t], [grad], [], [], 0.125, 0.0, 0.0, 0.0, False, False,
+                   scalar(0.5, device), None)
+    del grad
+    assert bool((t[:-TAIL] == 0.75).all())
+    assert t[-TAIL:].tolist() == [k / 2 - 0.5 for k in tail]
