@@ -6,20 +6,34 @@
 #   bash scripts/gpu_check.sh [STEP...]
 #
 # Prints the machine and versions, builds the extension with its CUDA kernels in
-# place, then runs the steps: selfcheck, pytest (the full suite, CUDA tests
-# included, MIXEDPREC_EXPECT_CUDA=1), ctest (the GoogleTest suite), bench
-# (bench/ops.py and bench/train.py) and memcheck (compute-sanitizer over the CUDA
-# tests of the ops). With no STEP, all of them in that order; naming some (e.g.
-# `bash scripts/gpu_check.sh pytest memcheck`) splits a run over several calls
-# that each fit a time limit. Everything is also written to
-# ${OUT:-/tmp}/gpu_check.log. Ends with a summary; exits 1 when any step failed.
+# place, then runs the steps:
+#   selfcheck    examples/selfcheck.py (each op on CPU and CUDA against float64)
+#   pytest       the whole suite, CUDA tests included (MIXEDPREC_EXPECT_CUDA=1), on
+#                6 pytest-xdist workers when xdist is installed
+#   ctest        the GoogleTest suite (skipped where GoogleTest is not installed)
+#   memcheck     compute-sanitizer memcheck over the CUDA tests of the op files
+#   racecheck    compute-sanitizer racecheck over the engine's CUDA tests
+#   synccheck    compute-sanitizer synccheck over the engine's CUDA tests
+#   bench-ops    bench/ops.py;  bench-train: bench/train.py;  bench: both
+# With no STEP: selfcheck, then the other correctness steps at once (they share
+# the GPU; none of them times anything), then the benchmarks alone. A STEP written
+# A+B+... runs those steps at once, each into its own log, printed when all are
+# done. Naming some steps splits a run over calls that each fit a time limit.
+# Everything is also written to ${OUT:-/tmp}/gpu_check.log. Ends with a summary;
+# exits 1 when any step failed.
 #
 # Uses python3 (torch 2.11 built for CUDA 13.0), nvcc, ninja, cmake, pytest and
 # compute-sanitizer from the machine; downloads nothing. Variables:
 #   PYTHON                 interpreter (default python3)
 #   MAX_JOBS               parallel compile jobs (default 16)
 #   TORCH_CUDA_ARCH_LIST   GPU architectures (default: setup.py's DEFAULT_ARCH_LIST)
-#   SANITIZER_TIMEOUT      seconds allowed for the memcheck run (default 300)
+#   MIXEDPREC_PREBUILT=1   use the mixedprec/_C*.so already in place (built on another
+#                          machine against the same torch; the library is
+#                          py_limited_api, so any Python 3 loads it) instead of
+#                          building; it must load and hold the CUDA kernels
+#   SANITIZER_TIMEOUT      seconds allowed for each compute-sanitizer run (default 300)
+#   SANITIZER_WORKERS      pytest-xdist workers of each compute-sanitizer run (default:
+#                          memcheck 6, racecheck 3, synccheck 2, sized to run at once)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
@@ -55,14 +69,14 @@ step() {
     tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
   errors=$(grep -oE 'ERROR SUMMARY: .*' "$out" | tail -n 1)
   [ "$rc" = 124 ] && counts="timed out; $counts"
-  SUMMARY+=("$(printf '%-4s %-30s %5ss  %s' "$status" "$name" $((SECONDS - start)) \
+  SUMMARY+=("$(printf '%-4s %-32s %5ss  %s' "$status" "$name" $((SECONDS - start)) \
     "$counts${errors:+; $errors}")")
   rm -f "$out"
   return "$rc"
 }
 
 skip() {  # skip NAME REASON
-  SUMMARY+=("$(printf '%-4s %-30s %6s  %s' SKIP "$1" "" "$2")")
+  SUMMARY+=("$(printf '%-4s %-32s %6s  %s' SKIP "$1" "" "$2")")
   SKIPPED=$((SKIPPED + 1))
 }
 
@@ -71,27 +85,51 @@ environment() {
   nvcc=$(command -v nvcc || echo "$CUDA_BIN/nvcc")
   date -u
   nvidia-smi || return 1
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.sm,clocks.max.sm \
+    --format=csv
   "$PY" - <<'EOF' || return 1
-import sys, torch
+import os, sys, torch
 print("python", sys.version.split()[0])
-print("torch", torch.__version__, "built for CUDA", torch.version.cuda)
+print("torch", torch.__version__, "built for CUDA", torch.version.cuda,
+      "cuDNN", torch.backends.cudnn.version())
 print("GPU", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+print("CPU threads", torch.get_num_threads(), "of", os.cpu_count())
 EOF
   "$nvcc" --version | tail -n 2
   cmake --version | head -n 1
   "$SANITIZER" --version | tail -n 1
-  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-(setup.py default)} MAX_JOBS=$MAX_JOBS"
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-(setup.py default)} MAX_JOBS=$MAX_JOBS" \
+    "MIXEDPREC_PREBUILT=${MIXEDPREC_PREBUILT:-0}"
+}
+
+# Whether the extension loads here with its CUDA kernels registered.
+cuda_kernels_loaded() {
+  "$PY" - <<'EOF'
+import torch
+from mixedprec import ops
+
+names = ops.__all__[1:]
+missing = [n for n in names
+           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"mixedprec::{n}", "CUDA")]
+print(f"mixedprec._C: CUDA kernels of {len(names) - len(missing)} of {len(names)} ops",
+      f"(missing: {missing})" if missing else "")
+raise SystemExit(1 if missing else 0)
+EOF
 }
 
 build() {
   local with_cuda
+  if [ "${MIXEDPREC_PREBUILT:-0}" = 1 ]; then
+    ls -l mixedprec/_C*.so || return 1
+    cuda_kernels_loaded
+    return
+  fi
   with_cuda=$("$PY" scripts/check_cuda.py) || return 1
   if [ "$with_cuda" != 1 ]; then
     echo "error: setup.py would not build the CUDA kernels here"
     return 1
   fi
-  "$PY" setup.py build_ext --inplace
+  "$PY" setup.py build_ext --inplace && cuda_kernels_loaded
 }
 
 cpp_tests() {
@@ -107,31 +145,89 @@ cpp_tests() {
   cmake --build build/cpp -j "$MAX_JOBS" && ctest --test-dir build/cpp --output-on-failure -j 8
 }
 
-ALL_STEPS=(selfcheck pytest ctest bench memcheck)
-# The op tests: what compute-sanitizer checks (the rest of the suite drives the same
-# kernels through the Python layer, at many times the run time under the tool).
+ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench)
+DEFAULT_STEPS=(selfcheck pytest+ctest+memcheck+racecheck+synccheck bench)
+# The op tests: what memcheck checks (the rest of the suite drives the same kernels
+# through the Python layer, at many times the run time under the tool; test_errors.py
+# checks arguments that are rejected before any kernel runs).
 OP_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py
   tests/python/test_fused_optimizers.py tests/python/test_sum_fp32.py
-  tests/python/test_loss_scale.py tests/python/test_errors.py)
+  tests/python/test_loss_scale.py)
+# The engine's tests: what racecheck (shared-memory hazards: the L2 norm's block
+# reductions) and synccheck (barriers) check; the 2^31-element test is memcheck's.
+ENGINE_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py)
+
+HAVE_XDIST=0
+"$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1
+
+# workers N: pytest-xdist's arguments for N workers (none without xdist).
+workers() {
+  [ "$HAVE_XDIST" = 1 ] && echo "-n $1"
+}
+
+# sanitize TOOL WORKERS FILE...: compute-sanitizer TOOL over the CUDA tests of the
+# files, on WORKERS pytest-xdist workers (the tool follows child processes). Without
+# the caching allocator every tensor is its own allocation, so an out-of-bounds
+# access is caught instead of landing in a neighbour's memory.
+sanitize() {
+  local tool=$1 n=${SANITIZER_WORKERS:-$2} filter="cuda and not test_cuda_graphs"
+  shift 2
+  [ "$tool" = memcheck ] || filter="$filter and not 2_31"
+  # shellcheck disable=SC2046  # workers' words are separate arguments
+  env MIXEDPREC_EXPECT_CUDA=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    timeout "${SANITIZER_TIMEOUT:-300}" "$SANITIZER" --tool "$tool" --error-exitcode 1 \
+    --target-processes all "$PY" -m pytest "$@" -k "$filter" -x -q -p no:cacheprovider \
+    $(workers "$n")
+}
 
 run_step() {
   case $1 in
     selfcheck) step "selfcheck" "$PY" examples/selfcheck.py ;;
-    pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra ;;
+    # shellcheck disable=SC2046
+    pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra \
+      $(workers 6) -p no:cacheprovider --durations=10 ;;
     ctest) step "ctest" cpp_tests ;;
+    memcheck) step "memcheck (op tests, cuda)" sanitize memcheck 6 "${OP_TESTS[@]}" ;;
+    racecheck) step "racecheck (engine tests, cuda)" sanitize racecheck 3 "${ENGINE_TESTS[@]}" ;;
+    synccheck) step "synccheck (engine tests, cuda)" sanitize synccheck 2 "${ENGINE_TESTS[@]}" ;;
+    bench-ops) step "bench ops.py" "$PY" bench/ops.py ;;
+    bench-train) step "bench train.py" "$PY" bench/train.py ;;
     bench)
-      step "bench ops.py" "$PY" bench/ops.py
-      step "bench train.py" "$PY" bench/train.py
-      ;;
-    # Without the caching allocator every tensor is its own allocation, so an
-    # out-of-bounds access is caught instead of landing in a neighbour's memory.
-    memcheck)
-      step "memcheck (op tests, cuda)" env MIXEDPREC_EXPECT_CUDA=1 \
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZER_TIMEOUT:-300}" \
-        "$SANITIZER" --tool memcheck --error-exitcode 1 \
-        "$PY" -m pytest "${OP_TESTS[@]}" -k cuda -x -q
+      run_step bench-ops
+      run_step bench-train
       ;;
   esac
+}
+
+# run_group A+B+...: runs the steps at once, each into its own log; then prints the
+# logs in order and adds their summary lines and counts to this shell's.
+run_group() {
+  local -a names lines
+  local dir s p f k
+  IFS=+ read -ra names <<<"$1"
+  if [ ${#names[@]} -eq 1 ]; then
+    run_step "$1"
+    return
+  fi
+  dir=$(mktemp -d)
+  printf '\n==== at once: %s\n' "${names[*]}"
+  for s in "${names[@]}"; do
+    (
+      SUMMARY=() PASSED=0 FAILED=0 SKIPPED=0
+      run_step "$s" >"$dir/$s.log" 2>&1
+      printf '%s\n' "${SUMMARY[@]}" >"$dir/$s.summary"
+      echo "$PASSED $FAILED $SKIPPED" >"$dir/$s.counts"
+    ) &
+  done
+  wait
+  for s in "${names[@]}"; do
+    cat "$dir/$s.log"
+    mapfile -t lines <"$dir/$s.summary"
+    SUMMARY+=("${lines[@]}")
+    read -r p f k <"$dir/$s.counts"
+    PASSED=$((PASSED + p)) FAILED=$((FAILED + f)) SKIPPED=$((SKIPPED + k))
+  done
+  rm -rf "$dir"
 }
 
 main() {
@@ -141,8 +237,8 @@ main() {
     skip "tests" "the build failed"
     return
   fi
-  for s in "${STEPS[@]}"; do
-    run_step "$s"
+  for group in "${STEPS[@]}"; do
+    run_group "$group"
   done
 }
 
@@ -154,12 +250,15 @@ summary() {
 }
 
 STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=("${ALL_STEPS[@]}")
-for s in "${STEPS[@]}"; do
-  if [[ ! " ${ALL_STEPS[*]} " =~ \ $s\  ]]; then
-    echo "gpu_check.sh: unknown step '$s'; expected some of: ${ALL_STEPS[*]}" >&2
-    exit 2
-  fi
+[ ${#STEPS[@]} -gt 0 ] || STEPS=("${DEFAULT_STEPS[@]}")
+for group in "${STEPS[@]}"; do
+  IFS=+ read -ra names <<<"$group"
+  for s in "${names[@]}"; do
+    if [[ ! " ${ALL_STEPS[*]} " =~ \ $s\  ]]; then
+      echo "gpu_check.sh: unknown step '$s'; expected some of: ${ALL_STEPS[*]}" >&2
+      exit 2
+    fi
+  done
 done
 
 mkdir -p "$(dirname "$LOG")"

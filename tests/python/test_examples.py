@@ -200,5 +200,10 @@ def test_gpu_check_script_parses_and_rejects_unknown_steps(tmp_path):
                           text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path)))
     assert proc.returncode == 2
     assert "unknown step 'benchmarks'" in proc.stderr
-    assert "selfcheck pytest ctest bench memcheck" in proc.stderr
+    assert "selfcheck pytest ctest memcheck racecheck synccheck bench-ops" in proc.stderr
+    proc = subprocess.run(["bash", str(script), "pytest+memcheck+benchmark"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OUT=str(tmp_path)))
+    assert proc.returncode == 2
+    assert "unknown step 'benchmark'" in proc.stderr
     assert not (tmp_path / "gpu_check.log").exists()
