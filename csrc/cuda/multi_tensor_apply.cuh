@@ -46,8 +46,8 @@ struct CudaEngine {
     constexpr int D = sizeof...(Ts);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
-      pointwise_kernel<Op, Ts...><<<num_blocks, kBlockSize, 0, stream>>>(meta, op, skip,
-                                                                         found_inf);
+      const auto grid = static_cast<unsigned>(grid_blocks<kBlocksPerChunk>(num_blocks));
+      pointwise_kernel<Op, Ts...><<<grid, kBlockSize, 0, stream>>>(meta, op, skip, found_inf);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

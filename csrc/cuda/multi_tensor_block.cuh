@@ -5,10 +5,16 @@
 // (Under nvcc, threadIdx, blockIdx and blockDim are CUDA's; the host build declares
 // them before including this file.)
 //
-// Each block owns one chunk of kChunkSize elements; indices are 64-bit, so tensors
-// over 2^31 elements are fine. A block uses 4-element vector loads when all its
-// pointers are aligned for them and a plain strided loop otherwise (any size,
-// alignment or storage offset). Skipping on overflow reads the flag on the device.
+// A launch's table lists chunks of kChunkSize elements. A pointwise launch runs
+// kBlocksPerChunk blocks per chunk, each on one slice of it; the L2 norm's first
+// stage runs one block per chunk, whose sum is that chunk's partial. Indices are
+// 64-bit, so tensors over 2^31 elements are fine. A block uses 4-element vector
+// accesses when all its pointers are aligned for them, kUnroll of them in flight per
+// thread, and a plain strided loop otherwise (any size, alignment or storage
+// offset). Skipping on overflow reads the flag on the device.
+//
+// The tuning constants below were measured on an H100 (bench/README.md); each can be
+// overridden at compile time (-DMIXEDPREC_UNROLL=1 ...) to measure another choice.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +32,22 @@
 
 namespace mixedprec::cuda {
 
+#ifndef MIXEDPREC_UNROLL
+#define MIXEDPREC_UNROLL 2
+#endif
+#ifndef MIXEDPREC_BLOCKS_PER_CHUNK
+#define MIXEDPREC_BLOCKS_PER_CHUNK 4
+#endif
+
 constexpr int kBlockSize = 512;
 constexpr int kILP = 4;  // elements per vector access
+// Vector accesses per thread issued before any is used: more bytes in flight.
+constexpr int kUnroll = MIXEDPREC_UNROLL;
+// Blocks per chunk in a pointwise launch: shorter blocks, so the end of a launch,
+// where blocks finish unevenly and SMs idle, costs less.
+constexpr int kBlocksPerChunk = MIXEDPREC_BLOCKS_PER_CHUNK;
+static_assert(kChunkSize % (kBlocksPerChunk * kILP) == 0, "slices of whole vectors");
+static_assert(kUnroll >= 1, "at least one access in flight");
 
 template <int D>
 struct TensorListMeta {
@@ -67,19 +87,31 @@ void for_each_launch(const Lists<D>& lists, LaunchFn&& launch) {
   }
 }
 
-// The chunk a block owns: its tensor slot, first element and length.
+// The part of a chunk a block owns: its tensor slot, first element and length.
 struct Chunk {
   int slot;
   int64_t start;
   int64_t size;
 };
 
-template <int D>
+// Blocks of a launch whose table holds `table_blocks` chunks, Parts blocks per chunk.
+template <int Parts>
+constexpr int64_t grid_blocks(int table_blocks) {
+  return static_cast<int64_t>(table_blocks) * Parts;
+}
+
+// The slice of its chunk that this block owns when each chunk has Parts blocks (a
+// slice past the end of a short last chunk is empty).
+template <int Parts, int D>
 MP_DEVICE Chunk block_chunk(const TensorListMeta<D>& meta) {
-  const int slot = meta.block_slot[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunkSize;
+  constexpr int64_t kSlice = kChunkSize / Parts;
+  const int entry = static_cast<int>(blockIdx.x / Parts);
+  const int part = static_cast<int>(blockIdx.x % Parts);
+  const int slot = meta.block_slot[entry];
+  const int64_t start = static_cast<int64_t>(meta.block_chunk[entry]) * kChunkSize +
+                        part * kSlice;
   const int64_t rest = meta.numel[slot] - start;
-  return {slot, start, rest < kChunkSize ? rest : kChunkSize};
+  return {slot, start, rest <= 0 ? 0 : rest < kSlice ? rest : kSlice};
 }
 
 template <typename T>
@@ -137,14 +169,26 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
   bool bad = false;
   int64_t done = 0;
   if ((vector_aligned<Ts>(ptrs[K]) && ...)) {
+    // Each pass: kUnroll vectors, one blockDim.x * kILP apart (each access is
+    // coalesced across the warp), all loaded before any is computed or stored.
     done = n / kILP * kILP;
-    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kILP; i < done;
-         i += static_cast<int64_t>(blockDim.x) * kILP) {
-      float x[kILP][D] = {};
-      (load_vector<Ts, D>(in[K], i, x, K), ...);
+    const int64_t stride = static_cast<int64_t>(blockDim.x) * kILP;
+    for (int64_t base = static_cast<int64_t>(threadIdx.x) * kILP; base < done;
+         base += stride * kUnroll) {
+      float x[kUnroll][kILP][D] = {};
 #pragma unroll
-      for (int j = 0; j < kILP; ++j) bad |= op.apply(x[j]);
-      (store_vector<Ts, D>(out[K], i, x, K), ...);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * stride;
+        if (i < done) (load_vector<Ts, D>(in[K], i, x[u], K), ...);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * stride;
+        if (i >= done) continue;
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) bad |= op.apply(x[u][j]);
+        (store_vector<Ts, D>(out[K], i, x[u], K), ...);
+      }
     }
   }
   for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
@@ -165,7 +209,8 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
                                std::index_sequence<K...> seq) {
   if (skip != nullptr && *skip != 0.f) return;
   op.resolve();
-  const Chunk c = block_chunk(meta);
+  const Chunk c = block_chunk<kBlocksPerChunk>(meta);
+  if (c.size == 0) return;
   void* const ptrs[sizeof...(Ts)] = {offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
   const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.size, seq);
   if (bad && found_inf != nullptr) *found_inf = 1.f;
@@ -202,11 +247,11 @@ inline L2NormLayout l2norm_layout(at::TensorList tensors) {
   return layout;
 }
 
-// One thread's part of the sum of squares of its block's chunk (of the one list),
-// each element first multiplied by `scale`.
+// One thread's part of the sum of squares of its block's chunk (of the one list; one
+// block per chunk), each element first multiplied by `scale`.
 template <typename T>
 MP_DEVICE float chunk_sum_of_squares(const TensorListMeta<1>& meta, float scale) {
-  const Chunk c = block_chunk(meta);
+  const Chunk c = block_chunk<1>(meta);
   const T* data = static_cast<const T*>(meta.ptrs[0][c.slot]) + c.start;
   float acc = 0.f;
   int64_t done = 0;

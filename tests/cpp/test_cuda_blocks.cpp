@@ -52,7 +52,7 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
     for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
       ++g_launches;
       blockDim.x = kBlockSize;
-      for (int b = 0; b < num_blocks; ++b) {
+      for (int64_t b = 0; b < grid_blocks<kBlocksPerChunk>(num_blocks); ++b) {
         blockIdx.x = static_cast<unsigned>(b);
         for (int t = 0; t < kBlockSize; ++t) {
           threadIdx.x = static_cast<unsigned>(t);
