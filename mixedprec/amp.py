@@ -437,6 +437,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
             for p in (p for g in o.param_groups for p in g["params"]):
                 if p.dtype in _HALF and p in fp32:
                     o.state[p]["master_param"] = fp32[p]
+        if isinstance(o, _FusedOptimizer):
+            o._invalidate_plans()  # its state and the model's dtypes changed here
         elif props.master_weights:
             masters = _use_master_params(o, fp32)
         amp = _OptimizerAmp(o, state, masters)

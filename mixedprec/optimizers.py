@@ -16,7 +16,7 @@ param group and device (two for SGD while some momentum buffers are new), which:
 Optimizer state (moments, momentum buffers, masters) is always float32.
 """
 
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +30,26 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # State entries that are float32 whatever the parameter's dtype.
 _FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+class _Work(NamedTuple):
+    """The parameters of one op call, their gradients and their state dicts (None for
+    a parameter without state yet)."""
+
+    params: List[Tensor]
+    grads: List[Tensor]
+    states: List[Optional[Dict[str, Any]]]
+
+
+class _Plan(NamedTuple):
+    """A param group's op call as the last step made it, reused while nothing it was
+    made from has changed (see ``_FusedOptimizer._planned_work``)."""
+
+    state_key: Tuple[int, int, bool]  # the state dict's id and size, master_weights
+    signature: List[Tuple[Any, Any]]  # per group param: (dtype, device index)
+    masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
+    stepped: List[bool]  # per group param: whether it had a gradient
+    lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
@@ -51,7 +71,13 @@ class _FusedOptimizer(Optimizer):
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
         self._next_scaling: Optional[tuple] = None
+        self._plans: Dict[int, _Plan] = {}
         super().__init__(params, defaults)
+
+    def _invalidate_plans(self) -> None:
+        """Forgets the op calls kept from the last step (see ``_planned_work``): for
+        whatever changes state, groups or masters other than through a step."""
+        self._plans = {}
 
     def set_grad_scaling(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
         """Hands the next :meth:`step` the loss scale its gradients carry (they are
@@ -74,6 +100,7 @@ class _FusedOptimizer(Optimizer):
                 )
         super().add_param_group(dict(param_group, params=params))
         self._create_master_weights(self.param_groups[-1])
+        self._invalidate_plans()
 
     def _create_master_weights(self, group: Dict[str, Any]) -> None:
         if not self.master_weights:
@@ -97,20 +124,20 @@ class _FusedOptimizer(Optimizer):
             found_inf = found_inf.to(device, torch.float32)
         return inv_scale, found_inf
 
-    def _grad(self, p: Tensor) -> Optional[Tensor]:
-        """The gradient the update reads: the fp32 master's ``.grad`` when one was
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, "_Work"]:
+        """The group's parameters that have gradients, with those gradients and their
+        state dicts, by device, after checking them. One pass and one state lookup
+        per parameter: this runs every step, and its cost is the step's fixed cost.
+
+        The gradient the update reads is the fp32 master's ``.grad`` when one was
         materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
         the parameter's."""
-        master = self.state[p].get("master_param") if p in self.state else None
-        if master is not None and master.grad is not None:
-            return master.grad
-        return p.grad
-
-    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, List[Tensor]]:
-        """The group's parameters that have gradients, by device, after checking them."""
-        by_device: Dict[torch.device, List[Tensor]] = {}
+        by_device: Dict[torch.device, _Work] = {}
+        state_of = self.state
         for p in group["params"]:
-            grad = self._grad(p)
+            state = state_of.get(p)
+            master = state.get("master_param") if state else None
+            grad = master.grad if master is not None and master.grad is not None else p.grad
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -120,18 +147,23 @@ class _FusedOptimizer(Optimizer):
                     f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
                     f"bfloat16, got {grad.dtype}"
                 )
-            by_device.setdefault(p.device, []).append(p)
+            work = by_device.get(p.device)
+            if work is None:
+                work = by_device[p.device] = _Work([], [], [])
+            work.params.append(p)
+            work.grads.append(grad)
+            work.states.append(state)
         self._check_devices(by_device)
         return by_device
 
-    def _check_devices(self, by_device: Dict[torch.device, List[Tensor]]) -> None:
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         """Hook: reject a device layout the optimizer cannot step (before any update)."""
 
-    def _master(self, p: Tensor) -> Optional[Tensor]:
-        """p's fp32 master (created or moved on demand), or None when p needs none."""
+    def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
+        """p's fp32 master (created or moved on demand) in p's `state`, or None when
+        p needs none."""
         if not self.master_weights or p.dtype not in _HALF_DTYPES:
             return None
-        state = self.state[p]
         master = state.get("master_param")
         if master is None:  # the model was cast to half after the optimizer was built
             master = state["master_param"] = p.detach().to(torch.float32, copy=True)
@@ -150,11 +182,11 @@ class _FusedOptimizer(Optimizer):
             value = state[key] = value.to(like.device)
         return value
 
-    def _update_lists(self, params: List[Tensor]):
+    def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
         """(update targets, model copies) for one op call: the fp32 masters and the
         model params when any param has a master (an fp32 param is then its own
         master), else the params themselves and no model copy."""
-        masters = [self._master(p) for p in params]
+        masters = [self._master(p, state) for p, state in zip(params, states)]
         if all(m is None for m in masters):
             return list(params), []
         return [p if m is None else m for p, m in zip(params, masters)], list(params)
@@ -166,30 +198,120 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Check every group before touching any state, so a bad gradient changes nothing.
-        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
         scaling, self._next_scaling = self._next_scaling or (None, None), None
         if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):  # from a GradScaler
             scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        for group, by_device in work:
-            for device, params in by_device.items():
-                self._step_group(group, device, params, *self._scaling(device, scaling))
+        planned = self._planned_work()
+        if planned is not None:
+            used_master_grads = False
+            for group, plan, grads, from_master in planned:
+                if plan.lists is not None:
+                    device = plan.lists[0][0].device
+                    self._run_plan(group, plan.lists, grads, *self._scaling(device, scaling))
+                used_master_grads |= from_master
+            if used_master_grads:  # master gradients are used by one step
+                for _, plan, _, _ in planned:
+                    for master in plan.masters:
+                        if master is not None:
+                            master.grad = None
+            return loss
+        # Check every group before touching any state, so a bad gradient changes nothing.
+        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        plans: Dict[int, _Plan] = {}
+        for index, (group, by_device) in enumerate(work):
+            for device, items in by_device.items():
+                for i, (p, state) in enumerate(zip(items.params, items.states)):
+                    if state is None:  # first step of p: its state starts now
+                        items.states[i] = self.state[p]
+                lists = self._step_group(group, device, items, *self._scaling(device, scaling))
+                if lists is not None and len(by_device) == 1:
+                    plans[index] = self._make_plan(group, lists)
+            if not by_device:  # no gradients in this group
+                plans[index] = self._make_plan(group, None)
         for _, by_device in work:  # master gradients are used by one step
-            for params in by_device.values():
-                for p in params:
-                    master = self.state[p].get("master_param")
+            for items in by_device.values():
+                for state in items.states:
+                    master = state.get("master_param")
                     if master is not None:
                         master.grad = None
+        self._plans = plans
         return loss
+
+    def _state_key(self) -> Tuple[int, int, bool]:
+        return id(self.state), len(self.state), self.master_weights
+
+    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple]) -> _Plan:
+        params = group["params"]
+        states = [self.state.get(p) or {} for p in params]
+        masters = [state.get("master_param") for state in states]
+        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
+                   for p, m in zip(params, masters)]
+        return _Plan(self._state_key(), [(p.dtype, p.get_device()) for p in params], masters,
+                     stepped, lists)
+
+    def _planned_work(self):
+        """[(group, plan, gradients, whether some came from masters)] when every group
+        can reuse the op call of the last step, else None (the step then takes the
+        full path, and makes new plans).
+
+        A plan holds the op's lists of masters, moments, buffers and model params, so
+        a step only gathers the gradients. It is reused while the optimizer's state
+        dict is the same object of the same size, ``master_weights`` is unchanged, the
+        group's parameters have the dtypes, devices and (un)set gradients they had,
+        the group settings the plan depends on hold, and nothing called
+        ``_invalidate_plans`` (``load_state_dict``, ``add_param_group``,
+        ``mixedprec.amp.initialize``). State entries must be replaced through those,
+        not by assigning to ``optimizer.state[p][key]``."""
+        plans = self._plans
+        if len(plans) != len(self.param_groups):
+            return None
+        state_key = self._state_key()
+        planned = []
+        for index, group in enumerate(self.param_groups):
+            plan = plans.get(index)
+            params = group["params"]
+            if plan is None or plan.state_key != state_key or len(params) != len(plan.stepped):
+                return None
+            grads: List[Tensor] = []
+            from_master = False
+            for p, m, stepped, (dtype, device) in zip(params, plan.masters, plan.stepped,
+                                                       plan.signature):
+                if p.dtype is not dtype or p.get_device() != device:
+                    return None
+                grad = p.grad
+                if m is not None and m.grad is not None:
+                    grad, from_master = m.grad, True
+                if (grad is not None) != stepped:
+                    return None
+                if grad is not None:
+                    if grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
+                        return None  # the full path raises the error
+                    grads.append(grad)
+            if plan.lists is not None and not self._plan_holds(group, plan):
+                return None
+            planned.append((group, plan, grads, from_master))
+        return planned
+
+    def _plan_holds(self, group: Dict[str, Any], plan: _Plan) -> bool:
+        """Hook: whether group settings a plan depends on are still as planned."""
+        return True
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, set_grad_none=self.set_grad_none,
-                     _next_scaling=None)
+                     _next_scaling=None, _plans={})
         return state
 
-    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+    def _step_group(self, group, device, items: "_Work", inv_scale,
+                    found_inf) -> Optional[tuple]:
+        """One group's update on one device; returns the op's lists other than the
+        gradients (for ``_run_plan``), or None when the next step cannot reuse them."""
+        raise NotImplementedError
+
+    def _run_plan(self, group, lists: tuple, grads: List[Tensor], inv_scale,
+                  found_inf) -> None:
+        """The op call of ``_step_group`` again, with the lists it returned."""
         raise NotImplementedError
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -239,6 +361,7 @@ class _FusedOptimizer(Optimizer):
         self.state.clear()
         self.state.update(new_state)
         self.param_groups = new_groups
+        self._invalidate_plans()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -292,20 +415,38 @@ class FusedSGD(_FusedOptimizer):
                         weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, master_weights, set_grad_none)
 
-    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
         momentum = group["momentum"]
         # Params whose momentum buffer starts now (first_run) go in a call of their own.
-        calls: Dict[bool, List[Tensor]] = {}
-        for p in params:
-            calls.setdefault(momentum != 0 and "momentum_buffer" not in self.state[p], []).append(p)
-        for first_run, ps in calls.items():
-            targets, model = self._update_lists(ps)
-            buffers = [self._state_tensor(self.state[p], "momentum_buffer", t)
-                       for p, t in zip(ps, targets)] if momentum != 0 else []
-            ops.fused_sgd_(targets, [self._grad(p) for p in ps], buffers, model, group["lr"],
-                           momentum,
+        calls: Dict[bool, _Work] = {}
+        for p, grad, state in zip(items.params, items.grads, items.states):
+            first_run = momentum != 0 and "momentum_buffer" not in state
+            call = calls.get(first_run)
+            if call is None:
+                call = calls[first_run] = _Work([], [], [])
+            call.params.append(p)
+            call.grads.append(grad)
+            call.states.append(state)
+        lists = None
+        for first_run, call in calls.items():
+            targets, model = self._update_lists(call.params, call.states)
+            buffers = [self._state_tensor(state, "momentum_buffer", t)
+                       for state, t in zip(call.states, targets)] if momentum != 0 else []
+            ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
                            first_run, inv_scale, found_inf)
+            lists = (targets, buffers, model)
+        # The next step reuses the lists unless buffers started in this one.
+        return lists if len(calls) == 1 and True not in calls else None
+
+    def _plan_holds(self, group, plan) -> bool:
+        return (group["momentum"] != 0) == bool(plan.lists[1])
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, buffers, model = lists
+        ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
+                       group["dampening"], group["weight_decay"], group["nesterov"], False,
+                       inv_scale, found_inf)
 
 
 class FusedAdam(_FusedOptimizer):
@@ -345,25 +486,38 @@ class FusedAdam(_FusedOptimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         super().__init__(params, defaults, master_weights, set_grad_none)
 
-    def _check_devices(self, by_device: Dict[torch.device, List[Tensor]]) -> None:
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         if len(by_device) > 1:
             raise ValueError("FusedAdam: the parameters of a param group must share one "
                              f"device (the group's step count lives there), got {list(by_device)}")
 
-    def _step_group(self, group, device, params, inv_scale, found_inf) -> None:
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
         step = group.get("step")
         if step is None:
             step = group["step"] = torch.zeros(1, dtype=torch.float32, device=device)
         elif step.device != device:  # the model moved after the optimizer was built
             step = group["step"] = step.to(device)
-        targets, model = self._update_lists(params)
-        exp_avgs = [self._state_tensor(self.state[p], "exp_avg", t)
-                    for p, t in zip(params, targets)]
-        exp_avg_sqs = [self._state_tensor(self.state[p], "exp_avg_sq", t)
-                       for p, t in zip(params, targets)]
+        targets, model = self._update_lists(items.params, items.states)
+        exp_avgs = [self._state_tensor(state, "exp_avg", t)
+                    for state, t in zip(items.states, targets)]
+        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
+                       for state, t in zip(items.states, targets)]
+        self._adam(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
+                   found_inf)
+        return targets, exp_avgs, exp_avg_sqs, model
+
+    def _plan_holds(self, group, plan) -> bool:
+        step = group.get("step")
+        return step is not None and step.device == plan.lists[0][0].device
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, exp_avgs, exp_avg_sqs, model = lists
+        self._adam(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf)
+
+    @staticmethod
+    def _adam(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
         beta1, beta2 = group["betas"]
-        ops.fused_adam_(targets, [self._grad(p) for p in params], exp_avgs, exp_avg_sqs, model,
-                        step,
+        ops.fused_adam_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf)
 

@@ -1238,8 +1238,9 @@ def test_fused_optimizers_never_read_device_values(device, level, opt_name, monk
     assert loss_scale() <= 2.0**14  # the overflows were seen
 
     # The check is not vacuous: a host read added to the scale_loss exit (the loss
-    # scaler's update) or to the optimizer step is caught.
-    for target, name in ((amp.LossScaler, "update"), (type(opt), "_step_group")):
+    # scaler's update) or to the optimizer step (its op call, planned by the earlier
+    # steps) is caught.
+    for target, name in ((amp.LossScaler, "update"), (type(opt), "_run_plan")):
         with monkeypatch.context() as patch:
             filename = add_host_read(patch, target, name)
             detector.calls.clear()

@@ -763,3 +763,132 @@ def test_skipped_first_step_with_dampening_starts_from_a_zero_buffer(device):
     buf = torch.full((4,), 0.75 * 2.0, device=device)  # 0.9 * 0 + (1 - 0.25) * g
     assert_bitwise_equal(opt.state[p]["momentum_buffer"], buf)
     assert_bitwise_equal(p.detach(), torch.ones(4, device=device) - 0.1 * buf)
+
+
+# --- the op call kept from the last step -------------------------------------------------
+#
+# After a step, each param group keeps its op call's lists (masters, moments, buffers,
+# model params); the next step reuses them and only gathers the gradients. Whatever
+# those lists depend on must send the step back through the full path.
+
+def full_path_twin(cls, kwargs, model, master_weights):
+    """A copy of `model` and an optimizer that forgets its kept op call before every
+    step, so that every step takes the full path."""
+    twin = copy.deepcopy(model)
+    opt = cls(twin.parameters(), master_weights=master_weights, **kwargs)
+    step = opt.step
+
+    def full_step(*args, **kw):
+        opt._invalidate_plans()
+        return step(*args, **kw)
+    opt.step = full_step
+    return twin, opt
+
+
+def lockstep(pairs, steps, start=0, between=None):
+    """Trains every (model, optimizer) pair on the same batches; `between(step)` runs
+    before each step's backward."""
+    for step in range(start, start + steps):
+        for model, opt in pairs:
+            opt.zero_grad(set_to_none=True)
+            if between is not None:
+                between(step, model, opt)
+            backward(model, step)
+            opt.step()
+
+
+@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_kept_op_call_equals_the_full_path(device, cls, kwargs, dtype, master_weights):
+    model = make_model(device, dtype)
+    opt = cls(model.parameters(), master_weights=master_weights, **kwargs)
+    twin, twin_opt = full_path_twin(cls, kwargs, model, master_weights)
+
+    def vary(step, m, o):  # an LR schedule and a frozen bias at some steps
+        o.param_groups[0]["lr"] = kwargs["lr"] * (1 + step % 3)
+        if step in (4, 5):
+            m.fc2.bias.requires_grad_(False)
+        else:
+            m.fc2.bias.requires_grad_(True)
+    lockstep([(model, opt), (twin, twin_opt)], 10, between=vary)
+
+    assert opt._plans, "the steps kept their op call"
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_kept_op_call_after_load_state_dict_and_add_param_group(device, cls, kwargs):
+    model, other = make_model(device, torch.float16), make_model(device, torch.float16, seed=7)
+    opt = cls(model.parameters(), master_weights=True, **kwargs)
+    other_opt = cls(other.parameters(), master_weights=True, **kwargs)
+    lockstep([(model, opt)], 3)
+    lockstep([(other, other_opt)], 5, start=100)
+
+    # load_state_dict: the next step uses the loaded masters and moments.
+    opt.load_state_dict(other_opt.state_dict())
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters()):
+            p.copy_(q)
+    lockstep([(model, opt), (other, other_opt)], 2, start=200)
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(other, other_opt))
+
+    # add_param_group: the new group is stepped from the next step on.
+    extra = nn.Parameter(torch.ones(4, device=device, dtype=torch.float16))
+    opt.add_param_group({"params": [extra]})
+    opt.zero_grad(set_to_none=True)
+    backward(model, 300)
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    assert not torch.equal(extra, torch.ones_like(extra))
+    assert opt.state[extra]["master_param"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_kept_op_call_after_the_model_is_cast_or_the_state_reset(device, cls, kwargs):
+    model = make_model(device)
+    opt = cls(model.parameters(), master_weights=True, **kwargs)
+    twin, twin_opt = full_path_twin(cls, kwargs, model, True)
+    lockstep([(model, opt), (twin, twin_opt)], 3)
+
+    # The model cast to half after the optimizer stepped: masters start now.
+    for m in (model, twin):
+        m.half()
+    lockstep([(model, opt), (twin, twin_opt)], 3, start=3)
+    assert all(opt.state[p]["master_param"].dtype == torch.float32 for p in model.parameters())
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+    # The optimizer's state replaced by a new dict, as some scripts reset it.
+    for o in (opt, twin_opt):
+        o.state = type(o.state)(dict)
+        if cls is FusedAdam:
+            o.param_groups[0].pop("step")
+    lockstep([(model, opt), (twin, twin_opt)], 3, start=6)
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+
+def test_kept_op_call_follows_momentum_changes(device):
+    model = make_model(device)
+    opt = FusedSGD(model.parameters(), lr=0.1)
+    twin, twin_opt = full_path_twin(FusedSGD, {"lr": 0.1}, model, False)
+    lockstep([(model, opt), (twin, twin_opt)], 2)
+    for o in (opt, twin_opt):
+        o.param_groups[0]["momentum"] = 0.9  # buffers start at the next step
+    lockstep([(model, opt), (twin, twin_opt)], 3, start=2)
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
+    for o in (opt, twin_opt):
+        o.param_groups[0]["momentum"] = 0.0
+    lockstep([(model, opt), (twin, twin_opt)], 2, start=5)
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+
+def test_kept_op_call_follows_the_model_to_another_device():
+    if not torch.cuda.is_available():
+        pytest.skip("moving the model needs CUDA")
+    model = make_model("cpu", torch.float16)
+    opt = FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+    lockstep([(model, opt)], 2)
+    model.cuda()
+    lockstep([(model, opt)], 2, start=2)
+    for p in model.parameters():
+        assert opt.state[p]["master_param"].device == p.device
+        assert_bitwise_equal(p, opt.state[p]["master_param"].half())
