@@ -166,9 +166,14 @@ OP_GROUPS = {
     "sum": ["sum fp16", "sum bf16"],
     "l2norm": ["l2norm fp32", "l2norm fp16"],
 }
-# Ops with targets: >= 90% of copy bandwidth on the large lists, faster than PyTorch.
-TARGET_OPS = ("unscale fp16", "unscale fp32", "adam", "sgd")
-BANDWIDTH_TARGET = 0.90
+# The H100 targets (issue "On a GPU"): share of the copy bandwidth on the large lists,
+# and speed-up over every PyTorch counterpart on every list (the launch-bound
+# ResNet-50 list asks more, and there the optimizer-level call's latency, Python
+# included, counts too).
+BANDWIDTH_TARGETS = {"unscale fp16": 0.90, "unscale fp32": 0.90, "adam": 0.93, "sgd": 0.90}
+SPEEDUP_TARGETS = {"unscale fp16": 1.0, "unscale fp32": 1.0, "adam": 1.10, "sgd": 1.0}
+RESNET50_SPEEDUP_TARGET = 1.3  # adam and sgd
+TARGET_OPS = tuple(BANDWIDTH_TARGETS)
 
 LR, BETAS, EPS, WD, MOMENTUM = 1e-3, (0.9, 0.999), 1e-8, 0.01, 0.9
 # The checks compare updates (parameter after - before); a large learning rate keeps
@@ -269,7 +274,7 @@ def _mixedprec_scaled_step(inp: Inputs, grads: List[torch.Tensor], opt):
 
     def fn(i):
         ops.multi_tensor_check_finite_(grads, found_inf)
-        opt.set_grad_scaling(scales[i % 2], found_inf)
+        opt.grad_scale, opt.found_inf = scales[i % 2], found_inf
         opt.step()
     return fn, _no_skip(found_inf)
 
@@ -687,6 +692,8 @@ def _run(args, argv, device: torch.device) -> int:
         refs = [r for r in results if r["list"] == row["list"] and r["op"] == row["op"]
                 and r["side"] == "torch" and "median_ms" in r]
         row["speedup"] = {r["impl"]: r["median_ms"] / row["median_ms"] for r in refs}
+        row["latency_speedup"] = {r["impl"]: r["latency_ms"] / row["latency_ms"] for r in refs
+                                  if r.get("latency_ms") and row.get("latency_ms")}
         if refs:
             row["speedup_vs_fastest_torch"] = min(r["median_ms"] for r in refs) / row["median_ms"]
 
@@ -723,24 +730,37 @@ def _run(args, argv, device: torch.device) -> int:
 
 
 def evaluate_targets(results, lists, smoke: bool) -> List[Dict[str, Any]]:
-    """H100 targets: the fused optimizers and unscale ops reach >= 90% of the copy
-    bandwidth on the large lists and beat every PyTorch counterpart on every list.
-    Reported, never enforced; not evaluated on a CPU smoke run."""
+    """The H100 targets: bandwidth (BANDWIDTH_TARGETS, of the copy's) on the large
+    lists; speed-up over every PyTorch counterpart on every list (SPEEDUP_TARGETS; on
+    ResNet-50, RESNET50_SPEEDUP_TARGET for adam and sgd), for the op-level rows; on
+    ResNet-50 also the optimizer-level rows' latency (one call, Python included)
+    against each counterpart's. Reported, never enforced; not evaluated on a CPU
+    smoke run."""
     out = []
+
+    def add(target, value, unit, threshold):
+        out.append(dict(target=target, value=round(value, 3), unit=unit, threshold=threshold,
+                        passed=None if smoke else value >= threshold))
+
     for row in results:
-        if row["side"] != "mixedprec" or row["op"] not in TARGET_OPS or "median_ms" not in row:
+        op = row["op"]
+        if row["side"] != "mixedprec" or op not in TARGET_OPS or "median_ms" not in row:
             continue
-        if row["impl"].startswith("mixedprec Fused"):  # optimizer-level rows: info only
+        label = f"{op} on {lists[row['list']]['label']}"
+        resnet = row["list"] == "resnet50"
+        need = (RESNET50_SPEEDUP_TARGET if resnet and op in ("adam", "sgd")
+                else SPEEDUP_TARGETS[op])
+        if row["impl"].startswith("mixedprec Fused"):  # optimizer level: latency on ResNet-50
+            if resnet:
+                for impl, s in row.get("latency_speedup", {}).items():
+                    add(f"{label}: {row['impl']} latency >= {need}x {impl}'s", s, "x", need)
             continue
-        label = f"{row['op']} on {lists[row['list']]['label']}"
         if row["list"] in LARGE_LISTS:
-            value = row["pct_copy"] / 100
-            out.append(dict(target=f"{label}: >= 90% of copy bandwidth",
-                            value=round(value * 100, 1), unit="% of copy",
-                            passed=None if smoke else value >= BANDWIDTH_TARGET))
+            bw = BANDWIDTH_TARGETS[op]
+            add(f"{label}: >= {bw:.0%} of copy bandwidth", row["pct_copy"], "% of copy",
+                bw * 100)
         for impl, s in row.get("speedup", {}).items():
-            out.append(dict(target=f"{label}: faster than {impl}", value=round(s, 3),
-                            unit="x", passed=None if smoke else s > 1.0))
+            add(f"{label}: >= {need}x {impl}", s, "x", need)
     return out
 
 

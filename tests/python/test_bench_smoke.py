@@ -111,29 +111,42 @@ def test_ops_resnet50_shapes_match_torchvision(bench_ops):
 
 
 def test_ops_targets_on_gpu_numbers(bench_ops):
-    """Target verdicts of a (made-up) GPU run: bandwidth on the large lists only,
-    speed-up on every list; optimizer-level rows are information only."""
+    """Target verdicts of a (made-up) GPU run: bandwidth on the large lists only (93%
+    for adam), speed-up on every list (1.1x for adam, 1.3x on ResNet-50), and on
+    ResNet-50 the optimizer-level call's latency; other rows are information only."""
     lists = {n: {"label": bench_ops.LIST_LABELS[n]} for n in ("resnet50", "gpt2-medium")}
     fused = "torch AdamW fused=True (+ check)"
     op_impl = "mixedprec check_finite_ + fused_adam_"
+    opt_impl = "mixedprec FusedAdam.step (+ check)"
     results = [
         dict(list="resnet50", op="adam", side="mixedprec", impl=op_impl, median_ms=1.0,
              pct_copy=50.0, speedup={fused: 1.2}),
+        dict(list="resnet50", op="adam", side="mixedprec", impl=opt_impl, median_ms=1.0,
+             pct_copy=50.0, speedup={fused: 1.0}, latency_speedup={fused: 1.4}),
+        dict(list="resnet50", op="unscale fp16", side="mixedprec", impl="x", median_ms=1.0,
+             pct_copy=50.0, speedup={"t": 1.0}),
         dict(list="gpt2-medium", op="adam", side="mixedprec", impl=op_impl, median_ms=1.0,
-             pct_copy=91.0, speedup={fused: 0.9}),
-        dict(list="gpt2-medium", op="adam", side="mixedprec",
-             impl="mixedprec FusedAdam.step (+ check)", median_ms=1.0, pct_copy=10.0,
-             speedup={"x": 0.1}),
+             pct_copy=92.0, speedup={fused: 1.12}),
+        dict(list="gpt2-medium", op="unscale fp16", side="mixedprec", impl="x", median_ms=1.0,
+             pct_copy=90.0, speedup={"t": 0.99}),
+        dict(list="gpt2-medium", op="adam", side="mixedprec", impl=opt_impl, median_ms=1.0,
+             pct_copy=10.0, speedup={"x": 0.1}, latency_speedup={"x": 0.1}),
         dict(list="gpt2-medium", op="sum fp16", side="mixedprec", impl="mixedprec sum_fp32",
              median_ms=1.0, pct_copy=10.0, speedup={"x": 0.1}),
     ]
     targets = bench_ops.evaluate_targets(results, lists, smoke=False)
     verdicts = {t["target"]: t["passed"] for t in targets}
     assert verdicts == {
-        "adam on ResNet-50: faster than torch AdamW fused=True (+ check)": True,
-        "adam on GPT-2-medium: >= 90% of copy bandwidth": True,
-        "adam on GPT-2-medium: faster than torch AdamW fused=True (+ check)": False,
+        f"adam on ResNet-50: >= 1.3x {fused}": False,
+        f"adam on ResNet-50: {opt_impl} latency >= 1.3x {fused}'s": True,
+        "unscale fp16 on ResNet-50: >= 1.0x t": True,
+        "adam on GPT-2-medium: >= 93% of copy bandwidth": False,
+        f"adam on GPT-2-medium: >= 1.1x {fused}": True,
+        "unscale fp16 on GPT-2-medium: >= 90% of copy bandwidth": True,
+        "unscale fp16 on GPT-2-medium: >= 1.0x t": False,
     }
+    assert all(bench_ops.evaluate_targets(results, lists, smoke=True)[i]["passed"] is None
+               for i in range(len(targets)))
 
 
 def _check_train_outputs(bench_train, tmp_path, models, modes):
@@ -194,7 +207,8 @@ def test_train_report_on_gpu_numbers(bench_train, tmp_path):
     chart) on made-up numbers."""
     def run(model, mode, batch, tput, mem):
         return dict(model=model, mode=mode, batch=batch, status="ok", throughput=tput,
-                    unit="img/s", median_step_ms=1.0, peak_mem_gib=mem)
+                    unit="img/s", median_step_ms=1.0, peak_mem_gib=mem,
+                    host_syncs_per_step=0 if mode != "o1" or batch == 128 else 2)
     runs = []
     for batch in (128, 256):
         for mode, speed in (("fp32", 1000), ("tf32", 1600), ("amp", 2600), ("o1", 2500),
@@ -212,10 +226,14 @@ def test_train_report_on_gpu_numbers(bench_train, tmp_path):
                  exact=True, probes=[])]
     targets = bench_train.evaluate_targets(runs, maxb, smoke=False)
     verdicts = {t["target"]: t["passed"] for t in targets}
-    assert verdicts["Resnet50 B=128: O2 / AMP >= 1.0"] is True
+    assert verdicts["Resnet50 B=128: O2 / AMP >= 1.05"] is False  # 2700 / 2600
+    assert verdicts["Resnet50 B=256: O2 / AMP >= 1.05"] is False
     assert verdicts["Resnet50 B=256: O2 / FP32 >= 2.5"] is True
     assert verdicts["GPT2small B=8: O2 / AMP >= 1.05"] is False
     assert verdicts["Resnet50 largest batch: O2 / FP32 >= 1.8"] is True
+    # One O1 run synchronised twice: the sync target fails on the worst run.
+    sync_target = "O1/O2/O3: host syncs per step (most of any run, negated) >= 0"
+    assert verdicts[sync_target] is False
 
     env = {"date": "2026-01-01T00:00:00+00:00", "device": "NVIDIA H100 80GB HBM3",
            "device_type": "cuda", "driver": "580", "torch": "2.11", "cuda": "13.0",
@@ -230,6 +248,7 @@ def test_train_report_on_gpu_numbers(bench_train, tmp_path):
     assert "| Memory (GiB) | B=128 | 16/32 | B=256 | 16/32 |" in md
     assert "| GPT2small-32 | oom |  |" in md
     assert "O2 / FP32: **2.00**" in md
+    assert "| Resnet50-16 O1 | 256 | 2 |" in md
     assert "| Resnet50 largest batch: O2 / FP32 >= 1.8 | 2.00 | pass |" in md
     if HAS_MATPLOTLIB:
         assert bench_train.chart(data, tmp_path / "chart.png") is None
