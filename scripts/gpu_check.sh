@@ -12,7 +12,8 @@
 #                6 pytest-xdist workers when xdist is installed
 #   ctest        the GoogleTest suite (skipped where GoogleTest is not installed)
 #   memcheck     compute-sanitizer memcheck over the CUDA tests of the op files
-#   racecheck    compute-sanitizer racecheck over the engine's CUDA tests
+#   racecheck    compute-sanitizer racecheck over the L2 norm's CUDA tests (the only
+#                kernels with shared memory)
 #   synccheck    compute-sanitizer synccheck over the engine's CUDA tests
 #   bench-ops    bench/ops.py;  bench-train: bench/train.py;  bench: both
 # With no STEP: selfcheck, then the other correctness steps at once (they share
@@ -34,6 +35,7 @@
 #   SANITIZER_TIMEOUT      seconds allowed for each compute-sanitizer run (default 300)
 #   SANITIZER_WORKERS      pytest-xdist workers of each compute-sanitizer run (default:
 #                          memcheck 6, racecheck 3, synccheck 2, sized to run at once)
+#   PYTEST_WORKERS         pytest-xdist workers of the pytest step (default 6)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
@@ -153,9 +155,11 @@ DEFAULT_STEPS=(selfcheck pytest+ctest+memcheck+racecheck+synccheck bench)
 OP_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py
   tests/python/test_fused_optimizers.py tests/python/test_sum_fp32.py
   tests/python/test_loss_scale.py)
-# The engine's tests: what racecheck (shared-memory hazards: the L2 norm's block
-# reductions) and synccheck (barriers) check; the 2^31-element test is memcheck's.
+# The engine's tests: what synccheck (barriers) checks; the 2^31-element test is
+# memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
+# reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
 ENGINE_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py)
+L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/test_amp_C.py)
 
 HAVE_XDIST=0
 "$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1
@@ -165,13 +169,14 @@ workers() {
   [ "$HAVE_XDIST" = 1 ] && echo "-n $1"
 }
 
-# sanitize TOOL WORKERS FILE...: compute-sanitizer TOOL over the CUDA tests of the
-# files, on WORKERS pytest-xdist workers (the tool follows child processes). Without
-# the caching allocator every tensor is its own allocation, so an out-of-bounds
-# access is caught instead of landing in a neighbour's memory.
+# sanitize TOOL WORKERS FILTER FILE...: compute-sanitizer TOOL over the CUDA tests of
+# the files that match FILTER (pytest -k), on WORKERS pytest-xdist workers (the tool
+# follows child processes). Without the caching allocator every tensor is its own
+# allocation, so an out-of-bounds access is caught instead of landing in a
+# neighbour's memory.
 sanitize() {
-  local tool=$1 n=${SANITIZER_WORKERS:-$2} filter="cuda and not test_cuda_graphs"
-  shift 2
+  local tool=$1 n=${SANITIZER_WORKERS:-$2} filter="cuda and not test_cuda_graphs${3:+ and $3}"
+  shift 3
   [ "$tool" = memcheck ] || filter="$filter and not 2_31"
   # shellcheck disable=SC2046  # workers' words are separate arguments
   env MIXEDPREC_EXPECT_CUDA=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
@@ -185,11 +190,13 @@ run_step() {
     selfcheck) step "selfcheck" "$PY" examples/selfcheck.py ;;
     # shellcheck disable=SC2046
     pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra \
-      $(workers 6) -p no:cacheprovider --durations=10 ;;
+      $(workers "${PYTEST_WORKERS:-6}") -p no:cacheprovider --durations=10 ;;
     ctest) step "ctest" cpp_tests ;;
-    memcheck) step "memcheck (op tests, cuda)" sanitize memcheck 6 "${OP_TESTS[@]}" ;;
-    racecheck) step "racecheck (engine tests, cuda)" sanitize racecheck 3 "${ENGINE_TESTS[@]}" ;;
-    synccheck) step "synccheck (engine tests, cuda)" sanitize synccheck 2 "${ENGINE_TESTS[@]}" ;;
+    memcheck) step "memcheck (op tests, cuda)" sanitize memcheck 6 "" "${OP_TESTS[@]}" ;;
+    racecheck) step "racecheck (L2 norm tests, cuda)" sanitize racecheck 3 l2norm \
+      "${L2NORM_TESTS[@]}" ;;
+    synccheck) step "synccheck (engine tests, cuda)" sanitize synccheck 2 "" \
+      "${ENGINE_TESTS[@]}" ;;
     bench-ops) step "bench ops.py" "$PY" bench/ops.py ;;
     bench-train) step "bench train.py" "$PY" bench/train.py ;;
     bench)
