@@ -76,8 +76,9 @@ class _FusedOptimizer(Optimizer):
 
     def _invalidate_plans(self) -> None:
         """Forgets the op calls kept from the last step (see ``_planned_work``): for
-        whatever changes state, groups or masters other than through a step."""
-        self._plans = {}
+        whatever changes state, groups or masters other than through a step. (The dict
+        is changed in place, never rebound, as torch.compile traces that more easily.)"""
+        self._plans.clear()
 
     def set_grad_scaling(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
         """Hands the next :meth:`step` the loss scale its gradients carry (they are
@@ -234,7 +235,8 @@ class _FusedOptimizer(Optimizer):
                     master = state.get("master_param")
                     if master is not None:
                         master.grad = None
-        self._plans = plans
+        self._plans.clear()
+        self._plans.update(plans)
         return loss
 
     def _state_key(self) -> Tuple[int, int, bool]:
