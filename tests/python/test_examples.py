@@ -31,8 +31,14 @@ def run(args, cwd, timeout=TIMEOUT, expect_rc=0):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"  # tiny models; more threads only fight over the cores
-    proc = subprocess.run([sys.executable] + [str(a) for a in args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env["PYTHONUNBUFFERED"] = "1"  # a run that hangs still shows how far it got
+    try:
+        proc = subprocess.run([sys.executable] + [str(a) for a in args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        output = "".join(s if isinstance(s, str) else (s or b"").decode(errors="replace")
+                         for s in (e.stdout, e.stderr))
+        raise AssertionError(f"timed out after {timeout} s; its output:\n{output[-6000:]}")
     output = proc.stdout + proc.stderr
     assert proc.returncode == expect_rc, (
         f"exit status {proc.returncode}, expected {expect_rc}:\n{output[-6000:]}")
