@@ -28,10 +28,16 @@ def want_cuda():
 
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++17"]
+    # -fno-math-errno: sqrtf may not set errno, so loops with it vectorise.
+    # -ffp-contract=off: no FMA contraction, so every instruction set the CPU loops are
+    # built for (csrc/cpu/engine.h) gives the same bits. -fopenmp: at::parallel_for
+    # runs on torch's OpenMP threads (torch's own libgomp, already loaded).
+    cxx = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+    link = ["-fopenmp"]
     if not want_cuda():
         return cpp_extension.CppExtension(
-            "mixedprec._C", sources, extra_compile_args={"cxx": cxx}, py_limited_api=True
+            "mixedprec._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link,
+            py_limited_api=True,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
@@ -40,6 +46,7 @@ def extension():
         "mixedprec._C",
         sources,
         extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"], "nvcc": nvcc},
+        extra_link_args=link,
         py_limited_api=True,
     )
 

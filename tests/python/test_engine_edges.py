@@ -497,3 +497,62 @@ def test_ops_on_a_tensor_of_more_than_2_31_elements(big_device):
     del grad
     assert bool((t[:-TAIL] == 0.75).all())
     assert t[-TAIL:].tolist() == [k / 2 - 0.5 for k in tail]
+
+
+# --- every instruction set gives the same bits (CPU) ---------------------------------
+
+ISA_SCRIPT = """
+import sys, torch
+from mixedprec import ops
+# The inputs come from the parent: torch.randn itself differs between instruction sets.
+inputs = torch.load(sys.argv[1])
+out = {}
+for dtype, (masters, grads, m, v, bufs, sgd) in inputs.items():
+    model = [x.to(grads[0].dtype) for x in masters]
+    step, inv = torch.tensor([3.0]), torch.tensor([0.25])
+    ops.fused_adam_(masters, grads, m, v, model, step, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, True,
+                    inv, None)
+    ops.fused_sgd_(sgd, grads, bufs, [], 0.1, 0.9, 0.1, 1e-2, False, False, inv, None)
+    scaled = [x.clone() for x in grads]
+    found = torch.zeros(1)
+    ops.multi_tensor_unscale_(scaled, found, inv)
+    copies = [torch.empty(x.numel(), dtype=torch.bfloat16) for x in masters]
+    ops.multi_tensor_copy_(masters, copies)
+    norm, per = ops.multi_tensor_l2norm(grads, inv, True)
+    out[dtype] = [masters, m, v, model, sgd, bufs, scaled, copies, [norm, per, found]]
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
+    """The CPU loops are built for AVX-512, AVX2 and baseline x86-64 and picked at run
+    time (ATEN_CPU_CAPABILITY lowers the choice): each must give the same bits."""
+    if device == "cuda":
+        pytest.skip("the CPU engine's instruction sets")
+    import os
+    import subprocess
+    import sys
+    sizes = [1, 7, 1000, 4097, 70000]
+    inputs = {}
+    for i, dtype in enumerate(DTYPES):
+        masters = [randn(n, torch.float32, "cpu", seed=10 * i + 1) for n in sizes]
+        grads = [randn(n, dtype, "cpu", seed=10 * i + 2, scale=10.0) for n in sizes]
+        m, v = adam_state(masters, "cpu", seed=10 * i + 3)
+        bufs = [randn(n, torch.float32, "cpu", seed=10 * i + 4) for n in sizes]
+        sgd = [randn(n, torch.float32, "cpu", seed=10 * i + 5) for n in sizes]
+        inputs[str(dtype)] = (masters, grads, m, v, bufs, sgd)
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = tmp_path / "isa.py"
+    script.write_text(ISA_SCRIPT)
+    results = {}
+    for capability in ("default", "avx2", "avx512"):
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        path = tmp_path / f"{capability}.pt"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(path)],
+                       env=env, check=True, timeout=120)
+        results[capability] = torch.load(path)
+    for capability in ("avx2", "avx512"):
+        for dtype, lists in results["default"].items():
+            for i, (base, other) in enumerate(zip(lists, results[capability][dtype])):
+                for j, (a, b) in enumerate(zip(base, other)):
+                    assert_bitwise_equal(b, a, msg=f"{capability} {dtype} list {i}[{j}]")
