@@ -32,7 +32,11 @@ def extension():
     # -ffp-contract=off: no FMA contraction, so every instruction set the CPU loops are
     # built for (csrc/cpu/engine.h) gives the same bits. -fopenmp: at::parallel_for
     # runs on torch's OpenMP threads (torch's own libgomp, already loaded).
-    cxx = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+    # -Wno-psabi: the functors are instantiated for AVX vector types, always inlined
+    # into functions built for those instruction sets; GCC's note on the calling
+    # convention of an out-of-line copy does not apply.
+    cxx = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
+           "-Wno-psabi"]
     link = ["-fopenmp"]
     if not want_cuda():
         return cpp_extension.CppExtension(

@@ -84,9 +84,38 @@ def environment(device: torch.device) -> Dict[str, Any]:
             clocks=_nvidia_smi("clocks.sm,clocks.mem,clocks.max.sm,power.limit"),
         )
     else:
-        env.update(device=f"CPU ({env['host_cpu']}, {env['cpu_threads']} threads)",
+        env.update(device=f"CPU ({cpu_model() or env['host_cpu']}, "
+                          f"{env['cpu_threads']} threads)",
                    driver=_nvidia_smi("driver_version"))
+    env.update(cpu_model=cpu_model(), cpu_count=os.cpu_count(), cpu_flags=cpu_flags(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability())
     return env
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name (Linux: /proc/cpuinfo), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_flags() -> List[str]:
+    """The vector-extension flags of the CPU (Linux: /proc/cpuinfo) that the kernels
+    may use."""
+    wanted = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+              "avx512dq", "avx512_bf16", "avx512_fp16", "amx_bf16")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def device_slug(env: Dict[str, Any]) -> str:

@@ -4,7 +4,9 @@
 // A functor works on `kDepth` parallel lists. For one element index it gets
 // x[k], the value of list k as float (for the lists in kReads), updates x[k] for
 // the lists in kWrites, and returns true when it saw a non-finite input that the
-// op reports in found_inf. resolve() runs once per block (CUDA) or call (CPU),
+// op reports in found_inf. apply() is a template over the value type V: float here
+// (CUDA, and single elements on the CPU), a vector of floats in the CPU engine
+// (cpu/engine.h), where each lane sees the same operations as a float would. resolve() runs once per block (CUDA) or call (CPU),
 // on the device that holds the data, to read device-side scalars such as
 // inv_scale and step.
 #pragma once
@@ -34,6 +36,19 @@ MP_HD bool is_finite(float x) {
 #endif
 }
 
+// What the functors need of their value type V beyond + - * /: a square root, and
+// a flag (per lane) for non-finite values. The CPU engine adds its vector types.
+template <typename V>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  using Flag = bool;
+  static MP_HD float sqrt(float x) { return sqrtf(x); }
+  static MP_HD bool not_finite(float x) { return !is_finite(x); }
+  static MP_HD bool none() { return false; }
+};
+
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
 // non-finite inputs when the engine is given a found_inf.
 struct ScaleOp {
@@ -47,9 +62,10 @@ struct ScaleOp {
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
   }
-  MP_HD bool apply(float* x) const {
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
     x[1] = x[0] * inv_scale;
-    return !is_finite(x[0]);
+    return Lanes<V>::not_finite(x[0]);
   }
 };
 
@@ -60,7 +76,10 @@ struct CheckFiniteOp {
   static constexpr unsigned kWrites = 0b0;
 
   MP_HD void resolve() {}
-  MP_HD bool apply(const float* x) const { return !is_finite(x[0]); }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(const V* x) const {
+    return Lanes<V>::not_finite(x[0]);
+  }
 };
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
@@ -80,19 +99,20 @@ struct SgdOp {
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
   }
-  MP_HD bool apply(float* x) const {
-    float p = x[0];
-    float g = x[1] * inv_scale;
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
     if (weight_decay != 0.f) g = g + weight_decay * p;
     if (momentum != 0.f) {
-      const float buf = first_run ? g : x[2] * momentum + grad_weight * g;
+      const V buf = first_run ? g : x[2] * momentum + grad_weight * g;
       x[2] = buf;
       g = nesterov ? g + momentum * buf : buf;
     }
     p = p - lr * g;
     x[0] = p;
     x[3] = p;
-    return false;
+    return Lanes<V>::none();
   }
 };
 
@@ -131,9 +151,10 @@ struct AdamOp {
     eps_f = static_cast<float>(eps);
     wd_f = static_cast<float>(weight_decay);
   }
-  MP_HD bool apply(float* x) const {
-    float p = x[0];
-    float g = x[1] * inv_scale;
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
     if (wd_f != 0.f) {
       if (adamw) {
         p = p * decay;
@@ -143,15 +164,15 @@ struct AdamOp {
     }
     // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
     const float w = avg_weight;
-    const float m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
-    const float v = x[3] * beta2_f + sq_weight * (g * g);
-    const float denom = sqrtf(v) / bias_correction2_sqrt + eps_f;
+    const V m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
+    const V v = x[3] * beta2_f + sq_weight * (g * g);
+    const V denom = Lanes<V>::sqrt(v) / bias_correction2_sqrt + eps_f;
     p = p - step_size * (m / denom);
     x[0] = p;
     x[2] = m;
     x[3] = v;
     x[4] = p;
-    return false;
+    return Lanes<V>::none();
   }
 };
 

@@ -1,70 +1,94 @@
 // The CPU runner of the pointwise functors: the chunks of the shared plan are
-// spread over threads with at::parallel_for (OpenMP); each chunk is worked through
-// in tiles of kTile elements. An fp32 list is read and written where it lies; an
-// fp16/bf16 list is converted to fp32 into a tile buffer (SIMD where the CPU has
-// it, convert.h) when the functor reads it, and back when it writes it. The loop
-// over a tile is compiled three times, for AVX-512, AVX2 and baseline x86-64 (or
-// once elsewhere), and the one the CPU and torch's ATEN_CPU_CAPABILITY allow is
-// picked at run time (cpu_isa()). Each element sees the same fp32 operations in the
-// same order in every version (no FMA contraction: -ffp-contract=off), so they give
-// the same bits.
+// spread over threads with at::parallel_for (OpenMP); each chunk is one pass over its
+// elements, a vector of floats at a time (vec.h): every list is loaded as fp32 (fp16
+// and bf16 converted in registers), the functor runs on the vectors (apply() is a
+// template over its value type, pointwise.h), and the lists it writes are stored
+// back, converted. The last elements of a chunk go one at a time, as floats, through
+// c10's conversions; so does everything in the baseline x86-64 build (and elsewhere).
+// Each element sees the same fp32 operations in the same order in every version (no
+// FMA contraction: -ffp-contract=off), so every version gives the same bits.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "../dispatch.h"
 #include "../multi_tensor_plan.h"
-#include "convert.h"
+#include "vec.h"
 
 namespace mixedprec::cpu {
 
-constexpr int64_t kTile = 1024;
+// op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
+// absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
+template <typename Op, typename... Ts, size_t... K>
+inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int64_t end,
+                       std::index_sequence<K...>) {
+  constexpr int D = sizeof...(K);
+  int any = 0;
+  for (; i < end; ++i) {
+    float x[D] = {(((Op::kReads >> K) & 1u) && std::get<K>(p) != nullptr
+                       ? static_cast<float>(std::get<K>(p)[i])
+                       : 0.f)...};
+    any |= static_cast<int>(op.apply(x));
+    ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr
+          ? (void)(std::get<K>(p)[i] = static_cast<Ts>(x[K]))
+          : void()),
+     ...);
+  }
+  return any;
+}
 
-// fn(op, ptrs, n): op over elements 0..n-1 of the lists at ptrs (fp32, one pointer
-// per list, read where Op::kReads and written where Op::kWrites has its bit); 1
-// when op reported a non-finite input. op comes by value, so that its fields are
-// loop invariants the compiler can hoist and unswitch on, and the result is an int
-// (a bool reduction keeps GCC from vectorising the loop). The lists never overlap
-// (ivdep).
-#define MP_TILE_LOOP(NAME, TARGET)                                                      \
-  template <typename Op, size_t... K>                                                   \
-  TARGET int NAME(const Op op, float* const* ptrs, int64_t n, std::index_sequence<K...>) { \
-    constexpr int D = sizeof...(K);                                                     \
-    float* p[D] = {ptrs[K]...};                                                         \
-    int any = 0;                                                                        \
-    _Pragma("GCC ivdep") for (int64_t e = 0; e < n; ++e) {                              \
-      float x[D] = {(((Op::kReads >> K) & 1u) ? p[K][e] : 0.f)...};                    \
-      any |= static_cast<int>(op.apply(x));                                             \
-      ((((Op::kWrites >> K) & 1u) ? (void)(p[K][e] = x[K]) : (void)0), ...);            \
-    }                                                                                   \
-    return any;                                                                         \
+// fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
+// the rest one at a time. op comes by value, so that its fields are loop invariants.
+#define MP_PASS(NAME, TARGET, NS)                                                          \
+  template <typename Op, typename... Ts, size_t... K>                                      \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,             \
+                  std::index_sequence<K...> seq) {                                         \
+    using Vec = NS::Vec;                                                                   \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                     \
+    constexpr int D = sizeof...(K);                                                        \
+    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                              \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                    \
+    int64_t i = begin;                                                                     \
+    for (; i + W <= end; i += W) {                                                         \
+      Vec x[D] = {(((Op::kReads >> K) & 1u) && std::get<K>(p) != nullptr                   \
+                       ? NS::load(std::get<K>(p) + i)                                      \
+                       : Vec{})...};                                                       \
+      bad |= op.apply(x);                                                                  \
+      ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr                             \
+            ? NS::store(std::get<K>(p) + i, x[K])                                          \
+            : void()),                                                                     \
+       ...);                                                                               \
+    }                                                                                      \
+    return NS::any(bad) | elementwise(op, p, i, end, seq);                                 \
   }
 
-MP_TILE_LOOP(tile_loop_baseline, )
 #if defined(MP_X86_ISA)
-MP_TILE_LOOP(tile_loop_avx2, __attribute__((target("avx2,fma"))))
-MP_TILE_LOOP(tile_loop_avx512, __attribute__((target(MP_AVX512_TARGET))))
+MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET))), avx2)
+MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET))), avx512)
 #endif
-#undef MP_TILE_LOOP
+#undef MP_PASS
 
-template <typename Op, size_t... K>
-int tile_loop(const Op& op, float* const* ptrs, int64_t n, std::index_sequence<K...> seq) {
+template <typename Op, typename... Ts, size_t... K>
+int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
+         std::index_sequence<K...> seq) {
 #if defined(MP_X86_ISA)
   switch (cpu_isa()) {
     case Isa::kAvx512:
-      return tile_loop_avx512<Op>(op, ptrs, n, seq);
+      return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
     case Isa::kAvx2:
-      return tile_loop_avx2<Op>(op, ptrs, n, seq);
+      return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
     default:
       break;
   }
 #endif
-  return tile_loop_baseline<Op>(op, ptrs, n, seq);
+  const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
+  return elementwise(op, p, begin, end, seq);
 }
 
 struct CpuEngine {
@@ -89,29 +113,6 @@ struct CpuEngine {
   }
 
  private:
-  // Where the tile loop reads and writes list k (stored as T) for elements i..i+n-1
-  // of the chunk's tensor at `data` (null: the list is absent): the tensor itself for
-  // fp32, else `tile` after converting in what the functor reads.
-  template <typename Op, typename T, size_t K>
-  static float* tile_of(void* data, int64_t i, int64_t n, float* tile) {
-    if (data == nullptr) return tile;  // absent: scratch, zeros where read
-    if constexpr (std::is_same_v<T, float>) {
-      return static_cast<float*>(data) + i;
-    } else {
-      if ((Op::kReads >> K) & 1u) to_float(static_cast<const T*>(data) + i, tile, n);
-      return tile;
-    }
-  }
-
-  template <typename Op, typename T, size_t K>
-  static void write_back(void* data, int64_t i, int64_t n, const float* tile) {
-    if constexpr (!std::is_same_v<T, float>) {
-      if (data != nullptr && ((Op::kWrites >> K) & 1u)) {
-        from_float(tile, static_cast<T*>(data) + i, n);
-      }
-    }
-  }
-
   template <typename Op, typename... Ts, size_t... K>
   static void run_lists(const Lists<sizeof...(Ts)>& lists, const Op& op_in, const float* skip,
                         float* found_inf, std::index_sequence<K...> seq) {
@@ -127,22 +128,12 @@ struct CpuEngine {
     const int64_t num_chunks = static_cast<int64_t>(plan.block_slot.size());
     std::vector<char> bad(num_chunks, 0);
     at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
-      float tile[D][kTile];
-      // Absent lists read zeros (once; the functor does not use what it writes there).
-      ((lists[K].empty() ? std::fill(tile[K], tile[K] + kTile, 0.f) : void()), ...);
       for (int64_t b = first; b < last; ++b) {
         const int t = plan.tensors[plan.block_slot[b]];
         const int64_t begin = static_cast<int64_t>(plan.block_chunk[b]) * kChunkSize;
         const int64_t end = std::min(numels[t], begin + kChunkSize);
-        void* data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
-        int any = 0;
-        for (int64_t i = begin; i < end; i += kTile) {
-          const int64_t n = std::min(kTile, end - i);
-          float* const ptrs[D] = {tile_of<Op, Ts, K>(data[K], i, n, tile[K])...};
-          any |= tile_loop(op, ptrs, n, seq);
-          (write_back<Op, Ts, K>(data[K], i, n, tile[K]), ...);
-        }
-        bad[b] = any != 0;
+        void* const data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
+        bad[b] = pass<Op, Ts...>(op, data, begin, end, seq) != 0;
       }
     });
     if (found_inf != nullptr && std::any_of(bad.begin(), bad.end(), [](char c) { return c; })) {

@@ -14,34 +14,50 @@ namespace mixedprec::cpu {
 namespace {
 
 // acc[e % kLanes] += (x[e] * scale)^2 for e < n, the square in double: kLanes running
-// sums in a fixed order that the compiler can vectorise. Compiled per instruction
-// set, like the engine's loops (engine.h).
+// sums in a fixed order that the compiler vectorises, c10's fp16 and bf16 conversions
+// included. Compiled per instruction set, like the engine's loops (vec.h). A float's
+// square is exact in double, so adding it with a fused multiply-add (MADD) gives the
+// same bits as multiplying, then adding: the baseline build does the latter, the AVX
+// builds the former.
 constexpr int kLanes = 32;  // four AVX-512 (eight AVX2) accumulators: no waiting on one add chain
-static_assert(kTile % kLanes == 0, "tiles keep each element in its lane");
-
-#define MP_SUM_SQUARES(NAME, TARGET)                                         \
-  TARGET void NAME(const float* x, int64_t n, float scale, double* acc) {   \
-    int64_t e = 0;                                                           \
-    for (; e + kLanes <= n; e += kLanes) {                                   \
-      for (int j = 0; j < kLanes; ++j) {                                     \
-        const double v = x[e + j] * scale;                                   \
-        acc[j] += v * v;                                                     \
-      }                                                                      \
-    }                                                                        \
-    for (; e < n; ++e) {                                                     \
-      const double v = x[e] * scale;                                         \
-      acc[e % kLanes] += v * v;                                              \
-    }                                                                        \
+static_assert(kChunkSize % kLanes == 0, "chunks keep each element in its lane");
+#define MP_SUM_SQUARES(NAME, TARGET, MADD)                                       \
+  template <bool kScaled, typename T>                                            \
+  TARGET void NAME##_loop(const T* x, int64_t n, float scale, double* acc) {    \
+    int64_t e = 0;                                                               \
+    for (; e + kLanes <= n; e += kLanes) {                                       \
+      for (int j = 0; j < kLanes; ++j) {                                         \
+        const float a = static_cast<float>(x[e + j]);                            \
+        const double v = kScaled ? a * scale : a;                                \
+        acc[j] = MADD(v, v, acc[j]);                                             \
+      }                                                                          \
+    }                                                                            \
+    for (; e < n; ++e) {                                                         \
+      const float a = static_cast<float>(x[e]);                                  \
+      const double v = kScaled ? a * scale : a;                                  \
+      acc[e % kLanes] = MADD(v, v, acc[e % kLanes]);                             \
+    }                                                                            \
+  }                                                                              \
+  /* x * 1 is x: without a scale the multiply is left out, with the same bits. */ \
+  template <typename T>                                                          \
+  void NAME(const T* x, int64_t n, float scale, double* acc) {                  \
+    if (scale == 1.f) return NAME##_loop<false>(x, n, scale, acc);               \
+    NAME##_loop<true>(x, n, scale, acc);                                         \
   }
 
-MP_SUM_SQUARES(sum_squares_baseline, )
+#define MP_MUL_ADD(a, b, c) ((c) + (a) * (b))
+#define MP_FMA(a, b, c) __builtin_fma((a), (b), (c))
+MP_SUM_SQUARES(sum_squares_baseline, , MP_MUL_ADD)
 #if defined(MP_X86_ISA)
-MP_SUM_SQUARES(sum_squares_avx2, __attribute__((target("avx2,fma"))))
-MP_SUM_SQUARES(sum_squares_avx512, __attribute__((target(MP_AVX512_TARGET))))
+MP_SUM_SQUARES(sum_squares_avx2, __attribute__((target(MP_AVX2_TARGET))), MP_FMA)
+MP_SUM_SQUARES(sum_squares_avx512, __attribute__((target(MP_AVX512_TARGET))), MP_FMA)
 #endif
 #undef MP_SUM_SQUARES
+#undef MP_MUL_ADD
+#undef MP_FMA
 
-void sum_squares(const float* x, int64_t n, float scale, double* acc) {
+template <typename T>
+void sum_squares(const T* x, int64_t n, float scale, double* acc) {
 #if defined(MP_X86_ISA)
   switch (cpu_isa()) {
     case Isa::kAvx512:
@@ -53,15 +69,6 @@ void sum_squares(const float* x, int64_t n, float scale, double* acc) {
   }
 #endif
   sum_squares_baseline(x, n, scale, acc);
-}
-
-// x[0..n) as fp32: fp32 where it lies, anything else converted into `tile`.
-const float* as_float(const float* x, int64_t, float*) { return x; }
-
-template <typename T>
-const float* as_float(const T* x, int64_t n, float* tile) {
-  to_float(x, tile, n);
-  return tile;
 }
 
 }  // namespace
@@ -106,14 +113,10 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
       const int64_t end = std::min(numels[t], begin + kChunkSize);
       MP_DISPATCH_FLOATS(tensors[t].scalar_type(), "multi_tensor_l2norm", scalar_t, [&] {
         const scalar_t* data = tensors[t].const_data_ptr<scalar_t>();
-        // kLanes running sums (element e of the chunk into lane e % kLanes; tiles are
-        // multiples of kLanes), added up in lane order at the end.
+        // kLanes running sums (element e of the chunk into lane e % kLanes), added up
+        // in lane order at the end.
         double acc[kLanes] = {};
-        float tile[kTile];
-        for (int64_t i = begin; i < end; i += kTile) {
-          const int64_t n = std::min(kTile, end - i);
-          sum_squares(as_float(data + i, n, tile), n, scale, acc);
-        }
+        sum_squares(data + begin, end - begin, scale, acc);
         double sum = 0.0;
         for (const double a : acc) sum += a;
         partial[b] = sum;

@@ -1,0 +1,35 @@
+// The instruction set of the CPU engine's loops (vec.h), chosen once per process.
+#include "vec.h"
+
+#include <ATen/Version.h>
+
+#include <string>
+
+namespace mixedprec::cpu {
+namespace {
+
+Isa detect_isa() {
+#if defined(MP_X86_ISA)
+  const std::string capability = at::get_cpu_capability();
+  if (capability == "AVX512" && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return Isa::kAvx512;
+  }
+  if ((capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return Isa::kAvx2;
+  }
+#endif
+  return Isa::kBaseline;
+}
+
+}  // namespace
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+}  // namespace mixedprec::cpu

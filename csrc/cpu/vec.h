@@ -1,0 +1,140 @@
+// Vectors of floats for the CPU engine, their loads from and stores to fp32, fp16 and
+// bf16 storage, and the choice of instruction set at run time.
+//
+// The engine's loops are compiled for AVX-512 (16 floats), AVX2 (8) and baseline
+// x86-64 (one float at a time, through c10's scalar conversions; the only version
+// elsewhere), and run the widest that both the CPU has and torch's own CPU kernels use
+// (torch.backends.cpu.get_cpu_capability(), which ATEN_CPU_CAPABILITY can lower). The
+// vector conversions round as c10's do (fp32 -> fp16 and -> bf16 to nearest even), so
+// every version gives the same bits, but for the payloads of NaNs.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../pointwise.h"
+
+namespace mixedprec::cpu {
+
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+Isa cpu_isa();
+
+}  // namespace mixedprec::cpu
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MP_X86_ISA 1
+#include <immintrin.h>
+
+#define MP_AVX512_TARGET "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c"
+#define MP_AVX2_TARGET "avx2,fma,f16c"
+
+namespace mixedprec {
+
+// GCC's vector extensions: + - * / work lane by lane, with scalars broadcast.
+typedef float VecF16 __attribute__((vector_size(64)));
+typedef int32_t VecI16 __attribute__((vector_size(64)));
+typedef uint32_t VecU16 __attribute__((vector_size(64)));
+typedef uint16_t VecB16 __attribute__((vector_size(32)));  // 16 x 16 bits
+typedef float VecF8 __attribute__((vector_size(32)));
+typedef int32_t VecI8 __attribute__((vector_size(32)));
+typedef uint32_t VecU8 __attribute__((vector_size(32)));
+typedef uint16_t VecB8 __attribute__((vector_size(16)));  // 8 x 16 bits
+
+// |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
+// the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
+// then reports as maybe uninitialized.)
+template <>
+struct Lanes<VecF16> {
+  using Flag = VecI16;
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 sqrt(VecF16 x) {
+    return (VecF16)_mm512_mask_sqrt_ps((__m512)x, static_cast<__mmask16>(-1), (__m512)x);
+  }
+  static inline VecI16 not_finite(VecF16 x) {
+    return !((VecF16)((VecU16)x & 0x7fffffffu) <= 3.40282347e+38f);
+  }
+  static inline VecI16 none() { return VecI16{}; }
+};
+
+template <>
+struct Lanes<VecF8> {
+  using Flag = VecI8;
+  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8 sqrt(VecF8 x) {
+    return (VecF8)_mm256_sqrt_ps((__m256)x);
+  }
+  static inline VecI8 not_finite(VecF8 x) {
+    return !((VecF8)((VecU8)x & 0x7fffffffu) <= 3.40282347e+38f);
+  }
+  static inline VecI8 none() { return VecI8{}; }
+};
+
+namespace cpu {
+
+// bf16 <-> fp32 for a vector F of floats (U: as 32-bit lanes, B: the bf16 bits):
+// bf16 is fp32's top half; fp32 -> bf16 rounds as c10 does (bits + 0x7fff + the
+// lowest kept bit, then the top half), and every NaN becomes c10's 0x7fc0.
+template <typename F, typename U, typename B>
+inline F load_bf16(const c10::BFloat16* p) {
+  B b;
+  std::memcpy(&b, p, sizeof b);
+  return (F)(__builtin_convertvector(b, U) << 16);
+}
+
+template <typename F, typename U, typename B>
+inline void store_bf16(c10::BFloat16* p, F x) {
+  const U u = (U)x;
+  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const U bits = x != x ? U{} + 0x7fc0u : rounded;
+  const B b = __builtin_convertvector(bits, B);
+  std::memcpy(p, &b, sizeof b);
+}
+
+#define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
+#define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
+
+namespace avx512 {
+using Vec = VecF16;
+MP_AVX512 Vec load(const float* p) { return (Vec)_mm512_loadu_ps(p); }
+MP_AVX512 Vec load(const c10::Half* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (Vec)_mm512_mask_cvtph_ps(_mm512_setzero_ps(), static_cast<__mmask16>(-1), h);
+}
+MP_AVX512 Vec load(const c10::BFloat16* p) { return load_bf16<Vec, VecU16, VecB16>(p); }
+MP_AVX512 void store(float* p, Vec x) { _mm512_storeu_ps(p, (__m512)x); }
+MP_AVX512 void store(c10::Half* p, Vec x) {
+  const __m256i h = _mm512_mask_cvtps_ph(_mm256_setzero_si256(), static_cast<__mmask16>(-1),
+                                         (__m512)x,
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+}
+MP_AVX512 void store(c10::BFloat16* p, Vec x) { store_bf16<Vec, VecU16, VecB16>(p, x); }
+MP_AVX512 bool any(VecI16 flags) {
+  return _mm512_test_epi32_mask((__m512i)flags, (__m512i)flags) != 0;
+}
+}  // namespace avx512
+
+namespace avx2 {
+using Vec = VecF8;
+MP_AVX2 Vec load(const float* p) { return (Vec)_mm256_loadu_ps(p); }
+MP_AVX2 Vec load(const c10::Half* p) {
+  return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MP_AVX2 Vec load(const c10::BFloat16* p) { return load_bf16<Vec, VecU8, VecB8>(p); }
+MP_AVX2 void store(float* p, Vec x) { _mm256_storeu_ps(p, (__m256)x); }
+MP_AVX2 void store(c10::Half* p, Vec x) {
+  const __m128i h =
+      _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+MP_AVX2 void store(c10::BFloat16* p, Vec x) { store_bf16<Vec, VecU8, VecB8>(p, x); }
+MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
+}  // namespace avx2
+
+#undef MP_AVX512
+#undef MP_AVX2
+
+}  // namespace cpu
+}  // namespace mixedprec
+#endif
