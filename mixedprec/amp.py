@@ -11,7 +11,7 @@ What differs from Apex:
   outputs, or enters autocast, around the user's module; ``state_dict`` keeps the
   module's own keys) instead of patching ``forward``. Optimizers are returned as given:
   mixedprec's fused optimizers keep fp32 masters in their state and take the loss
-  scale and overflow flag through ``set_grad_scaling``; other optimizers get fp32
+  scale and overflow flag through ``grad_scale``/``found_inf``; other optimizers get fp32
   master parameters (O2) and a step pre- and post-hook (``register_step_pre_hook``).
 * With mixedprec's fused optimizers nothing reads a device value on the host. With
   other optimizers the pre-hook reads the overflow flag once per step (as Apex did) to
@@ -281,6 +281,9 @@ class _OptimizerAmp:
         self._reset()
 
     def _after_fused_step(self, optimizer, args, kwargs) -> None:
+        for name in ("grad_scale", "found_inf"):  # used by one step, as GradScaler does
+            if hasattr(optimizer, name):
+                delattr(optimizer, name)
         self._reset()
 
     def _reset(self) -> None:
@@ -528,10 +531,16 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
         if scaler.dynamic:
             amp.flag(found_inf.device).add_(found_inf)
         if amp.fused:
-            amp.optimizer().set_grad_scaling(amp.pending_scale, amp.found_inf)
+            _hand_scaling(amp.optimizer(), amp.pending_scale, amp.found_inf)
     if scaler.dynamic:  # a static scale never skips a step
         scaler.update(found_inf)
         state.reporter.record(loss_id, found_inf, scaler.scale)
+
+
+def _hand_scaling(optimizer, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+    """The one channel to a fused optimizer, as torch.amp.GradScaler uses it."""
+    optimizer.grad_scale = grad_scale
+    optimizer.found_inf = found_inf
 
 
 def _inverse(scale: Tensor) -> Tensor:
@@ -625,7 +634,7 @@ def _materialize_unscaled_grads(amp: _OptimizerAmp) -> None:
     if without:
         ops.multi_tensor_unscale_(_grads(without), flag, inv_scale)
     amp.pending_scale = None
-    optimizer.set_grad_scaling(None, amp.found_inf)
+    _hand_scaling(optimizer, None, amp.found_inf)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:

@@ -70,7 +70,6 @@ class _FusedOptimizer(Optimizer):
                  set_grad_none: bool):
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
-        self._next_scaling: Optional[tuple] = None
         self._plans: Dict[int, _Plan] = {}
         super().__init__(params, defaults)
 
@@ -79,14 +78,6 @@ class _FusedOptimizer(Optimizer):
         whatever changes state, groups or masters other than through a step. (The dict
         is changed in place, never rebound, as torch.compile traces that more easily.)"""
         self._plans.clear()
-
-    def set_grad_scaling(self, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        """Hands the next :meth:`step` the loss scale its gradients carry (they are
-        divided by it inside the update; None: already unscaled) and an overflow flag
-        (nonzero: the step writes nothing), both device tensors. For loss-scaling front
-        ends other than a GradScaler, such as :mod:`mixedprec.amp`; a GradScaler's
-        ``grad_scale``/``found_inf`` take precedence. Used by one step."""
-        self._next_scaling = (grad_scale, found_inf)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         params = param_group["params"]
@@ -199,9 +190,10 @@ class _FusedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaling, self._next_scaling = self._next_scaling or (None, None), None
-        if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):  # from a GradScaler
-            scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        # The one channel from a loss scaler: the attributes torch.amp.GradScaler sets
+        # around step() for optimizers with _step_supports_amp_scaling (mixedprec's
+        # GradScaler, amp and fp16_utils set the same ones).
+        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         planned = self._planned_work()
         if planned is not None:
             used_master_grads = False
@@ -302,7 +294,7 @@ class _FusedOptimizer(Optimizer):
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, set_grad_none=self.set_grad_none,
-                     _next_scaling=None, _plans={})
+                     _plans={})
         return state
 
     def _step_group(self, group, device, items: "_Work", inv_scale,
