@@ -212,6 +212,10 @@ class LossScale:
                                  f"element, got shape {tuple(scale.shape)}")
             scale = float(scale.detach().reshape(()).cpu())  # sync-ok: checkpoint
         scale = check_scale(self.owner, "the saved scale", scale)
+        if self.dynamic and not checked["min_scale"] <= scale <= checked["max_scale"]:
+            raise ValueError(f"{self.owner}: expected the saved scale in [min_scale, "
+                             f"max_scale] = [{checked['min_scale']}, {checked['max_scale']}], "
+                             f"got {scale}")
         if hysteresis_tracker is None:
             hysteresis_tracker = checked["hysteresis"]
         trackers = {}

@@ -13,7 +13,18 @@ param group and device (two for SGD while some momentum buffers are new), which:
   (kept in the optimizer state as ``master_param``) and writes them, cast, into the
   model parameters in the same pass.
 
-Optimizer state (moments, momentum buffers, masters) is always float32.
+Optimizer state (moments, momentum buffers, masters) is always float32, and follows
+its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
+was built works), and a master is taken anew from its parameter when the parameter
+was written outside the optimizer (see ``_FusedOptimizer._master``).
+
+The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
+that ``torch.amp.GradScaler`` sets around ``step()`` (mixedprec's GradScaler, amp and
+fp16_utils set the same). ``p.grad`` is read, never written: after a scaled step it
+still holds the scaled gradient (torch's fused optimizers unscale it in place).
+With masters, a master whose ``.grad`` is set (fp32, unscaled) is updated from that
+instead of ``p.grad``: ``mixedprec.amp.master_params`` puts it there for gradient
+clipping, and the step clears it.
 """
 
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
@@ -22,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from . import masters as mst
 from . import ops
 
 __all__ = ["FusedSGD", "FusedAdam"]
@@ -46,10 +58,16 @@ class _Plan(NamedTuple):
     made from has changed (see ``_FusedOptimizer._planned_work``)."""
 
     state_key: Tuple[int, int, bool]  # the state dict's id and size, master_weights
-    signature: List[Tuple[Any, Any]]  # per group param: (dtype, device index)
+    # per group param: (dtype, device index, storage address, version, strides), so that
+    # a parameter converted, moved, re-laid-out or written elsewhere takes the full path
+    signature: List[Tuple[Any, ...]]
     masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
     stepped: List[bool]  # per group param: whether it had a gradient
     lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
+
+
+def _signature(p: Tensor) -> Tuple[Any, ...]:
+    return p.dtype, p.get_device(), p.data_ptr(), p._version, p.stride()
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
@@ -65,12 +83,17 @@ class _FusedOptimizer(Optimizer):
     # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
     # unscaling and checking gradients itself.
     _step_supports_amp_scaling = True
+    # The per-parameter state entries this optimizer keeps (load_state_dict checks).
+    _STATE_KEYS: Tuple[str, ...] = ("master_param",)
 
     def __init__(self, params, defaults: Dict[str, Any], master_weights: bool,
                  set_grad_none: bool):
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
         self._plans: Dict[int, _Plan] = {}
+        # id(master) -> the version counter of its parameter when the master was last
+        # in step with it (the update writes the parameter without bumping it).
+        self._master_versions: Dict[int, int] = {}
         super().__init__(params, defaults)
 
     def _invalidate_plans(self) -> None:
@@ -98,8 +121,15 @@ class _FusedOptimizer(Optimizer):
         if not self.master_weights:
             return
         for p in group["params"]:
-            if p.dtype in _HALF_DTYPES and "master_param" not in self.state[p]:
-                self.state[p]["master_param"] = p.detach().to(torch.float32, copy=True)
+            if mst.needs_master(p) and "master_param" not in self.state[p]:
+                self._new_master(p, self.state[p])
+
+    def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
+        """A fresh fp32 master of ``p`` in its ``state``, and the version of ``p`` it was
+        taken at (see ``_master``)."""
+        master = state["master_param"] = mst.make_master(p)
+        self._master_versions[id(master)] = p._version
+        return master
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes the gradients; ``set_to_none`` defaults to the constructor's
@@ -139,6 +169,12 @@ class _FusedOptimizer(Optimizer):
                     f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
                     f"bfloat16, got {grad.dtype}"
                 )
+            if grad.shape != p.shape:
+                raise ValueError(f"{type(self).__name__}: a gradient of shape "
+                                 f"{tuple(grad.shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            if grad.stride() != p.stride() and not mst.same_layout(grad, p):
+                grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
             work = by_device.get(p.device)
             if work is None:
                 work = by_device[p.device] = _Work([], [], [])
@@ -152,26 +188,44 @@ class _FusedOptimizer(Optimizer):
         """Hook: reject a device layout the optimizer cannot step (before any update)."""
 
     def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
-        """p's fp32 master (created or moved on demand) in p's `state`, or None when
-        p needs none."""
-        if not self.master_weights or p.dtype not in _HALF_DTYPES:
+        """p's fp32 master in p's `state`, or None when p needs none.
+
+        The master follows the parameter: created when the model was cast to 16 bits
+        after the optimizer was built, moved and re-laid-out with it (``.cuda()``,
+        ``channels_last``), dropped while the parameter is fp32 (it is then its own
+        master), and taken anew from the parameter when the parameter was written
+        outside the optimizer (its version counter moved: ``load_state_dict`` on the
+        model, an in-place edit under ``no_grad``; edits through ``.data`` do not
+        count, as they bypass the counter)."""
+        if not self.master_weights or not mst.needs_master(p):
+            if state.get("master_param") is not None:
+                self._master_versions.pop(id(state.pop("master_param")), None)
             return None
         master = state.get("master_param")
-        if master is None:  # the model was cast to half after the optimizer was built
-            master = state["master_param"] = p.detach().to(torch.float32, copy=True)
-        elif master.device != p.device:  # the model moved after the optimizer was built
-            master = state["master_param"] = master.to(p.device)
-        return master
+        if master is None:
+            return self._new_master(p, state)
+        # (Under torch.compile the version counter is not traceable: not checked there.)
+        if not torch.compiler.is_compiling() and (
+                self._master_versions.setdefault(id(master), p._version) != p._version):
+            del self._master_versions[id(master)]
+            return self._new_master(p, state)
+        moved = mst.follow_layout(master, p)
+        if moved is not master:
+            self._master_versions[id(moved)] = self._master_versions.pop(id(master),
+                                                                          p._version)
+            state["master_param"] = moved
+        return moved
 
     @staticmethod
     def _state_tensor(state: Dict[str, Any], key: str, like: Tensor) -> Tensor:
-        """state[key] as an fp32 tensor on like's device, created as zeros if absent."""
+        """state[key] as an fp32 tensor on like's device and in its layout, created as
+        zeros if absent."""
         value = state.get(key)
         if value is None:
             value = state[key] = torch.zeros_like(like, dtype=torch.float32,
                                                   memory_format=torch.preserve_format)
-        elif value.device != like.device:
-            value = state[key] = value.to(like.device)
+        else:
+            value = state[key] = mst.follow_layout(value, like)
         return value
 
     def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
@@ -211,15 +265,16 @@ class _FusedOptimizer(Optimizer):
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
         plans: Dict[int, _Plan] = {}
+        compiling = torch.compiler.is_compiling()
         for index, (group, by_device) in enumerate(work):
             for device, items in by_device.items():
                 for i, (p, state) in enumerate(zip(items.params, items.states)):
                     if state is None:  # first step of p: its state starts now
                         items.states[i] = self.state[p]
                 lists = self._step_group(group, device, items, *self._scaling(device, scaling))
-                if lists is not None and len(by_device) == 1:
+                if lists is not None and len(by_device) == 1 and not compiling:
                     plans[index] = self._make_plan(group, lists)
-            if not by_device:  # no gradients in this group
+            if not by_device and not compiling:  # no gradients in this group
                 plans[index] = self._make_plan(group, None)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():
@@ -228,7 +283,8 @@ class _FusedOptimizer(Optimizer):
                     if master is not None:
                         master.grad = None
         self._plans.clear()
-        self._plans.update(plans)
+        if not torch.compiler.is_compiling():
+            self._plans.update(plans)
         return loss
 
     def _state_key(self) -> Tuple[int, int, bool]:
@@ -240,8 +296,8 @@ class _FusedOptimizer(Optimizer):
         masters = [state.get("master_param") for state in states]
         stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
                    for p, m in zip(params, masters)]
-        return _Plan(self._state_key(), [(p.dtype, p.get_device()) for p in params], masters,
-                     stepped, lists)
+        return _Plan(self._state_key(), [_signature(p) for p in params], masters, stepped,
+                     lists)
 
     def _planned_work(self):
         """[(group, plan, gradients, whether some came from masters)] when every group
@@ -257,8 +313,8 @@ class _FusedOptimizer(Optimizer):
         ``mixedprec.amp.initialize``). State entries must be replaced through those,
         not by assigning to ``optimizer.state[p][key]``."""
         plans = self._plans
-        if len(plans) != len(self.param_groups):
-            return None
+        if len(plans) != len(self.param_groups) or torch.compiler.is_compiling():
+            return None  # (a compiled step is traced once: it needs no plans)
         state_key = self._state_key()
         planned = []
         for index, group in enumerate(self.param_groups):
@@ -268,9 +324,9 @@ class _FusedOptimizer(Optimizer):
                 return None
             grads: List[Tensor] = []
             from_master = False
-            for p, m, stepped, (dtype, device) in zip(params, plan.masters, plan.stepped,
-                                                       plan.signature):
-                if p.dtype is not dtype or p.get_device() != device:
+            for p, m, stepped, signature in zip(params, plan.masters, plan.stepped,
+                                                plan.signature):
+                if _signature(p) != signature:
                     return None
                 grad = p.grad
                 if m is not None and m.grad is not None:
@@ -278,8 +334,9 @@ class _FusedOptimizer(Optimizer):
                 if (grad is not None) != stepped:
                     return None
                 if grad is not None:
-                    if grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
-                        return None  # the full path raises the error
+                    if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
+                            or grad.stride() != signature[4]):
+                        return None  # the full path converts it or raises the error
                     grads.append(grad)
             if plan.lists is not None and not self._plan_holds(group, plan):
                 return None
@@ -294,7 +351,7 @@ class _FusedOptimizer(Optimizer):
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, set_grad_none=self.set_grad_none,
-                     _plans={})
+                     _plans={}, _master_versions={})
         return state
 
     def _step_group(self, group, device, items: "_Work", inv_scale,
@@ -338,10 +395,22 @@ class _FusedOptimizer(Optimizer):
                 )
             id_to_param.update(zip(saved["params"], group["params"]))
 
+        for i, saved in enumerate(saved_groups):
+            missing = sorted(k for k in self.defaults if k not in saved)
+            if missing:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} of the state dict has no "
+                    f"{missing}: it was not saved by a {name}")
         new_state: Dict[Tensor, Dict[str, Any]] = {}
         for key, saved_state in state_dict["state"].items():
             if key not in id_to_param:
                 raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+            unknown = sorted(k for k in saved_state if k not in self._STATE_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
+                    f"a {name} does not keep (it keeps {list(self._STATE_KEYS)}): the state "
+                    f"dict was saved by another optimizer")
             p = id_to_param[key]
             new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
 
@@ -354,6 +423,7 @@ class _FusedOptimizer(Optimizer):
 
         self.state.clear()
         self.state.update(new_state)
+        self._master_versions.clear()  # loaded masters are in step with the loaded model
         self.param_groups = new_groups
         self._invalidate_plans()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -397,6 +467,8 @@ class FusedSGD(_FusedOptimizer):
     starts the buffer at ``(1 - d) * grad`` instead of ``grad`` (torch's own
     ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
+
+    _STATE_KEYS = ("master_param", "momentum_buffer")
 
     def __init__(self, params: Iterable, lr: float, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
@@ -465,6 +537,8 @@ class FusedAdam(_FusedOptimizer):
     assumed to step together. A group's parameters must share one device. Moments are
     float32.
     """
+
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,

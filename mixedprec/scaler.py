@@ -1,28 +1,27 @@
 """A GradScaler with no host synchronisation in the step, hysteresis and a scale floor
-and ceiling."""
+and ceiling: ``torch.amp.GradScaler``'s face on the one loss-scale core
+(:class:`mixedprec.loss_scale.LossScale`)."""
 
 import math
-from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
-from torch.amp.grad_scaler import _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from . import ops
+from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
 
 __all__ = ["GradScaler"]
 
-
-def _check_hysteresis(hysteresis: Any) -> None:
-    if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-        raise ValueError(f"expected hysteresis to be an int >= 1, got {hysteresis!r}")
+# Gradient dtypes the multi-tensor ops take; others (float64) go through torch's kernel.
+_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_scale_bounds(min_scale: float, max_scale: float) -> None:
-    if not 0.0 <= min_scale <= max_scale:
-        raise ValueError(f"expected 0 <= min_scale <= max_scale, got min_scale={min_scale} "
-                         f"and max_scale={max_scale}")
+def _core_attr(name: str, doc: str) -> property:
+    """An attribute of torch's GradScaler kept in the core, so that torch's own methods
+    (scale, unscale_, step, get_scale, ...) read and write the core's values."""
+    return property(lambda self: getattr(self._core, name),
+                    lambda self, value: setattr(self._core, name, value), doc=doc)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -31,8 +30,15 @@ class GradScaler(torch.amp.GradScaler):
 
     * ``hysteresis``: how many consecutive overflowing steps it takes before the scale
       backs off (1, the default, is torch's behaviour);
-    * ``min_scale`` / ``max_scale``: a floor and a ceiling for the scale (by default
-      none);
+    * ``min_scale`` / ``max_scale``: a floor and a ceiling for the scale. The floor is
+      never 0: by default it is ``mixedprec.loss_scale.DEFAULT_MIN_SCALE`` (2**-24,
+      the smallest fp16 value; see that module), so a run whose gradients overflow in
+      every step keeps skipping steps at the floor instead of reaching a zero scale and
+      writing NaN. There is no ceiling by default;
+    * every setting is checked when given (construction, setters, ``load_state_dict``):
+      ``init_scale`` 0, inf or NaN, ``backoff_factor`` outside (0, 1),
+      ``growth_interval`` < 1, ``hysteresis`` < 1, ``min_scale > max_scale`` raise
+      ``ValueError``/``TypeError`` naming the argument, before anything changes;
     * no host synchronisation in :meth:`step` and :meth:`update` with optimizers that
       declare ``_step_supports_amp_scaling`` (mixedprec's :class:`FusedSGD` and
       :class:`FusedAdam`, torch's fused optimizers): the overflow check is one
@@ -40,38 +46,60 @@ class GradScaler(torch.amp.GradScaler):
       update on the device. With any other optimizer, :meth:`step` behaves exactly like
       torch's (it reads the overflow flag on the host to decide whether to step);
     * :meth:`unscale_` runs mixedprec's multi-tensor kernel, which also takes bfloat16
-      gradients on CUDA;
-    * :meth:`found_inf` gives the last update's overflow flag as a device tensor, so a
-      caller can tell whether the last step was skipped when it chooses to read it.
+      gradients on CUDA (float64 gradients go through torch's kernel, as in torch);
+    * :meth:`found_inf` gives the last update's overflow flag as a device tensor.
 
-    The scale update follows ``mixedprec.ops.update_loss_scale_``.
+    What ``p.grad`` holds after :meth:`step`: the optimizer decides, as with torch's
+    scaler. torch's fused optimizers unscale the gradients in place; mixedprec's fused
+    optimizers read them scaled and write nothing back (it saves a write of every
+    gradient), so ``p.grad`` still holds the scaled gradient after the step. Both
+    scalers behave alike here. Call :meth:`unscale_` before :meth:`step` to have
+    unscaled gradients (for clipping or logging); the step then uses those.
     """
+
+    _scale = _core_attr("scale", "The scale tensor (None until the first scale()).")
+    _growth_tracker = _core_attr("growth_tracker", "The growth tracker tensor.")
+    _growth_factor = _core_attr("growth_factor", "The growth factor.")
+    _backoff_factor = _core_attr("backoff_factor", "The backoff factor.")
+    _growth_interval = _core_attr("growth_interval", "The growth interval.")
+
+    @property
+    def _init_scale(self) -> float:
+        return self._core._init[0]
+
+    @_init_scale.setter
+    def _init_scale(self, value: float) -> None:
+        self._core._init = (value, *self._core._init[1:])
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._core._init[1]
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        core = self._core
+        core._init = (core._init[0], value, core._init[2])
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, hysteresis: int = 1,
-                 min_scale: float = 0.0, max_scale: float = math.inf) -> None:
-        _check_hysteresis(hysteresis)
-        _check_scale_bounds(min_scale, max_scale)
+                 min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf) -> None:
+        self._core = LossScale(init_scale, growth_factor=growth_factor,
+                               backoff_factor=backoff_factor, growth_interval=growth_interval,
+                               hysteresis=hysteresis, min_scale=min_scale,
+                               max_scale=max_scale, owner="GradScaler")
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled)
-        self._hysteresis = hysteresis
-        self._min_scale = float(min_scale)
-        self._max_scale = float(max_scale)
-        self._init_hysteresis_tracker = hysteresis
-        self._hysteresis_tracker: Optional[Tensor] = None
         self._found_inf: Optional[Tensor] = None
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
-        super()._lazy_init_scale_growth_tracker(dev)
-        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker,
-                                              dtype=torch.int32, device=dev)
+        self._core.place(dev)
 
     @staticmethod
     def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool):
-        """Dense gradient tensors by device (sparse ones through their values), checked
-        before anything is written."""
-        by_device: Dict[torch.device, List[Tensor]] = defaultdict(list)
+        """Gradients by device, (those the multi-tensor ops take, the rest: sparse
+        values, other layouts, float64), checked before anything is written."""
+        by_device: Dict[torch.device, tuple] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
@@ -83,54 +111,63 @@ class GradScaler(torch.amp.GradScaler):
                     if grad.dtype is torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                by_device[grad.device].append(grad)
+                fast, other = by_device.setdefault(grad.device, ([], []))
+                if grad.dtype in _OP_DTYPES and ops.is_dense(grad):
+                    fast.append(grad)
+                else:
+                    other.append(grad)
         return by_device
 
+    @staticmethod
+    def _on(device: torch.device, value: Tensor, cache: Dict[torch.device, Tensor]) -> Tensor:
+        """``value`` on ``device``, copied once per device."""
+        if device not in cache:
+            cache[device] = value.to(device=device, non_blocking=True)
+        return cache[device]
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        inv_by_device = {inv_scale.device: inv_scale}
+        flags = {found_inf.device: found_inf}
         with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
-                dense = [g for g in grads if ops.is_dense(g)]
-                other = [g for g in grads if not ops.is_dense(g)]
-                ops.multi_tensor_unscale_(dense, per_device_found_inf.get(device),
-                                          per_device_inv_scale.get(device))
-                if other:  # rare layouts the multi-tensor kernel does not take
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        other, per_device_found_inf.get(device), per_device_inv_scale.get(device))
-        return per_device_found_inf._per_device_tensors
+            for device, (fast, other) in self._grads_by_device(optimizer, allow_fp16).items():
+                flag = self._on(device, found_inf, flags)
+                inv = self._on(device, inv_scale, inv_by_device)
+                ops.multi_tensor_unscale_(fast, flag, inv)
+                if other:  # layouts and dtypes the multi-tensor kernel does not take
+                    torch._amp_foreach_non_finite_check_and_unscale_(other, flag, inv)
+        return flags
 
     def _check_inf_per_device(self, optimizer):
         # For optimizers that unscale inside their own kernel: read the gradients once,
         # write nothing.
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        flags = {found_inf.device: found_inf}
         with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, True).items():
-                flag = per_device_found_inf.get(device)
-                dense = [g for g in grads if ops.is_dense(g)]
-                ops.multi_tensor_check_finite_(dense, flag)
-                for g in grads:
-                    if not ops.is_dense(g):
-                        flag.add_((~torch.isfinite(g)).any())
+            for device, (fast, other) in self._grads_by_device(optimizer, True).items():
+                flag = self._on(device, found_inf, flags)
+                ops.multi_tensor_check_finite_(fast, flag)
+                for g in other:
+                    flag.add_((~torch.isfinite(g)).any())
         states = self._per_optimizer_states[id(optimizer)]
-        states["found_inf_per_device"] = per_device_found_inf._per_device_tensors
-        return states["found_inf_per_device"]
+        states["found_inf_per_device"] = flags
+        return flags
 
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Updates the scale on the device from the overflow flags of this iteration's
         steps: on overflow the hysteresis tracker counts down and, once it reaches 0,
         the scale backs off (not below ``min_scale``); after ``growth_interval`` clean
         steps it grows (not above ``max_scale``). ``new_scale`` sets it directly, as in
-        torch."""
+        torch (a number is checked to be finite and > 0)."""
         if not self._enabled:
             return
         if new_scale is not None:
+            if not isinstance(new_scale, Tensor):
+                new_scale = check_scale("GradScaler.update", "new_scale", new_scale)
             super().update(new_scale)
             return
-        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        found_infs = [
+        _scale, _ = self._check_scale_growth_tracker("update")
+        found_infs: List[Tensor] = [
             found_inf.to(device=_scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
@@ -140,12 +177,9 @@ class GradScaler(torch.amp.GradScaler):
         found_inf_combined = found_infs[0].clone()
         for found_inf in found_infs[1:]:
             found_inf_combined += found_inf
-        ops.update_loss_scale_(_scale, _growth_tracker, self._hysteresis_tracker,
-                               found_inf_combined, self._growth_factor, self._backoff_factor,
-                               self._growth_interval, self._hysteresis, self._min_scale,
-                               self._max_scale)
+        self._core.update(found_inf_combined)
         self._found_inf = found_inf_combined
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states.clear()
 
     def found_inf(self) -> Optional[Tensor]:
         """The last :meth:`update`'s overflow flag (nonzero: the steps were skipped), a
@@ -153,61 +187,72 @@ class GradScaler(torch.amp.GradScaler):
         caller's choice (and a host synchronisation)."""
         return self._found_inf
 
+    # -- settings: checked by the core before they apply --------------------------------
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._core.configure(growth_factor=new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._core.configure(backoff_factor=new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._core.configure(growth_interval=new_interval)
+
     def get_hysteresis(self) -> int:
-        return self._hysteresis
+        return self._core.hysteresis
 
     def set_hysteresis(self, new_hysteresis: int) -> None:
-        _check_hysteresis(new_hysteresis)
-        self._hysteresis = new_hysteresis
-        if self._hysteresis_tracker is None:  # not started yet: the first steps use it too
-            self._init_hysteresis_tracker = new_hysteresis
+        core = self._core
+        core.configure(hysteresis=new_hysteresis)
+        if core.scale is None:  # not started yet: the first steps use it too
+            core._init = (core._init[0], core._init[1], new_hysteresis)
 
     def get_min_scale(self) -> float:
-        return self._min_scale
+        return self._core.min_scale
 
     def set_min_scale(self, new_min_scale: float) -> None:
-        _check_scale_bounds(new_min_scale, self._max_scale)
-        self._min_scale = float(new_min_scale)
+        self._core.configure(min_scale=new_min_scale)
 
     def get_max_scale(self) -> float:
-        return self._max_scale
+        return self._core.max_scale
 
     def set_max_scale(self, new_max_scale: float) -> None:
-        _check_scale_bounds(self._min_scale, new_max_scale)
-        self._max_scale = float(new_max_scale)
+        self._core.configure(max_scale=new_max_scale)
 
-    def _get_hysteresis_tracker(self) -> int:
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())  # sync-ok: checkpointing reads it
-
+    # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """torch's keys, plus ``hysteresis``, ``min_scale``, ``max_scale`` and
         ``_hysteresis_tracker``."""
         state = super().state_dict()
         if self._enabled:
-            state.update(hysteresis=self._hysteresis, min_scale=self._min_scale,
-                         max_scale=self._max_scale,
-                         _hysteresis_tracker=self._get_hysteresis_tracker())
+            core = self._core
+            state.update(hysteresis=core.hysteresis, min_scale=core.min_scale,
+                         max_scale=core.max_scale,
+                         _hysteresis_tracker=core.trackers()["hysteresis_tracker"])
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a state dict of this class or of ``torch.amp.GradScaler`` (whose
-        missing keys keep this scaler's values)."""
-        super().load_state_dict(state_dict)
+        missing keys keep this scaler's values). Every value is checked first; on a bad
+        one a ValueError names it and nothing changes."""
         if not self._enabled:
             return
-        self._hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._init_hysteresis_tracker = state_dict.get("_hysteresis_tracker", self._hysteresis)
-        if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was "
+                               "saved from a disabled instance of GradScaler.")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                               "_growth_tracker") if k not in state_dict]
+        if missing:
+            raise ValueError(f"GradScaler.load_state_dict: the state dict has no {missing}")
+        core = self._core
+        settings = {k: state_dict.get(k, getattr(core, k))
+                    for k in ("growth_factor", "backoff_factor", "growth_interval",
+                              "hysteresis", "min_scale", "max_scale")}
+        core.load(state_dict["scale"], state_dict["_growth_tracker"],
+                  state_dict.get("_hysteresis_tracker", settings["hysteresis"]), **settings)
 
     def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        if self._enabled:
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_hysteresis_tracker"] = None
-            state["_found_inf"] = None
+        state = super().__getstate__()  # torch's check that no step is half done
+        for name in ("_scale", "_growth_tracker", "_init_scale", "_init_growth_tracker"):
+            state.pop(name, None)  # the core pickles its own values
+        state["_found_inf"] = None
         return state

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD, GradScaler
+from mixedprec.loss_scale import DEFAULT_MIN_SCALE
 
 INF = float("inf")
 TIGHT = TOLERANCES[torch.float32]
@@ -102,7 +103,7 @@ def train_with_scaler(model, opt, scaler, steps, inf_step, clip=None):
 # --- the loss-scale algorithm, as a plain Python reference -----------------------------
 
 def reference_states(flags, init_scale, growth_factor=2.0, backoff_factor=0.5,
-                     growth_interval=2000, hysteresis=1, min_scale=0.0, max_scale=INF):
+                     growth_interval=2000, hysteresis=1, min_scale=DEFAULT_MIN_SCALE, max_scale=INF):
     """(scale, growth_tracker, hysteresis_tracker) after each update, for overflow
     `flags`: the documented algorithm, the scale a float32."""
     f32 = np.float32
@@ -205,7 +206,7 @@ def test_constructor_follows_torch():
     for name, param in theirs.items():
         assert ours[name].default == param.default, name
     assert {k: v.default for k, v in ours.items() if k not in theirs} == {
-        "hysteresis": 1, "min_scale": 0.0, "max_scale": INF}
+        "hysteresis": 1, "min_scale": DEFAULT_MIN_SCALE, "max_scale": INF}
     assert issubclass(GradScaler, torch.amp.GradScaler)
 
 
@@ -309,7 +310,8 @@ def test_load_a_torch_state_dict(device):
 
     mine = ours.state_dict()
     assert {k: mine[k] for k in TORCH_KEYS} == sd
-    assert (mine["hysteresis"], mine["min_scale"], mine["max_scale"]) == (1, 0.0, 2.0**30)
+    assert (mine["hysteresis"], mine["min_scale"], mine["max_scale"]) == (
+        1, DEFAULT_MIN_SCALE, 2.0**30)
     flags = [0, 1, 0, 0, 0, 0] + random_flags(9, 40)
     assert [s[:2] for s in run_flags(ours, device, flags)] == [
         s[:2] for s in run_flags(theirs, device, flags, init=False)]
