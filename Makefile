@@ -48,7 +48,16 @@ $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 	mkdir -p build && rm -f build/ext-cuda*.stamp
 	$(PY) scripts/check_cuda.py > $@.tmp
 	$(PY) setup.py build_ext --inplace
+	$(MAKE) --no-print-directory develop
 	mv $@.tmp $@
+
+# An editable install of this checkout into .venv: a .pth file that puts the repository
+# on the venv's path (what setuptools' editable mode writes), without building the
+# extension a second time; `.venv/bin/python -c "import mixedprec"` then works from
+# anywhere. Undo with `rm .venv/lib/python*/site-packages/mixedprec-checkout.pth`.
+.PHONY: develop
+develop: $(VENV_STAMP)
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mixedprec-checkout.pth"
 
 build/cpp/build.ninja: tests/cpp/CMakeLists.txt $(VENV_STAMP)
 	cmake -S tests/cpp -B build/cpp -G Ninja -DPython3_EXECUTABLE=$(PY)
