@@ -58,16 +58,18 @@ class _Plan(NamedTuple):
     made from has changed (see ``_FusedOptimizer._planned_work``)."""
 
     state_key: Tuple[int, int, bool]  # the state dict's id and size, master_weights
-    # per group param: (dtype, device index, storage address, version, strides), so that
-    # a parameter converted, moved, re-laid-out or written elsewhere takes the full path
+    # per group param: (dtype, storage address, version), so that a parameter converted,
+    # moved, re-laid-out (all of which give it new storage) or written elsewhere takes
+    # the full path
     signature: List[Tuple[Any, ...]]
+    strides: List[Tuple[int, ...]]  # per group param: its strides (its gradient's must match)
     masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
     stepped: List[bool]  # per group param: whether it had a gradient
     lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
 
 
 def _signature(p: Tensor) -> Tuple[Any, ...]:
-    return p.dtype, p.get_device(), p.data_ptr(), p._version, p.stride()
+    return p.dtype, p.data_ptr(), p._version
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
@@ -296,8 +298,8 @@ class _FusedOptimizer(Optimizer):
         masters = [state.get("master_param") for state in states]
         stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
                    for p, m in zip(params, masters)]
-        return _Plan(self._state_key(), [_signature(p) for p in params], masters, stepped,
-                     lists)
+        return _Plan(self._state_key(), [_signature(p) for p in params],
+                     [p.stride() for p in params], masters, stepped, lists)
 
     def _planned_work(self):
         """[(group, plan, gradients, whether some came from masters)] when every group
@@ -324,8 +326,8 @@ class _FusedOptimizer(Optimizer):
                 return None
             grads: List[Tensor] = []
             from_master = False
-            for p, m, stepped, signature in zip(params, plan.masters, plan.stepped,
-                                                plan.signature):
+            for p, m, stepped, signature, strides in zip(params, plan.masters, plan.stepped,
+                                                         plan.signature, plan.strides):
                 if _signature(p) != signature:
                     return None
                 grad = p.grad
@@ -335,7 +337,7 @@ class _FusedOptimizer(Optimizer):
                     return None
                 if grad is not None:
                     if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
-                            or grad.stride() != signature[4]):
+                            or grad.stride() != strides):
                         return None  # the full path converts it or raises the error
                     grads.append(grad)
             if plan.lists is not None and not self._plan_holds(group, plan):
