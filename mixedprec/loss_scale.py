@@ -223,9 +223,11 @@ class LossScale:
                             ("hysteresis_tracker", hysteresis_tracker)):
             if isinstance(value, Tensor):
                 value = int(value.detach().reshape(()).cpu())  # sync-ok: checkpoint
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            # The hysteresis tracker counts below 0 while overflows follow each other.
+            low = 0 if name == "growth_tracker" else -(2**31)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{self.owner}: expected the saved {name} to be an int "
-                                 f">= 0, got {value!r}")
+                                 f">= {low}, got {value!r}")
             trackers[name] = value
         for key, value in checked.items():
             if key != "init_scale":

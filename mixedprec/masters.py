@@ -127,5 +127,6 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
                 m.grad.add_(g)
             else:
                 m.grad = g
-        if flag is not found_inf:
-            found_inf.add_(flag.to(found_inf.device, non_blocking=True).reshape(found_inf.shape))
+        if flag is not found_inf:  # a maximum: torch's fused optimizers expect 0 or 1
+            torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True)
+                          .reshape(found_inf.shape), out=found_inf)

@@ -147,8 +147,8 @@ class GradScaler(torch.amp.GradScaler):
             for device, (fast, other) in self._grads_by_device(optimizer, True).items():
                 flag = self._on(device, found_inf, flags)
                 ops.multi_tensor_check_finite_(fast, flag)
-                for g in other:
-                    flag.add_((~torch.isfinite(g)).any())
+                for g in other:  # a maximum: torch's fused optimizers expect 0 or 1
+                    torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype), out=flag)
         states = self._per_optimizer_states[id(optimizer)]
         states["found_inf_per_device"] = flags
         return flags

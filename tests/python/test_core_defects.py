@@ -381,3 +381,31 @@ def test_optimizer_step_compiles_in_one_graph(cls):
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_loss_scale_restores_a_hysteresis_tracker_below_zero():
+    """update_loss_scale_ counts the tracker below 0 while overflows follow each other;
+    such a state must load back."""
+    core = LossScale(8.0, hysteresis=2)
+    for _ in range(3):
+        core.update(torch.tensor(1.0))
+    saved = dict(scale=core.get(), **core.trackers())
+    assert saved["hysteresis_tracker"] < 0
+    other = LossScale(8.0, hysteresis=2)
+    other.load(saved["scale"], saved["growth_tracker"], saved["hysteresis_tracker"],
+               hysteresis=2)
+    for c in (core, other):
+        c.update(torch.tensor(1.0))
+    assert other.get() == core.get() and other.trackers() == core.trackers()
+
+
+def test_grad_scaler_flag_is_one_for_many_float64_overflows():
+    """torch's fused optimizers subtract found_inf from their step counts: it must be 1."""
+    params = [nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((3,), INF, dtype=torch.float64)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    flags = scaler._check_inf_per_device(opt)
+    assert [float(f) for f in flags.values()] == [1.0]
