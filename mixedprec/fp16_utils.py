@@ -1010,8 +1010,16 @@ class FP16_Optimizer:  # Apex's name
         self._check_inner_state_dict(sd["optimizer_state_dict"], where)
 
     def _check_inner_state_dict(self, inner: Any, where: str) -> None:
-        """The wrapped optimizer's part: same groups and sizes."""
+        """The wrapped optimizer's part: same groups and sizes, and saved by the same kind
+        of optimizer. The kind is told by the keys: a saved group that lacks a
+        hyperparameter of this optimizer's ``defaults`` (``betas``; on/off flags such as
+        ``fused``, which torch versions add, do not count) while holding options this
+        one does not know (``momentum``), or saved per-parameter state whose keys and
+        those this optimizer keeps are not one within the other (SGD's
+        ``momentum_buffer``, Adam's ``exp_avg``), come from another kind. Keys of a
+        scheduler (``initial_lr``) or of another torch version are accepted."""
         opt = self.optimizer
+        kind = type(opt).__name__
         if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             raise ValueError(f"{where}: 'optimizer_state_dict' is not an optimizer state_dict")
         saved_groups = inner["param_groups"]
@@ -1020,10 +1028,18 @@ class FP16_Optimizer:  # Apex's name
                              f"{len(saved_groups)} parameter groups, this one has "
                              f"{len(opt.param_groups)}")
         params_by_id = {}
+        not_options = {"params", "param_names"}
         for gi, (g, sg) in enumerate(zip(opt.param_groups, saved_groups)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"{where}: parameter group {gi} has {len(sg['params'])} "
                                  f"parameters in the state_dict, {len(g['params'])} here")
+            missing = sorted(k for k, v in opt.defaults.items() if k not in sg
+                             and k not in not_options and not isinstance(v, (bool, type(None))))
+            unknown = sorted(set(sg) - set(g) - not_options)
+            if missing and unknown:
+                raise ValueError(f"{where}: parameter group {gi} of the state_dict was saved "
+                                 f"around another kind of optimizer than this {kind}: it has "
+                                 f"{unknown} and lacks {missing}")
             params_by_id.update(zip(sg["params"], g["params"]))
         for pid, saved_state in inner["state"].items():
             if pid not in params_by_id:
@@ -1031,6 +1047,11 @@ class FP16_Optimizer:  # Apex's name
                                  f"parameter id {pid!r}, which is in none of its groups")
             p = params_by_id[pid]
             current = opt.state.get(p, {})
+            if current and saved_state and not (set(current) <= set(saved_state)
+                                                or set(saved_state) <= set(current)):
+                raise ValueError(f"{where}: the state of parameter {pid} was saved around "
+                                 f"another kind of optimizer than this {kind}: it has "
+                                 f"{sorted(saved_state)}, this one keeps {sorted(current)}")
             for key, value in saved_state.items():
                 if not isinstance(value, Tensor) or key == "step":
                     continue

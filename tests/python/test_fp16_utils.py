@@ -812,13 +812,17 @@ def _corrupt(state_dict, what):
         sd["loss_scaler"]["loss_scale"] = sd["loss_scaler"]["loss_scale"].double()
     elif what == "missing key":
         del sd["loss_scaler"]
+    elif what == "state kind":
+        first = next(iter(sd["optimizer_state_dict"]["state"].values()))
+        first.clear()
+        first["momentum_buffer"] = torch.zeros(16, 8)
     return sd
 
 
 @pytest.mark.parametrize("what, match", [
     ("groups", "groups"), ("size", "size"), ("dtype", "dtype"), ("state size", "exp_avg"),
     ("inner groups", "parameter groups"), ("scaler dtype", "loss_scale"),
-    ("missing key", "loss_scaler"),
+    ("missing key", "loss_scaler"), ("state kind", "another kind of optimizer"),
 ])
 def test_load_state_dict_mismatch_changes_nothing(device, what, match):
     model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
@@ -839,3 +843,39 @@ def test_load_state_dict_mismatch_changes_nothing(device, what, match):
     with pytest.raises(ValueError, match=match):
         optimizer.load_state_dict(bad)
     assert_unchanged(watched(), before)
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+@pytest.mark.parametrize("saved_with, loaded_with", [("sgd", "adam"), ("adam", "sgd")])
+def test_load_state_dict_of_another_kind_of_optimizer(device, saved_with, loaded_with, trained):
+    kwargs = dict(dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=64.0))
+    model_a, optimizer_a = wrapped(device, torch.float16, saved_with, **kwargs)
+    train_step(model_a, optimizer_a, 0, device)
+    saved = round_trip(optimizer_a.state_dict())
+    model, optimizer = wrapped(device, torch.float16, loaded_with, seed=1, **kwargs)
+    if trained:
+        train_step(model, optimizer, 0, device)
+
+    def watched():
+        return [list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                optimizer.optimizer.state_dict()["state"], optimizer.loss_scaler._scale]
+
+    before = snapshot(watched())
+    groups = copy.deepcopy(optimizer.optimizer.state_dict()["param_groups"])
+    with pytest.raises(ValueError, match="another kind of optimizer"):
+        optimizer.load_state_dict(saved)
+    assert_unchanged(watched(), before)
+    assert optimizer.optimizer.state_dict()["param_groups"] == groups
+
+
+def test_load_state_dict_takes_keys_of_schedulers_and_other_torch_versions(device):
+    model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=64.0))
+    train_step(model, optimizer, 0, device)
+    sd = copy.deepcopy(optimizer.state_dict())
+    group = sd["optimizer_state_dict"]["param_groups"][0]
+    group["initial_lr"] = group["lr"]  # added by an LR scheduler
+    del group["differentiable"]  # an option an older torch did not have
+    optimizer.load_state_dict(sd)
+    train_step(model, optimizer, 1, device)
+    assert_model_is_masters(optimizer)
