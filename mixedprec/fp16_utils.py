@@ -2,16 +2,19 @@
 
 Legacy scripts that did ``from apex.fp16_utils import FP16_Optimizer, network_to_half``
 run unmodified with ``from mixedprec.fp16_utils import ...``. Names, signatures and
-defaults follow Apex; the per-step work is done by the fused operators of
-:mod:`mixedprec.ops`, and with dynamic loss scaling nothing in ``backward``,
-``update_master_grads`` or ``step`` reads a device value on the host: the overflow flag
-(``found_inf``) and the loss scale are one-element float32 tensors on the device, and
-an overflowed step is skipped on the device.
+defaults follow Apex. The loss scale is :class:`mixedprec.loss_scale.LossScale` (the
+scalers here are faces on it) and the master weights go through
+:mod:`mixedprec.masters`.
 
 What differs from Apex, in general (each name documents its own differences):
 
 * CPU and CUDA tensors are accepted (Apex required CUDA), and bfloat16 wherever Apex
   took float16 (``dtype=`` arguments, bf16 model parameters).
+* With dynamic scaling, ``backward`` and ``update_master_grads`` never read a device
+  value on the host; nor does ``step`` when the wrapped optimizer skips an overflowed
+  step on the device (it declares ``_step_supports_amp_scaling``: mixedprec's fused
+  optimizers, torch's ``fused=True`` ones). With any other optimizer ``step`` reads the
+  overflow flag once, as Apex did.
 * Reading :attr:`FP16_Optimizer.overflow` or a ``loss_scale`` synchronises; the
   messages Apex printed on every overflow are not printed, since printing them
   needs that read.
@@ -19,6 +22,7 @@ What differs from Apex, in general (each name documents its own differences):
   with ``torch.load(..., weights_only=True)``; Apex pickled its scaler object.
 """
 
+import contextlib
 import math
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -27,6 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
+from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
+from .masters import HALF_DTYPES, copy_to_model, make_master, unscale_into_masters
 
 __all__ = [
     "BN_convert_float",
@@ -45,10 +51,7 @@ __all__ = [
     "tofp16",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-# Device types on which torch's optimizers accept capturable=True (step on the device).
-_CAPTURABLE_DEVICE_TYPES = ("cuda", "xpu", "hpu")
+_FLOAT_DTYPES = (torch.float32, *HALF_DTYPES)
 # State keys of torch.optim optimizers that always have the shape of their parameter.
 _PARAM_SHAPED_STATE = frozenset({
     "momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg",
@@ -56,43 +59,10 @@ _PARAM_SHAPED_STATE = frozenset({
 })
 
 
-# ---------------------------------------------------------------------------------------
-# Small helpers
-# ---------------------------------------------------------------------------------------
-
 def _check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
-    if dtype not in _HALF_DTYPES:
+    if dtype not in HALF_DTYPES:
         raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {dtype}")
     return dtype
-
-
-def _same_layout(a: Tensor, b: Tensor) -> bool:
-    """Whether the multi-tensor ops can pair ``a`` with ``b`` element for element."""
-    if not (ops.is_dense(a) and ops.is_dense(b)) or a.numel() != b.numel():
-        return False
-    return (a.is_contiguous() and b.is_contiguous()) or (
-        a.shape == b.shape and a.stride() == b.stride()
-    )
-
-
-def _copy_pairs(src: Sequence[Tensor], dst: Sequence[Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` with a cast: one ``multi_tensor_copy_`` per device for the
-    pairs the op takes (float dtypes, same device and layout), ``copy_`` for the rest."""
-    fast: Dict[torch.device, Tuple[List[Tensor], List[Tensor]]] = {}
-    slow = []
-    for s, d in zip(src, dst):
-        if (s.device == d.device and s.dtype in _FLOAT_DTYPES and d.dtype in _FLOAT_DTYPES
-                and _same_layout(s, d)):
-            pair = fast.setdefault(d.device, ([], []))
-            pair[0].append(s)
-            pair[1].append(d)
-        else:
-            slow.append((s, d))
-    with torch.no_grad():
-        for s_list, d_list in fast.values():
-            ops.multi_tensor_copy_(s_list, d_list)
-        for s, d in slow:
-            d.copy_(s.reshape(d.shape))
 
 
 def _reject_sparse(grads: Iterable[Tuple[str, Optional[Tensor]]], where: str) -> None:
@@ -102,46 +72,6 @@ def _reject_sparse(grads: Iterable[Tuple[str, Optional[Tensor]]], where: str) ->
                 f"{where}: {name} has a sparse gradient (layout {g.layout}); mixed-precision "
                 "master weights need dense gradients (e.g. nn.Embedding(sparse=False))"
             )
-
-
-def _positive_finite(name: str, value: Any) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be positive and finite, got {value}")
-    return value
-
-
-def _host_equal(a: Any, b: Any) -> bool:
-    """Equality of host values that never reads a tensor (tensors compare by identity)."""
-    if a is b:
-        return True
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return False
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(
-            _host_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_host_equal(a[k], b[k]) for k in a)
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    if isinstance(a, (bool, int, float, complex, str, bytes, type(None))):
-        return a == b
-    return False
-
-
-def _host_copy(value: Any) -> Any:
-    """A copy of a host value deep enough for :func:`_host_equal` to see in-place edits of
-    containers; tensors are kept as references."""
-    if isinstance(value, list):
-        return [_host_copy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_host_copy(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    return value
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,99 +199,73 @@ def prep_param_lists(model: nn.Module,
         master = nn.Parameter(flat)
         master.grad = torch.zeros_like(master)
         return model_params, [master]
-    master_params = [p.detach().clone().float().requires_grad_(True) for p in model_params]
-    return model_params, master_params
+    return model_params, [make_master(p).requires_grad_(True) for p in model_params]
 
 
-def _flat_views(flat: Tensor, model_params: Sequence[Tensor], name: str) -> List[Tensor]:
-    total = sum(p.numel() for p in model_params)
-    if flat.dim() != 1 or flat.numel() != total:
-        raise ValueError(
-            f"{name}: the flat master has {flat.numel()} elements (shape {tuple(flat.shape)}), "
-            f"the model parameters have {total}"
-        )
-    views = flat.split([p.numel() for p in model_params])
-    return [v.view(p.shape) for v, p in zip(views, model_params)]
-
-
-def _check_master_lists(model_params, master_params, flat_master, name):
+def _pair_up(model_params, master_params, flat_master, name, grads=False):
+    """The masters (or their gradients) as tensors paired with ``model_params``: views of
+    the one flat master with ``flat_master``; checks the lists first."""
+    model_params, master_params = list(model_params), list(master_params)
     if flat_master:
         if len(master_params) != 1:
-            raise ValueError(
-                f"{name}: flat_master=True expects a list of one flat master, got "
-                f"{len(master_params)} tensors"
-            )
-    elif len(model_params) != len(master_params):
-        raise ValueError(
-            f"{name}: got {len(model_params)} model parameters and {len(master_params)} "
-            "master parameters"
-        )
+            raise ValueError(f"{name}: flat_master=True expects a list of one flat master, "
+                             f"got {len(master_params)} tensors")
+        flat = master_params[0].detach()
+        total = sum(p.numel() for p in model_params)
+        if flat.dim() != 1 or flat.numel() != total:
+            raise ValueError(f"{name}: the flat master has {flat.numel()} elements (shape "
+                             f"{tuple(flat.shape)}), the model parameters have {total}")
+        if grads:
+            if master_params[0].grad is None:
+                master_params[0].grad = torch.zeros_like(flat)
+            flat = master_params[0].grad
+        views = flat.split([p.numel() for p in model_params])
+        return model_params, [v.view(p.shape) for v, p in zip(views, model_params)]
+    if len(model_params) != len(master_params):
+        raise ValueError(f"{name}: got {len(model_params)} model parameters and "
+                         f"{len(master_params)} master parameters")
+    for model, master in zip(model_params, master_params):
+        if model.shape != master.shape:
+            raise ValueError(f"{name}: a model parameter of shape {tuple(model.shape)} is "
+                             f"paired with a master of shape {tuple(master.shape)}")
+    return model_params, master_params
 
 
 def model_grads_to_master_grads(model_params: Sequence[Tensor], master_params: Sequence[Tensor],
                                 flat_master: bool = False) -> None:
     """Copies (with a cast to float32) the gradients of ``model_params`` into the ``.grad``
-    of ``master_params`` (as made by :func:`prep_param_lists`), in one
-    ``multi_tensor_copy_`` per device. A model parameter without gradient leaves its
-    master with ``.grad = None`` (with ``flat_master``: zeros in its slice, where Apex
-    failed). No unscaling is done. Sparse gradients raise ``TypeError`` before anything
-    is written; mismatched lists raise ``ValueError``."""
+    of ``master_params`` (as made by :func:`prep_param_lists`) with
+    :func:`mixedprec.masters.copy_to_model`. A model parameter without gradient leaves
+    its master with ``.grad = None`` (with ``flat_master``: zeros in its slice, where
+    Apex failed). No unscaling is done. Sparse gradients raise ``TypeError`` before
+    anything is written; mismatched lists raise ``ValueError``."""
     name = "model_grads_to_master_grads"
-    model_params, master_params = list(model_params), list(master_params)
-    _check_master_lists(model_params, master_params, flat_master, name)
+    model_params = list(model_params)
     _reject_sparse(((f"model_params[{i}]", p.grad) for i, p in enumerate(model_params)), name)
-    if flat_master:
-        master = master_params[0]
-        _flat_views(master.detach(), model_params, name)  # checks the size first
-        if master.grad is None:
-            master.grad = torch.zeros_like(master)
-        grad_views = _flat_views(master.grad, model_params, name)
-        src, dst = [], []
-        for p, g in zip(model_params, grad_views):
-            if p.grad is None:
-                g.zero_()
-            else:
-                src.append(p.grad)
-                dst.append(g)
-        _copy_pairs(src, dst)
-        return
-    for model, master in zip(model_params, master_params):
-        if model.shape != master.shape:
-            raise ValueError(
-                f"{name}: a model parameter of shape {tuple(model.shape)} is paired with a "
-                f"master of shape {tuple(master.shape)}"
-            )
+    model_params, masters = _pair_up(model_params, master_params, flat_master, name, grads=True)
     src, dst = [], []
-    for model, master in zip(model_params, master_params):
+    for model, master in zip(model_params, masters):
         if model.grad is None:
-            master.grad = None
+            if flat_master:
+                master.zero_()
+            else:
+                master.grad = None
             continue
-        if master.grad is None:
+        if not flat_master and master.grad is None:
             master.grad = torch.empty_like(master)
         src.append(model.grad)
-        dst.append(master.grad)
-    _copy_pairs(src, dst)
+        dst.append(master if flat_master else master.grad)
+    copy_to_model(src, dst)
 
 
 def master_params_to_model_params(model_params: Sequence[Tensor], master_params: Sequence[Tensor],
                                   flat_master: bool = False) -> None:
-    """Copies ``master_params`` into ``model_params`` (with a cast to the model dtype), in
-    one ``multi_tensor_copy_`` per device. With ``flat_master`` the single flat master
+    """Copies ``master_params`` into ``model_params`` (with a cast to the model dtype) with
+    :func:`mixedprec.masters.copy_to_model`. With ``flat_master`` the single flat master
     is split into the shapes of the model parameters."""
-    name = "master_params_to_model_params"
-    model_params, master_params = list(model_params), list(master_params)
-    _check_master_lists(model_params, master_params, flat_master, name)
-    if flat_master:
-        masters = _flat_views(master_params[0].detach(), model_params, name)
-    else:
-        masters = [m.detach() for m in master_params]
-        for model, master in zip(model_params, masters):
-            if model.shape != master.shape:
-                raise ValueError(
-                    f"{name}: a model parameter of shape {tuple(model.shape)} is paired "
-                    f"with a master of shape {tuple(master.shape)}"
-                )
-    _copy_pairs(masters, [p.detach() for p in model_params])
+    model_params, masters = _pair_up(model_params, master_params, flat_master,
+                                     "master_params_to_model_params")
+    copy_to_model(masters, model_params)
 
 
 def to_python_float(t: Any) -> float:
@@ -383,34 +287,71 @@ def clip_grad_norm(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False
 
 
 # ---------------------------------------------------------------------------------------
-# Loss scalers (apex/fp16_utils/loss_scaler.py)
+# Loss scalers (apex/fp16_utils/loss_scaler.py): faces on LossScale
 # ---------------------------------------------------------------------------------------
+
+# LossScale's setting names -> Apex's (for error messages).
+_APEX_NAMES = (("growth_factor", "scale_factor"), ("growth_interval", "scale_window"),
+               ("min_scale", "min_loss_scale"), ("max_scale", "max_loss_scale"))
+
+
+@contextlib.contextmanager
+def _apex_names(prefix: str = "", *renames: Tuple[str, str]):
+    """Re-raises LossScale's errors with Apex's argument names (and ``prefix``)."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        for ours, apex in _APEX_NAMES + renames:
+            message = message.replace(ours, apex)
+        raise type(error)(prefix + message) from None
+
+
+def _core_settings(**apex: Any) -> Dict[str, Any]:
+    """LossScale's settings from Apex's names; checks what LossScale does not (Apex
+    divides by ``scale_factor``, so it must be > 1). ``None`` bounds: the default floor
+    (:data:`mixedprec.loss_scale.DEFAULT_MIN_SCALE`), no ceiling."""
+    out = {}
+    if "scale_factor" in apex:
+        factor = check_scale("DynamicLossScaler", "scale_factor", apex.pop("scale_factor"))
+        if factor <= 1.0:
+            raise ValueError(f"DynamicLossScaler: expected scale_factor to be > 1, got {factor}")
+        out.update(growth_factor=factor, backoff_factor=1.0 / factor)
+    if "scale_window" in apex:
+        out["growth_interval"] = apex.pop("scale_window")
+    if "min_loss_scale" in apex:
+        value = apex.pop("min_loss_scale")
+        out["min_scale"] = DEFAULT_MIN_SCALE if value is None else value
+    if "max_loss_scale" in apex:
+        value = apex.pop("max_loss_scale")
+        out["max_scale"] = math.inf if value is None else value
+    out.update(apex)  # init_scale
+    return out
+
 
 def _grads_have_inf_or_nan(params: Iterable[Tensor]) -> bool:
     """Whether any gradient of ``params`` holds inf or NaN: one ``multi_tensor_check_finite_``
-    per device for the tensors it takes, ``torch.isfinite`` for the others; one host
-    read per device."""
+    per device for the tensors it takes, ``torch.isfinite`` for the others."""
     flags: Dict[torch.device, Tensor] = {}
     fast: Dict[torch.device, List[Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
-        flag = flags.setdefault(g.device, torch.zeros(1, dtype=torch.float32, device=g.device))
+        flag = flags.setdefault(g.device, torch.zeros((), dtype=torch.float32, device=g.device))
         if g.layout == torch.strided and g.dtype in _FLOAT_DTYPES and ops.is_dense(g):
             fast.setdefault(g.device, []).append(g)
         else:
             values = g.coalesce().values() if g.layout == torch.sparse_coo else g
-            bad = (~torch.isfinite(values)).any().to(torch.float32)
-            torch.maximum(flag, bad.reshape(1), out=flag)
+            flag.add_((~torch.isfinite(values)).any())
     for device, grads in fast.items():
         ops.multi_tensor_check_finite_(grads, flags[device])
-    # sync-ok: Apex's has_overflow API returns a Python bool
+    # sync-ok: Apex's has_overflow API returns a Python bool (one read per device)
     return any(bool(flag.item()) for flag in flags.values())  # sync-ok: see above
 
 
 class LossScaler:
-    """A static loss scale, kept as a one-element float32 tensor.
+    """A static loss scale: a face on :class:`mixedprec.loss_scale.LossScale` (``core``).
 
     Used by :class:`FP16_Optimizer` when ``dynamic_loss_scale=False``; usable on its own
     as in Apex: ``scaler.backward(loss)`` back-propagates ``loss * loss_scale``,
@@ -418,47 +359,41 @@ class LossScaler:
 
     Differs from Apex: :attr:`loss_scale` is a Python float read from the device
     tensor (Apex kept a Python number), ``backward`` casts the loss to float32 before
-    scaling, and ``state_dict``/``load_state_dict`` exist.
+    scaling, and ``state_dict``/``load_state_dict`` exist. A scale that is not finite
+    and > 0 is rejected.
     """
 
     dynamic = False
 
     def __init__(self, scale: float = 1.0, *, device: Optional[torch.device] = None):
-        scale = _positive_finite("scale", scale)
-        self._scale = torch.full((1,), scale, dtype=torch.float32, device=device)
+        scale = check_scale("LossScaler", "scale", scale)
+        self.core = LossScale(scale, dynamic=False, owner="LossScaler")
+        self.core.place(torch.device("cpu") if device is None else device)
 
-    # -- device state ------------------------------------------------------------------
-    def _tensor_names(self) -> Tuple[str, ...]:
-        return ("_scale",)
-
-    def _place(self, device: torch.device) -> None:
-        """Moves the scaler's tensors to ``device`` (no host read)."""
-        device = torch.device(device)
-        for name in self._tensor_names():
-            t = getattr(self, name)
-            if t.device != device:
-                setattr(self, name, t.to(device))
+    @property
+    def _scale(self) -> Tensor:
+        """The scale: a 0-dim float32 device tensor."""
+        core = self.core
+        return core.scale if core.scale is not None else core.place(torch.device("cpu"))
 
     @property
     def device(self) -> torch.device:
         """The device holding the scale."""
         return self._scale.device
 
-    def _update(self, found_inf: Tensor) -> None:
-        """Updates the scale on the device from the overflow flag (static: nothing)."""
-
-    # -- Apex API ----------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
-        """The current scale (reads the device tensor)."""
-        return self._scale.item()  # sync-ok: reading the scale is the caller's choice
+        """The current scale (reads the device tensor); settable (a number, or a
+        one-element tensor copied on the device)."""
+        return self.core.get()
 
     @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
+    def loss_scale(self, value: Any) -> None:
         if isinstance(value, Tensor):
-            self._scale.copy_(value.reshape(1))
+            value = value.to(self.device)
         else:
-            self._scale.fill_(_positive_finite("loss_scale", value))
+            value = check_scale(type(self).__name__, "loss_scale", value)
+        self.core.set(value)
 
     cur_scale = loss_scale  # Apex's attribute name
 
@@ -480,51 +415,65 @@ class LossScaler:
 
     def backward(self, loss: Tensor, retain_graph: bool = False) -> None:
         """Back-propagates ``loss.float() * loss_scale`` (multiplied on the device)."""
-        if self._scale.device != loss.device:
-            self._place(loss.device)
-        scaled_loss = loss.float() * self._scale.reshape(())
+        scaled_loss = loss.float() * self.core.place(loss.device)
         scaled_loss.backward(retain_graph=retain_graph)
 
-    # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """The scaler as tensors (copies) and numbers, loadable with ``weights_only``."""
-        return {"dynamic": False, "loss_scale": self._scale.detach().clone()}
+        return {"dynamic": False, "loss_scale": self._scale.detach().clone().reshape(1)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads :meth:`state_dict`; ``ValueError`` (nothing changed) when it does not
-        describe a scaler of the same kind."""
-        loaded = _scaler_from_state_dict(state_dict, self._scale.device, "state_dict")
+        describe a valid scaler of the same kind."""
+        loaded = _scaler_from_state_dict(state_dict, self.device, "state_dict")
         if loaded.dynamic != self.dynamic:
-            raise ValueError(
-                f"state_dict describes a {'dynamic' if loaded.dynamic else 'static'} loss "
-                f"scaler, this one is {'dynamic' if self.dynamic else 'static'}"
-            )
-        self.__dict__.update(loaded.__dict__)
+            kinds = {True: "dynamic", False: "static"}
+            raise ValueError(f"state_dict describes a {kinds[loaded.dynamic]} loss scaler, "
+                             f"this one is {kinds[self.dynamic]}")
+        self.core = loaded.core
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device})"
 
 
+def _apex_setting(name: str, doc: str) -> property:
+    """A setting of :class:`DynamicLossScaler` kept by its core, checked when set."""
+    core_name = {apex: ours for ours, apex in _APEX_NAMES}[name]
+
+    def get(self):
+        return getattr(self.core, core_name)
+
+    def set(self, value):
+        with _apex_names():
+            self.core.configure(**_core_settings(**{name: value}))
+    return property(get, set, doc=doc)
+
+
 class DynamicLossScaler(LossScaler):
-    """A dynamic loss scale, updated on the device by ``update_loss_scale_``.
+    """A dynamic loss scale: a face on :class:`mixedprec.loss_scale.LossScale`
+    (``core``), updated on the device.
 
     Apex's rule: on an overflow the scale is divided by ``scale_factor`` (not below
-    ``min_loss_scale``, 1 in Apex) and the step is skipped; after ``scale_window``
-    consecutive steps without overflow it is multiplied by ``scale_factor``.
+    ``min_loss_scale``) and the step is skipped; after ``scale_window`` consecutive
+    steps without overflow it is multiplied by ``scale_factor`` (not above
+    ``max_loss_scale``).
 
     Args:
         init_scale: the first scale (Apex's default 2**32).
-        scale_factor: the growth factor; the back-off factor is its inverse.
+        scale_factor: the growth factor (> 1); the back-off factor is its inverse.
         scale_window: overflow-free steps before the scale grows.
         min_loss_scale, max_loss_scale: keyword-only bounds (defaults 1 and no
-            ceiling); ``None`` means no bound. These are the names the last Apex
-            ``FP16_Optimizer`` accepted in ``dynamic_loss_args``.
+            ceiling). ``min_loss_scale=None`` means LossScale's floor 2**-24 (the scale
+            never reaches 0); ``max_loss_scale=None`` no ceiling. These are the names the
+            last Apex ``FP16_Optimizer`` accepted in ``dynamic_loss_args``.
 
-    Differs from Apex: the scale, the count of good steps and the overflow flag live in
-    one-element device tensors, so :meth:`update_scale` also accepts the overflow as a
-    device tensor (no host read); the scale is float32 (with a ``scale_factor`` that is
-    not a power of two the values can differ from Apex's float64 in the last bits), and
-    a growth that would overflow float32 is not taken. :meth:`has_overflow` returns a
+    Every setting is checked at construction, when set and when loaded; an error names
+    the argument and changes nothing.
+
+    Differs from Apex: the scale and its trackers live in device tensors, so
+    :meth:`update_scale` also accepts the overflow as a device tensor (no host read);
+    the scale is float32 (with a ``scale_factor`` that is not a power of two the values
+    can differ from Apex's float64 in the last bits). :meth:`has_overflow` returns a
     Python bool as in Apex, which reads the device.
     """
 
@@ -534,40 +483,17 @@ class DynamicLossScaler(LossScaler):
                  scale_window: int = 1000, *, min_loss_scale: Optional[float] = 1.0,
                  max_loss_scale: Optional[float] = None,
                  device: Optional[torch.device] = None):
-        super().__init__(_positive_finite("init_scale", init_scale), device=device)
-        scale_factor = _positive_finite("scale_factor", scale_factor)
-        if scale_factor <= 1.0:
-            raise ValueError(f"scale_factor must be greater than 1, got {scale_factor}")
-        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
-            raise ValueError(f"scale_window must be a positive integer, got {scale_window!r}")
-        min_loss_scale = 0.0 if min_loss_scale is None else float(min_loss_scale)
-        max_loss_scale = math.inf if max_loss_scale is None else float(max_loss_scale)
-        if not (0.0 <= min_loss_scale <= max_loss_scale) or math.isnan(max_loss_scale):
-            raise ValueError(
-                f"expected 0 <= min_loss_scale <= max_loss_scale, got {min_loss_scale} and "
-                f"{max_loss_scale}"
-            )
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
-        self.min_loss_scale = min_loss_scale
-        self.max_loss_scale = max_loss_scale
-        dev = self._scale.device
-        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._hysteresis_tracker = torch.ones(1, dtype=torch.int32, device=dev)
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+        with _apex_names():
+            settings = _core_settings(init_scale=init_scale, scale_factor=scale_factor,
+                                      scale_window=scale_window, min_loss_scale=min_loss_scale,
+                                      max_loss_scale=max_loss_scale)
+            self.core = LossScale(**settings, dynamic=True, owner="DynamicLossScaler")
+        self.core.place(torch.device("cpu") if device is None else device)
 
-    def _tensor_names(self) -> Tuple[str, ...]:
-        return ("_scale", "_growth_tracker", "_hysteresis_tracker", "_found_inf")
-
-    def _update(self, found_inf: Tensor) -> None:
-        if found_inf.device != self._scale.device:
-            self._place(found_inf.device)
-        ops.update_loss_scale_(
-            self._scale, self._growth_tracker, self._hysteresis_tracker, found_inf,
-            growth_factor=self.scale_factor, backoff_factor=1.0 / self.scale_factor,
-            growth_interval=self.scale_window, hysteresis=1,
-            min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
-        )
+    scale_window = _apex_setting("scale_window", "Overflow-free steps before the scale grows.")
+    min_loss_scale = _apex_setting("min_loss_scale", "The floor of the scale.")
+    max_loss_scale = _apex_setting("max_loss_scale", "The ceiling of the scale (inf: none).")
+    scale_factor = _apex_setting("scale_factor", "The growth factor (back-off: its inverse).")
 
     def has_overflow(self, params: Iterable[Tensor]) -> bool:
         """Whether any ``p.grad`` of ``params`` holds inf or NaN (fused check per device;
@@ -579,23 +505,27 @@ class DynamicLossScaler(LossScaler):
         return bool((~torch.isfinite(x)).any().item())  # sync-ok: Apex API returns a Python bool
 
     def update_scale(self, overflow: Any) -> None:
-        """Applies one step of the rule. ``overflow`` is a bool or a device tensor (any
-        nonzero value means overflow); a tensor is used without a host read."""
+        """Applies one step of the rule. ``overflow`` is a bool or a one-element tensor
+        (nonzero: overflow), used on the device without a host read."""
         if isinstance(overflow, Tensor):
-            if overflow.device != self._scale.device:
-                self._place(overflow.device)
-            self._found_inf.copy_(overflow.detach().reshape(1))
+            if overflow.numel() != 1:
+                raise ValueError("DynamicLossScaler.update_scale: expected overflow to be a "
+                                 "bool or a one-element tensor, got shape "
+                                 f"{tuple(overflow.shape)}")
+            flag = (overflow.detach().reshape(()) != 0).to(torch.float32)
         else:
-            self._found_inf.fill_(1.0 if overflow else 0.0)
-        self._update(self._found_inf)
+            flag = torch.full((), float(bool(overflow)), device=self.device)
+        self.core.update(flag)
 
     def state_dict(self) -> Dict[str, Any]:
         """Scale, trackers (copies) and settings, loadable with ``weights_only``."""
+        core, scale = self.core, self._scale
         return {
             "dynamic": True,
-            "loss_scale": self._scale.detach().clone(),
-            "growth_tracker": self._growth_tracker.clone(),
-            "hysteresis_tracker": self._hysteresis_tracker.clone(),
+            "loss_scale": scale.detach().clone().reshape(1),
+            "growth_tracker": core.growth_tracker.clone().reshape(1),
+            # <= 0 all act alike (see _scaler_from_state_dict); saved as LossScale loads it.
+            "hysteresis_tracker": core.hysteresis_tracker.clamp(min=0).reshape(1),
             "scale_factor": self.scale_factor,
             "scale_window": self.scale_window,
             "min_loss_scale": self.min_loss_scale,
@@ -604,35 +534,33 @@ class DynamicLossScaler(LossScaler):
 
 
 def _scaler_from_state_dict(sd: Any, device: torch.device, where: str) -> LossScaler:
-    """A new scaler built from a scaler ``state_dict``; ``ValueError`` naming what is
-    wrong, before anything is changed."""
+    """A new scaler built from a scaler ``state_dict``, every value checked (by
+    LossScale); ``ValueError`` naming what is wrong."""
     if not isinstance(sd, dict) or "dynamic" not in sd or "loss_scale" not in sd:
         raise ValueError(f"{where} must be a loss-scaler state_dict with 'dynamic' and "
                          f"'loss_scale', got {type(sd).__name__}")
     tensor_specs = {"loss_scale": torch.float32}
+    settings = ("scale_factor", "scale_window", "min_loss_scale", "max_loss_scale")
     if sd["dynamic"]:
         tensor_specs.update(growth_tracker=torch.int32, hysteresis_tracker=torch.int32)
-        for key in ("scale_factor", "scale_window", "min_loss_scale", "max_loss_scale"):
+        for key in settings:
             if key not in sd:
                 raise ValueError(f"{where} is missing '{key}'")
     for key, dtype in tensor_specs.items():
         t = sd.get(key)
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{where}['{key}'] must be a tensor, got {type(t).__name__}")
-        if t.numel() != 1 or t.dtype != dtype:
-            raise ValueError(
-                f"{where}['{key}'] must be one {dtype} element, got dtype {t.dtype} and shape "
-                f"{tuple(t.shape)}"
-            )
-    if sd["dynamic"]:
-        scaler: LossScaler = DynamicLossScaler(
-            1.0, sd["scale_factor"], sd["scale_window"], min_loss_scale=sd["min_loss_scale"],
-            max_loss_scale=sd["max_loss_scale"], device=device)
-        scaler._growth_tracker.copy_(sd["growth_tracker"].reshape(1))
-        scaler._hysteresis_tracker.copy_(sd["hysteresis_tracker"].reshape(1))
-    else:
-        scaler = LossScaler(1.0, device=device)
-    scaler._scale.copy_(sd["loss_scale"].reshape(1))
+        if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != dtype:
+            got = (f"dtype {t.dtype} and shape {tuple(t.shape)}" if isinstance(t, Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{where}['{key}'] must be one {dtype} element, got {got}")
+    scale = float(sd["loss_scale"].reshape(()))  # sync-ok: loading a checkpoint
+    scale = check_scale(where, "'loss_scale'", scale)
+    with _apex_names(f"{where}: ", ("init_scale", "'loss_scale'")):
+        if not sd["dynamic"]:
+            return LossScaler(scale, device=device)
+        scaler = DynamicLossScaler(scale, **{key: sd[key] for key in settings}, device=device)
+        # The op counts the tracker below 0 in a run of overflows; any value <= 0 acts
+        # as 0 (the next overflow backs off), the value LossScale.load takes.
+        scaler.core.load(scale, sd["growth_tracker"], sd["hysteresis_tracker"].clamp(min=0))
     return scaler
 
 
@@ -662,35 +590,27 @@ class FP16_Optimizer:  # Apex's name
         dynamic_loss_args: keyword arguments of :class:`DynamicLossScaler`.
         verbose: print the parameters found at construction, as Apex did.
 
-    The fused data path: :meth:`update_master_grads` unscales and casts all half
-    gradients into the float32 master gradients and checks them for inf/NaN in one
-    ``multi_tensor_unscale_to_`` per device (float32 parameters: one
+    :meth:`update_master_grads` unscales the gradients into the float32 master
+    gradients and sets the overflow flag (a device tensor) with
+    :func:`mixedprec.masters.unscale_into_masters` (float32 parameters: one
     ``multi_tensor_unscale_`` in place); with dynamic scaling the loss scale is then
-    updated on the device. :meth:`step` copies the masters into the model with one
-    ``multi_tensor_copy_`` per device.
+    updated on the device. :meth:`step` copies the masters into the model with
+    :func:`mixedprec.masters.copy_to_model`.
 
-    How an overflowed step is skipped without reading the flag on the host
-    (dynamic scaling only; a static scale never skips, as in Apex):
+    How an overflowed step is skipped (dynamic scaling only; a static scale never
+    skips, as in Apex):
 
     * When the wrapped optimizer declares ``_step_supports_amp_scaling`` (torch's
-      ``fused=True`` SGD/Adam/AdamW/Adagrad, mixedprec's fused optimizers), the flag is
-      handed to it as ``optimizer.found_inf`` (with ``optimizer.grad_scale = None``:
-      the gradients are already unscaled) for the duration of ``step``, as
-      ``torch.amp.GradScaler`` does, and its kernel writes nothing on overflow. No
-      copies are made.
-    * Otherwise the parameters that have a gradient (torch's optimizers touch no
-      other) and the tensors of their optimizer state are cloned before the inner
-      ``step`` and, after it, put back with ``torch.where(found_inf, before, after)``
-      on the device: a skipped step leaves masters, model and state bit-identical at
-      the cost of one copy of the parameters and state per step. So that the step
-      counters of torch optimizers live on the device too, groups with a
-      ``capturable`` option on CUDA get ``capturable=True``. State kept outside
-      ``optimizer.state`` and ``param_groups`` (attributes of the optimizer) is not
-      restored.
-    * What only the host can undo (the step created optimizer state, as the first step
-      does, changed a Python number in the state or a group, or left state on another
-      device such as the CPU) is decided by reading the flag once in that step; on
-      overflow the created state is removed and the rest restored.
+      ``fused=True`` optimizers, mixedprec's fused optimizers), the flag is handed to it
+      as ``optimizer.found_inf`` (with ``optimizer.grad_scale = None``: the gradients
+      are already unscaled) for the duration of ``step``, as ``torch.amp.GradScaler``
+      does; its kernel writes nothing on overflow, and no value is read on the host.
+      The first step of a parameter is the exception: torch's ``SGD(fused=True)``
+      skipping on the device would leave the momentum buffers it creates
+      uninitialised, so a step with a parameter the fused optimizer has not stepped
+      yet goes the way below.
+    * Otherwise ``step`` reads the flag on the host, once, and does not call the wrapped
+      optimizer's ``step`` when it is set, as Apex did.
 
     Differs from Apex: CPU and bfloat16 are supported; the defaults of the dynamic
     scaler are those of :class:`DynamicLossScaler` (Apex's last version used amp's
@@ -698,8 +618,8 @@ class FP16_Optimizer:  # Apex's name
     a tensor; ``step(closure)`` with dynamic scaling re-runs the closure while the
     gradients overflow (reading the flag, as Apex did) and raises ``RuntimeError`` if
     they still overflow at the minimum scale instead of looping forever;
-    :meth:`load_state_dict` validates the checkpoint and copies the masters into the
-    model.
+    :meth:`load_state_dict` validates the checkpoint (refusing one of another kind of
+    optimizer) and copies the masters into the model.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
@@ -750,8 +670,8 @@ class FP16_Optimizer:  # Apex's name
                     continue
                 self.maybe_print(f"FP16_Optimizer received {param.dtype} parameter of size "
                                  f"{tuple(param.shape)} on {param.device}")
-                if param.dtype in _HALF_DTYPES:
-                    master = param.detach().clone().float().requires_grad_(True)
+                if param.dtype in HALF_DTYPES:
+                    master = make_master(param).requires_grad_(True)
                     group["params"][pi] = master
                     if param in state:
                         state[master] = state.pop(param)
@@ -772,15 +692,15 @@ class FP16_Optimizer:  # Apex's name
 
         devices = [p.device for p in self.all_fp16_params + self.all_fp32_from_fp32_params]
         self._device = devices[0] if devices else torch.device("cpu")
-        self._devices = list(dict.fromkeys(devices))
-        loss_scaler._place(self._device)
+        self._several_devices = len(set(devices)) > 1
+        loss_scaler.core.place(self._device)
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=self._device)
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
-        self._warned_host_state = False
-        self._prepare_inner_for_skipping()
+        # ids of the parameters a fused inner optimizer has stepped (so holds state for).
+        self._started: set = set()
 
     def maybe_print(self, msg: str) -> None:
         """Prints ``msg`` when ``verbose``."""
@@ -796,57 +716,6 @@ class FP16_Optimizer:  # Apex's name
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic_loss_scale else "static"
         return f"FP16_Optimizer({kind} loss scale, {self.optimizer!r})"
-
-    # -- internals ---------------------------------------------------------------------
-    @property
-    def _uses_found_inf(self) -> bool:
-        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
-
-    def _prepare_inner_for_skipping(self) -> None:
-        """With dynamic scaling and a non-fused optimizer, keeps torch's step counters on
-        the device (capturable=True), so that a skip restores them without a host read."""
-        if not self.dynamic_loss_scale or self._uses_found_inf:
-            return
-        changed = False
-        for group in self.optimizer.param_groups:
-            if group.get("capturable", True) or group.get("fused"):
-                continue  # no such option, already on, or fused
-            if group["params"] and all(p.device.type in _CAPTURABLE_DEVICE_TYPES
-                                       for p in group["params"]):
-                group["capturable"] = True
-                changed = True
-        if changed:
-            # A deliberate choice: silence torch's advice to turn capturable off.
-            self.optimizer._warned_capturable_if_run_uncaptured = True
-            if len(self.optimizer.state) > 0:
-                self.optimizer.load_state_dict(self.optimizer.state_dict())  # moves "step"
-
-    def _managed(self):
-        """(model params, master params) per device, fp16/bf16 ones and fp32 ones."""
-        halves: Dict[torch.device, Tuple[List[Tensor], List[Tensor]]] = {}
-        for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params):
-            pair = halves.setdefault(model.device, ([], []))
-            pair[0].append(model)
-            pair[1].append(master)
-        fulls: Dict[torch.device, List[Tensor]] = {}
-        for p in self.all_fp32_from_fp32_params:
-            fulls.setdefault(p.device, []).append(p)
-        return halves, fulls
-
-    def _master_params_to_model_params(self) -> None:
-        _copy_pairs([m.detach() for m in self.all_fp32_from_fp16_params],
-                    [p.detach() for p in self.all_fp16_params])
-
-    def _flag_on(self, device: torch.device, cache: Dict[torch.device, Tensor]) -> Optional[Tensor]:
-        """The overflow flag as a 0-dim bool on ``device``; None when getting it there
-        would read the device on the host (a CUDA flag to the CPU)."""
-        if device in cache:
-            return cache[device]
-        if device.type == "cpu" and self._device.type != "cpu":
-            return None
-        flag = cache[self._device].to(device, non_blocking=True)
-        cache[device] = flag
-        return flag
 
     # -- Apex API ----------------------------------------------------------------------
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # Apex's name
@@ -876,89 +745,81 @@ class FP16_Optimizer:  # Apex's name
         device), then, unless ``update_master_grads=False`` (to accumulate several
         losses first), calls :meth:`update_master_grads`. The model's own ``.grad``
         stay scaled; read master gradients with :meth:`inspect_master_grad_data`."""
-        scale = self.loss_scaler._scale
-        if scale.device != loss.device:
-            scale = scale.to(loss.device)
-        scaled_loss = loss.float() * scale.reshape(())
+        scaled_loss = loss.float() * self.loss_scaler._scale.to(loss.device)
         scaled_loss.backward(retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
 
     def update_master_grads(self) -> None:
         """Unscales the model's gradients into the float32 master gradients and sets the
-        overflow flag, in one ``multi_tensor_unscale_to_`` per device (float32
-        parameters are unscaled in place by one ``multi_tensor_unscale_``); with
-        dynamic scaling, then updates the loss scale on the device. A model parameter
-        without gradient gets a master with ``.grad = None``. Sparse gradients raise
-        ``TypeError`` before anything is written. No host read."""
+        overflow flag (float32 parameters are unscaled in place); with dynamic scaling,
+        then updates the loss scale on the device. A model parameter without gradient
+        gets a master with ``.grad = None``. Sparse gradients raise ``TypeError`` before
+        anything is written. No host read."""
         named = [(f"a float16/bfloat16 parameter of shape {tuple(p.shape)}", p.grad)
                  for p in self.all_fp16_params]
         named += [(f"a float32 parameter of shape {tuple(p.shape)}", p.grad)
                   for p in self.all_fp32_from_fp32_params]
         _reject_sparse(named, "FP16_Optimizer.update_master_grads")
 
-        halves, fulls = self._managed()
-        scale = self.loss_scaler._scale
-        inv_scale = torch.reciprocal(scale)
+        core = self.loss_scaler.core
+        inv_scale = core.inv_scale()
         found_inf = self._found_inf
         found_inf.zero_()
-        inv_by_device = {self._device: inv_scale}
-        flag_by_device = {self._device: found_inf}
-        for device in self._devices:
-            if device not in inv_by_device:
-                inv_by_device[device] = inv_scale.to(device, non_blocking=True)
-                flag_by_device[device] = torch.zeros(1, dtype=torch.float32, device=device)
-
+        for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params):
+            if model.grad is None:
+                master.grad = None
+        unscale_into_masters(self.all_fp16_params, self.all_fp32_from_fp16_params,
+                             found_inf, inv_scale)
+        fp32_grads: Dict[torch.device, List[Tensor]] = {}
+        for p in self.all_fp32_from_fp32_params:
+            if p.grad is not None:
+                if not ops.is_dense(p.grad):
+                    p.grad = p.grad.contiguous()
+                fp32_grads.setdefault(p.grad.device, []).append(p.grad)
         with torch.no_grad():
-            for device, (models, masters) in halves.items():
-                src, dst = [], []
-                for model, master in zip(models, masters):
-                    grad = model.grad
-                    if grad is None:
-                        master.grad = None
-                        continue
-                    if not ops.is_dense(grad):
-                        grad = grad.contiguous()
-                    if master.grad is None or not _same_layout(grad, master.grad):
-                        master.grad = torch.empty_like(grad, dtype=torch.float32)
-                    src.append(grad)
-                    dst.append(master.grad)
-                if src:
-                    ops.multi_tensor_unscale_to_(src, dst, flag_by_device[device],
-                                                 inv_by_device[device])
-            for device, params in fulls.items():
-                grads = []
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    if not ops.is_dense(p.grad):
-                        p.grad = p.grad.contiguous()
-                    grads.append(p.grad)
-                if grads:
-                    ops.multi_tensor_unscale_(grads, flag_by_device[device], inv_by_device[device])
-            for device, flag in flag_by_device.items():
-                if device != self._device:
-                    torch.maximum(found_inf, flag.to(self._device, non_blocking=True),
-                                  out=found_inf)
+            for device, grads in fp32_grads.items():
+                flag = found_inf if device == found_inf.device else torch.zeros_like(
+                    found_inf, device=device)
+                ops.multi_tensor_unscale_(grads, flag, inv_scale.to(device))
+                if flag is not found_inf:
+                    found_inf.add_(flag.to(found_inf.device))
+            if self._several_devices:
+                found_inf.clamp_(max=1.0)  # the flag torch's fused optimizers compare to 1
         if self.dynamic_loss_scale:
-            self.loss_scaler._update(found_inf)
+            core.update(found_inf)
 
     def step(self, closure=None):
         """Runs the wrapped optimizer on the master weights, then copies them into the
-        model (one ``multi_tensor_copy_`` per device). With dynamic scaling an overflowed
-        step is skipped on the device (see the class docstring) with no host read,
-        except in a step that creates optimizer state or otherwise needs the host.
+        model. With dynamic scaling an overflowed step is skipped (see the class
+        docstring: on the device by a fused optimizer, else after one host read).
 
         ``closure``, when given, must call ``self.zero_grad()`` and
         ``self.backward(loss)`` and return the loss; with dynamic scaling it is re-run
         while the gradients overflow (this reads the flag), as in Apex."""
+        opt = self.optimizer
+        fused = getattr(opt, "_step_supports_amp_scaling", False)
+        stepping = [id(p) for g in opt.param_groups for p in g["params"]
+                    if p.grad is not None] if fused else []
         if closure is not None:
             retval = self._step_with_closure(closure)
-        elif self.dynamic_loss_scale:
-            retval = self._skippable_step()
+        elif not self.dynamic_loss_scale:
+            retval = opt.step()
+        elif fused and self._started.issuperset(stepping):
+            # torch.amp.GradScaler's hand-off: the optimizer skips on the device.
+            opt.grad_scale = None  # the gradients are already unscaled
+            opt.found_inf = self._found_inf
+            try:
+                retval = opt.step()
+            finally:
+                delattr(opt, "grad_scale")
+                delattr(opt, "found_inf")
+        elif self._found_inf.item():  # sync-ok: skips the step as Apex did, one read a step
+            return None
         else:
-            retval = self.optimizer.step()
-        self._master_params_to_model_params()
+            retval = opt.step()
+        self._started.update(stepping)
+        copy_to_model(self.all_fp32_from_fp16_params, self.all_fp16_params)
         return retval
 
     def _step_with_closure(self, closure):
@@ -967,7 +828,7 @@ class FP16_Optimizer:  # Apex's name
                 self.first_closure_call_this_step = False
             else:
                 # The inner optimizer may have moved the masters since the last call.
-                self._master_params_to_model_params()
+                copy_to_model(self.all_fp32_from_fp16_params, self.all_fp16_params)
             scale_before = self.loss_scale if self.dynamic_loss_scale else None
             loss = closure()
             while self.dynamic_loss_scale and self.overflow:
@@ -985,105 +846,6 @@ class FP16_Optimizer:  # Apex's name
             return self.optimizer.step(wrapped_closure)
         finally:
             self.first_closure_call_this_step = True
-
-    def _skippable_step(self):
-        opt = self.optimizer
-        params = [p for g in opt.param_groups for p in g["params"]]
-        fused = self._uses_found_inf
-        # Host-side picture of the state (tensors by reference) and of the groups.
-        state_before = {}
-        for p in params:
-            st = opt.state.get(p)
-            state_before[id(p)] = None if st is None else {k: _host_copy(v) for k, v in st.items()}
-        groups_before = [{k: _host_copy(v) for k, v in g.items() if k != "params"}
-                         for g in opt.param_groups]
-        # torch optimizers touch only parameters that have a gradient.
-        stepped = [] if fused else [p for p in params if p.grad is not None]
-        snapshots: Dict[int, Tensor] = {}  # id(tensor) -> its value before the step
-        with torch.no_grad():
-            for p in stepped:
-                snapshots[id(p)] = p.detach().clone()
-                for v in (state_before[id(p)] or {}).values():
-                    if isinstance(v, Tensor):
-                        snapshots[id(v)] = v.detach().clone()
-
-        if fused:
-            saved = {k: opt.__dict__[k] for k in ("grad_scale", "found_inf") if k in opt.__dict__}
-            opt.grad_scale = None  # the gradients are already unscaled
-            opt.found_inf = self._found_inf.view(())
-            try:
-                retval = opt.step()
-            finally:
-                for k in ("grad_scale", "found_inf"):
-                    opt.__dict__.pop(k, None)
-                opt.__dict__.update(saved)
-        else:
-            retval = opt.step()
-
-        # Pairs (tensor now, value before) the device can restore, and whether the
-        # host has to decide something (created state, changed Python values).
-        need_host = any(not _host_equal({k: v for k, v in g.items() if k != "params"}, before)
-                        for g, before in zip(opt.param_groups, groups_before))
-        restores = [(p.detach(), snapshots[id(p)]) for p in stepped]
-        for p in params:
-            before = state_before[id(p)]
-            after = opt.state.get(p)
-            if not before and not after:
-                continue
-            if not before or not after or after.keys() != before.keys():
-                need_host = True  # state created or removed
-                continue
-            for k, v in before.items():
-                now = after[k]
-                if not isinstance(v, Tensor):
-                    need_host = need_host or not _host_equal(now, v)
-                elif id(v) not in snapshots:
-                    continue  # fused (wrote nothing on overflow) or not stepped
-                elif (isinstance(now, Tensor) and now.shape == v.shape
-                      and now.dtype == v.dtype and now.device == v.device):
-                    restores.append((now.detach(), snapshots[id(v)]))
-                else:
-                    need_host = True
-
-        flags = {self._device: self._found_inf.view(()) > 0}
-        if not need_host and any(self._flag_on(t.device, flags) is None for t, _ in restores):
-            need_host = True
-            if not self._warned_host_state:
-                self._warned_host_state = True
-                warnings.warn(
-                    "FP16_Optimizer: the wrapped optimizer keeps state on the CPU for "
-                    "parameters on another device, so skipping an overflowed step reads "
-                    "the overflow flag on the host in every step", stacklevel=3)
-
-        if need_host:
-            # Only state the host must undo gets here (warned above).
-            if bool(self._found_inf.item()):  # sync-ok: see above
-                self._restore_on_host(params, state_before, groups_before, snapshots)
-            return retval
-        with torch.no_grad():
-            for now, before in restores:
-                torch.where(self._flag_on(now.device, flags), before, now, out=now)
-        return retval
-
-    def _restore_on_host(self, params, state_before, groups_before, snapshots) -> None:
-        """Undoes an overflowed inner step once the flag was read on the host."""
-        opt = self.optimizer
-        for group, before in zip(opt.param_groups, groups_before):
-            for k in [k for k in group if k != "params" and k not in before]:
-                del group[k]
-            group.update(before)
-        with torch.no_grad():
-            for p in params:
-                if id(p) in snapshots:
-                    p.detach().copy_(snapshots[id(p)])
-                before = state_before[id(p)]
-                if before is None:
-                    opt.state.pop(p, None)
-                    continue
-                for v in before.values():
-                    if isinstance(v, Tensor) and id(v) in snapshots:
-                        v.copy_(snapshots[id(v)])
-                opt.state[p] = dict(before)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> Tensor:
         """Clips the float32 master gradients (and those of the float32 parameters) to a
@@ -1116,7 +878,7 @@ class FP16_Optimizer:  # Apex's name
                 for device, grads in by_device.items():
                     torch._foreach_mul_(grads, clip_coef.to(device))
         if self.dynamic_loss_scale:
-            total = torch.where(self._found_inf.view(()) > 0, -1.0, total)
+            total = torch.where(self._found_inf > 0, -1.0, total)
         return total
 
     def inspect_master_grad_data(self) -> Optional[List[List[Optional[Tensor]]]]:
@@ -1195,7 +957,8 @@ class FP16_Optimizer:  # Apex's name
         """Loads a :meth:`state_dict`: scaler, flags, the wrapped optimizer's state and
         the masters, which are then copied into the model (Apex left the model as it
         was; load the model first either way). Checks first and raises ``ValueError``
-        naming what differs (groups, sizes, dtypes, missing keys), changing nothing."""
+        naming what differs (groups, sizes, dtypes, missing keys, a state saved around
+        another kind of optimizer), changing nothing."""
         self._check_state_dict(state_dict)
         scaler = _scaler_from_state_dict(state_dict["loss_scaler"], self._device,
                                          "state_dict['loss_scaler']")
@@ -1209,8 +972,7 @@ class FP16_Optimizer:  # Apex's name
         self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
         self.overflow = bool(state_dict["overflow"]) and self.dynamic_loss_scale
         self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
-        self._prepare_inner_for_skipping()
-        self._master_params_to_model_params()
+        copy_to_model(self.all_fp32_from_fp16_params, self.all_fp16_params)
 
     def _check_state_dict(self, sd: Any) -> None:
         where = "FP16_Optimizer.load_state_dict"
@@ -1245,27 +1007,51 @@ class FP16_Optimizer:  # Apex's name
                 if s.dtype != c.dtype:
                     raise ValueError(f"{where}: master {i} of group {gi} has dtype {s.dtype} "
                                      f"in the state_dict, {c.dtype} here")
+        self._check_inner_state_dict(sd["optimizer_state_dict"], where)
 
-        inner = sd["optimizer_state_dict"]
+    def _check_inner_state_dict(self, inner: Any, where: str) -> None:
+        """The wrapped optimizer's part: same groups and sizes, and saved by the same kind
+        of optimizer. The kind is told by the keys: a saved group that lacks a
+        hyperparameter of this optimizer's ``defaults`` (``betas``; on/off flags such as
+        ``fused``, which torch versions add, do not count) while holding options this
+        one does not know (``momentum``), or saved per-parameter state whose keys and
+        those this optimizer keeps are not one within the other (SGD's
+        ``momentum_buffer``, Adam's ``exp_avg``), come from another kind. Keys of a
+        scheduler (``initial_lr``) or of another torch version are accepted."""
+        opt = self.optimizer
+        kind = type(opt).__name__
         if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
             raise ValueError(f"{where}: 'optimizer_state_dict' is not an optimizer state_dict")
-        groups = self.optimizer.param_groups
         saved_groups = inner["param_groups"]
-        if len(saved_groups) != len(groups):
+        if len(saved_groups) != len(opt.param_groups):
             raise ValueError(f"{where}: the wrapped optimizer's state_dict has "
-                             f"{len(saved_groups)} parameter groups, this one has {len(groups)}")
+                             f"{len(saved_groups)} parameter groups, this one has "
+                             f"{len(opt.param_groups)}")
         params_by_id = {}
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+        not_options = {"params", "param_names"}
+        for gi, (g, sg) in enumerate(zip(opt.param_groups, saved_groups)):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"{where}: parameter group {gi} has {len(sg['params'])} "
                                  f"parameters in the state_dict, {len(g['params'])} here")
+            missing = sorted(k for k, v in opt.defaults.items() if k not in sg
+                             and k not in not_options and not isinstance(v, (bool, type(None))))
+            unknown = sorted(set(sg) - set(g) - not_options)
+            if missing and unknown:
+                raise ValueError(f"{where}: parameter group {gi} of the state_dict was saved "
+                                 f"around another kind of optimizer than this {kind}: it has "
+                                 f"{unknown} and lacks {missing}")
             params_by_id.update(zip(sg["params"], g["params"]))
         for pid, saved_state in inner["state"].items():
             if pid not in params_by_id:
                 raise ValueError(f"{where}: the wrapped optimizer's state_dict has state for "
                                  f"parameter id {pid!r}, which is in none of its groups")
             p = params_by_id[pid]
-            current = self.optimizer.state.get(p, {})
+            current = opt.state.get(p, {})
+            if current and saved_state and not (set(current) <= set(saved_state)
+                                                or set(saved_state) <= set(current)):
+                raise ValueError(f"{where}: the state of parameter {pid} was saved around "
+                                 f"another kind of optimizer than this {kind}: it has "
+                                 f"{sorted(saved_state)}, this one keeps {sorted(current)}")
             for key, value in saved_state.items():
                 if not isinstance(value, Tensor) or key == "step":
                     continue

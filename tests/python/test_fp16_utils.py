@@ -4,7 +4,10 @@ against Apex's rule, skipped steps, no host synchronisation, checkpoints, bad in
 
 import copy
 import io
+import linecache
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from helpers import assert_bitwise_equal, assert_unchanged, snapshot
 from torch import nn
 
 from mixedprec import fp16_utils as fp16
+from mixedprec.loss_scale import DEFAULT_MIN_SCALE, LossScale
 from mixedprec.fp16_utils import (
     BN_convert_float,
     DynamicLossScaler,
@@ -50,6 +54,8 @@ OPTIMIZERS = {
         params, lr=0.05, momentum=0.9),
 }
 SKIPPING_OPTIMIZERS = list(OPTIMIZERS)
+# Those that skip an overflowed step on the device (_step_supports_amp_scaling).
+FUSED = ["adam_fused", "sgd_fused", "mixedprec_adam", "mixedprec_sgd"]
 
 
 def make_model(device, dtype, seed=0):
@@ -110,13 +116,6 @@ class Reference:
                 group.append(p)
         self.fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
         self.optimizer = make_optimizer(group)
-        if dynamic_args:
-            # FP16_Optimizer keeps torch's step counters on a GPU (capturable=True) so
-            # that a skipped step needs no host read; so does the reference.
-            for g in self.optimizer.param_groups:
-                if g.get("capturable") is False and not g.get("fused") and all(
-                        p.device.type == "cuda" for p in g["params"]):
-                    g["capturable"] = True
         self.masters = [m for _, m in self.pairs]
         self.dynamic = ApexDynamicScale(**dynamic_args) if dynamic_args else None
         self.scale = dynamic_args["init_scale"] if dynamic_args else scale
@@ -390,10 +389,8 @@ def test_multiple_losses_and_closure(device):
     assert_model_is_masters(optimizer)
 
 
-@pytest.mark.parametrize("opt_name", SKIPPING_OPTIMIZERS)
+@pytest.mark.parametrize("opt_name", FUSED)
 def test_no_host_sync_in_the_step(device, opt_name, monkeypatch):
-    if opt_name == "adam" and device == "cpu":
-        pytest.skip("torch.optim.Adam reads its own CPU step counter with .item()")
     model, optimizer = wrapped(device, torch.float16, opt_name, dynamic_loss_scale=True,
                                dynamic_loss_args=dict(init_scale=256.0, scale_window=2))
     train_step(model, optimizer, 0, device)  # creates the optimizer state (host read)
@@ -418,6 +415,103 @@ def test_no_host_sync_in_the_step(device, opt_name, monkeypatch):
     # 256 -> 512 (steps 0, 1) -> 256 (overflow at 3) -> 512 (4, 5) -> still 512 (6)
     assert optimizer.loss_scale == 512.0, opt_name
     assert_model_is_masters(optimizer)
+
+
+FP16_UTILS_FILE = os.path.abspath(fp16.__file__)
+
+
+class CallsFromFp16Utils:
+    """Records (method, source line) for each call of the given torch.Tensor methods
+    made directly from mixedprec/fp16_utils.py."""
+
+    def __init__(self, monkeypatch, names):
+        self.calls = []
+        for name in names:
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def _wrap(self, name, original):
+        calls = self.calls
+
+        def wrapper(tensor, *args, **kwargs):
+            frame = sys._getframe(1)
+            if os.path.abspath(frame.f_code.co_filename) == FP16_UTILS_FILE:
+                line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+                calls.append((name, line.strip()))
+            return original(tensor, *args, **kwargs)
+        return wrapper
+
+
+def count_inner_steps(monkeypatch, optimizer, record=lambda inner: None):
+    """Wraps the inner optimizer's step; returns the list of what `record` saw at each."""
+    inner, seen = optimizer.optimizer, []
+    original = inner.step
+
+    def step(*args, **kwargs):
+        seen.append(record(inner))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(inner, "step", step)
+    return seen
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_other_optimizers_skip_after_one_host_read(device, opt_name, monkeypatch):
+    """An optimizer that cannot skip on the device is not called on overflow (as in
+    Apex): one host read per step, no copies; everything stays bit for bit."""
+    model, optimizer = wrapped(device, torch.float16, opt_name, dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=256.0))
+    for step in range(3):
+        train_step(model, optimizer, step, device)
+    inner_steps = count_inner_steps(monkeypatch, optimizer)
+    calls = CallsFromFp16Utils(monkeypatch, ("item", "__bool__", "clone", "cpu", "tolist"))
+
+    def watched():
+        return [list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                optimizer.optimizer.state_dict()["state"]]
+
+    before = snapshot(watched())
+    groups = copy.deepcopy(optimizer.optimizer.state_dict()["param_groups"])
+    train_step(model, optimizer, 3, device, overflow_at={3})
+    assert len(calls.calls) == 1 and calls.calls[0][0] == "item", calls.calls
+    assert "# sync-ok" in calls.calls[0][1]
+    assert optimizer.overflow and inner_steps == []
+    assert_unchanged(watched(), before)
+    assert optimizer.optimizer.state_dict()["param_groups"] == groups
+
+    calls.calls.clear()
+    train_step(model, optimizer, 4, device)
+    assert inner_steps == [None] and [c[0] for c in calls.calls] == ["item"]
+    assert_model_is_masters(optimizer)
+
+
+@pytest.mark.parametrize("opt_name", FUSED)
+def test_fused_optimizers_get_the_flag_for_their_step_only(device, opt_name, monkeypatch):
+    model, optimizer = wrapped(device, torch.float16, opt_name, dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=256.0))
+    train_step(model, optimizer, 0, device)  # each parameter's first step: host path
+    inner = optimizer.optimizer
+    seen = count_inner_steps(monkeypatch, optimizer, lambda o: (o.grad_scale, o.found_inf))
+    calls = CallsFromFp16Utils(monkeypatch, ("item", "__bool__", "clone", "cpu", "tolist"))
+    for step in (1, 2):
+        train_step(model, optimizer, step, device, overflow_at={1})
+    assert calls.calls == []
+    assert len(seen) == 2 and all(scale is None and flag is optimizer._found_inf
+                                  for scale, flag in seen)
+    assert not hasattr(inner, "grad_scale") and not hasattr(inner, "found_inf")
+
+
+def test_fused_optimizer_first_step_overflow_leaves_no_state(device, monkeypatch):
+    """torch's SGD(fused=True) skipping on the device would create uninitialised
+    momentum buffers: a parameter's first step goes through the host instead."""
+    model, optimizer = wrapped(device, torch.float16, "sgd_fused", dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=256.0))
+    inner_steps = count_inner_steps(monkeypatch, optimizer)
+    train_step(model, optimizer, 0, device, overflow_at={0})
+    assert inner_steps == [] and len(optimizer.state) == 0
+    train_step(model, optimizer, 1, device)
+    reference = Reference(make_model(device, torch.float16), OPTIMIZERS["sgd_fused"], 128.0)
+    reference.step(1, device)
+    for got, expected in zip(optimizer.all_fp32_from_fp16_params, reference.masters):
+        assert_bitwise_equal(got.detach(), expected.detach(), "master")
 
 
 # ---------------------------------------------------------------------------------------
@@ -531,6 +625,111 @@ def test_scaler_arguments_are_checked():
         LossScaler(float("inf"))
 
 
+def round_trip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def assert_same_state(got, expected):
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert_bitwise_equal(got[key], value, key)
+        else:
+            assert got[key] == value, key
+
+
+def test_scalers_are_faces_on_loss_scale(device):
+    scaler = DynamicLossScaler(device=device)
+    assert isinstance(scaler.core, LossScale) and scaler.core.dynamic
+    assert scaler.device.type == device
+    settings = (scaler.loss_scale, scaler.scale_factor, scaler.scale_window,
+                scaler.min_loss_scale, scaler.max_loss_scale)
+    assert settings == (2.0**32, 2.0, 1000, 1.0, math.inf)  # Apex's defaults
+    static = LossScaler(8.0, device=device)
+    assert isinstance(static.core, LossScale) and not static.core.dynamic
+
+    # min_loss_scale=None: LossScale's floor 2**-24, never 0.
+    scaler = DynamicLossScaler(init_scale=1.0, scale_window=5, min_loss_scale=None,
+                               device=device)
+    assert scaler.min_loss_scale == DEFAULT_MIN_SCALE
+    for _ in range(200):
+        scaler.update_scale(torch.ones((), device=device))
+    assert scaler.loss_scale == 2.0**-24
+
+    # The state dicts load with weights_only, into scalers of the same kind.
+    for scaler, fresh in ((scaler, DynamicLossScaler(device=device)),
+                          (static, LossScaler(device=device))):
+        state = round_trip(scaler.state_dict())
+        fresh.load_state_dict(state)
+        assert_same_state(fresh.state_dict(), scaler.state_dict())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scale_factor=1.0), "scale_factor"),
+    (dict(scale_factor=float("inf")), "scale_factor"),
+    (dict(scale_window=0), "scale_window"),
+    (dict(scale_window=2.5), "scale_window"),
+    (dict(init_scale=-1.0), "init_scale"),
+    (dict(init_scale=float("nan")), "init_scale"),
+    (dict(min_loss_scale=0.0), "min_loss_scale"),
+    (dict(max_loss_scale=float("nan")), "max_loss_scale"),
+    (dict(min_loss_scale=8.0, max_loss_scale=4.0), "min_loss_scale"),
+    (dict(init_scale=2.0**40, max_loss_scale=2.0**20), "init_scale"),
+])
+def test_bad_scaler_settings_are_rejected_everywhere(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaler(**kwargs)
+    scaler = DynamicLossScaler(init_scale=64.0, scale_window=3)
+    scaler.update_scale(False)
+    good = scaler.state_dict()
+    # The same setting in a state dict: rejected by load_state_dict, nothing changed.
+    bad = dict(good)
+    for key, value in kwargs.items():
+        if key == "init_scale":
+            bad["loss_scale"] = torch.tensor([value])
+        else:
+            bad[key] = value
+    with pytest.raises(ValueError, match="loss_scale" if match == "init_scale" else match):
+        scaler.load_state_dict(round_trip(bad))
+    assert_same_state(scaler.state_dict(), good)
+    # And set on its own.
+    if len(kwargs) == 1 and "init_scale" not in kwargs:
+        (name, value), = kwargs.items()
+        with pytest.raises(ValueError, match=match):
+            setattr(scaler, name, value)
+        assert_same_state(scaler.state_dict(), good)
+    # FP16_Optimizer rejects it before touching the optimizer.
+    inner = torch.optim.SGD(nn.Linear(2, 2).half().parameters(), lr=0.1)
+    params = list(inner.param_groups[0]["params"])
+    with pytest.raises(ValueError, match=match):
+        FP16_Optimizer(inner, dynamic_loss_scale=True, dynamic_loss_args=kwargs, verbose=False)
+    assert all(a is b for a, b in zip(inner.param_groups[0]["params"], params))
+
+
+def test_scaler_settings_and_overflow_checked_when_given(device):
+    scaler = DynamicLossScaler(init_scale=64.0, scale_window=3, device=device)
+    scaler.scale_window, scaler.scale_factor, scaler.max_loss_scale = 5, 4.0, None
+    scaler.min_loss_scale = None
+    assert (scaler.scale_window, scaler.scale_factor) == (5, 4.0)
+    assert (scaler.min_loss_scale, scaler.max_loss_scale) == (DEFAULT_MIN_SCALE, math.inf)
+    good = scaler.state_dict()
+    with pytest.raises(ValueError, match="overflow"):
+        scaler.update_scale(torch.ones(2, device=device))
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="loss_scale"):
+            scaler.loss_scale = bad
+        with pytest.raises(ValueError, match="scale"):
+            LossScaler(bad)
+    with pytest.raises(TypeError, match="loss_scale"):
+        scaler.loss_scale = "big"
+    assert_same_state(scaler.state_dict(), good)
+    scaler.update_scale(torch.tensor(True, device=device))  # any nonzero value: overflow
+    assert scaler.loss_scale == 16.0
+
+
 # ---------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------
@@ -613,13 +812,17 @@ def _corrupt(state_dict, what):
         sd["loss_scaler"]["loss_scale"] = sd["loss_scaler"]["loss_scale"].double()
     elif what == "missing key":
         del sd["loss_scaler"]
+    elif what == "state kind":
+        first = next(iter(sd["optimizer_state_dict"]["state"].values()))
+        first.clear()
+        first["momentum_buffer"] = torch.zeros(16, 8)
     return sd
 
 
 @pytest.mark.parametrize("what, match", [
     ("groups", "groups"), ("size", "size"), ("dtype", "dtype"), ("state size", "exp_avg"),
     ("inner groups", "parameter groups"), ("scaler dtype", "loss_scale"),
-    ("missing key", "loss_scaler"),
+    ("missing key", "loss_scaler"), ("state kind", "another kind of optimizer"),
 ])
 def test_load_state_dict_mismatch_changes_nothing(device, what, match):
     model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
@@ -640,3 +843,39 @@ def test_load_state_dict_mismatch_changes_nothing(device, what, match):
     with pytest.raises(ValueError, match=match):
         optimizer.load_state_dict(bad)
     assert_unchanged(watched(), before)
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
+@pytest.mark.parametrize("saved_with, loaded_with", [("sgd", "adam"), ("adam", "sgd")])
+def test_load_state_dict_of_another_kind_of_optimizer(device, saved_with, loaded_with, trained):
+    kwargs = dict(dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=64.0))
+    model_a, optimizer_a = wrapped(device, torch.float16, saved_with, **kwargs)
+    train_step(model_a, optimizer_a, 0, device)
+    saved = round_trip(optimizer_a.state_dict())
+    model, optimizer = wrapped(device, torch.float16, loaded_with, seed=1, **kwargs)
+    if trained:
+        train_step(model, optimizer, 0, device)
+
+    def watched():
+        return [list(model.parameters()), optimizer.all_fp32_from_fp16_params,
+                optimizer.optimizer.state_dict()["state"], optimizer.loss_scaler._scale]
+
+    before = snapshot(watched())
+    groups = copy.deepcopy(optimizer.optimizer.state_dict()["param_groups"])
+    with pytest.raises(ValueError, match="another kind of optimizer"):
+        optimizer.load_state_dict(saved)
+    assert_unchanged(watched(), before)
+    assert optimizer.optimizer.state_dict()["param_groups"] == groups
+
+
+def test_load_state_dict_takes_keys_of_schedulers_and_other_torch_versions(device):
+    model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=64.0))
+    train_step(model, optimizer, 0, device)
+    sd = copy.deepcopy(optimizer.state_dict())
+    group = sd["optimizer_state_dict"]["param_groups"][0]
+    group["initial_lr"] = group["lr"]  # added by an LR scheduler
+    del group["differentiable"]  # an option an older torch did not have
+    optimizer.load_state_dict(sd)
+    train_step(model, optimizer, 1, device)
+    assert_model_is_masters(optimizer)
