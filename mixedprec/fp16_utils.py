@@ -524,8 +524,7 @@ class DynamicLossScaler(LossScaler):
             "dynamic": True,
             "loss_scale": scale.detach().clone().reshape(1),
             "growth_tracker": core.growth_tracker.clone().reshape(1),
-            # <= 0 all act alike (see _scaler_from_state_dict); saved as LossScale loads it.
-            "hysteresis_tracker": core.hysteresis_tracker.clamp(min=0).reshape(1),
+            "hysteresis_tracker": core.hysteresis_tracker.clone().reshape(1),
             "scale_factor": self.scale_factor,
             "scale_window": self.scale_window,
             "min_loss_scale": self.min_loss_scale,
@@ -558,9 +557,7 @@ def _scaler_from_state_dict(sd: Any, device: torch.device, where: str) -> LossSc
         if not sd["dynamic"]:
             return LossScaler(scale, device=device)
         scaler = DynamicLossScaler(scale, **{key: sd[key] for key in settings}, device=device)
-        # The op counts the tracker below 0 in a run of overflows; any value <= 0 acts
-        # as 0 (the next overflow backs off), the value LossScale.load takes.
-        scaler.core.load(scale, sd["growth_tracker"], sd["hysteresis_tracker"].clamp(min=0))
+        scaler.core.load(scale, sd["growth_tracker"], sd["hysteresis_tracker"])
     return scaler
 
 
@@ -692,7 +689,6 @@ class FP16_Optimizer:  # Apex's name
 
         devices = [p.device for p in self.all_fp16_params + self.all_fp32_from_fp32_params]
         self._device = devices[0] if devices else torch.device("cpu")
-        self._several_devices = len(set(devices)) > 1
         loss_scaler.core.place(self._device)
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
@@ -782,10 +778,8 @@ class FP16_Optimizer:  # Apex's name
                 flag = found_inf if device == found_inf.device else torch.zeros_like(
                     found_inf, device=device)
                 ops.multi_tensor_unscale_(grads, flag, inv_scale.to(device))
-                if flag is not found_inf:
-                    found_inf.add_(flag.to(found_inf.device))
-            if self._several_devices:
-                found_inf.clamp_(max=1.0)  # the flag torch's fused optimizers compare to 1
+                if flag is not found_inf:  # a maximum: torch's fused optimizers expect 0 or 1
+                    torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
         if self.dynamic_loss_scale:
             core.update(found_inf)
 
