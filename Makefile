@@ -46,7 +46,7 @@ $(VENV_STAMP):
 
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 	mkdir -p build && rm -f build/ext-cuda*.stamp
-	$(PY) scripts/check_cuda.py > $@.tmp
+	$(PY) scripts/build_checks.py > $@.tmp
 	$(PY) setup.py build_ext --inplace
 	$(MAKE) --no-print-directory develop
 	mv $@.tmp $@

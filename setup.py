@@ -1,32 +1,59 @@
-"""Builds the one extension, mixedprec._C.
+"""Builds the one extension, mixedprec._C, against the torch installed here.
+
+Install with `pip install --no-build-isolation .` (see the README). Before compiling,
+scripts/build_checks.py stops the build with a one-line message naming the cause and
+the fix when a build tool is missing, when pip's build isolation brought its own
+torch, or when nvcc's CUDA major version differs from torch's.
 
 Environment variables:
   MIXEDPREC_CUDA=0        build the CPU kernels only (default: CUDA kernels are built
                           whenever the CUDA toolkit and a CUDA build of torch are
                           present; no GPU is needed to build them).
   TORCH_CUDA_ARCH_LIST    GPU architectures to build for (default: DEFAULT_ARCH_LIST).
-  MAX_JOBS                parallel compile jobs (torch.utils.cpp_extension).
+  MAX_JOBS                parallel compile jobs (default: what the cores and the memory
+                          allow, build_checks.default_max_jobs).
 """
 
 import glob
 import os
+import shutil
+import sys
 
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+import build_checks  # noqa: E402
+
+try:
+    build_checks.check_build_tools()
+except build_checks.BuildError as e:
+    sys.exit(f"error: {e}")
+
+from setuptools import find_packages, setup  # noqa: E402
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 # Ampere and Hopper machine code, plus PTX of the newest for later GPUs to JIT.
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def want_cuda():
-    if os.environ.get("MIXEDPREC_CUDA", "1") == "0":
-        return False
-    import torch
+def want_cuda() -> bool:
+    try:
+        build_checks.check_not_isolated(torch.__file__)
+        return build_checks.want_cuda(torch_cuda=torch.version.cuda,
+                                      torch_version=torch.__version__,
+                                      cuda_home=cpp_extension.CUDA_HOME)
+    except build_checks.BuildError as e:
+        sys.exit(f"error: {e}")
 
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+def write_build_info(cuda: bool) -> None:
+    """mixedprec/_build_info.py: the torch this build is for, checked at import."""
+    with open(os.path.join(HERE, "mixedprec", "_build_info.py"), "w") as f:
+        f.write("# Written by setup.py: the torch the extension was built against.\n"
+                f"TORCH_VERSION = {torch.__version__!r}\nWITH_CUDA = {cuda!r}\n")
 
 
-def extension():
+def extension(cuda: bool):
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -fno-math-errno: sqrtf may not set errno, so loops with it vectorise.
     # -ffp-contract=off: no FMA contraction, so every instruction set the CPU loops are
@@ -38,12 +65,11 @@ def extension():
     cxx = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
            "-Wno-psabi"]
     link = ["-fopenmp"]
-    if not want_cuda():
+    if not cuda:
         return cpp_extension.CppExtension(
             "mixedprec._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link,
             py_limited_api=True,
         )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     nvcc = ["-O3", "-std=c++17", "-lineinfo"]
     return cpp_extension.CUDAExtension(
@@ -55,9 +81,30 @@ def extension():
     )
 
 
+def announce(cuda: bool) -> None:
+    """What is built, how, and with how many jobs, in the build output."""
+    os.environ.setdefault("MAX_JOBS", str(build_checks.default_max_jobs(cuda=cuda)))
+    what = (f"CPU and CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}" if cuda
+            else "CPU kernels only")
+    print(f"mixedprec: building {what} against torch {torch.__version__}, "
+          f"MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
+    if shutil.which("ninja") is None:
+        print(f"mixedprec: ninja is not installed, so the sources compile one after "
+              f"another (much slower): `{build_checks.PIP} ninja`", file=sys.stderr)
+
+
+CUDA = want_cuda()
+if CUDA:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+announce(CUDA)
+write_build_info(CUDA)
+
 setup(
     packages=find_packages(include=["mixedprec", "mixedprec.*"]),
-    ext_modules=[extension()],
+    ext_modules=[extension(CUDA)],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    # pip then refuses to install the wheel next to another torch release, rather
+    # than the import failing on a missing C++ symbol.
+    install_requires=[build_checks.torch_requirement(torch.__version__)],
 )

@@ -13,12 +13,33 @@ legacy script that way.
 """
 
 import importlib
+import re
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import ops
-from .optimizers import FusedAdam, FusedSGD
-from .scaler import GradScaler
+
+def _check_build(built: str, running: str) -> None:
+    """The extension links against torch's C++ library, whose ABI changes from one
+    minor release to the next: a build for another one fails to load, or crashes."""
+    def minor(version: str) -> str:
+        return ".".join(re.findall(r"\d+", version)[:2])
+
+    if minor(built) != minor(running):
+        raise ImportError(
+            f"mixedprec was built against torch {built}, but this is torch {running}: "
+            "rebuild it here with `pip install --no-build-isolation .` (or `make build`)")
+
+
+try:
+    from ._build_info import TORCH_VERSION as _BUILT_FOR
+except ImportError:  # a build from before the file existed: nothing to compare
+    _BUILT_FOR = None
+if _BUILT_FOR is not None:
+    _check_build(_BUILT_FOR, torch.__version__)
+
+from . import ops  # noqa: E402
+from .optimizers import FusedAdam, FusedSGD  # noqa: E402
+from .scaler import GradScaler  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["ops", "FusedAdam", "FusedSGD", "GradScaler", "__version__"]

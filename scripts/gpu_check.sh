@@ -126,7 +126,7 @@ build() {
     cuda_kernels_loaded
     return
   fi
-  with_cuda=$("$PY" scripts/check_cuda.py) || return 1
+  with_cuda=$("$PY" scripts/build_checks.py) || return 1
   if [ "$with_cuda" != 1 ]; then
     echo "error: setup.py would not build the CUDA kernels here"
     return 1

@@ -21,3 +21,89 @@ def test_the_venv_imports_mixedprec_without_pythonpath():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == REPO / "mixedprec" / "__init__.py"
+
+
+# --- the checks every build runs first (scripts/build_checks.py) ----------------------
+
+sys.path.insert(0, str(REPO / "scripts"))
+import build_checks  # noqa: E402
+
+from mixedprec import _check_build  # noqa: E402
+
+
+def fake_find_spec(*missing):
+    return lambda name: None if name in missing else object()
+
+
+@pytest.mark.parametrize("missing, setuptools_version, expected", [
+    ((), "65.5.0", []),
+    (("wheel",), "65.5.0", ["wheel"]),  # before: "invalid command 'bdist_wheel'"
+    (("wheel",), "75.1.0", []),  # setuptools >= 70.1 has bdist_wheel itself
+    (("torch", "wheel"), "69.0", ["torch", "wheel"]),
+    (("setuptools",), None, ["setuptools"]),
+])
+def test_missing_build_tools(missing, setuptools_version, expected):
+    got = build_checks.missing_build_tools(find_spec=fake_find_spec(*missing),
+                                           setuptools_version=setuptools_version)
+    assert got == expected
+
+
+def test_a_missing_build_tool_names_the_pip_command():
+    with pytest.raises(build_checks.BuildError, match=r"pip install wheel"):
+        build_checks.check_build_tools(find_spec=fake_find_spec("wheel"),
+                                       setuptools_version="65.5.0")
+
+
+def test_build_isolation_is_refused_with_the_fix():
+    torch_file = "/tmp/pip-build-env-abc/overlay/lib/python3.11/site-packages/torch/__init__.py"
+    with pytest.raises(build_checks.BuildError, match="--no-build-isolation"):
+        build_checks.check_not_isolated(torch_file)
+    build_checks.check_not_isolated("/opt/venv/lib/python3.11/site-packages/torch/__init__.py")
+
+
+def test_a_cuda_major_mismatch_names_both_versions_and_the_choices():
+    with pytest.raises(build_checks.BuildError) as info:
+        build_checks.want_cuda(env={}, torch_cuda="12.8", torch_version="2.8.0+cu128",
+                               cuda_home="/usr/local/cuda", nvcc=lambda home: ("13", "0"))
+    message = str(info.value)
+    for part in ("CUDA 13.0", "CUDA 12.8", "2.8.0+cu128", "MIXEDPREC_CUDA=0",
+                 "nvidia-cuda-nvcc-cu12"):
+        assert part in message
+
+
+@pytest.mark.parametrize("env, torch_cuda, cuda_home, expected", [
+    ({}, "13.0", "/usr/local/cuda", True),
+    ({"MIXEDPREC_CUDA": "0"}, "13.0", "/usr/local/cuda", False),
+    ({}, None, "/usr/local/cuda", False),  # a CPU build of torch
+    ({}, "13.0", None, False),  # no toolkit
+])
+def test_want_cuda(env, torch_cuda, cuda_home, expected):
+    assert build_checks.want_cuda(env=env, torch_cuda=torch_cuda, cuda_home=cuda_home,
+                                  nvcc=lambda home: ("13", "0")) is expected
+
+
+@pytest.mark.parametrize("cpus, mem_gib, cuda, expected", [
+    (2, 24, True, 2), (16, 8, True, 2), (16, 8, False, 5), (4, 1, True, 1), (8, 0, True, 8),
+])
+def test_default_max_jobs_fits_memory(cpus, mem_gib, cuda, expected):
+    assert build_checks.default_max_jobs(cpus, mem_gib * 2**30, cuda) == expected
+
+
+def test_wheels_pin_the_torch_minor_release_they_were_built_for():
+    assert build_checks.torch_requirement("2.11.0+cu130") == "torch==2.11.*"
+    assert build_checks.torch_requirement("2.15.1") == "torch==2.15.*"
+
+
+def test_an_extension_built_for_another_torch_is_refused_at_import():
+    """Before: `undefined symbol: _ZN3c104cuda29c10_cuda_check_implementation...`."""
+    with pytest.raises(ImportError) as info:
+        _check_build("2.11.0+cu130", "2.8.0+cu128")
+    assert "2.11.0+cu130" in str(info.value) and "2.8.0+cu128" in str(info.value)
+    assert "--no-build-isolation" in str(info.value)
+    _check_build("2.11.0+cu130", "2.11.1")  # same minor release: the same ABI
+
+
+def test_this_build_recorded_its_torch():
+    from mixedprec import _build_info
+    import torch
+    assert _build_info.TORCH_VERSION == torch.__version__
