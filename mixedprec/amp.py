@@ -231,15 +231,10 @@ class _AmpState:
     """What one ``initialize`` call set up."""
 
     def __init__(self, props: Properties, scalers: List[LossScaler]):
-        self.props = props
+        self.props = self.opt_properties = props  # Apex's name, read by legacy scripts
         self.loss_scalers = scalers
         self.optimizers: List["_OptimizerAmp"] = []
         self.reporter = _OverflowReporter()
-
-    @property
-    def opt_properties(self) -> Properties:
-        """Apex's name for ``props``, read by some legacy scripts."""
-        return self.props
 
 
 class _OptimizerAmp:
@@ -411,10 +406,8 @@ class _AmpForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.input_dtype is not None:
             args, kwargs = _cast((args, kwargs), self.input_dtype)
-        if self.autocast_dtype is not None:
-            with torch.autocast(_device_type(self.module), dtype=self.autocast_dtype):
-                out = self.original(*args, **kwargs)
-        else:
+        with (contextlib.nullcontext() if self.autocast_dtype is None else
+              torch.autocast(_device_type(self.module), dtype=self.autocast_dtype)):
             out = self.original(*args, **kwargs)
         return out if self.output_dtype is None else _cast(out, self.output_dtype)
 

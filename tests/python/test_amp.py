@@ -11,6 +11,7 @@ skips on a machine without a GPU."""
 
 import contextlib
 import copy
+import io
 import linecache
 import logging
 import os
@@ -447,6 +448,12 @@ def test_deepcopy_of_an_initialized_model_runs_the_copy():
             p.zero_()
     x = torch.randn(3, 8)
     assert torch.equal(ema(x), torch.zeros(3, 1)) and not torch.equal(model(x), ema(x))
+    # So does a whole-model checkpoint.
+    buffer = io.BytesIO()
+    torch.save(ema, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.forward.original.__self__ is loaded and torch.equal(loaded(x), ema(x))
 
 
 # --- the dynamic loss scale against Apex's scaler ----------------------------------------
@@ -951,6 +958,33 @@ def test_accumulated_gradients_match_combined_loss(device, level, opt_name, dela
     grads_close(accumulated[0], combined[0], "optimizer state")
     if "SGD" in opt_name:
         grads_close(accumulated[1], combined[1], "masters")
+
+
+@pytest.mark.parametrize("opt_name", OPT_NAMES)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_delayed_micro_batch_after_an_unscaled_one(level, opt_name):
+    """Micro-batch 1 unscaled on its own, 2 with delay_unscale, 3 unscaled: the
+    gradients set aside before 2 (unscaled for torch optimizers, scaled for fused ones)
+    are brought to 2's scale, and the step is the combined loss's."""
+    batches = [batch(i) for i in range(3)]
+    model, opt, _ = setup(level, torch.float16, opt_name, "cpu")
+    opt.zero_grad()
+    for i, (x, y) in enumerate(batches):
+        with amp.scale_loss(F.mse_loss(model(x).float(), y) * 1e-3, opt,
+                            delay_unscale=i == 1) as s:
+            s.backward()
+    opt.step()
+    accumulated = (moments(opt), [m.detach().clone() for m in amp.master_params(opt)])
+
+    model, opt, _ = setup(level, torch.float16, opt_name, "cpu")
+    opt.zero_grad()
+    loss = sum(F.mse_loss(model(x).float(), y) for x, y in batches)
+    with amp.scale_loss(loss * 1e-3, opt) as s:
+        s.backward()
+    opt.step()
+    grads_close(accumulated[0], moments(opt), "optimizer state")
+    if "SGD" in opt_name:
+        grads_close(accumulated[1], [m.detach() for m in amp.master_params(opt)], "masters")
 
 
 @pytest.mark.parametrize("opt_name", ["SGD", "FusedAdam"])
