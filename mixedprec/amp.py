@@ -99,11 +99,11 @@ class Properties:
 
     def _set(self, name: str, value: Any) -> None:
         o1 = self.opt_level == "O1"
-        if name == "cast_model_type":
+        if name in ("cast_model_type", "cast_model_outputs"):
             if value not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError(f"amp.initialize: cast_model_type must be torch.float32, "
+                raise ValueError(f"amp.initialize: {name} must be torch.float32, "
                                  f"torch.float16 or torch.bfloat16, got {value!r}")
-            if o1 and value is torch.float16:
+            if name == "cast_model_type" and o1 and value is torch.float16:
                 raise ValueError(
                     "amp.initialize: with opt_level O1 the model weights stay fp32 (casts are "
                     "inserted around functions), so cast_model_type=torch.float16 is "
@@ -127,10 +127,6 @@ class Properties:
                     raise ValueError("amp.initialize: loss_scale must be 'dynamic' or a "
                                      f"number, got {value!r}") from None
                 value = check_scale("amp.initialize", "loss_scale", value)
-        elif name == "cast_model_outputs":
-            if value not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError("amp.initialize: cast_model_outputs must be a float dtype, "
-                                 f"got {value!r}")
         self.options[name] = value
 
     def __getattr__(self, name: str) -> Any:
@@ -269,9 +265,9 @@ class _OptimizerAmp:
                 for p in g["params"]]
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        # Non-fused only: one host read per step, as Apex; a skipped step sees no
-        # gradients at all.
-        self.skip = self.found_inf is not None and self.found_inf.item() != 0  # sync-ok
+        # Non-fused only: a skipped step sees no gradients at all.
+        flag = self.found_inf
+        self.skip = flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
         if self.skip:
             for g in optimizer.param_groups:
                 for p in g["params"]:
