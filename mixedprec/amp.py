@@ -7,41 +7,52 @@ What differs from Apex:
   functions globally. ``cast_model_type=torch.bfloat16`` selects bf16 autocast at O1,
   and bf16 weights at O2/O3; with bf16 the loss scale defaults to a static 1.0 (bf16
   has fp32's exponent range).
-* ``initialize`` returns the models wrapped in :class:`AmpModel` (it casts inputs and
-  outputs, or enters autocast, around the user's module; ``state_dict`` keeps the
-  module's own keys) instead of patching ``forward``. Optimizers are returned as given:
-  mixedprec's fused optimizers keep fp32 masters in their state and take the loss
-  scale and overflow flag through ``grad_scale``/``found_inf``; other optimizers get fp32
-  master parameters (O2) and a step pre- and post-hook (``register_step_pre_hook``).
-* With mixedprec's fused optimizers nothing reads a device value on the host. With
-  other optimizers the pre-hook reads the overflow flag once per step (as Apex did) to
-  drop the gradients of a skipped step.
+* The compatibility alias: ``initialize`` returns the user's own model objects, and,
+  as Apex did, sets an instance attribute ``model.forward`` that wraps the original
+  bound forward with amp's casts (O1: autocast; O2/O3: floating inputs cast to the
+  model's dtype; outputs cast to ``cast_model_outputs``, by default fp32). This is the
+  one place mixedprec patches a user's object: Apex compatibility needs the object
+  itself back (``isinstance``, indexing, parameter and ``state_dict`` names unchanged).
+  A second ``initialize`` of the model replaces the wrapper, never nests it.
+* Optimizers are returned as given. mixedprec's fused optimizers keep fp32 masters in
+  their state and take the loss scale and the overflow flag through ``grad_scale`` and
+  ``found_inf``, as ``torch.amp.GradScaler`` hands them: nothing reads a device value
+  on the host. Other optimizers get fp32 master parameters (O2) and step hooks; the
+  pre-hook reads the overflow flag once per step (as Apex did) to skip the step.
+* The loss scalers are faces on :class:`mixedprec.loss_scale.LossScale`. A dynamic
+  scale never goes below ``min_loss_scale``; left None, that floor is
+  :data:`~mixedprec.loss_scale.DEFAULT_MIN_SCALE` (2**-24, not 0 as in Apex), so the
+  scale never reaches 0.
 * ``initialize`` may be called again for new models and optimizers.
 * ``state_dict`` also carries the O2 master weights of non-fused optimizers, so a
-  resumed run continues bit for bit.
+  resumed run continues bit for bit; ``load_state_dict`` applies all of it or none.
 * Overflow skips are reported through ``logging`` (logger ``mixedprec.amp``), rate
   limited, and read without stalling the device.
 """
 
 import contextlib
 import functools
+import itertools
 import logging
+import math
 import time
 import weakref
 from collections import deque
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import Tensor, nn
 
+from . import masters as _masters
 from . import ops
 from .fp16_utils import convert_network
+from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
 from .optimizers import _FusedOptimizer
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "half_function", "float_function", "promote_function", "register_half_function",
-    "register_float_function", "register_promote_function", "disable_casts", "AmpModel",
+    "register_float_function", "register_promote_function", "disable_casts",
 ]
 
 logger = logging.getLogger("mixedprec.amp")
@@ -57,7 +68,6 @@ _OPT_LEVELS: Dict[str, Dict[str, Any]] = {
     "O3": dict(cast_model_type=torch.float16, patch_torch_functions=False,
                keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
 }
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _as_bool(name: str, value: Any) -> Optional[bool]:
@@ -89,11 +99,11 @@ class Properties:
 
     def _set(self, name: str, value: Any) -> None:
         o1 = self.opt_level == "O1"
-        if name == "cast_model_type":
+        if name in ("cast_model_type", "cast_model_outputs"):
             if value not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError(f"amp.initialize: cast_model_type must be torch.float32, "
+                raise ValueError(f"amp.initialize: {name} must be torch.float32, "
                                  f"torch.float16 or torch.bfloat16, got {value!r}")
-            if o1 and value is torch.float16:
+            if name == "cast_model_type" and o1 and value is torch.float16:
                 raise ValueError(
                     "amp.initialize: with opt_level O1 the model weights stay fp32 (casts are "
                     "inserted around functions), so cast_model_type=torch.float16 is "
@@ -104,16 +114,11 @@ class Properties:
             if value and not o1:
                 raise ValueError("amp.initialize: patch_torch_functions=True is only valid "
                                  "with opt_level='O1'")
-        elif name == "keep_batchnorm_fp32":
+        elif name in ("keep_batchnorm_fp32", "master_weights"):
             value = _as_bool(name, value)
             if o1:
-                raise ValueError("amp.initialize: with opt_level O1 batchnorm already runs in "
-                                 f"fp32, so keep_batchnorm_fp32 must be None, got {value!r}")
-        elif name == "master_weights":
-            value = _as_bool(name, value)
-            if o1:
-                raise ValueError("amp.initialize: master_weights makes no sense with O1, whose "
-                                 "model weights are fp32 already")
+                raise ValueError(f"amp.initialize: with opt_level O1 the weights (batchnorm "
+                                 f"included) stay fp32, so {name} must be None, got {value!r}")
         elif name == "loss_scale":
             if value != "dynamic":
                 try:
@@ -121,12 +126,7 @@ class Properties:
                 except (TypeError, ValueError):
                     raise ValueError("amp.initialize: loss_scale must be 'dynamic' or a "
                                      f"number, got {value!r}") from None
-                if not value > 0:
-                    raise ValueError(f"amp.initialize: loss_scale must be > 0, got {value}")
-        elif name == "cast_model_outputs":
-            if value not in (torch.float32, torch.float16, torch.bfloat16):
-                raise ValueError("amp.initialize: cast_model_outputs must be a float dtype, "
-                                 f"got {value!r}")
+                value = check_scale("amp.initialize", "loss_scale", value)
         self.options[name] = value
 
     def __getattr__(self, name: str) -> Any:
@@ -140,42 +140,46 @@ class Properties:
 
 
 class LossScaler:
-    """One loss's scale on the device: static, or dynamic with Apex's defaults (start
-    2**16, halve on overflow, double after 2000 clean steps) and a floor and ceiling."""
+    """Apex's loss scaler of one loss, a face on :class:`LossScale`: static, or dynamic
+    with Apex's defaults (start at ``min(2**16, max_loss_scale)``, halve on overflow,
+    double after 2000 clean steps, not above ``max_loss_scale`` nor below
+    ``min_loss_scale``, whose default is ``DEFAULT_MIN_SCALE``). Apex's public names:
+    ``loss_scale()``, ``dynamic`` and the ``state_dict`` entries ``loss_scale`` and
+    ``unskipped``."""
 
-    def __init__(self, loss_scale: Any, min_loss_scale: Optional[float],
-                 max_loss_scale: float, init_scale: float = 2.0**16,
+    def __init__(self, loss_scale: Any, min_loss_scale: Optional[float] = None,
+                 max_loss_scale: float = 2.0**24, init_scale: float = 2.0**16,
                  scale_window: int = 2000):
         self.dynamic = loss_scale == "dynamic"
-        self.min_scale = float(min_loss_scale or 0.0)
-        self.max_scale = float(max_loss_scale)
-        self.scale_window = scale_window
-        start = min(init_scale, self.max_scale) if self.dynamic else float(loss_scale)
-        self.scale = torch.full((1,), start, dtype=torch.float32)
-        self.growth_tracker = torch.zeros(1, dtype=torch.int32)
-        self.hysteresis_tracker = torch.ones(1, dtype=torch.int32)
+        floor = DEFAULT_MIN_SCALE if min_loss_scale is None else min_loss_scale
+        # Apex starts at min(init, max); a floor above that start raises the start.
+        start = max(min(init_scale, max_loss_scale), floor) if self.dynamic else loss_scale
+        self.core = LossScale(start, dynamic=self.dynamic, growth_factor=2.0,
+                              backoff_factor=0.5, growth_interval=scale_window,
+                              min_scale=floor, max_scale=max_loss_scale, owner="amp")
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (Apex's name; reads the device)."""
-        return float(self.scale.item())  # sync-ok: an explicit read by the caller
-
-    def to(self, device: torch.device) -> None:
-        for name in ("scale", "growth_tracker", "hysteresis_tracker"):
-            setattr(self, name, getattr(self, name).to(device))
+        return self.core.get()
 
     def update(self, found_inf: Tensor) -> None:
-        if self.dynamic:
-            ops.update_loss_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
-                                   found_inf, 2.0, 0.5, self.scale_window, 1, self.min_scale,
-                                   self.max_scale)
+        """One step of the dynamic rule, on the device."""
+        self.core.update(found_inf)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"loss_scale": float(self.scale.item()),  # sync-ok: checkpointing
-                "unskipped": int(self.growth_tracker.item())}  # sync-ok: checkpointing
+        return {"loss_scale": self.core.get(),
+                "unskipped": self.core.trackers()["growth_tracker"]}
 
-    def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.scale.fill_(float(sd["loss_scale"]))
-        self.growth_tracker.fill_(int(sd["unskipped"]))
+    def load_state_dict(self, sd: Dict[str, Any], key: str = "the state",
+                        check_only: bool = False) -> None:
+        """Loads Apex's entry; checked first (by a scratch LossScale when
+        ``check_only``), a bad one raises ValueError naming ``key``."""
+        try:
+            (LossScale() if check_only else self.core).load(sd["loss_scale"], sd["unskipped"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"amp.load_state_dict: expected {key} to be a dict with "
+                             "'loss_scale' (finite, > 0) and 'unskipped' (an int >= 0), got "
+                             f"{sd!r}: {err}") from None
 
 
 class _OverflowReporter:
@@ -222,75 +226,156 @@ class _OverflowReporter:
 class _AmpState:
     """What one ``initialize`` call set up."""
 
-    def __init__(self, props: Properties, num_losses: int, min_loss_scale, max_loss_scale):
-        self.props = props
-        self.loss_scalers = [LossScaler(props.loss_scale, min_loss_scale, max_loss_scale)
-                             for _ in range(num_losses)]
+    def __init__(self, props: Properties, scalers: List[LossScaler]):
+        self.props = self.opt_properties = props  # Apex's name, read by legacy scripts
+        self.loss_scalers = scalers
         self.optimizers: List["_OptimizerAmp"] = []
         self.reporter = _OverflowReporter()
 
-    @property
-    def opt_properties(self) -> Properties:
-        """Apex's name for ``props``, read by some legacy scripts."""
-        return self.props
-
 
 class _OptimizerAmp:
-    """amp's bookkeeping for one optimizer: its masters (O2, non-fused), the overflow
-    flag of the gradients gathered since its last step, and the hooks around step."""
+    """amp's bookkeeping for one optimizer between two steps.
+
+    ``found_inf``: the overflow flag of the gradients gathered since the last step
+    (None: no ``scale_loss`` exit since then). ``carried``: the scale the model
+    gradients carry (None: unscaled, or none gathered). ``delayed``: the loss id of a
+    ``delay_unscale`` exit whose gradients are still scaled and unchecked.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: _AmpState,
                  masters: Optional[Dict[Tensor, Tensor]]):
         self.optimizer = weakref.ref(optimizer)
         self.state = state
         self.fused = isinstance(optimizer, _FusedOptimizer)
-        self.masters = masters  # model param -> fp32 master (non-fused O2 only)
-        self.model_of = {m: p for p, m in (masters or {}).items()}
+        self.masters = masters or {}  # model param -> fp32 master (non-fused O2 only)
+        self.model_of = {m: p for p, m in self.masters.items()}
         self.found_inf: Optional[Tensor] = None
-        self.grads_scaled = False  # grads gathered with delay_unscale still carry the scale
-        self.pending_scale: Optional[Tensor] = None  # the scale a fused step will divide by
-        self.stash: List[Optional[Tensor]] = []  # gradients set aside during a backward
-        self.stash_scale: Optional[Tensor] = None  # the scale they carry (fused only)
+        self.carried: Optional[Tensor] = None
+        self.delayed: Optional[int] = None
+        self.stash: List[Optional[Tensor]] = []
+        self.stash_scale: Optional[Tensor] = None
+        self.skip = False
         if not self.fused:
             optimizer.register_step_pre_hook(self._before_step)
-            optimizer.register_step_post_hook(self._after_step)
-        else:
-            optimizer.register_step_post_hook(self._after_fused_step)
+        optimizer.register_step_post_hook(self._after_step)
 
     def model_params(self) -> List[Tensor]:
         """The parameters whose gradients backward writes (the model's, not masters)."""
         return [self.model_of.get(p, p) for g in self.optimizer().param_groups
                 for p in g["params"]]
 
-    def flag(self, device: torch.device) -> Tensor:
-        if self.found_inf is None:
-            self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        return self.found_inf
-
     def _before_step(self, optimizer, args, kwargs) -> None:
-        # One host read per step, as Apex: a skipped step sees no gradients at all.
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.found_inf is not None and self.found_inf.item() != 0:  # sync-ok: see above
-            for p in params:
-                p.grad = None
+        # Non-fused only: a skipped step sees no gradients at all.
+        flag = self.found_inf
+        self.skip = flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
+        if self.skip:
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    p.grad = None
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if self.masters:
-            model = list(self.masters)
-            ops.multi_tensor_copy_([self.masters[p] for p in model], model)
-        self._reset()
+        if self.fused:  # used by one step, as torch.amp.GradScaler does
+            for name in ("grad_scale", "found_inf"):
+                optimizer.__dict__.pop(name, None)
+        elif self.masters and not self.skip:
+            _masters.copy_to_model(list(self.masters.values()), list(self.masters))
+        self.found_inf = self.carried = self.delayed = None
+        self.skip = False
 
-    def _after_fused_step(self, optimizer, args, kwargs) -> None:
-        for name in ("grad_scale", "found_inf"):  # used by one step, as GradScaler does
-            if hasattr(optimizer, name):
-                delattr(optimizer, name)
-        self._reset()
+    # -- around one loss's backward --------------------------------------------------
+    def before_backward(self, loss_id: int) -> None:
+        """Sets aside the gradients gathered since the last step, if any, so that this
+        loss's overflow check sees only its own and its unscale leaves theirs alone.
+        Not needed for the first loss after a step (gradients present are taken as
+        they are: None or zeros), nor after a ``delay_unscale`` exit of the same loss,
+        whose gradients carry this loss's scale, unchecked."""
+        self.stash, self.stash_scale = [], None
+        if self.found_inf is None or self.delayed == loss_id:
+            return
+        self.stash_scale = self.carried
+        for p in self.model_params():
+            self.stash.append(p.grad)
+            p.grad = None
 
-    def _reset(self) -> None:
-        if self.found_inf is not None:
-            self.found_inf.zero_()
-        self.grads_scaled = False
-        self.pending_scale = None
+    def restore(self, to_scale: Optional[Tensor]) -> None:
+        """Adds the gradients set aside back, first brought from the scale they carry
+        to ``to_scale`` (None: unscaled), since they join gradients at that scale (an
+        overflow there counts for the step, not for this loss's scaler)."""
+        stash = [(p, old) for p, old in zip(self.model_params(), self.stash) if old is not None]
+        if stash and (to_scale is not None or self.stash_scale is not None):
+            flag = self.found_inf  # not None: a stash exists only after an exit
+            one = torch.ones((), dtype=torch.float32, device=flag.device)
+            factor = (one if to_scale is None else to_scale) / (
+                one if self.stash_scale is None else self.stash_scale)
+            ops.multi_tensor_unscale_([old for _, old in stash], flag, factor)
+        for p, old in stash:
+            p.grad = old if p.grad is None else p.grad.add_(old)
+        self.stash, self.stash_scale = [], None
+
+    def abandon(self) -> None:
+        """After an exception in the ``scale_loss`` block: the gradients set aside come
+        back as they were."""
+        for p, old in zip(self.model_params(), self.stash):
+            p.grad = old
+
+    def after_backward(self, scale: Tensor, found_inf: Tensor) -> None:
+        """Checks this loss's new gradients for overflow into ``found_inf``: read-only
+        for a fused optimizer (its update unscales), else unscaled into the fp32 masters
+        (O2) or in place."""
+        params = [p for p in self.model_params() if p.grad is not None]
+        if self.fused:
+            ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
+            self.carried = scale
+            self.restore(scale)
+            return
+        inv_scale = scale.double().reciprocal().float()  # as torch.amp.GradScaler
+        halves = [p for p in params if p in self.masters]
+        if halves:  # O2: added to the master gradients of an earlier loss
+            _masters.unscale_into_masters(halves, [self.masters[p] for p in halves],
+                                          found_inf, inv_scale, accumulate=True)
+            for p in halves:
+                p.grad = None
+        others = [p.grad for p in params if p not in self.masters]
+        if others:
+            ops.multi_tensor_unscale_(others, found_inf, inv_scale)
+        self.carried = None
+        self.restore(None)
+
+    def add_flag(self, found_inf: Optional[Tensor], device: torch.device) -> None:
+        """Joins one loss's overflow flag (None: a static scale, which never skips) and
+        hands the scale and flag to a fused optimizer."""
+        if self.found_inf is None:
+            self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if found_inf is not None:
+            self.found_inf.add_(found_inf)
+        if self.fused:
+            self.hand_scaling()
+
+    def hand_scaling(self) -> None:
+        """The one channel to a fused optimizer, as torch.amp.GradScaler uses it."""
+        self.optimizer().grad_scale, self.optimizer().found_inf = self.carried, self.found_inf
+
+    def unscale_for_clipping(self) -> None:
+        """For ``master_params`` with a fused optimizer: turns the scaled gradients its
+        update would unscale into unscaled fp32 master gradients (the update then reads
+        a master's ``.grad``), or unscales fp32 ones in place; ``grad_scale`` is None."""
+        if self.carried is None or self.delayed is not None:
+            return
+        optimizer = self.optimizer()
+        inv_scale = self.carried.double().reciprocal().float()
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        with_master = [p for p in params if "master_param" in optimizer.state.get(p, {})]
+        if with_master:
+            _masters.unscale_into_masters(
+                with_master, [optimizer.state[p]["master_param"] for p in with_master],
+                self.found_inf, inv_scale)
+            for p in with_master:
+                p.grad = None
+        without = [p.grad for p in params if p.grad is not None]
+        if without:
+            ops.multi_tensor_unscale_(without, self.found_inf, inv_scale)
+        self.carried = None
+        self.hand_scaling()
 
 
 _optimizer_amp: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerAmp]" = (
@@ -300,62 +385,52 @@ _current: Optional[_AmpState] = None
 _registered_casts: List[tuple] = []
 
 
-class AmpModel(nn.Module):
-    """The model ``initialize`` returns: ``module`` with amp's casts around its forward.
+class _AmpForward:
+    """``model.forward`` after ``initialize`` (the compatibility alias, see the module
+    docstring): the original bound forward with amp's casts around it. O1 runs it
+    under ``torch.autocast``; O2/O3 cast floating-point inputs to the model's dtype.
+    Outputs are cast to ``output_dtype`` (None: left as they are)."""
 
-    O1 runs the forward under ``torch.autocast`` (fp16, or bf16 with
-    ``cast_model_type=torch.bfloat16``); O2/O3 cast floating-point inputs to the model's
-    dtype, as Apex did. Outputs are cast to ``cast_model_outputs``, by default float32
-    (at O1 too: Apex ran the loss functions after the model in fp32). Other
-    attributes are looked up on ``module``; ``state_dict`` and ``load_state_dict`` are
-    the module's own, so checkpoints keep their keys.
-    """
+    def __init__(self, module, original, autocast_dtype, input_dtype, output_dtype):
+        functools.update_wrapper(self, original)  # name, docstring, signature
+        self.module = module  # (copy.deepcopy of the model rebinds both to the copy)
+        self.original = original
+        self.autocast_dtype = autocast_dtype
+        self.input_dtype = input_dtype
+        self.output_dtype = output_dtype
 
-    def __init__(self, module: nn.Module, props: Properties):
-        super().__init__()
-        self.module = module
-        self._autocast_dtype = None
-        self._input_dtype = None
-        self._output_dtype = props.cast_model_outputs
-        if props.patch_torch_functions:
-            self._autocast_dtype = props.cast_model_type or torch.float16
-            # Apex's O1 ran loss functions in fp32 wherever they were called; autocast
-            # covers only the forward, so the outputs leave it as fp32.
-            self._output_dtype = props.cast_model_outputs or torch.float32
-        elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
-            self._input_dtype = props.cast_model_type
-            self._output_dtype = props.cast_model_outputs or torch.float32
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.input_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.input_dtype)
+        with (contextlib.nullcontext() if self.autocast_dtype is None else
+              torch.autocast(_device_type(self.module), dtype=self.autocast_dtype)):
+            out = self.original(*args, **kwargs)
+        return out if self.output_dtype is None else _cast(out, self.output_dtype)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._input_dtype is not None:
-            args, kwargs = _cast((args, kwargs), self._input_dtype)
-        if self._autocast_dtype is not None:
-            device_type = _device_type(self.module)
-            with torch.autocast(device_type, dtype=self._autocast_dtype):
-                out = self.module(*args, **kwargs)
-        else:
-            out = self.module(*args, **kwargs)
-        return out if self._output_dtype is None else _cast(out, self._output_dtype)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
-
-    def state_dict(self, *args: Any, **kwargs: Any):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+def _patch_forward(model: nn.Module, props: Properties) -> None:
+    autocast_dtype = input_dtype = None
+    output_dtype = props.cast_model_outputs
+    if props.patch_torch_functions:
+        autocast_dtype = props.cast_model_type or torch.float16
+        # Apex's O1 ran loss functions in fp32 wherever they were called; autocast
+        # covers only the forward, so the outputs leave it as fp32.
+        output_dtype = output_dtype or torch.float32
+    elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
+        input_dtype = props.cast_model_type
+        output_dtype = output_dtype or torch.float32
+    current = model.__dict__.get("forward")
+    original = current.original if isinstance(current, _AmpForward) else model.forward
+    if autocast_dtype is None and input_dtype is None and output_dtype is None:
+        if isinstance(current, _AmpForward):  # O0 after another level: no casts
+            del model.forward
+        return
+    model.forward = _AmpForward(model, original, autocast_dtype, input_dtype, output_dtype)
 
 
 def _device_type(module: nn.Module) -> str:
-    for t in module.parameters():
-        return t.device.type
-    for t in module.buffers():
-        return t.device.type
-    return "cpu"
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return "cpu" if first is None else first.device.type
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -374,6 +449,23 @@ def _as_list(value: Any) -> List[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _loss_scalers(props: Properties, num_losses: Any, min_loss_scale: Any,
+                  max_loss_scale: Any) -> List[LossScaler]:
+    """The loss scalers, after checking their arguments (naming them)."""
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
+    where = "amp.initialize"
+    if min_loss_scale is not None:
+        min_loss_scale = check_scale(where, "min_loss_scale", min_loss_scale)
+    if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale == math.inf):
+        max_loss_scale = check_scale(where, "max_loss_scale", max_loss_scale)
+    if min_loss_scale is not None and not min_loss_scale <= max_loss_scale:
+        raise ValueError(f"{where}: expected min_loss_scale <= max_loss_scale, got "
+                         f"min_loss_scale={min_loss_scale} and max_loss_scale={max_loss_scale}")
+    return [LossScaler(props.loss_scale, min_loss_scale, float(max_loss_scale))
+            for _ in range(num_losses)]
+
+
 def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
@@ -385,9 +477,11 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     fp16 (bf16 with ``cast_model_type=torch.bfloat16``) with batchnorm in fp32, fp32
     master weights, dynamic loss scaling. O3: the model entirely in fp16/bf16. The
     keyword overrides are validated as Apex did (strings such as ``"True"`` and
-    ``"128.0"`` are accepted). Returns models and optimizers in the shape they were
-    given (a model or a list; see :class:`AmpModel`). May be called again for other
-    models and optimizers; each optimizer only once.
+    ``"128.0"`` are accepted), and all arguments are checked before anything changes.
+    ``min_loss_scale`` None means the floor ``DEFAULT_MIN_SCALE`` (2**-24).
+    Returns the models and optimizers given, in the shape given; each model's
+    ``forward`` is wrapped with the casts (see the module docstring). May be called
+    again for other models and optimizers; each optimizer only once.
     """
     global _current
     if not enabled:
@@ -412,35 +506,34 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                              "amp.initialize; build a new one for new models")
     if len(set(map(id, optimizer_list))) != len(optimizer_list):
         raise ValueError("amp.initialize: the same optimizer is listed twice")
-    if not isinstance(num_losses, int) or num_losses < 1:
-        raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
     props = Properties(opt_level, dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
+    state = _AmpState(props, _loss_scalers(props, num_losses, min_loss_scale, max_loss_scale))
     if verbosity:
         logger.info("amp: %s", props)
 
-    state = _AmpState(props, num_losses, min_loss_scale, max_loss_scale)
     # At O1 cast_model_type picks the autocast dtype; the weights stay fp32.
     dtype = None if props.patch_torch_functions else props.cast_model_type
     casting = dtype is not None and dtype != torch.float32
     # fp32 values of every parameter before the cast: exact master weights.
-    fp32 = {p: p.detach().to(torch.float32, copy=True)
+    fp32 = {p: _masters.make_master(p)
             for m in model_list for p in m.parameters()} if casting else {}
     for m in model_list:
         if casting and props.keep_batchnorm_fp32:
             convert_network(m, dtype)
         elif dtype is not None:
             m.to(dtype)
+        _patch_forward(m, props)
     for o in optimizer_list:
         masters = None
-        if props.master_weights and isinstance(o, _FusedOptimizer):
-            o.master_weights = True
-            for p in (p for g in o.param_groups for p in g["params"]):
-                if p.dtype in _HALF and p in fp32:
-                    o.state[p]["master_param"] = fp32[p]
         if isinstance(o, _FusedOptimizer):
+            if props.master_weights:
+                o.master_weights = True
+                for p in (p for g in o.param_groups for p in g["params"]):
+                    if _masters.needs_master(p) and p in fp32:
+                        o.state[p]["master_param"] = fp32[p]
             o._invalidate_plans()  # its state and the model's dtypes changed here
         elif props.master_weights:
             masters = _use_master_params(o, fp32)
@@ -452,12 +545,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
             setattr(module, name, wrap(getattr(module, name)))
         _registered_casts.clear()
     _current = state
-
-    wrapped = [AmpModel(m, props) for m in model_list]
-    out_models = wrapped if isinstance(models, (list, tuple)) else wrapped[0]
-    if optimizers is None:
-        return out_models
-    return out_models, optimizers
+    return models if optimizers is None else (models, optimizers)
 
 
 def _use_master_params(optimizer: torch.optim.Optimizer,
@@ -468,15 +556,14 @@ def _use_master_params(optimizer: torch.optim.Optimizer,
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
-            if p.dtype in _HALF:
-                master = nn.Parameter(fp32.get(p, p.detach().float()),
+            if _masters.needs_master(p):
+                master = nn.Parameter(fp32[p] if p in fp32 else _masters.make_master(p),
                                       requires_grad=p.requires_grad)
                 masters[p] = master
                 if p in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(p)
-                new_params.append(master)
-            else:
-                new_params.append(p)
+                p = master
+            new_params.append(p)
         group["params"] = new_params
     return masters
 
@@ -485,12 +572,14 @@ def _use_master_params(optimizer: torch.optim.Optimizer,
 def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
                delay_unscale: bool = False, delay_overflow_check: bool = False
                ) -> Iterator[Tensor]:
-    """Yields ``loss * scale`` for ``backward()``; on exit the gradients are unscaled
-    (or handed to the fused optimizer with their scale), overflow is checked on the
-    device, and the loss scale is updated. An overflow in any optimizer's gradients
-    skips the steps of all the optimizers given. With ``delay_unscale=True`` the
-    gradients stay scaled until a later ``scale_loss`` exit (gradient accumulation).
-    Apex's ``model`` and ``delay_overflow_check`` are accepted and have no effect."""
+    """Yields ``loss * scale`` for ``backward()``. On exit, one overflow check of the
+    new gradients on the device; a fused optimizer is handed the scale and the flag
+    (its update unscales, or is skipped, on the device), other optimizers' gradients
+    are unscaled (into the fp32 masters at O2); then the loss scale is updated. An
+    overflow in any optimizer's gradients skips the steps of all the optimizers given.
+    With ``delay_unscale=True`` the gradients stay scaled and unchecked until the next
+    ``scale_loss`` exit of the same loss (gradient accumulation). Apex's ``model`` and
+    ``delay_overflow_check`` are accepted and have no effect."""
     optimizer_list = _as_list(optimizers)
     amps = [_optimizer_amp.get(o) for o in optimizer_list]
     if not amps or all(a is None and o in _disabled for a, o in zip(amps, optimizer_list)):
@@ -499,142 +588,37 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
     if any(a is None for a in amps):
         raise ValueError("amp.scale_loss: every optimizer must have been passed to "
                          "amp.initialize")
-    state = amps[0].state
-    if not 0 <= loss_id < len(state.loss_scalers):
-        raise ValueError(f"amp.scale_loss: loss_id must be in [0, {len(state.loss_scalers)}), "
+    scalers = amps[0].state.loss_scalers
+    if not 0 <= loss_id < len(scalers):
+        raise ValueError(f"amp.scale_loss: loss_id must be in [0, {len(scalers)}), "
                          f"got {loss_id}")
-    scaler = state.loss_scalers[loss_id]
-    if scaler.scale.device != loss.device:
-        scaler.to(loss.device)
-    # The scale this backward uses; update() below changes scaler.scale in place.
-    scale = scaler.scale.clone()
+    scaler = scalers[loss_id]
+    # The scale this backward uses: the update below changes the scaler's in place.
+    scale = scaler.core.place(loss.device).clone()
     for amp in amps:
-        _before_backward(amp, scale)
+        amp.before_backward(loss_id)
     try:
-        yield loss.float() * scale.reshape(())
+        yield loss.float() * scale
     except BaseException:
         for amp in amps:
-            _restore_stash(amp)
+            amp.abandon()
         raise
-    if delay_unscale:
-        for amp in amps:
-            _restore_stash(amp, scale)
-            amp.pending_scale = scale if amp.fused else None
-            amp.grads_scaled = True
-        return
-
     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
     for amp in amps:
-        _after_backward(amp, scale, found_inf)
+        if delay_unscale:
+            # The gradients set aside join this loss's, which stay at this scale.
+            amp.restore(scale)
+            amp.carried, amp.delayed = scale, loss_id
+        else:
+            amp.after_backward(scale, found_inf)
+            amp.delayed = None
     # Only now is found_inf complete: every optimizer skips if any gradient overflowed.
     for amp in amps:
-        if scaler.dynamic:
-            amp.flag(found_inf.device).add_(found_inf)
-        if amp.fused:
-            _hand_scaling(amp.optimizer(), amp.pending_scale, amp.found_inf)
-    if scaler.dynamic:  # a static scale never skips a step
+        amp.add_flag(found_inf if scaler.dynamic and not delay_unscale else None,
+                     scale.device)
+    if scaler.dynamic and not delay_unscale:  # a static scale never skips a step
         scaler.update(found_inf)
-        state.reporter.record(loss_id, found_inf, scaler.scale)
-
-
-def _hand_scaling(optimizer, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-    """The one channel to a fused optimizer, as torch.amp.GradScaler uses it."""
-    optimizer.grad_scale = grad_scale
-    optimizer.found_inf = found_inf
-
-
-def _inverse(scale: Tensor) -> Tensor:
-    """1 / scale on the device, rounded once from double (as torch's GradScaler)."""
-    return scale.double().reciprocal().float()
-
-
-def _grads(params: Iterable[Tensor]) -> List[Tensor]:
-    return [p.grad for p in params if p.grad is not None]
-
-
-def _before_backward(amp: _OptimizerAmp, scale: Tensor) -> None:
-    """Prepares the gradients already present for this loss's backward.
-
-    Gradients an earlier loss left scaled for a fused update, and unscaled ones of a
-    non-fused optimizer, are set aside so that this loss's overflow check sees only
-    its own gradients; they are added back afterwards, at the right scale. Other
-    gradients present at a fused optimizer (zeros after ``zero_grad(set_to_none=False)``)
-    are brought to this loss's scale in place. Gradients gathered under
-    ``delay_unscale`` carry this scale already."""
-    amp.stash, amp.stash_scale = [], None
-    if amp.grads_scaled:
-        return
-    params = amp.model_params()
-    if amp.fused and amp.pending_scale is None:
-        grads = _grads(params)
-        if grads:
-            ops.multi_tensor_unscale_(grads, amp.flag(scale.device), scale)
-        return
-    amp.stash_scale = amp.pending_scale if amp.fused else None
-    for p in params:
-        amp.stash.append(p.grad)
-        p.grad = None
-
-
-def _restore_stash(amp: _OptimizerAmp, scale: Optional[Tensor] = None) -> None:
-    """Adds the gradients set aside back; those a fused update will unscale are first
-    brought from their scale to `scale`."""
-    stash = [(p, old) for p, old in zip(amp.model_params(), amp.stash) if old is not None]
-    if stash and scale is not None and amp.stash_scale is not None:
-        ops.multi_tensor_unscale_([old for _, old in stash], amp.flag(scale.device),
-                                  scale / amp.stash_scale)
-    for p, old in stash:
-        p.grad = old if p.grad is None else p.grad.add_(old)
-    amp.stash, amp.stash_scale = [], None
-
-
-def _after_backward(amp: _OptimizerAmp, scale: Tensor, found_inf: Tensor) -> None:
-    """Checks one optimizer's new gradients for overflow into found_inf and unscales
-    them, unless its fused update will."""
-    amp.grads_scaled = False
-    params = [p for p in amp.model_params() if p.grad is not None]
-    if amp.fused:
-        ops.multi_tensor_check_finite_(_grads(params), found_inf)
-        _restore_stash(amp, scale)
-        amp.pending_scale = scale
-        return
-    inv_scale = _inverse(scale)
-    halves = [p for p in params if amp.masters and p in amp.masters]
-    others = [p for p in params if not (amp.masters and p in amp.masters)]
-    if halves:  # O2: into fp32 master grads, added to those of an earlier loss
-        masters = [amp.masters[p] for p in halves]
-        dst = [torch.empty_like(m) for m in masters]
-        ops.multi_tensor_unscale_to_(_grads(halves), dst, found_inf, inv_scale)
-        for p, m, g in zip(halves, masters, dst):
-            m.grad = g if m.grad is None else m.grad.add_(g)
-            p.grad = None
-    if others:
-        ops.multi_tensor_unscale_(_grads(others), found_inf, inv_scale)
-    _restore_stash(amp)
-
-
-def _materialize_unscaled_grads(amp: _OptimizerAmp) -> None:
-    """For clipping through master_params: turns the scaled gradients a fused
-    optimizer would unscale itself into unscaled fp32 master gradients (the optimizer
-    reads a master's .grad when it has one), or unscales fp32 ones in place."""
-    if amp.pending_scale is None:
-        return
-    optimizer = amp.optimizer()
-    inv_scale = _inverse(amp.pending_scale)
-    flag = amp.flag(amp.pending_scale.device)
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    with_master = [p for p in params if "master_param" in optimizer.state.get(p, {})]
-    without = [p for p in params if "master_param" not in optimizer.state.get(p, {})]
-    if with_master:
-        dst = [torch.empty_like(optimizer.state[p]["master_param"]) for p in with_master]
-        ops.multi_tensor_unscale_to_(_grads(with_master), dst, flag, inv_scale)
-        for p, g in zip(with_master, dst):
-            optimizer.state[p]["master_param"].grad = g
-            p.grad = None
-    if without:
-        ops.multi_tensor_unscale_(_grads(without), flag, inv_scale)
-    amp.pending_scale = None
-    _hand_scaling(optimizer, None, amp.found_inf)
+        amps[0].state.reporter.record(loss_id, found_inf, scaler.core.scale)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
@@ -644,11 +628,11 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     the fp32 master gradients its update then reads)."""
     amp = _optimizer_amp.get(optimizer)
     if amp is not None and amp.fused:
-        _materialize_unscaled_grads(amp)
+        amp.unscale_for_clipping()
+    fused = isinstance(optimizer, _FusedOptimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            yield state.get("master_param", p) if isinstance(optimizer, _FusedOptimizer) else p
+            yield optimizer.state.get(p, {}).get("master_param", p) if fused else p
 
 
 def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -668,32 +652,33 @@ def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
 
 def load_state_dict(state_dict: Dict[str, Any]) -> None:
     """Restores what :func:`state_dict` saved (call it after ``initialize``); the
-    master weights are copied exactly and into the model."""
+    master weights are copied exactly and into the model. Every entry is checked
+    first: a bad one raises ValueError naming its key, and nothing changes."""
     if _current is None:
         raise RuntimeError("amp.load_state_dict: amp.initialize has not been called")
     scalers = [k for k in state_dict if k.startswith("loss_scaler")]
     if len(scalers) != len(_current.loss_scalers):
         raise ValueError(f"amp.load_state_dict: the state dict has {len(scalers)} loss "
                          f"scalers, amp was initialized with {len(_current.loss_scalers)}")
-    for i, amp in enumerate(_current.optimizers):
-        saved = state_dict.get(f"master_params{i}")
-        if saved is None or not amp.masters:
-            continue
-        current = list(amp.masters.values())
-        if len(saved) != len(current) or any(
-                s.shape != c.shape for s, c in zip(saved, current)):
-            raise ValueError(f"amp.load_state_dict: master_params{i} do not match optimizer "
-                             f"{i}'s parameters in number or shape")
-    for i, scaler in enumerate(_current.loss_scalers):
-        scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
-    for i, amp in enumerate(_current.optimizers):
-        saved = state_dict.get(f"master_params{i}")
-        if saved is None or not amp.masters:
-            continue
-        with torch.no_grad():
-            for master, value in zip(amp.masters.values(), saved):
-                master.copy_(value)
-            ops.multi_tensor_copy_(list(amp.masters.values()), list(amp.masters))
+    for check_only in (True, False):  # every entry is checked before any is loaded
+        for i, scaler in enumerate(_current.loss_scalers):
+            key = f"loss_scaler{i}"
+            scaler.load_state_dict(state_dict.get(key), key, check_only)
+        for i, amp in enumerate(_current.optimizers):
+            saved, current = state_dict.get(f"master_params{i}"), list(amp.masters.values())
+            if saved is None or not current:
+                continue
+            if check_only and (not isinstance(saved, (list, tuple)) or len(saved) != len(
+                    current) or any(not isinstance(s, Tensor) or not s.is_floating_point()
+                                    or s.shape != c.shape for s, c in zip(saved, current))):
+                raise ValueError(f"amp.load_state_dict: expected master_params{i} to be a "
+                                 f"list of {len(current)} float tensors with the shapes of "
+                                 f"optimizer {i}'s master parameters")
+            if not check_only:
+                with torch.no_grad():
+                    for master, value in zip(current, saved):
+                        master.copy_(value)
+                _masters.copy_to_model(current, list(amp.masters))
 
 
 class _CurrentAmpState:
@@ -712,16 +697,12 @@ _amp_state = _CurrentAmpState()
 
 # --- function casts (O1) -----------------------------------------------------------
 
-def _autocast_state(args: Sequence[Any]):
-    device_type = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
-    return device_type, torch.is_autocast_enabled(device_type)
-
-
 def _cast_function(fn, dtype_of):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        device_type, enabled = _autocast_state(list(args) + list(kwargs.values()))
-        if not enabled:
+        device_type = next((a.device.type for a in (*args, *kwargs.values())
+                            if isinstance(a, Tensor)), "cpu")
+        if not torch.is_autocast_enabled(device_type):
             return fn(*args, **kwargs)
         dtype = dtype_of(device_type, args, kwargs)
         with torch.autocast(device_type, enabled=False):

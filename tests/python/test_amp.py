@@ -11,6 +11,7 @@ skips on a machine without a GPU."""
 
 import contextlib
 import copy
+import io
 import linecache
 import logging
 import os
@@ -242,7 +243,7 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
     opt = OPTIMIZERS[opt_name](model.parameters())
     amp_model, opt_out = amp.initialize(model, opt, **level_kwargs(level, half))
     assert opt_out is opt
-    assert isinstance(amp_model, amp.AmpModel) and amp_model.module is model
+    assert amp_model is model  # the user's own object, as Apex returned it
     assert list(amp_model.state_dict()) == keys
 
     lin = [model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias]
@@ -362,37 +363,97 @@ def test_initialize_lists_of_models_and_optimizers():
     o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
     o2 = mixedprec.FusedAdam(m2.parameters())
     models, opts = amp.initialize([m1, m2], [o1, o2], opt_level="O2", verbosity=0)
-    assert isinstance(models, list) and [m.module for m in models] == [m1, m2]
+    assert isinstance(models, list) and models[0] is m1 and models[1] is m2
     assert opts == [o1, o2]
     assert m1.fc1.weight.dtype == m2.fc1.weight.dtype == torch.float16
-    only = amp.initialize(make_mlp(2), opt_level="O2", verbosity=0)
-    assert isinstance(only, amp.AmpModel)
+    alone = make_mlp(2)
+    assert amp.initialize(alone, opt_level="O2", verbosity=0) is alone
 
 
-# --- AmpModel ------------------------------------------------------------------------------
+# --- initialize returns the user's own models (the forward patch) -------------------------
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_amp_model_keeps_keys_and_forwards_attributes(level):
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_initialize_returns_the_users_model(level):
     module = make_mlp(0)
-    keys = list(module.state_dict())
+    keys, names = list(module.state_dict()), [n for n, _ in module.named_parameters()]
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     model, opt = amp.initialize(module, opt, opt_level=level, verbosity=0)
-    assert isinstance(model, amp.AmpModel) and isinstance(model, nn.Module)
+    assert model is module and isinstance(model, MLP)
     assert list(model.state_dict()) == keys
-    # Attribute access falls through to the module.
-    assert model.tag == "mlp"
-    assert model.fc1 is module.fc1 and model.bn is module.bn
-    assert model.describe() == "mlp:8->1"
-    with pytest.raises(AttributeError):
-        model.no_such_attribute
-    # A checkpoint of the wrapped model loads into a plain module and back.
+    assert [n for n, _ in model.named_parameters()] == names
+    assert model.tag == "mlp" and model.describe() == "mlp:8->1"
+    # A checkpoint of the model loads into a plain module and back.
     plain = make_mlp(5)
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v
                            for k, v in model.state_dict().items()})
-    other = make_mlp(7)
-    amp_other = amp.initialize(other, opt_level=level, verbosity=0)
-    amp_other.load_state_dict(model.state_dict())
-    assert_identical(amp_other.state_dict(), model.state_dict())
+    other = amp.initialize(make_mlp(7), opt_level=level, verbosity=0)
+    other.load_state_dict(model.state_dict())
+    assert_identical(other.state_dict(), model.state_dict())
+    train_step(model, opt, 0)
+
+
+def test_initialize_returns_the_users_sequential():
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    names = [n for n, _ in seq.named_parameters()]
+    first, last = seq[0], seq[2]
+    model = amp.initialize(seq, opt_level="O2", verbosity=0)
+    assert model is seq and isinstance(model, nn.Sequential)
+    assert model[0] is first and model[-1] is last and len(model) == 3
+    assert list(model) == [first, seq[1], last]
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    out = model(torch.randn(2, 4))  # fp32 input cast to fp16, output cast back
+    assert out.dtype == torch.float32 and model[0].weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_forward_patch_is_an_instance_attribute_around_the_original(level):
+    calls = []
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            """Net's forward."""
+            calls.append((x.dtype, torch.is_autocast_enabled("cpu")))
+            return self.lin(x)
+
+    net = Net()
+    amp.initialize(net, opt_level=level, verbosity=0)
+    assert "forward" in vars(net) and Net.forward.__doc__ == net.forward.__doc__
+    assert net.forward.__name__ == "forward"
+    # A second initialize replaces the wrapper: the original runs once, cast once.
+    amp.initialize(net, opt_level=level, verbosity=0)
+    assert net.forward.original.__func__ is Net.forward
+    out = net(torch.randn(2, 4))
+    expected = (torch.float32, True) if level == "O1" else (torch.float16, False)
+    assert calls == [expected] and out.dtype == torch.float32
+    # O0 afterwards removes the casts altogether.
+    amp.initialize(net, opt_level="O0", verbosity=0)
+    assert "forward" not in vars(net)
+    calls.clear()
+    assert net(torch.randn(2, 4)).dtype == torch.float32 and calls == [(torch.float32, False)]
+
+
+def test_deepcopy_of_an_initialized_model_runs_the_copy():
+    """An EMA copy made after initialize must run its own weights, not the original's."""
+    model = amp.initialize(make_mlp(0), opt_level="O2", verbosity=0)
+    model.eval()
+    ema = copy.deepcopy(model)
+    assert ema.forward.original.__self__ is ema and ema.forward.module is ema
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.zero_()
+    x = torch.randn(3, 8)
+    assert torch.equal(ema(x), torch.zeros(3, 1)) and not torch.equal(model(x), ema(x))
+    # So does a whole-model checkpoint.
+    buffer = io.BytesIO()
+    torch.save(ema, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.forward.original.__self__ is loaded and torch.equal(loaded(x), ema(x))
 
 
 # --- the dynamic loss scale against Apex's scaler ----------------------------------------
@@ -400,7 +461,7 @@ def test_amp_model_keeps_keys_and_forwards_attributes(level):
 def run_scale_sequence(model, opt, flags, reference, device="cpu"):
     """Steps with an overflow where `flags` says, checking the scale after each. The
     loss is the sum of the weights (no forward pass: thousands of steps stay cheap)."""
-    weights = list(model.module.parameters())
+    weights = list(model.parameters())
     for i, flag in enumerate(flags):
         opt.zero_grad()
         loss = sum(w.float().sum() for w in weights) * 1e-3
@@ -671,6 +732,132 @@ def test_load_state_dict_rejects_a_mismatch():
     assert scaler_state() == scale
 
 
+@pytest.mark.parametrize("bad,match", [
+    ({"loss_scale": -1.0, "unskipped": 0}, r"loss_scaler1 .*finite and > 0, got -1"),
+    ({"loss_scale": float("inf"), "unskipped": 0}, r"loss_scaler1 .*finite and > 0, got inf"),
+    ({"loss_scale": "big", "unskipped": 0}, r"loss_scaler1 .*number, got str"),
+    ({"loss_scale": 8.0, "unskipped": -2}, r"loss_scaler1 .*int >= 0, got -2"),
+    ({"loss_scale": 8.0}, "loss_scaler1"),
+    (None, "loss_scaler1"),
+])
+def test_load_state_dict_applies_all_or_nothing(bad, match):
+    """A bad second loss scaler entry after a good first one: nothing is loaded."""
+    model, opt, _ = setup("O2", torch.float16, "Adam", "cpu", num_losses=2)
+    sd = amp.state_dict()
+    good = dict(sd, loss_scaler0={"loss_scale": 8.0, "unskipped": 3},
+                master_params0=[m + 1 for m in sd["master_params0"]])
+    snap, scales = snapshot(model, opt), (scaler_state(0), scaler_state(1))
+    with pytest.raises(ValueError, match=match):
+        amp.load_state_dict(dict(good, loss_scaler1=bad))
+    assert_identical(snapshot(model, opt), snap)
+    assert (scaler_state(0), scaler_state(1)) == scales
+    with pytest.raises(ValueError, match="master_params0"):  # a master of another dtype
+        amp.load_state_dict(dict(good, master_params0=[m.long() for m in sd["master_params0"]]))
+    assert (scaler_state(0), scaler_state(1)) == scales
+    amp.load_state_dict(good)  # and the good one loads whole
+    assert scaler_state(0) == (8.0, 3)
+    assert_identical(list(amp.state_dict()["master_params0"]), good["master_params0"])
+
+
+def test_loss_scalers_are_faces_on_loss_scale():
+    from mixedprec.loss_scale import DEFAULT_MIN_SCALE, LossScale
+    setup("O2", torch.float16, "FusedAdam", "cpu", num_losses=2)
+    scalers = amp._amp_state.loss_scalers
+    assert len(scalers) == 2 and all(isinstance(s.core, LossScale) for s in scalers)
+    core = scalers[0].core
+    assert (core.growth_factor, core.backoff_factor, core.growth_interval) == (2.0, 0.5, 2000)
+    assert (core.min_scale, core.max_scale) == (DEFAULT_MIN_SCALE, 2.0**24)
+    value = scalers[1].loss_scale()
+    assert type(value) is float and value == 2.0**16
+    # A floor above Apex's start (min(2**16, max_loss_scale)) raises the start.
+    setup("O2", torch.float16, "SGD", "cpu", min_loss_scale=2.0**20)
+    assert scaler_state() == (2.0**20, 0)
+
+
+def test_default_floor_keeps_the_scale_above_zero():
+    """min_loss_scale=None: the floor is DEFAULT_MIN_SCALE (2**-24), not 0 (Apex)."""
+    model = nn.Linear(4, 1)
+    opt = mixedprec.FusedSGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    # 2**16 halved 45 times would be 2**-29 (and on, 0).
+    run_scale_sequence(model, opt, [1] * 40, ApexDynamicScaler())
+    assert loss_scale() == 2.0**-24
+    run_scale_sequence(model, opt, [1] * 5, ApexDynamicScaler(init_scale=2.0**-24,
+                                                              min_loss_scale=2.0**-24))
+    assert scaler_state() == (2.0**-24, 0)
+
+
+# --- the amp step ------------------------------------------------------------------------------
+
+def count_calls(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("opt_name", FUSED)
+def test_fused_step_is_one_straight_path(level, opt_name, monkeypatch):
+    """Scale, backward, one read-only check, grad_scale/found_inf handed over at the
+    exit and removed after the step: the gradients are never rescaled (also not the
+    zeros that zero_grad(set_to_none=False) leaves)."""
+    model, opt, _ = setup(level, torch.float16, opt_name, "cpu")
+    train_step(model, opt, 0)
+    unscale = count_calls(monkeypatch, mixedprec.ops, "multi_tensor_unscale_")
+    check = count_calls(monkeypatch, mixedprec.ops, "multi_tensor_check_finite_")
+    opt.zero_grad(set_to_none=False)
+    x, y = batch(1)
+    with amp.scale_loss(F.mse_loss(model(x).float(), y) * 1e-3, opt) as scaled:
+        scaled.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+    assert_identical([p.grad for p in model.parameters()], grads, "gradients at the exit")
+    assert unscale == [] and check == ["multi_tensor_check_finite_"]
+    assert torch.equal(opt.grad_scale, torch.tensor(2.0**16))
+    assert torch.equal(opt.found_inf.reshape(()), torch.tensor(0.0))
+    opt.step()
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_torch_optimizer_at_o2_uses_the_masters_helper(monkeypatch):
+    import mixedprec.masters as masters
+    model, opt, _ = setup("O2", torch.float16, "SGD", "cpu")
+    into = count_calls(monkeypatch, masters, "unscale_into_masters")
+    back = count_calls(monkeypatch, masters, "copy_to_model")
+    train_step(model, opt, 0)
+    assert (into, back) == (["unscale_into_masters"], ["copy_to_model"])
+    assert all(p.grad is None for p in (model.fc1.weight, model.fc2.weight))
+
+
+@pytest.mark.parametrize("opt_name", ["FusedSGD", "FusedAdam"])
+def test_clipping_through_master_params_updates_from_the_clipped_gradient(opt_name):
+    """With a fused optimizer, master_params() unscales into the fp32 masters' .grad
+    and sets grad_scale to None: the update reads the clipped, unscaled gradient."""
+    model = nn.Linear(8, 1, bias=False)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    opt.zero_grad()
+    with amp.scale_loss(model(torch.ones(2, 8)).float().sum() * 2.0**-10, opt) as scaled:
+        scaled.backward()
+    assert torch.equal(opt.grad_scale, torch.tensor(2.0**16))
+    (master,) = amp.master_params(opt)
+    assert opt.grad_scale is None and model.weight.grad is None
+    assert master.dtype == torch.float32
+    assert torch.equal(master.grad, torch.full((1, 8), 2.0**-9))
+    torch.nn.utils.clip_grad_norm_([master], max_norm=1e-3)
+    before = master.detach().clone()
+    opt.step()
+    update = before - master.detach()
+    if opt_name == "FusedSGD":  # lr * momentum-free first step of the clipped gradient
+        expected = 0.05 * torch.full((1, 8), 1e-3 / 8**0.5)
+        assert torch.allclose(update, expected, rtol=1e-4)
+    assert torch.equal(model.weight.detach(), master.detach().half())
+
+
 # --- several losses and gradient accumulation -----------------------------------------------
 
 def grads_close(got, expected, what):
@@ -771,6 +958,33 @@ def test_accumulated_gradients_match_combined_loss(device, level, opt_name, dela
     grads_close(accumulated[0], combined[0], "optimizer state")
     if "SGD" in opt_name:
         grads_close(accumulated[1], combined[1], "masters")
+
+
+@pytest.mark.parametrize("opt_name", OPT_NAMES)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_delayed_micro_batch_after_an_unscaled_one(level, opt_name):
+    """Micro-batch 1 unscaled on its own, 2 with delay_unscale, 3 unscaled: the
+    gradients set aside before 2 (unscaled for torch optimizers, scaled for fused ones)
+    are brought to 2's scale, and the step is the combined loss's."""
+    batches = [batch(i) for i in range(3)]
+    model, opt, _ = setup(level, torch.float16, opt_name, "cpu")
+    opt.zero_grad()
+    for i, (x, y) in enumerate(batches):
+        with amp.scale_loss(F.mse_loss(model(x).float(), y) * 1e-3, opt,
+                            delay_unscale=i == 1) as s:
+            s.backward()
+    opt.step()
+    accumulated = (moments(opt), [m.detach().clone() for m in amp.master_params(opt)])
+
+    model, opt, _ = setup(level, torch.float16, opt_name, "cpu")
+    opt.zero_grad()
+    loss = sum(F.mse_loss(model(x).float(), y) for x, y in batches)
+    with amp.scale_loss(loss * 1e-3, opt) as s:
+        s.backward()
+    opt.step()
+    grads_close(accumulated[0], moments(opt), "optimizer state")
+    if "SGD" in opt_name:
+        grads_close(accumulated[1], [m.detach() for m in amp.master_params(opt)], "masters")
 
 
 @pytest.mark.parametrize("opt_name", ["SGD", "FusedAdam"])
@@ -953,7 +1167,7 @@ def test_disable_casts_turns_autocast_off(device):
 
 def assert_untouched(model, opt, before):
     """Nothing was cast or registered: the optimizer can still be initialized."""
-    assert not isinstance(model, amp.AmpModel)
+    assert "forward" not in vars(model)  # not patched
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
@@ -1024,6 +1238,16 @@ def test_data_parallel_model_is_rejected():
     (dict(opt_level="O2", cast_model_type=torch.int8), "cast_model_type"),
     (dict(opt_level="O2", cast_model_outputs=torch.int32), "cast_model_outputs"),
     (dict(opt_level="O2", num_losses=0), "num_losses"),
+    (dict(opt_level="O2", loss_scale=float("inf")), "loss_scale"),
+    (dict(opt_level="O2", loss_scale=float("nan")), "loss_scale"),
+    (dict(opt_level="O2", loss_scale="-8"), "loss_scale"),
+    (dict(opt_level="O2", min_loss_scale=float("nan")), "min_loss_scale"),
+    (dict(opt_level="O2", min_loss_scale=0.0), "min_loss_scale"),
+    (dict(opt_level="O2", min_loss_scale=-1.0), "min_loss_scale"),
+    (dict(opt_level="O2", max_loss_scale=float("nan")), "max_loss_scale"),
+    (dict(opt_level="O2", max_loss_scale=0.0), "max_loss_scale"),
+    (dict(opt_level="O2", min_loss_scale=2.0**10, max_loss_scale=2.0**8),
+     "min_loss_scale <= max_loss_scale"),
 ])
 def test_rejected_options_change_nothing(kwargs, match):
     model, opt, before = fresh()
@@ -1276,7 +1500,7 @@ for _ in range(40):
         scaled_loss.backward()
     optimizer.step()
 assert losses[-1] < 0.5 * losses[0], losses
-assert model.module[0].weight.dtype == torch.float16
+assert model[0].weight.dtype == torch.float16
 checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
               "amp": amp.state_dict()}
 amp.load_state_dict(checkpoint["amp"])
