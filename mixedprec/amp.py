@@ -3,31 +3,20 @@
 
 What differs from Apex:
 
-* O1 runs the model's forward under ``torch.autocast`` instead of patching torch's
-  functions globally. ``cast_model_type=torch.bfloat16`` selects bf16 autocast at O1,
-  and bf16 weights at O2/O3; with bf16 the loss scale defaults to a static 1.0 (bf16
-  has fp32's exponent range).
-* The compatibility alias: ``initialize`` returns the user's own model objects, and,
-  as Apex did, sets an instance attribute ``model.forward`` that wraps the original
-  bound forward with amp's casts (O1: autocast; O2/O3: floating inputs cast to the
-  model's dtype; outputs cast to ``cast_model_outputs``, by default fp32). This is the
-  one place mixedprec patches a user's object: Apex compatibility needs the object
-  itself back (``isinstance``, indexing, parameter and ``state_dict`` names unchanged).
-  A second ``initialize`` of the model replaces the wrapper, never nests it.
-* Optimizers are returned as given. mixedprec's fused optimizers keep fp32 masters in
-  their state and take the loss scale and the overflow flag through ``grad_scale`` and
-  ``found_inf``, as ``torch.amp.GradScaler`` hands them: nothing reads a device value
-  on the host. Other optimizers get fp32 master parameters (O2) and step hooks; the
-  pre-hook reads the overflow flag once per step (as Apex did) to skip the step.
-* The loss scalers are faces on :class:`mixedprec.loss_scale.LossScale`. A dynamic
-  scale never goes below ``min_loss_scale``; left None, that floor is
-  :data:`~mixedprec.loss_scale.DEFAULT_MIN_SCALE` (2**-24, not 0 as in Apex), so the
-  scale never reaches 0.
-* ``initialize`` may be called again for new models and optimizers.
-* ``state_dict`` also carries the O2 master weights of non-fused optimizers, so a
-  resumed run continues bit for bit; ``load_state_dict`` applies all of it or none.
-* Overflow skips are reported through ``logging`` (logger ``mixedprec.amp``), rate
-  limited, and read without stalling the device.
+* O1 runs the forward under ``torch.autocast`` instead of patching torch globally.
+  ``cast_model_type=torch.bfloat16`` selects bf16 (autocast at O1, weights at O2/O3)
+  with a static loss scale of 1.0 by default.
+* ``initialize`` returns the user's own models with, as in Apex, an instance attribute
+  ``model.forward`` wrapping the original with amp's casts (O1: autocast; O2/O3: inputs
+  to the model's dtype; outputs to ``cast_model_outputs``, default fp32). It may be
+  called again for new models and optimizers, and replaces a wrapper, never nests it.
+* Fused optimizers keep fp32 masters and take the scale and overflow flag as
+  ``grad_scale``/``found_inf`` (as from ``torch.amp.GradScaler``): no host reads. Other
+  optimizers get fp32 masters (O2) and step hooks that read the flag once a step.
+* ``min_loss_scale`` defaults to ``DEFAULT_MIN_SCALE`` (2**-24, not 0 as in Apex).
+* ``state_dict`` also carries non-fused O2 master weights (a resumed run continues bit
+  for bit); ``load_state_dict`` applies all of it or none.
+* Overflow skips are logged (logger ``mixedprec.amp``), rate limited, without a sync.
 """
 
 import contextlib
@@ -70,16 +59,6 @@ _OPT_LEVELS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def _as_bool(name: str, value: Any) -> Optional[bool]:
-    """Apex accepted the strings "True" and "False" for boolean options."""
-    if value in ("True", "False"):
-        return value == "True"
-    if value is None or isinstance(value, bool):
-        return value
-    raise ValueError(f"amp.initialize: {name} must be True, False, 'True', 'False' or None, "
-                     f"got {value!r}")
-
-
 class Properties:
     """The resolved options of one ``initialize`` call, validated as Apex did."""
 
@@ -96,6 +75,7 @@ class Properties:
         for name, value in overrides.items():
             if value is not None:
                 self._set(name, value)
+        vars(self).update(self.options)
 
     def _set(self, name: str, value: Any) -> None:
         o1 = self.opt_level == "O1"
@@ -104,48 +84,40 @@ class Properties:
                 raise ValueError(f"amp.initialize: {name} must be torch.float32, "
                                  f"torch.float16 or torch.bfloat16, got {value!r}")
             if name == "cast_model_type" and o1 and value is torch.float16:
-                raise ValueError(
-                    "amp.initialize: with opt_level O1 the model weights stay fp32 (casts are "
-                    "inserted around functions), so cast_model_type=torch.float16 is "
-                    "rejected; use O2 or O3 to cast the model, or torch.bfloat16 for bf16 "
-                    "autocast at O1")
-        elif name == "patch_torch_functions":
-            value = _as_bool(name, value)
-            if value and not o1:
+                raise ValueError("amp.initialize: with opt_level O1 the model weights stay fp32 "
+                                 "(casts are inserted around functions), so cast_model_type="
+                                 "torch.float16 is rejected; use O2 or O3 to cast the model, "
+                                 "or torch.bfloat16 for bf16 autocast at O1")
+        elif name in ("patch_torch_functions", "keep_batchnorm_fp32", "master_weights"):
+            if value in ("True", "False"):  # as Apex accepted
+                value = value == "True"
+            if not isinstance(value, bool):
+                raise ValueError(f"amp.initialize: {name} must be True, False, 'True', "
+                                 f"'False' or None, got {value!r}")
+            if name == "patch_torch_functions" and value and not o1:
                 raise ValueError("amp.initialize: patch_torch_functions=True is only valid "
                                  "with opt_level='O1'")
-        elif name in ("keep_batchnorm_fp32", "master_weights"):
-            value = _as_bool(name, value)
-            if o1:
+            if name != "patch_torch_functions" and o1:
                 raise ValueError(f"amp.initialize: with opt_level O1 the weights (batchnorm "
                                  f"included) stay fp32, so {name} must be None, got {value!r}")
-        elif name == "loss_scale":
-            if value != "dynamic":
-                try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError("amp.initialize: loss_scale must be 'dynamic' or a "
-                                     f"number, got {value!r}") from None
-                value = check_scale("amp.initialize", "loss_scale", value)
+        elif name == "loss_scale" and value != "dynamic":
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError("amp.initialize: loss_scale must be 'dynamic' or a "
+                                 f"number, got {value!r}") from None
+            value = check_scale("amp.initialize", "loss_scale", value)
         self.options[name] = value
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["options"][name]
-        except KeyError:
-            raise AttributeError(name) from None
 
     def __repr__(self) -> str:
         return f"Properties(opt_level={self.opt_level!r}, {self.options})"
 
 
 class LossScaler:
-    """Apex's loss scaler of one loss, a face on :class:`LossScale`: static, or dynamic
-    with Apex's defaults (start at ``min(2**16, max_loss_scale)``, halve on overflow,
-    double after 2000 clean steps, not above ``max_loss_scale`` nor below
-    ``min_loss_scale``, whose default is ``DEFAULT_MIN_SCALE``). Apex's public names:
-    ``loss_scale()``, ``dynamic`` and the ``state_dict`` entries ``loss_scale`` and
-    ``unskipped``."""
+    """Apex's loss scaler of one loss (``loss_scale()``, ``dynamic``, ``state_dict``
+    entries ``loss_scale`` and ``unskipped``), a face on :class:`LossScale`. Dynamic
+    with Apex's rule: start at ``min(2**16, max_loss_scale)``, halve on overflow,
+    double after 2000 clean steps, within [``min_loss_scale``, ``max_loss_scale``]."""
 
     def __init__(self, loss_scale: Any, min_loss_scale: Optional[float] = None,
                  max_loss_scale: float = 2.0**24, init_scale: float = 2.0**16,
@@ -159,11 +131,10 @@ class LossScaler:
                               min_scale=floor, max_scale=max_loss_scale, owner="amp")
 
     def loss_scale(self) -> float:
-        """The current scale as a Python float (Apex's name; reads the device)."""
+        """The current scale as a Python float (reads the device)."""
         return self.core.get()
 
     def update(self, found_inf: Tensor) -> None:
-        """One step of the dynamic rule, on the device."""
         self.core.update(found_inf)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -172,8 +143,7 @@ class LossScaler:
 
     def load_state_dict(self, sd: Dict[str, Any], key: str = "the state",
                         check_only: bool = False) -> None:
-        """Loads Apex's entry; checked first (by a scratch LossScale when
-        ``check_only``), a bad one raises ValueError naming ``key``."""
+        """A bad entry raises ValueError naming ``key``; ``check_only``: only checks."""
         try:
             (LossScale() if check_only else self.core).load(sd["loss_scale"], sd["unskipped"])
         except (KeyError, TypeError, ValueError) as err:
@@ -183,9 +153,8 @@ class LossScaler:
 
 
 class _OverflowReporter:
-    """Logs skipped steps without stalling the device: each step's flag and scale are
-    copied to the host asynchronously and read once the copy is done. At most one
-    message per ``interval`` seconds; the skips in between are counted in it."""
+    """Logs skipped steps, at most once per ``interval`` seconds (counting the skips in
+    between), from flags copied to the host asynchronously and read once copied."""
 
     def __init__(self, interval: float = 10.0):
         self.interval = interval
@@ -199,28 +168,24 @@ class _OverflowReporter:
         values = torch.cat([found_inf.reshape(1), scale.reshape(1)])
         event = None
         if values.is_cuda:
-            host = torch.empty(2, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
+            values = torch.empty(2, dtype=values.dtype, pin_memory=True).copy_(
+                values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            values = host
         self.pending.append((loss_id, values, event))
         while self.pending and (self.pending[0][2] is None or self.pending[0][2].query()):
-            self._report(*self.pending.popleft()[:2])
-
-    def _report(self, loss_id: int, values: Tensor) -> None:
-        found_inf, scale = values.tolist()  # sync-ok: host memory, copy already complete
-        if found_inf == 0:
-            return
-        now = time.monotonic()
-        if now - self.last_log < self.interval:
-            self.suppressed += 1
-            return
-        more = f" ({self.suppressed} more since the last message)" if self.suppressed else ""
-        logger.warning("Gradient overflow: skipping step, loss scaler %d reducing the loss "
-                       "scale to %g%s", loss_id, scale, more)
-        self.suppressed = 0
-        self.last_log = now
+            loss_id, values, _ = self.pending.popleft()
+            found_inf, scale = values.tolist()  # sync-ok: host memory, copy already complete
+            if found_inf == 0:
+                continue
+            now = time.monotonic()
+            if now - self.last_log < self.interval:
+                self.suppressed += 1
+                continue
+            more = f" ({self.suppressed} more since the last message)" if self.suppressed else ""
+            logger.warning("Gradient overflow: skipping step, loss scaler %d reducing the loss "
+                           "scale to %g%s", loss_id, scale, more)
+            self.suppressed, self.last_log = 0, now
 
 
 class _AmpState:
@@ -233,31 +198,46 @@ class _AmpState:
         self.reporter = _OverflowReporter()
 
 
+def _unscale(params: List[Tensor], masters: Dict[Tensor, Tensor], found_inf: Tensor,
+             scale: Tensor, accumulate: bool = False) -> None:
+    """Unscales the gradients of ``params`` into their fp32 ``masters`` (dropping the
+    model's), the others in place; an overflow sets ``found_inf``."""
+    inv_scale = scale.double().reciprocal().float()  # as torch.amp.GradScaler
+    halves = [p for p in params if p in masters]
+    _masters.unscale_into_masters(halves, [masters[p] for p in halves], found_inf,
+                                  inv_scale, accumulate=accumulate)
+    for p in halves:
+        p.grad = None
+    others = [p.grad for p in params if p not in masters]
+    if others:
+        ops.multi_tensor_unscale_(others, found_inf, inv_scale)
+
+
 class _OptimizerAmp:
     """amp's bookkeeping for one optimizer between two steps.
 
     ``found_inf``: the overflow flag of the gradients gathered since the last step
     (None: no ``scale_loss`` exit since then). ``carried``: the scale the model
     gradients carry (None: unscaled, or none gathered). ``delayed``: the loss id of a
-    ``delay_unscale`` exit whose gradients are still scaled and unchecked.
+    ``delay_unscale`` exit whose gradients are still scaled and unchecked. ``stash``:
+    the gradients set aside during one loss's backward, at scale ``stash_scale``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: _AmpState,
-                 masters: Optional[Dict[Tensor, Tensor]]):
+                 masters: Dict[Tensor, Tensor]):
         self.optimizer = weakref.ref(optimizer)
         self.state = state
         self.fused = isinstance(optimizer, _FusedOptimizer)
-        self.masters = masters or {}  # model param -> fp32 master (non-fused O2 only)
-        self.model_of = {m: p for p, m in self.masters.items()}
-        self.found_inf: Optional[Tensor] = None
-        self.carried: Optional[Tensor] = None
-        self.delayed: Optional[int] = None
+        self.masters = masters  # model param -> fp32 master (non-fused O2 only)
+        self.model_of = {m: p for p, m in masters.items()}
+        self.found_inf = self.carried = self.delayed = self.stash_scale = None
         self.stash: List[Optional[Tensor]] = []
-        self.stash_scale: Optional[Tensor] = None
         self.skip = False
         if not self.fused:
             optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
+        state.optimizers.append(self)
+        _optimizer_amp[optimizer] = self
 
     def model_params(self) -> List[Tensor]:
         """The parameters whose gradients backward writes (the model's, not masters)."""
@@ -269,9 +249,8 @@ class _OptimizerAmp:
         flag = self.found_inf
         self.skip = flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
         if self.skip:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    p.grad = None
+            for p in (p for g in optimizer.param_groups for p in g["params"]):
+                p.grad = None
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if self.fused:  # used by one step, as torch.amp.GradScaler does
@@ -280,27 +259,20 @@ class _OptimizerAmp:
         elif self.masters and not self.skip:
             _masters.copy_to_model(list(self.masters.values()), list(self.masters))
         self.found_inf = self.carried = self.delayed = None
-        self.skip = False
 
-    # -- around one loss's backward --------------------------------------------------
     def before_backward(self, loss_id: int) -> None:
-        """Sets aside the gradients gathered since the last step, if any, so that this
-        loss's overflow check sees only its own and its unscale leaves theirs alone.
-        Not needed for the first loss after a step (gradients present are taken as
-        they are: None or zeros), nor after a ``delay_unscale`` exit of the same loss,
-        whose gradients carry this loss's scale, unchecked."""
-        self.stash, self.stash_scale = [], None
-        if self.found_inf is None or self.delayed == loss_id:
-            return
-        self.stash_scale = self.carried
-        for p in self.model_params():
-            self.stash.append(p.grad)
+        """Sets aside the gradients gathered since the last step, so that this loss's
+        overflow check and unscale see only its own; not after a ``delay_unscale`` exit
+        of the same loss, whose gradients carry this loss's scale."""
+        stashing = self.found_inf is not None and self.delayed != loss_id
+        params = self.model_params() if stashing else []
+        self.stash, self.stash_scale = [p.grad for p in params], self.carried
+        for p in params:
             p.grad = None
 
     def restore(self, to_scale: Optional[Tensor]) -> None:
-        """Adds the gradients set aside back, first brought from the scale they carry
-        to ``to_scale`` (None: unscaled), since they join gradients at that scale (an
-        overflow there counts for the step, not for this loss's scaler)."""
+        """Adds the gradients set aside back, first rescaled to ``to_scale`` (None:
+        unscaled); an overflow there counts for the step, not for this loss's scaler."""
         stash = [(p, old) for p, old in zip(self.model_params(), self.stash) if old is not None]
         if stash and (to_scale is not None or self.stash_scale is not None):
             flag = self.found_inf  # not None: a stash exists only after an exit
@@ -313,69 +285,44 @@ class _OptimizerAmp:
         self.stash, self.stash_scale = [], None
 
     def abandon(self) -> None:
-        """After an exception in the ``scale_loss`` block: the gradients set aside come
-        back as they were."""
+        """After an exception in ``scale_loss``: the gradients set aside come back."""
         for p, old in zip(self.model_params(), self.stash):
             p.grad = old
 
     def after_backward(self, scale: Tensor, found_inf: Tensor) -> None:
-        """Checks this loss's new gradients for overflow into ``found_inf``: read-only
-        for a fused optimizer (its update unscales), else unscaled into the fp32 masters
-        (O2) or in place."""
+        """Checks this loss's new gradients for overflow into ``found_inf``; unscales
+        them (into the masters at O2) unless the optimizer is fused (its update does)."""
         params = [p for p in self.model_params() if p.grad is not None]
         if self.fused:
             ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
             self.carried = scale
-            self.restore(scale)
-            return
-        inv_scale = scale.double().reciprocal().float()  # as torch.amp.GradScaler
-        halves = [p for p in params if p in self.masters]
-        if halves:  # O2: added to the master gradients of an earlier loss
-            _masters.unscale_into_masters(halves, [self.masters[p] for p in halves],
-                                          found_inf, inv_scale, accumulate=True)
-            for p in halves:
-                p.grad = None
-        others = [p.grad for p in params if p not in self.masters]
-        if others:
-            ops.multi_tensor_unscale_(others, found_inf, inv_scale)
-        self.carried = None
-        self.restore(None)
+        else:  # O2: added to the master gradients of an earlier loss
+            _unscale(params, self.masters, found_inf, scale, accumulate=True)
+            self.carried = None
+        self.restore(self.carried)
 
     def add_flag(self, found_inf: Optional[Tensor], device: torch.device) -> None:
-        """Joins one loss's overflow flag (None: a static scale, which never skips) and
-        hands the scale and flag to a fused optimizer."""
+        """Joins one loss's overflow flag (None: a static scale, which never skips)."""
         if self.found_inf is None:
             self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if found_inf is not None:
             self.found_inf.add_(found_inf)
-        if self.fused:
-            self.hand_scaling()
-
-    def hand_scaling(self) -> None:
-        """The one channel to a fused optimizer, as torch.amp.GradScaler uses it."""
-        self.optimizer().grad_scale, self.optimizer().found_inf = self.carried, self.found_inf
+        if self.fused:  # the one channel to it, as torch.amp.GradScaler uses it
+            opt = self.optimizer()
+            opt.grad_scale, opt.found_inf = self.carried, self.found_inf
 
     def unscale_for_clipping(self) -> None:
-        """For ``master_params`` with a fused optimizer: turns the scaled gradients its
-        update would unscale into unscaled fp32 master gradients (the update then reads
-        a master's ``.grad``), or unscales fp32 ones in place; ``grad_scale`` is None."""
+        """``master_params`` of a fused optimizer: unscales the gradients now, into its
+        fp32 masters' ``.grad`` (which its update then reads); ``grad_scale`` is None."""
         if self.carried is None or self.delayed is not None:
             return
-        optimizer = self.optimizer()
-        inv_scale = self.carried.double().reciprocal().float()
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        with_master = [p for p in params if "master_param" in optimizer.state.get(p, {})]
-        if with_master:
-            _masters.unscale_into_masters(
-                with_master, [optimizer.state[p]["master_param"] for p in with_master],
-                self.found_inf, inv_scale)
-            for p in with_master:
-                p.grad = None
-        without = [p.grad for p in params if p.grad is not None]
-        if without:
-            ops.multi_tensor_unscale_(without, self.found_inf, inv_scale)
+        opt = self.optimizer()
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        masters = {p: opt.state[p]["master_param"] for p in params
+                   if "master_param" in opt.state.get(p, {})}
+        _unscale(params, masters, self.found_inf, self.carried)
         self.carried = None
-        self.hand_scaling()
+        opt.grad_scale, opt.found_inf = None, self.found_inf
 
 
 _optimizer_amp: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerAmp]" = (
@@ -386,10 +333,8 @@ _registered_casts: List[tuple] = []
 
 
 class _AmpForward:
-    """``model.forward`` after ``initialize`` (the compatibility alias, see the module
-    docstring): the original bound forward with amp's casts around it. O1 runs it
-    under ``torch.autocast``; O2/O3 cast floating-point inputs to the model's dtype.
-    Outputs are cast to ``output_dtype`` (None: left as they are)."""
+    """``model.forward`` after ``initialize``: the original bound forward under
+    autocast (O1) or with inputs cast (O2/O3), outputs cast to ``output_dtype``."""
 
     def __init__(self, module, original, autocast_dtype, input_dtype, output_dtype):
         functools.update_wrapper(self, original)  # name, docstring, signature
@@ -402,9 +347,13 @@ class _AmpForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.input_dtype is not None:
             args, kwargs = _cast((args, kwargs), self.input_dtype)
-        with (contextlib.nullcontext() if self.autocast_dtype is None else
-              torch.autocast(_device_type(self.module), dtype=self.autocast_dtype)):
+        if self.autocast_dtype is None:
             out = self.original(*args, **kwargs)
+        else:
+            tensors = itertools.chain(self.module.parameters(), self.module.buffers())
+            with torch.autocast(next((t.device.type for t in tensors), "cpu"),
+                                dtype=self.autocast_dtype):
+                out = self.original(*args, **kwargs)
         return out if self.output_dtype is None else _cast(out, self.output_dtype)
 
 
@@ -413,24 +362,19 @@ def _patch_forward(model: nn.Module, props: Properties) -> None:
     output_dtype = props.cast_model_outputs
     if props.patch_torch_functions:
         autocast_dtype = props.cast_model_type or torch.float16
+    elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
+        input_dtype = props.cast_model_type
+    if autocast_dtype or input_dtype:
         # Apex's O1 ran loss functions in fp32 wherever they were called; autocast
         # covers only the forward, so the outputs leave it as fp32.
         output_dtype = output_dtype or torch.float32
-    elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
-        input_dtype = props.cast_model_type
-        output_dtype = output_dtype or torch.float32
     current = model.__dict__.get("forward")
-    original = current.original if isinstance(current, _AmpForward) else model.forward
-    if autocast_dtype is None and input_dtype is None and output_dtype is None:
-        if isinstance(current, _AmpForward):  # O0 after another level: no casts
-            del model.forward
-        return
-    model.forward = _AmpForward(model, original, autocast_dtype, input_dtype, output_dtype)
-
-
-def _device_type(module: nn.Module) -> str:
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return "cpu" if first is None else first.device.type
+    original = model.forward
+    if isinstance(current, _AmpForward):  # replaced, never nested
+        original = current.original
+        del model.forward
+    if autocast_dtype or input_dtype or output_dtype:
+        model.forward = _AmpForward(model, original, autocast_dtype, input_dtype, output_dtype)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -449,23 +393,6 @@ def _as_list(value: Any) -> List[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _loss_scalers(props: Properties, num_losses: Any, min_loss_scale: Any,
-                  max_loss_scale: Any) -> List[LossScaler]:
-    """The loss scalers, after checking their arguments (naming them)."""
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-        raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
-    where = "amp.initialize"
-    if min_loss_scale is not None:
-        min_loss_scale = check_scale(where, "min_loss_scale", min_loss_scale)
-    if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale == math.inf):
-        max_loss_scale = check_scale(where, "max_loss_scale", max_loss_scale)
-    if min_loss_scale is not None and not min_loss_scale <= max_loss_scale:
-        raise ValueError(f"{where}: expected min_loss_scale <= max_loss_scale, got "
-                         f"min_loss_scale={min_loss_scale} and max_loss_scale={max_loss_scale}")
-    return [LossScaler(props.loss_scale, min_loss_scale, float(max_loss_scale))
-            for _ in range(num_losses)]
-
-
 def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
@@ -473,28 +400,22 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                max_loss_scale: float = 2.0**24):
     """Prepares models and optimizers for mixed precision at an Apex opt level.
 
-    O0: fp32. O1: autocast around the forward, dynamic loss scaling. O2: the model in
-    fp16 (bf16 with ``cast_model_type=torch.bfloat16``) with batchnorm in fp32, fp32
-    master weights, dynamic loss scaling. O3: the model entirely in fp16/bf16. The
-    keyword overrides are validated as Apex did (strings such as ``"True"`` and
-    ``"128.0"`` are accepted), and all arguments are checked before anything changes.
-    ``min_loss_scale`` None means the floor ``DEFAULT_MIN_SCALE`` (2**-24).
-    Returns the models and optimizers given, in the shape given; each model's
-    ``forward`` is wrapped with the casts (see the module docstring). May be called
-    again for other models and optimizers; each optimizer only once.
+    O0: fp32. O1: autocast around the forward. O2: the model in fp16 (or
+    ``cast_model_type``), batchnorm in fp32, fp32 master weights. O3: the model all in
+    fp16/bf16. O1 and O2 scale the loss dynamically. Overrides are checked as Apex did
+    (``"True"``, ``"128.0"`` accepted), all before anything changes. Returns the models
+    and optimizers given, in the shape given; each optimizer may be passed only once.
     """
     global _current
+    optimizer_list = _as_list(optimizers or [])
     if not enabled:
-        for o in _as_list(optimizers or []):
-            _disabled.add(o)
+        _disabled.update(optimizer_list)
         return models if optimizers is None else (models, optimizers)
-    model_list, optimizer_list = _as_list(models), _as_list(optimizers or [])
+    model_list = _as_list(models)
     for m in model_list:
         if isinstance(m, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            raise ValueError(
-                "amp.initialize: the model is already wrapped in "
-                f"{type(m).__name__}; apply parallel wrappers to the models amp.initialize "
-                "returns")
+            raise ValueError(f"amp.initialize: the model is already wrapped in {type(m).__name__}"
+                             "; apply parallel wrappers to the models amp.initialize returns")
         if not isinstance(m, nn.Module):
             raise TypeError(f"amp.initialize: expected models to be nn.Module, got {type(m)}")
     for o in optimizer_list:
@@ -510,7 +431,17 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
-    state = _AmpState(props, _loss_scalers(props, num_losses, min_loss_scale, max_loss_scale))
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
+    if min_loss_scale is not None:
+        min_loss_scale = check_scale("amp.initialize", "min_loss_scale", min_loss_scale)
+    if not (isinstance(max_loss_scale, (int, float)) and max_loss_scale == math.inf):
+        max_loss_scale = check_scale("amp.initialize", "max_loss_scale", max_loss_scale)
+    if min_loss_scale is not None and not min_loss_scale <= max_loss_scale:
+        raise ValueError("amp.initialize: expected min_loss_scale <= max_loss_scale, got "
+                         f"min_loss_scale={min_loss_scale} and max_loss_scale={max_loss_scale}")
+    state = _AmpState(props, [LossScaler(props.loss_scale, min_loss_scale, float(max_loss_scale))
+                              for _ in range(num_losses)])
     if verbosity:
         logger.info("amp: %s", props)
 
@@ -527,19 +458,23 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
             m.to(dtype)
         _patch_forward(m, props)
     for o in optimizer_list:
-        masters = None
+        masters: Dict[Tensor, Tensor] = {}
         if isinstance(o, _FusedOptimizer):
             if props.master_weights:
                 o.master_weights = True
-                for p in (p for g in o.param_groups for p in g["params"]):
-                    if _masters.needs_master(p) and p in fp32:
+                for p in (p for g in o.param_groups for p in g["params"] if p in fp32):
+                    if _masters.needs_master(p):
                         o.state[p]["master_param"] = fp32[p]
             o._invalidate_plans()  # its state and the model's dtypes changed here
-        elif props.master_weights:
-            masters = _use_master_params(o, fp32)
-        amp = _OptimizerAmp(o, state, masters)
-        state.optimizers.append(amp)
-        _optimizer_amp[o] = amp
+        elif props.master_weights:  # the optimizer steps fp32 masters of the half params
+            for group in o.param_groups:
+                for p in (p for p in group["params"] if _masters.needs_master(p)):
+                    masters[p] = nn.Parameter(fp32[p] if p in fp32 else _masters.make_master(p),
+                                              requires_grad=p.requires_grad)
+                    if p in o.state:
+                        o.state[masters[p]] = o.state.pop(p)
+                group["params"] = [masters.get(p, p) for p in group["params"]]
+        _OptimizerAmp(o, state, masters)
     if props.patch_torch_functions:
         for module, name, wrap in _registered_casts:
             setattr(module, name, wrap(getattr(module, name)))
@@ -548,50 +483,26 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     return models if optimizers is None else (models, optimizers)
 
 
-def _use_master_params(optimizer: torch.optim.Optimizer,
-                       fp32: Dict[Tensor, Tensor]) -> Dict[Tensor, Tensor]:
-    """Makes a non-fused optimizer step fp32 masters of the half model params (Apex O2):
-    its param groups and state now hold the masters. Returns model param -> master."""
-    masters: Dict[Tensor, Tensor] = {}
-    for group in optimizer.param_groups:
-        new_params = []
-        for p in group["params"]:
-            if _masters.needs_master(p):
-                master = nn.Parameter(fp32[p] if p in fp32 else _masters.make_master(p),
-                                      requires_grad=p.requires_grad)
-                masters[p] = master
-                if p in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(p)
-                p = master
-            new_params.append(p)
-        group["params"] = new_params
-    return masters
-
-
 @contextlib.contextmanager
 def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
                delay_unscale: bool = False, delay_overflow_check: bool = False
                ) -> Iterator[Tensor]:
     """Yields ``loss * scale`` for ``backward()``. On exit, one overflow check of the
-    new gradients on the device; a fused optimizer is handed the scale and the flag
-    (its update unscales, or is skipped, on the device), other optimizers' gradients
-    are unscaled (into the fp32 masters at O2); then the loss scale is updated. An
-    overflow in any optimizer's gradients skips the steps of all the optimizers given.
-    With ``delay_unscale=True`` the gradients stay scaled and unchecked until the next
-    ``scale_loss`` exit of the same loss (gradient accumulation). Apex's ``model`` and
-    ``delay_overflow_check`` are accepted and have no effect."""
+    new gradients on the device: fused optimizers are handed the scale and flag, other
+    optimizers' gradients are unscaled (into the fp32 masters at O2); then the scale is
+    updated. An overflow skips the steps of all the optimizers given. With
+    ``delay_unscale=True`` the gradients stay scaled and unchecked until the next exit
+    of the same loss. Apex's ``model`` and ``delay_overflow_check`` have no effect."""
     optimizer_list = _as_list(optimizers)
     amps = [_optimizer_amp.get(o) for o in optimizer_list]
     if not amps or all(a is None and o in _disabled for a, o in zip(amps, optimizer_list)):
         yield loss  # amp is off for these optimizers (initialize(enabled=False))
         return
     if any(a is None for a in amps):
-        raise ValueError("amp.scale_loss: every optimizer must have been passed to "
-                         "amp.initialize")
+        raise ValueError("amp.scale_loss: every optimizer must have been passed to amp.initialize")
     scalers = amps[0].state.loss_scalers
     if not 0 <= loss_id < len(scalers):
-        raise ValueError(f"amp.scale_loss: loss_id must be in [0, {len(scalers)}), "
-                         f"got {loss_id}")
+        raise ValueError(f"amp.scale_loss: loss_id must be in [0, {len(scalers)}), got {loss_id}")
     scaler = scalers[loss_id]
     # The scale this backward uses: the update below changes the scaler's in place.
     scale = scaler.core.place(loss.device).clone()
@@ -604,28 +515,24 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
             amp.abandon()
         raise
     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
+    check = scaler.dynamic and not delay_unscale  # a static scale never skips a step
     for amp in amps:
-        if delay_unscale:
-            # The gradients set aside join this loss's, which stay at this scale.
+        if delay_unscale:  # the gradients set aside join this loss's, at this scale
             amp.restore(scale)
             amp.carried, amp.delayed = scale, loss_id
         else:
             amp.after_backward(scale, found_inf)
             amp.delayed = None
-    # Only now is found_inf complete: every optimizer skips if any gradient overflowed.
-    for amp in amps:
-        amp.add_flag(found_inf if scaler.dynamic and not delay_unscale else None,
-                     scale.device)
-    if scaler.dynamic and not delay_unscale:  # a static scale never skips a step
+    for amp in amps:  # found_inf is complete: an overflow anywhere skips every step
+        amp.add_flag(found_inf if check else None, scale.device)
+    if check:
         scaler.update(found_inf)
         amps[0].state.reporter.record(loss_id, found_inf, scaler.core.scale)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
-    """The fp32 parameters the optimizer updates: its master weights at O2, else its
-    parameters. Their ``.grad`` is unscaled, so they serve for gradient clipping
-    between ``scale_loss`` and ``step`` (with a fused optimizer this materializes
-    the fp32 master gradients its update then reads)."""
+    """The fp32 parameters the optimizer updates (its masters at O2), with unscaled
+    ``.grad``, e.g. for clipping between ``scale_loss`` and ``step``."""
     amp = _optimizer_amp.get(optimizer)
     if amp is not None and amp.fused:
         amp.unscale_for_clipping()
@@ -636,9 +543,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
 
 def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The loss scalers' state (``loss_scaler0``, ... with ``loss_scale`` and
-    ``unskipped``, as in Apex) and the O2 master weights of non-fused optimizers
-    (``master_params0``, ... in the order of ``initialize``)."""
+    """Apex's ``loss_scaler0``, ... entries, and ``master_params0``, ... (the O2 masters
+    of non-fused optimizers, in the order of ``initialize``)."""
     if _current is None:
         raise RuntimeError("amp.state_dict: amp.initialize has not been called")
     out = {} if destination is None else destination
@@ -651,9 +557,8 @@ def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
 
 
 def load_state_dict(state_dict: Dict[str, Any]) -> None:
-    """Restores what :func:`state_dict` saved (call it after ``initialize``); the
-    master weights are copied exactly and into the model. Every entry is checked
-    first: a bad one raises ValueError naming its key, and nothing changes."""
+    """Restores what :func:`state_dict` saved, after ``initialize``; every entry is
+    checked first: a bad one raises ValueError naming its key, and nothing changes."""
     if _current is None:
         raise RuntimeError("amp.load_state_dict: amp.initialize has not been called")
     scalers = [k for k in state_dict if k.startswith("loss_scaler")]
@@ -675,16 +580,13 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
                                  f"list of {len(current)} float tensors with the shapes of "
                                  f"optimizer {i}'s master parameters")
             if not check_only:
-                with torch.no_grad():
-                    for master, value in zip(current, saved):
-                        master.copy_(value)
+                _masters.copy_to_model(saved, current)  # exactly
                 _masters.copy_to_model(current, list(amp.masters))
 
 
 class _CurrentAmpState:
-    """Apex's ``amp._amp_state``: legacy scripts import it early and later read
-    ``loss_scalers[i].loss_scale()`` or ``opt_properties``; this follows the latest
-    ``initialize``."""
+    """Apex's ``amp._amp_state`` (legacy scripts read ``loss_scalers[i].loss_scale()``
+    or ``opt_properties``): follows the latest ``initialize``."""
 
     def __getattr__(self, name: str) -> Any:
         if _current is None:
@@ -732,11 +634,8 @@ def promote_function(fn):
 def _tensors(value: Any) -> Iterable[Tensor]:
     if isinstance(value, Tensor):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.values() if isinstance(value, dict) else value:
             yield from _tensors(v)
 
 
@@ -765,9 +664,7 @@ def _register(module, name: str, wrap) -> None:
 @contextlib.contextmanager
 def disable_casts():
     """Turns autocast off inside the block (on CPU and CUDA)."""
-    with torch.autocast("cpu", enabled=False):
-        if torch.cuda.is_available():
-            with torch.autocast("cuda", enabled=False):
-                yield
-        else:
-            yield
+    cuda = torch.cuda.is_available()
+    with torch.autocast("cpu", enabled=False), (
+            torch.autocast("cuda", enabled=False) if cuda else contextlib.nullcontext()):
+        yield
