@@ -145,7 +145,7 @@ class LossScaler:
                         check_only: bool = False) -> None:
         """A bad entry raises ValueError naming ``key``; ``check_only``: only checks."""
         try:
-            (LossScale() if check_only else self.core).load(sd["loss_scale"], sd["unskipped"])
+            self.core.load(sd["loss_scale"], sd["unskipped"], check_only=check_only)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"amp.load_state_dict: expected {key} to be a dict with "
                              "'loss_scale' (finite, > 0) and 'unskipped' (an int >= 0), got "

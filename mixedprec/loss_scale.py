@@ -202,9 +202,11 @@ class LossScale:
                 "hysteresis_tracker": int(self.hysteresis_tracker.item())}  # sync-ok
 
     def load(self, scale: Any, growth_tracker: Any = 0,
-             hysteresis_tracker: Optional[Any] = None, **settings: Any) -> None:
+             hysteresis_tracker: Optional[Any] = None, check_only: bool = False,
+             **settings: Any) -> None:
         """Restores a saved scale, trackers and settings, all checked before anything
-        changes. ``scale`` may be a number or a one-element tensor."""
+        changes (``check_only``: checked, not applied; for loading several scales all or
+        none). ``scale`` may be a number or a one-element tensor."""
         checked = self.check_settings(**settings)
         if isinstance(scale, Tensor):
             if scale.numel() != 1:
@@ -229,6 +231,8 @@ class LossScale:
                 raise ValueError(f"{self.owner}: expected the saved {name} to be an int "
                                  f">= {low}, got {value!r}")
             trackers[name] = value
+        if check_only:
+            return
         for key, value in checked.items():
             if key != "init_scale":
                 setattr(self, key, value)

@@ -759,6 +759,19 @@ def test_load_state_dict_applies_all_or_nothing(bad, match):
     assert_identical(list(amp.state_dict()["master_params0"]), good["master_params0"])
 
 
+def test_load_state_dict_checks_each_scale_against_its_own_bounds():
+    """A saved scale below the raised floor of the second scaler: nothing is loaded
+    (before, the check ran against default bounds and the first scaler was loaded)."""
+    setup("O2", torch.float16, "FusedAdam", "cpu", num_losses=2, min_loss_scale=4.0)
+    sd = amp.state_dict()
+    scales = (scaler_state(0), scaler_state(1))
+    bad = dict(sd, loss_scaler0={"loss_scale": 8.0, "unskipped": 3},
+               loss_scaler1={"loss_scale": 2.0, "unskipped": 0})
+    with pytest.raises(ValueError, match="loss_scaler1"):
+        amp.load_state_dict(bad)
+    assert (scaler_state(0), scaler_state(1)) == scales
+
+
 def test_loss_scalers_are_faces_on_loss_scale():
     from mixedprec.loss_scale import DEFAULT_MIN_SCALE, LossScale
     setup("O2", torch.float16, "FusedAdam", "cpu", num_losses=2)
