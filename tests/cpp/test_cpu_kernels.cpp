@@ -1,5 +1,6 @@
-// The CPU kernels called directly (mixedprec::cpu::*), their validation, and the
-// registration of every schema with the dispatcher.
+// The CPU kernels called directly (the entries of dispatch.h on the CPU engine, as
+// registered for the CPU key), their validation, and the registration of every
+// schema with the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -12,10 +13,26 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernels.h"
+#include "cpu/engine.h"
 #include "multi_tensor_plan.h"
 
 namespace mixedprec {
+namespace cpu {
+namespace {
+
+constexpr auto multi_tensor_unscale_ = &entry::multi_tensor_unscale_<CpuEngine>;
+constexpr auto multi_tensor_unscale_to_ = &entry::multi_tensor_unscale_to_<CpuEngine>;
+constexpr auto multi_tensor_check_finite_ = &entry::multi_tensor_check_finite_<CpuEngine>;
+constexpr auto multi_tensor_copy_ = &entry::multi_tensor_copy_<CpuEngine>;
+constexpr auto multi_tensor_l2norm = &entry::multi_tensor_l2norm<CpuEngine>;
+constexpr auto fused_sgd_ = &entry::fused_sgd_<CpuEngine>;
+constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
+constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
+constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
+
+}  // namespace
+}  // namespace cpu
+
 namespace {
 
 using at::Tensor;

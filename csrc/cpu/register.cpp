@@ -1,0 +1,12 @@
+// The CPU kernels: every op's entry (dispatch.h) on the CPU engine.
+#include <torch/library.h>
+
+#include "engine.h"
+
+namespace mixedprec::cpu {
+
+TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels<CpuEngine>(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels<CpuEngine>(m); }
+
+}  // namespace mixedprec::cpu

@@ -1,0 +1,12 @@
+// The CUDA kernels: every op's entry (dispatch.h) on the CUDA engine.
+#include <torch/library.h>
+
+#include "multi_tensor_apply.cuh"
+
+namespace mixedprec::cuda {
+
+TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels<CudaEngine>(m); }
+// Sparse tensors reach the same kernels, whose validation rejects them by name.
+TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels<CudaEngine>(m); }
+
+}  // namespace mixedprec::cuda
