@@ -172,6 +172,12 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   Checker c("multi_tensor_l2norm");
   c.optional_scalar(inv_scale, "inv_scale");
   c.list(tensors, "tensors", kFloats);
+  if (tensors.empty() && !inv_scale.has_value()) {
+    // No tensor to take a device from (the dispatcher sends this call to the
+    // CompositeExplicitAutograd kernel): the norm of nothing, on the CPU.
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    return {at::zeros({1}, options), at::empty({0}, options)};
+  }
   const at::Device device = tensors.empty() ? inv_scale->device() : tensors[0].device();
   const typename Engine::Guard guard(device);
   return Engine::l2norm(tensors, optional_ptr(inv_scale), per_tensor, device);
@@ -290,9 +296,10 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
           "in [1, 2**31 - 1]", static_cast<double>(growth_interval));
   c.value(hysteresis >= 1 && hysteresis <= INT32_MAX, "hysteresis", "in [1, 2**31 - 1]",
           static_cast<double>(hysteresis));
+  // max_scale first, so that a NaN there is not blamed on min_scale's comparison.
+  c.value(max_scale > 0, "max_scale", "> 0 (inf for no ceiling)", max_scale);
   c.value(min_scale >= 0 && min_scale <= max_scale, "min_scale", ">= 0 and <= max_scale",
           min_scale);
-  c.value(max_scale > 0, "max_scale", "> 0 (inf for no ceiling)", max_scale);
 
   const typename Engine::Guard guard(scale.device());
   LossScaleArgs args;
@@ -308,6 +315,33 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
 }
 
 }  // namespace entry
+
+// The engine of calls that hold no tensor at all (empty lists, optional tensors
+// absent), which the dispatcher sends to the CompositeExplicitAutograd kernel: such
+// calls are validated and have nothing to run. That kernel also stands in for any
+// backend without a kernel of its own; data there is refused, not touched.
+struct NoTensorEngine {
+  struct Guard {
+    explicit Guard(const at::Device&) {}
+  };
+
+  [[noreturn]] static void unsupported() {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "mixedprec: no kernel for this device (CPU, CUDA)");
+  }
+  template <typename Op, typename... Ts>
+  static void run(const Lists<sizeof...(Ts)>&, const Op&, const float*, float*) {
+    unsupported();
+  }
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList, const float*, bool,
+                                                   at::Device) {
+    unsupported();
+  }
+  static void increment_step(float*, const float*) { unsupported(); }
+  static void update_loss_scale(float*, int32_t*, int32_t*, const float*,
+                                const LossScaleArgs&) {
+    unsupported();
+  }
+};
 
 // Every op's entry on one engine: a backend registers them for its dispatch keys.
 template <class Engine>

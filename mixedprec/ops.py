@@ -101,8 +101,6 @@ def _(tensors, found_inf):
 def multi_tensor_copy_(src: List[Tensor], dst: List[Tensor]) -> None:
     """``dst[i].copy_(src[i])`` with a cast, for all pairs in few launches (masters into
     the model)."""
-    if not src and not dst:
-        return  # no tensor to dispatch on
     torch.ops.mixedprec.multi_tensor_copy_.default(src, dst)
 
 
@@ -115,19 +113,23 @@ def multi_tensor_l2norm(
     tensors: List[Tensor], inv_scale: Optional[Tensor] = None, per_tensor: bool = False
 ) -> Tuple[Tensor, Tensor]:
     """The L2 norm of all ``tensors`` together (float32, shape ``[1]``), each element
-    multiplied by ``inv_scale`` when given, accumulated in float32; and, when
-    ``per_tensor``, the float32 vector of per-tensor norms (else an empty tensor).
-    The result is deterministic: partial sums are combined in a fixed order."""
-    if not tensors and inv_scale is None:
-        return torch.zeros(1), torch.empty(0)  # no tensor to dispatch on
+    multiplied by ``inv_scale`` when given; and, when ``per_tensor``, the float32
+    vector of per-tensor norms (else an empty tensor). Each element is converted to
+    float32 and multiplied by ``inv_scale`` in float32. On the CPU its square and
+    every sum are float64 (per chunk of ``CHUNK_SIZE`` elements, per tensor, total),
+    rounded to float32 at the end; on CUDA the squares and all the sums (per thread,
+    per chunk, per tensor, total) are float32. The result is deterministic: partial
+    sums are combined in a fixed order. With no tensors and no ``inv_scale``, the
+    norm is 0 on the CPU."""
     return torch.ops.mixedprec.multi_tensor_l2norm.default(tensors, inv_scale, per_tensor)
 
 
 @torch.library.register_fake("mixedprec::multi_tensor_l2norm")
 def _(tensors, inv_scale, per_tensor):
     like = tensors[0] if tensors else inv_scale
-    norm = like.new_empty([1], dtype=torch.float32)
-    per = like.new_empty([len(tensors) if per_tensor else 0], dtype=torch.float32)
+    device = like.device if like is not None else torch.device("cpu")
+    norm = torch.empty([1], dtype=torch.float32, device=device)
+    per = torch.empty([len(tensors) if per_tensor else 0], dtype=torch.float32, device=device)
     return norm, per
 
 
@@ -153,8 +155,6 @@ def fused_sgd_(
     by ``inv_scale`` when given. ``momentum_buffers`` are fp32, one per param, and
     empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
     When ``found_inf`` is given and nonzero, nothing at all is written."""
-    if not params:
-        return
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf,

@@ -6,7 +6,9 @@
 namespace mixedprec::cuda {
 
 TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels<CudaEngine>(m); }
-// Sparse tensors reach the same kernels, whose validation rejects them by name.
+// Sparse tensors (COO; CSR, CSC, BSR, BSC) reach the same kernels, whose validation
+// rejects them by name.
 TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels<CudaEngine>(m); }
+TORCH_LIBRARY_IMPL(mixedprec, SparseCsrCUDA, m) { register_kernels<CudaEngine>(m); }
 
 }  // namespace mixedprec::cuda

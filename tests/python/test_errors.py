@@ -3,6 +3,7 @@ tensor written. Each case starts from a valid call (test_valid_calls) and breaks
 one thing."""
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -310,6 +311,53 @@ CASES = [
     value_case("update_loss_scale_", "min_scale", 2.0**25),  # above max_scale
     Case("update_loss_scale_", "max_scale=0", lambda a, d: a.update(min_scale=0.0, max_scale=0.0),
          ValueError, "max_scale"),
+    # "expected <name>": the other bound's message mentions this one, blaming the wrong one
+    Case("update_loss_scale_", "max_scale=nan", set_arg("max_scale", float("nan")), ValueError,
+         "expected max_scale"),
+    Case("update_loss_scale_", "min_scale=nan", set_arg("min_scale", float("nan")), ValueError,
+         "expected min_scale"),
+    Case("update_loss_scale_", "both-nan",
+         lambda a, d: a.update(min_scale=float("nan"), max_scale=float("nan")), ValueError,
+         "expected max_scale"),
+    Case("update_loss_scale_", "min-above-max", set_arg("min_scale", 2.0**25), ValueError,
+         "expected min_scale"),
+]
+
+
+# --- sparse compressed layouts (CSR, CSC, BSR, BSC) ---------------------------------
+
+SPARSE_COMPRESSED = [torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc]
+
+
+def compressed(layout):
+    """The tensor as a 2-D float32 matrix in a sparse compressed layout."""
+    def convert(t):
+        blocks = (1, 1) if layout in (torch.sparse_bsr, torch.sparse_bsc) else None
+        with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+            warnings.simplefilter("ignore", UserWarning)
+            return t.float().reshape(1, -1).to_sparse(layout=layout, blocksize=blocks)
+    return convert
+
+
+# (op, argument, list index or None): one tensor of each op.
+COMPRESSED_ARGS = [
+    ("multi_tensor_unscale_", "tensors", 1),
+    ("multi_tensor_check_finite_", "tensors", 0),
+    ("multi_tensor_unscale_to_", "src", 2),
+    ("multi_tensor_copy_", "dst", 1),
+    ("multi_tensor_l2norm", "tensors", 2),
+    ("fused_sgd_", "grads", 1),
+    ("fused_adam_", "exp_avg_sqs", 0),
+    ("sum_fp32", "self", None),
+    ("update_loss_scale_", "scale", None),
+]
+
+CASES += [
+    Case(op, f"{name}-{str(layout).split('.')[-1]}",
+         set_item(name, index, compressed(layout)) if index is not None
+         else set_arg(name, lambda a, d, name=name, layout=layout: compressed(layout)(a[name])),
+         TypeError, name if index is None else f"{name}[{index}]")
+    for op, name, index in COMPRESSED_ARGS for layout in SPARSE_COMPRESSED
 ]
 
 

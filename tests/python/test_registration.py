@@ -179,3 +179,25 @@ def test_compile_fullgraph_matches_eager(device):
                           for a in (eager_args[key], compiled_args[key]))):
             assert_bitwise_equal(c, e, msg=f"{key} after the compiled step")
     assert compiled_args["step"].item() == 1.0
+
+
+# --- calls without any tensor ---------------------------------------------------------
+
+def test_calls_without_tensors_are_no_ops():
+    """Empty lists and no optional tensor: the dispatcher has no tensor to pick a
+    kernel by, and the ops must still work (no-ops) through torch.ops directly."""
+    torch.ops.mixedprec.multi_tensor_copy_.default([], [])
+    for momentum in (0.0, 0.9):
+        torch.ops.mixedprec.fused_sgd_.default([], [], [], [], 0.1, momentum, 0.0, 0.0, False,
+                                               False, None, None)
+    for per_tensor in (False, True):
+        norm, per = torch.ops.mixedprec.multi_tensor_l2norm.default([], None, per_tensor)
+        assert_bitwise_equal(norm, torch.zeros(1))
+        assert_bitwise_equal(per, torch.empty(0))
+
+
+def test_calls_without_tensors_are_still_validated():
+    with pytest.raises(ValueError, match="lr"):
+        torch.ops.mixedprec.fused_sgd_.default([], [], [], [], -1.0, 0.0, 0.0, 0.0, False,
+                                               False, None, None)
+
