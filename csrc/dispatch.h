@@ -124,9 +124,10 @@ template <class Engine>
 void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
                            const at::Tensor& inv_scale) {
   Checker c("multi_tensor_unscale_");
-  c.scalar(found_inf, "found_inf", at::kFloat);
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
   c.scalar(inv_scale, "inv_scale", at::kFloat);
-  c.list(tensors, "tensors", kFloats);
+  c.list(tensors, "tensors", kFloats, Access::kWrite);
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_scale<Engine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
                     found_inf.data_ptr<float>());
@@ -136,11 +137,12 @@ template <class Engine>
 void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst,
                               const at::Tensor& found_inf, const at::Tensor& inv_scale) {
   Checker c("multi_tensor_unscale_to_");
-  c.scalar(found_inf, "found_inf", at::kFloat);
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
   c.scalar(inv_scale, "inv_scale", at::kFloat);
-  c.list(src, "src", kFloats);
-  c.list(dst, "dst", kFloats);
+  c.list(src, "src", kFloats, Access::kRead, /*twins=*/dst);
+  c.list(dst, "dst", kFloats, Access::kWrite);
   c.paired(src, "src", dst, "dst");
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_scale<Engine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
 }
@@ -148,8 +150,9 @@ void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst,
 template <class Engine>
 void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
   Checker c("multi_tensor_check_finite_");
-  c.scalar(found_inf, "found_inf", at::kFloat);
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
   c.list(tensors, "tensors", kFloats);
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_check_finite<Engine>(tensors, found_inf.data_ptr<float>());
 }
@@ -157,9 +160,10 @@ void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_
 template <class Engine>
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
   Checker c("multi_tensor_copy_");
-  c.list(src, "src", kFloats);
-  c.list(dst, "dst", kFloats);
+  c.list(src, "src", kFloats, Access::kRead, /*twins=*/dst);
+  c.list(dst, "dst", kFloats, Access::kWrite);
   c.paired(src, "src", dst, "dst");
+  c.no_overlap();
   if (src.empty()) return;
   const typename Engine::Guard guard(src[0].device());
   run_scale<Engine>(src, dst, nullptr, nullptr);
@@ -194,7 +198,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   c.optional_scalar(inv_scale, "inv_scale");
   check_params(c, params, grads, model_params);
   if (momentum != 0) {
-    c.list(momentum_buffers, "momentum_buffers", kF32);
+    c.list(momentum_buffers, "momentum_buffers", kF32, Access::kWrite);
     c.paired(params, "params", momentum_buffers, "momentum_buffers");
   } else {
     TORCH_CHECK_VALUE(momentum_buffers.empty(),
@@ -211,6 +215,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
     c.value(momentum > 0, "momentum", "> 0 with nesterov=True", momentum);
     c.value(dampening == 0, "dampening", "0 with nesterov=True", dampening);
   }
+  c.no_overlap();
   if (params.empty()) return;
 
   const typename Engine::Guard guard(params[0].device());
@@ -235,13 +240,13 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf) {
   Checker c("fused_adam_");
-  c.scalar(step, "step", at::kFloat);
+  c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
   check_params(c, params, grads, model_params);
-  c.list(exp_avgs, "exp_avgs", kF32);
+  c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
-  c.list(exp_avg_sqs, "exp_avg_sqs", kF32);
+  c.list(exp_avg_sqs, "exp_avg_sqs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
   c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
   c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
@@ -249,6 +254,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
   c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
           "a finite number >= 0", weight_decay);
+  c.no_overlap();
   if (params.empty()) return;
 
   const typename Engine::Guard guard(step.device());
@@ -284,9 +290,9 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
                         double growth_factor, double backoff_factor, int64_t growth_interval,
                         int64_t hysteresis, double min_scale, double max_scale) {
   Checker c("update_loss_scale_");
-  c.scalar(scale, "scale", at::kFloat);
-  c.scalar(growth_tracker, "growth_tracker", at::kInt);
-  c.scalar(hysteresis_tracker, "hysteresis_tracker", at::kInt);
+  c.scalar(scale, "scale", at::kFloat, Access::kWrite);
+  c.scalar(growth_tracker, "growth_tracker", at::kInt, Access::kWrite);
+  c.scalar(hysteresis_tracker, "hysteresis_tracker", at::kInt, Access::kWrite);
   c.scalar(found_inf, "found_inf", at::kFloat);
   c.value(growth_factor >= 1 && std::isfinite(growth_factor), "growth_factor",
           "a finite number >= 1", growth_factor);
@@ -300,6 +306,7 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
   c.value(max_scale > 0, "max_scale", "> 0 (inf for no ceiling)", max_scale);
   c.value(min_scale >= 0 && min_scale <= max_scale, "min_scale", ">= 0 and <= max_scale",
           min_scale);
+  c.no_overlap();
 
   const typename Engine::Guard guard(scale.device());
   LossScaleArgs args;

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 
 namespace mixedprec {
@@ -47,7 +48,7 @@ std::ostream& operator<<(std::ostream& out, const ArgName& arg) {
   return out;
 }
 
-void Checker::check(const at::Tensor& t, ArgName name, unsigned dtypes) {
+void Checker::check(const at::Tensor& t, ArgName name, unsigned dtypes, Access access) {
   TORCH_CHECK_TYPE(t.defined(), op_, ": expected ", name, " to be a tensor, got None");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, op_, ": expected ", name,
                    " to be a dense (strided) tensor, got layout ", t.layout());
@@ -60,14 +61,24 @@ void Checker::check(const at::Tensor& t, ArgName name, unsigned dtypes) {
   }
   TORCH_CHECK_TYPE(bit(t.scalar_type()) & dtypes, op_, ": expected ", name, " to have dtype ",
                    dtype_names(dtypes), ", got ", dtype_name(t.scalar_type()));
+  // Its bytes, for no_overlap(). const_data_ptr: no copy-on-write materialisation.
+  // Empty tensors and tensors without data (meta) hold no bytes.
+  if (t.numel() == 0 || t.const_data_ptr() == nullptr) return;
+  int64_t span = 1;  // elements from the first to the last one, inclusive
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const auto end = begin + static_cast<uintptr_t>(span) * t.element_size();
+  ranges_.push_back(Range{begin, end, name, ranges_.size(), access == Access::kWrite});
+  any_written_ = any_written_ || access == Access::kWrite;
 }
 
-void Checker::tensor(const at::Tensor& t, const char* name, unsigned dtypes) {
-  check(t, ArgName{name, -1}, dtypes);
+void Checker::tensor(const at::Tensor& t, const char* name, unsigned dtypes, Access access) {
+  check(t, ArgName{name, -1}, dtypes, access);
 }
 
-void Checker::scalar(const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  check(t, ArgName{name, -1}, bit(dtype));
+void Checker::scalar(const at::Tensor& t, const char* name, at::ScalarType dtype,
+                     Access access) {
+  check(t, ArgName{name, -1}, bit(dtype), access);
   TORCH_CHECK_VALUE(t.numel() == 1, op_, ": expected ", name,
                     " to have exactly one element, got ", t.numel());
 }
@@ -76,10 +87,29 @@ void Checker::optional_scalar(const std::optional<at::Tensor>& t, const char* na
   if (t.has_value()) scalar(*t, name, at::kFloat);
 }
 
-void Checker::list(at::TensorList l, const char* name, unsigned dtypes) {
+namespace {
+
+// The same view of the same memory: what an in-place call passes twice.
+// a is validated (strided); b, of a list checked later, may be anything.
+bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  return b.defined() && b.layout() == at::kStrided &&
+         a.const_data_ptr() == b.const_data_ptr() && a.dtype() == b.dtype() &&
+         a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+}  // namespace
+
+void Checker::list(at::TensorList l, const char* name, unsigned dtypes, Access access,
+                   at::TensorList twins) {
   for (size_t i = 0; i < l.size(); ++i) {
     const ArgName n{name, static_cast<int64_t>(i)};
-    check(l[i], n, dtypes);
+    const size_t ranges_before = ranges_.size();
+    check(l[i], n, dtypes, access);
+    // An element that is its (written) twin adds no range: any overlap with it is one
+    // with the twin, which is checked.
+    if (i < twins.size() && same_view(l[i], twins[i])) {
+      ranges_.resize(ranges_before);
+    }
     TORCH_CHECK_VALUE(l[i].is_non_overlapping_and_dense(), op_, ": expected ", n,
                       " to be dense and non-overlapping (contiguous or a permutation "
                       "such as channels_last), got sizes ",
@@ -109,17 +139,43 @@ void Checker::value(bool ok, const char* name, const char* expected, double got)
   TORCH_CHECK_VALUE(ok, op_, ": expected ", name, " to be ", expected, ", got ", got);
 }
 
+void Checker::no_overlap() {
+  if (!any_written_) return;  // reads may share memory
+  std::sort(ranges_.begin(), ranges_.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // Sweep in address order, keeping the range that reaches furthest and the written
+  // one that does. A range that starts before either ends overlaps it; every
+  // overlapping pair with a written member is caught so, at its later-starting one.
+  const Range* reach = nullptr;
+  const Range* reach_written = nullptr;
+  for (const Range& r : ranges_) {
+    const Range* hit = nullptr;
+    if (r.written && reach != nullptr && r.begin < reach->end) hit = reach;
+    if (!r.written && reach_written != nullptr && r.begin < reach_written->end) {
+      hit = reach_written;
+    }
+    if (hit != nullptr) {
+      const Range& first = hit->order < r.order ? *hit : r;
+      const Range& second = hit->order < r.order ? r : *hit;
+      TORCH_CHECK_VALUE(false, op_, ": ", first.name, " overlaps ", second.name,
+                        " in memory, and the op writes ",
+                        first.written ? first.name : second.name,
+                        ": expected tensors that share no memory");
+    }
+    if (reach == nullptr || r.end > reach->end) reach = &r;
+    if (r.written && (reach_written == nullptr || r.end > reach_written->end)) {
+      reach_written = &r;
+    }
+  }
+}
+
 void check_params(Checker& c, at::TensorList params, at::TensorList grads,
                   at::TensorList model_params) {
-  if (model_params.empty()) {
-    c.list(params, "params", kFloats);
-  } else {
-    c.list(params, "params", kF32);
-  }
+  c.list(params, "params", model_params.empty() ? kFloats : kF32, Access::kWrite);
   c.list(grads, "grads", kFloats);
   c.paired(params, "params", grads, "grads");
   if (!model_params.empty()) {
-    c.list(model_params, "model_params", kFloats);
+    c.list(model_params, "model_params", kFloats, Access::kWrite, /*twins=*/params);
     c.paired(params, "params", model_params, "model_params");
   }
 }

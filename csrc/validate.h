@@ -1,10 +1,11 @@
 // Argument validation, shared by the CPU and CUDA backends so both reject exactly
 // the same inputs, before any tensor is written. Each op entry (dispatch.h) runs its
-// arguments through one Checker, in order.
+// arguments through one Checker, in order, and ends with no_overlap().
 //
 // Tensors in the lists must be dense and non-overlapping (contiguous, or a
 // permutation such as channels_last); tensors paired across lists must have the
-// same number of elements and the same memory order. Anything else is rejected.
+// same number of elements and the same memory order. A tensor the op writes must
+// not share memory with any other argument. Anything else is rejected.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <vector>
 
 namespace mixedprec {
 
@@ -24,6 +26,9 @@ enum DTypeSet : unsigned {
   kI32 = 16u,
   kFloats = kF32 | kF16 | kBF16,
 };
+
+// Whether the op writes an argument (a `!` in its schema).
+enum class Access { kRead, kWrite };
 
 // An argument's name as messages print it: `found_inf`, or `tensors[3]` (index >= 0).
 // Built only when a message is, so that valid calls make no strings.
@@ -39,22 +44,43 @@ class Checker {
  public:
   explicit Checker(const char* op) : op_(op) {}
 
-  void tensor(const at::Tensor& t, const char* name, unsigned dtypes);
+  void tensor(const at::Tensor& t, const char* name, unsigned dtypes,
+              Access access = Access::kRead);
   // A one-element tensor of the given dtype.
-  void scalar(const at::Tensor& t, const char* name, at::ScalarType dtype);
+  void scalar(const at::Tensor& t, const char* name, at::ScalarType dtype,
+              Access access = Access::kRead);
   void optional_scalar(const std::optional<at::Tensor>& t, const char* name);
-  // Dense, non-overlapping tensors.
-  void list(at::TensorList l, const char* name, unsigned dtypes);
+  // Dense, non-overlapping tensors. An element that is the very view (data pointer,
+  // sizes, strides, dtype) of the element at the same index of `twins`, a written
+  // list, may alias it: the op reads each element before it writes the element of
+  // the same index, so src[i] == dst[i] works in place; and a list written with the
+  // values of its twin (model_params[i] == params[i], an fp32 param as its own
+  // master) gets them once more.
+  void list(at::TensorList l, const char* name, unsigned dtypes, Access access = Access::kRead,
+            at::TensorList twins = {});
   // b pairs element-wise with a: same length, same numel, same memory order.
   void paired(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
   void value(bool ok, const char* name, const char* expected, double got);
+  // Last, before anything is written: no written argument shares a byte with another
+  // argument (ValueError naming both). O(n log n) in the number of tensors.
+  void no_overlap();
 
  private:
-  void check(const at::Tensor& t, ArgName name, unsigned dtypes);
+  void check(const at::Tensor& t, ArgName name, unsigned dtypes, Access access);
+
+  // The bytes [begin, end) an argument spans (all on one device: checked before).
+  struct Range {
+    uintptr_t begin, end;
+    ArgName name;
+    size_t order;  // position among the arguments, to name the earlier one first
+    bool written;
+  };
 
   const char* op_;
   at::Device device_{at::kCPU};
   std::optional<ArgName> device_name_;
+  std::vector<Range> ranges_;
+  bool any_written_ = false;
 };
 
 // Lists of an optimizer: params are fp32 masters when model_params is given.

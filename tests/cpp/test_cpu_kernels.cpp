@@ -507,9 +507,26 @@ TEST(Validation, FusedAdam) {
         adam(c.step, 0.9, 1e-8, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)});
       },
       "exp_avgs[1]");
+  expect_error_naming([&] { adam(c.step, 0.9, 1e-8, c.exp_avg_sqs); },
+                      "overlaps exp_avg_sqs[");  // at some index: all are one
+  expect_error_naming([&] { adam(c.exp_avgs[1].slice(0, 3, 4), 0.9, 1e-8, c.exp_avgs); },
+                      "step overlaps exp_avgs[1]");
   EXPECT_EQ(value(c.step), 0.f);
   expect_same(c.params, p0);
   expect_same(c.exp_avgs, m0);
+}
+
+TEST(Validation, InPlaceUnscaleToIsAllowed) {
+  std::vector<Tensor> x = {at::full({5}, 4.f), at::full({5}, 8.f)};
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_unscale_to_(x, x, found_inf, scalar(0.5f));
+  EXPECT_TRUE(at::equal(x[0], at::full({5}, 2.f)));
+  EXPECT_TRUE(at::equal(x[1], at::full({5}, 4.f)));
+  // x[1] read as src[1] while written as dst[0]: not the same index.
+  const std::vector<Tensor> dst = {x[1], x[1].clone()};
+  expect_error_naming([&] { cpu::multi_tensor_unscale_to_(x, dst, found_inf, scalar(0.5f)); },
+                      "src[1] overlaps dst[0]");
+  EXPECT_TRUE(at::equal(x[1], at::full({5}, 4.f)));
 }
 
 TEST(Validation, SumFp32AndUpdateLossScale) {
