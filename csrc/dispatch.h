@@ -15,9 +15,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <torch/library.h>
 
 #include <array>
+#include <cmath>
+#include <cstdint>
 #include <map>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -111,57 +115,6 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
   }
 }
 
-template <class Engine>
-void run_fused_sgd(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                   at::TensorList model_params, double lr, double momentum, double dampening,
-                   double weight_decay, bool nesterov, bool first_run, const float* inv_scale,
-                   const float* found_inf) {
-  SgdOp op;
-  op.lr = static_cast<float>(lr);
-  op.momentum = static_cast<float>(momentum);
-  op.grad_weight = static_cast<float>(1.0 - dampening);
-  op.weight_decay = static_cast<float>(weight_decay);
-  op.nesterov = nesterov;
-  op.first_run = first_run;
-  op.inv_scale_ptr = inv_scale;
-  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params}, op, found_inf);
-}
-
-// Engine::increment_step(step, found_inf) runs before the update, on the device.
-template <class Engine>
-void run_fused_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList model_params, float* step,
-                    double lr, double beta1, double beta2, double eps, double weight_decay,
-                    bool adamw, bool bias_correction, const float* inv_scale,
-                    const float* found_inf) {
-  Engine::increment_step(step, found_inf);
-  AdamOp op;
-  op.lr = lr;
-  op.beta1 = beta1;
-  op.beta2 = beta2;
-  op.eps = eps;
-  op.weight_decay = weight_decay;
-  op.adamw = adamw;
-  op.bias_correction = bias_correction;
-  op.step_ptr = step;
-  op.inv_scale_ptr = inv_scale;
-  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params}, op,
-                                found_inf);
-}
-
-inline LossScaleArgs loss_scale_args(double growth_factor, double backoff_factor,
-                                     int64_t growth_interval, int64_t hysteresis,
-                                     double min_scale, double max_scale) {
-  LossScaleArgs a;
-  a.growth_factor = growth_factor;
-  a.backoff_factor = backoff_factor;
-  a.min_scale = min_scale;
-  a.max_scale = max_scale;
-  a.growth_interval = static_cast<int32_t>(growth_interval);
-  a.hysteresis = static_cast<int32_t>(hysteresis);
-  return a;
-}
-
 // --- The op entries --------------------------------------------------------------
 // Each checks its arguments before anything is written, makes the data's device
 // current, and runs on the engine. Signatures follow the schemas in ops.cpp.
@@ -170,7 +123,11 @@ namespace entry {
 template <class Engine>
 void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
                            const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale(tensors, found_inf, inv_scale);
+  Checker c("multi_tensor_unscale_");
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
+  c.scalar(inv_scale, "inv_scale", at::kFloat);
+  c.list(tensors, "tensors", kFloats, Access::kWrite);
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_scale<Engine>(tensors, tensors, inv_scale.const_data_ptr<float>(),
                     found_inf.data_ptr<float>());
@@ -179,24 +136,55 @@ void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
 template <class Engine>
 void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst,
                               const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  check_multi_tensor_unscale_to(src, dst, found_inf, inv_scale);
+  Checker c("multi_tensor_unscale_to_");
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
+  c.scalar(inv_scale, "inv_scale", at::kFloat);
+  c.list(src, "src", kFloats, Access::kRead, /*twins=*/dst);
+  c.list(dst, "dst", kFloats, Access::kWrite);
+  c.paired(src, "src", dst, "dst");
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_scale<Engine>(src, dst, inv_scale.const_data_ptr<float>(), found_inf.data_ptr<float>());
 }
 
 template <class Engine>
 void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
-  check_multi_tensor_check_finite(tensors, found_inf);
+  Checker c("multi_tensor_check_finite_");
+  c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
+  c.list(tensors, "tensors", kFloats);
+  c.no_overlap();
   const typename Engine::Guard guard(found_inf.device());
   run_check_finite<Engine>(tensors, found_inf.data_ptr<float>());
 }
 
 template <class Engine>
 void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
-  check_multi_tensor_copy(src, dst);
+  Checker c("multi_tensor_copy_");
+  c.list(src, "src", kFloats, Access::kRead, /*twins=*/dst);
+  c.list(dst, "dst", kFloats, Access::kWrite);
+  c.paired(src, "src", dst, "dst");
+  c.no_overlap();
   if (src.empty()) return;
   const typename Engine::Guard guard(src[0].device());
   run_scale<Engine>(src, dst, nullptr, nullptr);
+}
+
+template <class Engine>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
+                                                       const std::optional<at::Tensor>& inv_scale,
+                                                       bool per_tensor) {
+  Checker c("multi_tensor_l2norm");
+  c.optional_scalar(inv_scale, "inv_scale");
+  c.list(tensors, "tensors", kFloats);
+  if (tensors.empty() && !inv_scale.has_value()) {
+    // No tensor to take a device from (the dispatcher sends this call to the
+    // CompositeExplicitAutograd kernel): the norm of nothing, on the CPU.
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+    return {at::zeros({1}, options), at::empty({0}, options)};
+  }
+  const at::Device device = tensors.empty() ? inv_scale->device() : tensors[0].device();
+  const typename Engine::Guard guard(device);
+  return Engine::l2norm(tensors, optional_ptr(inv_scale), per_tensor, device);
 }
 
 template <class Engine>
@@ -205,33 +193,90 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
                 const std::optional<at::Tensor>& found_inf) {
-  check_fused_sgd(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-                  weight_decay, nesterov, inv_scale, found_inf);
+  Checker c("fused_sgd_");
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  check_params(c, params, grads, model_params);
+  if (momentum != 0) {
+    c.list(momentum_buffers, "momentum_buffers", kF32, Access::kWrite);
+    c.paired(params, "params", momentum_buffers, "momentum_buffers");
+  } else {
+    TORCH_CHECK_VALUE(momentum_buffers.empty(),
+                      "fused_sgd_: expected momentum_buffers to be empty when momentum is 0, "
+                      "got ", momentum_buffers.size(), " tensors");
+  }
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(momentum >= 0 && std::isfinite(momentum), "momentum", "a finite number >= 0",
+          momentum);
+  c.value(std::isfinite(dampening), "dampening", "a finite number", dampening);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  if (nesterov) {
+    c.value(momentum > 0, "momentum", "> 0 with nesterov=True", momentum);
+    c.value(dampening == 0, "dampening", "0 with nesterov=True", dampening);
+  }
+  c.no_overlap();
   if (params.empty()) return;
+
   const typename Engine::Guard guard(params[0].device());
-  run_fused_sgd<Engine>(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-                        weight_decay, nesterov, first_run, optional_ptr(inv_scale),
-                        optional_ptr(found_inf));
+  SgdOp op;
+  op.lr = static_cast<float>(lr);
+  op.momentum = static_cast<float>(momentum);
+  op.grad_weight = static_cast<float>(1.0 - dampening);
+  op.weight_decay = static_cast<float>(weight_decay);
+  op.nesterov = nesterov;
+  op.first_run = first_run;
+  op.inv_scale_ptr = optional_ptr(inv_scale);
+  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params}, op,
+                               optional_ptr(found_inf));
 }
 
+// The step counter is incremented (on the device, unless found_inf is set) before
+// the update, which reads it.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf) {
-  check_fused_adam(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2,
-                   eps, weight_decay, inv_scale, found_inf);
+  Checker c("fused_adam_");
+  c.scalar(step, "step", at::kFloat, Access::kWrite);
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  check_params(c, params, grads, model_params);
+  c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
+  c.paired(params, "params", exp_avgs, "exp_avgs");
+  c.list(exp_avg_sqs, "exp_avg_sqs", kF32, Access::kWrite);
+  c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
+  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  c.no_overlap();
   if (params.empty()) return;
+
   const typename Engine::Guard guard(step.device());
-  run_fused_adam<Engine>(params, grads, exp_avgs, exp_avg_sqs, model_params,
-                         step.data_ptr<float>(), lr, beta1, beta2, eps, weight_decay, adamw,
-                         bias_correction, optional_ptr(inv_scale), optional_ptr(found_inf));
+  Engine::increment_step(step.data_ptr<float>(), optional_ptr(found_inf));
+  AdamOp op;
+  op.lr = lr;
+  op.beta1 = beta1;
+  op.beta2 = beta2;
+  op.eps = eps;
+  op.weight_decay = weight_decay;
+  op.adamw = adamw;
+  op.bias_correction = bias_correction;
+  op.step_ptr = step.data_ptr<float>();
+  op.inv_scale_ptr = optional_ptr(inv_scale);
+  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params}, op,
+                                optional_ptr(found_inf));
 }
 
 template <class Engine>
 at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool keepdim) {
-  check_sum_fp32(self);
+  Checker c("sum_fp32");
+  c.tensor(self, "self", kFloats | kF64);
   const typename Engine::Guard guard(self.device());
   // ATen's reduction reads the input in its own dtype and accumulates and writes in
   // the requested one (on CUDA without an fp32 copy of the input).
@@ -244,16 +289,79 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
                         const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,
                         int64_t hysteresis, double min_scale, double max_scale) {
-  check_update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  Checker c("update_loss_scale_");
+  c.scalar(scale, "scale", at::kFloat, Access::kWrite);
+  c.scalar(growth_tracker, "growth_tracker", at::kInt, Access::kWrite);
+  c.scalar(hysteresis_tracker, "hysteresis_tracker", at::kInt, Access::kWrite);
+  c.scalar(found_inf, "found_inf", at::kFloat);
+  c.value(growth_factor >= 1 && std::isfinite(growth_factor), "growth_factor",
+          "a finite number >= 1", growth_factor);
+  c.value(backoff_factor > 0 && backoff_factor <= 1, "backoff_factor", "in (0, 1]",
+          backoff_factor);
+  c.value(growth_interval >= 1 && growth_interval <= INT32_MAX, "growth_interval",
+          "in [1, 2**31 - 1]", static_cast<double>(growth_interval));
+  c.value(hysteresis >= 1 && hysteresis <= INT32_MAX, "hysteresis", "in [1, 2**31 - 1]",
+          static_cast<double>(hysteresis));
+  // max_scale first, so that a NaN there is not blamed on min_scale's comparison.
+  c.value(max_scale > 0, "max_scale", "> 0 (inf for no ceiling)", max_scale);
+  c.value(min_scale >= 0 && min_scale <= max_scale, "min_scale", ">= 0 and <= max_scale",
+          min_scale);
+  c.no_overlap();
+
   const typename Engine::Guard guard(scale.device());
+  LossScaleArgs args;
+  args.growth_factor = growth_factor;
+  args.backoff_factor = backoff_factor;
+  args.min_scale = min_scale;
+  args.max_scale = max_scale;
+  args.growth_interval = static_cast<int32_t>(growth_interval);
+  args.hysteresis = static_cast<int32_t>(hysteresis);
   Engine::update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
                             hysteresis_tracker.data_ptr<int32_t>(),
-                            found_inf.const_data_ptr<float>(),
-                            loss_scale_args(growth_factor, backoff_factor, growth_interval,
-                                            hysteresis, min_scale, max_scale));
+                            found_inf.const_data_ptr<float>(), args);
 }
 
 }  // namespace entry
+
+// The engine of calls that hold no tensor at all (empty lists, optional tensors
+// absent), which the dispatcher sends to the CompositeExplicitAutograd kernel: such
+// calls are validated and have nothing to run. That kernel also stands in for any
+// backend without a kernel of its own; data there is refused, not touched.
+struct NoTensorEngine {
+  struct Guard {
+    explicit Guard(const at::Device&) {}
+  };
+
+  [[noreturn]] static void unsupported() {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "mixedprec: no kernel for this device (CPU, CUDA)");
+  }
+  template <typename Op, typename... Ts>
+  static void run(const Lists<sizeof...(Ts)>&, const Op&, const float*, float*) {
+    unsupported();
+  }
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList, const float*, bool,
+                                                   at::Device) {
+    unsupported();
+  }
+  static void increment_step(float*, const float*) { unsupported(); }
+  static void update_loss_scale(float*, int32_t*, int32_t*, const float*,
+                                const LossScaleArgs&) {
+    unsupported();
+  }
+};
+
+// Every op's entry on one engine: a backend registers them for its dispatch keys.
+template <class Engine>
+void register_kernels(torch::Library& m) {
+  m.impl("multi_tensor_unscale_", &entry::multi_tensor_unscale_<Engine>);
+  m.impl("multi_tensor_unscale_to_", &entry::multi_tensor_unscale_to_<Engine>);
+  m.impl("multi_tensor_check_finite_", &entry::multi_tensor_check_finite_<Engine>);
+  m.impl("multi_tensor_copy_", &entry::multi_tensor_copy_<Engine>);
+  m.impl("multi_tensor_l2norm", &entry::multi_tensor_l2norm<Engine>);
+  m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);
+  m.impl("fused_adam_", &entry::fused_adam_<Engine>);
+  m.impl("sum_fp32", &entry::sum_fp32<Engine>);
+  m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);
+}
 
 }  // namespace mixedprec

@@ -1,7 +1,9 @@
 // The schemas of every mixedprec operator: the single source of truth.
-// Backends register kernels in csrc/cpu/*.cpp and csrc/cuda/*.cu; fake (Meta)
-// kernels and autograd live in mixedprec/ops.py.
+// Backends register kernels in csrc/cpu/register.cpp and csrc/cuda/register.cu; fake
+// (Meta) kernels and autograd live in mixedprec/ops.py.
 #include <torch/library.h>
+
+#include "dispatch.h"
 
 TORCH_LIBRARY(mixedprec, m) {
   m.def(
@@ -32,4 +34,10 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, "
       "float min_scale, float max_scale) -> ()");
+}
+
+// A call without any tensor argument (e.g. multi_tensor_copy_([], [])) has no
+// dispatch key; the dispatcher then runs the CompositeExplicitAutograd kernel.
+TORCH_LIBRARY_IMPL(mixedprec, CompositeExplicitAutograd, m) {
+  mixedprec::register_kernels<mixedprec::NoTensorEngine>(m);
 }

@@ -1,42 +1,91 @@
-// Argument validation for every op, shared by the CPU and CUDA backends so both
-// reject exactly the same inputs, before any tensor is written.
+// Argument validation, shared by the CPU and CUDA backends so both reject exactly
+// the same inputs, before any tensor is written. Each op entry (dispatch.h) runs its
+// arguments through one Checker, in order, and ends with no_overlap().
 //
 // Tensors in the lists must be dense and non-overlapping (contiguous, or a
 // permutation such as channels_last); tensors paired across lists must have the
-// same number of elements and the same memory order. Anything else is rejected.
+// same number of elements and the same memory order. A tensor the op writes must
+// not share memory with any other argument. Anything else is rejected.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
+#include <ostream>
+#include <vector>
 
 namespace mixedprec {
 
-void check_multi_tensor_unscale(at::TensorList tensors, const at::Tensor& found_inf,
-                                const at::Tensor& inv_scale);
-void check_multi_tensor_unscale_to(at::TensorList src, at::TensorList dst,
-                                   const at::Tensor& found_inf, const at::Tensor& inv_scale);
-void check_multi_tensor_check_finite(at::TensorList tensors, const at::Tensor& found_inf);
-void check_multi_tensor_copy(at::TensorList src, at::TensorList dst);
-void check_multi_tensor_l2norm(at::TensorList tensors,
-                               const std::optional<at::Tensor>& inv_scale);
-void check_fused_sgd(at::TensorList params, at::TensorList grads,
-                     at::TensorList momentum_buffers, at::TensorList model_params, double lr,
-                     double momentum, double dampening, double weight_decay, bool nesterov,
-                     const std::optional<at::Tensor>& inv_scale,
-                     const std::optional<at::Tensor>& found_inf);
-void check_fused_adam(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                      at::TensorList exp_avg_sqs, at::TensorList model_params,
-                      const at::Tensor& step, double lr, double beta1, double beta2,
-                      double eps, double weight_decay,
-                      const std::optional<at::Tensor>& inv_scale,
-                      const std::optional<at::Tensor>& found_inf);
-void check_sum_fp32(const at::Tensor& self);
-void check_update_loss_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                             const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                             double growth_factor, double backoff_factor,
-                             int64_t growth_interval, int64_t hysteresis, double min_scale,
-                             double max_scale);
+// The supported dtypes, as a bit set; every other dtype is rejected by name.
+enum DTypeSet : unsigned {
+  kF32 = 1u,
+  kF16 = 2u,
+  kBF16 = 4u,
+  kF64 = 8u,
+  kI32 = 16u,
+  kFloats = kF32 | kF16 | kBF16,
+};
+
+// Whether the op writes an argument (a `!` in its schema).
+enum class Access { kRead, kWrite };
+
+// An argument's name as messages print it: `found_inf`, or `tensors[3]` (index >= 0).
+// Built only when a message is, so that valid calls make no strings.
+struct ArgName {
+  const char* name;
+  int64_t index;
+};
+std::ostream& operator<<(std::ostream& out, const ArgName& arg);
+
+// Checks arguments in order; the first tensor seen fixes the device that every
+// later tensor must be on. Messages name the argument and what was expected.
+class Checker {
+ public:
+  explicit Checker(const char* op) : op_(op) {}
+
+  void tensor(const at::Tensor& t, const char* name, unsigned dtypes,
+              Access access = Access::kRead);
+  // A one-element tensor of the given dtype.
+  void scalar(const at::Tensor& t, const char* name, at::ScalarType dtype,
+              Access access = Access::kRead);
+  void optional_scalar(const std::optional<at::Tensor>& t, const char* name);
+  // Dense, non-overlapping tensors. An element that is the very view (data pointer,
+  // sizes, strides, dtype) of the element at the same index of `twins`, a written
+  // list, may alias it: the op reads each element before it writes the element of
+  // the same index, so src[i] == dst[i] works in place; and a list written with the
+  // values of its twin (model_params[i] == params[i], an fp32 param as its own
+  // master) gets them once more.
+  void list(at::TensorList l, const char* name, unsigned dtypes, Access access = Access::kRead,
+            at::TensorList twins = {});
+  // b pairs element-wise with a: same length, same numel, same memory order.
+  void paired(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
+  void value(bool ok, const char* name, const char* expected, double got);
+  // Last, before anything is written: no written argument shares a byte with another
+  // argument (ValueError naming both). O(n log n) in the number of tensors.
+  void no_overlap();
+
+ private:
+  void check(const at::Tensor& t, ArgName name, unsigned dtypes, Access access);
+
+  // The bytes [begin, end) an argument spans (all on one device: checked before).
+  struct Range {
+    uintptr_t begin, end;
+    ArgName name;
+    size_t order;  // position among the arguments, to name the earlier one first
+    bool written;
+  };
+
+  const char* op_;
+  at::Device device_{at::kCPU};
+  std::optional<ArgName> device_name_;
+  std::vector<Range> ranges_;
+  bool any_written_ = false;
+};
+
+// Lists of an optimizer: params are fp32 masters when model_params is given.
+void check_params(Checker& c, at::TensorList params, at::TensorList grads,
+                  at::TensorList model_params);
 
 // The value of an optional 1-element float32 tensor's storage, or nullptr.
 inline const float* optional_ptr(const std::optional<at::Tensor>& t) {

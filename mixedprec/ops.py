@@ -61,6 +61,29 @@ def is_dense(t: Tensor) -> bool:
     return True
 
 
+def _no_meta_among_real(op: str, args: dict) -> None:
+    """Raises when ``args`` (an op's arguments by name) mix meta and real tensors.
+
+    The dispatcher sends such an eager call to the fake kernel, which writes nothing:
+    the call would silently do nothing. All-meta calls (shape inference) pass, and so
+    do FakeTensors, which report the device they stand for. Each fake kernel calls it
+    first, with ``locals()``: its arguments by name."""
+    meta = real = None
+    for name, value in args.items():
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, t in items:
+            if not isinstance(t, Tensor):
+                continue
+            label = name if i is None else f"{name}[{i}]"
+            if t.device.type == "meta":
+                meta = meta or label
+            elif real is None:
+                real = (label, t.device)
+    if meta is not None and real is not None:
+        raise RuntimeError(f"{op}: {meta} is on meta, {real[0]} on {real[1]}: "
+                           "expected every tensor on one device")
+
+
 def multi_tensor_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """Multiplies every tensor in place by ``inv_scale``; sets ``found_inf`` to 1.0 when
     any input element is inf or NaN (never clears it)."""
@@ -69,6 +92,7 @@ def multi_tensor_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: T
 
 @torch.library.register_fake("mixedprec::multi_tensor_unscale_")
 def _(tensors, found_inf, inv_scale):
+    _no_meta_among_real("multi_tensor_unscale_", locals())
     return None
 
 
@@ -83,6 +107,7 @@ def multi_tensor_unscale_to_(
 
 @torch.library.register_fake("mixedprec::multi_tensor_unscale_to_")
 def _(src, dst, found_inf, inv_scale):
+    _no_meta_among_real("multi_tensor_unscale_to_", locals())
     return None
 
 
@@ -95,19 +120,19 @@ def multi_tensor_check_finite_(tensors: List[Tensor], found_inf: Tensor) -> None
 
 @torch.library.register_fake("mixedprec::multi_tensor_check_finite_")
 def _(tensors, found_inf):
+    _no_meta_among_real("multi_tensor_check_finite_", locals())
     return None
 
 
 def multi_tensor_copy_(src: List[Tensor], dst: List[Tensor]) -> None:
     """``dst[i].copy_(src[i])`` with a cast, for all pairs in few launches (masters into
     the model)."""
-    if not src and not dst:
-        return  # no tensor to dispatch on
     torch.ops.mixedprec.multi_tensor_copy_.default(src, dst)
 
 
 @torch.library.register_fake("mixedprec::multi_tensor_copy_")
 def _(src, dst):
+    _no_meta_among_real("multi_tensor_copy_", locals())
     return None
 
 
@@ -115,19 +140,24 @@ def multi_tensor_l2norm(
     tensors: List[Tensor], inv_scale: Optional[Tensor] = None, per_tensor: bool = False
 ) -> Tuple[Tensor, Tensor]:
     """The L2 norm of all ``tensors`` together (float32, shape ``[1]``), each element
-    multiplied by ``inv_scale`` when given, accumulated in float32; and, when
-    ``per_tensor``, the float32 vector of per-tensor norms (else an empty tensor).
-    The result is deterministic: partial sums are combined in a fixed order."""
-    if not tensors and inv_scale is None:
-        return torch.zeros(1), torch.empty(0)  # no tensor to dispatch on
+    multiplied by ``inv_scale`` when given; and, when ``per_tensor``, the float32
+    vector of per-tensor norms (else an empty tensor). Each element is converted to
+    float32 and multiplied by ``inv_scale`` in float32. On the CPU its square and
+    every sum are float64 (per chunk of ``CHUNK_SIZE`` elements, per tensor, total),
+    rounded to float32 at the end; on CUDA the squares and all the sums (per thread,
+    per chunk, per tensor, total) are float32. The result is deterministic: partial
+    sums are combined in a fixed order. With no tensors and no ``inv_scale``, the
+    norm is 0 on the CPU."""
     return torch.ops.mixedprec.multi_tensor_l2norm.default(tensors, inv_scale, per_tensor)
 
 
 @torch.library.register_fake("mixedprec::multi_tensor_l2norm")
 def _(tensors, inv_scale, per_tensor):
+    _no_meta_among_real("multi_tensor_l2norm", locals())
     like = tensors[0] if tensors else inv_scale
-    norm = like.new_empty([1], dtype=torch.float32)
-    per = like.new_empty([len(tensors) if per_tensor else 0], dtype=torch.float32)
+    device = like.device if like is not None else torch.device("cpu")
+    norm = torch.empty([1], dtype=torch.float32, device=device)
+    per = torch.empty([len(tensors) if per_tensor else 0], dtype=torch.float32, device=device)
     return norm, per
 
 
@@ -153,8 +183,6 @@ def fused_sgd_(
     by ``inv_scale`` when given. ``momentum_buffers`` are fp32, one per param, and
     empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
     When ``found_inf`` is given and nonzero, nothing at all is written."""
-    if not params:
-        return
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf,
@@ -164,6 +192,7 @@ def fused_sgd_(
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
       weight_decay, nesterov, first_run, inv_scale, found_inf):
+    _no_meta_among_real("fused_sgd_", locals())
     return None
 
 
@@ -199,6 +228,7 @@ def fused_adam_(
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
       weight_decay, adamw, bias_correction, inv_scale, found_inf):
+    _no_meta_among_real("fused_adam_", locals())
     return None
 
 
@@ -217,6 +247,7 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.register_fake("mixedprec::sum_fp32")
 def _(self, dim=None, keepdim=False):
+    _no_meta_among_real("sum_fp32", locals())
     return torch.sum(self, dim, keepdim, dtype=_sum_dtype(self.dtype))
 
 
@@ -270,4 +301,5 @@ def update_loss_scale_(
 @torch.library.register_fake("mixedprec::update_loss_scale_")
 def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
+    _no_meta_among_real("update_loss_scale_", locals())
     return None

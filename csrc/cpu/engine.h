@@ -106,6 +106,11 @@ struct CpuEngine {
     mixedprec::update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
   }
 
+  // In l2norm.cpp.
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
+                                                   const float* inv_scale, bool per_tensor,
+                                                   at::Device device);
+
   template <typename Op, typename... Ts>
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {

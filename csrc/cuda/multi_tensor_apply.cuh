@@ -52,6 +52,11 @@ struct CudaEngine {
     });
   }
 
+  // In l2norm.cu.
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
+                                                   const float* inv_scale, bool per_tensor,
+                                                   at::Device device);
+
   static void increment_step(float* step, const float* found_inf) {
     increment_step_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(step, found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

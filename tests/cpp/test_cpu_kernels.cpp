@@ -1,5 +1,6 @@
-// The CPU kernels called directly (mixedprec::cpu::*), their validation, and the
-// registration of every schema with the dispatcher.
+// The CPU kernels called directly (the entries of dispatch.h on the CPU engine, as
+// registered for the CPU key), their validation, and the registration of every
+// schema with the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -12,10 +13,26 @@
 #include <string>
 #include <vector>
 
-#include "cpu/kernels.h"
+#include "cpu/engine.h"
 #include "multi_tensor_plan.h"
 
 namespace mixedprec {
+namespace cpu {
+namespace {
+
+constexpr auto multi_tensor_unscale_ = &entry::multi_tensor_unscale_<CpuEngine>;
+constexpr auto multi_tensor_unscale_to_ = &entry::multi_tensor_unscale_to_<CpuEngine>;
+constexpr auto multi_tensor_check_finite_ = &entry::multi_tensor_check_finite_<CpuEngine>;
+constexpr auto multi_tensor_copy_ = &entry::multi_tensor_copy_<CpuEngine>;
+constexpr auto multi_tensor_l2norm = &entry::multi_tensor_l2norm<CpuEngine>;
+constexpr auto fused_sgd_ = &entry::fused_sgd_<CpuEngine>;
+constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
+constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
+constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
+
+}  // namespace
+}  // namespace cpu
+
 namespace {
 
 using at::Tensor;
@@ -490,9 +507,26 @@ TEST(Validation, FusedAdam) {
         adam(c.step, 0.9, 1e-8, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)});
       },
       "exp_avgs[1]");
+  expect_error_naming([&] { adam(c.step, 0.9, 1e-8, c.exp_avg_sqs); },
+                      "overlaps exp_avg_sqs[");  // at some index: all are one
+  expect_error_naming([&] { adam(c.exp_avgs[1].slice(0, 3, 4), 0.9, 1e-8, c.exp_avgs); },
+                      "step overlaps exp_avgs[1]");
   EXPECT_EQ(value(c.step), 0.f);
   expect_same(c.params, p0);
   expect_same(c.exp_avgs, m0);
+}
+
+TEST(Validation, InPlaceUnscaleToIsAllowed) {
+  std::vector<Tensor> x = {at::full({5}, 4.f), at::full({5}, 8.f)};
+  const Tensor found_inf = scalar(0.f);
+  cpu::multi_tensor_unscale_to_(x, x, found_inf, scalar(0.5f));
+  EXPECT_TRUE(at::equal(x[0], at::full({5}, 2.f)));
+  EXPECT_TRUE(at::equal(x[1], at::full({5}, 4.f)));
+  // x[1] read as src[1] while written as dst[0]: not the same index.
+  const std::vector<Tensor> dst = {x[1], x[1].clone()};
+  expect_error_naming([&] { cpu::multi_tensor_unscale_to_(x, dst, found_inf, scalar(0.5f)); },
+                      "src[1] overlaps dst[0]");
+  EXPECT_TRUE(at::equal(x[1], at::full({5}, 4.f)));
 }
 
 TEST(Validation, SumFp32AndUpdateLossScale) {

@@ -324,7 +324,7 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
-// Stage 1 of the L2 norm, as multi_tensor.cu drives it over a list of mixed dtypes:
+// Stage 1 of the L2 norm, as l2norm.cu drives it over a list of mixed dtypes:
 // the partial sum of every chunk lands in its tensor's contiguous range of the
 // partials, in chunk order (stage 2 sums those ranges).
 TEST(CudaBlocks, L2NormPartialsOfEachTensorAreContiguous) {

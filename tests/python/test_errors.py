@@ -3,6 +3,7 @@ tensor written. Each case starts from a valid call (test_valid_calls) and breaks
 one thing."""
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -310,6 +311,53 @@ CASES = [
     value_case("update_loss_scale_", "min_scale", 2.0**25),  # above max_scale
     Case("update_loss_scale_", "max_scale=0", lambda a, d: a.update(min_scale=0.0, max_scale=0.0),
          ValueError, "max_scale"),
+    # "expected <name>": the other bound's message mentions this one, blaming the wrong one
+    Case("update_loss_scale_", "max_scale=nan", set_arg("max_scale", float("nan")), ValueError,
+         "expected max_scale"),
+    Case("update_loss_scale_", "min_scale=nan", set_arg("min_scale", float("nan")), ValueError,
+         "expected min_scale"),
+    Case("update_loss_scale_", "both-nan",
+         lambda a, d: a.update(min_scale=float("nan"), max_scale=float("nan")), ValueError,
+         "expected max_scale"),
+    Case("update_loss_scale_", "min-above-max", set_arg("min_scale", 2.0**25), ValueError,
+         "expected min_scale"),
+]
+
+
+# --- sparse compressed layouts (CSR, CSC, BSR, BSC) ---------------------------------
+
+SPARSE_COMPRESSED = [torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc]
+
+
+def compressed(layout):
+    """The tensor as a 2-D float32 matrix in a sparse compressed layout."""
+    def convert(t):
+        blocks = (1, 1) if layout in (torch.sparse_bsr, torch.sparse_bsc) else None
+        with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+            warnings.simplefilter("ignore", UserWarning)
+            return t.float().reshape(1, -1).to_sparse(layout=layout, blocksize=blocks)
+    return convert
+
+
+# (op, argument, list index or None): one tensor of each op.
+COMPRESSED_ARGS = [
+    ("multi_tensor_unscale_", "tensors", 1),
+    ("multi_tensor_check_finite_", "tensors", 0),
+    ("multi_tensor_unscale_to_", "src", 2),
+    ("multi_tensor_copy_", "dst", 1),
+    ("multi_tensor_l2norm", "tensors", 2),
+    ("fused_sgd_", "grads", 1),
+    ("fused_adam_", "exp_avg_sqs", 0),
+    ("sum_fp32", "self", None),
+    ("update_loss_scale_", "scale", None),
+]
+
+CASES += [
+    Case(op, f"{name}-{str(layout).split('.')[-1]}",
+         set_item(name, index, compressed(layout)) if index is not None
+         else set_arg(name, lambda a, d, name=name, layout=layout: compressed(layout)(a[name])),
+         TypeError, name if index is None else f"{name}[{index}]")
+    for op, name, index in COMPRESSED_ARGS for layout in SPARSE_COMPRESSED
 ]
 
 
@@ -380,3 +428,141 @@ def test_tensor_on_another_device(device, other_device, case):
     args = OPS[case.op][1](device)
     case.mutate(args, other_device)
     check_rejected(case, args)
+
+
+# --- arguments that share memory -------------------------------------------------------
+
+def alias(name, index, source, source_index=None):
+    """args[name][index] (or args[name], index None) becomes the tensor args[source]
+    (or its element source_index) itself."""
+    def mutate(args, d):
+        t = args[source] if source_index is None else args[source][source_index]
+        if index is None:
+            args[name] = t
+        else:
+            args[name][index] = t
+    return mutate
+
+
+def first_element_of(source, source_index):
+    """A one-element view of the start of args[source][source_index]."""
+    return lambda args, d: args[source][source_index].view(-1)[:1]
+
+
+def half_overlap(a_name, b_name, i):
+    """a[i] and b[i] become float32 views of one buffer that overlap by half."""
+    def mutate(args, d):
+        n = args[a_name][i].numel()
+        buf = randn(2 * n, F32, d, 42)
+        args[a_name][i] = buf[:n].view(args[a_name][i].shape)
+        args[b_name][i] = buf[n // 2:n // 2 + n].view(args[b_name][i].shape)
+    return mutate
+
+
+def overlap_case(op, id, mutate, first, second):
+    return Case(op, f"overlap-{id}", mutate, ValueError, f"{first} overlaps {second}")
+
+
+OVERLAP_CASES = [
+    overlap_case("multi_tensor_unscale_", "same-tensor-twice", alias("tensors", 1, "tensors", 0),
+                 "tensors[0]", "tensors[1]"),
+    overlap_case("multi_tensor_unscale_", "found_inf-in-tensors",
+                 alias("tensors", 2, "found_inf"), "found_inf", "tensors[2]"),
+    overlap_case("multi_tensor_unscale_", "inv_scale-in-tensors",
+                 alias("tensors", 0, "inv_scale"), "inv_scale", "tensors[0]"),
+    overlap_case("multi_tensor_check_finite_", "found_inf-in-tensors",
+                 alias("tensors", 1, "found_inf"), "found_inf", "tensors[1]"),
+    overlap_case("multi_tensor_unscale_to_", "partly", half_overlap("src", "dst", 0),
+                 "src[0]", "dst[0]"),
+    overlap_case("multi_tensor_unscale_to_", "found_inf-in-dst",
+                 set_arg("found_inf", first_element_of("dst", 1)), "found_inf", "dst[1]"),
+    overlap_case("multi_tensor_unscale_to_", "inv_scale-in-dst",
+                 set_arg("inv_scale", first_element_of("dst", 2)), "inv_scale", "dst[2]"),
+    overlap_case("multi_tensor_copy_", "partly", half_overlap("src", "dst", 1),
+                 "src[1]", "dst[1]"),
+    overlap_case("multi_tensor_copy_", "dst-twice",
+                 lambda a, d: a.update(src=[a["src"][0]] * 2, dst=[a["dst"][0]] * 2),
+                 "dst[0]", "dst[1]"),
+    overlap_case("multi_tensor_copy_", "src-is-another-dst",
+                 lambda a, d: a.update(src=[a["dst"][1], a["src"][1]],
+                                       dst=[torch.zeros_like(a["dst"][1]), a["dst"][1]]),
+                 "src[0]", "dst[1]"),
+    overlap_case("fused_sgd_", "grads-are-params", alias("grads", 2, "params", 2),
+                 "params[2]", "grads[2]"),
+    overlap_case("fused_sgd_", "momentum-is-params", alias("momentum_buffers", 0, "params", 0),
+                 "params[0]", "momentum_buffers[0]"),
+    overlap_case("fused_sgd_", "model-is-momentum", alias("model_params", 1, "momentum_buffers", 1),
+                 "model_params[1]", "momentum_buffers[1]"),
+    overlap_case("fused_sgd_", "model-is-another-param",
+                 lambda a, d: a.update(model_params=[a["params"][1].view(-1)[:4]] +
+                                       a["model_params"][1:]),
+                 "params[1]", "model_params[0]"),
+    overlap_case("fused_sgd_", "found_inf-in-params",
+                 set_arg("found_inf", first_element_of("params", 1)), "found_inf", "params[1]"),
+    overlap_case("fused_adam_", "exp_avg-is-exp_avg_sq", alias("exp_avg_sqs", 2, "exp_avgs", 2),
+                 "exp_avgs[2]", "exp_avg_sqs[2]"),
+    overlap_case("fused_adam_", "step-in-exp_avgs",
+                 set_arg("step", first_element_of("exp_avgs", 0)), "step", "exp_avgs[0]"),
+    overlap_case("fused_adam_", "model-is-grads", alias("model_params", 2, "grads", 2),
+                 "grads[2]", "model_params[2]"),
+    overlap_case("fused_adam_", "found_inf-in-exp_avg_sqs",
+                 set_arg("found_inf", first_element_of("exp_avg_sqs", 1)), "found_inf",
+                 "exp_avg_sqs[1]"),
+    overlap_case("update_loss_scale_", "trackers-are-one",
+                 alias("hysteresis_tracker", None, "growth_tracker"), "growth_tracker",
+                 "hysteresis_tracker"),
+    overlap_case("update_loss_scale_", "found_inf-is-scale", alias("found_inf", None, "scale"),
+                 "scale", "found_inf"),
+]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in OVERLAP_CASES])
+def test_overlapping_arguments(device, case):
+    """A written tensor that shares memory with another argument gives wrong values:
+    rejected, naming both, before anything is written."""
+    args = OPS[case.op][1](device)
+    case.mutate(args, device)
+    check_rejected(case, args)
+
+
+def test_overlap_cases_cover_every_op_that_writes():
+    writers = set(OPS) - {"multi_tensor_l2norm", "sum_fp32"}
+    assert {c.op for c in OVERLAP_CASES} == writers
+
+
+@pytest.mark.parametrize("op_name", ["multi_tensor_unscale_to_", "multi_tensor_copy_"])
+def test_in_place_pairs_are_allowed(device, op_name):
+    """src[i] the very view of dst[i]: each element is read before it is written."""
+    op, build = OPS[op_name]
+    args = build(device)
+    args["dst"] = [t.clone() for t in args["src"]]
+    expected = {k: v for k, v in args.items()}
+    op(**expected)  # out of place, into copies
+    in_place = build(device)
+    in_place["dst"] = in_place["src"]
+    op(**in_place)
+    for got, want in zip(in_place["dst"], expected["dst"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op_name", ["fused_sgd_", "fused_adam_"])
+def test_fp32_param_as_its_own_master(device, op_name):
+    """model_params[i] the very view of params[i]: written with its own values (what
+    the fused optimizers pass for an fp32 param among masters)."""
+    op, build = OPS[op_name]
+    args, expected = build(device), build(device)
+    args["model_params"][2] = args["params"][2]
+    op(**args)
+    op(**expected)
+    for got, want in zip(args["params"], expected["params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_read_only_arguments_may_share_memory(device):
+    """check_finite_ only reads its tensors; l2norm reads everything."""
+    x = randn(6, F32, device, 7)
+    found_inf = scalar(0.0, device)
+    ops.multi_tensor_check_finite_([x, x, x[2:]], found_inf)
+    assert found_inf.item() == 0.0
+    norm, _ = ops.multi_tensor_l2norm([x, x], x[:1].abs() + 1, False)
+    assert norm.isfinite().all()

@@ -2,10 +2,11 @@
 under torch.compile(fullgraph=True) as in eager mode."""
 
 import os
+import re
 
 import pytest
 import torch
-from helpers import adam_state, assert_bitwise_equal, randn, scalar
+from helpers import adam_state, assert_bitwise_equal, assert_unchanged, randn, scalar, snapshot
 
 from mixedprec import ops
 
@@ -179,3 +180,103 @@ def test_compile_fullgraph_matches_eager(device):
                           for a in (eager_args[key], compiled_args[key]))):
             assert_bitwise_equal(c, e, msg=f"{key} after the compiled step")
     assert compiled_args["step"].item() == 1.0
+
+
+# --- calls without any tensor ---------------------------------------------------------
+
+def test_calls_without_tensors_are_no_ops():
+    """Empty lists and no optional tensor: the dispatcher has no tensor to pick a
+    kernel by, and the ops must still work (no-ops) through torch.ops directly."""
+    torch.ops.mixedprec.multi_tensor_copy_.default([], [])
+    for momentum in (0.0, 0.9):
+        torch.ops.mixedprec.fused_sgd_.default([], [], [], [], 0.1, momentum, 0.0, 0.0, False,
+                                               False, None, None)
+    for per_tensor in (False, True):
+        norm, per = torch.ops.mixedprec.multi_tensor_l2norm.default([], None, per_tensor)
+        assert_bitwise_equal(norm, torch.zeros(1))
+        assert_bitwise_equal(per, torch.empty(0))
+
+
+def test_calls_without_tensors_are_still_validated():
+    with pytest.raises(ValueError, match="lr"):
+        torch.ops.mixedprec.fused_sgd_.default([], [], [], [], -1.0, 0.0, 0.0, 0.0, False,
+                                               False, None, None)
+
+
+# --- meta tensors ----------------------------------------------------------------------
+
+def meta_cases():
+    """(op name, args builder, argument moved to meta, list index or None)."""
+    from test_errors import OPS
+    cases = [
+        ("multi_tensor_unscale_", "found_inf", None),
+        ("multi_tensor_unscale_", "tensors", 1),
+        ("multi_tensor_unscale_", "inv_scale", None),
+        ("multi_tensor_unscale_to_", "dst", 2),
+        ("multi_tensor_unscale_to_", "src", 0),
+        ("multi_tensor_check_finite_", "found_inf", None),
+        ("multi_tensor_check_finite_", "tensors", 2),
+        ("multi_tensor_copy_", "src", 1),
+        ("multi_tensor_copy_", "dst", 0),
+        ("multi_tensor_l2norm", "inv_scale", None),
+        ("multi_tensor_l2norm", "tensors", 1),
+        ("fused_sgd_", "found_inf", None),
+        ("fused_sgd_", "inv_scale", None),
+        ("fused_sgd_", "momentum_buffers", 1),
+        ("fused_sgd_", "grads", 0),
+        ("fused_adam_", "step", None),
+        ("fused_adam_", "found_inf", None),
+        ("fused_adam_", "exp_avg_sqs", 2),
+        ("fused_adam_", "model_params", 0),
+        ("update_loss_scale_", "found_inf", None),
+        ("update_loss_scale_", "growth_tracker", None),
+    ]
+    return [pytest.param(op, OPS[op], name, index, id=f"{op}-{name}") for op, name, index in cases]
+
+
+@pytest.mark.parametrize("op_name, op_and_args, name, index", meta_cases())
+def test_meta_mixed_with_real_tensors_is_rejected(device, op_name, op_and_args, name, index):
+    """A meta tensor among real ones would send the call to the fake kernel, a silent
+    no-op: it must raise, naming the meta argument, and write nothing."""
+    op, build = op_and_args
+    args = build(device)
+    before = snapshot(args)
+    container, key = (args, name) if index is None else (args[name], index)
+    real = container[key]
+    container[key] = real.to("meta")
+    meta_name = name if index is None else f"{name}[{index}]"
+    with pytest.raises(RuntimeError, match=re.escape(f"{meta_name} is on meta")):
+        op(**args)
+    container[key] = real
+    assert_unchanged(args, before)
+
+
+def map_tensors(args, fn):
+    """args with fn applied to every tensor, in lists too."""
+    def one(v):
+        return fn(v) if isinstance(v, torch.Tensor) else v
+    return {k: [one(x) for x in v] if isinstance(v, list) else one(v) for k, v in args.items()}
+
+
+@pytest.mark.parametrize("op_name", OP_NAMES)
+def test_all_meta_calls_infer_shapes(op_name):
+    from test_errors import OPS
+    op, build = OPS[op_name]
+    args = map_tensors(build("cpu"), lambda t: t.to("meta"))
+    out = op(**args)
+    if op_name == "multi_tensor_l2norm":
+        assert [o.device.type for o in out] == ["meta", "meta"]
+        assert out[0].shape == (1,) and out[1].shape == (3,)
+    elif op_name == "sum_fp32":
+        assert out.device.type == "meta" and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("op_name", OP_NAMES)
+def test_fake_tensor_mode_calls(device, op_name):
+    """FakeTensors report their fake device, not meta: no error."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from test_errors import OPS
+    op, build = OPS[op_name]
+    args = build(device)
+    with FakeTensorMode() as mode:
+        op(**map_tensors(args, mode.from_tensor))

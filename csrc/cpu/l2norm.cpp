@@ -1,14 +1,10 @@
-// CPU kernels of the multi-tensor family: unscale, unscale into, overflow check,
-// copy, L2 norm.
+// The CPU engine's L2 norm (multi_tensor_l2norm): squares summed in double.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 
-#include "../validate.h"
 #include "engine.h"
-#include "kernels.h"
 
 namespace mixedprec::cpu {
 namespace {
@@ -73,29 +69,10 @@ void sum_squares(const T* x, int64_t n, float scale, double* acc) {
 
 }  // namespace
 
-void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
-                           const at::Tensor& inv_scale) {
-  entry::multi_tensor_unscale_<CpuEngine>(tensors, found_inf, inv_scale);
-}
-
-void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
-                              const at::Tensor& inv_scale) {
-  entry::multi_tensor_unscale_to_<CpuEngine>(src, dst, found_inf, inv_scale);
-}
-
-void multi_tensor_check_finite_(at::TensorList tensors, const at::Tensor& found_inf) {
-  entry::multi_tensor_check_finite_<CpuEngine>(tensors, found_inf);
-}
-
-void multi_tensor_copy_(at::TensorList src, at::TensorList dst) {
-  entry::multi_tensor_copy_<CpuEngine>(src, dst);
-}
-
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
-                                                       const std::optional<at::Tensor>& inv_scale,
-                                                       bool per_tensor) {
-  check_multi_tensor_l2norm(tensors, inv_scale);
-  const float scale = inv_scale.has_value() ? *inv_scale->const_data_ptr<float>() : 1.f;
+std::tuple<at::Tensor, at::Tensor> CpuEngine::l2norm(at::TensorList tensors,
+                                                     const float* inv_scale, bool per_tensor,
+                                                     at::Device) {
+  const float scale = inv_scale != nullptr ? *inv_scale : 1.f;
   std::vector<int64_t> numels;
   for (const auto& t : tensors) numels.push_back(t.numel());
   const auto plans = plan_launches(numels, 0, 0);
@@ -137,21 +114,5 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   norm.data_ptr<float>()[0] = static_cast<float>(std::sqrt(total));
   return {norm, per};
 }
-
-namespace {
-
-void register_kernels(torch::Library& m) {
-  m.impl("multi_tensor_unscale_", &multi_tensor_unscale_);
-  m.impl("multi_tensor_unscale_to_", &multi_tensor_unscale_to_);
-  m.impl("multi_tensor_check_finite_", &multi_tensor_check_finite_);
-  m.impl("multi_tensor_copy_", &multi_tensor_copy_);
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels(m); }
-// Sparse tensors reach the same kernels, whose validation rejects them by name.
-TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cpu

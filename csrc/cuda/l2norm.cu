@@ -1,12 +1,8 @@
-// CUDA kernels of the multi-tensor family: unscale, unscale into, overflow check,
-// copy, L2 norm.
+// The CUDA engine's L2 norm (multi_tensor_l2norm): three fixed-order float32 stages.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 
-#include "../validate.h"
 #include "multi_tensor_apply.cuh"
 
 namespace mixedprec::cuda {
@@ -68,12 +64,12 @@ __global__ void l2norm_total_kernel(const float* squares, int64_t n, float* norm
   if (threadIdx.x == 0) *norm = sqrtf(acc);
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
-                                                       const std::optional<at::Tensor>& inv_scale,
-                                                       bool per_tensor) {
-  check_multi_tensor_l2norm(tensors, inv_scale);
-  const at::Device device = tensors.empty() ? inv_scale->device() : tensors[0].device();
-  const c10::cuda::CUDAGuard guard(device);
+}  // namespace
+
+// The entry has made `device` current.
+std::tuple<at::Tensor, at::Tensor> CudaEngine::l2norm(at::TensorList tensors,
+                                                      const float* inv_scale, bool per_tensor,
+                                                      at::Device device) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t n = static_cast<int64_t>(tensors.size());
@@ -85,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
       for_each_launch<1>(group.lists, [&](const TensorListMeta<1>& meta, int num_blocks,
                                           int64_t first_block) {
         l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
-            meta, optional_ptr(inv_scale), partial.data_ptr<float>(),
+            meta, inv_scale, partial.data_ptr<float>(),
             group.first_partial + first_block);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -113,19 +109,5 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {norm, per};
 }
-
-void register_kernels(torch::Library& m) {
-  m.impl("multi_tensor_unscale_", &entry::multi_tensor_unscale_<CudaEngine>);
-  m.impl("multi_tensor_unscale_to_", &entry::multi_tensor_unscale_to_<CudaEngine>);
-  m.impl("multi_tensor_check_finite_", &entry::multi_tensor_check_finite_<CudaEngine>);
-  m.impl("multi_tensor_copy_", &entry::multi_tensor_copy_<CudaEngine>);
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm);
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels(m); }
-// Sparse tensors reach the same kernels, whose validation rejects them by name.
-TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels(m); }
 
 }  // namespace mixedprec::cuda
