@@ -56,6 +56,7 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                    \
     int64_t i = begin;                                                                     \
     for (; i + W <= end; i += W) {                                                         \
+      ((std::get<K>(p) != nullptr ? prefetch_ahead(std::get<K>(p) + i) : void()), ...);    \
       Vec x[D] = {(((Op::kReads >> K) & 1u) && std::get<K>(p) != nullptr                   \
                        ? NS::load(std::get<K>(p) + i)                                      \
                        : Vec{})...};                                                       \

@@ -10,47 +10,77 @@ namespace mixedprec::cpu {
 namespace {
 
 // acc[e % kLanes] += (x[e] * scale)^2 for e < n, the square in double: kLanes running
-// sums in a fixed order that the compiler vectorises, c10's fp16 and bf16 conversions
-// included. Compiled per instruction set, like the engine's loops (vec.h). A float's
-// square is exact in double, so adding it with a fused multiply-add (MADD) gives the
-// same bits as multiplying, then adding: the baseline build does the latter, the AVX
-// builds the former.
+// sums in a fixed order. x * scale is rounded to float, then widened; a float's square
+// is exact in double, so a fused multiply-add (the AVX versions) gives the same bits as
+// multiplying, then adding (the baseline). Every version keeps element e in lane
+// e % kLanes, so all give the same sums.
 constexpr int kLanes = 32;  // four AVX-512 (eight AVX2) accumulators: no waiting on one add chain
 static_assert(kChunkSize % kLanes == 0, "chunks keep each element in its lane");
-#define MP_SUM_SQUARES(NAME, TARGET, MADD)                                       \
-  template <bool kScaled, typename T>                                            \
-  TARGET void NAME##_loop(const T* x, int64_t n, float scale, double* acc) {    \
-    int64_t e = 0;                                                               \
-    for (; e + kLanes <= n; e += kLanes) {                                       \
-      for (int j = 0; j < kLanes; ++j) {                                         \
-        const float a = static_cast<float>(x[e + j]);                            \
-        const double v = kScaled ? a * scale : a;                                \
-        acc[j] = MADD(v, v, acc[j]);                                             \
-      }                                                                          \
-    }                                                                            \
-    for (; e < n; ++e) {                                                         \
-      const float a = static_cast<float>(x[e]);                                  \
-      const double v = kScaled ? a * scale : a;                                  \
-      acc[e % kLanes] = MADD(v, v, acc[e % kLanes]);                             \
-    }                                                                            \
-  }                                                                              \
-  /* x * 1 is x: without a scale the multiply is left out, with the same bits. */ \
-  template <typename T>                                                          \
-  void NAME(const T* x, int64_t n, float scale, double* acc) {                  \
-    if (scale == 1.f) return NAME##_loop<false>(x, n, scale, acc);               \
-    NAME##_loop<true>(x, n, scale, acc);                                         \
-  }
 
-#define MP_MUL_ADD(a, b, c) ((c) + (a) * (b))
-#define MP_FMA(a, b, c) __builtin_fma((a), (b), (c))
-MP_SUM_SQUARES(sum_squares_baseline, , MP_MUL_ADD)
+template <typename T>
+void sum_squares_tail(const T* x, int64_t e, int64_t n, float scale, double* acc) {
+  for (; e < n; ++e) {
+    const double v = static_cast<float>(x[e]) * scale;
+    acc[e % kLanes] += v * v;
+  }
+}
+
+template <typename T>
+void sum_squares_baseline(const T* x, int64_t n, float scale, double* acc) {
+  sum_squares_tail(x, 0, n, scale, acc);
+}
+
 #if defined(MP_X86_ISA)
-MP_SUM_SQUARES(sum_squares_avx2, __attribute__((target(MP_AVX2_TARGET))), MP_FMA)
-MP_SUM_SQUARES(sum_squares_avx512, __attribute__((target(MP_AVX512_TARGET))), MP_FMA)
+// Sixteen floats a load (vec.h converts fp16 and bf16 in registers), widened to two
+// vectors of eight doubles: 32 elements feed the four accumulators in lane order.
+template <typename T>
+__attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, int64_t n,
+                                                                  float scale, double* acc) {
+  const __m512 s = _mm512_set1_ps(scale);
+  __m512d a[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_pd(acc + 8 * k);
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (size_t line = 0; line < kLanes * sizeof(T); line += 64) {
+      prefetch_ahead(reinterpret_cast<const char*>(x + e) + line);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 v = _mm512_mul_ps((__m512)avx512::load(x + e + 16 * h), s);
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+          _mm512_castps_pd(v), 1)));
+      a[2 * h] = _mm512_fmadd_pd(lo, lo, a[2 * h]);
+      a[2 * h + 1] = _mm512_fmadd_pd(hi, hi, a[2 * h + 1]);
+    }
+  }
+  for (int k = 0; k < 4; ++k) _mm512_storeu_pd(acc + 8 * k, a[k]);
+  sum_squares_tail(x, e, n, scale, acc);
+}
+
+// Eight floats a load, widened to two vectors of four doubles.
+template <typename T>
+__attribute__((target(MP_AVX2_TARGET))) void sum_squares_avx2(const T* x, int64_t n,
+                                                              float scale, double* acc) {
+  const __m256 s = _mm256_set1_ps(scale);
+  __m256d a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_pd(acc + 4 * k);
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (size_t line = 0; line < kLanes * sizeof(T); line += 64) {
+      prefetch_ahead(reinterpret_cast<const char*>(x + e) + line);
+    }
+    for (int q = 0; q < 4; ++q) {
+      const __m256 v = _mm256_mul_ps((__m256)avx2::load(x + e + 8 * q), s);
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      a[2 * q] = _mm256_fmadd_pd(lo, lo, a[2 * q]);
+      a[2 * q + 1] = _mm256_fmadd_pd(hi, hi, a[2 * q + 1]);
+    }
+  }
+  for (int k = 0; k < 8; ++k) _mm256_storeu_pd(acc + 4 * k, a[k]);
+  sum_squares_tail(x, e, n, scale, acc);
+}
 #endif
-#undef MP_SUM_SQUARES
-#undef MP_MUL_ADD
-#undef MP_FMA
 
 template <typename T>
 void sum_squares(const T* x, int64_t n, float scale, double* acc) {
