@@ -13,7 +13,6 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "../pointwise.h"
 
@@ -49,11 +48,9 @@ namespace mixedprec {
 typedef float VecF16 __attribute__((vector_size(64)));
 typedef int32_t VecI16 __attribute__((vector_size(64)));
 typedef uint32_t VecU16 __attribute__((vector_size(64)));
-typedef uint16_t VecB16 __attribute__((vector_size(32)));  // 16 x 16 bits
 typedef float VecF8 __attribute__((vector_size(32)));
 typedef int32_t VecI8 __attribute__((vector_size(32)));
 typedef uint32_t VecU8 __attribute__((vector_size(32)));
-typedef uint16_t VecB8 __attribute__((vector_size(16)));  // 8 x 16 bits
 
 // |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
 // the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
@@ -84,18 +81,6 @@ struct Lanes<VecF8> {
 
 namespace cpu {
 
-// fp32 -> bf16 for a vector F of floats (U: as 32-bit lanes, B: the bf16 bits),
-// rounded as c10 does (bits + 0x7fff + the
-// lowest kept bit, then the top half), and every NaN becomes c10's 0x7fc0.
-template <typename F, typename U, typename B>
-inline void store_bf16(c10::BFloat16* p, F x) {
-  const U u = (U)x;
-  const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const U bits = x != x ? U{} + 0x7fc0u : rounded;
-  const B b = __builtin_convertvector(bits, B);
-  std::memcpy(p, &b, sizeof b);
-}
-
 #define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
 #define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
 
@@ -117,7 +102,15 @@ MP_AVX512 void store(c10::Half* p, Vec x) {
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
 }
-MP_AVX512 void store(c10::BFloat16* p, Vec x) { store_bf16<Vec, VecU16, VecB16>(p, x); }
+MP_AVX512 void store(c10::BFloat16* p, Vec x) {
+  const __m512i u = _mm512_castps_si512((__m512)x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
+  const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+}
 MP_AVX512 bool any(VecI16 flags) {
   return _mm512_test_epi32_mask((__m512i)flags, (__m512i)flags) != 0;
 }
@@ -139,7 +132,18 @@ MP_AVX2 void store(c10::Half* p, Vec x) {
       _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
-MP_AVX2 void store(c10::BFloat16* p, Vec x) { store_bf16<Vec, VecU8, VecB8>(p, x); }
+MP_AVX2 void store(c10::BFloat16* p, Vec x) {
+  const __m256i u = _mm256_castps_si256((__m256)x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)x, (__m256)x, _CMP_UNORD_Q));
+  const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  // Eight 32-bit values (< 2^16) to eight 16-bit ones, in order (packus works per
+  // 128-bit half, hence the permute).
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b11011000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 }  // namespace avx2
 
