@@ -202,6 +202,20 @@ def test_train_smoke_resnet(bench_train, tmp_path):
     assert o2["optimizer"] == "mixedprec.FusedSGD(momentum=0.9)"
 
 
+def test_train_cpu_measure_is_a_result_with_torch_amp_beside_o1_o2(bench_train, tmp_path):
+    """--measure on a CPU: not a smoke run, torch AMP beside O1/O2 by default."""
+    rc = bench_train.main(["--device", "cpu", "--measure", "--out", str(tmp_path),
+                           "--models", "gpt-tiny", "--lm-batch-sizes", "1", "--seq-len", "8",
+                           "--steps", "1", "--warmup", "0"])
+    assert rc == 0
+    data = json.loads((tmp_path / "train-cpu.json").read_text())
+    assert data["smoke"] is False
+    assert data["config"]["modes"] == ["fp32", "amp", "o1", "o2"]
+    md = (tmp_path / "train-cpu.md").read_text()
+    assert "SMOKE" not in md and "the targets are the H100's" in md
+    assert all(t["passed"] is None for t in data["targets"])
+
+
 def test_train_report_on_gpu_numbers(bench_train, tmp_path):
     """The GPU-only parts of the report (peak memory, largest batch, target verdicts,
     chart) on made-up numbers."""
