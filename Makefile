@@ -127,7 +127,8 @@ compat:
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	test -f $(COMPAT_STAMP) || { \
 		$(COMPAT_PY) -m pip install --progress-bar off "torch==$(TORCH)" numpy pytest \
-			ninja setuptools wheel $(COMPAT_EXTRAS) && \
+			ninja setuptools wheel $(COMPAT_EXTRAS) || { \
+			echo "compat: torch $(TORCH): pip could not install it (output above)"; exit 1; }; \
 		touch "$(COMPAT_STAMP)"; }
 	mkdir -p $(COMPAT_DIR)
 	find $(COMPAT_DIR) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
