@@ -2,6 +2,10 @@
 #             digits job (examples/digits/train.py: fp32 vs O1/O2 in fp16 and bf16,
 #             output in build/digits/)
 # make test   set up, build, run the GoogleTest suite (ctest) and pytest
+# make compat TORCH=2.15.0
+#             the pytest suite against another torch release, in its own venv
+#             (.venv-compat-2.15.0) and build dir (build/compat-2.15.0); see
+#             docs/compatibility.md
 #
 # Setup is a virtual environment in .venv with pinned torch; the extension is
 # built in place (mixedprec/_C*.so). Variables:
@@ -73,3 +77,74 @@ py-test: build
 
 clean:
 	rm -rf build mixedprec/_C*.so
+
+# --- make compat TORCH=2.15.0: the pytest suite against another torch release --------
+# Its own venv (.venv-compat-$(TORCH)) with torch==$(TORCH) and what the tests need
+# (COMPAT_EXTRAS="torchvision==0.x scikit-learn matplotlib tqdm" adds the optional
+# ones; without them those tests skip). The checkout's files (git ls-files) are copied
+# to build/compat-$(TORCH)/ and the extension is built in place there, so the
+# checkout's mixedprec/_C*.so and mixedprec/_build_info.py are never touched; .venv
+# neither. The CUDA kernels are built only where torch's CUDA major version equals
+# nvcc's (scripts/build_checks.py stops a mismatched build); CPU-only otherwise.
+# The last line printed is the summary; the pytest output is in build/compat-$(TORCH).log.
+TORCH ?=
+COMPAT_EXTRAS ?=
+COMPAT_VENV := $(CURDIR)/.venv-compat-$(TORCH)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_DIR := $(CURDIR)/build/compat-$(TORCH)
+COMPAT_LOG := $(CURDIR)/build/compat-$(TORCH).log
+# (bump the v1 when the list of packages below changes)
+COMPAT_STAMP := $(COMPAT_VENV)/.deps-v1$(if $(strip $(COMPAT_EXTRAS)),-$(subst $() ,-,$(strip $(COMPAT_EXTRAS))))
+
+# Prints "1 <why>" when the CUDA kernels are to be built, else "0 <why>".
+define COMPAT_CUDA_PY
+import os, sys
+sys.path.insert(0, "scripts")
+import build_checks, torch
+from torch.utils import cpp_extension
+t, home = torch.version.cuda, cpp_extension.CUDA_HOME
+if os.environ.get("MIXEDPREC_CUDA", "1") == "0":
+    print("0 CPU-only: MIXEDPREC_CUDA=0")
+elif t is None:
+    print("0 CPU-only: a CPU build of torch")
+elif home is None:
+    print(f"0 CPU-only: torch is for CUDA {t} but there is no CUDA toolkit")
+else:
+    try:
+        major, minor = build_checks.nvcc_version(home)
+    except build_checks.BuildError:
+        print(f"0 CPU-only: torch is for CUDA {t} but {home}/bin/nvcc does not run")
+    else:
+        ok = major == t.split(".")[0]
+        print(f"{int(ok)} {'CPU+CUDA' if ok else 'CPU-only'}: torch is for CUDA {t}, "
+              f"nvcc is CUDA {major}.{minor}{'' if ok else ' (major versions differ)'}")
+endef
+export COMPAT_CUDA_PY
+
+.PHONY: compat
+compat:
+	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.15.0" >&2; exit 2; }
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	test -f $(COMPAT_STAMP) || { \
+		$(COMPAT_PY) -m pip install --progress-bar off "torch==$(TORCH)" numpy pytest \
+			ninja setuptools wheel $(COMPAT_EXTRAS) || { \
+			echo "compat: torch $(TORCH): pip could not install it (output above)"; exit 1; }; \
+		touch "$(COMPAT_STAMP)"; }
+	mkdir -p $(COMPAT_DIR)
+	find $(COMPAT_DIR) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+	git ls-files -z -c -o --exclude-standard | \
+		tar --null -T - --ignore-failed-read -cf - | tar -xf - -C $(COMPAT_DIR)
+	cd $(COMPAT_DIR) && export PATH="$(COMPAT_VENV)/bin:$$PATH" && \
+	cuda="$$($(COMPAT_PY) -c "$$COMPAT_CUDA_PY")" && echo "compat: $$cuda" && \
+	echo "$$cuda" > build-kind && \
+	{ MIXEDPREC_CUDA="$${cuda%% *}" $(COMPAT_PY) setup.py build_ext --inplace || { \
+		echo "compat: torch $(TORCH): the build failed (output above)"; exit 1; }; }
+	@cd $(COMPAT_DIR) && cuda="$$(cat build-kind)" && \
+	if [ "$${cuda%% *}" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1; fi; \
+	{ PYTHONPATH=$(COMPAT_DIR) $(COMPAT_PY) -m pytest tests/python -q -rfEs \
+		-p no:cacheprovider; echo $$? > pytest-rc; } 2>&1 | tee $(COMPAT_LOG); \
+	rc=$$(cat pytest-rc); \
+	echo "compat: torch $$($(COMPAT_PY) -c 'import torch; print(torch.__version__)')," \
+		"Python $$($(COMPAT_PY) -c 'import platform; print(platform.python_version())')," \
+		"build $${cuda#* }; pytest: $$(tail -n 1 $(COMPAT_LOG) | tr -d =)"; \
+	exit $$rc

@@ -62,8 +62,10 @@ def extension(cuda: bool):
     # -Wno-psabi: the functors are instantiated for AVX vector types, always inlined
     # into functions built for those instruction sets; GCC's note on the calling
     # convention of an out-of-line copy does not apply.
-    cxx = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp",
-           "-Wno-psabi"]
+    # No -std: torch's BuildExtension adds the standard its headers need (C++17 up to
+    # torch 2.11, C++20 in 2.15, whose ATen.h stops a C++17 build); the sources are
+    # C++17 and build as either.
+    cxx = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"]
     link = ["-fopenmp"]
     if not cuda:
         return cpp_extension.CppExtension(
@@ -71,7 +73,7 @@ def extension(cuda: bool):
             py_limited_api=True,
         )
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
-    nvcc = ["-O3", "-std=c++17", "-lineinfo"]
+    nvcc = ["-O3", "-lineinfo"]
     return cpp_extension.CUDAExtension(
         "mixedprec._C",
         sources,

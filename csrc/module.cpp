@@ -2,6 +2,11 @@
 // static initialisers register the operators with the dispatcher. No pybind, so
 // one wheel serves every Python version (py_limited_api). The engine's sizes are
 // exported so that tests can aim at its edges without restating them.
+// torch 2.8 and later pass -DPy_LIMITED_API for py_limited_api extensions; 2.6 does
+// not, and the module would be built against the full API yet named abi3.
+#ifndef Py_LIMITED_API
+#define Py_LIMITED_API 0x03090000
+#endif
 #include <Python.h>
 
 #include "multi_tensor_plan.h"
