@@ -877,14 +877,52 @@ def _run_cpu(args, argv, device: torch.device) -> int:
     (out / f"{stem}.md").write_text(md)
     print()
     print(md)
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} "
-          f"in {data['elapsed_s']:.0f} s")
+    note = cpu_chart(data, lists, out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')}, .md" + (f" ({note})" if note else ", .png")
+          + f" in {data['elapsed_s']:.0f} s")
     failed = [r for r in results if "error" in r or r.get("found_inf")]
     failed_checks = [c for c in checks if not c["ok"]]
     if failed or failed_checks:
         print(f"FAILED: {len(failed)} case(s), {len(failed_checks)} check(s)", file=sys.stderr)
         return 1
     return 0
+
+
+def cpu_chart(data: Dict[str, Any], lists: Dict[str, Dict], path: Path) -> Optional[str]:
+    """Bars of each op's speed-up over its fastest torch counterpart (log scale, 1 =
+    as fast), per list and thread count; the reason instead when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"no chart: {e}"
+    rows = [r for r in data["results"] if r["side"] == "mixedprec" and
+            "speedup_vs_fastest_torch" in r and not r["impl"].startswith("mixedprec Fused")]
+    ops_ = list(dict.fromkeys(r["op"] for r in rows))
+    series = sorted({(r["list"], r["threads"]) for r in rows},
+                    key=lambda k: (list(lists).index(k[0]), k[1]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(ops_) + 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    for j, (lname, threads) in enumerate(series):
+        xs, ys = [], []
+        for i, op in enumerate(ops_):
+            r = next((r for r in rows if (r["op"], r["list"], r["threads"]) ==
+                      (op, lname, threads)), None)
+            if r is not None:
+                xs.append(i + (j - (len(series) - 1) / 2) * width)
+                ys.append(r["speedup_vs_fastest_torch"])
+        ax.bar(xs, ys, width, label=f"{lists[lname]['label']}, {threads} thread(s)")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(ops_)), ops_, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("torch time / mixedprec time")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"mixedprec ops vs torch — {data['env']['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
 
 
 def evaluate_cpu_targets(results, lists, copies) -> List[Dict[str, Any]]:

@@ -600,7 +600,6 @@ def _ints(s: str) -> List[int]:
 def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
     """The options; their defaults depend on the device, and on a CPU on --measure (a
     CPU measurement long enough to mean something, instead of the smoke run)."""
-    big = gpu or measure
     p = argparse.ArgumentParser(
         description="End-to-end training throughput on synthetic data: FP32, TF32, "
                     "torch AMP and mixedprec O1/O2/O3 on ResNet-18/50 and a GPT-2-small-"
@@ -609,7 +608,7 @@ def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
                "run (resnet18 at batch 2 on 32x32 images, gpt-tiny at seq 32, fp32/o1/o2 in "
                "bf16) written to bench/results/cpu-smoke/. On a CPU, --measure runs long "
                "enough to mean something (resnet18 at batch 16 on 64x64 images, gpt-tiny at "
-               "batch 8 and seq 128, 10 steps, FP32 / torch AMP / O1 / O2 in bf16, all "
+               "batch 8 and seq 128, 30 steps, FP32 / torch AMP / O1 / O2 in bf16, all "
                "cores) and writes results to bench/results/.")
     p.add_argument("--measure", action="store_true",
                    help="on a CPU: a measurement instead of the smoke run (see below)")
@@ -629,7 +628,8 @@ def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
                    help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16" if gpu else "bf16",
                    help="half type of the mixed modes (default fp16 on GPU, bf16 on CPU)")
-    p.add_argument("--steps", type=int, default=10 if big else 2, help="timed steps per run")
+    p.add_argument("--steps", type=int, default=10 if gpu else 30 if measure else 2,
+                   help="timed steps per run")
     p.add_argument("--warmup", type=int, default=3 if gpu else 2 if measure else 1,
                    help="warm-up steps per run")
     p.add_argument("--image-size", type=int, default=224 if gpu else 64 if measure else 32)

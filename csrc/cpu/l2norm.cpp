@@ -33,7 +33,7 @@ void sum_squares_baseline(const T* x, int64_t n, float scale, double* acc) {
 #if defined(MP_X86_ISA)
 // Sixteen floats a load (vec.h converts fp16 and bf16 in registers), widened to two
 // vectors of eight doubles: 32 elements feed the four accumulators in lane order.
-template <typename T>
+template <bool kScaled, typename T>
 __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, int64_t n,
                                                                   float scale, double* acc) {
   const __m512 s = _mm512_set1_ps(scale);
@@ -45,7 +45,8 @@ __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, in
       prefetch_ahead(reinterpret_cast<const char*>(x + e) + line);
     }
     for (int h = 0; h < 2; ++h) {
-      const __m512 v = _mm512_mul_ps((__m512)avx512::load(x + e + 16 * h), s);
+      __m512 v = (__m512)avx512::load(x + e + 16 * h);
+      if (kScaled) v = _mm512_mul_ps(v, s);
       const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
       const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
           _mm512_castps_pd(v), 1)));
@@ -58,7 +59,7 @@ __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, in
 }
 
 // Eight floats a load, widened to two vectors of four doubles.
-template <typename T>
+template <bool kScaled, typename T>
 __attribute__((target(MP_AVX2_TARGET))) void sum_squares_avx2(const T* x, int64_t n,
                                                               float scale, double* acc) {
   const __m256 s = _mm256_set1_ps(scale);
@@ -70,7 +71,8 @@ __attribute__((target(MP_AVX2_TARGET))) void sum_squares_avx2(const T* x, int64_
       prefetch_ahead(reinterpret_cast<const char*>(x + e) + line);
     }
     for (int q = 0; q < 4; ++q) {
-      const __m256 v = _mm256_mul_ps((__m256)avx2::load(x + e + 8 * q), s);
+      __m256 v = (__m256)avx2::load(x + e + 8 * q);
+      if (kScaled) v = _mm256_mul_ps(v, s);
       const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
       const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
       a[2 * q] = _mm256_fmadd_pd(lo, lo, a[2 * q]);
@@ -87,9 +89,12 @@ void sum_squares(const T* x, int64_t n, float scale, double* acc) {
 #if defined(MP_X86_ISA)
   switch (cpu_isa()) {
     case Isa::kAvx512:
-      return sum_squares_avx512(x, n, scale, acc);
+      // x * 1 is x: without a scale the multiply is left out, with the same bits.
+      return scale == 1.f ? sum_squares_avx512<false>(x, n, scale, acc)
+                          : sum_squares_avx512<true>(x, n, scale, acc);
     case Isa::kAvx2:
-      return sum_squares_avx2(x, n, scale, acc);
+      return scale == 1.f ? sum_squares_avx2<false>(x, n, scale, acc)
+                          : sum_squares_avx2<true>(x, n, scale, acc);
     default:
       break;
   }
