@@ -289,12 +289,14 @@ class _OptimizerAmp:
         for p, old in zip(self.model_params(), self.stash):
             p.grad = old
 
-    def after_backward(self, scale: Tensor, found_inf: Tensor) -> None:
-        """Checks this loss's new gradients for overflow into ``found_inf``; unscales
-        them (into the masters at O2) unless the optimizer is fused (its update does)."""
+    def after_backward(self, scale: Tensor, found_inf: Tensor, check: bool) -> None:
+        """Checks this loss's new gradients for overflow into ``found_inf`` (unless
+        ``check`` is False: a static scale, which never skips); unscales them (into the
+        masters at O2) unless the optimizer is fused (its update does)."""
         params = [p for p in self.model_params() if p.grad is not None]
         if self.fused:
-            ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
+            if check:  # bf16 at a static scale of 1 reads no gradient here
+                ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
             self.carried = scale
         else:  # O2: added to the master gradients of an earlier loss
             _unscale(params, self.masters, found_inf, scale, accumulate=True)
@@ -521,7 +523,7 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
             amp.restore(scale)
             amp.carried, amp.delayed = scale, loss_id
         else:
-            amp.after_backward(scale, found_inf)
+            amp.after_backward(scale, found_inf, check)
             amp.delayed = None
     for amp in amps:  # found_inf is complete: an overflow anywhere skips every step
         amp.add_flag(found_inf if check else None, scale.device)

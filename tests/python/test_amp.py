@@ -1529,3 +1529,17 @@ def test_legacy_apex_script_runs(tmp_path):
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "LEGACY-AMP-OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_static_scale_reads_no_gradient_for_an_overflow_check(monkeypatch):
+    """bf16 O2 at its static scale of 1 never skips a step, so with a fused optimizer
+    the read-only overflow pass over every gradient is left out."""
+    model, opt, _ = setup("O2", torch.bfloat16, "FusedAdam", "cpu")
+    calls = []
+    monkeypatch.setattr(mixedprec.ops, "multi_tensor_check_finite_",
+                        lambda *a: calls.append(a))
+    x, y = batch(0)
+    with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert calls == []
