@@ -1,4 +1,4 @@
-# make demo   set up, build, run the self-check (examples/selfcheck.py) and the
+# make demo   set up, build, run the self-check (python -m mixedprec.selfcheck) and the
 #             digits job (examples/digits/train.py: fp32 vs O1/O2 in fp16 and bf16,
 #             output in build/digits/)
 # make test   set up, build, run the GoogleTest suite (ctest) and pytest
@@ -35,7 +35,7 @@ SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.c
 .PHONY: demo test build cpp-test py-test clean
 
 demo: build
-	PYTHONPATH=$(CURDIR) $(PY) examples/selfcheck.py
+	PYTHONPATH=$(CURDIR) $(PY) -m mixedprec.selfcheck
 	PYTHONPATH=$(CURDIR) $(PY) examples/digits/train.py --out build/digits
 
 test: build cpp-test py-test

@@ -7,7 +7,7 @@
 #
 # Prints the machine and versions, builds the extension with its CUDA kernels in
 # place, then runs the steps:
-#   selfcheck    examples/selfcheck.py (each op on CPU and CUDA against float64)
+#   selfcheck    python -m mixedprec.selfcheck (each op on CPU and CUDA against float64)
 #   pytest       the whole suite, CUDA tests included (MIXEDPREC_EXPECT_CUDA=1), on
 #                6 pytest-xdist workers when xdist is installed
 #   ctest        the GoogleTest suite (skipped where GoogleTest is not installed)
@@ -187,7 +187,7 @@ sanitize() {
 
 run_step() {
   case $1 in
-    selfcheck) step "selfcheck" "$PY" examples/selfcheck.py ;;
+    selfcheck) step "selfcheck" "$PY" -m mixedprec.selfcheck ;;
     # shellcheck disable=SC2046
     pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra \
       $(workers "${PYTEST_WORKERS:-6}") -p no:cacheprovider --durations=10 ;;

@@ -124,3 +124,13 @@ def test_the_dockerfile_lints_clean():
     # What the build reads is in the image: setup.py imports scripts/build_checks.py.
     text = (REPO / "docker" / "Dockerfile").read_text()
     assert "COPY scripts/ scripts/" in text and "setup.py" in text
+
+
+def test_selfcheck_checks_an_install():
+    """`python -m mixedprec.selfcheck`: every op on every device present against float64."""
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-m", "mixedprec.selfcheck"], cwd=tempfile.gettempdir(),
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS:" in out.stdout

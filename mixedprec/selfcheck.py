@@ -1,4 +1,4 @@
-"""Self-check of the mixedprec operators (``make demo``).
+"""Self-check of an install: ``python -m mixedprec.selfcheck`` (``make demo`` runs it).
 
 Runs each operator on small inputs, on the CPU and, when there is a
 GPU and the CUDA kernels were built, on CUDA, and compares the results with a
