@@ -47,9 +47,13 @@ __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, in
     for (int h = 0; h < 2; ++h) {
       __m512 v = (__m512)avx512::load(x + e + 16 * h);
       if (kScaled) v = _mm512_mul_ps(v, s);
-      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-          _mm512_castps_pd(v), 1)));
+      const __m512d pairs = _mm512_castps_pd(v);
+      const __m256 lower =
+          _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 0));
+      const __m256 upper =
+          _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 1));
+      const __m512d lo = _mm512_maskz_cvtps_pd(avx512::kAll8, lower);
+      const __m512d hi = _mm512_maskz_cvtps_pd(avx512::kAll8, upper);
       a[2 * h] = _mm512_fmadd_pd(lo, lo, a[2 * h]);
       a[2 * h + 1] = _mm512_fmadd_pd(hi, hi, a[2 * h + 1]);
     }

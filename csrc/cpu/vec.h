@@ -86,6 +86,10 @@ namespace cpu {
 
 namespace avx512 {
 using Vec = VecF16;
+// All lanes, for the masked (maskz) forms of the intrinsics used here: their plain
+// forms pass GCC 12 an "undefined" operand that it reports as maybe uninitialized.
+constexpr __mmask16 kAll16 = 0xffff;
+constexpr __mmask8 kAll8 = 0xff;
 MP_AVX512 Vec load(const float* p) { return (Vec)_mm512_loadu_ps(p); }
 MP_AVX512 Vec load(const c10::Half* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -93,7 +97,8 @@ MP_AVX512 Vec load(const c10::Half* p) {
 }
 MP_AVX512 Vec load(const c10::BFloat16* p) {  // bf16 is fp32's top half
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return (Vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  const __m512i wide = _mm512_maskz_cvtepu16_epi32(kAll16, b);
+  return (Vec)_mm512_castsi512_ps(_mm512_maskz_slli_epi32(kAll16, wide, 16));
 }
 MP_AVX512 void store(float* p, Vec x) { _mm512_storeu_ps(p, (__m512)x); }
 MP_AVX512 void store(c10::Half* p, Vec x) {
@@ -104,12 +109,13 @@ MP_AVX512 void store(c10::Half* p, Vec x) {
 }
 MP_AVX512 void store(c10::BFloat16* p, Vec x) {
   const __m512i u = _mm512_castps_si512((__m512)x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
+  const __m512i lsb =
+      _mm512_and_si512(_mm512_maskz_srli_epi32(kAll16, u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_maskz_srli_epi32(kAll16, 
       _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
   const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(kAll16, bits));
 }
 MP_AVX512 bool any(VecI16 flags) {
   return _mm512_test_epi32_mask((__m512i)flags, (__m512i)flags) != 0;
