@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 import build_checks  # noqa: E402
 
 try:
+    build_checks.check_not_isolated_early()
     build_checks.check_build_tools()
 except build_checks.BuildError as e:
     sys.exit(f"error: {e}")

@@ -45,6 +45,17 @@ def check_build_tools(**kwargs) -> None:
                          f"environment: run `{PIP} {' '.join(missing)}`, then build again")
 
 
+def check_not_isolated_early(path=sys.path) -> None:
+    """Before anything is imported: pip's isolated build environment is on the path.
+    (pyproject.toml does not list torch as a build requirement, so pip does not download
+    one into it; without this check the message would be a missing torch.)"""
+    if any("pip-build-env-" in entry for entry in path):
+        raise BuildError(
+            "mixedprec: this build runs in pip's isolated build environment, which has no "
+            "torch of yours; build with `pip install --no-build-isolation .` so that the "
+            "extension is built against the torch you have")
+
+
 def check_not_isolated(torch_file: str) -> None:
     """pip's build isolation installs a fresh torch (the newest on PyPI) into a
     temporary environment, and the extension would be built against it instead of the

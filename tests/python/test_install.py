@@ -134,3 +134,16 @@ def test_selfcheck_checks_an_install():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS:" in out.stdout
+
+
+def test_build_isolation_stops_before_anything_is_downloaded():
+    """Before: plain `pip install .` downloaded torch 2.15 into the isolated build
+    environment, then failed with a generic error. torch is no build requirement now,
+    and the isolated environment on the path stops the build with the fix."""
+    text = (REPO / "pyproject.toml").read_text()
+    requires = text.split("requires = ", 1)[1].split("\n", 1)[0]
+    assert "torch" not in requires
+    with pytest.raises(build_checks.BuildError, match="--no-build-isolation"):
+        build_checks.check_not_isolated_early(
+            ["/tmp/pip-build-env-x1/overlay/lib/python3.11/site-packages"])
+    build_checks.check_not_isolated_early(["/opt/venv/lib/python3.11/site-packages"])
