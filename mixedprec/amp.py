@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from . import masters as _masters
 from . import ops
 from .fp16_utils import convert_network
-from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
+from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from .optimizers import _FusedOptimizer
 
 __all__ = [
@@ -202,15 +202,13 @@ def _unscale(params: List[Tensor], masters: Dict[Tensor, Tensor], found_inf: Ten
              scale: Tensor, accumulate: bool = False) -> None:
     """Unscales the gradients of ``params`` into their fp32 ``masters`` (dropping the
     model's), the others in place; an overflow sets ``found_inf``."""
-    inv_scale = scale.double().reciprocal().float()  # as torch.amp.GradScaler
+    inv_scale = inverse(scale)
     halves = [p for p in params if p in masters]
     _masters.unscale_into_masters(halves, [masters[p] for p in halves], found_inf,
                                   inv_scale, accumulate=accumulate)
     for p in halves:
         p.grad = None
-    others = [p.grad for p in params if p not in masters]
-    if others:
-        ops.multi_tensor_unscale_(others, found_inf, inv_scale)
+    _masters.unscale_([p.grad for p in params if p not in masters], found_inf, inv_scale)
 
 
 class _OptimizerAmp:
@@ -255,7 +253,8 @@ class _OptimizerAmp:
     def _after_step(self, optimizer, args, kwargs) -> None:
         if self.fused:  # used by one step, as torch.amp.GradScaler does
             for name in ("grad_scale", "found_inf"):
-                optimizer.__dict__.pop(name, None)
+                if hasattr(optimizer, name):
+                    delattr(optimizer, name)
         elif self.masters and not self.skip:
             _masters.copy_to_model(list(self.masters.values()), list(self.masters))
         self.found_inf = self.carried = self.delayed = None

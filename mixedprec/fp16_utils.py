@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
-from .masters import HALF_DTYPES, copy_to_model, make_master, unscale_into_masters
+from .masters import HALF_DTYPES, copy_to_model, make_master, unscale_, unscale_into_masters
 
 __all__ = ["BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer",
            "LossScaler", "clip_grad_norm", "convert_module", "convert_network",
@@ -580,19 +580,11 @@ class FP16_Optimizer:  # Apex's name
                 master.grad = None
         unscale_into_masters(self.all_fp16_params, self.all_fp32_from_fp16_params,
                              found_inf, inv_scale)
-        fp32_grads: Dict[torch.device, List[Tensor]] = {}
         for p in self.all_fp32_from_fp32_params:
-            if p.grad is not None:
-                if not ops.is_dense(p.grad):
-                    p.grad = p.grad.contiguous()
-                fp32_grads.setdefault(p.grad.device, []).append(p.grad)
-        with torch.no_grad():
-            for device, grads in fp32_grads.items():
-                flag = found_inf if device == found_inf.device else torch.zeros_like(
-                    found_inf, device=device)
-                ops.multi_tensor_unscale_(grads, flag, inv_scale.to(device))
-                if flag is not found_inf:  # a maximum: torch's fused optimizers expect 0 or 1
-                    torch.maximum(found_inf, flag.to(found_inf.device), out=found_inf)
+            if p.grad is not None and not ops.is_dense(p.grad):
+                p.grad = p.grad.contiguous()
+        unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
+                 found_inf, inv_scale)
         if self.dynamic_loss_scale:
             core.update(found_inf)
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["LossScale", "DEFAULT_MIN_SCALE"]
+__all__ = ["LossScale", "DEFAULT_MIN_SCALE", "inverse"]
 
 #: The default floor of every dynamic loss scale (see the module docstring).
 DEFAULT_MIN_SCALE: float = 2.0**-24
@@ -45,6 +45,12 @@ def _positive_int(owner: str, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: expected {name} to be an int >= 1, got {value!r}")
     return value
+
+
+def inverse(scale: Tensor) -> Tensor:
+    """``1 / scale`` on the device, formed in float64 and rounded once to float32, as
+    ``torch.amp.GradScaler`` does: what every unscale divides by."""
+    return scale.double().reciprocal().float()
 
 
 def check_scale(owner: str, name: str, value: Any) -> float:
@@ -155,9 +161,8 @@ class LossScale:
         return self.scale
 
     def inv_scale(self) -> Tensor:
-        """``1 / scale`` on the scale's device, formed in float64 and rounded once to
-        float32, as ``torch.amp.GradScaler`` does."""
-        return self.scale.double().reciprocal().float()
+        """``1 / scale`` on the scale's device (see :func:`inverse`)."""
+        return inverse(self.scale)
 
     def update(self, found_inf: Tensor) -> None:
         """One step of the rule from ``found_inf`` (nonzero: the step overflowed), on the

@@ -16,7 +16,7 @@ from torch import Tensor
 from . import ops
 
 __all__ = ["HALF_DTYPES", "needs_master", "make_master", "follow_layout", "same_layout",
-           "copy_to_model", "unscale_into_masters"]
+           "copy_to_model", "unscale_into_masters", "unscale_"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -111,22 +111,48 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
         src_list.append(grad)
         dst_list.append(dst)
         owners.append(m)
-    one = None
     for device, (src, dst, owners) in by_device.items():
-        flag = found_inf if device == found_inf.device else torch.zeros(
-            (), dtype=torch.float32, device=device)
-        if inv_scale is None:
-            if one is None or one.device != device:
-                one = torch.ones((), dtype=torch.float32, device=device)
-            inv = one
-        else:
-            inv = inv_scale.to(device, non_blocking=True)
-        ops.multi_tensor_unscale_to_(src, dst, flag, inv)
+        flag = _flag_on(device, found_inf)
+        ops.multi_tensor_unscale_to_(src, dst, flag, _inv_on(device, inv_scale))
         for m, g in zip(owners, dst):
             if accumulate and m.grad is not None:
                 m.grad.add_(g)
             else:
                 m.grad = g
-        if flag is not found_inf:  # a maximum: torch's fused optimizers expect 0 or 1
-            torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True)
-                          .reshape(found_inf.shape), out=found_inf)
+        _merge(flag, found_inf)
+
+
+@torch.no_grad()
+def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Tensor]) -> None:
+    """``grads[i] *= inv_scale`` in place (dense gradients; one ``multi_tensor_unscale_``
+    per device), and ``found_inf`` set when any holds inf or NaN; devices as in
+    :func:`unscale_into_masters`."""
+    by_device: Dict[torch.device, List[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, on_device in by_device.items():
+        flag = _flag_on(device, found_inf)
+        ops.multi_tensor_unscale_(on_device, flag, _inv_on(device, inv_scale))
+        _merge(flag, found_inf)
+
+
+def _flag_on(device: torch.device, found_inf: Tensor) -> Tensor:
+    """The overflow flag to pass the ops on ``device``: ``found_inf`` on its own device,
+    a fresh one elsewhere (see ``_merge``)."""
+    if device == found_inf.device:
+        return found_inf
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def _merge(flag: Tensor, found_inf: Tensor) -> None:
+    """Joins another device's flag into ``found_inf`` on the device, by a maximum: torch's
+    fused optimizers expect 0 or 1."""
+    if flag is not found_inf:
+        torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True)
+                      .reshape(found_inf.shape), out=found_inf)
+
+
+def _inv_on(device: torch.device, inv_scale: Optional[Tensor]) -> Tensor:
+    if inv_scale is None:
+        return torch.ones((), dtype=torch.float32, device=device)
+    return inv_scale.to(device, non_blocking=True)

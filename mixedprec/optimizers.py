@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 from . import masters as mst
 from . import ops
+from .loss_scale import inverse
 
 __all__ = ["FusedSGD", "FusedAdam"]
 
@@ -143,7 +144,7 @@ class _FusedOptimizer(Optimizer):
         grad_scale, found_inf = scaling
         inv_scale = None
         if grad_scale is not None:
-            inv_scale = grad_scale.to(device, torch.float64).reciprocal().to(torch.float32)
+            inv_scale = inverse(grad_scale.to(device))
         if found_inf is not None:
             found_inf = found_inf.to(device, torch.float32)
         return inv_scale, found_inf

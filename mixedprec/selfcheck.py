@@ -19,6 +19,10 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 ATOL = 1e-6
 
 
+def _item(t) -> float:
+    return t.item()  # sync-ok: a self-check reads its results, outside any training step
+
+
 class Result:
     """The largest error and any failed check of one op on one device."""
 
@@ -28,13 +32,13 @@ class Result:
         self.notes = []
 
     def close(self, got, want, rtol, what):
-        got = got.detach().cpu().double()
-        want = want.detach().cpu().double()
+        got = got.detach().cpu().double()  # sync-ok: a self-check reads its results
+        want = want.detach().cpu().double()  # sync-ok: a self-check reads its results
         if got.shape != want.shape:
             self.failures.append(f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
             return
         if got.numel():
-            self.max_err = max(self.max_err, (got - want).abs().max().item())
+            self.max_err = max(self.max_err, _item((got - want).abs().max()))
         if not torch.allclose(got, want, rtol=rtol, atol=ATOL):
             self.failures.append(f"{what}: not within rtol={rtol:g} of the reference")
 
@@ -60,10 +64,10 @@ def check_unscale(dev, r):
     ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
     for i, (t, w) in enumerate(zip(tensors, want)):
         r.close(t, w, RTOL[t.dtype], f"tensors[{i}] ({t.dtype})")
-    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    r.expect(_item(found_inf) == 0, "found_inf set with finite inputs")
     tensors[1][-1] = float("inf")
     ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
-    r.expect(found_inf.item() == 1, "found_inf not set by an inf in the last element")
+    r.expect(_item(found_inf) == 1, "found_inf not set by an inf in the last element")
 
 
 def check_unscale_to(dev, r):
@@ -74,10 +78,10 @@ def check_unscale_to(dev, r):
     ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
     for i, (s, d) in enumerate(zip(src, dst)):
         r.close(d, s.double() / 512, RTOL[torch.float32], f"dst[{i}]")
-    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    r.expect(_item(found_inf) == 0, "found_inf set with finite inputs")
     src[0][0] = float("nan")
     ops.multi_tensor_unscale_to_(src, dst, found_inf, inv_scale)
-    r.expect(found_inf.item() == 1, "found_inf not set by a NaN in the first element")
+    r.expect(_item(found_inf) == 1, "found_inf not set by a NaN in the first element")
 
 
 def check_check_finite(dev, r):
@@ -85,11 +89,11 @@ def check_check_finite(dev, r):
     before = [t.clone() for t in tensors]
     found_inf = scalar(0.0, dev)
     ops.multi_tensor_check_finite_(tensors, found_inf)
-    r.expect(found_inf.item() == 0, "found_inf set with finite inputs")
+    r.expect(_item(found_inf) == 0, "found_inf set with finite inputs")
     r.expect(all(torch.equal(a, b) for a, b in zip(before, tensors)), "a tensor was written")
     tensors[0][ops.CHUNK_SIZE] = float("-inf")
     ops.multi_tensor_check_finite_(tensors, found_inf)
-    r.expect(found_inf.item() == 1, "found_inf not set by an inf in the middle chunk")
+    r.expect(_item(found_inf) == 1, "found_inf not set by an inf in the middle chunk")
 
 
 def check_copy(dev, r):
@@ -170,7 +174,7 @@ def check_adam(dev, r):
             v = beta2 * v + (1 - beta2) * g * g
             denom = v.sqrt() / math.sqrt(1 - beta2**t) + eps
             state[:] = [p - lr / (1 - beta1**t) * m / denom, m, v]
-    r.expect(step.item() == 3, f"step is {step.item()} after 3 steps, expected 3")
+    r.expect(_item(step) == 3, f"step is {_item(step)} after 3 steps, expected 3")
     for i, (p, m, v) in enumerate(ref):
         r.close(params[i], p, RTOL[torch.float32], f"params[{i}]")
         r.close(exp_avgs[i], m, RTOL[torch.float32], f"exp_avgs[{i}]")
@@ -190,7 +194,7 @@ def check_sum(dev, r):
     got = ops.sum_fp32(x)
     r.expect(got.dtype == torch.float32, f"sum_fp32 returned {got.dtype}")
     r.close(got, torch.tensor(16380.0, dtype=torch.float64), 0.0, "4095 x fp16 4.0")
-    r.notes.append(f"4095 x fp16 4.0: sum_fp32 {got.item():g}, torch fp16 sum {x.sum().item():g}")
+    r.notes.append(f"4095 x fp16 4.0: sum_fp32 {_item(got):g}, torch fp16 sum {_item(x.sum()):g}")
     y = torch.randn(64, 33, 5, device=dev).bfloat16()
     r.close(ops.sum_fp32(y, [0, 2], keepdim=True), y.double().sum([0, 2], keepdim=True),
             RTOL[torch.float32], "bf16 sum over dims [0, 2]")
@@ -215,7 +219,7 @@ def check_loss_scale(dev, r):
             if g >= args["growth_interval"]:
                 s, g = min(s * args["growth_factor"], args["max_scale"]), 0
         want = [s, g, h]
-        got = [scale.item(), growth.item(), hyst.item()]
+        got = [_item(scale), _item(growth), _item(hyst)]
         r.max_err = max(r.max_err, abs(got[0] - want[0]))
         if got != want:
             r.expect(False, f"after found_inf={found}: (scale, growth, hysteresis) = {got}, "
