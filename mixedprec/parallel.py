@@ -1,6 +1,11 @@
 """``apex.parallel`` on ``torch.distributed``: :class:`DistributedDataParallel`,
 :class:`SyncBatchNorm`, :func:`convert_syncbn_model`,
-:func:`create_syncbn_process_group`, :class:`Reducer` and :class:`LARC`.
+:func:`create_syncbn_process_group`, :class:`Reducer`, :class:`LARC`, ``ReduceOp``,
+the flat collective helpers of Apex's ``apex.parallel.distributed``
+(:func:`flat_dist_call`, :func:`apply_flat_dist_call`, :func:`split_by_type`,
+:func:`split_half_float_double`, :func:`flatten`, :func:`unflatten`,
+:func:`extract_tensors`) and :func:`multiproc`, Apex's ``python -m
+apex.parallel.multiproc`` launcher (``python -m mixedprec.parallel script.py ...``).
 
 Apex deleted this package in May 2025. Data parallelism here is PyTorch's own
 (``torch.nn.parallel.DistributedDataParallel``, ``torch.nn.SyncBatchNorm``) behind
@@ -8,15 +13,18 @@ Apex's argument names; :class:`LARC` keeps Apex's algorithm but computes the nor
 with :func:`mixedprec.ops.multi_tensor_l2norm` and never synchronises with the host.
 """
 
+import subprocess
+import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import ops
+from .apex_C import flatten, unflatten
 
 __all__ = [
     "DistributedDataParallel",
@@ -25,30 +33,78 @@ __all__ = [
     "create_syncbn_process_group",
     "Reducer",
     "LARC",
+    "ReduceOp",
+    "flatten",
+    "unflatten",
+    "apply_flat_dist_call",
+    "split_half_float_double",
+    "split_by_type",
+    "flat_dist_call",
+    "extract_tensors",
+    "multiproc",
 ]
+
+#: ``torch.distributed.ReduceOp``, where Apex exported it.
+ReduceOp = dist.ReduceOp
 
 _MB = 1024 * 1024
 
-#: Apex's ``SyncBatchNorm`` is ``torch.nn.SyncBatchNorm``. Its constructor takes
-#: torch's arguments: Apex's ``channel_last`` and ``fuse_relu`` are not accepted
-#: (torch's module follows the input's memory format by itself; apply a ReLU after
-#: it instead of ``fuse_relu``).
-SyncBatchNorm = nn.SyncBatchNorm
+class SyncBatchNorm(nn.SyncBatchNorm):
+    """Apex's ``SyncBatchNorm`` (the optimized one's arguments) on
+    ``torch.nn.SyncBatchNorm``: statistics synchronised over ``process_group`` (default:
+    the whole world) in training, when ``torch.distributed`` is initialised.
+
+    ``channel_last=True`` means what it meant in Apex: the channels are the input's
+    *last* dimension (``[N, ..., C]``), not a memory format; 2-D input ``[N, C]`` is
+    handled that way always. ``forward(input, z=None)``: as in Apex, on the
+    channel-last path the output is ``relu(bn(input) + z)``, with ``z`` (optional,
+    the input's shape) added and the ReLU applied when ``fuse_relu``; on the
+    channels-first path (``[N, C, ...]`` input without ``channel_last``) ``z`` and
+    ``fuse_relu`` are ignored, as Apex's kernels ignored them. Nothing is fused: the
+    addition and the ReLU are separate PyTorch operations."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None, channel_last=False,
+                 fuse_relu=False):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, process_group=process_group)
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def forward(self, input: Tensor, z: Optional[Tensor] = None) -> Tensor:
+        channel_last = self.channel_last or input.dim() == 2
+        if not channel_last:
+            return super().forward(input)
+        out = super().forward(input.movedim(-1, 1)).movedim(1, -1)
+        if z is not None:
+            out = out + z
+        return torch.relu(out) if self.fuse_relu else out
 
 
 def convert_syncbn_model(
     module: nn.Module, process_group: Optional[Any] = None, channel_last: bool = False
 ) -> nn.Module:
     """Apex's ``convert_syncbn_model``: every ``torch.nn.modules.batchnorm._BatchNorm``
-    in ``module`` (or ``module`` itself) replaced by a :class:`torch.nn.SyncBatchNorm`
-    that synchronises over ``process_group`` (default: the whole world).
-
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``. Unlike Apex, the new modules
-    share the old ones' weight and bias parameters instead of copies of them.
-    ``channel_last`` is accepted and ignored: torch's module handles channels_last
-    input as it comes."""
-    del channel_last  # torch's SyncBatchNorm follows the input's memory format
-    return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    in ``module`` (or ``module`` itself) replaced by a :class:`SyncBatchNorm` that
+    synchronises over ``process_group`` (default: the whole world), with
+    ``channel_last`` passed on. Running statistics and ``num_batches_tracked`` are the
+    old module's buffers, as in Apex; unlike Apex, the weight and bias are the old
+    module's parameters themselves, not copies of them."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum,
+                                  module.affine, module.track_running_stats, process_group,
+                                  channel_last=channel_last)
+        if module.affine:
+            converted.weight = module.weight
+            converted.bias = module.bias
+        converted.running_mean = module.running_mean
+        converted.running_var = module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
+        converted.train(module.training)
+        module = converted
+    for name, child in module.named_children():
+        module.add_module(name, convert_syncbn_model(child, process_group, channel_last))
+    return module
 
 
 def create_syncbn_process_group(group_size: int) -> Optional[Any]:
@@ -77,12 +133,14 @@ class _AllreduceOptions:
     """State of :func:`_apex_allreduce_hook`: Apex's reduction options."""
 
     def __init__(self, process_group, gradient_average, gradient_predivide_factor,
-                 allreduce_always_fp32):
+                 allreduce_always_fp32, retain_allreduce_buffers):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.gradient_average = gradient_average
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.allreduce_always_fp32 = allreduce_always_fp32
+        #: With ``retain_allreduce_buffers``: DDP bucket index -> its reduced buffer.
+        self.buffers: Optional[Dict[int, Tensor]] = {} if retain_allreduce_buffers else None
 
 
 # Not annotated: DDP only accepts torch's exact annotations, and dist.GradBucket does
@@ -106,6 +164,8 @@ def _apex_allreduce_hook(state, bucket):
             reduced.mul_(state.gradient_predivide_factor / state.world_size)
         if reduced is not buffer:
             buffer.copy_(reduced)
+        if state.buffers is not None:
+            state.buffers[bucket.index()] = buffer
         return buffer
 
     return future.then(finish)
@@ -130,12 +190,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
       through a DDP communication hook registered when any differs from the
       default. Gradients are otherwise averaged by torch's default hook.
     * :meth:`disable_allreduce` / :meth:`enable_allreduce` (torch's ``no_sync``).
+    * ``retain_allreduce_buffers=True``: after a backward pass,
+      :attr:`allreduce_buffers` lists the flat reduced gradient buffers and every
+      parameter's ``.grad`` is a view into one of them, as in Apex (set through
+      torch's ``gradient_as_bucket_view=True``). The buffers are torch's DDP buckets
+      (cut by ``message_size``, mixed dtypes kept apart), in bucket order, where
+      Apex had one per dtype.
 
     Accepted and ignored (torch's DDP has no counterpart, or needs none):
     ``shared_param`` (shared parameters just work), ``allreduce_trigger_params``
-    (buckets are cut by size), ``retain_allreduce_buffers`` (gradients are reduced
-    in place in ``.grad``; there is no ``allreduce_buffers``),
-    ``num_allreduce_streams`` and ``allreduce_communicators`` (torch's reducer
+    (buckets are cut by size), ``num_allreduce_streams`` and ``allreduce_communicators`` (torch's reducer
     schedules its own communication), ``prof`` (no NVTX ranges).
 
     Any keyword of torch's DDP (``device_ids``, ``process_group``,
@@ -163,9 +227,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         prof: bool = False,
         **ddp_kwargs: Any,
     ):
-        # shared_param, allreduce_trigger_params, retain_allreduce_buffers,
-        # num_allreduce_streams, allreduce_communicators and prof are accepted and
-        # ignored: see the class docstring.
+        # shared_param, allreduce_trigger_params, num_allreduce_streams,
+        # allreduce_communicators and prof are accepted and ignored: see the class
+        # docstring.
         if gradient_average_split_factor is not None:
             warnings.warn(
                 "gradient_average_split_factor is deprecated (as in Apex); use "
@@ -176,18 +240,33 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             gradient_predivide_factor = gradient_average_split_factor
         if "bucket_cap_mb" not in ddp_kwargs:
             ddp_kwargs["bucket_cap_mb"] = _bucket_cap_mb(module, message_size, delay_allreduce)
+        if retain_allreduce_buffers:
+            ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(module, **ddp_kwargs)
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
         self.gradient_average = gradient_average
         self.gradient_predivide_factor = gradient_predivide_factor
         self.allreduce_always_fp32 = allreduce_always_fp32
-        if not gradient_average or gradient_predivide_factor != 1.0 or allreduce_always_fp32:
-            options = _AllreduceOptions(
+        self.retain_allreduce_buffers = retain_allreduce_buffers
+        self._apex_options: Optional[_AllreduceOptions] = None
+        if (not gradient_average or gradient_predivide_factor != 1.0 or allreduce_always_fp32
+                or retain_allreduce_buffers):
+            self._apex_options = _AllreduceOptions(
                 ddp_kwargs.get("process_group"), gradient_average, gradient_predivide_factor,
-                allreduce_always_fp32,
+                allreduce_always_fp32, retain_allreduce_buffers,
             )
-            self.register_comm_hook(options, _apex_allreduce_hook)
+            self.register_comm_hook(self._apex_options, _apex_allreduce_hook)
+
+    @property
+    def allreduce_buffers(self) -> List[Tensor]:
+        """With ``retain_allreduce_buffers=True``: the flat buffers of the last
+        backward pass's reduced gradients (``.grad`` views into them), in bucket order;
+        an empty list before the first backward pass."""
+        if self._apex_options is None or self._apex_options.buffers is None:
+            raise AttributeError("allreduce_buffers needs retain_allreduce_buffers=True")
+        buffers = self._apex_options.buffers
+        return [buffers[index] for index in sorted(buffers)]
 
     def disable_allreduce(self) -> None:
         """Apex's ``disable_allreduce``: following backward passes accumulate gradients
@@ -220,7 +299,7 @@ class Reducer:
         if isinstance(module_or_grads_list, nn.Module):
             self.module: Optional[nn.Module] = module_or_grads_list
             self.grads: List[Tensor] = []
-            _flat_dist_call([p.data for p in self.module.parameters()], dist.broadcast, 0)
+            flat_dist_call([p.data for p in self.module.parameters()], dist.broadcast, (0,))
         else:
             self.module = None
             self.grads = list(module_or_grads_list)
@@ -231,23 +310,69 @@ class Reducer:
             grads = [p.grad.data for p in self.module.parameters() if p.grad is not None]
         else:
             grads = self.grads
-        _flat_dist_call(grads, dist.all_reduce, divisor=dist.get_world_size())
+        flat_dist_call(grads, dist.all_reduce)
 
 
-def _flat_dist_call(tensors: List[Tensor], call: Callable[..., Any], *args: Any,
-                    divisor: int = 1) -> None:
-    """``call(flat, *args)`` on one flat buffer per (device, dtype), divided by
-    ``divisor`` and copied back."""
-    buckets: Dict[Any, List[Tensor]] = {}
-    for t in tensors:
-        buckets.setdefault((t.device, t.dtype), []).append(t)
-    for bucket in buckets.values():
-        flat = _flatten_dense_tensors(bucket)
-        call(flat, *args)
-        if divisor != 1:
-            flat.div_(divisor)
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            t.copy_(synced)
+def apply_flat_dist_call(bucket: Sequence[Tensor], call: Callable[..., Any],
+                         extra_args: Optional[Sequence[Any]] = None) -> None:
+    """Apex's ``apply_flat_dist_call``: ``call(flat, *extra_args)`` on one flat copy of
+    ``bucket`` (tensors of one dtype and device), divided by the world size when
+    ``call`` is ``torch.distributed.all_reduce``, and copied back into ``bucket``."""
+    flat = flatten(bucket)
+    call(flat, *(extra_args or ()))
+    if call is dist.all_reduce:
+        flat.div_(dist.get_world_size())
+    for tensor, synced in zip(bucket, unflatten(flat, bucket)):
+        tensor.copy_(synced)
+
+
+def split_by_type(tensors: Iterable[Tensor]) -> "OrderedDict[str, List[Tensor]]":
+    """Apex's ``split_by_type``: the tensors grouped by ``tensor.type()``
+    (``"torch.cuda.HalfTensor"``, ``"torch.FloatTensor"``, ...), in first-seen order."""
+    buckets: "OrderedDict[str, List[Tensor]]" = OrderedDict()
+    for tensor in tensors:
+        buckets.setdefault(tensor.type(), []).append(tensor)
+    return buckets
+
+
+def split_half_float_double(tensors: Iterable[Tensor]) -> List[List[Tensor]]:
+    """Apex's ``split_half_float_double``: the CUDA tensors of ``tensors`` in up to three
+    lists, float16, float32 and float64 (empty lists left out; other tensors, CPU ones
+    included, are not returned, as in Apex)."""
+    tensors = list(tensors)
+    buckets = []
+    for name in ("torch.cuda.HalfTensor", "torch.cuda.FloatTensor", "torch.cuda.DoubleTensor"):
+        bucket = [t for t in tensors if t.type() == name]
+        if bucket:
+            buckets.append(bucket)
+    return buckets
+
+
+def flat_dist_call(tensors: Iterable[Tensor], call: Callable[..., Any],
+                   extra_args: Optional[Sequence[Any]] = None) -> None:
+    """Apex's ``flat_dist_call``: :func:`apply_flat_dist_call` on each group of
+    :func:`split_by_type` (``flat_dist_call(grads, dist.all_reduce)`` averages the
+    gradients; ``flat_dist_call(params, dist.broadcast, (0,))`` broadcasts from rank
+    0)."""
+    for bucket in split_by_type(tensors).values():
+        apply_flat_dist_call(bucket, call, extra_args)
+
+
+def extract_tensors(maybe_tensor: Any, tensor_list: List[Tensor]) -> None:
+    """Apex's ``extract_tensors``: appends to ``tensor_list`` every tensor in
+    ``maybe_tensor`` (a tensor, or nested iterables of them; anything else is
+    skipped; strings too, where Apex recursed without end)."""
+    if torch.is_tensor(maybe_tensor):
+        tensor_list.append(maybe_tensor)
+        return
+    if isinstance(maybe_tensor, (str, bytes)):
+        return
+    try:
+        items = iter(maybe_tensor)
+    except TypeError:
+        return
+    for item in items:
+        extract_tensors(item, tensor_list)
 
 
 def _per_tensor_norms(tensors: List[Tensor]) -> Tensor:
@@ -355,3 +480,47 @@ class LARC:
                 decays = torch.where(adapt, float(weight_decay), 0.0).unbind(0)
                 torch._foreach_add_(grads, torch._foreach_mul(params, decays))
             torch._foreach_mul_(grads, factors)
+
+
+def multiproc(argv: Optional[Sequence[str]] = None) -> int:
+    """Apex's ``python -m apex.parallel.multiproc script.py args...``: runs ``python
+    script.py args... --world-size N --rank i`` for ``i`` in ``0..N-1``, all at once,
+    and waits for them. ``N`` is the ``--world-size`` in the arguments, else the number
+    of CUDA devices (then appended). ``--rank`` is set, or appended, per process. As in
+    Apex, process 0 writes to this process's stdout and process ``i`` to
+    ``GPU_<i>.log`` in the working directory. Returns the first nonzero exit status of
+    the processes, else 0 (Apex returned 0 always)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        raise SystemExit("usage: python -m apex.parallel.multiproc script.py [args...]")
+    if "--world-size" in args:
+        world_size = int(args[args.index("--world-size") + 1])
+    else:
+        world_size = torch.cuda.device_count()
+        args += ["--world-size", str(world_size)]
+    if world_size < 1:
+        raise SystemExit("multiproc: no CUDA device and no --world-size: nothing to launch")
+    if "--rank" not in args:
+        args += ["--rank", "0"]
+    rank_at = args.index("--rank") + 1
+    workers, logs = [], []
+    try:
+        for rank in range(world_size):
+            args[rank_at] = str(rank)
+            stdout = None if rank == 0 else open(f"GPU_{rank}.log", "w")
+            if stdout is not None:
+                logs.append(stdout)
+            print(args, flush=True)
+            workers.append(subprocess.Popen([sys.executable] + args, stdout=stdout))
+        codes = [worker.wait() for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+        for log in logs:
+            log.close()
+    return next((code for code in codes if code != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(multiproc())

@@ -10,132 +10,246 @@ NVIDIA Apex deleted ``apex.amp``, ``apex.fp16_utils`` and ``apex.parallel`` in M
 * In code: ``import mixedprec.apex  # noqa: F401`` before the first ``import apex``.
 
 Importing this package installs an import hook (a :data:`sys.meta_path` finder,
-placed first) under which:
+placed first). What it supplies depends on whether a real Apex is installed:
 
-===============================  ======================================
-``apex``                         a package whose attributes below load lazily
-``apex.amp``                     :mod:`mixedprec.amp`
-``apex.fp16_utils``              :mod:`mixedprec.fp16_utils`
-``apex.optimizers``              :mod:`mixedprec.optimizers`
-``apex.parallel``                :mod:`mixedprec.parallel`
-``apex.multi_tensor_apply``      :mod:`mixedprec.multi_tensor_apply`
-``amp_C``                        :mod:`mixedprec.amp_C`
-===============================  ======================================
+* **No Apex installed**: mixedprec supplies everything listed in :data:`MODULES`:
+  ``apex`` and the Apex modules ``apex.amp``, ``apex.fp16_utils``,
+  ``apex.optimizers``, ``apex.parallel``, ``apex.multi_tensor_apply``,
+  ``apex.normalization``, ``apex.contrib.optimizers`` with every submodule of Apex's
+  file layout at its last release with amp (``apex.fp16_utils.fp16_optimizer``,
+  ``apex.parallel.LARC``, ``apex.amp.handle``, ...), and the top-level extension
+  modules ``amp_C`` (:mod:`mixedprec.amp_C`) and ``apex_C``
+  (:mod:`mixedprec.apex_C`). Other Apex packages (``apex.transformer``,
+  ``apex.mlp``, ...) raise ``ModuleNotFoundError`` saying so.
+* **A real Apex installed** (one that ``import apex`` finds on :data:`sys.path`):
+  the alias supplies only what Apex removed, :data:`REMOVED` (``apex.amp``,
+  ``apex.fp16_utils``, ``apex.parallel`` and their submodules). ``apex`` itself,
+  ``apex.optimizers``, ``apex.normalization``, ``apex.contrib``, every other
+  ``apex.*``, ``amp_C`` and ``apex_C`` are the real Apex's.
 
-The aliases are the mixedprec modules themselves (``apex.amp is mixedprec.amp``);
-where one is a package, its submodules map alike (``apex.x.y`` is
-``mixedprec.x.y``). Modules of Apex's own file layout that scripts import from
-(:data:`LEGACY_SUBMODULES`: ``apex.parallel.LARC``, ``apex.parallel.distributed``,
-``apex.fp16_utils.fp16_optimizer``, ``apex.optimizers.fused_adam``, ...) resolve to
-the mixedprec module that holds their contents, for ``from apex.parallel.LARC import
-LARC``; ``import apex.parallel.LARC as m`` is not supported (the attribute
-``LARC`` is the class). Other Apex packages (``apex.normalization``,
-``apex.contrib``, ``apex.transformer``, ...) are not provided: importing one raises
-``ModuleNotFoundError`` saying so.
+Each Apex module of the table is a module object of its own (``apex.amp`` is not
+:mod:`mixedprec.amp`) whose names are looked up in the mixedprec module that holds
+them: the public names the Apex file defined that mixedprec provides. So
+``import apex.fp16_utils.fp16_optimizer as m; m.FP16_Optimizer``, ``from apex.amp
+import handle``, ``from apex.parallel.LARC import LARC`` all work, and a name resolves
+to mixedprec's object itself (``apex.parallel.LARC.LARC is mixedprec.parallel.LARC``).
+As in Apex, a package's attribute of a submodule's name is the submodule unless the
+package's ``__init__`` defined that name (``apex.parallel.LARC`` is the module,
+``apex.amp._amp_state`` is the state object). ``amp_C`` and ``apex_C`` are
+mixedprec's modules themselves.
 
-This is the one place where mixedprec changes how other code is imported. If a
-real Apex is installed, the alias still takes precedence (running legacy scripts on
-mixedprec is its purpose) and a warning says that it does; :func:`uninstall`
-restores normal imports.
+``python -m mixedprec.apex -m apex.parallel.multiproc script.py ...`` runs Apex's
+one-process-per-GPU launcher (:func:`mixedprec.parallel.multiproc`).
+
+This is the one place where mixedprec changes how other code is imported;
+:func:`uninstall` restores normal imports.
 """
 
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
 import sys
 import types
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
-__all__ = ["ALIASES", "LEGACY_SUBMODULES", "install", "uninstall", "is_installed"]
+__all__ = ["MODULES", "REMOVED", "Entry", "install", "uninstall", "is_installed"]
 
-#: Apex module name -> the mixedprec module it resolves to.
-ALIASES: Dict[str, str] = {
-    "apex.amp": "mixedprec.amp",
-    "apex.fp16_utils": "mixedprec.fp16_utils",
-    "apex.optimizers": "mixedprec.optimizers",
-    "apex.parallel": "mixedprec.parallel",
-    "apex.multi_tensor_apply": "mixedprec.multi_tensor_apply",
-    "amp_C": "mixedprec.amp_C",
+
+class Entry(NamedTuple):
+    """What an Apex module is made of."""
+
+    #: The mixedprec module that holds its names.
+    target: str
+    #: The names it exposes: public names the Apex file defined that mixedprec provides
+    #: (for a package, those its ``__init__`` imported).
+    names: Tuple[str, ...] = ()
+    #: Also every other public name of ``target`` (a package aliasing a whole module).
+    whole: bool = False
+    #: ``python -m`` runs ``target.<run>()``.
+    run: Optional[str] = None
+
+
+_AMP, _FP16, _OPT = "mixedprec.amp", "mixedprec.fp16_utils", "mixedprec.optimizers"
+_PAR, _MTA, _NORM = "mixedprec.parallel", "mixedprec.multi_tensor_apply", "mixedprec.normalization"
+_AMP_NAMES = ("init", "half_function", "float_function", "promote_function",
+              "register_half_function", "register_float_function", "register_promote_function")
+_FP16UTIL = ("BN_convert_float", "network_to_half", "prep_param_lists",
+             "model_grads_to_master_grads", "master_params_to_model_params", "tofp16",
+             "to_python_float", "clip_grad_norm", "convert_module", "convert_network",
+             "FP16Model")
+_SYNCBN = ("SyncBatchNorm",)
+_DISTRIBUTED = ("flatten", "unflatten", "apply_flat_dist_call", "split_half_float_double",
+                "split_by_type", "flat_dist_call", "extract_tensors", "Reducer",
+                "DistributedDataParallel")
+_NORM_FILE = ("fused_layer_norm_affine", "fused_layer_norm", "mixed_dtype_fused_layer_norm_affine",
+              "fused_rms_norm_affine", "fused_rms_norm", "mixed_dtype_fused_rms_norm_affine",
+              "manual_rms_norm", "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm",
+              "MixedFusedRMSNorm")
+
+#: Apex module -> what it is made of, for every module of Apex's file layout (at its
+#: last release with amp) under the packages mixedprec provides.
+MODULES: Dict[str, Entry] = {
+    "apex": Entry("mixedprec"),
+    # apex.amp
+    "apex.amp": Entry(_AMP, _AMP_NAMES + (
+        "scale_loss", "disable_casts", "initialize", "state_dict", "load_state_dict",
+        "master_params", "_amp_state"), whole=True),
+    "apex.amp.__version__": Entry(_AMP),
+    "apex.amp._amp_state": Entry(_AMP, ("master_params", "_amp_state")),
+    "apex.amp._initialize": Entry(_AMP),
+    "apex.amp._process_optimizer": Entry(_AMP),
+    "apex.amp.amp": Entry(_AMP, _AMP_NAMES + ("AmpHandle", "NoOpHandle")),
+    "apex.amp.compat": Entry(_AMP),
+    "apex.amp.frontend": Entry(_AMP, ("Properties", "initialize", "state_dict",
+                                      "load_state_dict")),
+    "apex.amp.handle": Entry(_AMP, ("scale_loss", "disable_casts", "AmpHandle",
+                                    "NoOpHandle")),
+    "apex.amp.lists": Entry(_AMP),
+    "apex.amp.lists.functional_overrides": Entry(_AMP),
+    "apex.amp.lists.tensor_overrides": Entry(_AMP),
+    "apex.amp.lists.torch_overrides": Entry(_AMP),
+    "apex.amp.opt": Entry(_AMP),
+    "apex.amp.rnn_compat": Entry(_AMP),
+    "apex.amp.scaler": Entry(_AMP, ("LossScaler",)),
+    "apex.amp.utils": Entry(_AMP),
+    "apex.amp.wrap": Entry(_AMP, ("disable_casts",)),
+    # apex.fp16_utils
+    "apex.fp16_utils": Entry(_FP16, _FP16UTIL + (
+        "FP16_Optimizer", "LossScaler", "DynamicLossScaler"), whole=True),
+    "apex.fp16_utils.fp16_optimizer": Entry(_FP16, ("FP16_Optimizer",)),
+    "apex.fp16_utils.fp16util": Entry(_FP16, _FP16UTIL),
+    "apex.fp16_utils.loss_scaler": Entry(_FP16, ("to_python_float", "LossScaler",
+                                                 "DynamicLossScaler")),
+    # apex.optimizers
+    "apex.optimizers": Entry(_OPT, (
+        "FusedSGD", "FusedAdam", "FusedNovoGrad", "FusedLAMB", "FusedAdagrad",
+        "FusedMixedPrecisionLamb"), whole=True),
+    "apex.optimizers.fused_adagrad": Entry(_OPT, ("FusedAdagrad",)),
+    "apex.optimizers.fused_adam": Entry(_OPT, ("FusedAdam",)),
+    "apex.optimizers.fused_lamb": Entry(_OPT, ("FusedLAMB",)),
+    "apex.optimizers.fused_mixed_precision_lamb": Entry(_OPT, ("FusedMixedPrecisionLamb",)),
+    "apex.optimizers.fused_novograd": Entry(_OPT, ("FusedNovoGrad",)),
+    "apex.optimizers.fused_sgd": Entry(_OPT, ("FusedSGD",)),
+    # apex.parallel
+    "apex.parallel": Entry(_PAR, (
+        "ReduceOp", "DistributedDataParallel", "Reducer", "SyncBatchNorm",
+        "convert_syncbn_model", "create_syncbn_process_group"), whole=True),
+    "apex.parallel.LARC": Entry(_PAR, ("LARC",)),
+    "apex.parallel.distributed": Entry(_PAR, _DISTRIBUTED),
+    "apex.parallel.multiproc": Entry(_PAR, run="multiproc"),
+    "apex.parallel.optimized_sync_batchnorm": Entry(_PAR, _SYNCBN),
+    "apex.parallel.optimized_sync_batchnorm_kernel": Entry(_PAR),
+    "apex.parallel.sync_batchnorm": Entry(_PAR, _SYNCBN),
+    "apex.parallel.sync_batchnorm_kernel": Entry(_PAR),
+    # apex.multi_tensor_apply
+    "apex.multi_tensor_apply": Entry(_MTA, ("MultiTensorApply", "multi_tensor_applier"),
+                                     whole=True),
+    "apex.multi_tensor_apply.multi_tensor_apply": Entry(_MTA, ("MultiTensorApply",)),
+    # apex.normalization
+    "apex.normalization": Entry(_NORM, (
+        "FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm"),
+        whole=True),
+    "apex.normalization.fused_layer_norm": Entry(_NORM, _NORM_FILE),
+    # apex.contrib.optimizers (FP16_Optimizer, FusedAdam, FusedLAMB, FusedSGD)
+    "apex.contrib": Entry(_OPT),
+    "apex.contrib.optimizers": Entry(_OPT, ("FP16_Optimizer", "FusedAdam", "FusedLAMB")),
+    "apex.contrib.optimizers.fp16_optimizer": Entry(_OPT, ("FP16_Optimizer",)),
+    "apex.contrib.optimizers.fused_adam": Entry(_OPT, ("FusedAdam",)),
+    "apex.contrib.optimizers.fused_lamb": Entry(_OPT, ("FusedLAMB",)),
+    "apex.contrib.optimizers.fused_sgd": Entry(_OPT, ("FusedSGD",)),
+    # Apex's top-level extension modules: mixedprec's modules themselves.
+    "amp_C": Entry("mixedprec.amp_C", whole=True),
+    "apex_C": Entry("mixedprec.apex_C", whole=True),
 }
 
-#: Submodules of Apex's file layout that legacy scripts import from, by alias. Each
-#: resolves to the mixedprec module of its alias, unless that is a package with a
-#: submodule of the same name.
-LEGACY_SUBMODULES: Dict[str, Tuple[str, ...]] = {
-    "apex.amp": ("_amp_state", "handle", "frontend"),
-    "apex.parallel": ("distributed", "LARC", "sync_batchnorm", "optimized_sync_batchnorm"),
-    "apex.fp16_utils": ("fp16_optimizer", "fp16util", "loss_scaler"),
-    "apex.optimizers": ("fused_adam", "fused_sgd"),
-    "apex.multi_tensor_apply": ("multi_tensor_apply",),
-}
+#: The Apex packages Apex deleted: the alias supplies them (and their submodules)
+#: even when a real Apex is installed.
+REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel")
 
 _APEX = "apex"
-_APEX_DOC = (
-    "Apex's namespace, provided by mixedprec (see mixedprec.apex): amp, fp16_utils, "
-    "optimizers, parallel and multi_tensor_apply are mixedprec's modules."
-)
+_TOP = (_APEX, "amp_C", "apex_C")
+_MARK = "__mixedprec_alias__"  # set on the module objects the alias makes
 
 
-def _target(fullname: str) -> Optional[str]:
-    """The mixedprec module behind an aliased name, ``_APEX`` for ``apex`` itself,
-    or None when ``fullname`` is not ours."""
-    if fullname == _APEX:
-        return _APEX
-    if fullname in ALIASES:
-        return ALIASES[fullname]
-    for alias, target in ALIASES.items():
-        if fullname.startswith(alias + "."):
-            return target + fullname[len(alias):]
-    if fullname.startswith(_APEX + "."):
-        provided = ", ".join(sorted(ALIASES))
-        raise ModuleNotFoundError(
-            f"No module named {fullname!r}: mixedprec's Apex alias provides {provided} "
-            f"(see mixedprec.apex)",
-            name=fullname,
-        )
-    return None
+def _is_package(name: str) -> bool:
+    return any(other.startswith(name + ".") for other in MODULES)
 
 
-def _make_apex_package() -> types.ModuleType:
-    apex = types.ModuleType(_APEX, _APEX_DOC)
-    apex.__path__ = []  # a package, so that `import apex.amp` is looked up
+def _children(name: str) -> Tuple[str, ...]:
+    depth = name.count(".") + 1
+    return tuple(other.rsplit(".", 1)[1] for other in MODULES
+                 if other.startswith(name + ".") and other.count(".") == depth)
 
-    def __getattr__(name: str):
-        if f"{_APEX}.{name}" in ALIASES:
+
+class _ApexModule(types.ModuleType):
+    """An Apex module of the alias: its names are those of :data:`MODULES`, looked up in
+    the mixedprec module that holds them when asked for."""
+
+    def __getattr__(self, name: str):
+        alias = self.__dict__["__name__"]
+        entry = MODULES[alias]
+        target = sys.modules.get(entry.target) or importlib.import_module(entry.target)
+        if name == "__all__":
+            return [n for n in self._visible(entry, target) if hasattr(target, n)]
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in entry.names:
             try:
-                return importlib.import_module(f"{_APEX}.{name}")
-            except ImportError as err:  # hasattr() must see an AttributeError
-                raise AttributeError(str(err)) from err
-        raise AttributeError(
-            f"module 'apex' (mixedprec's Apex alias) has no attribute {name!r}"
-        )
+                return getattr(target, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"{alias}.{name}: Apex defined it here, but {entry.target} does not "
+                    f"provide it (yet)") from None
+        if name in _children(alias):
+            return importlib.import_module(f"{alias}.{name}")
+        if entry.whole and not name.startswith("_") and hasattr(target, name):
+            return getattr(target, name)
+        raise AttributeError(f"module {alias!r} (mixedprec's Apex alias, names from "
+                             f"{entry.target}) has no attribute {name!r}")
 
-    apex.__getattr__ = __getattr__
-    return apex
+    def __dir__(self):
+        entry = MODULES[self.__name__]
+        names = set(self._visible(entry, importlib.import_module(entry.target)))
+        return sorted(names | set(_children(self.__name__)) | set(self.__dict__))
+
+    @staticmethod
+    def _visible(entry: Entry, target: types.ModuleType) -> Tuple[str, ...]:
+        extra = tuple(getattr(target, "__all__", ())) if entry.whole else ()
+        return entry.names + tuple(n for n in extra if n not in entry.names)
+
+
+def _make_module(name: str) -> types.ModuleType:
+    entry = MODULES[name]
+    if name == _APEX:
+        doc = ("Apex's namespace, provided by mixedprec (see mixedprec.apex): "
+               + ", ".join(f"apex.{c}" for c in _children(_APEX)))
+    else:
+        doc = f"Apex's {name}, provided by mixedprec (see mixedprec.apex): names of {entry.target}."
+    module = _ApexModule(name, doc)
+    setattr(module, _MARK, True)
+    return module
 
 
 class _AliasLoader(importlib.abc.Loader):
-    """Hands out the mixedprec module itself under the Apex name."""
+    """Makes the Apex modules of :data:`MODULES` (or hands out mixedprec's module itself,
+    for ``amp_C`` and ``apex_C``)."""
 
     def __init__(self):
         self._own_specs: Dict[str, importlib.machinery.ModuleSpec] = {}
 
     def create_module(self, spec):
-        target = _target(spec.name)
-        if target == _APEX:
-            return _make_apex_package()
+        entry = MODULES[spec.name]
         try:
-            module = importlib.import_module(target)
+            target = importlib.import_module(entry.target)
         except ImportError as err:
-            raise ImportError(
-                f"{spec.name} is an alias of {target}, which failed to import: {err}",
-                name=spec.name,
-            ) from err
-        self._own_specs[spec.name] = module.__spec__
-        return module
+            raise ImportError(f"{spec.name} is provided by {entry.target}, which failed to "
+                              f"import: {err}", name=spec.name) from err
+        if spec.name in _TOP and spec.name != _APEX:
+            self._own_specs[spec.name] = target.__spec__
+            return target
+        return _make_module(spec.name)
 
     def exec_module(self, module):
         name = module.__spec__.name
@@ -143,39 +257,14 @@ class _AliasLoader(importlib.abc.Loader):
             # The import system stamps the alias's spec on the module; give the
             # mixedprec module its own back (reload, pickling and -m rely on it).
             module.__spec__ = self._own_specs.pop(name)
-            _register_legacy_submodules(name, module)
 
-
-def _register_legacy_submodules(alias: str, module: types.ModuleType) -> None:
-    for child in LEGACY_SUBMODULES.get(alias, ()):
-        if hasattr(module, "__path__"):
-            if importlib.util.find_spec(f"{module.__name__}.{child}") is not None:
-                continue  # the package has it: the prefix mapping finds it
-        # Found by the import system right after the parent is imported, before it
-        # asks whether the parent is a package.
-        sys.modules.setdefault(f"{alias}.{child}", module)
-
-
-class _AliasFinder(importlib.abc.MetaPathFinder):
-    """Finds the aliased names (and only those) before any other finder does."""
-
-    def __init__(self):
-        self.loader = _AliasLoader()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if _target(fullname) is None:
+    def get_code(self, fullname):
+        """For ``python -m apex.parallel.multiproc``: code that calls the launcher."""
+        entry = MODULES.get(fullname)
+        if entry is None or entry.run is None:
             return None
-        return importlib.machinery.ModuleSpec(
-            fullname, self.loader, is_package=fullname == _APEX
-        )
-
-
-_finder: Optional[_AliasFinder] = None
-
-
-def is_installed() -> bool:
-    """Whether the alias is active in this process."""
-    return _finder is not None and _finder in sys.meta_path
+        source = f"import sys, {entry.target}\nsys.exit({entry.target}.{entry.run}())\n"
+        return compile(source, f"<{fullname}: {entry.target}.{entry.run}>", "exec")
 
 
 def _in_shim(path: Optional[str]) -> bool:
@@ -187,50 +276,91 @@ def _in_shim(path: Optional[str]) -> bool:
     return path == shim or path.startswith(shim + os.sep)
 
 
-def _real_apex() -> Optional[str]:
-    """Where a real (non-alias) Apex would be imported from, if anywhere."""
+def _real_spec(name: str) -> Optional[importlib.machinery.ModuleSpec]:
+    """The spec of a real (non-alias) top-level module ``name``, if one is installed."""
     paths = [p for p in sys.path if not _in_shim(p or ".")]
-    for name in (_APEX, "amp_C"):
-        spec = importlib.machinery.PathFinder.find_spec(name, paths)
-        if spec is not None and spec.origin is not None:  # not a bare namespace dir
-            return spec.origin
-    return None
+    spec = importlib.machinery.PathFinder.find_spec(name, paths)
+    if spec is None or spec.origin is None:  # none, or a bare namespace directory
+        return None
+    return spec
 
 
 def _is_alias(module: object) -> bool:
     """Whether ``module`` came from the alias (or from a shim file handing over to it)."""
     name = getattr(module, "__name__", "")
-    return (getattr(module, "__doc__", None) == _APEX_DOC or name.startswith("mixedprec.")
+    return (getattr(module, _MARK, False) or name.startswith("mixedprec.")
             or _in_shim(getattr(module, "__file__", None)))
+
+
+def _removed(name: str) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in REMOVED)
+
+
+def _real_apex_installed() -> bool:
+    loaded = sys.modules.get(_APEX)
+    if loaded is not None and not _in_shim(getattr(loaded, "__file__", None)):
+        return not _is_alias(loaded)
+    return _real_spec(_APEX) is not None
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds the names the alias supplies (and only those) before any other finder."""
+
+    def __init__(self):
+        self.loader = _AliasLoader()
+
+    def find_spec(self, fullname, path=None, target=None):
+        top = fullname.partition(".")[0]
+        if top not in _TOP:
+            return None
+        if not _removed(fullname) and _real_apex_installed():
+            if fullname != top:
+                return None  # the real Apex's own submodule
+            spec = _real_spec(fullname)  # past the shim of `python -m mixedprec.apex`
+            if spec is None:
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: the installed Apex was built without it",
+                    name=fullname)
+            return spec
+        if fullname not in MODULES:
+            if fullname.startswith(_APEX + "."):
+                raise ModuleNotFoundError(
+                    f"No module named {fullname!r}: mixedprec's Apex alias provides "
+                    f"{', '.join(c for c in MODULES if c.count('.') == 1)} "
+                    f"(see mixedprec.apex)", name=fullname)
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname, self.loader, is_package=_is_package(fullname))
+
+
+_finder: Optional[_AliasFinder] = None
+
+
+def is_installed() -> bool:
+    """Whether the alias is active in this process."""
+    return _finder is not None and _finder in sys.meta_path
+
+
+def _ours(name: str) -> bool:
+    return name.partition(".")[0] in _TOP
 
 
 def install(warn: bool = True) -> None:
     """Installs the alias (done when :mod:`mixedprec.apex` is imported; idempotent).
 
-    With ``warn``, warns when a real Apex is importable (the alias takes precedence)
-    and when Apex modules were imported before the alias (they stay as they are)."""
+    With ``warn``, warns when Apex modules that the alias supplies were imported
+    before it (they stay as they are)."""
     global _finder
     if is_installed():
         return
     if warn:
-        # A child of `python -m mixedprec.apex` leaves that warning to its parent.
-        real = None if os.environ.get("MIXEDPREC_APEX_SHIM") else _real_apex()
-        if real is not None:
-            warnings.warn(
-                f"mixedprec.apex: a real Apex is installed ({real}); `import apex` and "
-                "`import amp_C` now resolve to mixedprec instead "
-                "(mixedprec.apex.uninstall() undoes this)",
-                stacklevel=2,
-            )
-        stale = sorted(
-            name for name, module in list(sys.modules.items())
-            if (name == _APEX or name.startswith(_APEX + ".") or name == "amp_C")
-            and not _is_alias(module)
-        )
+        stale = sorted(name for name, module in list(sys.modules.items())
+                       if name in MODULES and not _is_alias(module)
+                       and (_removed(name) or not _real_apex_installed()))
         if stale:
             warnings.warn(
-                f"mixedprec.apex: already imported before the alias, these stay Apex's "
-                f"modules: {', '.join(stale)}; import mixedprec.apex before apex",
+                f"mixedprec.apex: already imported before the alias, these stay as they "
+                f"are: {', '.join(stale)}; import mixedprec.apex before apex",
                 stacklevel=2,
             )
     _finder = _AliasFinder()
@@ -238,22 +368,27 @@ def install(warn: bool = True) -> None:
 
 
 def uninstall() -> None:
-    """Removes the alias and forgets the aliased modules (``apex``, ``apex.*``,
-    ``amp_C``) imported under it; the mixedprec modules themselves stay loaded."""
+    """Removes the alias and forgets the modules imported under it (``apex``, ``apex.*``,
+    ``amp_C``, ``apex_C`` that it supplied); a real Apex's modules and the mixedprec
+    modules themselves stay loaded."""
     global _finder
     if _finder is not None and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
     _finder = None
     for name, module in list(sys.modules.items()):
-        if (name == _APEX or name.startswith(_APEX + ".") or name == "amp_C") and _is_alias(module):
+        if _ours(name) and _is_alias(module):
             del sys.modules[name]
+            parent, _, child = name.rpartition(".")
+            owner = sys.modules.get(parent)
+            if owner is not None and vars(owner).get(child) is module:
+                delattr(owner, child)
 
 
 def _adopt(name: str) -> None:
     """Called by the shim files of ``python -m mixedprec.apex`` in child processes,
-    while they are being imported as ``name``: installs the alias and puts the
-    aliased module in their place in :data:`sys.modules` (the import then returns
-    it)."""
+    while they are being imported as ``name``: installs the alias and puts the module
+    ``name`` resolves to (the alias's or a real Apex's) in their place in
+    :data:`sys.modules` (the import then returns it)."""
     install(warn=False)
     del sys.modules[name]
     importlib.import_module(name)

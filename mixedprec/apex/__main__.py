@@ -1,13 +1,14 @@
 """``python -m mixedprec.apex script.py [args...]`` or ``python -m mixedprec.apex -m
-module [args...]``: runs a legacy Apex script with ``apex`` and ``amp_C`` resolving to
-mixedprec (see :mod:`mixedprec.apex`).
+module [args...]``: runs a legacy Apex script with ``apex``, ``amp_C`` and ``apex_C``
+resolving to mixedprec (see :mod:`mixedprec.apex`).
 
 The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python
 script.py args...`` would set them. For child Python processes (multiprocessing
 spawn, ``torch.distributed.launch``, ``subprocess``), a temporary directory with
-two small files, ``apex/__init__.py`` and ``amp_C.py``, goes first on
-``PYTHONPATH`` and on ``sys.path``: when a child imports ``apex`` or ``amp_C``,
-they install the alias there. The directory is removed when the script ends.
+small files, ``apex/__init__.py``, ``amp_C.py`` and ``apex_C.py``, goes first on
+``PYTHONPATH`` and on ``sys.path``: when a child imports one of them, it installs the
+alias there and hands over to what the name resolves to (mixedprec's module, or a real
+Apex's when one is installed: see :mod:`mixedprec.apex`). The directory is removed when the script ends.
 """
 
 import os
@@ -33,8 +34,9 @@ def _write_shim(directory: str) -> None:
     os.makedirs(os.path.join(directory, "apex"))
     with open(os.path.join(directory, "apex", "__init__.py"), "w") as f:
         f.write(_SHIM.format(name="apex"))
-    with open(os.path.join(directory, "amp_C.py"), "w") as f:
-        f.write(_SHIM.format(name="amp_C"))
+    for name in ("amp_C", "apex_C"):
+        with open(os.path.join(directory, f"{name}.py"), "w") as f:
+            f.write(_SHIM.format(name=name))
 
 
 def _child_pythonpath(shim: str) -> str:

@@ -1,6 +1,9 @@
 """mixedprec.parallel: LARC against a plain float64 reference of Apex's algorithm,
-convert_syncbn_model, and DistributedDataParallel with Apex's arguments on two gloo
-processes (parameters in sync, gradients averaged or summed, one bucket, no_sync)."""
+SyncBatchNorm (channel_last, z, fuse_relu) and convert_syncbn_model, the flat helpers
+(split_by_type, split_half_float_double, extract_tensors) and apex_C, and on two gloo
+processes DistributedDataParallel with Apex's arguments (parameters in sync, gradients
+averaged or summed, one bucket, no_sync, retain_allreduce_buffers), flat_dist_call,
+apply_flat_dist_call and Reducer."""
 
 import gc
 import os
@@ -12,12 +15,19 @@ import torch.multiprocessing as mp
 from helpers import randn
 from torch import nn
 
+from mixedprec import apex_C
 from mixedprec.parallel import (
     LARC,
     DistributedDataParallel,
+    ReduceOp,
     Reducer,
     SyncBatchNorm,
+    apply_flat_dist_call,
     convert_syncbn_model,
+    extract_tensors,
+    flat_dist_call,
+    split_by_type,
+    split_half_float_double,
 )
 
 # --- LARC ----------------------------------------------------------------------------
@@ -129,10 +139,10 @@ def test_convert_syncbn_model_replaces_batch_norms():
     model[1].running_mean.fill_(0.5)
     weight = model[1].weight
 
-    converted = convert_syncbn_model(model, process_group=None, channel_last=True)
+    converted = convert_syncbn_model(model, process_group=None)
 
-    assert SyncBatchNorm is nn.SyncBatchNorm
-    assert isinstance(converted[1], nn.SyncBatchNorm)
+    assert issubclass(SyncBatchNorm, nn.SyncBatchNorm)
+    assert isinstance(converted[1], SyncBatchNorm) and not converted[1].channel_last
     assert isinstance(converted[3][2], nn.SyncBatchNorm)
     assert not converted[3][2].affine
     assert isinstance(converted[0], nn.Conv2d) and isinstance(converted[3][1], nn.Linear)
@@ -141,8 +151,85 @@ def test_convert_syncbn_model_replaces_batch_norms():
     converted.eval()
     assert converted(torch.randn(2, 3, 6, 6)).shape == (2, 5)
 
-    single = convert_syncbn_model(nn.BatchNorm1d(3))
-    assert isinstance(single, nn.SyncBatchNorm)
+    single = convert_syncbn_model(nn.BatchNorm1d(3), channel_last=True)
+    assert isinstance(single, SyncBatchNorm) and single.channel_last
+
+
+def ref_batch_norm(x, weight, bias, eps, channel_dim):
+    """Training-mode batch norm over every dimension but ``channel_dim``, in float64."""
+    x = x.double()
+    dims = [d for d in range(x.dim()) if d != channel_dim]
+    mean = x.mean(dims, keepdim=True)
+    var = x.var(dims, unbiased=False, keepdim=True)
+    shape = [1] * x.dim()
+    shape[channel_dim] = -1
+    return (x - mean) / torch.sqrt(var + eps) * weight.double().view(shape) \
+        + bias.double().view(shape)
+
+
+def test_sync_batch_norm_channel_last_z_and_fuse_relu():
+    """Without torch.distributed initialised the statistics are the local batch's."""
+    torch.manual_seed(0)
+    bn = SyncBatchNorm(5, eps=1e-3, channel_last=True, fuse_relu=True)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(3, 4, 2, 5)  # channels last: [N, H, W, C]
+    z = torch.randn(3, 4, 2, 5)
+    out = bn(x, z)
+    expected = torch.relu(ref_batch_norm(x, bn.weight, bn.bias, 1e-3, 3) + z.double())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert (out == 0).any(), "the ReLU clamps something"
+    mean = x.double().mean((0, 1, 2))
+    torch.testing.assert_close(bn.running_mean.double(), 0.1 * mean, atol=1e-6, rtol=1e-6)
+
+    # Channels first: z and fuse_relu are ignored there, as in Apex.
+    first = SyncBatchNorm(4, fuse_relu=True)
+    x = torch.randn(3, 4, 6)
+    out = first(x, torch.full_like(x, 100.0))
+    torch.testing.assert_close(
+        out.double(), ref_batch_norm(x, first.weight, first.bias, 1e-5, 1), atol=1e-5, rtol=1e-5)
+    assert (out < 0).any()
+    # 2-D input is [N, C] either way, and z and the ReLU apply.
+    flat = SyncBatchNorm(4, fuse_relu=True)
+    x2 = torch.randn(8, 4)
+    expected = torch.relu(ref_batch_norm(x2, flat.weight, flat.bias, 1e-5, 1) + 1.0)
+    torch.testing.assert_close(flat(x2, torch.ones(8, 4)).double(), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+# --- flat helpers and apex_C ---------------------------------------------------------
+
+
+def test_split_helpers_and_extract_tensors():
+    a, b, c = torch.ones(2), torch.zeros(3, dtype=torch.float64), torch.ones(1)
+    h = torch.ones(4, dtype=torch.float16)
+    groups = split_by_type([a, b, c, h])
+    assert list(groups) == ["torch.FloatTensor", "torch.DoubleTensor", "torch.HalfTensor"]
+    assert groups["torch.FloatTensor"][0] is a and groups["torch.FloatTensor"][1] is c
+    assert split_half_float_double([a, b, h]) == []  # CPU tensors: none, as in Apex
+    found = []
+    extract_tensors([a, (b, [c, 3, "text"]), {"not": "iterated as tensors"}, None], found)
+    assert found[0] is a and found[1] is b and found[2] is c and len(found) == 3
+    assert ReduceOp is dist.ReduceOp
+
+
+def test_apex_c_flatten_unflatten():
+    tensors = [torch.arange(6.0).view(2, 3), torch.tensor([7.0]), torch.ones(2, 1, 2)]
+    flat = apex_C.flatten(tensors)
+    torch.testing.assert_close(flat, torch.cat([t.reshape(-1) for t in tensors]))
+    views = apex_C.unflatten(flat, tensors)
+    for view, t in zip(views, tensors):
+        assert view.shape == t.shape and torch.equal(view, t)
+        assert view.data_ptr() >= flat.data_ptr()  # views into flat, not copies
+    flat.zero_()
+    assert all(not v.any() for v in views)
+    with pytest.raises(TypeError, match="one dtype"):
+        apex_C.flatten([torch.ones(1), torch.ones(1, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="elements"):
+        apex_C.unflatten(torch.ones(3), tensors)
+    with pytest.raises(TypeError, match="sequence of tensors"):
+        apex_C.flatten(torch.ones(3))
 
 
 # --- DistributedDataParallel on two gloo processes -----------------------------------
@@ -269,6 +356,54 @@ def check_ddp(rank):
     mine = local_grads(module, x)
     reducer.reduce()
     assert_grads(module, [sum(gathered(g)) / WORLD_SIZE for g in mine])
+
+    check_retained_buffers(rank)
+    check_flat_dist_calls(rank)
+
+
+def check_retained_buffers(rank):
+    """retain_allreduce_buffers: .allreduce_buffers holds the reduced gradients, and
+    .grad views into it."""
+    torch.manual_seed(rank)
+    ddp = DistributedDataParallel(tiny_model(), message_size=40,
+                                  retain_allreduce_buffers=True)
+    assert ddp.allreduce_buffers == []
+    reference = tiny_model()
+    reference.load_state_dict(ddp.module.state_dict())
+    x = batch(rank, 50)
+    expected = [sum(gathered(g)) / WORLD_SIZE for g in local_grads(reference, x)]
+    ddp(x).square().sum().backward()
+    assert_grads(ddp, expected)
+    buffers = ddp.allreduce_buffers
+    assert buffers and all(b.dim() == 1 for b in buffers)
+    assert sum(b.numel() for b in buffers) == sum(p.numel() for p in ddp.parameters())
+    for p in ddp.parameters():
+        owner = [b for b in buffers if b.untyped_storage().data_ptr()
+                 == p.grad.untyped_storage().data_ptr()]
+        assert len(owner) == 1, "each .grad is a view into one retained buffer"
+    with pytest.raises(AttributeError, match="allreduce_buffers"):
+        DistributedDataParallel(tiny_model()).allreduce_buffers
+
+
+def check_flat_dist_calls(rank):
+    """flat_dist_call / apply_flat_dist_call: all_reduce averages per dtype; broadcast
+    takes rank 0's values."""
+    tensors = [torch.full((3,), float(rank + 1)), torch.full((2, 2), 10.0 * (rank + 1),
+                                                             dtype=torch.float64),
+               torch.full((1,), 5.0 * (rank + 1))]
+    before = [t.clone() for t in tensors]
+    flat_dist_call(tensors, dist.all_reduce)
+    for t, b in zip(tensors, before):
+        torch.testing.assert_close(t, sum(gathered(b)) / WORLD_SIZE)
+    assert tensors[1].dtype == torch.float64
+    tensors = [torch.full((2,), float(rank + 7)), torch.full((3,), float(rank))]
+    flat_dist_call(tensors, dist.broadcast, (0,))
+    assert torch.equal(tensors[0], torch.full((2,), 7.0))
+    assert torch.equal(tensors[1], torch.zeros(3))
+    bucket = [torch.full((2,), float(rank + 1)), torch.full((1,), 2.0)]
+    apply_flat_dist_call(bucket, dist.all_reduce, (ReduceOp.MAX,))
+    assert torch.equal(bucket[0], torch.full((2,), 2.0 / WORLD_SIZE))  # max, then / world
+    assert torch.equal(bucket[1], torch.full((1,), 2.0 / WORLD_SIZE))
 
 
 def test_distributed_data_parallel_two_processes(tmp_path):
