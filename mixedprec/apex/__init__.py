@@ -155,6 +155,8 @@ MODULES: Dict[str, Entry] = {
     # apex.contrib.optimizers (FP16_Optimizer, FusedAdam, FusedLAMB, FusedSGD)
     "apex.contrib": Entry(_OPT),
     "apex.contrib.optimizers": Entry(_OPT, ("FP16_Optimizer", "FusedAdam", "FusedLAMB")),
+    "apex.contrib.optimizers.distributed_fused_adam": Entry(_OPT),
+    "apex.contrib.optimizers.distributed_fused_lamb": Entry(_OPT),
     "apex.contrib.optimizers.fp16_optimizer": Entry(_OPT, ("FP16_Optimizer",)),
     "apex.contrib.optimizers.fused_adam": Entry(_OPT, ("FusedAdam",)),
     "apex.contrib.optimizers.fused_lamb": Entry(_OPT, ("FusedLAMB",)),
@@ -208,6 +210,16 @@ class _ApexModule(types.ModuleType):
             return getattr(target, name)
         raise AttributeError(f"module {alias!r} (mixedprec's Apex alias, names from "
                              f"{entry.target}) has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        # The import system sets a submodule as its package's attribute; where Apex's
+        # package __init__ defined a name of the same name (apex.amp._amp_state), that
+        # name won in Apex, and it does here.
+        entry = MODULES.get(self.__dict__.get("__name__", ""))
+        if (entry is not None and name in entry.names and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{self.__name__}.{name}"):
+            return
+        super().__setattr__(name, value)
 
     def __dir__(self):
         entry = MODULES[self.__name__]

@@ -18,18 +18,32 @@ import mixedprec
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "LEGACY-APEX-SCRIPT-OK"
 
-# Apex name -> mixedprec module, for the modules other parts of mixedprec provide.
-OTHERS = {"apex.amp": "mixedprec.amp", "apex.fp16_utils": "mixedprec.fp16_utils",
-          "apex.optimizers": "mixedprec.optimizers"}
+# Every Python module of Apex's amp, fp16_utils, parallel, optimizers,
+# multi_tensor_apply, normalization and contrib.optimizers at its last release with amp
+# (`git ls-tree -r --name-only cb65b8ed^ apex/` in Apex's repository).
+APEX_FILES = """
+apex.amp apex.amp.__version__ apex.amp._amp_state apex.amp._initialize
+apex.amp._process_optimizer apex.amp.amp apex.amp.compat apex.amp.frontend apex.amp.handle
+apex.amp.lists apex.amp.lists.functional_overrides apex.amp.lists.tensor_overrides
+apex.amp.lists.torch_overrides apex.amp.opt apex.amp.rnn_compat apex.amp.scaler apex.amp.utils
+apex.amp.wrap apex.contrib.optimizers apex.contrib.optimizers.distributed_fused_adam
+apex.contrib.optimizers.distributed_fused_lamb apex.contrib.optimizers.fp16_optimizer
+apex.contrib.optimizers.fused_adam apex.contrib.optimizers.fused_lamb
+apex.contrib.optimizers.fused_sgd apex.fp16_utils apex.fp16_utils.fp16_optimizer
+apex.fp16_utils.fp16util apex.fp16_utils.loss_scaler apex.multi_tensor_apply
+apex.multi_tensor_apply.multi_tensor_apply apex.normalization
+apex.normalization.fused_layer_norm apex.optimizers apex.optimizers.fused_adagrad
+apex.optimizers.fused_adam apex.optimizers.fused_lamb apex.optimizers.fused_mixed_precision_lamb
+apex.optimizers.fused_novograd apex.optimizers.fused_sgd apex.parallel.LARC apex.parallel
+apex.parallel.distributed apex.parallel.multiproc apex.parallel.optimized_sync_batchnorm
+apex.parallel.optimized_sync_batchnorm_kernel apex.parallel.sync_batchnorm
+apex.parallel.sync_batchnorm_kernel
+""".split()
 
-
-def available(module_name):
-    """Whether a mixedprec module imports (parts of mixedprec are written in parallel)."""
-    try:
-        importlib.import_module(module_name)
-    except ImportError:
-        return False
-    return True
+# Names the table lists that other parts of mixedprec are adding (in parallel with the
+# alias): until they land, looking one up says so.
+PENDING = {"AmpHandle", "NoOpHandle", "init", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
+           "FusedMixedPrecisionLamb", "FP16_Optimizer"}
 
 
 @pytest.fixture
@@ -42,113 +56,218 @@ def alias():
     alias.uninstall()
 
 
+def fresh(alias):
+    """Forget the modules imported under the alias, so that the next import runs anew."""
+    alias.uninstall()
+    alias.install()
+
+
 # --- in process ----------------------------------------------------------------------
 
 def test_own_modules_resolve(alias):
     import amp_C
     import apex
+    import apex_C
     from apex.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
-    from apex.parallel import LARC, DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+    from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
 
     import mixedprec.amp_C
+    import mixedprec.apex_C
     import mixedprec.multi_tensor_apply
     import mixedprec.parallel
 
-    assert amp_C is mixedprec.amp_C
-    assert apex.parallel is mixedprec.parallel
-    assert apex.multi_tensor_apply is mixedprec.multi_tensor_apply
+    assert amp_C is mixedprec.amp_C and apex_C is mixedprec.apex_C
+    assert apex.parallel.__name__ == "apex.parallel"
     assert multi_tensor_applier is mixedprec.multi_tensor_apply.multi_tensor_applier
     assert MultiTensorApply is mixedprec.multi_tensor_apply.MultiTensorApply
     assert DistributedDataParallel is mixedprec.parallel.DistributedDataParallel
-    assert LARC is mixedprec.parallel.LARC
-    assert SyncBatchNorm is torch.nn.SyncBatchNorm
+    assert SyncBatchNorm is mixedprec.parallel.SyncBatchNorm
     assert convert_syncbn_model is mixedprec.parallel.convert_syncbn_model
+    assert apex.parallel.LARC.LARC is mixedprec.parallel.LARC
     # The mixedprec modules keep their own identity under the alias.
     assert mixedprec.parallel.__spec__.name == "mixedprec.parallel"
-    assert mixedprec.amp_C.__name__ == "mixedprec.amp_C"
+    assert mixedprec.amp_C.__spec__.name == "mixedprec.amp_C"
 
 
-def test_legacy_file_layout_resolves(alias):
-    from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply
-    from apex.parallel.distributed import DistributedDataParallel
-    from apex.parallel.LARC import LARC
+def test_table_covers_apex_file_layout(alias):
+    provided = {name for name in alias.MODULES if name.startswith("apex.")}
+    assert set(APEX_FILES) <= provided
+    assert provided - set(APEX_FILES) == {"apex.contrib"}  # the parent of contrib.optimizers
 
+
+def expected_names(alias, module_name):
+    """The table's names for ``module_name``, split into those mixedprec provides (with
+    its object) and those it lacks."""
+    entry = alias.MODULES[module_name]
+    target = importlib.import_module(entry.target)
+    found = {n: getattr(target, n) for n in entry.names if hasattr(target, n)}
+    return found, set(entry.names) - set(found)
+
+
+@pytest.mark.parametrize("module_name", APEX_FILES)
+def test_every_import_form(alias, module_name):
+    parent, _, child = module_name.rpartition(".")
+    found, missing = expected_names(alias, module_name)
+    assert missing <= PENDING, f"{module_name}: the target lacks {missing - PENDING}"
+
+    fresh(alias)
+    namespace = {}
+    exec(f"import {module_name}", namespace)
+    module = sys.modules[module_name]
+    obj = namespace["apex"]
+    for part in module_name.split(".")[1:]:
+        obj = getattr(obj, part) if obj is not module else obj
+    assert module.__name__ == module_name
+
+    fresh(alias)
+    exec(f"import {module_name} as m", namespace)
+    # As in Python (and Apex), `import a.b.c as m` is the attribute c of a.b: a name
+    # the package's __init__ defined wins over the submodule of that name.
+    parent_names = alias.MODULES[parent].names if parent in alias.MODULES else ()
+    if child in parent_names:
+        assert namespace["m"] is getattr(importlib.import_module(alias.MODULES[parent].target),
+                                         child)
+    else:
+        assert namespace["m"] is sys.modules[module_name]
+
+    fresh(alias)
+    exec(f"from {parent} import {child} as c", namespace)
+    if child not in parent_names:
+        assert namespace["c"] is sys.modules[module_name]
+
+    fresh(alias)
+    for name, value in found.items():
+        exec(f"from {module_name} import {name} as n", namespace)
+        assert namespace["n"] is value, f"{module_name}.{name}"
+    for name in missing:
+        with pytest.raises(ImportError, match=f"cannot import name '{name}'"):
+            exec(f"from {module_name} import {name}", namespace)
+        with pytest.raises(AttributeError, match="does not provide it"):
+            getattr(sys.modules[module_name], name)
+    star = {}
+    exec(f"from {module_name} import *", star)
+    assert set(found) <= set(star)
+
+
+def test_legacy_import_forms(alias):
+    """The forms that legacy scripts use, among them Delaunay/MixedPrecision's."""
+    import apex.fp16_utils.fp16_optimizer as m
+    from apex.amp import handle
+    import apex.amp.scaler
+    import apex.parallel.LARC as larc_module
+    from apex.amp import _amp_state
+
+    import mixedprec.amp
+    import mixedprec.fp16_utils
     import mixedprec.parallel
 
-    assert LARC is mixedprec.parallel.LARC
-    assert DistributedDataParallel is mixedprec.parallel.DistributedDataParallel
-    assert MultiTensorApply is mixedprec.multi_tensor_apply.MultiTensorApply
-    assert isinstance(mixedprec.parallel.LARC, type)  # not replaced by a module
+    assert m.FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
+    assert handle.scale_loss is mixedprec.amp.scale_loss
+    assert apex.amp.scaler.LossScaler is mixedprec.amp.LossScaler
+    assert larc_module.LARC is mixedprec.parallel.LARC
+    assert _amp_state is mixedprec.amp._amp_state  # the state object, as in Apex
+    from apex.parallel import LARC
+
+    assert LARC is larc_module  # Apex's apex.parallel did not import the class
 
 
-@pytest.mark.parametrize("apex_name", sorted(OTHERS))
-def test_other_modules_resolve(alias, apex_name):
-    target = OTHERS[apex_name]
-    if not available(target):
-        pytest.skip(f"{target} is not importable yet")
-    assert importlib.import_module(apex_name) is sys.modules[target]
+@pytest.mark.parametrize("apex_name", ["apex.amp", "apex.fp16_utils", "apex.optimizers",
+                                       "apex.normalization"])
+def test_packages_forward_their_module(alias, apex_name):
+    module = importlib.import_module(apex_name)
+    target = importlib.import_module(alias.MODULES[apex_name].target)
+    submodules = {n.rsplit(".", 1)[1] for n in alias.MODULES if n.startswith(apex_name + ".")}
+    for name in target.__all__:
+        if name in submodules:  # as in Apex: apex.normalization.fused_layer_norm is a module
+            assert getattr(module, name) is sys.modules[f"{apex_name}.{name}"]
+        else:
+            assert getattr(module, name) is getattr(target, name)
     import apex
 
-    assert getattr(apex, apex_name.split(".")[1]) is sys.modules[target]
-
-
-def test_fp16_utils_and_optimizers_star_and_legacy_paths(alias):
-    if available("mixedprec.fp16_utils"):
-        namespace = {}
-        exec("from apex.fp16_utils import *", namespace)
-        assert set(mixedprec.fp16_utils.__all__) <= set(namespace)
-    if available("mixedprec.optimizers"):
-        from apex.optimizers import FusedAdam, FusedSGD
-        from apex.optimizers.fused_adam import FusedAdam as legacy_adam
-        from apex.optimizers.fused_sgd import FusedSGD as legacy_sgd
-
-        assert legacy_adam is FusedAdam and legacy_sgd is FusedSGD
-    if not (available("mixedprec.fp16_utils") or available("mixedprec.optimizers")):
-        pytest.skip("neither mixedprec.fp16_utils nor mixedprec.optimizers is importable yet")
+    assert getattr(apex, apex_name.split(".")[1]) is module
 
 
 def test_unknown_apex_module_is_explained(alias):
     with pytest.raises(ModuleNotFoundError, match="mixedprec's Apex alias provides"):
-        importlib.import_module("apex.normalization")
+        importlib.import_module("apex.transformer")
     import apex
 
-    with pytest.raises(AttributeError, match="no attribute 'contrib'"):
-        getattr(apex, "contrib")  # noqa: B009  (the lookup is the test)
+    with pytest.raises(AttributeError, match="no attribute 'mlp'"):
+        getattr(apex, "mlp")  # noqa: B009  (the lookup is the test)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        getattr(apex.parallel, "not_a_name")  # noqa: B009
 
 
 def test_uninstall_restores_normal_imports(alias):
-    import apex  # noqa: F401
+    import apex.parallel.LARC  # noqa: F401
 
     alias.uninstall()
     assert not alias.is_installed()
     assert "apex" not in sys.modules and "apex.parallel" not in sys.modules
+    assert "apex.parallel.LARC" not in sys.modules
     assert "mixedprec.parallel" in sys.modules  # only the aliases are forgotten
     alias.install()
     assert alias.is_installed()
 
 
-def test_real_apex_is_shadowed_with_a_warning(alias, tmp_path, monkeypatch):
-    (tmp_path / "apex").mkdir()
-    (tmp_path / "apex" / "__init__.py").write_text("REAL = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    alias.uninstall()
-    with pytest.warns(UserWarning, match="a real Apex is installed"):
-        alias.install()
-    import apex
+def write_fake_apex(root):
+    """A stand-in for today's Apex: apex with optimizers and normalization, no amp,
+    fp16_utils or parallel; amp_C and apex_C extension modules."""
+    (root / "apex" / "optimizers").mkdir(parents=True)
+    (root / "apex" / "normalization").mkdir()
+    (root / "apex" / "__init__.py").write_text("REAL = True\n")
+    (root / "apex" / "optimizers" / "__init__.py").write_text("class FusedAdam:\n    REAL = True\n")
+    (root / "apex" / "normalization" / "__init__.py").write_text("REAL = True\n")
+    (root / "amp_C.py").write_text("REAL = True\n")
+    (root / "apex_C.py").write_text("REAL = True\n")
 
-    assert not hasattr(apex, "REAL")
-    assert apex.parallel is sys.modules["mixedprec.parallel"]
+
+def test_real_apex_supplies_all_but_what_it_removed(alias, tmp_path, monkeypatch):
+    write_fake_apex(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fresh(alias)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # coexisting is not worth a warning
+        import amp_C
+        import apex
+        import apex.normalization
+        import apex_C
+        from apex.optimizers import FusedAdam
+    assert apex.REAL and amp_C.REAL and apex_C.REAL and apex.normalization.REAL
+    assert FusedAdam.REAL
+    # What Apex removed comes from mixedprec, in every form.
+    import apex.fp16_utils.fp16_optimizer as m
+    import apex.parallel.LARC
+    from apex.amp import scale_loss
+
+    import mixedprec.amp
+    import mixedprec.fp16_utils
+    import mixedprec.parallel
+
+    assert scale_loss is mixedprec.amp.scale_loss
+    assert m.FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
+    assert apex.parallel.LARC.LARC is mixedprec.parallel.LARC
+    assert apex.amp.__name__ == "apex.amp" and not hasattr(apex.amp, "REAL")
+    # Other Apex packages are the real Apex's business: it has no apex.transformer.
+    with pytest.raises(ModuleNotFoundError) as err:
+        importlib.import_module("apex.transformer")
+    assert "mixedprec" not in str(err.value)
+    alias.uninstall()
+    assert sys.modules["apex"] is apex and "apex.amp" not in sys.modules
+    assert not hasattr(apex, "amp") and "apex.optimizers" in sys.modules
 
 
 def test_apex_imported_before_the_alias_is_reported(alias, monkeypatch):
     alias.uninstall()
-    earlier = types.ModuleType("apex")
-    monkeypatch.setitem(sys.modules, "apex", earlier)
+    earlier = types.ModuleType("apex.amp")
+    monkeypatch.setitem(sys.modules, "apex.amp", earlier)
     with pytest.warns(UserWarning, match="import mixedprec.apex before apex"):
         alias.install()
-    import apex
+    import apex.amp
 
-    assert apex is earlier
+    assert sys.modules["apex.amp"] is earlier
 
 
 # --- python -m mixedprec.apex --------------------------------------------------------
@@ -163,12 +282,19 @@ import torch.multiprocessing as mp
 
 import amp_C
 import apex
+import apex_C
+from apex import amp
+from apex.fp16_utils import *
 from apex.multi_tensor_apply import multi_tensor_applier
-from apex.parallel import DistributedDataParallel, LARC, SyncBatchNorm, convert_syncbn_model
-from apex.parallel.LARC import LARC as LegacyLARC
+from apex.optimizers import FusedAdam, FusedSGD
+from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+from apex.parallel.LARC import LARC
 import helper_next_to_the_script  # found as with `python script.py`
 
-assert LegacyLARC is LARC and apex.parallel.__name__ == "mixedprec.parallel"
+import mixedprec
+
+assert LARC is mixedprec.parallel.LARC and FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
+assert amp.scale_loss is mixedprec.amp.scale_loss and apex_C.__name__ == "mixedprec.apex_C"
 flag = torch.cuda.IntTensor([0]) if torch.cuda.is_available() else torch.IntTensor([0])
 src = [torch.ones(3, device=flag.device)]
 dst = [torch.empty(3, device=flag.device)]
@@ -176,12 +302,17 @@ multi_tensor_applier(amp_C.multi_tensor_scale, flag, [src, dst], 4.0)
 assert dst[0].tolist() == [4.0, 4.0, 4.0] and flag.item() == 0
 norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [dst], False)
 assert abs(norm.item() - 48 ** 0.5) < 1e-5
-{extra}
+param = torch.nn.Parameter(torch.ones(4))
+param.grad = torch.full((4,), 0.5)
+FusedSGD([param], lr=0.1).step()
+assert torch.allclose(param.detach(), torch.full((4,), 0.95))
+
 
 def child(index):
     import amp_C
-    import apex.parallel
-    assert amp_C.__name__ == "mixedprec.amp_C" and apex.parallel.__name__ == "mixedprec.parallel"
+    import apex.parallel.LARC
+    assert amp_C.__name__ == "mixedprec.amp_C"
+    assert apex.parallel.LARC.LARC.__module__ == "mixedprec.parallel"
 
 
 if __name__ == "__main__":
@@ -196,37 +327,17 @@ if __name__ == "__main__":
     sys.exit(3)
 """
 
-EXTRAS = {
-    "mixedprec.fp16_utils": """
-from apex.fp16_utils import *
-import apex.fp16_utils
-assert apex.fp16_utils.__name__ == "mixedprec.fp16_utils"
-""",
-    "mixedprec.optimizers": """
-from apex.optimizers import FusedAdam, FusedSGD
-param = torch.nn.Parameter(torch.ones(4))
-param.grad = torch.full((4,), 0.5)
-FusedSGD([param], lr=0.1).step()
-assert torch.allclose(param.detach(), torch.full((4,), 0.95))
-""",
-    "mixedprec.amp": """
-from apex import amp
-assert amp.__name__ == "mixedprec.amp"
-""",
-}
 
-
-def run_alias(args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def run_alias(args, cwd, pythonpath=()):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*pythonpath, str(REPO)]))
     return subprocess.run([sys.executable, "-m", "mixedprec.apex", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def test_runs_a_legacy_script(tmp_path):
-    extra = "".join(code for module, code in EXTRAS.items() if available(module))
     (tmp_path / "scripts").mkdir()
     script = tmp_path / "scripts" / "train.py"
-    script.write_text(LEGACY_SCRIPT.format(extra=extra, marker=MARKER))
+    script.write_text(LEGACY_SCRIPT.replace("{marker}", MARKER))
     (tmp_path / "scripts" / "helper_next_to_the_script.py").write_text("")
 
     result = run_alias([str(script), "--epochs", "2", "-m"], cwd=tmp_path)
@@ -272,3 +383,66 @@ def test_mixedprec_is_importable_without_the_alias():
         pytest.skip("a real apex is installed in this environment")
     assert "No module named 'apex'" in result.stderr
     assert mixedprec.__name__ == "mixedprec"
+
+
+REAL_APEX_SCRIPT = """\
+import subprocess
+import sys
+
+import amp_C
+import apex
+from apex.amp import scale_loss
+from apex.optimizers import FusedAdam
+import apex.fp16_utils.fp16_optimizer as m
+
+assert apex.REAL and amp_C.REAL and FusedAdam.REAL
+assert scale_loss.__module__ == "mixedprec.amp"
+assert m.FP16_Optimizer.__module__ == "mixedprec.fp16_utils"
+code = ("import apex, amp_C, apex_C; from apex.parallel import DistributedDataParallel as D; "
+        "print(apex.REAL, amp_C.REAL, apex_C.REAL, D.__module__)")
+out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                     text=True).stdout
+assert out.split() == ["True", "True", "True", "mixedprec.parallel"], out
+print("REAL-APEX-OK")
+"""
+
+
+def test_runs_a_script_beside_a_real_apex(tmp_path):
+    """With Apex installed, the script and its children get the real apex, amp_C and
+    apex_C, and mixedprec's apex.amp, apex.fp16_utils and apex.parallel."""
+    (tmp_path / "site").mkdir()
+    write_fake_apex(tmp_path / "site")
+    (tmp_path / "train.py").write_text(REAL_APEX_SCRIPT)
+    result = run_alias([str(tmp_path / "train.py")], cwd=tmp_path,
+                       pythonpath=[str(tmp_path / "site")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "REAL-APEX-OK" in result.stdout
+
+
+def test_multiproc_launches_one_process_per_rank(tmp_path):
+    """`python -m apex.parallel.multiproc script.py --world-size 2` under the alias:
+    two processes with --rank 0 and 1; rank 1's output goes to GPU_1.log."""
+    (tmp_path / "worker.py").write_text(textwrap.dedent("""\
+        import argparse
+        import apex.parallel
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--lr")
+        parser.add_argument("--rank", type=int)
+        parser.add_argument("--world-size", type=int)
+        args = parser.parse_args()
+        print("worker", args.rank, args.world_size, args.lr)
+        with open(f"rank{args.rank}.txt", "w") as f:
+            f.write(f"{args.rank}/{args.world_size}")
+    """))
+    result = run_alias(["-m", "apex.parallel.multiproc", "worker.py", "--lr", "0.1",
+                        "--world-size", "2"], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "rank0.txt").read_text() == "0/2"
+    assert (tmp_path / "rank1.txt").read_text() == "1/2"
+    assert "worker 0 2 0.1" in result.stdout
+    assert "worker 1 2 0.1" in (tmp_path / "GPU_1.log").read_text()
+
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(5)\n")
+    result = run_alias(["-m", "apex.parallel.multiproc", "fails.py", "--world-size", "1"],
+                       cwd=tmp_path)
+    assert result.returncode == 5, result.stdout + result.stderr
