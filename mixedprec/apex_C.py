@@ -20,9 +20,10 @@ def _check(fn: str, tensors: Sequence[Tensor]) -> None:
         raise TypeError(f"apex_C.{fn}: expected dense tensors")
 
 
-def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """One new 1-D tensor holding the elements of ``tensors`` one after the other (all of
-    one dtype and device, as in Apex)."""
+def flatten(bucket: Sequence[Tensor]) -> Tensor:
+    """One new 1-D tensor holding the elements of the tensors of ``bucket`` one after the
+    other (all of one dtype and device, as in Apex)."""
+    tensors = bucket
     _check("flatten", tensors)
     if not tensors:
         raise ValueError("apex_C.flatten: expected at least one tensor, got none")
@@ -33,13 +34,15 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def unflatten(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
-    """Views into ``flat`` (as :func:`flatten` made it) with the shapes of ``tensors``."""
+def unflatten(coalesced: Tensor, bucket: Sequence[Tensor]) -> List[Tensor]:
+    """Views into ``coalesced`` (as :func:`flatten` made it) with the shapes of the tensors
+    of ``bucket``."""
+    flat, tensors = coalesced, bucket
     _check("unflatten", tensors)
     if not isinstance(flat, Tensor) or flat.dim() != 1:
-        raise TypeError("apex_C.unflatten: expected flat to be a 1-D tensor")
+        raise TypeError("apex_C.unflatten: expected coalesced to be a 1-D tensor")
     sizes = [t.numel() for t in tensors]
     if flat.numel() != sum(sizes):
-        raise ValueError(f"apex_C.unflatten: flat has {flat.numel()} elements, the tensors "
+        raise ValueError(f"apex_C.unflatten: coalesced has {flat.numel()} elements, the bucket "
                          f"{sum(sizes)}")
     return [part.view_as(t) for part, t in zip(torch.split(flat, sizes), tensors)]
