@@ -199,8 +199,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     Accepted and ignored (torch's DDP has no counterpart, or needs none):
     ``shared_param`` (shared parameters just work), ``allreduce_trigger_params``
-    (buckets are cut by size), ``num_allreduce_streams`` and ``allreduce_communicators`` (torch's reducer
-    schedules its own communication), ``prof`` (no NVTX ranges).
+    (buckets are cut by size), ``num_allreduce_streams`` and
+    ``allreduce_communicators`` (torch's reducer schedules its own communication),
+    ``prof`` (no NVTX ranges).
 
     Any keyword of torch's DDP (``device_ids``, ``process_group``,
     ``find_unused_parameters``, ``gradient_as_bucket_view``, ``bucket_cap_mb``, ...)

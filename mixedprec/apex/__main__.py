@@ -8,7 +8,8 @@ spawn, ``torch.distributed.launch``, ``subprocess``), a temporary directory with
 small files, ``apex/__init__.py``, ``amp_C.py`` and ``apex_C.py``, goes first on
 ``PYTHONPATH`` and on ``sys.path``: when a child imports one of them, it installs the
 alias there and hands over to what the name resolves to (mixedprec's module, or a real
-Apex's when one is installed: see :mod:`mixedprec.apex`). The directory is removed when the script ends.
+Apex's when one is installed: see :mod:`mixedprec.apex`). The directory is removed
+when the script ends.
 """
 
 import os

@@ -222,9 +222,20 @@ def write_fake_apex(root):
     (root / "apex_C.py").write_text("REAL = True\n")
 
 
-def test_real_apex_supplies_all_but_what_it_removed(alias, tmp_path, monkeypatch):
+@pytest.fixture
+def fake_apex(alias, tmp_path, monkeypatch):
+    """A fake installed Apex on sys.path for one test; its modules are forgotten after."""
     write_fake_apex(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    alias.uninstall()
+    for name in list(sys.modules):
+        if name.partition(".")[0] in ("apex", "amp_C", "apex_C"):
+            del sys.modules[name]
+    alias.install()
+
+
+def test_real_apex_supplies_all_but_what_it_removed(alias, fake_apex):
     fresh(alias)
     import warnings
 

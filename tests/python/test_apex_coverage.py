@@ -107,7 +107,8 @@ def test_name_imports_with_apex_signature(alias, name, apex_text, status):
         assert [n for n, *_ in ours_list] == [n for n, *_ in apex_list], name
         for (n, kind, default), (_, apex_kind, apex_default) in zip(ours_list, apex_list):
             assert kind == apex_kind, f"{name}({n}): {kind} vs Apex's {apex_kind}"
-            assert same_default(default, apex_default), f"{name}({n}={default!r}) vs Apex's {apex_default!r}"
+            assert same_default(default, apex_default), \
+                f"{name}({n}={default!r}) vs Apex's {apex_default!r}"
         return
     # ◐: Apex's parameters by name with Apex's defaults; extra ones optional.
     ours_params = ours.parameters
