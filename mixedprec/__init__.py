@@ -6,8 +6,8 @@ reductions; fused optimizers with fp32 master weights (:class:`FusedSGD`,
 :class:`FusedAdam`) and a :class:`GradScaler` without host synchronisation.
 
 Apex's API lives in :mod:`mixedprec.amp`, :mod:`mixedprec.fp16_utils`,
-:mod:`mixedprec.parallel`, :mod:`mixedprec.amp_C` and
-:mod:`mixedprec.multi_tensor_apply` (loaded on first use). ``import mixedprec.apex``
+:mod:`mixedprec.parallel`, :mod:`mixedprec.amp_C`, :mod:`mixedprec.multi_tensor_apply`,
+:mod:`mixedprec.normalization` and :mod:`mixedprec.apex_C` (loaded on first use). ``import mixedprec.apex``
 makes ``import apex`` resolve to them; ``python -m mixedprec.apex script.py`` runs a
 legacy script that way.
 """
@@ -44,7 +44,8 @@ from .scaler import GradScaler  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["ops", "FusedAdam", "FusedSGD", "GradScaler", "__version__"]
 
-_SUBMODULES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply")
+_SUBMODULES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply", "normalization",
+               "apex_C")
 
 
 def __getattr__(name: str):
