@@ -193,8 +193,10 @@ class _ApexModule(types.ModuleType):
         alias = self.__dict__["__name__"]
         entry = MODULES[alias]
         target = sys.modules.get(entry.target) or importlib.import_module(entry.target)
-        if name == "__all__":
-            return [n for n in self._visible(entry, target) if hasattr(target, n)]
+        if name == "__all__":  # for `from apex.x import *`: the public names
+            public = [n for n in self._visible(entry, target)
+                      if not n.startswith("_") and hasattr(target, n)]
+            return public + list(_children(alias) if alias == _APEX else ())
         if name.startswith("__"):
             raise AttributeError(name)
         if name in entry.names:
