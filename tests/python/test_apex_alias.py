@@ -1,6 +1,8 @@
 """mixedprec.apex: legacy Apex imports resolve to mixedprec, in process (import hook)
 and through ``python -m mixedprec.apex`` (script and -m module, argv, sys.path, exit
-status, child processes)."""
+status, child processes): every module of Apex's file layout in every import form,
+beside a (fake) installed Apex that keeps all but what Apex removed, and
+``python -m apex.parallel.multiproc``."""
 
 import importlib
 import os
@@ -11,7 +13,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 import mixedprec
 
