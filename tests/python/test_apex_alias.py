@@ -268,6 +268,28 @@ def test_real_apex_supplies_all_but_what_it_removed(alias, fake_apex):
     assert not hasattr(apex, "amp") and "apex.optimizers" in sys.modules
 
 
+def test_real_apex_imported_before_the_alias(alias, fake_apex):
+    """`import apex` first, `import mixedprec.apex` after: no warning, and apex.amp
+    then comes from mixedprec."""
+    alias.uninstall()
+    for name in [n for n in sys.modules if n.partition(".")[0] == "apex"]:
+        del sys.modules[name]
+    import apex
+
+    assert apex.REAL
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alias.install()
+    from apex.fp16_utils import FP16_Optimizer
+
+    import mixedprec.fp16_utils
+
+    assert FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
+    assert sys.modules["apex"] is apex
+
+
 def test_apex_imported_before_the_alias_is_reported(alias, monkeypatch):
     alias.uninstall()
     earlier = types.ModuleType("apex.amp")
@@ -454,4 +476,9 @@ def test_multiproc_launches_one_process_per_rank(tmp_path):
     (tmp_path / "fails.py").write_text("import sys\nsys.exit(5)\n")
     result = run_alias(["-m", "apex.parallel.multiproc", "fails.py", "--world-size", "1"],
                        cwd=tmp_path)
+    assert result.returncode == 5, result.stdout + result.stderr
+    # The same launcher without the alias: python -m mixedprec.parallel.
+    result = subprocess.run([sys.executable, "-m", "mixedprec.parallel", "fails.py",
+                             "--world-size", "1"], cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert result.returncode == 5, result.stdout + result.stderr
