@@ -210,3 +210,103 @@ def ddp_grad_changed_after_allreduce(rank, world, kind):
 @pytest.mark.parametrize("kind", ["mixedprec", "torch"])
 def test_ddp_gradient_changed_on_one_rank_is_that_ranks_alone(kind):
     assert run_ranks(ddp_grad_changed_after_allreduce, 2, kind) == [True, False]
+
+
+# -- 3. The fused optimizers on DTensor parameters ---------------------------------------
+
+def _optimizers(master_weights):
+    return {
+        "FusedSGD": lambda ps: mixedprec.FusedSGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                                  master_weights=master_weights),
+        "FusedAdam": lambda ps: mixedprec.FusedAdam(ps, lr=1e-2, weight_decay=0.01,
+                                                    master_weights=master_weights),
+    }
+
+
+def dtensor_optimizers(rank, world, layout):
+    """Each optimizer, with and without masters (bf16 params), steps a sharded model as
+    it steps the whole model in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    checked = []
+    for master_weights in (False, True):
+        dtype = torch.bfloat16 if master_weights else torch.float32
+        for name, make in _optimizers(master_weights).items():
+            if layout == "fsdp":
+                model = fsdp(mlp(dtype))
+            else:
+                mesh = init_device_mesh("cpu", (world,))
+                model = parallelize_module(mlp(dtype), mesh,
+                                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            single = mlp(dtype)
+            opt, ref = make(model.parameters()), make(single.parameters())
+            for step in range(STEPS):
+                x, y = batch(step, rank, world) if layout == "fsdp" else batch(step)
+                loss_of(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                loss_of(single, *batch(step)).backward()
+                ref.step()
+                ref.zero_grad()
+            tol = dict(rtol=0, atol=2e-2 if master_weights else 1e-5)  # bf16: an ulp or two
+            for a, b in zip(full(model.parameters()), single.parameters()):
+                torch.testing.assert_close(a, b.detach(), **tol)
+            for p in model.parameters():
+                for key, value in opt.state[p].items():
+                    if isinstance(value, torch.Tensor):
+                        assert value.placements == p.placements, (name, key)
+                        assert value.dtype == torch.float32, (name, key)
+            keys = set(opt.state[next(iter(model.parameters()))])
+            assert ("master_param" in keys) == master_weights, (name, keys)
+            checked.append((name, master_weights))
+    return checked
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_fused_optimizers_step_dtensor_parameters(layout):
+    checked = run_ranks(dtensor_optimizers, 2, layout)[0]
+    assert len(checked) == 2 * len(_optimizers(False))
+
+
+# -- 4. ZeroRedundancyOptimizer ----------------------------------------------------------
+
+def zero_fused_adam(rank, world):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = nn.parallel.DistributedDataParallel(mlp(torch.bfloat16))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=mixedprec.FusedAdam,
+                                  lr=1e-2, master_weights=True)
+    single = mlp(torch.bfloat16)
+    ref = mixedprec.FusedAdam(single.parameters(), lr=1e-2, master_weights=True)
+    for step in range(STEPS):
+        loss_of(model, *batch(step, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(single, *batch(step)).backward()
+        ref.step()
+        ref.zero_grad()
+    for a, b in zip(model.parameters(), single.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=2e-2)
+        assert all_equal(a.detach())  # every rank got every partition's update
+    opt.consolidate_state_dict(to=0)
+    if rank != 0:
+        return None
+    state = opt.state_dict()
+    assert len(state["state"]) == len(list(model.parameters()))
+    for i, p in enumerate(model.parameters()):
+        entry = state["state"][i]
+        assert entry["master_param"].dtype == torch.float32
+        assert torch.equal(entry["master_param"].to(torch.bfloat16), p.detach())
+        assert set(entry) == {"master_param", "exp_avg", "exp_avg_sq"}
+    # ... and a fresh single-process FusedAdam resumes from it
+    resumed = mixedprec.FusedAdam(mlp(torch.bfloat16).parameters(), lr=1e-2, master_weights=True)
+    resumed.load_state_dict({"state": state["state"],
+                             "param_groups": [dict(g, params=list(range(4)))
+                                              for g in state["param_groups"][:1]]})
+    return sorted(state["state"][0])
+
+
+def test_zero_redundancy_optimizer_with_fused_adam_masters():
+    assert run_ranks(zero_fused_adam, 2)[0] == ["exp_avg", "exp_avg_sq", "master_param"]
