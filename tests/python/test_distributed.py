@@ -120,15 +120,24 @@ def fsdp_recipe(rank, world, recipe):
         results["state_bytes"] = sum(v.to_local().numel() * v.element_size()
                                      for s in opt.state.values() for v in s.values()
                                      if mixedprec.distributed.is_dtensor(v))
-    results["param_bytes"] = sum(p.to_local().numel() * p.element_size()
-                                 for p in (ours if recipe != "masters" else model).parameters())
+    params = list((ours if recipe != "masters" else model).parameters())
+    results["numel"] = sum(p.to_local().numel() for p in params)
+    results["param_bytes"] = sum(p.to_local().numel() * p.element_size() for p in params)
     return results
+
+
+# Bytes per parameter on each rank (docs/distributed.md): (sharded params, optimizer state)
+RECIPE_BYTES = {"bf16": (4, 8), "fp16": (4, 8), "masters": (2, 12)}
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp16", "masters"])
 def test_fsdp2_mixed_precision_recipes(recipe):
     results = run_ranks(fsdp_recipe, 2, recipe)
-    assert all(r["state_bytes"] > 0 for r in results)
+    total = sum(p.numel() for p in mlp().parameters())
+    assert sum(r["numel"] for r in results) == total  # each rank holds its shard alone
+    for r in results:
+        assert (r["param_bytes"], r["state_bytes"]) == tuple(b * r["numel"]
+                                                             for b in RECIPE_BYTES[recipe])
 
 
 # -- 2. One overflow decision on every rank ----------------------------------------------
