@@ -1,8 +1,8 @@
-"""mixedprec on torch.distributed's engines, on CPU with gloo (2 and 4 processes):
-FSDP2's mixed-precision recipes with the fused optimizers, tensor parallelism, one
-overflow decision across ranks, ZeroRedundancyOptimizer, and distributed checkpoints
-that reshard. The same tests would run on CUDA with NCCL on a machine with several
-GPUs; the CPU runs are what CI proves."""
+"""mixedprec on torch.distributed's engines, on 2 and 4 processes: FSDP2's
+mixed-precision recipes with the fused optimizers, tensor parallelism, one overflow
+decision across ranks, ZeroRedundancyOptimizer, and distributed checkpoints that
+reshard. Each test runs on the CPU with gloo, and again on GPUs with NCCL on a machine
+with one GPU per rank (skipped elsewhere)."""
 
 import os
 
@@ -12,17 +12,27 @@ import torch.distributed as dist
 from torch import nn
 
 import mixedprec
-from distributed_harness import run_ranks
+from distributed_harness import can_run, device, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def backend(request):
+    """The device type of the ranks: the CPU (gloo) always; CUDA (NCCL) with 4 GPUs."""
+    if not can_run(request.param, 4):
+        pytest.skip(f"needs {'4 GPUs and NCCL' if request.param == 'cuda' else 'gloo'}")
+    return request.param
 
 STEPS = 4
 GLOBAL_BATCH = 8
 
 
-def mlp(dtype=torch.float32) -> nn.Module:
+def mlp(dtype=torch.float32, on=None) -> nn.Module:
+    """The test model, on this rank's device (``on``: another)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(dtype)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    return model.to(on if on is not None else device(), dtype)
 
 
 def batch(step: int, rank: int = 0, world: int = 1):
@@ -34,7 +44,8 @@ def batch(step: int, rank: int = 0, world: int = 1):
 
 
 def loss_of(model, x, y):
-    return (model(x.to(next(model.parameters()).dtype)).float() - y).square().mean()
+    p = next(model.parameters())
+    return (model(x.to(p.device, p.dtype)).float() - y.to(p.device)).square().mean()
 
 
 def fsdp(model: nn.Module, policy=None) -> nn.Module:
@@ -47,6 +58,11 @@ def fsdp(model: nn.Module, policy=None) -> nn.Module:
     return model
 
 
+def ddp(model: nn.Module) -> nn.Module:
+    ids = [device().index] if device().type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
 def full(tensors):
     """Whole tensors from DTensors (a collective), plain tensors as they are."""
     return [t.full_tensor() if mixedprec.distributed.is_dtensor(t) else t.detach().clone()
@@ -54,6 +70,7 @@ def full(tensors):
 
 
 def all_equal(t: torch.Tensor) -> bool:
+    t = t.to(device())
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
@@ -72,8 +89,8 @@ def fsdp_recipe(rank, world, recipe):
         ours, theirs = fsdp(mlp(), policy), fsdp(mlp(), policy)
         opt = mixedprec.FusedAdam(ours.parameters(), lr=1e-2, weight_decay=0.01)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.01)
-        scalers = (mixedprec.GradScaler("cpu", init_scale=2.0**8),
-                   torch.amp.GradScaler("cpu", init_scale=2.0**8)) if recipe == "fp16" else None
+        scalers = (mixedprec.GradScaler(device().type, init_scale=2.0**8),
+                   torch.amp.GradScaler(device().type, init_scale=2.0**8)) if recipe == "fp16" else None
         for step in range(STEPS):
             x, y = batch(step, rank, world)
             for i, (model, o) in enumerate(((ours, opt), (theirs, ref))):
@@ -131,9 +148,9 @@ RECIPE_BYTES = {"bf16": (4, 8), "fp16": (4, 8), "masters": (2, 12)}
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp16", "masters"])
-def test_fsdp2_mixed_precision_recipes(recipe):
-    results = run_ranks(fsdp_recipe, 2, recipe)
-    total = sum(p.numel() for p in mlp().parameters())
+def test_fsdp2_mixed_precision_recipes(backend, recipe):
+    results = run_ranks(fsdp_recipe, 2, recipe, device=backend)
+    total = sum(p.numel() for p in mlp(on="cpu").parameters())
     assert sum(r["numel"] for r in results) == total  # each rank holds its shard alone
     for r in results:
         assert (r["param_bytes"], r["state_bytes"]) == tuple(b * r["numel"]
@@ -155,16 +172,16 @@ def overflow_agreement(rank, world, layout, kind):
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device().type, (world,))
         model = parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     if kind == "mixedprec":
         opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2)
-        scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10)
+        scaler = mixedprec.GradScaler(device().type, init_scale=2.0**10)
     else:  # torch's own: the behaviour mixedprec must match
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+        scaler = ShardedGradScaler(device().type, init_scale=2.0**10)
     changed, scales = [], []
     for step in range(STEPS):
         x, y = batch(step, rank, world) if layout == "fsdp" else batch(step)
@@ -189,8 +206,8 @@ def overflow_agreement(rank, world, layout, kind):
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 @pytest.mark.parametrize("kind", ["mixedprec", "torch"])
-def test_inf_on_one_rank_skips_the_step_on_every_rank(layout, kind):
-    results = run_ranks(overflow_agreement, 2, layout, kind)
+def test_inf_on_one_rank_skips_the_step_on_every_rank(backend, layout, kind):
+    results = run_ranks(overflow_agreement, 2, layout, kind, device=backend)
     changed, scales = results[0]
     assert changed == [step != INF_STEP for step in range(STEPS)]
     assert scales[INF_STEP] == scales[INF_STEP - 1] / 2
@@ -199,13 +216,13 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(layout, kind):
 def ddp_grad_changed_after_allreduce(rank, world, kind):
     """DDP: rank 1 changes its gradient after DDP's all-reduce. Neither scaler adds a
     collective of its own: rank 1 alone skips (as torch.amp.GradScaler does)."""
-    model = nn.parallel.DistributedDataParallel(mlp())
+    model = ddp(mlp())
     if kind == "mixedprec":
         opt = mixedprec.FusedSGD(model.parameters(), lr=0.1)
-        scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10)
+        scaler = mixedprec.GradScaler(device().type, init_scale=2.0**10)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scaler = torch.amp.GradScaler(device().type, init_scale=2.0**10)
     x, y = batch(0, rank, world)
     scaler.scale(loss_of(model, x, y)).backward()
     if rank == 1:
@@ -217,8 +234,8 @@ def ddp_grad_changed_after_allreduce(rank, world, kind):
 
 
 @pytest.mark.parametrize("kind", ["mixedprec", "torch"])
-def test_ddp_gradient_changed_on_one_rank_is_that_ranks_alone(kind):
-    assert run_ranks(ddp_grad_changed_after_allreduce, 2, kind) == [True, False]
+def test_ddp_gradient_changed_on_one_rank_is_that_ranks_alone(backend, kind):
+    assert run_ranks(ddp_grad_changed_after_allreduce, 2, kind, device=backend) == [True, False]
 
 
 # -- 3. The fused optimizers on DTensor parameters ---------------------------------------
@@ -246,7 +263,7 @@ def dtensor_optimizers(rank, world, layout):
             if layout == "fsdp":
                 model = fsdp(mlp(dtype))
             else:
-                mesh = init_device_mesh("cpu", (world,))
+                mesh = init_device_mesh(device().type, (world,))
                 model = parallelize_module(mlp(dtype), mesh,
                                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
             single = mlp(dtype)
@@ -274,8 +291,8 @@ def dtensor_optimizers(rank, world, layout):
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_fused_optimizers_step_dtensor_parameters(layout):
-    checked = run_ranks(dtensor_optimizers, 2, layout)[0]
+def test_fused_optimizers_step_dtensor_parameters(backend, layout):
+    checked = run_ranks(dtensor_optimizers, 2, layout, device=backend)[0]
     assert len(checked) == 2 * len(_optimizers(False))
 
 
@@ -284,7 +301,7 @@ def test_fused_optimizers_step_dtensor_parameters(layout):
 def zero_fused_adam(rank, world):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    model = nn.parallel.DistributedDataParallel(mlp(torch.bfloat16))
+    model = ddp(mlp(torch.bfloat16))
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=mixedprec.FusedAdam,
                                   lr=1e-2, master_weights=True)
     single = mlp(torch.bfloat16)
@@ -317,8 +334,8 @@ def zero_fused_adam(rank, world):
     return sorted(state["state"][0])
 
 
-def test_zero_redundancy_optimizer_with_fused_adam_masters():
-    assert run_ranks(zero_fused_adam, 2)[0] == ["exp_avg", "exp_avg_sq", "master_param"]
+def test_zero_redundancy_optimizer_with_fused_adam_masters(backend):
+    assert run_ranks(zero_fused_adam, 2, device=backend)[0] == ["exp_avg", "exp_avg_sq", "master_param"]
 
 
 # -- 5. Distributed checkpoints: save on N ranks, load on M, continue ----------------------
@@ -336,7 +353,7 @@ def dcp_run(rank, world, checkpoint, mode):
 
     model = fsdp(mlp(torch.bfloat16))
     opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
-    scaler = mixedprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    scaler = mixedprec.GradScaler(device().type, init_scale=2.0**8, growth_interval=1)
 
     def train(steps):
         for step in steps:
@@ -352,7 +369,7 @@ def dcp_run(rank, world, checkpoint, mode):
                  checkpoint_id=checkpoint)
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
-        scaler.scale(torch.ones(()))  # creates the scale tensor that loading fills
+        scaler.scale(torch.ones((), device=device()))  # creates the scale tensor that loading fills
         state = {"model": model_sd, "optim": optim_sd, "scaler": scaler.state_dict()}
         dcp.load(state, checkpoint_id=checkpoint)
         set_state_dict(model, opt, model_state_dict=state["model"],
@@ -365,10 +382,11 @@ def dcp_run(rank, world, checkpoint, mode):
 
 
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 2), (2, 4), (4, 2)])
-def test_distributed_checkpoint_resumes_across_world_sizes(tmp_path, saved_on, loaded_on):
+def test_distributed_checkpoint_resumes_across_world_sizes(backend, tmp_path, saved_on,
+                                                           loaded_on):
     checkpoint = str(tmp_path / "ckpt")
-    straight = run_ranks(dcp_run, saved_on, checkpoint, "save")[0]
-    resumed = run_ranks(dcp_run, loaded_on, checkpoint, "load")[0]
+    straight = run_ranks(dcp_run, saved_on, checkpoint, "save", device=backend)[0]
+    resumed = run_ranks(dcp_run, loaded_on, checkpoint, "load", device=backend)[0]
     params, masters, scale, step = resumed
     assert scale == straight[2] and step == straight[3] == SAVE_AT + MORE
     if saved_on == loaded_on:  # the same run, interrupted: equal bit for bit
