@@ -38,8 +38,11 @@ if _BUILT_FOR is not None:
     _check_build(_BUILT_FOR, torch.__version__)
 
 from . import ops  # noqa: E402
+from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
 from .optimizers import FusedAdam, FusedSGD  # noqa: E402
 from .scaler import GradScaler  # noqa: E402
+
+_register_dtensor_ops()  # the ops take DTensor arguments (see mixedprec.distributed)
 
 __version__ = "0.1.0"
 __all__ = ["ops", "FusedAdam", "FusedSGD", "GradScaler", "__version__"]

@@ -13,6 +13,11 @@ param group and device (two for SGD while some momentum buffers are new), which:
   (kept in the optimizer state as ``master_param``) and writes them, cast, into the
   model parameters in the same pass.
 
+State is created at a parameter's first step, as torch's optimizers create theirs
+(masters included): an optimizer that has not stepped has an empty ``state``, which
+is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
+state it loads a checkpoint into.
+
 Optimizer state (moments, momentum buffers, masters) is always float32, and follows
 its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
 was built works), and a master is taken anew from its parameter when the parameter
@@ -117,21 +122,14 @@ class _FusedOptimizer(Optimizer):
                     f"bfloat16, got {p.dtype}"
                 )
         super().add_param_group(dict(param_group, params=params))
-        self._create_master_weights(self.param_groups[-1])
         self._invalidate_plans()
-
-    def _create_master_weights(self, group: Dict[str, Any]) -> None:
-        if not self.master_weights:
-            return
-        for p in group["params"]:
-            if mst.needs_master(p) and "master_param" not in self.state[p]:
-                self._new_master(p, self.state[p])
 
     def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
         """A fresh fp32 master of ``p`` in its ``state``, and the version of ``p`` it was
         taken at (see ``_master``)."""
         master = state["master_param"] = mst.make_master(p)
-        self._master_versions[id(master)] = p._version
+        if not torch.compiler.is_compiling():  # (id() is not traceable; see _master)
+            self._master_versions[id(master)] = p._version
         return master
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:

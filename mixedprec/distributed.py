@@ -1,0 +1,176 @@
+"""mixedprec on torch.distributed's own engines: the ops take DTensor arguments (FSDP2,
+tensor parallelism), and sharded gradients give one overflow decision on all ranks.
+
+**How a mixedprec op runs on DTensors.** On each rank, on the local shards. A
+pointwise list op (an unscale, an optimizer update) computes on a shard exactly what
+it computes there on the whole tensor, whatever the placements, as long as the lists
+of one call agree: gradients are first redistributed to their parameter's placements
+where they differ (a ``Partial`` gradient of a replicated parameter is all-reduced,
+as DTensor does for ``torch.optim``). State made from a DTensor parameter
+(``zeros_like``, ``detach().float()``) is a DTensor with its placements, so an
+optimizer's ``state_dict`` is sharded like the model's and
+``torch.distributed.checkpoint`` saves and reshards it.
+
+The ops are registered as *handlers* in DTensor's dispatcher, the mechanism torch
+uses for its own ``_amp_foreach_non_finite_check_and_unscale_``: a call with a
+DTensor argument reaches :func:`_run_on_shards`; a call without one never sees this
+module (no cost for single-device training). Sharding rules
+(``torch.distributed.tensor.experimental.register_sharding``) were tried and not
+chosen: they refuse in-place list ops on sharded tensors ("in-place operations that
+require placement changes are not supported", torch 2.11), and a rule per op says
+nothing the local run does not. Ops whose result depends on whole tensors reduce
+across shards here: the overflow flag and the L2 norms. Others of that kind are
+refused on sharded DTensors (:data:`_WHOLE_TENSOR_OPS`).
+
+**Overflow across ranks.** Each rank checks only its shards: the flag written by
+``multi_tensor_unscale_``, ``multi_tensor_unscale_to_`` and
+``multi_tensor_check_finite_`` on DTensors is all-reduced (MAX) over the mesh
+dimensions on which the gradients are not replicated, on the device, without a host
+read, so every rank skips the same steps and the scales stay equal. Plain tensors
+(DDP) get no collective: DDP's all-reduce of the gradients already spreads an inf to
+every rank. A gradient changed on one rank after that all-reduce is then seen by
+that rank alone, as with torch's GradScaler: its overflow skips that rank's step only
+(the replicas have diverged anyway, through the changed gradient).
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["is_dtensor", "register_ops"]
+
+# Ops that write an overflow flag from their first list: the flag is agreed across ranks.
+_FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
+             "multi_tensor_check_finite_": 0}
+# Ops whose math needs whole tensors; refused with sharded DTensors unless handled here.
+_WHOLE_TENSOR_OPS: Tuple[str, ...] = ()
+
+
+def _dtensor_module():
+    try:
+        import torch.distributed.tensor as module
+    except ImportError:  # a torch without distributed support
+        return None
+    return module
+
+
+def is_dtensor(t: object) -> bool:
+    module = _dtensor_module()
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _local(value: Any) -> Any:
+    """``value`` with DTensors (alone or in a list) replaced by their local shards, the
+    same storage (an in-place write reaches the DTensor)."""
+    DTensor = _dtensor_module().DTensor
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, (list, tuple)):
+        return [v.to_local() if isinstance(v, DTensor) else v for v in value]
+    return value
+
+
+def _local_grads(grads: Sequence[Tensor], params: Sequence[Tensor]) -> List[Tensor]:
+    """The local shards of ``grads``, each first redistributed to its parameter's mesh
+    and placements where they differ (a collective)."""
+    DTensor = _dtensor_module().DTensor
+    out = []
+    for g, p in zip(grads, params):
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and (
+                g.placements != p.placements or g.device_mesh != p.device_mesh):
+            g = g.redistribute(p.device_mesh, p.placements)
+        out.append(g.to_local() if isinstance(g, DTensor) else g)
+    return out
+
+
+def _sharded_groups(tensors: Sequence[Any]) -> list:
+    """The process groups of the mesh dimensions on which some DTensor of ``tensors``
+    is not replicated, in a fixed order (the same on every rank, as every rank holds
+    the same parameters)."""
+    module = _dtensor_module()
+    groups: list = []
+    seen = set()
+    for t in tensors:
+        if not isinstance(t, module.DTensor):
+            continue
+        mesh = t.device_mesh
+        for dim, placement in enumerate(t.placements):
+            if placement.is_replicate() or (id(mesh), dim) in seen:
+                continue
+            seen.add((id(mesh), dim))
+            group = mesh.get_group(dim)
+            if dist.get_world_size(group) > 1 and group not in groups:
+                groups.append(group)
+    return groups
+
+
+def agree_found_inf(found_inf: Tensor, tensors: Sequence[Any]) -> None:
+    """Makes ``found_inf`` the maximum over the ranks that hold other shards of the
+    DTensors among ``tensors``: an all-reduce on the device, no host read."""
+    for group in _sharded_groups(tensors):
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
+def _l2norm_on_shards(args: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
+    """``multi_tensor_l2norm`` of DTensors: the local sums of squares, summed over the
+    ranks holding other shards, then the square root."""
+    tensors = args["tensors"]
+    total, per_tensor = torch.ops.mixedprec.multi_tensor_l2norm.default(
+        _local(tensors), _local(args["inv_scale"]), args["per_tensor"])
+    groups = _sharded_groups(tensors)
+    if not groups:
+        return total, per_tensor
+    squares = torch.cat([total.reshape(1), per_tensor]).double().square()
+    for group in groups:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    norms = squares.sqrt().float()
+    return norms[:1].clone(), norms[1:].clone()
+
+
+def _run_on_shards(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """DTensor's handler of every mixedprec op (see the module docstring)."""
+    name = op._schema.name.split("::")[1]
+    schema_args = op._schema.arguments
+    bound: Dict[str, Any] = {a.name: a.default_value for a in schema_args if a.has_default_value()}
+    bound.update(zip((a.name for a in schema_args), args))
+    bound.update(kwargs)
+    if name == "multi_tensor_l2norm":
+        return _l2norm_on_shards(bound)
+    if name in _WHOLE_TENSOR_OPS and _sharded_groups(bound["params"]):
+        raise NotImplementedError(
+            f"mixedprec.{name}: parameters sharded across ranks are not supported (its "
+            "per-tensor norms would need a reduction across shards)")
+    local_args = []
+    for a in schema_args:
+        value = bound[a.name]
+        if a.name == "grads" and "params" in bound:
+            value = _local_grads(value, bound["params"])
+        else:
+            value = _local(value)
+        local_args.append(value)
+    result = op(*local_args)
+    if name in _FLAG_OPS:
+        agree_found_inf(local_args[[a.name for a in schema_args].index("found_inf")],
+                        bound[schema_args[_FLAG_OPS[name]].name])
+    return result
+
+
+_registered = False
+
+
+def register_ops() -> None:
+    """Registers :func:`_run_on_shards` for every mixedprec op with DTensor's dispatcher
+    (once; done when mixedprec is imported). Without torch.distributed, nothing."""
+    global _registered
+    module = _dtensor_module()
+    if _registered or module is None:
+        return
+    handlers = module.DTensor._op_dispatcher._custom_op_handlers
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("mixedprec::"):
+            packet = getattr(torch.ops.mixedprec, qualified.split("::")[1].split(".")[0])
+            for overload in packet.overloads():
+                handlers[getattr(packet, overload)] = _run_on_shards
+    _registered = True
