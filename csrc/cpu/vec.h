@@ -65,6 +65,7 @@ struct Lanes<VecF16> {
     return !((VecF16)((VecU16)x & 0x7fffffffu) <= 3.40282347e+38f);
   }
   static inline VecI16 none() { return VecI16{}; }
+  static inline VecF16 select(VecI16 cond, VecF16 a, VecF16 b) { return cond ? a : b; }
 };
 
 template <>
@@ -77,6 +78,7 @@ struct Lanes<VecF8> {
     return !((VecF8)((VecU8)x & 0x7fffffffu) <= 3.40282347e+38f);
   }
   static inline VecI8 none() { return VecI8{}; }
+  static inline VecF8 select(VecI8 cond, VecF8 a, VecF8 b) { return cond ? a : b; }
 };
 
 namespace cpu {
