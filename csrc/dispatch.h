@@ -115,6 +115,43 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
   }
 }
 
+// LAMB's stages (pointwise.h). Stage 1 reads params and grads in any float type and
+// writes fp32 moments and updates; stage 2 writes the params and, when present, the
+// model copy (params are then fp32 masters, validated before).
+template <class Engine>
+void run_lamb_stage1(const std::array<at::TensorList, 5>& lists, const LambStage1Op& op,
+                     const float* skip) {
+  for (const auto& g : group_by_dtype<5>(lists)) {
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
+      MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "fused_lamb_", grad_t, [&] {
+        Engine::template run<LambStage1Op, param_t, grad_t, float, float, float>(g, op, skip,
+                                                                                nullptr);
+      });
+    });
+  }
+}
+
+template <class Engine>
+void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage2Op& op,
+                     const float* skip) {
+  for (const auto& g : group_by_dtype<5>(lists)) {
+    const bool has_model = !g[2].empty();
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
+      if (!has_model) {
+        Engine::template run<LambStage2Op, param_t, float, float, float, float>(g, op, skip,
+                                                                               nullptr);
+        return;
+      }
+      MP_DISPATCH_FLOATS(g[2][0].scalar_type(), "fused_lamb_", model_t, [&] {
+        if constexpr (std::is_same_v<param_t, float>) {
+          Engine::template run<LambStage2Op, float, float, model_t, float, float>(g, op, skip,
+                                                                                 nullptr);
+        }
+      });
+    });
+  }
+}
+
 // --- The op entries --------------------------------------------------------------
 // Each checks its arguments before anything is written, makes the data's device
 // current, and runs on the engine. Signatures follow the schemas in ops.cpp.
@@ -273,6 +310,90 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                                 optional_ptr(found_inf));
 }
 
+// Two pointwise passes around one L2 norm: stage 1 writes the moments and each
+// tensor's update into an fp32 scratch buffer (one allocation, a view per tensor, each
+// starting on a 64-byte boundary); the engine's l2norm gives every param's and every
+// update's norm; stage 2 applies the updates with the trust ratios (per-tensor lists).
+// The step counter is incremented (on the device, unless found_inf is set) first.
+template <class Engine>
+void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool adamw, bool bias_correction, bool grad_averaging, bool use_nvlamb,
+                 const std::optional<at::Tensor>& global_grad_norm, double max_grad_norm,
+                 const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& found_inf) {
+  Checker c("fused_lamb_");
+  c.scalar(step, "step", at::kFloat, Access::kWrite);
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  c.optional_scalar(global_grad_norm, "global_grad_norm");
+  check_params(c, params, grads, model_params);
+  c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
+  c.paired(params, "params", exp_avgs, "exp_avgs");
+  c.list(exp_avg_sqs, "exp_avg_sqs", kF32, Access::kWrite);
+  c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
+  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  if (global_grad_norm.has_value()) {
+    c.value(max_grad_norm > 0 && std::isfinite(max_grad_norm), "max_grad_norm",
+            "a finite number > 0 with a global_grad_norm", max_grad_norm);
+  }
+  c.no_overlap();
+  if (params.empty()) return;
+
+  const at::Device device = step.device();
+  const typename Engine::Guard guard(device);
+  const float* skip = optional_ptr(found_inf);
+  Engine::increment_step(step.data_ptr<float>(), skip);
+
+  constexpr int64_t kAlign = 16;  // floats: 64 bytes
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const auto& p : params) {
+    offsets.push_back(total);
+    total += (p.numel() + kAlign - 1) / kAlign * kAlign;
+  }
+  const at::Tensor scratch =
+      at::empty({total}, at::TensorOptions().dtype(at::kFloat).device(device));
+  std::vector<at::Tensor> updates;
+  for (size_t i = 0; i < params.size(); ++i) {
+    updates.push_back(scratch.narrow(0, offsets[i], params[i].numel()));
+  }
+
+  LambStage1Op op1;
+  op1.beta1 = beta1;
+  op1.beta2 = beta2;
+  op1.eps = eps;
+  op1.weight_decay = weight_decay;
+  op1.max_grad_norm = max_grad_norm;
+  op1.adamw = adamw;
+  op1.bias_correction = bias_correction;
+  op1.grad_averaging = grad_averaging;
+  op1.step_ptr = step.data_ptr<float>();
+  op1.inv_scale_ptr = optional_ptr(inv_scale);
+  op1.grad_norm_ptr = optional_ptr(global_grad_norm);
+  run_lamb_stage1<Engine>({params, grads, exp_avgs, exp_avg_sqs, updates}, op1, skip);
+
+  // Params' and updates' norms in one call: tensors 0..n-1 and n..2n-1.
+  std::vector<at::Tensor> both(params.begin(), params.end());
+  both.insert(both.end(), updates.begin(), updates.end());
+  const std::vector<at::Tensor> norms =
+      std::get<1>(Engine::l2norm(both, nullptr, /*per_tensor=*/true, device)).unbind(0);
+  const auto n = static_cast<std::ptrdiff_t>(params.size());
+  const std::vector<at::Tensor> param_norms(norms.begin(), norms.begin() + n);
+  const std::vector<at::Tensor> update_norms(norms.begin() + n, norms.end());
+
+  LambStage2Op op2;
+  op2.lr = static_cast<float>(lr);
+  op2.adaptive = use_nvlamb || weight_decay != 0;
+  run_lamb_stage2<Engine>({params, updates, model_params, param_norms, update_norms}, op2, skip);
+}
+
 template <class Engine>
 at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool keepdim) {
   Checker c("sum_fp32");
@@ -360,6 +481,7 @@ void register_kernels(torch::Library& m) {
   m.impl("multi_tensor_l2norm", &entry::multi_tensor_l2norm<Engine>);
   m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);
   m.impl("fused_adam_", &entry::fused_adam_<Engine>);
+  m.impl("fused_lamb_", &entry::fused_lamb_<Engine>);
   m.impl("sum_fp32", &entry::sum_fp32<Engine>);
   m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);
 }

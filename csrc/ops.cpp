@@ -28,6 +28,14 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.def(
+      "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
+      "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
+      "float beta2, float eps, float weight_decay, bool adamw, "
+      "bool bias_correction, bool grad_averaging, bool use_nvlamb, "
+      "Tensor? global_grad_norm, float max_grad_norm, Tensor? inv_scale, "
+      "Tensor? found_inf) -> ()");
   m.def("sum_fp32(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor");
   m.def(
       "update_loss_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, "

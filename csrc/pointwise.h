@@ -9,13 +9,20 @@
 // (cpu/engine.h), where each lane sees the same operations as a float would. resolve() runs once per block (CUDA) or call (CPU),
 // on the device that holds the data, to read device-side scalars such as
 // inv_scale and step.
+//
+// A functor may declare `kPerTensor`, a mask of per-tensor lists: list k in it holds,
+// for tensor i of the other lists, one fp32 value (a one-element tensor), which
+// apply() sees in x[k] for every element of tensor i. Such lists are read, never
+// written (in kReads, not in kWrites). Functors without the member have none.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MP_HD __host__ __device__ __forceinline__
@@ -28,6 +35,25 @@ namespace mixedprec {
 template <typename... Ts>
 struct TypeList {};
 
+// Op::kPerTensor, or 0 when Op does not declare it.
+template <typename Op, typename = void>
+struct PerTensorMask {
+  static constexpr unsigned value = 0;
+};
+template <typename Op>
+struct PerTensorMask<Op, std::void_t<decltype(Op::kPerTensor)>> {
+  static constexpr unsigned value = Op::kPerTensor;
+};
+template <typename Op>
+constexpr unsigned per_tensor_mask() {
+  static_assert((PerTensorMask<Op>::value & Op::kWrites) == 0, "per-tensor lists are read-only");
+  static_assert((PerTensorMask<Op>::value & ~Op::kReads) == 0, "per-tensor lists are read");
+  return PerTensorMask<Op>::value;
+}
+// Whether list K of Op is a per-tensor list.
+template <typename Op, size_t K>
+constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
+
 MP_HD bool is_finite(float x) {
 #if defined(__CUDA_ARCH__)
   return isfinite(x);
@@ -36,8 +62,10 @@ MP_HD bool is_finite(float x) {
 #endif
 }
 
-// What the functors need of their value type V beyond + - * /: a square root, and
-// a flag (per lane) for non-finite values. The CPU engine adds its vector types.
+// What the functors need of their value type V beyond + - * /: a square root, a
+// flag (per lane) for non-finite values, and a choice per lane (select: a where the
+// condition holds, else b; the condition is a comparison of Vs). The CPU engine
+// adds its vector types.
 template <typename V>
 struct Lanes;
 
@@ -47,6 +75,7 @@ struct Lanes<float> {
   static MP_HD float sqrt(float x) { return sqrtf(x); }
   static MP_HD bool not_finite(float x) { return !is_finite(x); }
   static MP_HD bool none() { return false; }
+  static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
 };
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
@@ -172,6 +201,88 @@ struct AdamOp {
     x[2] = m;
     x[3] = v;
     x[4] = p;
+    return Lanes<V>::none();
+  }
+};
+
+// LAMB's first stage (Apex's multi_tensor_lamb): the moments and the update u, whose
+// norm, with the parameter's, gives the trust ratio of the second stage. The
+// gradient is unscaled, then divided by the global clip factor; adamw false adds the
+// L2 term to the gradient, true adds weight_decay * p to the update. `step` has
+// already been incremented on the device when resolve() reads it.
+struct LambStage1Op {
+  static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sqs, updates
+  static constexpr unsigned kReads = 0b01111;
+  static constexpr unsigned kWrites = 0b11100;
+
+  double beta1, beta2, eps, weight_decay, max_grad_norm;
+  bool adamw, bias_correction, grad_averaging;
+  const float* step_ptr = nullptr;
+  const float* inv_scale_ptr = nullptr;
+  const float* grad_norm_ptr = nullptr;  // the global gradient norm (unscaled), or null
+  // Filled by resolve(); weights such as 1 - beta2 are formed in double, then rounded.
+  float inv_scale = 1.f, clip = 1.f, bias_correction1 = 1.f, bias_correction2 = 1.f;
+  float beta1_f = 0.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f,
+        wd_f = 0.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    if (grad_norm_ptr != nullptr) {
+      const float norm = *grad_norm_ptr;
+      const float max_norm = static_cast<float>(max_grad_norm);
+      clip = norm > max_norm ? norm / max_norm : 1.f;
+    }
+    if (bias_correction) {
+      const double step = *step_ptr;
+      bias_correction1 = static_cast<float>(1.0 - pow(beta1, step));
+      bias_correction2 = static_cast<float>(1.0 - pow(beta2, step));
+    }
+    beta1_f = static_cast<float>(beta1);
+    avg_weight = static_cast<float>(grad_averaging ? 1.0 - beta1 : 1.0);
+    beta2_f = static_cast<float>(beta2);
+    sq_weight = static_cast<float>(1.0 - beta2);
+    eps_f = static_cast<float>(eps);
+    wd_f = static_cast<float>(weight_decay);
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    const V p = x[0];
+    V g = x[1] * inv_scale / clip;
+    if (!adamw) g = g + wd_f * p;
+    const V m = x[2] * beta1_f + avg_weight * g;
+    const V v = x[3] * beta2_f + sq_weight * (g * g);
+    V u = (m / bias_correction1) / (Lanes<V>::sqrt(v / bias_correction2) + eps_f);
+    if (adamw) u = u + wd_f * p;
+    x[2] = m;
+    x[3] = v;
+    x[4] = u;
+    return Lanes<V>::none();
+  }
+};
+
+// LAMB's second stage: p -= ratio * u, with the trust ratio lr * ||p|| / ||u|| of the
+// tensor (per-tensor lists) where use_nvlamb or weight_decay != 0 and both norms
+// are nonzero, else lr; the model copy, when present, receives p.
+struct LambStage2Op {
+  static constexpr int kDepth = 5;  // params, updates, model_params, param_norms, update_norms
+  static constexpr unsigned kReads = 0b11011;
+  static constexpr unsigned kWrites = 0b00101;
+  static constexpr unsigned kPerTensor = 0b11000;
+
+  float lr;
+  bool adaptive;  // use_nvlamb or weight_decay != 0
+
+  MP_HD void resolve() {}
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V ratio = V{} + lr;
+    if (adaptive) {
+      const auto both_nonzero = (x[3] != 0.f) & (x[4] != 0.f);
+      ratio = Lanes<V>::select(both_nonzero, lr * (x[3] / x[4]), ratio);
+    }
+    const V p = x[0] - ratio * x[1];
+    x[0] = p;
+    x[2] = p;
     return Lanes<V>::none();
   }
 };

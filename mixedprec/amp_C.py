@@ -19,9 +19,12 @@ differs:
   case) is updated through fp32 copies and written back: correct, but slower than
   the fp32 state that mixedprec's own optimizers keep.
 
-Functions of Apex's ``amp_C`` that are not listed in ``__all__`` (LAMB, NovoGrad,
-Adagrad, the capturable Adam variants, ...) are not provided; looking one up raises
-``AttributeError`` naming it.
+* The LAMB kernels keep the update in a scratch buffer instead of writing it into
+  the gradients (Apex overwrote ``g`` with it): gradients are read, never written.
+
+Functions of Apex's ``amp_C`` that are not listed in ``__all__`` (LAMB's separate
+stages, NovoGrad, Adagrad, the capturable Adam variants, ...) are not provided;
+looking one up raises ``AttributeError`` naming it.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -40,6 +43,9 @@ __all__ = [
     "multi_tensor_adam",
     "multi_tensor_sgd",
     "update_scale_hysteresis",
+    "multi_tensor_l2norm_scale",
+    "multi_tensor_lamb",
+    "multi_tensor_lamb_mp",
 ]
 
 TensorLists = Sequence[List[Tensor]]
@@ -308,6 +314,127 @@ def update_scale_hysteresis(
         backoff_factor, growth_interval, hysteresis,
     )
     return current_scale
+
+
+def multi_tensor_l2norm_scale(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    scale: float,
+    per_tensor: Optional[bool] = False,
+) -> Tuple[Tensor, Tensor]:
+    """Apex ``amp_C.multi_tensor_l2norm_scale``: for ``tensor_lists = [src, dst]``,
+    :func:`multi_tensor_l2norm` of ``src`` (before scaling), and ``dst[i] = src[i] *
+    scale`` as :func:`multi_tensor_scale`; sets ``noop_flag`` on inf/NaN input."""
+    src, dst = _lists("multi_tensor_l2norm_scale", tensor_lists, (2,))
+    norms = multi_tensor_l2norm(chunk_size, noop_flag, [src], per_tensor)
+    multi_tensor_scale(chunk_size, noop_flag, [src, dst], scale)
+    return norms
+
+
+def _lamb(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: float, beta1: float,
+          beta2: float, epsilon: float, step: Tensor, bias_correction: int,
+          weight_decay: float, grad_averaging: int, mode: int, global_grad_norm: Tensor,
+          max_grad_norm: float, use_nvlamb: Optional[bool], inv_scale: Optional[Tensor],
+          found_inf: Tensor) -> None:
+    """:func:`mixedprec.ops.fused_lamb_` for Apex's LAMB lists ``[g, p, m, v]`` or ``[g,
+    p_master, m, v, p_model]``; ``step`` is the float32 count before this update."""
+    if mode not in (0, 1):
+        raise ValueError(f"{fn}: expected mode 0 (L2) or 1 (decoupled weight decay), got {mode}")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    model_params = lists[4] if len(lists) == 5 else []
+    if not params:
+        return
+    exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
+    exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
+    ops.fused_lamb_(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, epsilon,
+        weight_decay, adamw=mode == 1, bias_correction=bool(bias_correction),
+        grad_averaging=bool(grad_averaging), use_nvlamb=bool(use_nvlamb),
+        global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm, inv_scale=inv_scale,
+        found_inf=found_inf,
+    )
+    ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
+
+
+def multi_tensor_lamb(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: Optional[bool] = None,
+) -> None:
+    """Apex ``amp_C.multi_tensor_lamb``: one LAMB step for ``tensor_lists = [g, p, m,
+    v]`` (:func:`mixedprec.ops.fused_lamb_` gives the math). ``step`` is the step number
+    after this update (a Python int, as in Apex); ``mode`` 0 adds L2 weight decay to the
+    gradient, 1 decouples it; gradients are divided by ``global_grad_norm /
+    max_grad_norm`` when that exceeds 1 (``global_grad_norm`` a one-element float32
+    tensor; ``max_grad_norm`` must be > 0). Skipped, on the device, when ``noop_flag`` is
+    set (Apex's kernel ignored the flag). Gradients are read, not written."""
+    _check_flag("multi_tensor_lamb", noop_flag)
+    lists = _lists("multi_tensor_lamb", tensor_lists, (4,))
+    device = _device(lists, noop_flag)
+    _lamb("multi_tensor_lamb", noop_flag, lists, lr, beta1, beta2, epsilon,
+          _scalar(step - 1, device), bias_correction, weight_decay, grad_averaging, mode,
+          global_grad_norm, max_grad_norm, use_nvlamb, None, _found_inf_of(noop_flag, device))
+
+
+def multi_tensor_lamb_mp(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm,
+    use_nvlamb: Optional[bool],
+    found_inf: Tensor,
+    inv_scale: Tensor,
+) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_mp``: :func:`multi_tensor_lamb` for ``[g, p, m,
+    v]`` or ``[g, p_master, m, v, p_model]`` (fp32 masters written, cast, into the
+    model), with gradients multiplied by ``inv_scale``, ``step`` a one-element int
+    tensor already holding this update's number, and ``lr`` and ``max_grad_norm``
+    floats or one-element tensors (``global_grad_norm`` and ``max_grad_norm`` may both
+    be of the scaled gradients, as Apex's FusedMixedPrecisionLamb passes them: only
+    their ratio is used, formed on the device). Skipped, on the device, when
+    ``noop_flag`` or ``found_inf`` is set.
+
+    A tensor ``lr`` is read on the host (one synchronisation): mixedprec's op takes the
+    learning rate as a number."""
+    _check_flag("multi_tensor_lamb_mp", noop_flag)
+    lists = _lists("multi_tensor_lamb_mp", tensor_lists, (4, 5))
+    if not lists[1]:
+        return
+    device = lists[1][0].device
+    if isinstance(lr, Tensor):
+        lr = float(lr)  # sync-ok: Apex passes lr as a device tensor; the op takes a number
+    if isinstance(max_grad_norm, Tensor):
+        global_grad_norm = global_grad_norm.to(device, torch.float32) / max_grad_norm.to(
+            device, torch.float32)
+        max_grad_norm = 1.0
+    skip = torch.maximum(_found_inf_of(noop_flag, device), _found_inf_of(found_inf, device))
+    step_before = (step.to(device, torch.float32) - 1).reshape(1)
+    _lamb("multi_tensor_lamb_mp", noop_flag, lists, lr, beta1, beta2, epsilon, step_before,
+          bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+          max_grad_norm, use_nvlamb, inv_scale, skip)
 
 
 def __getattr__(name: str):

@@ -40,6 +40,7 @@ __all__ = [
     "multi_tensor_l2norm",
     "fused_sgd_",
     "fused_adam_",
+    "fused_lamb_",
     "sum_fp32",
     "update_loss_scale_",
 ]
@@ -302,4 +303,56 @@ def update_loss_scale_(
 def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
     _no_meta_among_real("update_loss_scale_", locals())
+    return None
+
+
+def fused_lamb_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    model_params: List[Tensor],
+    step: Tensor,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    use_nvlamb: bool = False,
+    global_grad_norm: Optional[Tensor] = None,
+    max_grad_norm: float = 1.0,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One LAMB step over all ``params`` (Apex's ``multi_tensor_lamb`` math).
+
+    Per element, in fp32: ``g = grad * inv_scale / clip`` with ``clip =
+    max(1, global_grad_norm / max_grad_norm)`` (no clipping when ``global_grad_norm``
+    is None; it is the norm of the unscaled gradients, a float32 one-element tensor);
+    ``adamw=False`` adds ``weight_decay * p`` to ``g``; ``m = beta1 * m + (1 - beta1)
+    * g`` (``grad_averaging=False``: ``+ g``); ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with Adam's bias corrections (1 when
+    ``bias_correction`` is False); ``adamw=True`` adds ``weight_decay * p`` to ``u``.
+    Then per tensor ``ratio = lr * ||p|| / ||u||`` when ``use_nvlamb`` or
+    ``weight_decay != 0`` and both norms are nonzero, else ``lr``; ``p -= ratio * u``.
+
+    ``u`` lives in a scratch buffer of the call: ``grads`` are read, never written.
+    ``step`` (float32, one element) is incremented on the device before use, unless
+    ``found_inf`` is set, which skips everything. ``exp_avgs`` and ``exp_avg_sqs``
+    are fp32. Masters, model copy and unscale behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_lamb_.default(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+        weight_decay, adamw, bias_correction, grad_averaging, use_nvlamb, global_grad_norm,
+        max_grad_norm, inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_lamb_")
+def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
+      weight_decay, adamw, bias_correction, grad_averaging, use_nvlamb, global_grad_norm,
+      max_grad_norm, inv_scale, found_inf):
+    _no_meta_among_real("fused_lamb_", locals())
     return None

@@ -42,7 +42,7 @@ from . import masters as mst
 from . import ops
 from .loss_scale import inverse
 
-__all__ = ["FusedSGD", "FusedAdam"]
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -599,3 +599,196 @@ class FusedAdam(_FusedOptimizer):
                              "1-element tensor")
         device = group["params"][0].device if group["params"] else step.device
         new_group["step"] = step.to(device, torch.float32, copy=True)
+
+
+class FusedLAMB(_FusedOptimizer):
+    """LAMB (Apex's ``FusedLAMB``: its argument names, defaults and math), fused over all
+    parameters: Adam's moments give an update ``u`` per parameter (with decoupled weight
+    decay, ``adam_w_mode=True``, or L2 weight decay added to the gradient), and each
+    parameter moves by ``lr * ||p|| / ||u||`` times ``u`` (the trust ratio; ``lr`` alone
+    where a norm is 0, and for parameters of a group without weight decay unless
+    ``use_nvlamb``). Gradients are first divided by ``max(1, norm / max_grad_norm)``,
+    ``norm`` the L2 norm of all gradients of all groups (unscaled), computed on the
+    device. One :func:`mixedprec.ops.fused_lamb_` call per param group.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay, bias_correction: as Apex's ``FusedLAMB``.
+        adam_w_mode: decoupled weight decay when True (Apex's default).
+        grad_averaging: weight the gradient by ``1 - beta1`` in the first moment.
+        max_grad_norm: the global gradient norm above which gradients are scaled down
+            (``self.defaults["max_grad_norm"]``, as in Apex); 0 turns clipping off
+            (Apex would then zero the gradients).
+        use_nvlamb: apply the trust ratio to parameters without weight decay too.
+        amsgrad: not supported (a ValueError).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    Differences from Apex: the update is kept in a scratch buffer, so gradients are
+    read and never written (Apex overwrote them with the update, rounded to their
+    dtype); the step count is a float32 device tensor in ``group["step"]``, which a
+    step skipped on overflow does not advance; bf16 parameters and mixed dtypes in a
+    group work; all parameters must share one device. Moments are float32.
+    """
+
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 set_grad_none: bool = True, max_grad_norm: float = 1.0,
+                 use_nvlamb: bool = False, master_weights: bool = False):
+        if amsgrad:
+            raise ValueError(f"{type(self).__name__} does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_grad_norm", max_grad_norm)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        max_grad_norm=max_grad_norm, adam_w_mode=adam_w_mode,
+                        use_nvlamb=use_nvlamb)
+        self._grad_norm: Optional[Tensor] = None
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step (on the device, without host synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._grad_norm = self._global_grad_norm()
+        try:
+            super().step()
+        finally:
+            self._grad_norm = None
+        return loss
+
+    def _global_grad_norm(self) -> Optional[Tensor]:
+        """The L2 norm of every gradient the step reads (unscaled by ``grad_scale``), on
+        their device; None when clipping is off or there is no gradient. Gradients the
+        step rejects are left out here: the step raises for them, before any update."""
+        if self.defaults["max_grad_norm"] == 0:
+            return None
+        grads: List[Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                master = state.get("master_param") if state else None
+                grad = master.grad if master is not None and master.grad is not None else p.grad
+                if grad is None or grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
+                    continue
+                grads.append(grad if ops.is_dense(grad) else grad.contiguous())
+        if not grads:
+            return None
+        device = grads[0].device
+        others = sorted({str(g.device) for g in grads if g.device != device})
+        if others:
+            raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
+                             f"(the global gradient norm), got {device} and {others}")
+        inv_scale, _ = self._scaling(device, (getattr(self, "grad_scale", None), None))
+        norm, _ = ops.multi_tensor_l2norm(grads, inv_scale, False)
+        return norm
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        if len(by_device) > 1:
+            raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
+                             f"(the global gradient norm), got {list(by_device)}")
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        step = group.get("step")
+        if not isinstance(step, Tensor):  # None, or FusedMixedPrecisionLamb's first step
+            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                              device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        targets, model = self._update_lists(items.params, items.states)
+        exp_avgs = [self._state_tensor(state, "exp_avg", t)
+                    for state, t in zip(items.states, targets)]
+        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
+                       for state, t in zip(items.states, targets)]
+        self._lamb(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
+                   found_inf)
+        return targets, exp_avgs, exp_avg_sqs, model
+
+    def _plan_holds(self, group, plan) -> bool:
+        step = group.get("step")
+        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, exp_avgs, exp_avg_sqs, model = lists
+        self._lamb(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf)
+
+    def _lamb(self, group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                        group["adam_w_mode"], group["bias_correction"], group["grad_averaging"],
+                        group["use_nvlamb"], self._grad_norm, self.defaults["max_grad_norm"],
+                        inv_scale, found_inf)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        step = new_group.get("step")
+        if step is None or isinstance(step, (int, float)):  # no step yet, or a start count
+            return
+        if not isinstance(step, Tensor) or step.numel() != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
+                             "must be a number or a 1-element tensor")
+        device = group["params"][0].device if group["params"] else step.device
+        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """Apex's ``FusedMixedPrecisionLamb``: :class:`FusedLAMB` with fp32 masters of
+    fp16/bf16 parameters (``master_weights=True``), with Apex's arguments.
+
+    Args:
+        lr: a float, or a one-element tensor (read once, here: ``group["lr"]`` is then
+            a float, which LR schedulers change as usual).
+        step: the step count the param groups start from (Apex's ``step``).
+        reduced_precision_dtype: accepted (None, torch.float16 or torch.bfloat16);
+            every fp16/bf16 parameter gets an fp32 master whatever its value (Apex
+            kept masters only for parameters of that dtype, and updated the others in
+            their own dtype).
+        the others: as :class:`FusedLAMB` (Apex's defaults).
+
+    Gradient scaling comes as for every mixedprec optimizer, from ``torch.amp`` or
+    ``mixedprec.GradScaler`` through ``scaler.step(optimizer)`` (the scaler's
+    ``grad_scale`` and ``found_inf``); Apex's ``step(grad_scaler=...)`` argument is not
+    taken (torch's GradScaler would then pass itself instead of those attributes).
+    The gradient norm is of the unscaled gradients, compared with ``max_grad_norm``
+    (Apex compared the scaled norm with ``max_grad_norm * scale``: the same test).
+    """
+
+    def __init__(self, params: Iterable, lr=1e-3, step: int = 0, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 reduced_precision_dtype: Optional[torch.dtype] = None):
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise TypeError(f"expected lr to be a float or a one-element float tensor, "
+                                f"got a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}")
+            lr = float(lr)  # sync-ok: Apex's lr may be a device tensor; read once, here
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise TypeError("expected reduced_precision_dtype to be None, torch.float16 or "
+                            f"torch.bfloat16, got {reduced_precision_dtype}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"expected step to be an int >= 0, got {step!r}")
+        self.reduced_precision_dtype = reduced_precision_dtype
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         grad_averaging=grad_averaging, set_grad_none=True,
+                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
+                         master_weights=True)
+        # A number until a group's first step makes it a device tensor.
+        self.defaults["step"] = step
+        for group in self.param_groups:
+            group.setdefault("step", step)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(reduced_precision_dtype=self.reduced_precision_dtype)
+        return state

@@ -188,6 +188,44 @@ def check_adam(dev, r):
              "a step with found_inf set changed a tensor or the step")
 
 
+def check_lamb(dev, r):
+    lr, beta1, beta2, eps, weight_decay, loss_scale = 1e-2, 0.9, 0.999, 1e-6, 1e-2, 1024.0
+    n = [ops.CHUNK_SIZE + 9, 100]
+    params = [torch.randn(k, device=dev) for k in n]
+    exp_avgs = [torch.zeros(k, device=dev) for k in n]
+    exp_avg_sqs = [torch.zeros(k, device=dev) for k in n]
+    model = [torch.empty(k, device=dev, dtype=torch.float16) for k in n]
+    step = scalar(0.0, dev)
+    ref = [[p.double(), torch.zeros_like(p, dtype=torch.float64),
+            torch.zeros_like(p, dtype=torch.float64)] for p in params]
+    for t in range(1, 4):
+        grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
+        norm = math.sqrt(sum(_item(g.double().square().sum()) for g in grads)) / loss_scale
+        ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr, beta1, beta2,
+                        eps, weight_decay, global_grad_norm=scalar(norm, dev),
+                        max_grad_norm=norm / 2, inv_scale=scalar(1 / loss_scale, dev),
+                        found_inf=scalar(0.0, dev))
+        for state, g in zip(ref, grads):  # LAMB in float64, gradients clipped by half
+            p, m, v = state
+            g = g.double() / loss_scale / 2
+            m = beta1 * m + (1 - beta1) * g
+            v = beta2 * v + (1 - beta2) * g * g
+            u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps) + weight_decay * p
+            state[:] = [p - lr * _item(p.norm()) / _item(u.norm()) * u, m, v]
+    r.expect(_item(step) == 3, f"step is {_item(step)} after 3 steps, expected 3")
+    for i, (p, m, v) in enumerate(ref):
+        r.close(params[i], p, 1e-4, f"params[{i}]")
+        r.close(exp_avgs[i], m, 1e-4, f"exp_avgs[{i}]")
+        r.close(exp_avg_sqs[i], v, 1e-4, f"exp_avg_sqs[{i}]")
+        r.close(model[i], p, RTOL[torch.float16], f"model_params[{i}]")
+    before = [t.clone() for t in params + exp_avgs + exp_avg_sqs + model + [step]]
+    ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr,
+                    found_inf=scalar(1.0, dev))
+    after = params + exp_avgs + exp_avg_sqs + model + [step]
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
+             "a step with found_inf set changed a tensor or the step")
+
+
 def check_sum(dev, r):
     # The seed case: fp16 accumulation rounds 16380 to 16384; sum_fp32 is exact.
     x = torch.full((4095,), 4.0, dtype=torch.float16, device=dev)
@@ -235,6 +273,7 @@ CHECKS = {
     "multi_tensor_l2norm": check_l2norm,
     "fused_sgd_": check_sgd,
     "fused_adam_": check_adam,
+    "fused_lamb_": check_lamb,
     "sum_fp32": check_sum,
     "update_loss_scale_": check_loss_scale,
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu/engine.h"
@@ -27,6 +28,7 @@ constexpr auto multi_tensor_copy_ = &entry::multi_tensor_copy_<CpuEngine>;
 constexpr auto multi_tensor_l2norm = &entry::multi_tensor_l2norm<CpuEngine>;
 constexpr auto fused_sgd_ = &entry::fused_sgd_<CpuEngine>;
 constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
+constexpr auto fused_lamb_ = &entry::fused_lamb_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
 constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
 
@@ -88,6 +90,7 @@ TEST(Registration, EveryOpHasASchemaAndACpuKernel) {
                        "multi_tensor_l2norm",
                        "fused_sgd_",
                        "fused_adam_",
+                       "fused_lamb_",
                        "sum_fp32",
                        "update_loss_scale_"};
   for (const char* op : ops) {
@@ -203,6 +206,86 @@ TEST(MultiTensorL2Norm, MatchesDoubleReference) {
   EXPECT_GT(value(norm), 0.f);
 }
 
+// ------------------------------------------------------------ per-tensor lists
+
+// x[0] = x[0] * scale + shift, copied into list 1, with scale and shift per tensor
+// (lists 2 and 3); reports a non-finite scale.
+struct AffinePerTensorOp {
+  static constexpr int kDepth = 4;  // data, out, scale, shift
+  static constexpr unsigned kReads = 0b1101;
+  static constexpr unsigned kWrites = 0b0011;
+  static constexpr unsigned kPerTensor = 0b1100;
+  void resolve() {}
+  template <typename V>
+  typename Lanes<V>::Flag apply(V* x) const {
+    x[0] = x[0] * x[2] + x[3];
+    x[1] = x[0];
+    return Lanes<V>::not_finite(x[2]);
+  }
+};
+static_assert(per_tensor_mask<AffinePerTensorOp>() == 0b1100);
+static_assert(per_tensor_mask<AdamOp>() == 0, "functors without the member have none");
+
+template <typename T>
+void expect_affine_per_tensor() {
+  const std::vector<int64_t> sizes = {2 * kChunkSize + 37, 1, 0, 100, kChunkSize};
+  std::vector<Tensor> data, out, want;
+  const Tensor scales = at::randn({static_cast<int64_t>(sizes.size())});
+  const Tensor shifts = at::randn({static_cast<int64_t>(sizes.size())});
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    data.push_back(at::randn({sizes[i]}).to(c10::CppTypeToScalarType<T>::value));
+    out.push_back(at::empty({sizes[i]}, at::kFloat));
+    want.push_back(data.back().to(at::kFloat) * scales[i] + shifts[i]);  // in fp32
+  }
+  Lists<4> lists;
+  lists[0] = data;
+  lists[1] = out;
+  for (const Tensor& s : scales.unbind(0)) lists[2].push_back(s);
+  for (const Tensor& s : shifts.unbind(0)) lists[3].push_back(s);
+  const Tensor found_inf = scalar(0.f);
+  using Engine = cpu::CpuEngine;
+  Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,
+                                                         found_inf.data_ptr<float>());
+  EXPECT_EQ(value(found_inf), 0.f);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(at::equal(data[i], want[i].to(data[i].dtype()))) << "tensor " << i;
+    EXPECT_TRUE(at::equal(out[i], want[i])) << "tensor " << i;
+  }
+  EXPECT_TRUE(at::equal(scales.unbind(0)[0], lists[2][0])) << "a per-tensor list was written";
+  // A non-finite per-tensor value is reported like any input; a skip writes nothing.
+  lists[2][3].fill_(kInf);
+  const auto before = clones(data);
+  Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{},
+                                                         scalar(1.f).data_ptr<float>(),
+                                                         found_inf.data_ptr<float>());
+  expect_same(data, before);
+  EXPECT_EQ(value(found_inf), 0.f);
+  Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,
+                                                         found_inf.data_ptr<float>());
+  EXPECT_EQ(value(found_inf), 1.f);
+}
+
+TEST(PerTensorLists, BroadcastOverEveryElementOfTheirTensor) {
+  expect_affine_per_tensor<float>();
+  expect_affine_per_tensor<c10::Half>();
+  expect_affine_per_tensor<c10::BFloat16>();
+}
+
+TEST(PerTensorLists, CheckerWantsOneFloatScalarPerTensor) {
+  const std::vector<Tensor> params = {at::ones({4}), at::ones({3})};
+  const auto check = [&](const std::vector<Tensor>& values) {
+    Checker c("test_op");
+    c.list(params, "params", kFloats);
+    c.per_tensor(values, "norms", params, "params");
+  };
+  check({scalar(1.f), scalar(2.f)});
+  check(at::ones({2}).unbind(0));
+  expect_error_naming([&] { check({scalar(1.f)}); }, "norms");
+  expect_error_naming([&] { check({scalar(1.f), at::ones({2})}); }, "norms[1]");
+  expect_error_naming([&] { check({at::ones({1}, at::kHalf), scalar(1.f)}); }, "norms[0]");
+  expect_error_naming([&] { check({scalar(1.f), at::ones({1}, at::kMeta)}); }, "norms[1]");
+}
+
 // --------------------------------------------------------------- optimizers
 
 TEST(FusedSgd, OneStepMatchesTheFormula) {
@@ -311,6 +394,64 @@ TEST(FusedAdam, FoundInfLeavesEverythingIdentical) {
   expect_same(c.exp_avg_sqs, v0);
   for (size_t i = 0; i < c.model.size(); ++i) {
     // bitwise: uninitialised bf16 memory may hold NaNs, which at::equal treats as unequal
+    EXPECT_EQ(std::memcmp(c.model[i].data_ptr(), model0[i].data_ptr(), c.model[i].nbytes()), 0);
+  }
+}
+
+// LAMB in double, from the math (Apex's multi_tensor_lamb): returns p, m, v.
+std::vector<Tensor> lamb_reference(const Tensor& p32, const Tensor& g16, const Tensor& m32,
+                                   const Tensor& v32, double step, double lr, double wd,
+                                   bool adamw, bool nvlamb, double inv_scale, double clip) {
+  const double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
+  const Tensor p = p32.to(at::kDouble);
+  Tensor g = g16.to(at::kDouble) * inv_scale / clip;
+  if (!adamw) g = g + wd * p;
+  const Tensor m = m32.to(at::kDouble) * beta1 + (1 - beta1) * g;
+  const Tensor v = v32.to(at::kDouble) * beta2 + (1 - beta2) * g * g;
+  Tensor u = (m / (1 - std::pow(beta1, step))) / ((v / (1 - std::pow(beta2, step))).sqrt() + eps);
+  if (adamw) u = u + wd * p;
+  double ratio = lr;
+  const double pn = p.norm().item<double>(), un = u.norm().item<double>();
+  if ((nvlamb || wd != 0) && pn != 0 && un != 0) ratio = lr * pn / un;
+  return {p - ratio * u, m, v};
+}
+
+TEST(FusedLamb, OneStepMatchesTheFormula) {
+  const double lr = 1e-2, inv_scale = 0.25, max_grad_norm = 1.0;
+  for (const auto& [wd, adamw, nvlamb] :
+       {std::tuple{0.01, true, false}, std::tuple{0.01, false, false},
+        std::tuple{0.0, true, true}, std::tuple{0.0, true, false}}) {
+    AdamCase c = adam_case(2.f);
+    const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
+    // A global norm above max_grad_norm: gradients are divided by it.
+    const Tensor grad_norm = scalar(3.f);
+    cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9,
+                     0.999, 1e-6, wd, adamw, /*bias_correction=*/true, /*grad_averaging=*/true,
+                     nvlamb, grad_norm, max_grad_norm, scalar(inv_scale), scalar(0.f));
+    EXPECT_EQ(value(c.step), 3.f);
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      const auto want = lamb_reference(p0[i], c.grads[i], m0[i], v0[i], 3, lr, wd, adamw,
+                                       nvlamb, inv_scale, 3.0);
+      expect_close(c.exp_avgs[i], want[1], 1e-5, 1e-7, "exp_avgs");
+      expect_close(c.exp_avg_sqs[i], want[2], 1e-5, 1e-9, "exp_avg_sqs");
+      expect_close(c.params[i], want[0], 1e-5, 1e-6, "params");
+      EXPECT_TRUE(at::equal(c.model[i], c.params[i].to(at::kBFloat16)));
+    }
+  }
+}
+
+TEST(FusedLamb, FoundInfLeavesEverythingIdentical) {
+  AdamCase c = adam_case(7.f);
+  const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
+  const auto model0 = clones(c.model);
+  cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9,
+                   0.999, 1e-6, 0.01, true, true, true, false, scalar(kInf), 1.0, scalar(1.f),
+                   scalar(1.f));
+  EXPECT_EQ(value(c.step), 7.f);
+  expect_same(c.params, p0);
+  expect_same(c.exp_avgs, m0);
+  expect_same(c.exp_avg_sqs, v0);
+  for (size_t i = 0; i < c.model.size(); ++i) {
     EXPECT_EQ(std::memcmp(c.model[i].data_ptr(), model0[i].data_ptr(), c.model[i].nbytes()), 0);
   }
 }
@@ -514,6 +655,27 @@ TEST(Validation, FusedAdam) {
   EXPECT_EQ(value(c.step), 0.f);
   expect_same(c.params, p0);
   expect_same(c.exp_avgs, m0);
+}
+
+TEST(Validation, FusedLamb) {
+  AdamCase c = adam_case(1.f);
+  const auto p0 = clones(c.params), m0 = clones(c.exp_avgs);
+  const auto lamb = [&](double lr, double max_grad_norm, std::vector<Tensor> exp_avgs,
+                        const std::optional<Tensor>& grad_norm) {
+    cpu::fused_lamb_(c.params, c.grads, exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9,
+                     0.999, 1e-6, 0.01, true, true, true, false, grad_norm, max_grad_norm,
+                     std::nullopt, std::nullopt);
+  };
+  expect_error_naming([&] { lamb(-1.0, 1.0, c.exp_avgs, std::nullopt); }, "lr");
+  expect_error_naming([&] { lamb(1e-3, 0.0, c.exp_avgs, scalar(1.f)); }, "max_grad_norm");
+  expect_error_naming([&] { lamb(1e-3, 1.0, c.exp_avgs, at::ones({2})); }, "global_grad_norm");
+  expect_error_naming([&] { lamb(1e-3, 1.0, {c.exp_avgs[0]}, std::nullopt); }, "exp_avgs");
+  expect_error_naming(
+      [&] { lamb(1e-3, 1.0, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)}, std::nullopt); },
+      "exp_avgs[1]");
+  expect_same(c.params, p0);
+  expect_same(c.exp_avgs, m0);
+  EXPECT_EQ(value(c.step), 1.f);
 }
 
 TEST(Validation, InPlaceUnscaleToIsAllowed) {

@@ -324,6 +324,110 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
+TEST(CudaBlocks, FusedLambMatchesTheCpuEngine) {
+  at::manual_seed(9);
+  struct Case {
+    at::ScalarType param, grad, model;
+    bool has_model, adamw, nvlamb;
+    double weight_decay;
+  };
+  const std::vector<Case> cases = {
+      {at::kFloat, at::kHalf, at::kHalf, true, true, false, 1e-2},
+      {at::kFloat, at::kBFloat16, at::kBFloat16, true, false, false, 1e-2},
+      {at::kBFloat16, at::kBFloat16, at::kFloat, false, true, true, 0.0},
+      {at::kFloat, at::kFloat, at::kFloat, false, false, false, 0.0},
+  };
+  for (const auto& c : cases) {
+    const auto params = make_list(edge_sizes(), {c.param});
+    const auto grads = like(params, c.grad);
+    std::vector<Tensor> exp_avgs, exp_avg_sqs, model;
+    for (const auto& p : params) {
+      exp_avgs.push_back(at::zeros({p.numel()}, at::kFloat));
+      exp_avg_sqs.push_back(at::zeros({p.numel()}, at::kFloat));
+    }
+    if (c.has_model) model = like(params, c.model);
+    auto run = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> m1,
+                   std::vector<Tensor> m2, std::vector<Tensor> m, const Tensor& step,
+                   const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      for (int i = 0; i < 3; ++i) {
+        entry::fused_lamb_<Engine>(p, grads, m1, m2, m, step, 1e-2, 0.9, 0.999, 1e-6,
+                                   c.weight_decay, c.adamw, true, true, c.nvlamb,
+                                   scalar(40.f), 1.0, scalar(0.5f), found_inf);
+      }
+      std::vector<std::vector<Tensor>> out = {p, m1, m2, m};
+      return out;
+    };
+    const Tensor cpu_step = scalar(0.f), emulated_step = scalar(0.f);
+    const auto cpu = run(CpuEngine{}, clones(params), clones(exp_avgs), clones(exp_avg_sqs),
+                         clones(model), cpu_step, scalar(0.f));
+    const auto emulated = run(EmulatedCudaEngine{}, clones(params), clones(exp_avgs),
+                              clones(exp_avg_sqs), clones(model), emulated_step, scalar(0.f));
+    expect_bitwise_equal(emulated[0], cpu[0], "params");
+    expect_bitwise_equal(emulated[1], cpu[1], "exp_avgs");
+    expect_bitwise_equal(emulated[2], cpu[2], "exp_avg_sqs");
+    expect_bitwise_equal(emulated[3], cpu[3], "model_params");
+    EXPECT_EQ(emulated_step.item<float>(), 3.f);
+    EXPECT_FALSE(at::equal(emulated[0].back(), params.back())) << "no step was taken";
+
+    const Tensor skipped_step = scalar(7.f);
+    const auto skipped = run(EmulatedCudaEngine{}, clones(params), clones(exp_avgs),
+                             clones(exp_avg_sqs), clones(model), skipped_step, scalar(1.f));
+    expect_bitwise_equal(skipped[0], params, "skipped params");
+    expect_bitwise_equal(skipped[1], exp_avgs, "skipped exp_avgs");
+    expect_bitwise_equal(skipped[2], exp_avg_sqs, "skipped exp_avg_sqs");
+    expect_bitwise_equal(skipped[3], model, "skipped model_params");
+    EXPECT_EQ(skipped_step.item<float>(), 7.f);
+  }
+}
+
+// x[0] = x[0] * scale + shift with scale and shift per tensor (lists 1 and 2), which
+// the block code reads unoffset and unaligned, and broadcasts.
+struct AffinePerTensorOp {
+  static constexpr int kDepth = 3;  // data, scale, shift
+  static constexpr unsigned kReads = 0b111;
+  static constexpr unsigned kWrites = 0b001;
+  static constexpr unsigned kPerTensor = 0b110;
+  void resolve() {}
+  template <typename V>
+  typename Lanes<V>::Flag apply(V* x) const {
+    x[0] = x[0] * x[1] + x[2];
+    return Lanes<V>::not_finite(x[1]);
+  }
+};
+
+TEST(CudaBlocks, PerTensorListsMatchTheCpuEngine) {
+  at::manual_seed(8);
+  const auto data = make_list(edge_sizes(), {at::kHalf});
+  const int64_t n = static_cast<int64_t>(data.size());
+  // Values at odd offsets of their storage: per-tensor lists need no alignment.
+  const Tensor scales = at::randn({2 * n}).slice(0, 1, 2 * n, 2);
+  const Tensor shifts = at::randn({n + 1}).narrow(0, 1, n);
+  auto run = [&](auto engine, const std::vector<Tensor>& d, const Tensor& skip) {
+    using Engine = decltype(engine);
+    Lists<3> lists;
+    lists[0] = d;
+    lists[1] = scales.unbind(0);
+    lists[2] = shifts.unbind(0);
+    const Tensor found_inf = scalar(0.f);
+    Engine::template run<AffinePerTensorOp, c10::Half, float, float>(
+        lists, AffinePerTensorOp{}, skip.data_ptr<float>(), found_inf.data_ptr<float>());
+    return found_inf.item<float>();
+  };
+  const auto cpu = clones(data), emulated = clones(data), skipped = clones(data);
+  EXPECT_EQ(run(CpuEngine{}, cpu, scalar(0.f)), 0.f);
+  EXPECT_EQ(run(EmulatedCudaEngine{}, emulated, scalar(0.f)), 0.f);
+  expect_bitwise_equal(emulated, cpu, "data");
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor want = (data[i].to(at::kFloat) * scales[i] + shifts[i]).to(at::kHalf);
+    EXPECT_TRUE(at::equal(emulated[i], want)) << "tensor " << i;
+  }
+  EXPECT_EQ(run(EmulatedCudaEngine{}, skipped, scalar(1.f)), 0.f);
+  expect_bitwise_equal(skipped, data, "skipped data");
+  scales[n - 1].fill_(kInf);
+  EXPECT_EQ(run(EmulatedCudaEngine{}, clones(data), scalar(0.f)), 1.f);
+}
+
 // Stage 1 of the L2 norm, as l2norm.cu drives it over a list of mixed dtypes:
 // the partial sum of every chunk lands in its tensor's contiguous range of the
 // partials, in chunk order (stage 2 sums those ranges).

@@ -74,6 +74,45 @@ def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
     return out_p, out_m, out_v, step
 
 
+def ref_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
+             eps=1e-6, weight_decay=0.01, adamw=True, bias_correction=True,
+             grad_averaging=True, use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0,
+             inv_scale=None):
+    """One LAMB step (Apex's multi_tensor_lamb) in float64 from the step count `step`
+    before the call: (params, exp_avgs, exp_avg_sqs, step). `global_grad_norm` is the
+    norm of the unscaled gradients (None: no clipping)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    clip = 1.0
+    if global_grad_norm is not None and global_grad_norm > max_grad_norm:
+        clip = global_grad_norm / max_grad_norm
+    step = step + 1
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    out_p, out_m, out_v = [], [], []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        p, g, m, v = p.double(), g.double() * scale / clip, m.double(), v.double()
+        if not adamw:
+            g = g + weight_decay * p
+        m = beta1 * m + ((1 - beta1) if grad_averaging else 1.0) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        update = (m / bc1) / ((v / bc2).sqrt() + eps)
+        if adamw:
+            update = update + weight_decay * p
+        ratio = lr
+        p_norm, u_norm = p.norm().item(), update.norm().item()
+        if (use_nvlamb or weight_decay != 0) and p_norm != 0 and u_norm != 0:
+            ratio = lr * p_norm / u_norm
+        out_p.append(p - ratio * update)
+        out_m.append(m)
+        out_v.append(v)
+    return out_p, out_m, out_v, step
+
+
+def ref_global_norm(grads, inv_scale=None):
+    """The float64 L2 norm of all gradients together, unscaled, as a float."""
+    return ref_l2norm(grads, inv_scale)[0].item()
+
+
 def ref_sum_fp32(x, dim=None, keepdim=False):
     return x.double().sum(dim=dim, keepdim=keepdim)
 

@@ -63,6 +63,13 @@ def adam_args(d):
                 found_inf=scalar(0.0, d))
 
 
+def lamb_args(d):
+    args = adam_args(d)
+    args.update(eps=1e-6, weight_decay=1e-2, grad_averaging=True, use_nvlamb=False,
+                global_grad_norm=scalar(2.0, d), max_grad_norm=1.0)
+    return args
+
+
 def sum_args(d):
     return {"self": randn((3, 4), F16, d, 0), "dim": [1], "keepdim": False}
 
@@ -87,6 +94,7 @@ OPS = {
     "multi_tensor_l2norm": (ops.multi_tensor_l2norm, l2norm_args),
     "fused_sgd_": (ops.fused_sgd_, sgd_args),
     "fused_adam_": (ops.fused_adam_, adam_args),
+    "fused_lamb_": (ops.fused_lamb_, lamb_args),
     "sum_fp32": (ops.sum_fp32, sum_args),
     "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
 }
@@ -361,6 +369,31 @@ CASES += [
 ]
 
 
+CASES += [
+    *scalar_cases("fused_lamb_", "step"),
+    *scalar_cases("fused_lamb_", "found_inf"),
+    *scalar_cases("fused_lamb_", "inv_scale"),
+    *scalar_cases("fused_lamb_", "global_grad_norm"),
+    Case("fused_lamb_", "grads-shorter", drop_last("grads"), ValueError, "grads"),
+    Case("fused_lamb_", "exp_avgs-shorter", drop_last("exp_avgs"), ValueError, "exp_avgs"),
+    Case("fused_lamb_", "exp_avg_sqs-numel", set_item("exp_avg_sqs", 1, other_numel),
+         ValueError, "exp_avg_sqs[1]"),
+    Case("fused_lamb_", "masters-bf16", set_item("params", 0, as_dtype(torch.bfloat16)),
+         TypeError, "params[0]"),
+    *list_cases("fused_lamb_", "params", 2, BAD_LIST_DTYPES),
+    *list_cases("fused_lamb_", "grads", 0, BAD_LIST_DTYPES),
+    *list_cases("fused_lamb_", "exp_avgs", 1, [torch.float16, torch.bfloat16]),
+    *list_cases("fused_lamb_", "model_params", 1, BAD_LIST_DTYPES),
+    value_case("fused_lamb_", "lr", -1e-3),
+    value_case("fused_lamb_", "beta1", 1.0),
+    value_case("fused_lamb_", "beta2", float("nan")),
+    value_case("fused_lamb_", "eps", -1e-8),
+    value_case("fused_lamb_", "weight_decay", float("inf")),
+    value_case("fused_lamb_", "max_grad_norm", 0.0),
+    value_case("fused_lamb_", "max_grad_norm", float("nan")),
+]
+
+
 def check_rejected(case, args):
     op, _ = OPS[case.op]
     before = snapshot(args)
@@ -420,6 +453,16 @@ DEVICE_CASES = [
     Case("update_loss_scale_", "found_inf", move("found_inf"), RuntimeError, "found_inf"),
     Case("update_loss_scale_", "hysteresis_tracker", move("hysteresis_tracker"), RuntimeError,
          "hysteresis_tracker"),
+]
+
+
+DEVICE_CASES += [
+    Case("fused_lamb_", "step", move("step"), RuntimeError, "step"),
+    Case("fused_lamb_", "global_grad_norm", move("global_grad_norm"), RuntimeError,
+         "global_grad_norm"),
+    Case("fused_lamb_", "exp_avgs", move("exp_avgs", 2), RuntimeError, "exp_avgs[2]"),
+    Case("fused_lamb_", "model_params", move("model_params", 0), RuntimeError,
+         "model_params[0]"),
 ]
 
 
@@ -516,6 +559,17 @@ OVERLAP_CASES = [
 ]
 
 
+OVERLAP_CASES += [
+    overlap_case("fused_lamb_", "exp_avg-is-exp_avg_sq", alias("exp_avg_sqs", 2, "exp_avgs", 2),
+                 "exp_avgs[2]", "exp_avg_sqs[2]"),
+    overlap_case("fused_lamb_", "global_grad_norm-in-exp_avgs",
+                 set_arg("global_grad_norm", first_element_of("exp_avgs", 0)),
+                 "global_grad_norm", "exp_avgs[0]"),
+    overlap_case("fused_lamb_", "model-is-grads", alias("model_params", 2, "grads", 2),
+                 "grads[2]", "model_params[2]"),
+]
+
+
 @pytest.mark.parametrize("case", [c.param() for c in OVERLAP_CASES])
 def test_overlapping_arguments(device, case):
     """A written tensor that shares memory with another argument gives wrong values:
@@ -545,7 +599,7 @@ def test_in_place_pairs_are_allowed(device, op_name):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("op_name", ["fused_sgd_", "fused_adam_"])
+@pytest.mark.parametrize("op_name", ["fused_sgd_", "fused_adam_", "fused_lamb_"])
 def test_fp32_param_as_its_own_master(device, op_name):
     """model_params[i] the very view of params[i]: written with its own values (what
     the fused optimizers pass for an fp32 param among masters)."""

@@ -18,6 +18,7 @@ OP_NAMES = [
     "multi_tensor_l2norm",
     "fused_sgd_",
     "fused_adam_",
+    "fused_lamb_",
     "sum_fp32",
     "update_loss_scale_",
 ]
@@ -111,6 +112,17 @@ def sample_inputs(device):
     add(adam(fp32(15), mixed(16), like(fp32(15), [f16, bf16]), *flags()))
     add(adam(fp32(17), mixed(18), like(fp32(17), [f16]), *flags(found=1.0),
              bias_correction=False))
+
+    def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
+        m, v = adam_state(params, d, seed=98)
+        return ("fused_lamb_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
+                                1e-6, 1e-2, adamw, True, True, nvlamb, grad_norm, 1.0,
+                                inv_scale, found_inf), {})
+
+    add(lamb(mixed(24), mixed(25), [], None, None, None, adamw=False))
+    add(lamb(fp32(26), mixed(27), like(fp32(26), [f16, bf16]), *flags(), scalar(4.0, d)))
+    add(lamb(fp32(28), mixed(29), like(fp32(28), [bf16]), *flags(found=1.0), scalar(0.5, d),
+             nvlamb=True))
 
     add(("sum_fp32", (randn((4, 5, 6), f16, d, 19),), {}))
     add(("sum_fp32", (randn((4, 5, 6), bf16, d, 20), [0, -1], True), {}))
