@@ -192,7 +192,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 at::TensorList model_params, double lr, double momentum, double dampening,
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
-                const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& found_inf, bool wd_after_momentum = false) {
   Checker c("fused_sgd_");
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
@@ -226,23 +226,28 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.weight_decay = static_cast<float>(weight_decay);
   op.nesterov = nesterov;
   op.first_run = first_run;
+  op.wd_after_momentum = wd_after_momentum;
   op.inv_scale_ptr = optional_ptr(inv_scale);
   run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params}, op,
                                optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
-// the update, which reads it.
+// the update, which reads it. lr_tensor, when given, holds the learning rate on the
+// device (read there, so that it can change between replays of a CUDA graph) and
+// replaces `lr`.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
-                 const std::optional<at::Tensor>& found_inf) {
+                 const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& lr_tensor = std::nullopt) {
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
+  c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params);
   c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
@@ -269,8 +274,38 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.bias_correction = bias_correction;
   op.step_ptr = step.data_ptr<float>();
   op.inv_scale_ptr = optional_ptr(inv_scale);
+  op.lr_ptr = optional_ptr(lr_tensor);
   run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params}, op,
                                 optional_ptr(found_inf));
+}
+
+template <class Engine>
+void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                    at::TensorList model_params, double lr, double eps, double weight_decay,
+                    bool adagrad_w_mode, const std::optional<at::Tensor>& inv_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  Checker c("fused_adagrad_");
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  check_params(c, params, grads, model_params);
+  c.list(state_sums, "state_sums", kF32, Access::kWrite);
+  c.paired(params, "params", state_sums, "state_sums");
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  c.no_overlap();
+  if (params.empty()) return;
+
+  const typename Engine::Guard guard(params[0].device());
+  AdagradOp op;
+  op.lr = static_cast<float>(lr);
+  op.eps = static_cast<float>(eps);
+  op.weight_decay = static_cast<float>(weight_decay);
+  op.adagrad_w_mode = adagrad_w_mode;
+  op.inv_scale_ptr = optional_ptr(inv_scale);
+  run_optimizer<Engine, AdagradOp>({params, grads, state_sums, model_params}, op,
+                                   optional_ptr(found_inf));
 }
 
 template <class Engine>
@@ -362,6 +397,7 @@ void register_kernels(torch::Library& m) {
   m.impl("fused_adam_", &entry::fused_adam_<Engine>);
   m.impl("sum_fp32", &entry::sum_fp32<Engine>);
   m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);
+  m.impl("fused_adagrad_", &entry::fused_adagrad_<Engine>);
 }
 
 }  // namespace mixedprec

@@ -21,19 +21,25 @@ TORCH_LIBRARY(mixedprec, m) {
       "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, "
-      "bool first_run, Tensor? inv_scale, Tensor? found_inf) -> ()");
+      "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
+      "bool wd_after_momentum=False) -> ()");
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
-      "bool bias_correction, Tensor? inv_scale, Tensor? found_inf) -> ()");
+      "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
+      "Tensor? lr_tensor=None) -> ()");
   m.def("sum_fp32(Tensor self, int[]? dim=None, bool keepdim=False) -> Tensor");
   m.def(
       "update_loss_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, "
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, "
       "float min_scale, float max_scale) -> ()");
+  m.def(
+      "fused_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
+      "Tensor(c!)[] model_params, float lr, float eps, float weight_decay, "
+      "bool adagrad_w_mode, Tensor? inv_scale, Tensor? found_inf) -> ()");
 }
 
 // A call without any tensor argument (e.g. multi_tensor_copy_([], [])) has no

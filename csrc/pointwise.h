@@ -83,6 +83,8 @@ struct CheckFiniteOp {
 };
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
+// wd_after_momentum (Apex's option) adds the weight decay to the step after the
+// momentum update instead of to the gradient before it.
 struct SgdOp {
   static constexpr int kDepth = 4;  // params, grads, momentum_buffers, model_params
   static constexpr unsigned kReads = 0b0111;
@@ -93,6 +95,7 @@ struct SgdOp {
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
+  bool wd_after_momentum = false;
   const float* inv_scale_ptr = nullptr;
   float inv_scale = 1.f;
 
@@ -103,12 +106,13 @@ struct SgdOp {
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V p = x[0];
     V g = x[1] * inv_scale;
-    if (weight_decay != 0.f) g = g + weight_decay * p;
+    if (weight_decay != 0.f && !wd_after_momentum) g = g + weight_decay * p;
     if (momentum != 0.f) {
       const V buf = first_run ? g : x[2] * momentum + grad_weight * g;
       x[2] = buf;
       g = nesterov ? g + momentum * buf : buf;
     }
+    if (weight_decay != 0.f && wd_after_momentum) g = g + weight_decay * p;
     p = p - lr * g;
     x[0] = p;
     x[3] = p;
@@ -117,7 +121,8 @@ struct SgdOp {
 };
 
 // torch.optim.Adam (adamw false) and AdamW (adamw true) on fp32 math. `step`
-// has already been incremented on the device when resolve() reads it.
+// has already been incremented on the device when resolve() reads it. The learning
+// rate is `lr`, or the float at lr_ptr (a device tensor, read by resolve()) when set.
 struct AdamOp {
   static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sqs, model_params
   static constexpr unsigned kReads = 0b01111;
@@ -129,6 +134,7 @@ struct AdamOp {
   bool adamw, bias_correction;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
+  const float* lr_ptr = nullptr;
   // Filled by resolve(): weights such as 1 - beta2 are formed in double and then
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
@@ -136,15 +142,16 @@ struct AdamOp {
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    const double rate = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : lr;
     const double step = *step_ptr;
     double bc1 = 1.0, bc2 = 1.0;
     if (bias_correction) {
       bc1 = 1.0 - pow(beta1, step);
       bc2 = 1.0 - pow(beta2, step);
     }
-    step_size = static_cast<float>(lr / bc1);
+    step_size = static_cast<float>(rate / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
-    decay = static_cast<float>(1.0 - lr * weight_decay);
+    decay = static_cast<float>(1.0 - rate * weight_decay);
     avg_weight = static_cast<float>(1.0 - beta1);
     beta2_f = static_cast<float>(beta2);
     sq_weight = static_cast<float>(1.0 - beta2);
@@ -172,6 +179,40 @@ struct AdamOp {
     x[2] = m;
     x[3] = v;
     x[4] = p;
+    return Lanes<V>::none();
+  }
+};
+
+// Adagrad on fp32 math, as Apex's FusedAdagrad: sum += g * g, then
+// p -= lr * g / (sqrt(sum) + eps). The weight decay is added to the gradient (L2,
+// torch.optim.Adagrad's) or, with adagrad_w_mode, to the step (lr * weight_decay * p).
+struct AdagradOp {
+  static constexpr int kDepth = 4;  // params, grads, state_sums, model_params
+  static constexpr unsigned kReads = 0b0111;
+  static constexpr unsigned kWrites = 0b1101;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, Model>;
+
+  float lr, eps, weight_decay;
+  bool adagrad_w_mode;
+  const float* inv_scale_ptr = nullptr;
+  float inv_scale = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
+    if (weight_decay != 0.f && !adagrad_w_mode) g = g + weight_decay * p;
+    const V sum = x[2] + g * g;
+    V update = g / (Lanes<V>::sqrt(sum) + eps);
+    if (weight_decay != 0.f && adagrad_w_mode) update = update + weight_decay * p;
+    p = p - lr * update;
+    x[0] = p;
+    x[2] = sum;
+    x[3] = p;
     return Lanes<V>::none();
   }
 };

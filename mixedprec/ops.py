@@ -42,6 +42,7 @@ __all__ = [
     "fused_adam_",
     "sum_fp32",
     "update_loss_scale_",
+    "fused_adagrad_",
 ]
 
 
@@ -174,6 +175,7 @@ def fused_sgd_(
     first_run: bool = False,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    wd_after_momentum: bool = False,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -182,16 +184,18 @@ def fused_sgd_(
     parameters themselves (fp32/fp16/bf16). ``grads`` (fp32/fp16/bf16) are multiplied
     by ``inv_scale`` when given. ``momentum_buffers`` are fp32, one per param, and
     empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
-    When ``found_inf`` is given and nonzero, nothing at all is written."""
+    ``wd_after_momentum`` (Apex's option) adds ``weight_decay * p`` to the step after
+    the momentum update instead of to the gradient before it. When ``found_inf`` is
+    given and nonzero, nothing at all is written."""
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-        weight_decay, nesterov, first_run, inv_scale, found_inf,
+        weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-      weight_decay, nesterov, first_run, inv_scale, found_inf):
+      weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False):
     _no_meta_among_real("fused_sgd_", locals())
     return None
 
@@ -212,22 +216,25 @@ def fused_adam_(
     bias_correction: bool = True,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    lr_tensor: Optional[Tensor] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
 
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32. Masters, model
-    copy, unscale and skip behave as in :func:`fused_sgd_`."""
+    copy, unscale and skip behave as in :func:`fused_sgd_`. ``lr_tensor`` (float32,
+    one element), when given, replaces ``lr``: the learning rate is then read on the
+    device, so that a captured CUDA graph follows a scheduler that writes it."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction, inv_scale, found_inf,
+        weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-      weight_decay, adamw, bias_correction, inv_scale, found_inf):
+      weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None):
     _no_meta_among_real("fused_adam_", locals())
     return None
 
@@ -302,4 +309,34 @@ def update_loss_scale_(
 def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
     _no_meta_among_real("update_loss_scale_", locals())
+    return None
+
+
+def fused_adagrad_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    state_sums: List[Tensor],
+    model_params: List[Tensor],
+    lr: float,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    adagrad_w_mode: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One Adagrad step over all ``params`` (Apex's ``FusedAdagrad``):
+    ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``. ``weight_decay * p`` is added
+    to the gradient (L2, as ``torch.optim.Adagrad``) or, with ``adagrad_w_mode``, to
+    the step (decoupled). ``state_sums`` are fp32, one per param. Masters, model copy,
+    unscale and skip behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_adagrad_.default(
+        params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+        inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_adagrad_")
+def _(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+      inv_scale, found_inf):
+    _no_meta_among_real("fused_adagrad_", locals())
     return None

@@ -37,12 +37,12 @@ from . import masters as mst
 from . import ops
 from .loss_scale import inverse
 
-__all__ = ["FusedSGD", "FusedAdam"]
+__all__ = ["FusedSGD", "FusedAdam", "FusedAdagrad"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # State entries that are float32 whatever the parameter's dtype.
-_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq")
+_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq", "sum")
 
 
 class _Work(NamedTuple):
@@ -455,14 +455,23 @@ class FusedSGD(_FusedOptimizer):
 
     Args:
         params: parameters (fp32, fp16 or bf16) or param-group dicts.
-        lr: learning rate (required).
+        lr: learning rate; 1e-3 by default, as ``torch.optim.SGD`` (Apex required it),
+            so that param groups that each set ``lr`` need no top-level one.
         momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        wd_after_momentum: Apex's option: add ``weight_decay * p`` to the step after
+            the momentum update instead of to the gradient before it (False:
+            ``torch.optim.SGD``'s order).
+        materialize_master_grads: accepted for Apex compatibility, no effect. In Apex
+            (under amp O2) it chose whether fp16 gradients were first copied into
+            fp32 master gradients; here the step always reads the model's gradients
+            directly (unscaling them in the same pass), and a master's ``.grad``
+            only when one was set (see the module docstring).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
         master_weights: keep fp32 masters of fp16/bf16 parameters in the state and
             update them; the parameters receive the cast masters.
-        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
 
-    Momentum buffers are float32. Apex's ``wd_after_momentum`` and
-    ``materialize_master_grads`` are not supported.
+    Momentum buffers are float32. The arguments are in Apex's order (master_weights,
+    which Apex's FusedSGD lacks, last).
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros. With ``dampening``
@@ -473,16 +482,25 @@ class FusedSGD(_FusedOptimizer):
 
     _STATE_KEYS = ("master_param", "momentum_buffer")
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0,
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 master_weights: bool = False, set_grad_none: bool = False):
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False, master_weights: bool = False):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
         super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(wd_after_momentum=self.wd_after_momentum,
+                     materialize_master_grads=self.materialize_master_grads)
+        return state
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
         momentum = group["momentum"]
@@ -503,7 +521,7 @@ class FusedSGD(_FusedOptimizer):
                        for state, t in zip(call.states, targets)] if momentum != 0 else []
             ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
-                           first_run, inv_scale, found_inf)
+                           first_run, inv_scale, found_inf, self.wd_after_momentum)
             lists = (targets, buffers, model)
         # The next step reuses the lists unless buffers started in this one.
         return lists if len(calls) == 1 and True not in calls else None
@@ -515,7 +533,7 @@ class FusedSGD(_FusedOptimizer):
         targets, buffers, model = lists
         ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], False,
-                       inv_scale, found_inf)
+                       inv_scale, found_inf, self.wd_after_momentum)
 
 
 class FusedAdam(_FusedOptimizer):
@@ -601,3 +619,49 @@ class FusedAdam(_FusedOptimizer):
                              "1-element tensor")
         device = group["params"][0].device if group["params"] else step.device
         new_group["step"] = step.to(device, torch.float32, copy=True)
+
+
+class FusedAdagrad(_FusedOptimizer):
+    """Adagrad fused over all parameters, with Apex's ``FusedAdagrad`` arguments and
+    defaults: ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``, the math of
+    ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, eps, weight_decay: as ``torch.optim.Adagrad`` (defaults 1e-2, 1e-10, 0).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        adagrad_w_mode: False (default): weight decay added to the gradient (L2, as
+            torch); True: decoupled, ``lr * weight_decay * p`` added to the step.
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    The state is ``sum`` per parameter (float32, created as zeros at the parameter's
+    first step), as in Apex and torch; unlike torch, no per-parameter ``step``. Steps
+    are unscaled and skipped on the device with a GradScaler, as FusedSGD's.
+    """
+
+    _STATE_KEYS = ("master_param", "sum")
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10,
+                 weight_decay: float = 0.0, set_grad_none: bool = True,
+                 adagrad_w_mode: bool = False, master_weights: bool = False):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        self.adagrad_w_mode = bool(adagrad_w_mode)
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(adagrad_w_mode=self.adagrad_w_mode)
+        return state
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        targets, model = self._update_lists(items.params, items.states)
+        sums = [self._state_tensor(state, "sum", t) for state, t in zip(items.states, targets)]
+        self._run_plan(group, (targets, sums, model), items.grads, inv_scale, found_inf)
+        return targets, sums, model
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, sums, model = lists
+        ops.fused_adagrad_(targets, grads, sums, model, group["lr"], group["eps"],
+                           group["weight_decay"], self.adagrad_w_mode, inv_scale, found_inf)
