@@ -188,6 +188,35 @@ def check_adam(dev, r):
              "a step with found_inf set changed a tensor or the step")
 
 
+def check_adagrad(dev, r):
+    lr, eps, weight_decay, loss_scale = 0.05, 1e-10, 1e-2, 64.0
+    n = [ops.CHUNK_SIZE + 5, 21]
+    for w_mode in (False, True):
+        params = [torch.randn(k, device=dev) for k in n]
+        grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
+        sums = [torch.rand(k, device=dev) for k in n]
+        model = [torch.empty(k, device=dev, dtype=torch.float16) for k in n]
+        want_p, want_h = [], []
+        for p, g, h in zip(params, grads, sums):  # Apex's Adagrad in float64
+            p, g = p.double(), g.double() / loss_scale
+            if not w_mode:
+                g = g + weight_decay * p
+            h = h.double() + g * g
+            update = g / (h.sqrt() + eps) + (weight_decay * p if w_mode else 0.0)
+            want_p.append(p - lr * update)
+            want_h.append(h)
+        ops.fused_adagrad_(params, grads, sums, model, lr, eps, weight_decay, w_mode,
+                           inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+        for i in range(len(n)):
+            r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}] (w_mode={w_mode})")
+            r.close(sums[i], want_h[i], RTOL[torch.float32], f"state_sums[{i}]")
+            r.close(model[i], want_p[i], RTOL[torch.float16], f"model_params[{i}]")
+    before = [t.clone() for t in params + sums + model]
+    ops.fused_adagrad_(params, grads, sums, model, lr, found_inf=scalar(1.0, dev))
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, params + sums + model)),
+             "a step with found_inf set changed a tensor")
+
+
 def check_sum(dev, r):
     # The seed case: fp16 accumulation rounds 16380 to 16384; sum_fp32 is exact.
     x = torch.full((4095,), 4.0, dtype=torch.float16, device=dev)
@@ -237,6 +266,7 @@ CHECKS = {
     "fused_adam_": check_adam,
     "sum_fp32": check_sum,
     "update_loss_scale_": check_loss_scale,
+    "fused_adagrad_": check_adagrad,
 }
 
 

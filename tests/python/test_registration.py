@@ -20,6 +20,7 @@ OP_NAMES = [
     "fused_adam_",
     "sum_fp32",
     "update_loss_scale_",
+    "fused_adagrad_",
 ]
 
 
@@ -111,6 +112,15 @@ def sample_inputs(device):
     add(adam(fp32(15), mixed(16), like(fp32(15), [f16, bf16]), *flags()))
     add(adam(fp32(17), mixed(18), like(fp32(17), [f16]), *flags(found=1.0),
              bias_correction=False))
+
+    def adagrad(params, grads, model, inv_scale, found_inf, w_mode=False):
+        sums = [randn(p.shape, f32, d, 40 + i).square() for i, p in enumerate(params)]
+        return ("fused_adagrad_", (params, grads, sums, model, 0.05, 1e-10, 1e-2, w_mode,
+                                   inv_scale, found_inf), {})
+
+    add(adagrad(mixed(41), mixed(42), [], None, None))
+    add(adagrad(fp32(43), mixed(44), like(fp32(43), [f16, bf16]), *flags(), w_mode=True))
+    add(adagrad(fp32(45), mixed(46), like(fp32(45), [bf16]), *flags(found=1.0)))
 
     add(("sum_fp32", (randn((4, 5, 6), f16, d, 19),), {}))
     add(("sum_fp32", (randn((4, 5, 6), bf16, d, 20), [0, -1], True), {}))
@@ -230,6 +240,8 @@ def meta_cases():
         ("fused_adam_", "model_params", 0),
         ("update_loss_scale_", "found_inf", None),
         ("update_loss_scale_", "growth_tracker", None),
+        ("fused_adagrad_", "state_sums", 1),
+        ("fused_adagrad_", "found_inf", None),
     ]
     return [pytest.param(op, OPS[op], name, index, id=f"{op}-{name}") for op, name, index in cases]
 
