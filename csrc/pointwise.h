@@ -9,13 +9,20 @@
 // (cpu/engine.h), where each lane sees the same operations as a float would. resolve() runs once per block (CUDA) or call (CPU),
 // on the device that holds the data, to read device-side scalars such as
 // inv_scale and step.
+//
+// A functor may declare `kPerTensor`, a mask of per-tensor lists: list k in it holds,
+// for tensor i of the other lists, one fp32 value (a one-element tensor), which
+// apply() sees in x[k] for every element of tensor i. Such lists are read, never
+// written (in kReads, not in kWrites). Functors without the member have none.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define MP_HD __host__ __device__ __forceinline__
@@ -27,6 +34,25 @@ namespace mixedprec {
 
 template <typename... Ts>
 struct TypeList {};
+
+// Op::kPerTensor, or 0 when Op does not declare it.
+template <typename Op, typename = void>
+struct PerTensorMask {
+  static constexpr unsigned value = 0;
+};
+template <typename Op>
+struct PerTensorMask<Op, std::void_t<decltype(Op::kPerTensor)>> {
+  static constexpr unsigned value = Op::kPerTensor;
+};
+template <typename Op>
+constexpr unsigned per_tensor_mask() {
+  static_assert((PerTensorMask<Op>::value & Op::kWrites) == 0, "per-tensor lists are read-only");
+  static_assert((PerTensorMask<Op>::value & ~Op::kReads) == 0, "per-tensor lists are read");
+  return PerTensorMask<Op>::value;
+}
+// Whether list K of Op is a per-tensor list.
+template <typename Op, size_t K>
+constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
 
 MP_HD bool is_finite(float x) {
 #if defined(__CUDA_ARCH__)

@@ -135,6 +135,19 @@ void Checker::paired(at::TensorList a, const char* a_name, at::TensorList b,
   }
 }
 
+void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of,
+                         const char* of_name) {
+  TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
+                    " to hold one value for each of the ", of.size(), " tensors of ", of_name,
+                    ", got ", l.size(), " tensors");
+  for (size_t i = 0; i < l.size(); ++i) {
+    const ArgName n{name, static_cast<int64_t>(i)};
+    check(l[i], n, kF32, Access::kRead);
+    TORCH_CHECK_VALUE(l[i].numel() == 1, op_, ": expected ", n,
+                      " to have exactly one element, got ", l[i].numel());
+  }
+}
+
 void Checker::value(bool ok, const char* name, const char* expected, double got) {
   TORCH_CHECK_VALUE(ok, op_, ": expected ", name, " to be ", expected, ", got ", got);
 }

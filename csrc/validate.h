@@ -60,6 +60,9 @@ class Checker {
             at::TensorList twins = {});
   // b pairs element-wise with a: same length, same numel, same memory order.
   void paired(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
+  // A per-tensor list (pointwise.h), read: one one-element float32 tensor for each
+  // tensor of `of`.
+  void per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name);
   void value(bool ok, const char* name, const char* expected, double got);
   // Last, before anything is written: no written argument shares a byte with another
   // argument (ValueError naming both). O(n log n) in the number of tensors.

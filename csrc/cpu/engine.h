@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,15 +24,28 @@
 
 namespace mixedprec::cpu {
 
+// Whether list k of Op is loaded element by element (read, and not per tensor: a
+// per-tensor list's one value is read at p[0] and broadcast, never offset by i).
+template <typename Op, size_t K>
+constexpr bool loaded_list() {
+  return ((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>;
+}
+
 // op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
 // absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
 template <typename Op, typename... Ts, size_t... K>
 inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int64_t end,
                        std::index_sequence<K...>) {
   constexpr int D = sizeof...(K);
+  static_assert(((!kPerTensorList<Op, K> || std::is_same_v<Ts, float>) && ...),
+                "per-tensor lists are fp32");
+  const float per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr
+                             ? static_cast<float>(std::get<K>(p)[0])
+                             : 0.f)...};
   int any = 0;
   for (; i < end; ++i) {
-    float x[D] = {(((Op::kReads >> K) & 1u) && std::get<K>(p) != nullptr
+    float x[D] = {(kPerTensorList<Op, K> ? per[K]
+                   : loaded_list<Op, K>() && std::get<K>(p) != nullptr
                        ? static_cast<float>(std::get<K>(p)[i])
                        : 0.f)...};
     any |= static_cast<int>(op.apply(x));
@@ -45,19 +59,27 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
 
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
 // the rest one at a time. op comes by value, so that its fields are loop invariants.
+// A per-tensor list is broadcast once, before the loop.
 #define MP_PASS(NAME, TARGET, NS)                                                          \
   template <typename Op, typename... Ts, size_t... K>                                      \
-  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,             \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,              \
                   std::index_sequence<K...> seq) {                                         \
     using Vec = NS::Vec;                                                                   \
     constexpr int64_t W = sizeof(Vec) / sizeof(float);                                     \
     constexpr int D = sizeof...(K);                                                        \
     const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                              \
+    const Vec per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr                \
+                             ? NS::broadcast(static_cast<float>(std::get<K>(p)[0]))        \
+                             : Vec{})...};                                                 \
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                    \
     int64_t i = begin;                                                                     \
     for (; i + W <= end; i += W) {                                                         \
-      ((std::get<K>(p) != nullptr ? prefetch_ahead(std::get<K>(p) + i) : void()), ...);    \
-      Vec x[D] = {(((Op::kReads >> K) & 1u) && std::get<K>(p) != nullptr                   \
+      ((!kPerTensorList<Op, K> && std::get<K>(p) != nullptr                                \
+            ? prefetch_ahead(std::get<K>(p) + i)                                           \
+            : void()),                                                                     \
+       ...);                                                                               \
+      Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                          \
+                   : loaded_list<Op, K>() && std::get<K>(p) != nullptr                     \
                        ? NS::load(std::get<K>(p) + i)                                      \
                        : Vec{})...};                                                       \
       bad |= op.apply(x);                                                                  \

@@ -1,5 +1,5 @@
 // Vectors of floats for the CPU engine, their loads from and stores to fp32, fp16 and
-// bf16 storage, and the choice of instruction set at run time.
+// bf16 storage, the broadcast of one float, and the choice of instruction set at run time.
 //
 // The engine's loops are compiled for AVX-512 (16 floats), AVX2 (8) and baseline
 // x86-64 (one float at a time, through c10's scalar conversions; the only version
@@ -90,6 +90,7 @@ using Vec = VecF16;
 // forms pass GCC 12 an "undefined" operand that it reports as maybe uninitialized.
 constexpr __mmask16 kAll16 = 0xffff;
 constexpr __mmask8 kAll8 = 0xff;
+MP_AVX512 Vec broadcast(float v) { return (Vec)_mm512_set1_ps(v); }
 MP_AVX512 Vec load(const float* p) { return (Vec)_mm512_loadu_ps(p); }
 MP_AVX512 Vec load(const c10::Half* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -124,6 +125,7 @@ MP_AVX512 bool any(VecI16 flags) {
 
 namespace avx2 {
 using Vec = VecF8;
+MP_AVX2 Vec broadcast(float v) { return (Vec)_mm256_set1_ps(v); }
 MP_AVX2 Vec load(const float* p) { return (Vec)_mm256_loadu_ps(p); }
 MP_AVX2 Vec load(const c10::Half* p) {
   return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

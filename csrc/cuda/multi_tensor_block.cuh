@@ -11,13 +11,15 @@
 // 64-bit, so tensors over 2^31 elements are fine. A block uses 4-element vector
 // accesses when all its pointers are aligned for them, kUnroll of them in flight per
 // thread, and a plain strided loop otherwise (any size, alignment or storage
-// offset). Skipping on overflow reads the flag on the device.
+// offset). A per-tensor list's value is read once per thread and broadcast.
+// Skipping on overflow reads the flag on the device.
 //
 // The tuning constants below were measured on an H100 (bench/README.md); each can be
 // overridden at compile time (-DMIXEDPREC_UNROLL=1 ...) to measure another choice.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -158,26 +160,41 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
   *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
 }
 
-// Applies `op` to the n elements at ptrs (list k stored as Ts[k]); returns
-// whether this thread saw a non-finite input that op reports.
+// Applies `op` to the n elements at ptrs (list k stored as Ts[k]; a per-tensor list
+// points at its value); returns whether this thread saw a non-finite input that op
+// reports.
 template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t n,
                            std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
-  const void* in[D] = {((Op::kReads >> K) & 1u) ? ptrs[K] : nullptr...};
+  static_assert(((!kPerTensorList<Op, K> || std::is_same<Ts, float>::value) && ...),
+                "per-tensor lists are fp32");
+  const void* in[D] = {
+      (((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? ptrs[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? ptrs[K] : nullptr...};
+  // The per-tensor values, loaded once; zeros elsewhere.
+  float per[D] = {};
+  (((kPerTensorList<Op, K> && ptrs[K] != nullptr)
+        ? (void)(per[K] = *static_cast<const float*>(ptrs[K]))
+        : void()),
+   ...);
   bool bad = false;
   int64_t done = 0;
-  if ((vector_aligned<Ts>(ptrs[K]) && ...)) {
+  if (((kPerTensorList<Op, K> || vector_aligned<Ts>(ptrs[K])) && ...)) {
     // Each pass: kUnroll vectors, one blockDim.x * kILP apart (each access is
     // coalesced across the warp), all loaded before any is computed or stored.
     done = n / kILP * kILP;
     const int64_t stride = static_cast<int64_t>(blockDim.x) * kILP;
     for (int64_t base = static_cast<int64_t>(threadIdx.x) * kILP; base < done;
          base += stride * kUnroll) {
-      float x[kUnroll][kILP][D] = {};
+      float x[kUnroll][kILP][D];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+#pragma unroll
+          for (int k = 0; k < D; ++k) x[u][j][k] = per[k];
+        }
         const int64_t i = base + u * stride;
         if (i < done) (load_vector<Ts, D>(in[K], i, x[u], K), ...);
       }
@@ -192,7 +209,9 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
     }
   }
   for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
-    float x[D] = {};
+    float x[D];
+#pragma unroll
+    for (int k = 0; k < D; ++k) x[k] = per[k];
     (load_element<Ts>(in[K], i, x[K]), ...);
     bad |= op.apply(x);
     (store_element<Ts>(out[K], i, x[K]), ...);
@@ -202,7 +221,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
 
 // One thread's part of a pointwise launch over lists stored as Ts: nothing when
 // *skip != 0, else `op` over its share of the block's chunk; a non-finite input
-// that op reports sets *found_inf.
+// that op reports sets *found_inf. Per-tensor lists are not offset by the chunk.
 template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
                                const float* skip, float* found_inf,
@@ -211,7 +230,9 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   op.resolve();
   const Chunk c = block_chunk<kBlocksPerChunk>(meta);
   if (c.size == 0) return;
-  void* const ptrs[sizeof...(Ts)] = {offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
+  void* const ptrs[sizeof...(Ts)] = {kPerTensorList<Op, K>
+                                         ? meta.ptrs[K][c.slot]
+                                         : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
   const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.size, seq);
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }

@@ -205,6 +205,85 @@ TEST(MultiTensorL2Norm, MatchesDoubleReference) {
   EXPECT_GT(value(norm), 0.f);
 }
 
+// ------------------------------------------------------------ per-tensor lists
+
+// x[0] = x[0] * scale + shift, copied into list 1, with scale and shift per tensor
+// (lists 2 and 3); reports a non-finite scale.
+struct AffinePerTensorOp {
+  static constexpr int kDepth = 4;  // data, out, scale, shift
+  static constexpr unsigned kReads = 0b1101;
+  static constexpr unsigned kWrites = 0b0011;
+  static constexpr unsigned kPerTensor = 0b1100;
+  void resolve() {}
+  template <typename V>
+  typename Lanes<V>::Flag apply(V* x) const {
+    x[0] = x[0] * x[2] + x[3];
+    x[1] = x[0];
+    return Lanes<V>::not_finite(x[2]);
+  }
+};
+static_assert(per_tensor_mask<AffinePerTensorOp>() == 0b1100);
+static_assert(per_tensor_mask<AdamOp>() == 0, "functors without the member have none");
+
+template <typename T>
+void expect_affine_per_tensor() {
+  const std::vector<int64_t> sizes = {2 * kChunkSize + 37, 1, 0, 100, kChunkSize};
+  std::vector<Tensor> data, out, want;
+  const Tensor scales = at::randn({static_cast<int64_t>(sizes.size())});
+  const Tensor shifts = at::randn({static_cast<int64_t>(sizes.size())});
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    data.push_back(at::randn({sizes[i]}).to(c10::CppTypeToScalarType<T>::value));
+    out.push_back(at::empty({sizes[i]}, at::kFloat));
+    want.push_back(data.back().to(at::kFloat) * scales[i] + shifts[i]);  // in fp32
+  }
+  Lists<4> lists;
+  lists[0] = data;
+  lists[1] = out;
+  for (const Tensor& s : scales.unbind(0)) lists[2].push_back(s);
+  for (const Tensor& s : shifts.unbind(0)) lists[3].push_back(s);
+  const Tensor found_inf = scalar(0.f);
+  cpu::CpuEngine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,
+                                                            found_inf.data_ptr<float>());
+  EXPECT_EQ(value(found_inf), 0.f);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_TRUE(at::equal(data[i], want[i].to(data[i].dtype()))) << "tensor " << i;
+    EXPECT_TRUE(at::equal(out[i], want[i])) << "tensor " << i;
+  }
+  EXPECT_TRUE(at::equal(scales.unbind(0)[0], lists[2][0])) << "a per-tensor list was written";
+  // A non-finite per-tensor value is reported like any input; a skip writes nothing.
+  lists[2][3].fill_(kInf);
+  const auto before = clones(data);
+  cpu::CpuEngine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{},
+                                                            scalar(1.f).data_ptr<float>(),
+                                                            found_inf.data_ptr<float>());
+  expect_same(data, before);
+  EXPECT_EQ(value(found_inf), 0.f);
+  cpu::CpuEngine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,
+                                                            found_inf.data_ptr<float>());
+  EXPECT_EQ(value(found_inf), 1.f);
+}
+
+TEST(PerTensorLists, BroadcastOverEveryElementOfTheirTensor) {
+  expect_affine_per_tensor<float>();
+  expect_affine_per_tensor<c10::Half>();
+  expect_affine_per_tensor<c10::BFloat16>();
+}
+
+TEST(PerTensorLists, CheckerWantsOneFloatScalarPerTensor) {
+  const std::vector<Tensor> params = {at::ones({4}), at::ones({3})};
+  const auto check = [&](const std::vector<Tensor>& values) {
+    Checker c("test_op");
+    c.list(params, "params", kFloats);
+    c.per_tensor(values, "norms", params, "params");
+  };
+  check({scalar(1.f), scalar(2.f)});
+  check(at::ones({2}).unbind(0));
+  expect_error_naming([&] { check({scalar(1.f)}); }, "norms");
+  expect_error_naming([&] { check({scalar(1.f), at::ones({2})}); }, "norms[1]");
+  expect_error_naming([&] { check({at::ones({1}, at::kHalf), scalar(1.f)}); }, "norms[0]");
+  expect_error_naming([&] { check({scalar(1.f), at::ones({1}, at::kMeta)}); }, "norms[1]");
+}
+
 // --------------------------------------------------------------- optimizers
 
 TEST(FusedSgd, OneStepMatchesTheFormula) {

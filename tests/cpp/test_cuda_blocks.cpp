@@ -324,6 +324,53 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
+// x[0] = x[0] * scale + shift with scale and shift per tensor (lists 1 and 2), which
+// the block code reads unoffset and unaligned, and broadcasts.
+struct AffinePerTensorOp {
+  static constexpr int kDepth = 3;  // data, scale, shift
+  static constexpr unsigned kReads = 0b111;
+  static constexpr unsigned kWrites = 0b001;
+  static constexpr unsigned kPerTensor = 0b110;
+  void resolve() {}
+  template <typename V>
+  typename Lanes<V>::Flag apply(V* x) const {
+    x[0] = x[0] * x[1] + x[2];
+    return Lanes<V>::not_finite(x[1]);
+  }
+};
+
+TEST(CudaBlocks, PerTensorListsMatchTheCpuEngine) {
+  at::manual_seed(8);
+  const auto data = make_list(edge_sizes(), {at::kHalf});
+  const int64_t n = static_cast<int64_t>(data.size());
+  // Values at odd offsets of their storage: per-tensor lists need no alignment.
+  const Tensor scales = at::randn({2 * n}).slice(0, 1, 2 * n, 2);
+  const Tensor shifts = at::randn({n + 1}).narrow(0, 1, n);
+  auto run = [&](auto engine, const std::vector<Tensor>& d, const Tensor& skip) {
+    using Engine = decltype(engine);
+    Lists<3> lists;
+    lists[0] = d;
+    lists[1] = scales.unbind(0);
+    lists[2] = shifts.unbind(0);
+    const Tensor found_inf = scalar(0.f);
+    Engine::template run<AffinePerTensorOp, c10::Half, float, float>(
+        lists, AffinePerTensorOp{}, skip.data_ptr<float>(), found_inf.data_ptr<float>());
+    return found_inf.item<float>();
+  };
+  const auto cpu = clones(data), emulated = clones(data), skipped = clones(data);
+  EXPECT_EQ(run(CpuEngine{}, cpu, scalar(0.f)), 0.f);
+  EXPECT_EQ(run(EmulatedCudaEngine{}, emulated, scalar(0.f)), 0.f);
+  expect_bitwise_equal(emulated, cpu, "data");
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor want = (data[i].to(at::kFloat) * scales[i] + shifts[i]).to(at::kHalf);
+    EXPECT_TRUE(at::equal(emulated[i], want)) << "tensor " << i;
+  }
+  EXPECT_EQ(run(EmulatedCudaEngine{}, skipped, scalar(1.f)), 0.f);
+  expect_bitwise_equal(skipped, data, "skipped data");
+  scales[n - 1].fill_(kInf);
+  EXPECT_EQ(run(EmulatedCudaEngine{}, clones(data), scalar(0.f)), 1.f);
+}
+
 // Stage 1 of the L2 norm, as l2norm.cu drives it over a list of mixed dtypes:
 // the partial sum of every chunk lands in its tensor's contiguous range of the
 // partials, in chunk order (stage 2 sums those ranges).
