@@ -40,6 +40,12 @@ TORCH_LIBRARY(mixedprec, m) {
       "fused_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
       "Tensor(c!)[] model_params, float lr, float eps, float weight_decay, "
       "bool adagrad_w_mode, Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.def(
+      "fused_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] model_params, Tensor(d!) exp_avg_sq, Tensor(e!) step, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
+      "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
+      "Tensor? inv_scale, Tensor? found_inf) -> ()");
 }
 
 // A call without any tensor argument (e.g. multi_tensor_copy_([], [])) has no

@@ -243,6 +243,58 @@ struct AdagradOp {
   }
 };
 
+// NovoGrad's update on fp32 math, as Apex's FusedNovoGrad, after the per-tensor
+// second moment v (the blended norm of each tensor's gradient) was updated: with
+// denom = v / sqrt(1 - beta2^step) + eps and m_hat = m / (1 - beta1^step),
+//   default:           m = beta1 * m + grad_weight * g;  p -= lr * (m_hat / denom + wd * p)
+//   reg_inside_moment: m = beta1 * m + grad_weight * (g / denom + wd * p);  p -= lr * m_hat
+// `step` has already been incremented on the device when resolve() reads it.
+struct NovoGradOp {
+  static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sq (per tensor), model
+  static constexpr unsigned kReads = 0b01111;
+  static constexpr unsigned kWrites = 0b10101;
+  static constexpr unsigned kPerTensor = 0b01000;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, float, Model>;
+
+  double beta1, beta2;
+  float lr, grad_weight, eps, weight_decay;
+  bool bias_correction, reg_inside_moment;
+  const float* step_ptr = nullptr;
+  const float* inv_scale_ptr = nullptr;
+  // Filled by resolve().
+  float inv_scale = 1.f, beta1_f = 0.f, bias_correction1 = 1.f, bias_correction2 = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    beta1_f = static_cast<float>(beta1);
+    if (bias_correction) {
+      const double step = *step_ptr;
+      bias_correction1 = static_cast<float>(1.0 - pow(beta1, step));
+      bias_correction2 = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+    }
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
+    const V denom = x[3] / bias_correction2 + eps;
+    V m;
+    if (reg_inside_moment) {
+      g = g / denom + weight_decay * p;
+      m = x[2] * beta1_f + grad_weight * g;
+      p = p - lr * (m / bias_correction1);
+    } else {
+      m = x[2] * beta1_f + grad_weight * g;
+      p = p - lr * ((m / bias_correction1) / denom + weight_decay * p);
+    }
+    x[0] = p;
+    x[2] = m;
+    x[4] = p;
+    return Lanes<V>::none();
+  }
+};
+
 // fused_adam_'s step counter: incremented once per call, unless skipped.
 MP_HD void increment_step(float* step, const float* found_inf) {
   if (found_inf == nullptr || *found_inf == 0.f) *step += 1.f;

@@ -20,8 +20,8 @@ differs:
   case) is updated through fp32 copies and written back: correct, but slower than
   the fp32 state that mixedprec's own optimizers keep.
 
-Functions of Apex's ``amp_C`` that are not listed in ``__all__`` (LAMB, ...) are not
-provided; looking one up raises ``AttributeError`` naming it.
+Functions of Apex's ``amp_C`` that are not listed in ``__all__`` are not provided;
+looking one up raises ``AttributeError`` naming it.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -41,6 +41,7 @@ __all__ = [
     "multi_tensor_adam_capturable",
     "multi_tensor_adam_capturable_master",
     "multi_tensor_adagrad",
+    "multi_tensor_novograd",
     "multi_tensor_sgd",
     "update_scale_hysteresis",
 ]
@@ -359,6 +360,51 @@ def multi_tensor_adagrad(
     sums, copies, originals = _fp32_state(sums)
     ops.fused_adagrad_(params, grads, sums, [], lr, epsilon, weight_decay, mode == 1,
                        found_inf=_found_inf_of(noop_flag, device))
+    ops.multi_tensor_copy_(copies, originals)
+
+
+def multi_tensor_novograd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    grad_norms: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    norm_type: int,
+) -> None:
+    """Apex ``amp_C.multi_tensor_novograd``: one NovoGrad step for ``tensor_lists = [g, p,
+    m]``. ``grad_norms`` (float32, one value per tensor, as the caller initialised it)
+    is blended in place with this step's gradient norms (``norm_type`` 2: L2, 0:
+    inf-norm); ``step`` is the step number after this update (a Python int);
+    ``mode`` 0 puts the weight decay inside the moment (``reg_inside_moment``), 1 in
+    the step. Gradients are read, not written. Skipped, on the device, when
+    ``noop_flag`` is set (Apex's kernel ignored the flag; its norms were blended
+    anyway). :func:`mixedprec.ops.fused_novograd_` with ``init_zero=True``."""
+    fn = "multi_tensor_novograd"
+    _check_flag(fn, noop_flag)
+    grads, params, exp_avgs = _lists(fn, tensor_lists, (3,))
+    if mode not in (0, 1):
+        raise ValueError(f"{fn}: expected mode 0 (reg_inside_moment) or 1, got {mode}")
+    if not isinstance(grad_norms, Tensor):
+        raise TypeError(f"{fn}: expected grad_norms to be a tensor, got "
+                        f"{type(grad_norms).__name__}")
+    if not params:
+        return
+    device = params[0].device
+    exp_avgs, copies, originals = _fp32_state(exp_avgs)
+    ops.fused_novograd_(
+        params, grads, exp_avgs, [], grad_norms, _scalar(step - 1, device), lr, beta1, beta2,
+        epsilon, weight_decay, bool(bias_correction), bool(grad_averaging),
+        reg_inside_moment=mode == 0, norm_type=norm_type, init_zero=True,
+        found_inf=_found_inf_of(noop_flag, device),
+    )
     ops.multi_tensor_copy_(copies, originals)
 
 

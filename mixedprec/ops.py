@@ -43,6 +43,7 @@ __all__ = [
     "sum_fp32",
     "update_loss_scale_",
     "fused_adagrad_",
+    "fused_novograd_",
 ]
 
 
@@ -339,4 +340,54 @@ def fused_adagrad_(
 def _(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
       inv_scale, found_inf):
     _no_meta_among_real("fused_adagrad_", locals())
+    return None
+
+
+def fused_novograd_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    model_params: List[Tensor],
+    exp_avg_sq: Tensor,
+    step: Tensor,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    reg_inside_moment: bool = False,
+    norm_type: int = 2,
+    init_zero: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One NovoGrad step over all ``params`` (Apex's ``FusedNovoGrad``).
+
+    ``exp_avg_sq`` (float32, shape ``[len(params)]``) holds each tensor's second
+    moment, the blended norm of its gradient: first updated on the device from this
+    step's (unscaled) gradient norms ``n``, ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``
+    for ``norm_type`` 2 and ``beta2 * v + (1 - beta2) * n`` for 0 (the inf-norm), or
+    ``v = n`` on the first step (``step`` 0 before the call) unless ``init_zero``.
+    ``step`` (float32, one element) is then incremented. With ``denom = v / sqrt(1 -
+    beta2**step) + eps`` and ``m_hat = exp_avg / (1 - beta1**step)`` (no bias correction:
+    both divisors 1), the update is ``exp_avg = beta1 * exp_avg + w * g`` and ``p -= lr *
+    (m_hat / denom + weight_decay * p)``, or with ``reg_inside_moment`` ``exp_avg = beta1
+    * exp_avg + w * (g / denom + weight_decay * p)`` and ``p -= lr * m_hat``, where ``w``
+    is ``1 - beta1`` with ``grad_averaging``, else 1. ``exp_avgs`` are fp32. Masters,
+    model copy, unscale and skip (nothing written, ``step`` and ``exp_avg_sq``
+    included) behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_novograd_.default(
+        params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
+        weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
+        inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_novograd_")
+def _(params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
+      weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
+      inv_scale, found_inf):
+    _no_meta_among_real("fused_novograd_", locals())
     return None

@@ -30,6 +30,7 @@ constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
 constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
 constexpr auto fused_adagrad_ = &entry::fused_adagrad_<CpuEngine>;
+constexpr auto fused_novograd_ = &entry::fused_novograd_<CpuEngine>;
 
 }  // namespace
 }  // namespace cpu
@@ -91,7 +92,8 @@ TEST(Registration, EveryOpHasASchemaAndACpuKernel) {
                        "fused_adam_",
                        "sum_fp32",
                        "update_loss_scale_",
-                       "fused_adagrad_"};
+                       "fused_adagrad_",
+                       "fused_novograd_"};
   for (const char* op : ops) {
     const auto handle =
         c10::Dispatcher::singleton().findSchema({std::string("mixedprec::") + op, ""});
@@ -673,6 +675,74 @@ TEST(FusedAdagrad, FoundInfSkipsAndBadArgumentsWriteNothing) {
   expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({21})}); }, "state_sums");
   expect_same(params, p0);
   expect_same(sums, h0);
+}
+
+TEST(FusedNovoGrad, OneStepMatchesTheFormula) {
+  const double lr = 0.01, beta1 = 0.9, beta2 = 0.98, eps = 1e-8, wd = 0.01;
+  for (int64_t norm_type : {int64_t{2}, int64_t{0}}) {
+    for (bool reg_inside : {false, true}) {
+      std::vector<Tensor> params = {at::randn({kChunkSize + 3}), at::randn({7})};
+      std::vector<Tensor> grads = {at::randn({kChunkSize + 3}).to(at::kHalf),
+                                   at::randn({7}).to(at::kBFloat16)};
+      std::vector<Tensor> m = {at::randn({kChunkSize + 3}) * 0.1, at::randn({7}) * 0.1};
+      std::vector<Tensor> model = {at::empty({kChunkSize + 3}, at::kHalf),
+                                   at::empty({7}, at::kHalf)};
+      const Tensor v = at::rand({2}) + 0.5, step = scalar(2.f);
+      const auto p0 = clones(params), m0 = clones(m);
+      const Tensor v0 = v.clone();
+      cpu::fused_novograd_(params, grads, m, model, v, step, lr, beta1, beta2, eps, wd, true,
+                           true, reg_inside, norm_type, false, std::nullopt, scalar(0.f));
+      EXPECT_EQ(value(step), 3.f);
+      const double bc1 = 1 - std::pow(beta1, 3), bc2 = std::sqrt(1 - std::pow(beta2, 3));
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Tensor g = grads[i].to(at::kDouble), p = p0[i].to(at::kDouble);
+        const Tensor n = norm_type == 2 ? g.norm() : g.abs().max();
+        const Tensor old = v0[i].to(at::kDouble);
+        const Tensor vi = norm_type == 2 ? (beta2 * old * old + (1 - beta2) * n * n).sqrt()
+                                         : beta2 * old + (1 - beta2) * n;
+        const Tensor denom = vi / bc2 + eps;
+        Tensor mi, pi;
+        if (reg_inside) {
+          mi = beta1 * m0[i].to(at::kDouble) + (1 - beta1) * (g / denom + wd * p);
+          pi = p - lr * mi / bc1;
+        } else {
+          mi = beta1 * m0[i].to(at::kDouble) + (1 - beta1) * g;
+          pi = p - lr * (mi / bc1 / denom + wd * p);
+        }
+        expect_close(v[i], vi, 1e-5, 1e-6, "exp_avg_sq");
+        expect_close(m[i], mi, 1e-5, 1e-6, "exp_avgs");
+        expect_close(params[i], pi, 1e-5, 1e-6, "params");
+        EXPECT_TRUE(at::equal(model[i], params[i].to(at::kHalf)));
+      }
+    }
+  }
+}
+
+TEST(FusedNovoGrad, FirstStepStartsFromTheNormsAndFoundInfSkipsEverything) {
+  std::vector<Tensor> params = {at::randn({30}), at::randn({5})};
+  std::vector<Tensor> grads = {at::randn({30}), at::randn({5})};
+  std::vector<Tensor> m = {at::zeros({30}), at::zeros({5})};
+  const Tensor v = at::zeros({2}), step = scalar(0.f);
+  const auto p0 = clones(params);
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                       false, 2, /*init_zero=*/false, std::nullopt, scalar(1.f));
+  expect_same(params, p0);
+  EXPECT_TRUE(at::equal(v, at::zeros({2})));
+  EXPECT_EQ(value(step), 0.f);
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                       false, 2, /*init_zero=*/false, std::nullopt, scalar(0.f));
+  expect_close(v, at::stack({grads[0].to(at::kDouble).norm(), grads[1].to(at::kDouble).norm()}),
+               1e-6, 1e-7, "exp_avg_sq");
+  EXPECT_EQ(value(step), 1.f);
+  const auto novograd = [&](const Tensor& sq, int64_t norm_type) {
+    cpu::fused_novograd_(params, grads, m, {}, sq, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                         false, norm_type, false, std::nullopt, std::nullopt);
+  };
+  const auto p1 = clones(params);
+  expect_error_naming([&] { novograd(at::zeros({3}), 2); }, "exp_avg_sq");
+  expect_error_naming([&] { novograd(at::zeros({2}, at::kHalf), 2); }, "exp_avg_sq");
+  expect_error_naming([&] { novograd(v, 1); }, "norm_type");
+  expect_same(params, p1);
 }
 
 TEST(FusedSgd, WeightDecayAfterMomentum) {

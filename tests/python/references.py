@@ -97,6 +97,42 @@ def ref_adagrad(params, grads, state_sums, lr, eps=1e-10, weight_decay=0.0,
     return out_p, out_h
 
 
+def ref_novograd(params, grads, exp_avgs, exp_avg_sq, step, lr, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=0.0, bias_correction=True, grad_averaging=True,
+                 reg_inside_moment=False, norm_type=2, init_zero=False, inv_scale=None):
+    """One NovoGrad step (Apex's FusedNovoGrad) in float64 from the step count `step`
+    before the call and the per-tensor second moments `exp_avg_sq` (a vector):
+    (params, exp_avgs, exp_avg_sq, step)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    grads = [g.double() * scale for g in grads]
+    v = exp_avg_sq.double()
+    if norm_type == 2:
+        norms = torch.stack([g.pow(2).sum().sqrt() for g in grads])
+        new_v = (beta2 * v**2 + (1 - beta2) * norms**2).sqrt()
+    else:
+        norms = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads])
+        new_v = beta2 * v + (1 - beta2) * norms
+    if step == 0 and not init_zero:
+        new_v = norms
+    step = step + 1
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = math.sqrt(1 - beta2**step) if bias_correction else 1.0
+    w = 1 - beta1 if grad_averaging else 1.0
+    out_p, out_m = [], []
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        p, m = p.double(), m.double()
+        denom = new_v[i] / bc2 + eps
+        if reg_inside_moment:
+            m = beta1 * m + w * (g / denom + weight_decay * p)
+            p = p - lr * m / bc1
+        else:
+            m = beta1 * m + w * g
+            p = p - lr * (m / bc1 / denom + weight_decay * p)
+        out_p.append(p)
+        out_m.append(m)
+    return out_p, out_m, new_v, step
+
+
 def ref_sum_fp32(x, dim=None, keepdim=False):
     return x.double().sum(dim=dim, keepdim=keepdim)
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from helpers import (TOLERANCES, adam_state, assert_bitwise_equal, assert_same_snapshot,
                      full_snapshot, randn, scalar)
-from references import ref_adagrad, ref_adam, ref_sgd
+from references import ref_adagrad, ref_adam, ref_novograd, ref_sgd
 from torch import nn
 
 from mixedprec import GradScaler, amp_C, ops
-from mixedprec.optimizers import FusedAdagrad, FusedAdam, FusedSGD
+from mixedprec.optimizers import FusedAdagrad, FusedAdam, FusedNovoGrad, FusedSGD
 
 TIGHT = TOLERANCES[torch.float32]
 SHAPES = [(5,), (3, 4), (2, 3, 2, 2), (70,)]
@@ -599,3 +599,279 @@ def test_fused_adagrad_load_state_dict_errors_change_nothing():
     with pytest.raises(ValueError, match="float32"):
         opt.load_state_dict(bad)
     assert_same_snapshot(full_snapshot(params, opt), before, "after failed loads")
+
+
+# --- FusedNovoGrad -------------------------------------------------------------------------
+
+NOVOGRAD_CONFIGS = [
+    pytest.param({"lr": 1e-2}, id="l2"),
+    pytest.param({"lr": 1e-2, "weight_decay": 1e-1, "reg_inside_moment": True}, id="reg-inside"),
+    pytest.param({"lr": 1e-2, "weight_decay": 1e-2, "norm_type": 0, "betas": (0.8, 0.9)},
+                 id="inf-norm"),
+    pytest.param({"lr": 1e-2, "init_zero": True, "grad_averaging": False}, id="init-zero"),
+    pytest.param({"lr": 1e-2, "bias_correction": False, "norm_type": 0, "init_zero": True},
+                 id="no-bias-correction"),
+]
+NOVOGRAD_KEYS = ("betas", "eps", "weight_decay", "bias_correction", "grad_averaging",
+                 "reg_inside_moment", "norm_type", "init_zero")
+
+
+def novograd_reference(opt, params, grads, config, inv_scale=None, stepped=None):
+    """ref_novograd of the next step from the optimizer's state (one group), for the
+    params at positions `stepped` (all by default)."""
+    group = opt.param_groups[0]
+    stepped = range(len(params)) if stepped is None else stepped
+    device = params[0].device
+    targets = targets_of(opt, params)
+    v = group.get("exp_avg_sq", torch.zeros(len(params), device=device))
+    step = group["step"].item() if "step" in group else 0
+    m = [opt.state[params[i]].get("exp_avg", torch.zeros_like(targets[i])) for i in stepped]
+    kw = {k: v for k, v in config.items() if k in NOVOGRAD_KEYS and k != "betas"}
+    beta1, beta2 = config.get("betas", (0.9, 0.999))
+    return ref_novograd([targets[i] for i in stepped], [grads[i] for i in stepped], m,
+                        v[list(stepped)], step, config["lr"], beta1, beta2, inv_scale=inv_scale,
+                        **kw)
+
+
+def assert_novograd_state(opt, params, want, stepped=None):
+    want_p, want_m, want_v, want_step = want
+    stepped = list(range(len(params)) if stepped is None else stepped)
+    targets = targets_of(opt, params)
+    for j, i in enumerate(stepped):
+        torch.testing.assert_close(targets[i].double(), want_p[j], **TIGHT)
+        state = opt.state[params[i]]
+        assert state["exp_avg"].dtype == torch.float32
+        torch.testing.assert_close(state["exp_avg"].double(), want_m[j], **TIGHT)
+    group = opt.param_groups[0]
+    torch.testing.assert_close(group["exp_avg_sq"][stepped].double(), want_v, **TIGHT)
+    assert group["step"].item() == want_step
+
+
+def test_fused_novograd_signature_follows_apex():
+    sig = inspect.signature(FusedNovoGrad).parameters
+    assert list(sig) == ["params", "lr", "bias_correction", "betas", "eps", "weight_decay",
+                         "amsgrad", "reg_inside_moment", "grad_averaging", "norm_type",
+                         "init_zero", "set_grad_none", "master_weights"]
+    assert {k: v.default for k, v in sig.items() if k != "params"} == {
+        "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
+        "weight_decay": 0.0, "amsgrad": False, "reg_inside_moment": False,
+        "grad_averaging": True, "norm_type": 2, "init_zero": False, "set_grad_none": True,
+        "master_weights": False}
+    assert FusedNovoGrad._step_supports_amp_scaling is True
+    import mixedprec.apex  # noqa: F401  (installs the apex alias)
+    from apex.optimizers import FusedNovoGrad as ApexFusedNovoGrad
+    assert ApexFusedNovoGrad is FusedNovoGrad
+    assert FusedNovoGrad([nn.Parameter(torch.zeros(2))], reg_inside_moment=True).moment_mode == 0
+
+
+@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
+@pytest.mark.parametrize("config", NOVOGRAD_CONFIGS)
+def test_fused_novograd_matches_the_reference(device, dtype, master_weights, config):
+    params = make_params(dtype, device)
+    opt = FusedNovoGrad(params, master_weights=master_weights, **config)
+    for step in range(STEPS):
+        grads = set_grads(params, step)
+        want = novograd_reference(opt, params, grads, config)
+        opt.step()
+        assert_novograd_state(opt, params, want)
+    assert_model_is_cast_masters(opt, params)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0])
+@pytest.mark.parametrize("masters", [False, True], ids=["params", "masters"])
+def test_fused_novograd_op_matches_the_reference(device, norm_type, masters):
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    sizes = [ops.CHUNK_SIZE + 3, 7, 0, 130]
+    dtypes = [f32, f16, bf16, f16]
+    if masters:
+        params = [randn(n, f32, device, seed=i) for i, n in enumerate(sizes)]
+        model = [torch.empty(n, dtype=dt, device=device) for n, dt in zip(sizes, dtypes)]
+    else:
+        params = [randn(n, dt, device, seed=i) for i, (n, dt) in enumerate(zip(sizes, dtypes))]
+        model = []
+    grads = [randn(n, dt, device, seed=10 + i, scale=256.0)
+             for i, (n, dt) in enumerate(zip(sizes, [bf16, f32, f16, f16]))]
+    exp_avgs = [randn(n, f32, device, seed=20 + i, scale=0.1) for i, n in enumerate(sizes)]
+    exp_avg_sq = randn(len(sizes), f32, device, seed=30).abs() * 10
+    step = scalar(4.0, device)
+    kw = dict(beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=1e-2, norm_type=norm_type)
+    want_p, want_m, want_v, _ = ref_novograd(params, grads, exp_avgs, exp_avg_sq, 4, 1e-2,
+                                             inv_scale=1 / 256, **kw)
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, 1e-2,
+                        inv_scale=scalar(1 / 256, device), found_inf=scalar(0.0, device), **kw)
+    assert step.item() == 5.0
+    torch.testing.assert_close(exp_avg_sq.double(), want_v, **TIGHT)
+    for i in range(len(sizes)):
+        torch.testing.assert_close(params[i].double(), want_p[i], **TOLERANCES[params[i].dtype])
+        torch.testing.assert_close(exp_avgs[i].double(), want_m[i], **TIGHT)
+        if masters:
+            assert_bitwise_equal(model[i], params[i].to(model[i].dtype))
+    # found_inf: nothing changes, the step and the second moments included.
+    before = [t.clone() for t in params + exp_avgs + model + [exp_avg_sq, step]]
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, 1e-2,
+                        found_inf=scalar(1.0, device), **kw)
+    for a, b in zip(params + exp_avgs + model + [exp_avg_sq, step], before):
+        assert_bitwise_equal(a, b)
+
+
+def test_fused_novograd_params_without_grads_keep_their_moment(device):
+    params = make_params(torch.float32, device)
+    config = {"lr": 1e-2, "weight_decay": 1e-2}
+    opt = FusedNovoGrad(params, **config)
+    for step in range(2):
+        set_grads(params, step)
+        opt.step()
+    stepped = [0, 2, 3]
+    grads = set_grads(params, 2)
+    params[1].grad = None
+    untouched = [params[1].detach().clone(), opt.param_groups[0]["exp_avg_sq"][1].clone()]
+    want = novograd_reference(opt, params, grads, config, stepped=stepped)
+    for _ in range(2):  # the full path, then the kept op call
+        opt.step()
+        assert_novograd_state(opt, params, want, stepped=stepped)
+        assert_bitwise_equal(params[1].detach(), untouched[0])
+        assert_bitwise_equal(opt.param_groups[0]["exp_avg_sq"][1], untouched[1])
+        want = novograd_reference(opt, params, grads, config, stepped=stepped)
+
+
+@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
+def test_fused_novograd_skips_an_overflowed_step_with_grad_scaler(device, dtype, master_weights):
+    params = make_params(dtype, device, seed=5)
+    opt = FusedNovoGrad(params, lr=1e-2, weight_decay=1e-2, master_weights=master_weights)
+    scaler = GradScaler(device, init_scale=2.0**10, growth_interval=1000)
+    plain_params = make_params(dtype, device, seed=5)
+    plain = FusedNovoGrad(plain_params, lr=1e-2, weight_decay=1e-2,
+                          master_weights=master_weights)
+    for step in range(4):
+        opt.zero_grad()
+        loss = sum((p.float() * randn(p.shape, torch.float32, device, seed=1000 * (step + 1) + i))
+                   .sum() for i, p in enumerate(params))
+        scaler.scale(loss).backward()
+        if step in (0, 2):  # the first step too: the moments must still start from its norms
+            params[1].grad.view(-1)[2] = float("nan")
+        before = full_snapshot(params, opt)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if step in (0, 2):
+            after = full_snapshot(params, opt)
+            # A skipped first step creates the state, as zeros (step 0 included).
+            for name in set(after) - set(before):
+                assert not after.pop(name).any(), name
+            assert_same_snapshot(after, before, f"after skipped step {step}")
+            assert scaler.get_scale() == scale / 2
+        else:
+            set_grads(plain_params, step)
+            plain.step()
+    for key in ("step", "exp_avg_sq"):
+        torch.testing.assert_close(opt.param_groups[0][key], plain.param_groups[0][key], **TIGHT)
+    for a, b in zip(targets_of(opt, params), targets_of(plain, plain_params)):
+        torch.testing.assert_close(a, b, **TIGHT)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_amp_c_novograd(device, norm_type, mode):
+    g = tensors(torch.float16, device, 1)
+    p = tensors(torch.float32, device, 10)
+    m = [t.half() for t in tensors(torch.float32, device, 20, scale=0.1)]  # Apex: p's dtype
+    norms = torch.tensor([1.0, 2.0, 0.5], device=device)
+    want_p, want_m, want_v, _ = ref_novograd(
+        p, g, m, norms, 2, 1e-2, 0.95, 0.98, 1e-8, 1e-2, True, True, reg_inside_moment=mode == 0,
+        norm_type=norm_type, init_zero=True)
+    amp_C.multi_tensor_novograd(2048, flag(device), [g, p, m], norms, 1e-2, 0.95, 0.98, 1e-8, 3,
+                                1, 1e-2, 1, mode, norm_type)
+    torch.testing.assert_close(norms.double(), want_v, **TIGHT)
+    for i in range(len(p)):
+        torch.testing.assert_close(p[i].double(), want_p[i], **TIGHT)
+        torch.testing.assert_close(m[i].double(), want_m[i], **TOLERANCES[torch.float16])
+    before = [t.clone() for t in p + m + [norms]]
+    amp_C.multi_tensor_novograd(2048, flag(device, 1), [g, p, m], norms, 1e-2, 0.95, 0.98, 1e-8,
+                                4, 1, 1e-2, 1, mode, norm_type)
+    for a, b in zip(p + m + [norms], before):
+        assert_bitwise_equal(a, b)
+    with pytest.raises(ValueError, match="norm_type"):
+        amp_C.multi_tensor_novograd(2048, flag(device), [g, p, m], norms, 1e-2, 0.95, 0.98,
+                                    1e-8, 4, 1, 1e-2, 1, mode, 1)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        amp_C.multi_tensor_novograd(2048, flag(device), [g, p, m], norms[:2], 1e-2, 0.95, 0.98,
+                                    1e-8, 4, 1, 1e-2, 1, mode, norm_type)
+    for a, b in zip(p + m + [norms], before):
+        assert_bitwise_equal(a, b)
+
+
+NOVOGRAD_BAD_OPS = [
+    pytest.param(dict(norm_type=1), ValueError, "norm_type", id="norm-type-1"),
+    pytest.param(dict(beta2=1.0), ValueError, "beta2", id="beta2-1"),
+    pytest.param(dict(lr=float("inf")), ValueError, "lr", id="inf-lr"),
+    pytest.param(dict(exp_avg_sq=torch.zeros(2)), ValueError, "exp_avg_sq", id="short-moments"),
+    pytest.param(dict(exp_avg_sq=torch.zeros(3, 1)), ValueError, "exp_avg_sq", id="moments-2d"),
+    pytest.param(dict(exp_avg_sq=torch.zeros(3, dtype=torch.float16)), TypeError, "exp_avg_sq",
+                 id="fp16-moments"),
+    pytest.param(dict(step=torch.zeros(1, dtype=torch.int32)), TypeError, "step", id="int-step"),
+    pytest.param(dict(exp_avgs_dtype=torch.bfloat16), TypeError, r"exp_avgs\[0\]",
+                 id="bf16-exp-avgs"),
+]
+
+
+@pytest.mark.parametrize("bad, error, name", NOVOGRAD_BAD_OPS)
+def test_fused_novograd_op_bad_arguments_change_nothing(bad, error, name):
+    params = tensors(torch.float32, "cpu", 1)
+    grads = tensors(torch.float16, "cpu", 2)
+    exp_avgs = tensors(torch.float32, "cpu", 3)
+    if "exp_avgs_dtype" in bad:
+        exp_avgs[0] = exp_avgs[0].to(bad["exp_avgs_dtype"])
+    exp_avg_sq = bad.get("exp_avg_sq", torch.ones(3))
+    step = bad.get("step", torch.zeros(1))
+    before = [t.clone() for t in params + exp_avgs + [exp_avg_sq, step]]
+    kw = {k: bad[k] for k in ("norm_type", "beta2") if k in bad}
+    with pytest.raises(error, match=name):
+        ops.fused_novograd_(params, grads, exp_avgs, [], exp_avg_sq, step, bad.get("lr", 1e-3),
+                            **kw)
+    for a, b in zip(params + exp_avgs + [exp_avg_sq, step], before):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({"norm_type": 1}, id="norm-type-1"),
+    pytest.param({"amsgrad": True}, id="amsgrad"),
+    pytest.param({"betas": (0.9, 1.0)}, id="beta2-1"),
+    pytest.param({"lr": -1.0}, id="negative-lr"),
+])
+def test_fused_novograd_bad_constructor_arguments(kwargs):
+    with pytest.raises(ValueError):
+        FusedNovoGrad([nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
+def test_fused_novograd_state_dict_round_trip_resumes_bit_for_bit(device, dtype,
+                                                                  master_weights):
+    config = dict(lr=1e-2, weight_decay=1e-2, norm_type=0)
+    params = make_params(dtype, device)
+    opt = FusedNovoGrad(params, master_weights=master_weights, **config)
+    for step in range(3):
+        set_grads(params, step)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_params = make_params(dtype, device, seed=77)
+    with torch.no_grad():
+        for p, s in zip(resumed_params, saved["model"]):
+            p.copy_(s)
+    resumed = FusedNovoGrad(resumed_params, master_weights=master_weights, **config)
+    resumed.load_state_dict(saved["opt"])
+    for step in range(3, 6):
+        set_grads(params, step)
+        set_grads(resumed_params, step)
+        opt.step()
+        resumed.step()
+    assert_same_snapshot(full_snapshot(resumed_params, resumed), full_snapshot(params, opt),
+                         "resumed vs uninterrupted")
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["exp_avg_sq"] = torch.zeros(2)
+    before = full_snapshot(params, opt)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt.load_state_dict(bad)
+    assert_same_snapshot(full_snapshot(params, opt), before, "after a failed load")
