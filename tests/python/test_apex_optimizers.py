@@ -58,6 +58,20 @@ def assert_model_is_cast_masters(opt, params):
             assert_bitwise_equal(p.detach(), opt.state[p]["master_param"].to(p.dtype))
 
 
+def apex_optimizers():
+    """``apex.optimizers`` under mixedprec's alias (installed for the import only)."""
+    import importlib
+
+    import mixedprec.apex as alias
+    installed = alias.is_installed()
+    alias.install()
+    try:
+        return importlib.import_module("apex.optimizers")
+    finally:
+        if not installed:
+            alias.uninstall()
+
+
 # --- FusedAdagrad ------------------------------------------------------------------------
 
 ADAGRAD_CONFIGS = [
@@ -76,9 +90,7 @@ def test_fused_adagrad_signature_follows_apex():
         "adagrad_w_mode": False, "master_weights": False}
     assert issubclass(FusedAdagrad, torch.optim.Optimizer)
     assert FusedAdagrad._step_supports_amp_scaling is True
-    import mixedprec.apex  # noqa: F401  (installs the apex alias)
-    from apex.optimizers import FusedAdagrad as ApexFusedAdagrad
-    assert ApexFusedAdagrad is FusedAdagrad
+    assert apex_optimizers().FusedAdagrad is FusedAdagrad
 
 
 @pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
@@ -658,9 +670,7 @@ def test_fused_novograd_signature_follows_apex():
         "grad_averaging": True, "norm_type": 2, "init_zero": False, "set_grad_none": True,
         "master_weights": False}
     assert FusedNovoGrad._step_supports_amp_scaling is True
-    import mixedprec.apex  # noqa: F401  (installs the apex alias)
-    from apex.optimizers import FusedNovoGrad as ApexFusedNovoGrad
-    assert ApexFusedNovoGrad is FusedNovoGrad
+    assert apex_optimizers().FusedNovoGrad is FusedNovoGrad
     assert FusedNovoGrad([nn.Parameter(torch.zeros(2))], reg_inside_moment=True).moment_mode == 0
 
 
