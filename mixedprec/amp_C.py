@@ -10,10 +10,10 @@ differs:
 * ``noop_flag`` is Apex's one-element int32 tensor and stays int32. It is read and
   written on the device, never on the host. ``multi_tensor_scale``,
   ``multi_tensor_axpby`` and the norms set it to 1 on inf/NaN input (and never clear
-  it); the optimizer steps (``multi_tensor_sgd``, the ``multi_tensor_adam*`` and
-  ``multi_tensor_adagrad``) write nothing when it is set. (Apex's non-capturable Adam
-  and its Adagrad kernels ignored the flag; here they skip, as its SGD kernel and its
-  capturable Adam do.)
+  it); the optimizer steps (``multi_tensor_sgd``, the ``multi_tensor_adam*``,
+  ``multi_tensor_adagrad`` and ``multi_tensor_novograd``) write nothing when it is set.
+  (Apex's non-capturable Adam, its Adagrad and its NovoGrad kernels ignored the flag;
+  here they skip, as its SGD kernel and its capturable Adam do.)
 * Math is fp32 whatever the storage type, as in Apex. Tensors must be dense (Apex
   required contiguous ones); fp64 tensors, which some Apex kernels took, are rejected.
 * Optimizer state (momentum buffers, ``m``, ``v``) that is not fp32 (Apex's all-fp16
