@@ -229,7 +229,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 at::TensorList model_params, double lr, double momentum, double dampening,
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
-                const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& found_inf, bool wd_after_momentum = false) {
   Checker c("fused_sgd_");
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
@@ -263,23 +263,28 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.weight_decay = static_cast<float>(weight_decay);
   op.nesterov = nesterov;
   op.first_run = first_run;
+  op.wd_after_momentum = wd_after_momentum;
   op.inv_scale_ptr = optional_ptr(inv_scale);
   run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params}, op,
                                optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
-// the update, which reads it.
+// the update, which reads it. lr_tensor, when given, holds the learning rate on the
+// device (read there, so that it can change between replays of a CUDA graph) and
+// replaces `lr`.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
-                 const std::optional<at::Tensor>& found_inf) {
+                 const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& lr_tensor = std::nullopt) {
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
+  c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params);
   c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
@@ -306,6 +311,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.bias_correction = bias_correction;
   op.step_ptr = step.data_ptr<float>();
   op.inv_scale_ptr = optional_ptr(inv_scale);
+  op.lr_ptr = optional_ptr(lr_tensor);
   run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params}, op,
                                 optional_ptr(found_inf));
 }
@@ -392,6 +398,110 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op2.lr = static_cast<float>(lr);
   op2.adaptive = use_nvlamb || weight_decay != 0;
   run_lamb_stage2<Engine>({params, updates, model_params, param_norms, update_norms}, op2, skip);
+}
+
+template <class Engine>
+void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                    at::TensorList model_params, double lr, double eps, double weight_decay,
+                    bool adagrad_w_mode, const std::optional<at::Tensor>& inv_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  Checker c("fused_adagrad_");
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  check_params(c, params, grads, model_params);
+  c.list(state_sums, "state_sums", kF32, Access::kWrite);
+  c.paired(params, "params", state_sums, "state_sums");
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  c.no_overlap();
+  if (params.empty()) return;
+
+  const typename Engine::Guard guard(params[0].device());
+  AdagradOp op;
+  op.lr = static_cast<float>(lr);
+  op.eps = static_cast<float>(eps);
+  op.weight_decay = static_cast<float>(weight_decay);
+  op.adagrad_w_mode = adagrad_w_mode;
+  op.inv_scale_ptr = optional_ptr(inv_scale);
+  run_optimizer<Engine, AdagradOp>({params, grads, state_sums, model_params}, op,
+                                   optional_ptr(found_inf));
+}
+
+// NovoGrad: the per-tensor second moment exp_avg_sq (fp32, one value per param) is
+// updated first, with ATen ops on the device, from each gradient's norm n (unscaled):
+// L2 (norm_type 2) sqrt(beta2 * v^2 + (1 - beta2) * n^2), inf-norm (0)
+// beta2 * v + (1 - beta2) * n; on the group's first step (step 0 before the call),
+// unless init_zero, v = n. Then step is incremented and the pointwise update reads
+// v per tensor. found_inf set: nothing changes, the step included.
+template <class Engine>
+void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList model_params, const at::Tensor& exp_avg_sq,
+                     const at::Tensor& step, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool bias_correction, bool grad_averaging,
+                     bool reg_inside_moment, int64_t norm_type, bool init_zero,
+                     const std::optional<at::Tensor>& inv_scale,
+                     const std::optional<at::Tensor>& found_inf) {
+  Checker c("fused_novograd_");
+  c.scalar(step, "step", at::kFloat, Access::kWrite);
+  c.tensor(exp_avg_sq, "exp_avg_sq", kF32, Access::kWrite);
+  c.optional_scalar(found_inf, "found_inf");
+  c.optional_scalar(inv_scale, "inv_scale");
+  check_params(c, params, grads, model_params);
+  c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
+  c.paired(params, "params", exp_avgs, "exp_avgs");
+  TORCH_CHECK_VALUE(exp_avg_sq.dim() == 1 && exp_avg_sq.numel() ==
+                        static_cast<int64_t>(params.size()),
+                    "fused_novograd_: expected exp_avg_sq to be a vector of one value for each "
+                    "of the ", params.size(), " params, got shape ", exp_avg_sq.sizes());
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
+  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
+  c.value(norm_type == 0 || norm_type == 2, "norm_type", "0 (inf-norm) or 2 (L2)",
+          static_cast<double>(norm_type));
+  c.no_overlap();
+  if (params.empty()) return;
+
+  const typename Engine::Guard guard(step.device());
+  at::Tensor norms;
+  if (norm_type == 2) {
+    norms = std::get<1>(Engine::l2norm(grads, optional_ptr(inv_scale), true, step.device()));
+  } else {
+    std::vector<at::Tensor> maxima;
+    for (const at::Tensor& g : grads) {
+      maxima.push_back(g.numel() == 0 ? at::zeros({}, g.options().dtype(at::kFloat))
+                                      : g.abs().amax().to(at::kFloat));
+    }
+    norms = at::stack(maxima);
+    if (inv_scale.has_value()) norms = norms * *inv_scale;
+  }
+  at::Tensor blended = norm_type == 2
+                           ? (exp_avg_sq.square() * beta2 + norms.square() * (1.0 - beta2)).sqrt()
+                           : exp_avg_sq * beta2 + norms * (1.0 - beta2);
+  if (!init_zero) blended = at::where(step.eq(0), norms, blended);
+  if (found_inf.has_value()) blended = at::where(found_inf->ne(0), exp_avg_sq, blended);
+  exp_avg_sq.copy_(blended);
+  Engine::increment_step(step.data_ptr<float>(), optional_ptr(found_inf));
+
+  std::vector<at::Tensor> per_tensor;
+  for (int64_t i = 0; i < exp_avg_sq.numel(); ++i) per_tensor.push_back(exp_avg_sq.narrow(0, i, 1));
+  NovoGradOp op;
+  op.beta1 = beta1;
+  op.beta2 = beta2;
+  op.lr = static_cast<float>(lr);
+  op.grad_weight = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.f;
+  op.eps = static_cast<float>(eps);
+  op.weight_decay = static_cast<float>(weight_decay);
+  op.bias_correction = bias_correction;
+  op.reg_inside_moment = reg_inside_moment;
+  op.step_ptr = step.data_ptr<float>();
+  op.inv_scale_ptr = optional_ptr(inv_scale);
+  run_optimizer<Engine, NovoGradOp>({params, grads, exp_avgs, per_tensor, model_params}, op,
+                                    optional_ptr(found_inf));
 }
 
 template <class Engine>
@@ -484,6 +594,8 @@ void register_kernels(torch::Library& m) {
   m.impl("fused_lamb_", &entry::fused_lamb_<Engine>);
   m.impl("sum_fp32", &entry::sum_fp32<Engine>);
   m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);
+  m.impl("fused_adagrad_", &entry::fused_adagrad_<Engine>);
+  m.impl("fused_novograd_", &entry::fused_novograd_<Engine>);
 }
 
 }  // namespace mixedprec

@@ -21,13 +21,15 @@ TORCH_LIBRARY(mixedprec, m) {
       "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, "
-      "bool first_run, Tensor? inv_scale, Tensor? found_inf) -> ()");
+      "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
+      "bool wd_after_momentum=False) -> ()");
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
-      "bool bias_correction, Tensor? inv_scale, Tensor? found_inf) -> ()");
+      "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
+      "Tensor? lr_tensor=None) -> ()");
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
@@ -42,6 +44,16 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
       "float backoff_factor, int growth_interval, int hysteresis, "
       "float min_scale, float max_scale) -> ()");
+  m.def(
+      "fused_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
+      "Tensor(c!)[] model_params, float lr, float eps, float weight_decay, "
+      "bool adagrad_w_mode, Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.def(
+      "fused_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] model_params, Tensor(d!) exp_avg_sq, Tensor(e!) step, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
+      "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
+      "Tensor? inv_scale, Tensor? found_inf) -> ()");
 }
 
 // A call without any tensor argument (e.g. multi_tensor_copy_([], [])) has no

@@ -112,6 +112,8 @@ struct CheckFiniteOp {
 };
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
+// wd_after_momentum (Apex's option) adds the weight decay to the step after the
+// momentum update instead of to the gradient before it.
 struct SgdOp {
   static constexpr int kDepth = 4;  // params, grads, momentum_buffers, model_params
   static constexpr unsigned kReads = 0b0111;
@@ -122,6 +124,7 @@ struct SgdOp {
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
+  bool wd_after_momentum = false;
   const float* inv_scale_ptr = nullptr;
   float inv_scale = 1.f;
 
@@ -132,12 +135,13 @@ struct SgdOp {
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V p = x[0];
     V g = x[1] * inv_scale;
-    if (weight_decay != 0.f) g = g + weight_decay * p;
+    if (weight_decay != 0.f && !wd_after_momentum) g = g + weight_decay * p;
     if (momentum != 0.f) {
       const V buf = first_run ? g : x[2] * momentum + grad_weight * g;
       x[2] = buf;
       g = nesterov ? g + momentum * buf : buf;
     }
+    if (weight_decay != 0.f && wd_after_momentum) g = g + weight_decay * p;
     p = p - lr * g;
     x[0] = p;
     x[3] = p;
@@ -146,7 +150,8 @@ struct SgdOp {
 };
 
 // torch.optim.Adam (adamw false) and AdamW (adamw true) on fp32 math. `step`
-// has already been incremented on the device when resolve() reads it.
+// has already been incremented on the device when resolve() reads it. The learning
+// rate is `lr`, or the float at lr_ptr (a device tensor, read by resolve()) when set.
 struct AdamOp {
   static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sqs, model_params
   static constexpr unsigned kReads = 0b01111;
@@ -158,6 +163,7 @@ struct AdamOp {
   bool adamw, bias_correction;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
+  const float* lr_ptr = nullptr;
   // Filled by resolve(): weights such as 1 - beta2 are formed in double and then
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
@@ -165,15 +171,16 @@ struct AdamOp {
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    const double rate = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : lr;
     const double step = *step_ptr;
     double bc1 = 1.0, bc2 = 1.0;
     if (bias_correction) {
       bc1 = 1.0 - pow(beta1, step);
       bc2 = 1.0 - pow(beta2, step);
     }
-    step_size = static_cast<float>(lr / bc1);
+    step_size = static_cast<float>(rate / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
-    decay = static_cast<float>(1.0 - lr * weight_decay);
+    decay = static_cast<float>(1.0 - rate * weight_decay);
     avg_weight = static_cast<float>(1.0 - beta1);
     beta2_f = static_cast<float>(beta2);
     sq_weight = static_cast<float>(1.0 - beta2);
@@ -283,6 +290,92 @@ struct LambStage2Op {
     const V p = x[0] - ratio * x[1];
     x[0] = p;
     x[2] = p;
+    return Lanes<V>::none();
+  }
+};
+
+// Adagrad on fp32 math, as Apex's FusedAdagrad: sum += g * g, then
+// p -= lr * g / (sqrt(sum) + eps). The weight decay is added to the gradient (L2,
+// torch.optim.Adagrad's) or, with adagrad_w_mode, to the step (lr * weight_decay * p).
+struct AdagradOp {
+  static constexpr int kDepth = 4;  // params, grads, state_sums, model_params
+  static constexpr unsigned kReads = 0b0111;
+  static constexpr unsigned kWrites = 0b1101;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, Model>;
+
+  float lr, eps, weight_decay;
+  bool adagrad_w_mode;
+  const float* inv_scale_ptr = nullptr;
+  float inv_scale = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
+    if (weight_decay != 0.f && !adagrad_w_mode) g = g + weight_decay * p;
+    const V sum = x[2] + g * g;
+    V update = g / (Lanes<V>::sqrt(sum) + eps);
+    if (weight_decay != 0.f && adagrad_w_mode) update = update + weight_decay * p;
+    p = p - lr * update;
+    x[0] = p;
+    x[2] = sum;
+    x[3] = p;
+    return Lanes<V>::none();
+  }
+};
+
+// NovoGrad's update on fp32 math, as Apex's FusedNovoGrad, after the per-tensor
+// second moment v (the blended norm of each tensor's gradient) was updated: with
+// denom = v / sqrt(1 - beta2^step) + eps and m_hat = m / (1 - beta1^step),
+//   default:           m = beta1 * m + grad_weight * g;  p -= lr * (m_hat / denom + wd * p)
+//   reg_inside_moment: m = beta1 * m + grad_weight * (g / denom + wd * p);  p -= lr * m_hat
+// `step` has already been incremented on the device when resolve() reads it.
+struct NovoGradOp {
+  static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sq (per tensor), model
+  static constexpr unsigned kReads = 0b01111;
+  static constexpr unsigned kWrites = 0b10101;
+  static constexpr unsigned kPerTensor = 0b01000;
+  template <typename Param, typename Grad, typename Model>
+  using Storage = TypeList<Param, Grad, float, float, Model>;
+
+  double beta1, beta2;
+  float lr, grad_weight, eps, weight_decay;
+  bool bias_correction, reg_inside_moment;
+  const float* step_ptr = nullptr;
+  const float* inv_scale_ptr = nullptr;
+  // Filled by resolve().
+  float inv_scale = 1.f, beta1_f = 0.f, bias_correction1 = 1.f, bias_correction2 = 1.f;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    beta1_f = static_cast<float>(beta1);
+    if (bias_correction) {
+      const double step = *step_ptr;
+      bias_correction1 = static_cast<float>(1.0 - pow(beta1, step));
+      bias_correction2 = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+    }
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+    V p = x[0];
+    V g = x[1] * inv_scale;
+    const V denom = x[3] / bias_correction2 + eps;
+    V m;
+    if (reg_inside_moment) {
+      g = g / denom + weight_decay * p;
+      m = x[2] * beta1_f + grad_weight * g;
+      p = p - lr * (m / bias_correction1);
+    } else {
+      m = x[2] * beta1_f + grad_weight * g;
+      p = p - lr * ((m / bias_correction1) / denom + weight_decay * p);
+    }
+    x[0] = p;
+    x[2] = m;
+    x[4] = p;
     return Lanes<V>::none();
   }
 };

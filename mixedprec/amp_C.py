@@ -10,9 +10,11 @@ differs:
 * ``noop_flag`` is Apex's one-element int32 tensor and stays int32. It is read and
   written on the device, never on the host. ``multi_tensor_scale``,
   ``multi_tensor_axpby`` and the norms set it to 1 on inf/NaN input (and never clear
-  it); ``multi_tensor_sgd`` and ``multi_tensor_adam`` write nothing when it is set.
-  (Apex's non-capturable Adam kernel ignored the flag; here it skips, as its SGD
-  kernel and its capturable Adam do.)
+  it); the optimizer steps (``multi_tensor_sgd``, the ``multi_tensor_adam*``,
+  ``multi_tensor_lamb*``, ``multi_tensor_adagrad`` and ``multi_tensor_novograd``) write
+  nothing when it is set. (Apex's non-capturable Adam, its LAMB, Adagrad and NovoGrad
+  kernels ignored the flag; here they skip, as its SGD kernel and its capturable Adam
+  do.)
 * Math is fp32 whatever the storage type, as in Apex. Tensors must be dense (Apex
   required contiguous ones); fp64 tensors, which some Apex kernels took, are rejected.
 * Optimizer state (momentum buffers, ``m``, ``v``) that is not fp32 (Apex's all-fp16
@@ -22,8 +24,7 @@ differs:
 * The LAMB kernels keep the update in a scratch buffer instead of writing it into
   the gradients (Apex overwrote ``g`` with it): gradients are read, never written.
 
-Functions of Apex's ``amp_C`` that are not listed in ``__all__`` (LAMB's separate
-stages, NovoGrad, Adagrad, the capturable Adam variants, ...) are not provided;
+Functions of Apex's ``amp_C`` that are not listed in ``__all__`` are not provided;
 looking one up raises ``AttributeError`` naming it.
 """
 
@@ -41,6 +42,10 @@ __all__ = [
     "multi_tensor_l2norm_mp",
     "multi_tensor_unscale_l2norm",
     "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
+    "multi_tensor_adagrad",
+    "multi_tensor_novograd",
     "multi_tensor_sgd",
     "update_scale_hysteresis",
     "multi_tensor_l2norm_scale",
@@ -245,6 +250,171 @@ def multi_tensor_adam(
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
 
 
+def _device_scalar(fn: str, name: str, value: Tensor, device: torch.device) -> Tensor:
+    """A one-element tensor argument as float32 of shape [1] on ``device`` (a copy
+    made on the device, without a host read)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{fn}: expected {name} to be a one-element tensor, got "
+                        f"{type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"{fn}: expected {name} to have one element, got {value.numel()}")
+    return value.to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _adam_capturable(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: Tensor,
+                     beta1: float, beta2: float, epsilon: float, step: Tensor, mode: int,
+                     bias_correction: int, weight_decay: float, inv_scale: Tensor) -> None:
+    _check_flag(fn, noop_flag)
+    if mode not in (0, 1):
+        raise ValueError(f"{fn}: expected mode 0 (L2) or 1 (AdamW), got {mode}")
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    model_params: List[Tensor] = []
+    if len(lists) == 5:
+        params, model_params = lists[4], params
+    device = params[0].device if params else noop_flag.device
+    lr_tensor = _device_scalar(fn, "lr", lr, device)
+    # The op counts from the step before this one, in a float32 copy: Apex's int step
+    # tensor (already incremented by the caller) is left as it is.
+    step_before = _device_scalar(fn, "step", step, device) - 1
+    inv_scale = _device_scalar(fn, "inv_scale", inv_scale, device)
+    if not params:
+        return
+    exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
+    exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
+    ops.fused_adam_(
+        params, grads, exp_avgs, exp_avg_sqs, model_params, step_before, 0.0, beta1, beta2,
+        epsilon, weight_decay, adamw=mode == 1, bias_correction=bool(bias_correction),
+        inv_scale=inv_scale, found_inf=_found_inf_of(noop_flag, device), lr_tensor=lr_tensor,
+    )
+    ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
+
+
+def multi_tensor_adam_capturable(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Apex ``amp_C.multi_tensor_adam_capturable``: one Adam step for ``tensor_lists =
+    [g, p, m, v]`` whose learning rate, step number and inverse loss scale are
+    one-element device tensors (``lr`` float32, ``step`` Apex's int32 step number
+    after this update, ``inv_scale`` float32), read on the device, so that the call
+    can be captured in a CUDA graph. Gradients are multiplied by ``inv_scale``; the
+    rest is :func:`multi_tensor_adam`. Skipped, on the device, when ``noop_flag`` is set.
+
+    Unlike Apex, the gradients are read, not written (Apex's kernel stored the
+    unscaled gradient back into ``g``). :func:`mixedprec.ops.fused_adam_` with its
+    ``lr_tensor``."""
+    fn = "multi_tensor_adam_capturable"
+    lists = _lists(fn, tensor_lists, (4,))
+    _adam_capturable(fn, noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale)
+
+
+def multi_tensor_adam_capturable_master(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Apex ``amp_C.multi_tensor_adam_capturable_master``:
+    :func:`multi_tensor_adam_capturable` for ``tensor_lists = [g, p, m, v, p_master]``:
+    the fp32 masters ``p_master`` are updated and written, cast, into the model ``p``."""
+    fn = "multi_tensor_adam_capturable_master"
+    lists = _lists(fn, tensor_lists, (5,))
+    _adam_capturable(fn, noop_flag, lists, lr, beta1, beta2, epsilon, step, mode,
+                     bias_correction, weight_decay, inv_scale)
+
+
+def multi_tensor_adagrad(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    epsilon: float,
+    mode: int,
+    weight_decay: float,
+) -> None:
+    """Apex ``amp_C.multi_tensor_adagrad``: one Adagrad step for ``tensor_lists = [g, p,
+    h]`` (``h`` the running sums of squared gradients); ``mode`` 0 adds
+    ``weight_decay * p`` to the gradient (L2), 1 to the step (decoupled). Gradients are
+    read, not written. Skipped, on the device, when ``noop_flag`` is set (Apex's kernel
+    ignored the flag). :func:`mixedprec.ops.fused_adagrad_`."""
+    _check_flag("multi_tensor_adagrad", noop_flag)
+    grads, params, sums = _lists("multi_tensor_adagrad", tensor_lists, (3,))
+    if mode not in (0, 1):
+        raise ValueError(f"multi_tensor_adagrad: expected mode 0 (L2) or 1 (decoupled), "
+                         f"got {mode}")
+    if not params:
+        return
+    device = params[0].device
+    sums, copies, originals = _fp32_state(sums)
+    ops.fused_adagrad_(params, grads, sums, [], lr, epsilon, weight_decay, mode == 1,
+                       found_inf=_found_inf_of(noop_flag, device))
+    ops.multi_tensor_copy_(copies, originals)
+
+
+def multi_tensor_novograd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    grad_norms: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    norm_type: int,
+) -> None:
+    """Apex ``amp_C.multi_tensor_novograd``: one NovoGrad step for ``tensor_lists = [g, p,
+    m]``. ``grad_norms`` (float32, one value per tensor, as the caller initialised it)
+    is blended in place with this step's gradient norms (``norm_type`` 2: L2, 0:
+    inf-norm); ``step`` is the step number after this update (a Python int);
+    ``mode`` 0 puts the weight decay inside the moment (``reg_inside_moment``), 1 in
+    the step. Gradients are read, not written. Skipped, on the device, when
+    ``noop_flag`` is set (Apex's kernel ignored the flag; its norms were blended
+    anyway). :func:`mixedprec.ops.fused_novograd_` with ``init_zero=True``."""
+    fn = "multi_tensor_novograd"
+    _check_flag(fn, noop_flag)
+    grads, params, exp_avgs = _lists(fn, tensor_lists, (3,))
+    if mode not in (0, 1):
+        raise ValueError(f"{fn}: expected mode 0 (reg_inside_moment) or 1, got {mode}")
+    if not isinstance(grad_norms, Tensor):
+        raise TypeError(f"{fn}: expected grad_norms to be a tensor, got "
+                        f"{type(grad_norms).__name__}")
+    if not params:
+        return
+    device = params[0].device
+    exp_avgs, copies, originals = _fp32_state(exp_avgs)
+    ops.fused_novograd_(
+        params, grads, exp_avgs, [], grad_norms, _scalar(step - 1, device), lr, beta1, beta2,
+        epsilon, weight_decay, bool(bias_correction), bool(grad_averaging),
+        reg_inside_moment=mode == 0, norm_type=norm_type, init_zero=True,
+        found_inf=_found_inf_of(noop_flag, device),
+    )
+    ops.multi_tensor_copy_(copies, originals)
+
+
 def multi_tensor_sgd(
     chunk_size: int,
     noop_flag: Tensor,
@@ -262,19 +432,11 @@ def multi_tensor_sgd(
     ``[g, p, m, p_model]`` (``p`` fp32 masters written, cast, into the model copy).
     Gradients are multiplied by ``scale`` (Apex passes the inverse loss scale) and
     read, not written; ``first_run`` starts the momentum buffers as the gradient;
-    with ``momentum`` 0 the buffers are not touched. Skipped, on the device, when
-    ``noop_flag`` is set. :func:`mixedprec.ops.fused_sgd_`.
-
-    ``wd_after_momentum=True`` with a nonzero ``wd`` raises ``NotImplementedError``:
-    mixedprec's SGD applies weight decay before momentum, as ``torch.optim.SGD``."""
+    with ``momentum`` 0 the buffers are not touched; ``wd_after_momentum`` adds
+    ``wd * p`` after the momentum update instead of before it. Skipped, on the device,
+    when ``noop_flag`` is set. :func:`mixedprec.ops.fused_sgd_`."""
     _check_flag("multi_tensor_sgd", noop_flag)
     lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
-    if wd_after_momentum and wd != 0:
-        raise NotImplementedError(
-            "multi_tensor_sgd: wd_after_momentum=True is not supported by mixedprec (weight "
-            "decay is applied before momentum, as in torch.optim.SGD); pass "
-            "wd_after_momentum=False"
-        )
     grads, params, momentum_buffers = lists[:3]
     model_params = lists[3] if len(lists) == 4 else []
     if not params:
@@ -290,7 +452,7 @@ def multi_tensor_sgd(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening, wd,
         bool(nesterov), bool(first_run),
         inv_scale=None if scale == 1.0 else _scalar(scale, device),
-        found_inf=_found_inf_of(noop_flag, device),
+        found_inf=_found_inf_of(noop_flag, device), wd_after_momentum=bool(wd_after_momentum),
     )
     ops.multi_tensor_copy_(copies, originals)
 

@@ -43,6 +43,8 @@ __all__ = [
     "fused_lamb_",
     "sum_fp32",
     "update_loss_scale_",
+    "fused_adagrad_",
+    "fused_novograd_",
 ]
 
 
@@ -175,6 +177,7 @@ def fused_sgd_(
     first_run: bool = False,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    wd_after_momentum: bool = False,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -183,16 +186,18 @@ def fused_sgd_(
     parameters themselves (fp32/fp16/bf16). ``grads`` (fp32/fp16/bf16) are multiplied
     by ``inv_scale`` when given. ``momentum_buffers`` are fp32, one per param, and
     empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
-    When ``found_inf`` is given and nonzero, nothing at all is written."""
+    ``wd_after_momentum`` (Apex's option) adds ``weight_decay * p`` to the step after
+    the momentum update instead of to the gradient before it. When ``found_inf`` is
+    given and nonzero, nothing at all is written."""
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-        weight_decay, nesterov, first_run, inv_scale, found_inf,
+        weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-      weight_decay, nesterov, first_run, inv_scale, found_inf):
+      weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False):
     _no_meta_among_real("fused_sgd_", locals())
     return None
 
@@ -213,22 +218,25 @@ def fused_adam_(
     bias_correction: bool = True,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    lr_tensor: Optional[Tensor] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
 
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32. Masters, model
-    copy, unscale and skip behave as in :func:`fused_sgd_`."""
+    copy, unscale and skip behave as in :func:`fused_sgd_`. ``lr_tensor`` (float32,
+    one element), when given, replaces ``lr``: the learning rate is then read on the
+    device, so that a captured CUDA graph follows a scheduler that writes it."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction, inv_scale, found_inf,
+        weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-      weight_decay, adamw, bias_correction, inv_scale, found_inf):
+      weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None):
     _no_meta_among_real("fused_adam_", locals())
     return None
 
@@ -355,4 +363,84 @@ def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2
       weight_decay, adamw, bias_correction, grad_averaging, use_nvlamb, global_grad_norm,
       max_grad_norm, inv_scale, found_inf):
     _no_meta_among_real("fused_lamb_", locals())
+    return None
+
+
+def fused_adagrad_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    state_sums: List[Tensor],
+    model_params: List[Tensor],
+    lr: float,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    adagrad_w_mode: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One Adagrad step over all ``params`` (Apex's ``FusedAdagrad``):
+    ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``. ``weight_decay * p`` is added
+    to the gradient (L2, as ``torch.optim.Adagrad``) or, with ``adagrad_w_mode``, to
+    the step (decoupled). ``state_sums`` are fp32, one per param. Masters, model copy,
+    unscale and skip behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_adagrad_.default(
+        params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+        inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_adagrad_")
+def _(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
+      inv_scale, found_inf):
+    _no_meta_among_real("fused_adagrad_", locals())
+    return None
+
+
+def fused_novograd_(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    model_params: List[Tensor],
+    exp_avg_sq: Tensor,
+    step: Tensor,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    reg_inside_moment: bool = False,
+    norm_type: int = 2,
+    init_zero: bool = False,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> None:
+    """One NovoGrad step over all ``params`` (Apex's ``FusedNovoGrad``).
+
+    ``exp_avg_sq`` (float32, shape ``[len(params)]``) holds each tensor's second
+    moment, the blended norm of its gradient: first updated on the device from this
+    step's (unscaled) gradient norms ``n``, ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``
+    for ``norm_type`` 2 and ``beta2 * v + (1 - beta2) * n`` for 0 (the inf-norm), or
+    ``v = n`` on the first step (``step`` 0 before the call) unless ``init_zero``.
+    ``step`` (float32, one element) is then incremented. With ``denom = v / sqrt(1 -
+    beta2**step) + eps`` and ``m_hat = exp_avg / (1 - beta1**step)`` (no bias correction:
+    both divisors 1), the update is ``exp_avg = beta1 * exp_avg + w * g`` and ``p -= lr *
+    (m_hat / denom + weight_decay * p)``, or with ``reg_inside_moment`` ``exp_avg = beta1
+    * exp_avg + w * (g / denom + weight_decay * p)`` and ``p -= lr * m_hat``, where ``w``
+    is ``1 - beta1`` with ``grad_averaging``, else 1. ``exp_avgs`` are fp32. Masters,
+    model copy, unscale and skip (nothing written, ``step`` and ``exp_avg_sq``
+    included) behave as in :func:`fused_sgd_`."""
+    torch.ops.mixedprec.fused_novograd_.default(
+        params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
+        weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
+        inv_scale, found_inf,
+    )
+
+
+@torch.library.register_fake("mixedprec::fused_novograd_")
+def _(params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
+      weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
+      inv_scale, found_inf):
+    _no_meta_among_real("fused_novograd_", locals())
     return None

@@ -1,7 +1,7 @@
 """Fused optimizers with fp32 master weights for fp16/bf16 models.
 
-:class:`FusedSGD` and :class:`FusedAdam` take Apex's argument names and defaults and
-behave as full :class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
+:class:`FusedSGD`, :class:`FusedAdam`, :class:`FusedAdagrad` and :class:`FusedNovoGrad`
+take Apex's argument names and defaults and behave as full :class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
 ``add_param_group``, ``zero_grad``, LR schedulers). Each step is one fused op call per
 param group and device (two for SGD while some momentum buffers are new), which:
 
@@ -42,12 +42,13 @@ from . import masters as mst
 from . import ops
 from .loss_scale import inverse
 
-__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb"]
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad",
+           "FusedNovoGrad"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # State entries that are float32 whatever the parameter's dtype.
-_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq")
+_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq", "sum")
 
 
 class _Work(NamedTuple):
@@ -453,14 +454,23 @@ class FusedSGD(_FusedOptimizer):
 
     Args:
         params: parameters (fp32, fp16 or bf16) or param-group dicts.
-        lr: learning rate (required).
+        lr: learning rate; 1e-3 by default, as ``torch.optim.SGD`` (Apex required it),
+            so that param groups that each set ``lr`` need no top-level one.
         momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        wd_after_momentum: Apex's option: add ``weight_decay * p`` to the step after
+            the momentum update instead of to the gradient before it (False:
+            ``torch.optim.SGD``'s order).
+        materialize_master_grads: accepted for Apex compatibility, no effect. In Apex
+            (under amp O2) it chose whether fp16 gradients were first copied into
+            fp32 master gradients; here the step always reads the model's gradients
+            directly (unscaling them in the same pass), and a master's ``.grad``
+            only when one was set (see the module docstring).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
         master_weights: keep fp32 masters of fp16/bf16 parameters in the state and
             update them; the parameters receive the cast masters.
-        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
 
-    Momentum buffers are float32. Apex's ``wd_after_momentum`` and
-    ``materialize_master_grads`` are not supported.
+    Momentum buffers are float32. The arguments are in Apex's order (master_weights,
+    which Apex's FusedSGD lacks, last).
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros. With ``dampening``
@@ -471,16 +481,25 @@ class FusedSGD(_FusedOptimizer):
 
     _STATE_KEYS = ("master_param", "momentum_buffer")
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.0,
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 master_weights: bool = False, set_grad_none: bool = False):
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False, master_weights: bool = False):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
         super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(wd_after_momentum=self.wd_after_momentum,
+                     materialize_master_grads=self.materialize_master_grads)
+        return state
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
         momentum = group["momentum"]
@@ -501,7 +520,7 @@ class FusedSGD(_FusedOptimizer):
                        for state, t in zip(call.states, targets)] if momentum != 0 else []
             ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
-                           first_run, inv_scale, found_inf)
+                           first_run, inv_scale, found_inf, self.wd_after_momentum)
             lists = (targets, buffers, model)
         # The next step reuses the lists unless buffers started in this one.
         return lists if len(calls) == 1 and True not in calls else None
@@ -513,7 +532,7 @@ class FusedSGD(_FusedOptimizer):
         targets, buffers, model = lists
         ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], False,
-                       inv_scale, found_inf)
+                       inv_scale, found_inf, self.wd_after_momentum)
 
 
 class FusedAdam(_FusedOptimizer):
@@ -599,6 +618,165 @@ class FusedAdam(_FusedOptimizer):
                              "1-element tensor")
         device = group["params"][0].device if group["params"] else step.device
         new_group["step"] = step.to(device, torch.float32, copy=True)
+
+
+class FusedAdagrad(_FusedOptimizer):
+    """Adagrad fused over all parameters, with Apex's ``FusedAdagrad`` arguments and
+    defaults: ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``, the math of
+    ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, eps, weight_decay: as ``torch.optim.Adagrad`` (defaults 1e-2, 1e-10, 0).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        adagrad_w_mode: False (default): weight decay added to the gradient (L2, as
+            torch); True: decoupled, ``lr * weight_decay * p`` added to the step.
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    The state is ``sum`` per parameter (float32, created as zeros at the parameter's
+    first step), as in Apex and torch; unlike torch, no per-parameter ``step``. Steps
+    are unscaled and skipped on the device with a GradScaler, as FusedSGD's.
+    """
+
+    _STATE_KEYS = ("master_param", "sum")
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10,
+                 weight_decay: float = 0.0, set_grad_none: bool = True,
+                 adagrad_w_mode: bool = False, master_weights: bool = False):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        self.adagrad_w_mode = bool(adagrad_w_mode)
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(adagrad_w_mode=self.adagrad_w_mode)
+        return state
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        targets, model = self._update_lists(items.params, items.states)
+        sums = [self._state_tensor(state, "sum", t) for state, t in zip(items.states, targets)]
+        self._run_plan(group, (targets, sums, model), items.grads, inv_scale, found_inf)
+        return targets, sums, model
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, sums, model = lists
+        ops.fused_adagrad_(targets, grads, sums, model, group["lr"], group["eps"],
+                           group["weight_decay"], self.adagrad_w_mode, inv_scale, found_inf)
+
+
+class FusedNovoGrad(_FusedOptimizer):
+    """NovoGrad fused over all parameters, with Apex's ``FusedNovoGrad`` arguments,
+    defaults and math (:func:`mixedprec.ops.fused_novograd_`): Adam's first moment
+    per element, a second moment per tensor from the norm of its gradient.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay: as Apex's (defaults 1e-3, (0.9, 0.999), 1e-8, 0).
+        bias_correction: divide the moments by ``1 - beta1**step`` and
+            ``sqrt(1 - beta2**step)``.
+        amsgrad: not supported (a ValueError; Apex raised RuntimeError).
+        reg_inside_moment: add the weight decay to the normalized gradient inside the
+            first moment (Apex's moment mode 0) instead of to the step (mode 1, default).
+        grad_averaging: weigh the gradient by ``1 - beta1`` in the first moment.
+        norm_type: 2 (L2 norm, blended as ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``)
+            or 0 (inf-norm, ``beta2 * v + (1 - beta2) * n``).
+        init_zero: start the second moments at 0 instead of at the first step's norms.
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    As in Apex, the step count and the second moments belong to the param group:
+    ``group["step"]`` (a float32 device tensor, as FusedAdam's) and
+    ``group["exp_avg_sq"]``, one float32 vector with a value for each parameter of the
+    group in order (Apex kept two, for its fp16 and fp32 parameters). They are updated
+    on the device, the first step's norms included (Apex read them on the host). The
+    group's parameters must share one device. The first moments are float32.
+    """
+
+    _STATE_KEYS = ("master_param", "exp_avg")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, reg_inside_moment: bool = False,
+                 grad_averaging: bool = True, norm_type: int = 2, init_zero: bool = False,
+                 set_grad_none: bool = True, master_weights: bool = False):
+        if amsgrad:
+            raise ValueError("FusedNovoGrad does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        if norm_type not in (0, 2):
+            raise ValueError(f"expected norm_type 0 (inf-norm) or 2 (L2), got {norm_type}")
+        self.reg_inside_moment = bool(reg_inside_moment)
+        self.moment_mode = 0 if reg_inside_moment else 1  # Apex's attribute
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        norm_type=norm_type, init_zero=init_zero)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(reg_inside_moment=self.reg_inside_moment, moment_mode=self.moment_mode)
+        return state
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        if len(by_device) > 1:
+            raise ValueError("FusedNovoGrad: the parameters of a param group must share one "
+                             f"device (the group's moments live there), got {list(by_device)}")
+
+    @staticmethod
+    def _group_tensor(group, key: str, size: int, device: torch.device) -> Tensor:
+        value = group.get(key)
+        if value is None:
+            value = group[key] = torch.zeros(size, dtype=torch.float32, device=device)
+        elif value.device != device:  # the model moved after the optimizer was built
+            value = group[key] = value.to(device)
+        return value
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        self._group_tensor(group, "step", 1, device)
+        self._group_tensor(group, "exp_avg_sq", len(group["params"]), device)
+        targets, model = self._update_lists(items.params, items.states)
+        exp_avgs = [self._state_tensor(state, "exp_avg", t)
+                    for state, t in zip(items.states, targets)]
+        index = None  # the positions in exp_avg_sq of the params stepped, when not all are
+        if len(items.params) != len(group["params"]):
+            position = {id(p): i for i, p in enumerate(group["params"])}
+            index = torch.tensor([position[id(p)] for p in items.params], device=device)
+        lists = (targets, exp_avgs, model, index)
+        self._run_plan(group, lists, items.grads, inv_scale, found_inf)
+        return lists
+
+    def _plan_holds(self, group, plan) -> bool:
+        device = plan.lists[0][0].device
+        return all(group.get(key) is not None and group[key].device == device
+                   for key in ("step", "exp_avg_sq"))
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, exp_avgs, model, index = lists
+        exp_avg_sq = group["exp_avg_sq"]
+        moments = exp_avg_sq if index is None else exp_avg_sq.index_select(0, index)
+        beta1, beta2 = group["betas"]
+        ops.fused_novograd_(targets, grads, exp_avgs, model, moments, group["step"], group["lr"],
+                            beta1, beta2, group["eps"], group["weight_decay"],
+                            group["bias_correction"], group["grad_averaging"],
+                            self.reg_inside_moment, group["norm_type"], group["init_zero"],
+                            inv_scale, found_inf)
+        if index is not None:
+            exp_avg_sq.index_copy_(0, index, moments)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        device = group["params"][0].device if group["params"] else None
+        for key, size in (("step", 1), ("exp_avg_sq", len(group["params"]))):
+            value = new_group.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, Tensor) or value.numel() != size or value.dim() != 1:
+                raise ValueError(f"FusedNovoGrad.load_state_dict: a param group's {key!r} must "
+                                 f"be a tensor of shape [{size}]")
+            new_group[key] = value.to(device or value.device, torch.float32, copy=True)
 
 
 class FusedLAMB(_FusedOptimizer):

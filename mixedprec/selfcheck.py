@@ -226,6 +226,78 @@ def check_lamb(dev, r):
              "a step with found_inf set changed a tensor or the step")
 
 
+def check_adagrad(dev, r):
+    lr, eps, weight_decay, loss_scale = 0.05, 1e-10, 1e-2, 64.0
+    n = [ops.CHUNK_SIZE + 5, 21]
+    for w_mode in (False, True):
+        params = [torch.randn(k, device=dev) for k in n]
+        grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
+        sums = [torch.rand(k, device=dev) for k in n]
+        model = [torch.empty(k, device=dev, dtype=torch.float16) for k in n]
+        want_p, want_h = [], []
+        for p, g, h in zip(params, grads, sums):  # Apex's Adagrad in float64
+            p, g = p.double(), g.double() / loss_scale
+            if not w_mode:
+                g = g + weight_decay * p
+            h = h.double() + g * g
+            update = g / (h.sqrt() + eps) + (weight_decay * p if w_mode else 0.0)
+            want_p.append(p - lr * update)
+            want_h.append(h)
+        ops.fused_adagrad_(params, grads, sums, model, lr, eps, weight_decay, w_mode,
+                           inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+        for i in range(len(n)):
+            r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}] (w_mode={w_mode})")
+            r.close(sums[i], want_h[i], RTOL[torch.float32], f"state_sums[{i}]")
+            r.close(model[i], want_p[i], RTOL[torch.float16], f"model_params[{i}]")
+    before = [t.clone() for t in params + sums + model]
+    ops.fused_adagrad_(params, grads, sums, model, lr, found_inf=scalar(1.0, dev))
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, params + sums + model)),
+             "a step with found_inf set changed a tensor")
+
+
+def check_novograd(dev, r):
+    lr, beta1, beta2, eps, weight_decay, loss_scale = 1e-2, 0.9, 0.98, 1e-8, 1e-2, 256.0
+    n = [ops.CHUNK_SIZE + 7, 45]
+    for norm_type in (2, 0):
+        params = [torch.randn(k, device=dev) for k in n]
+        exp_avgs = [torch.zeros(k, device=dev) for k in n]
+        model = [torch.empty(k, device=dev, dtype=torch.bfloat16) for k in n]
+        exp_avg_sq = torch.zeros(len(n), device=dev)
+        step = scalar(0.0, dev)
+        ref = [[p.double(), torch.zeros_like(p, dtype=torch.float64), None] for p in params]
+        for t in range(1, 4):
+            grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
+            ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, lr, beta1,
+                                beta2, eps, weight_decay, norm_type=norm_type,
+                                inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+            for state, g in zip(ref, grads):  # Apex's NovoGrad in float64
+                p, m, v = state
+                g = g.double() / loss_scale
+                norm = g.norm() if norm_type == 2 else g.abs().max()
+                if v is None:
+                    v = norm
+                elif norm_type == 2:
+                    v = (beta2 * v * v + (1 - beta2) * norm * norm).sqrt()
+                else:
+                    v = beta2 * v + (1 - beta2) * norm
+                m = beta1 * m + (1 - beta1) * g
+                denom = v / math.sqrt(1 - beta2**t) + eps
+                state[:] = [p - lr * (m / (1 - beta1**t) / denom + weight_decay * p), m, v]
+        r.expect(_item(step) == 3, f"step is {_item(step)} after 3 steps, expected 3")
+        for i, (p, m, v) in enumerate(ref):
+            what = f"(norm_type={norm_type})"
+            r.close(params[i], p, RTOL[torch.float32], f"params[{i}] {what}")
+            r.close(exp_avgs[i], m, RTOL[torch.float32], f"exp_avgs[{i}] {what}")
+            r.close(exp_avg_sq[i], v, RTOL[torch.float32], f"exp_avg_sq[{i}] {what}")
+            r.close(model[i], p, RTOL[torch.bfloat16], f"model_params[{i}] {what}")
+    before = [t.clone() for t in params + exp_avgs + model + [exp_avg_sq, step]]
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, lr,
+                        found_inf=scalar(1.0, dev))
+    after = params + exp_avgs + model + [exp_avg_sq, step]
+    r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
+             "a step with found_inf set changed a tensor, the moments or the step")
+
+
 def check_sum(dev, r):
     # The seed case: fp16 accumulation rounds 16380 to 16384; sum_fp32 is exact.
     x = torch.full((4095,), 4.0, dtype=torch.float16, device=dev)
@@ -276,6 +348,8 @@ CHECKS = {
     "fused_lamb_": check_lamb,
     "sum_fp32": check_sum,
     "update_loss_scale_": check_loss_scale,
+    "fused_adagrad_": check_adagrad,
+    "fused_novograd_": check_novograd,
 }
 
 

@@ -31,6 +31,8 @@ constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
 constexpr auto fused_lamb_ = &entry::fused_lamb_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
 constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
+constexpr auto fused_adagrad_ = &entry::fused_adagrad_<CpuEngine>;
+constexpr auto fused_novograd_ = &entry::fused_novograd_<CpuEngine>;
 
 }  // namespace
 }  // namespace cpu
@@ -92,7 +94,9 @@ TEST(Registration, EveryOpHasASchemaAndACpuKernel) {
                        "fused_adam_",
                        "fused_lamb_",
                        "sum_fp32",
-                       "update_loss_scale_"};
+                       "update_loss_scale_",
+                       "fused_adagrad_",
+                       "fused_novograd_"};
   for (const char* op : ops) {
     const auto handle =
         c10::Dispatcher::singleton().findSchema({std::string("mixedprec::") + op, ""});
@@ -300,7 +304,7 @@ TEST(FusedSgd, OneStepMatchesTheFormula) {
     std::vector<Tensor> model = {at::empty({kChunkSize + 2}, at::kHalf), at::empty({9}, at::kHalf)};
     const auto p0 = clones(params), b0 = clones(bufs);
     cpu::fused_sgd_(params, grads, bufs, model, lr, momentum, damp, weight_decay, nesterov,
-                    /*first_run=*/false, scalar(inv_scale), scalar(0.f));
+                    /*first_run=*/false, scalar(inv_scale), scalar(0.f), false);
     for (size_t i = 0; i < params.size(); ++i) {
       const Tensor g = grads[i].to(at::kDouble) * inv_scale + weight_decay * p0[i].to(at::kDouble);
       const Tensor buf = b0[i].to(at::kDouble) * momentum + (1 - damp) * g;
@@ -319,7 +323,7 @@ TEST(FusedSgd, FirstRunStartsTheBufferAtTheGradient) {
   std::vector<Tensor> bufs = {at::full({50}, 123.f)};
   const Tensor p0 = params[0].clone();
   cpu::fused_sgd_(params, grads, bufs, {}, 0.1, 0.9, 0.0, 0.0, false, /*first_run=*/true,
-                  std::nullopt, std::nullopt);
+                  std::nullopt, std::nullopt, false);
   EXPECT_TRUE(at::equal(bufs[0], grads[0]));
   expect_close(params[0], p0.to(at::kDouble) - 0.1 * grads[0].to(at::kDouble), 1e-6, 1e-7);
 }
@@ -329,7 +333,7 @@ TEST(FusedSgd, FoundInfSkipsEverything) {
                       bufs = {at::randn({20})}, model = {at::zeros({20}, at::kHalf)};
   const auto p0 = clones(params), b0 = clones(bufs), m0 = clones(model);
   cpu::fused_sgd_(params, grads, bufs, model, 0.1, 0.9, 0.0, 0.0, false, false, scalar(1.f),
-                  scalar(1.f));
+                  scalar(1.f), false);
   expect_same(params, p0);
   expect_same(bufs, b0);
   expect_same(model, m0);
@@ -360,7 +364,7 @@ TEST(FusedAdam, OneStepMatchesTheFormula) {
     const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
     cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, beta1,
                      beta2, eps, wd, adamw, /*bias_correction=*/true, scalar(inv_scale),
-                     scalar(0.f));
+                     scalar(0.f), std::nullopt);
     EXPECT_EQ(value(c.step), 5.f);
     const double step = 5, bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
     for (size_t i = 0; i < c.params.size(); ++i) {
@@ -387,7 +391,7 @@ TEST(FusedAdam, FoundInfLeavesEverythingIdentical) {
   const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs),
              model0 = clones(c.model);
   cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9, 0.999,
-                   1e-8, 0.0, true, true, scalar(1.f), scalar(1.f));
+                   1e-8, 0.0, true, true, scalar(1.f), scalar(1.f), std::nullopt);
   EXPECT_EQ(value(c.step), 7.f);
   expect_same(c.params, p0);
   expect_same(c.exp_avgs, m0);
@@ -596,7 +600,7 @@ TEST(Validation, FusedSgd) {
   const auto sgd = [&](double lr, double momentum, double dampening, bool nesterov,
                        std::vector<Tensor> b) {
     cpu::fused_sgd_(params, grads, b, model, lr, momentum, dampening, 0.0, nesterov, false,
-                    std::nullopt, std::nullopt);
+                    std::nullopt, std::nullopt, false);
   };
   expect_error_naming([&] { sgd(-0.1, 0.9, 0.0, false, bufs); }, "lr");
   expect_error_naming([&] { sgd(0.1, 0.0, 0.0, false, bufs); }, "momentum_buffers");
@@ -612,19 +616,19 @@ TEST(Validation, FusedSgd) {
   expect_error_naming(
       [&] {
         cpu::fused_sgd_(half_params, grads, {}, model, 0.1, 0.0, 0.0, 0.0, false, false,
-                        std::nullopt, std::nullopt);
+                        std::nullopt, std::nullopt, false);
       },
       "params[0]");
   expect_error_naming(
       [&] {
         cpu::fused_sgd_(params, {at::ones({5})}, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
-                        std::nullopt, std::nullopt);
+                        std::nullopt, std::nullopt, false);
       },
       "grads[0]");
   expect_error_naming(
       [&] {
         cpu::fused_sgd_(params, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false, std::nullopt,
-                        at::zeros({1}, at::kInt));
+                        at::zeros({1}, at::kInt), false);
       },
       "found_inf");
   EXPECT_TRUE(at::equal(half_params[0], at::ones({4}, at::kHalf)));
@@ -637,7 +641,7 @@ TEST(Validation, FusedAdam) {
   const auto adam = [&](const Tensor& step, double beta1, double eps,
                         const std::vector<Tensor>& exp_avgs) {
     cpu::fused_adam_(c.params, c.grads, exp_avgs, c.exp_avg_sqs, c.model, step, 1e-3, beta1, 0.999,
-                     eps, 0.0, true, true, std::nullopt, std::nullopt);
+                     eps, 0.0, true, true, std::nullopt, std::nullopt, std::nullopt);
   };
   expect_error_naming([&] { adam(c.step, 1.0, 1e-8, c.exp_avgs); }, "beta1");
   expect_error_naming([&] { adam(c.step, 0.9, -1.0, c.exp_avgs); }, "eps");
@@ -706,6 +710,159 @@ TEST(Validation, SumFp32AndUpdateLossScale) {
   expect_error_naming([&] { update(s.growth, 0.5, 3, 2048, 1024); }, "min_scale");
   EXPECT_EQ(value(s.scale), 1024.f);
   EXPECT_EQ(s.hysteresis.item<int32_t>(), 1);
+}
+
+// ------------------------------------------- Apex's Adagrad, SGD and Adam options
+
+TEST(FusedAdagrad, OneStepMatchesTheFormula) {
+  const double lr = 0.05, eps = 1e-10, wd = 0.01, inv_scale = 0.5;
+  for (bool w_mode : {false, true}) {
+    std::vector<Tensor> params = {at::randn({kChunkSize + 3}), at::randn({7})};
+    std::vector<Tensor> grads = {at::randn({kChunkSize + 3}).to(at::kHalf),
+                                 at::randn({7}).to(at::kHalf)};
+    std::vector<Tensor> sums = {at::rand({kChunkSize + 3}), at::rand({7})};
+    std::vector<Tensor> model = {at::empty({kChunkSize + 3}, at::kHalf),
+                                 at::empty({7}, at::kHalf)};
+    const auto p0 = clones(params), h0 = clones(sums);
+    cpu::fused_adagrad_(params, grads, sums, model, lr, eps, wd, w_mode, scalar(inv_scale),
+                        scalar(0.f));
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Tensor p = p0[i].to(at::kDouble);
+      Tensor g = grads[i].to(at::kDouble) * inv_scale;
+      if (!w_mode) g = g + wd * p;
+      const Tensor h = h0[i].to(at::kDouble) + g * g;
+      Tensor update = g / (h.sqrt() + eps);
+      if (w_mode) update = update + wd * p;
+      expect_close(sums[i], h, 1e-5, 1e-6, "state_sums");
+      expect_close(params[i], p - lr * update, 1e-5, 1e-6, "params");
+      EXPECT_TRUE(at::equal(model[i], params[i].to(at::kHalf)));
+    }
+  }
+}
+
+TEST(FusedAdagrad, FoundInfSkipsAndBadArgumentsWriteNothing) {
+  std::vector<Tensor> params = {at::randn({20})}, grads = {at::randn({20})},
+                      sums = {at::rand({20})};
+  const auto p0 = clones(params), h0 = clones(sums);
+  cpu::fused_adagrad_(params, grads, sums, {}, 0.1, 1e-10, 0.0, false, std::nullopt,
+                      scalar(1.f));
+  expect_same(params, p0);
+  expect_same(sums, h0);
+  const auto adagrad = [&](double lr, double eps, const std::vector<Tensor>& s) {
+    cpu::fused_adagrad_(params, grads, s, {}, lr, eps, 0.0, false, std::nullopt, std::nullopt);
+  };
+  expect_error_naming([&] { adagrad(-1.0, 1e-10, sums); }, "lr");
+  expect_error_naming([&] { adagrad(0.1, -1.0, sums); }, "eps");
+  expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({20}, at::kHalf)}); },
+                      "state_sums[0]");
+  expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({21})}); }, "state_sums");
+  expect_same(params, p0);
+  expect_same(sums, h0);
+}
+
+TEST(FusedNovoGrad, OneStepMatchesTheFormula) {
+  const double lr = 0.01, beta1 = 0.9, beta2 = 0.98, eps = 1e-8, wd = 0.01;
+  for (int64_t norm_type : {int64_t{2}, int64_t{0}}) {
+    for (bool reg_inside : {false, true}) {
+      std::vector<Tensor> params = {at::randn({kChunkSize + 3}), at::randn({7})};
+      std::vector<Tensor> grads = {at::randn({kChunkSize + 3}).to(at::kHalf),
+                                   at::randn({7}).to(at::kBFloat16)};
+      std::vector<Tensor> m = {at::randn({kChunkSize + 3}) * 0.1, at::randn({7}) * 0.1};
+      std::vector<Tensor> model = {at::empty({kChunkSize + 3}, at::kHalf),
+                                   at::empty({7}, at::kHalf)};
+      const Tensor v = at::rand({2}) + 0.5, step = scalar(2.f);
+      const auto p0 = clones(params), m0 = clones(m);
+      const Tensor v0 = v.clone();
+      cpu::fused_novograd_(params, grads, m, model, v, step, lr, beta1, beta2, eps, wd, true,
+                           true, reg_inside, norm_type, false, std::nullopt, scalar(0.f));
+      EXPECT_EQ(value(step), 3.f);
+      const double bc1 = 1 - std::pow(beta1, 3), bc2 = std::sqrt(1 - std::pow(beta2, 3));
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Tensor g = grads[i].to(at::kDouble), p = p0[i].to(at::kDouble);
+        const Tensor n = norm_type == 2 ? g.norm() : g.abs().max();
+        const Tensor old = v0[i].to(at::kDouble);
+        const Tensor vi = norm_type == 2 ? (beta2 * old * old + (1 - beta2) * n * n).sqrt()
+                                         : beta2 * old + (1 - beta2) * n;
+        const Tensor denom = vi / bc2 + eps;
+        Tensor mi, pi;
+        if (reg_inside) {
+          mi = beta1 * m0[i].to(at::kDouble) + (1 - beta1) * (g / denom + wd * p);
+          pi = p - lr * mi / bc1;
+        } else {
+          mi = beta1 * m0[i].to(at::kDouble) + (1 - beta1) * g;
+          pi = p - lr * (mi / bc1 / denom + wd * p);
+        }
+        expect_close(v[i], vi, 1e-5, 1e-6, "exp_avg_sq");
+        expect_close(m[i], mi, 1e-5, 1e-6, "exp_avgs");
+        expect_close(params[i], pi, 1e-5, 1e-6, "params");
+        EXPECT_TRUE(at::equal(model[i], params[i].to(at::kHalf)));
+      }
+    }
+  }
+}
+
+TEST(FusedNovoGrad, FirstStepStartsFromTheNormsAndFoundInfSkipsEverything) {
+  std::vector<Tensor> params = {at::randn({30}), at::randn({5})};
+  std::vector<Tensor> grads = {at::randn({30}), at::randn({5})};
+  std::vector<Tensor> m = {at::zeros({30}), at::zeros({5})};
+  const Tensor v = at::zeros({2}), step = scalar(0.f);
+  const auto p0 = clones(params);
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                       false, 2, /*init_zero=*/false, std::nullopt, scalar(1.f));
+  expect_same(params, p0);
+  EXPECT_TRUE(at::equal(v, at::zeros({2})));
+  EXPECT_EQ(value(step), 0.f);
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                       false, 2, /*init_zero=*/false, std::nullopt, scalar(0.f));
+  expect_close(v, at::stack({grads[0].to(at::kDouble).norm(), grads[1].to(at::kDouble).norm()}),
+               1e-6, 1e-7, "exp_avg_sq");
+  EXPECT_EQ(value(step), 1.f);
+  const auto novograd = [&](const Tensor& sq, int64_t norm_type) {
+    cpu::fused_novograd_(params, grads, m, {}, sq, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
+                         false, norm_type, false, std::nullopt, std::nullopt);
+  };
+  const auto p1 = clones(params);
+  expect_error_naming([&] { novograd(at::zeros({3}), 2); }, "exp_avg_sq");
+  expect_error_naming([&] { novograd(at::zeros({2}, at::kHalf), 2); }, "exp_avg_sq");
+  expect_error_naming([&] { novograd(v, 1); }, "norm_type");
+  expect_same(params, p1);
+}
+
+TEST(FusedSgd, WeightDecayAfterMomentum) {
+  const double lr = 0.1, momentum = 0.9, dampening = 0.2, wd = 0.05;
+  const int64_t n = kChunkSize + 5;
+  std::vector<Tensor> params = {at::randn({n})}, grads = {at::randn({n})},
+                      bufs = {at::randn({n})};
+  const auto p0 = clones(params), b0 = clones(bufs);
+  cpu::fused_sgd_(params, grads, bufs, {}, lr, momentum, dampening, wd, false, false,
+                  std::nullopt, std::nullopt, /*wd_after_momentum=*/true);
+  const Tensor p = p0[0].to(at::kDouble);
+  const Tensor buf = b0[0].to(at::kDouble) * momentum + (1 - dampening) * grads[0].to(at::kDouble);
+  expect_close(bufs[0], buf, 1e-5, 1e-6, "momentum_buffers");
+  expect_close(params[0], p - lr * (buf + wd * p), 1e-5, 1e-6, "params");
+}
+
+TEST(FusedAdam, LearningRateFromATensor) {
+  AdamCase c = adam_case(0.f), d = adam_case(0.f);
+  d.params = clones(c.params);
+  d.grads = clones(c.grads);
+  d.exp_avgs = clones(c.exp_avgs);
+  d.exp_avg_sqs = clones(c.exp_avg_sqs);
+  // lr_tensor replaces lr: a wrong float lr beside it changes nothing.
+  cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 0.0, 0.9, 0.999,
+                   1e-8, 0.01, true, true, std::nullopt, std::nullopt, scalar(2e-3f));
+  cpu::fused_adam_(d.params, d.grads, d.exp_avgs, d.exp_avg_sqs, d.model, d.step,
+                   static_cast<double>(2e-3f), 0.9, 0.999, 1e-8, 0.01, true, true, std::nullopt,
+                   std::nullopt, std::nullopt);
+  expect_same(c.params, d.params);
+  expect_same(c.exp_avgs, d.exp_avgs);
+  expect_error_naming(
+      [&] {
+        cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 0.0, 0.9,
+                         0.999, 1e-8, 0.0, true, true, std::nullopt, std::nullopt,
+                         at::zeros({2}));
+      },
+      "lr_tensor");
 }
 
 }  // namespace

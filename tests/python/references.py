@@ -30,13 +30,15 @@ def ref_l2norm(tensors, inv_scale=None, per_tensor=False):
 
 
 def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
-            weight_decay=0.0, nesterov=False, first_run=False, inv_scale=None):
-    """One torch.optim.SGD step in float64: (new params, new momentum buffers)."""
+            weight_decay=0.0, nesterov=False, first_run=False, inv_scale=None,
+            wd_after_momentum=False):
+    """One torch.optim.SGD step in float64: (new params, new momentum buffers). With
+    wd_after_momentum (Apex's option) the weight decay joins after the momentum."""
     scale = 1.0 if inv_scale is None else inv_scale
     new_params, new_buffers = [], []
     for i, (p, g) in enumerate(zip(params, grads)):
         p, g = p.double(), g.double() * scale
-        if weight_decay != 0:
+        if weight_decay != 0 and not wd_after_momentum:
             g = g + weight_decay * p
         if momentum != 0:
             if first_run:
@@ -45,6 +47,8 @@ def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
                 buf = momentum * momentum_buffers[i].double() + (1 - dampening) * g
             new_buffers.append(buf)
             g = g + momentum * buf if nesterov else buf
+        if weight_decay != 0 and wd_after_momentum:
+            g = g + weight_decay * p
         new_params.append(p - lr * g)
     return new_params, new_buffers
 
@@ -111,6 +115,61 @@ def ref_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
 def ref_global_norm(grads, inv_scale=None):
     """The float64 L2 norm of all gradients together, unscaled, as a float."""
     return ref_l2norm(grads, inv_scale)[0].item()
+
+
+def ref_adagrad(params, grads, state_sums, lr, eps=1e-10, weight_decay=0.0,
+                adagrad_w_mode=False, inv_scale=None):
+    """One Adagrad step in float64 (Apex's FusedAdagrad; torch.optim.Adagrad with no
+    lr_decay when adagrad_w_mode is False): (params, state_sums)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    out_p, out_h = [], []
+    for p, g, h in zip(params, grads, state_sums):
+        p, g, h = p.double(), g.double() * scale, h.double()
+        if weight_decay != 0 and not adagrad_w_mode:
+            g = g + weight_decay * p
+        h = h + g * g
+        update = g / (h.sqrt() + eps)
+        if weight_decay != 0 and adagrad_w_mode:
+            update = update + weight_decay * p
+        out_p.append(p - lr * update)
+        out_h.append(h)
+    return out_p, out_h
+
+
+def ref_novograd(params, grads, exp_avgs, exp_avg_sq, step, lr, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=0.0, bias_correction=True, grad_averaging=True,
+                 reg_inside_moment=False, norm_type=2, init_zero=False, inv_scale=None):
+    """One NovoGrad step (Apex's FusedNovoGrad) in float64 from the step count `step`
+    before the call and the per-tensor second moments `exp_avg_sq` (a vector):
+    (params, exp_avgs, exp_avg_sq, step)."""
+    scale = 1.0 if inv_scale is None else inv_scale
+    grads = [g.double() * scale for g in grads]
+    v = exp_avg_sq.double()
+    if norm_type == 2:
+        norms = torch.stack([g.pow(2).sum().sqrt() for g in grads])
+        new_v = (beta2 * v**2 + (1 - beta2) * norms**2).sqrt()
+    else:
+        norms = torch.stack([g.abs().max() if g.numel() else g.new_zeros(()) for g in grads])
+        new_v = beta2 * v + (1 - beta2) * norms
+    if step == 0 and not init_zero:
+        new_v = norms
+    step = step + 1
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = math.sqrt(1 - beta2**step) if bias_correction else 1.0
+    w = 1 - beta1 if grad_averaging else 1.0
+    out_p, out_m = [], []
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs)):
+        p, m = p.double(), m.double()
+        denom = new_v[i] / bc2 + eps
+        if reg_inside_moment:
+            m = beta1 * m + w * (g / denom + weight_decay * p)
+            p = p - lr * m / bc1
+        else:
+            m = beta1 * m + w * g
+            p = p - lr * (m / bc1 / denom + weight_decay * p)
+        out_p.append(p)
+        out_m.append(m)
+    return out_p, out_m, new_v, step
 
 
 def ref_sum_fp32(x, dim=None, keepdim=False):

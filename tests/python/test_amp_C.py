@@ -359,18 +359,6 @@ def test_sgd_skips_when_flag_set(device):
     assert_flag(noop_flag, 1)
 
 
-def test_sgd_wd_after_momentum_not_supported(device):
-    p = tensors(torch.float32, device, seed=34, sizes=[5])
-    g = tensors(torch.float32, device, seed=35, sizes=[5])
-    mom = tensors(torch.float32, device, seed=36, sizes=[5])
-    with pytest.raises(NotImplementedError, match="wd_after_momentum"):
-        amp_C.multi_tensor_sgd(2048, flag(device), [g, p, mom], 1e-2, 0.9, 0.0, 0.1, False,
-                               False, True, 1.0)
-    # Without weight decay the flag changes nothing, so it is accepted.
-    amp_C.multi_tensor_sgd(2048, flag(device), [g, p, mom], 0.0, 0.9, 0.0, 0.1, False, False,
-                           True, 1.0)
-
-
 # --- the skip pipeline, and the rest -------------------------------------------------
 
 def test_overflow_in_scale_skips_the_following_step(device):
@@ -409,7 +397,7 @@ def test_update_scale_hysteresis(device):
 def test_missing_apex_function_is_named():
     with pytest.raises(AttributeError, match="multi_tensor_lamb_stage1_cuda"):
         getattr(amp_C, "multi_tensor_lamb_stage1_cuda")  # noqa: B009  (the lookup is the test)
-    assert not hasattr(amp_C, "multi_tensor_novograd")
+    assert not hasattr(amp_C, "multi_tensor_l2norm_scale")
 
 
 def test_bad_arguments_are_named():

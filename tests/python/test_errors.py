@@ -70,6 +70,23 @@ def lamb_args(d):
     return args
 
 
+def adagrad_args(d):
+    params, grads, model = optimizer_lists(d)
+    return dict(params=params, grads=grads, state_sums=[torch.zeros_like(p) for p in params],
+                model_params=model, lr=1e-2, eps=1e-10, weight_decay=0.0, adagrad_w_mode=False,
+                inv_scale=scalar(0.5, d), found_inf=scalar(0.0, d))
+
+
+def novograd_args(d):
+    params, grads, model = optimizer_lists(d)
+    return dict(params=params, grads=grads, exp_avgs=[torch.zeros_like(p) for p in params],
+                model_params=model, exp_avg_sq=torch.zeros(len(params), device=d),
+                step=scalar(0.0, d), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0, bias_correction=True, grad_averaging=True,
+                reg_inside_moment=False, norm_type=2, init_zero=False, inv_scale=scalar(0.5, d),
+                found_inf=scalar(0.0, d))
+
+
 def sum_args(d):
     return {"self": randn((3, 4), F16, d, 0), "dim": [1], "keepdim": False}
 
@@ -97,6 +114,8 @@ OPS = {
     "fused_lamb_": (ops.fused_lamb_, lamb_args),
     "sum_fp32": (ops.sum_fp32, sum_args),
     "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
+    "fused_adagrad_": (ops.fused_adagrad_, adagrad_args),
+    "fused_novograd_": (ops.fused_novograd_, novograd_args),
 }
 
 
@@ -551,6 +570,15 @@ OVERLAP_CASES = [
     overlap_case("fused_adam_", "found_inf-in-exp_avg_sqs",
                  set_arg("found_inf", first_element_of("exp_avg_sqs", 1)), "found_inf",
                  "exp_avg_sqs[1]"),
+    overlap_case("fused_adagrad_", "sums-are-params", alias("state_sums", 1, "params", 1),
+                 "params[1]", "state_sums[1]"),
+    overlap_case("fused_adagrad_", "found_inf-in-state_sums",
+                 set_arg("found_inf", first_element_of("state_sums", 2)), "found_inf",
+                 "state_sums[2]"),
+    overlap_case("fused_novograd_", "step-in-exp_avg_sq",
+                 set_arg("step", lambda a, d: a["exp_avg_sq"][:1]), "step", "exp_avg_sq"),
+    overlap_case("fused_novograd_", "exp_avgs-are-params", alias("exp_avgs", 0, "params", 0),
+                 "params[0]", "exp_avgs[0]"),
     overlap_case("update_loss_scale_", "trackers-are-one",
                  alias("hysteresis_tracker", None, "growth_tracker"), "growth_tracker",
                  "hysteresis_tracker"),

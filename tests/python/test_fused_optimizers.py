@@ -143,10 +143,12 @@ def named_snapshot(obj):
 def test_signatures_follow_apex():
     sgd = inspect.signature(FusedSGD).parameters
     assert list(sgd) == ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov",
-                         "master_weights", "set_grad_none"]
-    assert sgd["lr"].default is inspect.Parameter.empty
+                         "wd_after_momentum", "materialize_master_grads", "set_grad_none",
+                         "master_weights"]
+    assert sgd["lr"].default == 1e-3  # torch.optim.SGD's (Apex required lr)
     assert {k: v.default for k, v in sgd.items() if k not in ("params", "lr")} == {
         "momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False,
+        "wd_after_momentum": False, "materialize_master_grads": True,
         "master_weights": False, "set_grad_none": False}
     adam = inspect.signature(FusedAdam).parameters
     assert {k: v.default for k, v in adam.items() if k != "params"} == {

@@ -21,6 +21,8 @@ OP_NAMES = [
     "fused_lamb_",
     "sum_fp32",
     "update_loss_scale_",
+    "fused_adagrad_",
+    "fused_novograd_",
 ]
 
 
@@ -123,6 +125,26 @@ def sample_inputs(device):
     add(lamb(fp32(26), mixed(27), like(fp32(26), [f16, bf16]), *flags(), scalar(4.0, d)))
     add(lamb(fp32(28), mixed(29), like(fp32(28), [bf16]), *flags(found=1.0), scalar(0.5, d),
              nvlamb=True))
+
+    def adagrad(params, grads, model, inv_scale, found_inf, w_mode=False):
+        sums = [randn(p.shape, f32, d, 40 + i).square() for i, p in enumerate(params)]
+        return ("fused_adagrad_", (params, grads, sums, model, 0.05, 1e-10, 1e-2, w_mode,
+                                   inv_scale, found_inf), {})
+
+    add(adagrad(mixed(41), mixed(42), [], None, None))
+    add(adagrad(fp32(43), mixed(44), like(fp32(43), [f16, bf16]), *flags(), w_mode=True))
+    add(adagrad(fp32(45), mixed(46), like(fp32(45), [bf16]), *flags(found=1.0)))
+
+    def novograd(params, grads, model, inv_scale, found_inf, norm_type=2, step=3.0):
+        m = [randn(p.shape, f32, d, 50 + i) for i, p in enumerate(params)]
+        v = randn(len(params), f32, d, 49).abs()
+        return ("fused_novograd_", (params, grads, m, model, v, scalar(step, d), 1e-2, 0.9, 0.98,
+                                    1e-8, 1e-2, True, True, False, norm_type, False, inv_scale,
+                                    found_inf), {})
+
+    add(novograd(mixed(51), mixed(52), [], None, None, step=0.0))
+    add(novograd(fp32(53), mixed(54), like(fp32(53), [f16, bf16]), *flags(), norm_type=0))
+    add(novograd(fp32(55), mixed(56), like(fp32(55), [bf16]), *flags(found=1.0)))
 
     add(("sum_fp32", (randn((4, 5, 6), f16, d, 19),), {}))
     add(("sum_fp32", (randn((4, 5, 6), bf16, d, 20), [0, -1], True), {}))
@@ -242,6 +264,10 @@ def meta_cases():
         ("fused_adam_", "model_params", 0),
         ("update_loss_scale_", "found_inf", None),
         ("update_loss_scale_", "growth_tracker", None),
+        ("fused_adagrad_", "state_sums", 1),
+        ("fused_adagrad_", "found_inf", None),
+        ("fused_novograd_", "exp_avg_sq", None),
+        ("fused_novograd_", "exp_avgs", 1),
     ]
     return [pytest.param(op, OPS[op], name, index, id=f"{op}-{name}") for op, name, index in cases]
 
