@@ -37,6 +37,8 @@ from . import masters as mst
 from . import ops
 from . import amp_C
 from .loss_scale import check_scale, inverse
+# Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
+from .fp16_utils import LegacyFP16_Optimizer as FP16_Optimizer  # noqa: F401
 
 __all__ = ["FusedSGD", "FusedAdam"]
 
@@ -618,6 +620,9 @@ class FusedAdam(_FusedOptimizer):
             buf = self.__dict__["_overflow_buf"] = torch.zeros(1, dtype=torch.int32,
                                                                device=device)
         return buf
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(super().__getstate__(), _amp_scale_adjustment=self._amp_scale_adjustment)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("_amp_scale_adjustment", 1.0)
