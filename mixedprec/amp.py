@@ -186,7 +186,10 @@ class LossScaler:
     def update_scale(self) -> bool:
         """Apex's method: one step of the dynamic rule from ``_overflow_buf`` (or
         ``_has_overflow``), on the device; returns whether the step should be skipped
-        (always False for a static scale)."""
+        (always False for a static scale). Differs from Apex: the update consumes
+        ``_has_overflow`` (Apex kept it set until ``clear_overflow_state``, which a
+        script accumulating with ``delay_unscale=True`` never reached: every later step
+        was skipped)."""
         if not self.dynamic:
             return False
         buf = self._overflow_buf
@@ -195,8 +198,8 @@ class LossScaler:
         if self._has_overflow:
             found.fill_(1.0)
         self.core.update(found)
-        self._has_overflow = bool(found.item())  # sync-ok: Apex returns a bool here
-        return self._has_overflow
+        self._has_overflow = False
+        return bool(found.item())  # sync-ok: Apex returns a bool here
 
     def state_dict(self) -> Dict[str, Any]:
         return {"loss_scale": self.core.get(),
