@@ -729,8 +729,9 @@ class FP16_Optimizer:  # Apex's name
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a :meth:`state_dict`, or one saved by Apex's ``FP16_Optimizer`` (its
         ``loss_scaler`` a pickled ``LossScaler``/``DynamicLossScaler``), and copies the
-        masters into the model (Apex did not; load the model first either way). Differs from Apex: checks first, raising
-        ``ValueError`` (nothing changed) on a mismatch or another kind of optimizer."""
+        masters into the model (Apex did not; load the model first either way). Differs
+        from Apex: checks first, raising ``ValueError`` (nothing changed) on a mismatch or
+        another kind of optimizer."""
         if isinstance(state_dict, dict) and isinstance(state_dict.get("loss_scaler"),
                                                        LossScaler):
             # Apex pickled its scaler object (unpickled as this module's class).
