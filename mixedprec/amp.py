@@ -140,6 +140,20 @@ class LossScaler:
     def update(self, found_inf: Tensor) -> None:
         self.core.update(found_inf)
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickles mixedprec's scaler or Apex's (``apex.amp.scaler.LossScaler``, which
+        Apex's ``FP16_Optimizer`` pickled into its state dict): Apex's scale, bounds,
+        window and ``_unskipped`` count become this scaler's."""
+        if "_loss_scale" not in state:
+            self.__dict__.update(state)
+            return
+        dynamic = bool(state.get("dynamic"))
+        LossScaler.__init__(self, "dynamic" if dynamic else state["_loss_scale"],
+                            state.get("_min_loss_scale"), state.get("_max_loss_scale", 2.0**24),
+                            scale_window=state.get("_scale_seq_len", 2000))
+        if dynamic:
+            self.core.load(float(state["_loss_scale"]), int(state.get("_unskipped", 0)))
+
     # -- Apex's internals that scripts touch (NVIDIA's BERT and GNMT, ...) ----------------
     @property
     def _loss_scale(self) -> float:

@@ -331,13 +331,31 @@ class LossScaler:
             self.__dict__.update(state)
         elif "cur_scale" in state:
             self._from_apex(state)
+        elif "_loss_scale" in state:
+            self._from_apex_amp(state)
         else:
             raise ValueError(f"{type(self).__name__}: cannot unpickle a state with "
-                             f"{sorted(state)}; expected Apex's (cur_scale, ...) or "
-                             "mixedprec's (core)")
+                             f"{sorted(state)}; expected Apex's (cur_scale, ... or "
+                             "_loss_scale, ...) or mixedprec's (core)")
 
     def _from_apex(self, state: Dict[str, Any]) -> None:
         LossScaler.__init__(self, state["cur_scale"])
+
+    def _from_apex_amp(self, state: Dict[str, Any]) -> None:
+        """``apex.amp.scaler.LossScaler``'s attributes (what Apex's ``FP16_Optimizer``
+        pickled from 2019 on): a :class:`DynamicLossScaler` with amp's rule (factor 2,
+        ``_scale_seq_len`` clean steps, its bounds; ``_unskipped`` steps counted), or a
+        static :class:`LossScaler`."""
+        scale = state["_loss_scale"]
+        if state.get("dynamic"):
+            self.__class__ = DynamicLossScaler
+            DynamicLossScaler.__init__(self, scale, 2.0, state.get("_scale_seq_len", 2000),
+                                       min_loss_scale=state.get("_min_loss_scale"),
+                                       max_loss_scale=state.get("_max_loss_scale"))
+            self.core.load(float(scale), int(state.get("_unskipped", 0)))
+        else:
+            self.__class__ = LossScaler
+            LossScaler.__init__(self, scale)
 
 
 def _apex_setting(name: str, doc: str) -> property:
@@ -732,10 +750,14 @@ class FP16_Optimizer:  # Apex's name
         masters into the model (Apex did not; load the model first either way). Differs
         from Apex: checks first, raising ``ValueError`` (nothing changed) on a mismatch or
         another kind of optimizer."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("loss_scaler"),
-                                                       LossScaler):
-            # Apex pickled its scaler object (unpickled as this module's class).
-            state_dict = dict(state_dict, loss_scaler=state_dict["loss_scaler"].state_dict())
+        saved = state_dict.get("loss_scaler") if isinstance(state_dict, dict) else None
+        if isinstance(getattr(saved, "core", None), LossScale):
+            # Apex pickled its scaler object: unpickled as this module's class, or as
+            # mixedprec.amp's (apex.amp.scaler.LossScaler under the alias): the same core.
+            face = (DynamicLossScaler if saved.core.dynamic else LossScaler).__new__(
+                DynamicLossScaler if saved.core.dynamic else LossScaler)
+            face.core = saved.core
+            state_dict = dict(state_dict, loss_scaler=face.state_dict())
         self._check_state_dict(state_dict)
         scaler = _scaler_from_state_dict(state_dict["loss_scaler"], self._device,
                                          "state_dict['loss_scaler']")
@@ -869,7 +891,10 @@ class LegacyFP16_Optimizer(FP16_Optimizer):
 
 # Apex's FP16_Optimizer pickled its scaler into state_dict(); torch.load(weights_only=True),
 # torch's default since 2.6, loads those names as this module's classes.
+# (apex.amp.scaler.LossScaler, which it pickled from 2019 on, comes back as a
+# DynamicLossScaler or, for a static scale, a LossScaler: see LossScaler._from_apex_amp.)
 torch.serialization.add_safe_globals([
     (LossScaler, "apex.fp16_utils.loss_scaler.LossScaler"),
     (DynamicLossScaler, "apex.fp16_utils.loss_scaler.DynamicLossScaler"),
+    (DynamicLossScaler, "apex.amp.scaler.LossScaler"),
 ])

@@ -565,23 +565,43 @@ class _ApexDynamicLossScaler:
         self.scale_window = scale_window
 
 
+class _ApexAmpLossScaler:
+    """Apex's apex.amp.scaler.LossScaler attributes (cb65b8ed^), which Apex's
+    fp16_utils.FP16_Optimizer used and pickled from 2019 on."""
+
+    def __init__(self, loss_scale, init_scale=2.0**16, scale_window=2000,
+                 min_loss_scale=None, max_loss_scale=2.0**24):
+        self.dynamic = loss_scale == "dynamic"
+        self._loss_scale = min(max_loss_scale, init_scale) if self.dynamic else loss_scale
+        self._max_loss_scale = max_loss_scale
+        self._min_loss_scale = min_loss_scale
+        self._scale_seq_len = scale_window
+        self._unskipped = 0
+        self._has_overflow = False
+        self._overflow_buf = torch.zeros(1, dtype=torch.int32)
+
+
 def _pickled_as_apex(obj_state_dict_maker):
-    """Runs ``obj_state_dict_maker`` with fake ``apex.fp16_utils.loss_scaler`` in
-    sys.modules (classes named as Apex's), returns what torch.save wrote; the fakes are
-    gone afterwards."""
-    names = ["apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler"]
+    """Runs ``obj_state_dict_maker(modules)`` with fake ``apex.fp16_utils.loss_scaler``
+    and ``apex.amp.scaler`` in sys.modules (classes named as Apex's), returns what
+    torch.save wrote; the fakes are gone afterwards."""
+    names = ["apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler", "apex.amp",
+             "apex.amp.scaler"]
     saved = {n: sys.modules.get(n) for n in names}
-    module = types.ModuleType("apex.fp16_utils.loss_scaler")
-    for cls, name in ((_ApexLossScaler, "LossScaler"),
-                      (_ApexDynamicLossScaler, "DynamicLossScaler")):
-        fake = type(name, (cls,), {"__module__": module.__name__})
+    modules = {n: types.ModuleType(n) for n in names}
+    for cls, path in ((_ApexLossScaler, "apex.fp16_utils.loss_scaler.LossScaler"),
+                      (_ApexDynamicLossScaler, "apex.fp16_utils.loss_scaler.DynamicLossScaler"),
+                      (_ApexAmpLossScaler, "apex.amp.scaler.LossScaler")):
+        module, name = path.rsplit(".", 1)
+        fake = type(name, (cls,), {"__module__": module})
         fake.__qualname__ = name
-        setattr(module, name, fake)
+        setattr(modules[module], name, fake)
     try:
-        for n in names:
-            sys.modules[n] = module if n == names[-1] else types.ModuleType(n)
+        sys.modules.update(modules)
         buffer = io.BytesIO()
-        torch.save(obj_state_dict_maker(module), buffer)
+        torch.save(obj_state_dict_maker(types.SimpleNamespace(
+            fp16=modules["apex.fp16_utils.loss_scaler"], amp=modules["apex.amp.scaler"])),
+            buffer)
         return buffer.getvalue()
     finally:
         for n, m in saved.items():
@@ -594,10 +614,10 @@ def _pickled_as_apex(obj_state_dict_maker):
 def _apex_fp16_optimizer_state(module, dynamic, model, masters):
     """What Apex's FP16_Optimizer.state_dict() held: its scaler object pickled in."""
     if dynamic:
-        scaler = module.DynamicLossScaler(init_scale=2.0**10, scale_window=50)
+        scaler = module.fp16.DynamicLossScaler(init_scale=2.0**10, scale_window=50)
         scaler.cur_iter, scaler.last_overflow_iter = 37, 20
     else:
-        scaler = module.LossScaler(scale=64.0)
+        scaler = module.fp16.LossScaler(scale=64.0)
     inner = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
     for m in masters:
         m.grad = torch.ones_like(m)
@@ -645,6 +665,51 @@ def test_apex_fp16_optimizer_checkpoint_resumes(dynamic, weights_only):
     assert torch.equal(model.bias.grad.float(), torch.full((2,), expected))
     opt.step()
     assert opt.loss_scale == expected
+
+
+def _amp_scaler_checkpoint(module, dynamic, model, masters):
+    sd = _apex_fp16_optimizer_state(module, dynamic, model, masters)
+    if dynamic:
+        scaler = module.amp.LossScaler("dynamic", scale_window=100, min_loss_scale=4.0)
+        scaler._loss_scale, scaler._unskipped = 2.0**12, 99
+    else:
+        scaler = module.amp.LossScaler(32.0)
+    return dict(sd, loss_scaler=scaler)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_apex_fp16_optimizer_checkpoint_with_amp_scaler_resumes(dynamic):
+    """Apex's FP16_Optimizer pickled apex.amp.scaler.LossScaler from 2019 on:
+    torch.load(weights_only=True) gives fp16_utils' scaler; under an alias that maps
+    apex.amp.scaler, amp's LossScaler unpickles it (simulated here) and loads too."""
+    torch.manual_seed(9)
+    model = nn.Linear(3, 2).half()
+    masters = [p.detach().float().clone().add_(0.5).requires_grad_() for p in model.parameters()]
+    data = _pickled_as_apex(lambda m: _amp_scaler_checkpoint(m, dynamic, model, masters))
+    sd = torch.load(io.BytesIO(data), weights_only=True)
+    expected = 2.0**12 if dynamic else 32.0
+    assert type(sd["loss_scaler"]) is (fp16_utils.DynamicLossScaler if dynamic
+                                       else fp16_utils.LossScaler)
+    as_amp = amp.LossScaler.__new__(amp.LossScaler)  # what the alias would unpickle
+    as_amp.__setstate__(dict(vars(_ApexAmpLossScaler("dynamic" if dynamic else 32.0))))
+    if dynamic:
+        as_amp.__setstate__(dict(vars(_ApexAmpLossScaler("dynamic", scale_window=100,
+                                                         min_loss_scale=4.0)),
+                                 _loss_scale=2.0**12, _unskipped=99))
+    for saved in (sd["loss_scaler"], as_amp):
+        opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                        momentum=0.9),
+                                        dynamic_loss_scale=dynamic)
+        opt.load_state_dict(dict(sd, loss_scaler=saved))
+        assert opt.loss_scale == expected
+        if dynamic:  # one more clean step grows the scale, as Apex's would (99 + 1 = 100)
+            assert opt.loss_scaler.min_loss_scale == 4.0
+            assert opt.loss_scaler.max_loss_scale == 2.0**24
+            opt.zero_grad()
+            opt.backward(model(torch.ones(1, 3).half()).float().sum())
+            assert torch.equal(model.bias.grad.float(), torch.full((2,), expected))
+            opt.step()
+            assert opt.loss_scale == 2 * expected
 
 
 def test_apex_dynamic_scaler_growth_matches_apex_rule():
