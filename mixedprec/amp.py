@@ -864,8 +864,10 @@ class AmpHandle:
         torch.clear_autocast_cache()
 
     def _deactivate(self) -> None:
-        """Turns amp off: autocast as it was before ``init``."""
-        enabled, dtype, cache = self._previous
+        """Turns amp off: autocast as it was before ``init`` (once; again: nothing)."""
+        if self._previous is None:
+            return
+        (enabled, dtype, cache), self._previous = self._previous, None
         torch.set_autocast_enabled(self._device, enabled)
         torch.set_autocast_dtype(self._device, dtype)
         torch.set_autocast_cache_enabled(cache)
@@ -1005,6 +1007,8 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     if allow_banned:
         raise ValueError("amp.init: allow_banned=True is not supported (torch's autocast "
                          "refuses float16 binary_cross_entropy); expected False")
+    if enabled and loss_scale != "dynamic":  # checked before the last handle is replaced
+        check_scale("amp.init", "loss_scale", loss_scale)
     if _handle is not None:  # a second init replaces the first
         _handle._deactivate()
         _handle = None

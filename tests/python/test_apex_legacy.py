@@ -543,6 +543,15 @@ def test_amp_init_disabled_and_rejections():
     with pytest.raises(ValueError, match="loss_scale"):
         amp.init(loss_scale=-1.0)
     assert not torch.is_autocast_enabled("cpu")
+    live = amp.init(loss_scale=128.0)  # a rejected call leaves the live handle as it is
+    try:
+        with pytest.raises(ValueError, match="loss_scale"):
+            amp.init(loss_scale=float("nan"))
+        assert live.is_active() and torch.is_autocast_enabled(live._device)
+        assert live._default_scaler.loss_scale() == 128.0 and not live._default_scaler.dynamic
+    finally:
+        live._deactivate()
+    assert not torch.is_autocast_enabled(live._device)
 
 
 # --- checkpoints saved by Apex ----------------------------------------------------------------
