@@ -463,6 +463,21 @@ def test_foreign_optimizer_trains_and_skips(opt_level):
         torch.testing.assert_close(p.double(), r, rtol=0, atol=1e-5)
 
 
+def test_foreign_optimizer_step_reads_the_device_once(monkeypatch):
+    model = _mlp(5)
+    opt = ForeignFused(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    reads = []
+    original = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or original(t))
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(3, 4)).float().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert len(reads) == 2 and opt.param_groups[0]["count"] == 2
+
+
 # --- amp.init (2018 API) -------------------------------------------------------------------
 
 @pytest.fixture
