@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import time
+import types
 import weakref
 from collections import deque
 from typing import Any, Dict, Iterable, Iterator, List, Optional
@@ -42,6 +43,7 @@ __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "half_function", "float_function", "promote_function", "register_half_function",
     "register_float_function", "register_promote_function", "disable_casts",
+    "init", "AmpHandle", "NoOpHandle",
 ]
 
 logger = logging.getLogger("mixedprec.amp")
@@ -129,6 +131,7 @@ class LossScaler:
         self.core = LossScale(start, dynamic=self.dynamic, growth_factor=2.0,
                               backoff_factor=0.5, growth_interval=scale_window,
                               min_scale=floor, max_scale=max_loss_scale, owner="amp")
+        self._has_overflow = False
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (reads the device)."""
@@ -136,6 +139,81 @@ class LossScaler:
 
     def update(self, found_inf: Tensor) -> None:
         self.core.update(found_inf)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickles mixedprec's scaler or Apex's (``apex.amp.scaler.LossScaler``, which
+        Apex's ``FP16_Optimizer`` pickled into its state dict): Apex's scale, bounds,
+        window and ``_unskipped`` count become this scaler's."""
+        if "_loss_scale" not in state:
+            self.__dict__.update(state)
+            return
+        dynamic = bool(state.get("dynamic"))
+        LossScaler.__init__(self, "dynamic" if dynamic else state["_loss_scale"],
+                            state.get("_min_loss_scale"), state.get("_max_loss_scale", 2.0**24),
+                            scale_window=state.get("_scale_seq_len", 2000))
+        if dynamic:
+            self.core.load(float(state["_loss_scale"]), int(state.get("_unskipped", 0)))
+
+    # -- Apex's internals that scripts touch (NVIDIA's BERT and GNMT, ...) ----------------
+    @property
+    def _loss_scale(self) -> float:
+        """Apex's attribute: reads the scale on the device; a write sets it there, and the
+        next ``scale_loss`` uses it (a number, finite and > 0)."""
+        return self.core.get()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: Any) -> None:
+        self.core.set(value)
+
+    @property
+    def _unskipped(self) -> int:
+        """Apex's count of steps since the last overflow or growth (reads the device)."""
+        return self.core.trackers()["growth_tracker"]
+
+    _min_loss_scale = property(lambda self: self.core.min_scale)
+    _max_loss_scale = property(lambda self: self.core.max_scale)
+    _scale_seq_len = property(lambda self: self.core.growth_interval)
+
+    @property
+    def _overflow_buf(self) -> Tensor:
+        """Apex's int32 overflow flag, which :meth:`update_scale` reads (scripts hand it to
+        ``amp_C`` kernels, or replace it with their own); zeroed by
+        :meth:`clear_overflow_state`. ``scale_loss`` keeps its own flag."""
+        buf = self.__dict__.get("_buf")
+        if buf is None:
+            device = self.core.scale.device if self.core.scale is not None else "cpu"
+            buf = self.__dict__["_buf"] = torch.zeros(1, dtype=torch.int32, device=device)
+        return buf
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: Tensor) -> None:
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            raise TypeError("amp: expected _overflow_buf to be a one-element tensor, got "
+                            f"{value!r:.60}")
+        self.__dict__["_buf"] = value
+
+    def clear_overflow_state(self) -> None:
+        """Apex's method: clears ``_has_overflow`` and zeroes ``_overflow_buf``."""
+        self._has_overflow = False
+        self._overflow_buf.zero_()
+
+    def update_scale(self) -> bool:
+        """Apex's method: one step of the dynamic rule from ``_overflow_buf`` (or
+        ``_has_overflow``), on the device; returns whether the step should be skipped
+        (always False for a static scale). Differs from Apex: the update consumes
+        ``_has_overflow`` (Apex kept it set until ``clear_overflow_state``, which a
+        script accumulating with ``delay_unscale=True`` never reached: every later step
+        was skipped)."""
+        if not self.dynamic:
+            return False
+        buf = self._overflow_buf
+        device = self.core.scale.device if self.core.scale is not None else buf.device
+        found = (buf.reshape(1) != 0).to(device, torch.float32)
+        if self._has_overflow:
+            found.fill_(1.0)
+        self.core.update(found)
+        self._has_overflow = False
+        return bool(found.item())  # sync-ok: Apex returns a bool here
 
     def state_dict(self) -> Dict[str, Any]:
         return {"loss_scale": self.core.get(),
@@ -232,8 +310,9 @@ class _OptimizerAmp:
         self.stash: List[Optional[Tensor]] = []
         self.skip = False
         if not self.fused:
-            optimizer.register_step_pre_hook(self._before_step)
+            _guard_step(optimizer, self._should_skip)
         optimizer.register_step_post_hook(self._after_step)
+        optimizer._amp_stash = _AmpStash(self)
         state.optimizers.append(self)
         _optimizer_amp[optimizer] = self
 
@@ -242,13 +321,18 @@ class _OptimizerAmp:
         return [self.model_of.get(p, p) for g in self.optimizer().param_groups
                 for p in g["params"]]
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
-        # Non-fused only: a skipped step sees no gradients at all.
+    def _should_skip(self) -> bool:
+        """Non-fused only, before the step: whether the gradients overflowed. A skipped
+        step does not run at all (any optimizer, even one that would update without
+        gradients); its gradients are dropped and amp's bookkeeping is reset."""
         flag = self.found_inf
         self.skip = flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
         if self.skip:
+            optimizer = self.optimizer()
             for p in (p for g in optimizer.param_groups for p in g["params"]):
                 p.grad = None
+            self.found_inf = self.carried = self.delayed = None
+        return self.skip
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         if self.fused:  # used by one step, as torch.amp.GradScaler does
@@ -324,6 +408,65 @@ class _OptimizerAmp:
         _unscale(params, masters, self.found_inf, self.carried)
         self.carried = None
         opt.grad_scale, opt.found_inf = None, self.found_inf
+
+
+def _guard_step(optimizer: torch.optim.Optimizer, should_skip) -> None:
+    """Makes ``optimizer.step()`` return None without running when ``should_skip()``
+    says so: an instance attribute, a bound method as torch's LR schedulers expect
+    (they wrap ``optimizer.step.__func__``), as Apex's amp replaced ``step`` too."""
+    original = optimizer.step
+
+    def step(opt, *args: Any, **kwargs: Any) -> Any:
+        if should_skip():
+            return None
+        return original(*args, **kwargs)
+
+    if getattr(original, "_wrapped_by_lr_sched", False):
+        step._wrapped_by_lr_sched = True  # a scheduler built before amp still counts steps
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+class _AmpStash:
+    """``optimizer._amp_stash`` as Apex's amp kept it, for scripts that read it (NVIDIA's
+    BERT clears ``all_fp32_from_fp16_params``' gradients after an overflow): the
+    parameter lists per group and flattened, from amp's current bookkeeping."""
+
+    lazy_init_called = True
+    already_patched = False
+
+    def __init__(self, amp: "_OptimizerAmp"):
+        self._amp = amp
+
+    def _groups(self):
+        amp = self._amp
+        opt = amp.optimizer()
+        out = []
+        for group in opt.param_groups:
+            fp16, masters, fp32 = [], [], []
+            for p in group["params"]:
+                master = opt.state.get(p, {}).get("master_param") if amp.fused else p
+                model = p if amp.fused else amp.model_of.get(p)
+                if amp.fused and master is not None or not amp.fused and model is not None:
+                    fp16.append(model)
+                    masters.append(master)
+                elif _masters.needs_master(p):  # a 16-bit parameter without master
+                    fp16.append(p)
+                else:
+                    fp32.append(p)
+            out.append((fp16, masters, fp32))
+        return out
+
+    fp16_groups = property(lambda self: [g[0] for g in self._groups()])
+    fp32_from_fp16_groups = property(lambda self: [g[1] for g in self._groups()])
+    fp32_from_fp32_groups = property(lambda self: [g[2] for g in self._groups()])
+    all_fp16_params = property(lambda self: [p for g in self._groups() for p in g[0]])
+    all_fp32_from_fp16_params = property(lambda self: [p for g in self._groups() for p in g[1]])
+    all_fp32_from_fp32_params = property(lambda self: [p for g in self._groups() for p in g[2]])
+
+    @property
+    def params_have_scaled_gradients(self) -> bool:
+        """True between a ``delay_unscale=True`` exit and the next exit or step."""
+        return self._amp.delayed is not None
 
 
 _optimizer_amp: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerAmp]" = (
@@ -596,6 +739,286 @@ class _CurrentAmpState:
 
 
 _amp_state = _CurrentAmpState()
+
+
+# --- the 2018 API: amp.init() and its handle (maskrcnn-benchmark) ------------------------
+
+def _autocast_device() -> str:
+    """The device type whose autocast ``amp.init`` turns on: CUDA where available (Apex
+    was CUDA only), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _SkipFlag:
+    """One optimizer's overflow flag between a handle's ``scale_loss`` and its step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.found_inf: Optional[Tensor] = None
+        _guard_step(optimizer, self.should_skip)
+
+    def add(self, found_inf: Tensor) -> None:
+        self.found_inf = found_inf if self.found_inf is None else self.found_inf + found_inf
+
+    def should_skip(self) -> bool:
+        flag, self.found_inf = self.found_inf, None
+        return flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
+
+
+_skip_flags: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _SkipFlag]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _unscale_grads(params: Iterable[Tensor], scale: Tensor) -> Tensor:
+    """Unscales the ``.grad`` of ``params`` in place; returns the overflow flag."""
+    found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        if g.layout != torch.strided or not ops.is_dense(g):
+            raise TypeError("amp handle: expected dense gradients, got one of layout "
+                            f"{g.layout} and strides {g.stride()}")
+    _masters.unscale_(grads, found_inf, inverse(scale))
+    return found_inf
+
+
+def _scaled_backward_exit(scaler: LossScaler, params: List[Tensor], scale: Tensor) -> Tensor:
+    """After the backward of ``loss * scale``: unscales, updates the scale; the flag."""
+    found_inf = _unscale_grads(params, scale)
+    if scaler.dynamic:
+        scaler.update(found_inf)
+    else:
+        found_inf.zero_()  # a static scale never skips
+    return found_inf
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+class AmpHandle:
+    """What Apex's ``amp.init()`` returned (2018 API, maskrcnn-benchmark): autocast on for
+    the thread that called ``init`` (no torch function is patched), and a loss scale.
+
+    ``with handle.scale_loss(loss, optimizer) as scaled: scaled.backward()`` scales the
+    loss, then unscales the gradients of ``optimizer``'s parameters in place and updates
+    the scale; on an overflow the next ``optimizer.step()`` is skipped (one host read in
+    that step). Each exit clears autocast's cache of cast weights, as Apex cleared its
+    own. :meth:`wrap_optimizer` gives Apex's ``OptimWrapper`` for several losses."""
+
+    def __init__(self, loss_scale: Any = "dynamic", enable_caching: bool = True,
+                 verbose: bool = False):
+        if loss_scale != "dynamic":
+            loss_scale = check_scale("amp.init", "loss_scale", loss_scale)
+        self._loss_scale_arg = loss_scale
+        self._enable_caching = bool(enable_caching)
+        self._verbose = bool(verbose)
+        self._default_scaler: Optional[LossScaler] = LossScaler(loss_scale)
+        self._is_active = True
+        self._device = _autocast_device()
+        self._previous = (torch.is_autocast_enabled(self._device),
+                          torch.get_autocast_dtype(self._device),
+                          torch.is_autocast_cache_enabled())
+        torch.set_autocast_dtype(self._device, torch.float16)
+        torch.set_autocast_enabled(self._device, True)
+        torch.set_autocast_cache_enabled(self._enable_caching)
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    @contextlib.contextmanager
+    def _disable_casts(self):
+        self._is_active = False
+        try:
+            with disable_casts():
+                yield
+        finally:
+            self._is_active = True
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1):
+        """Apex's ``OptimWrapper``: ``optimizer.scale_loss(loss)`` once per loss (a loss
+        scale each), then ``optimizer.step()``, skipped if any loss overflowed."""
+        self._default_scaler = None
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+        if not self.is_active():
+            yield loss
+            return
+        if self._default_scaler is None:
+            raise RuntimeError("amp handle: after handle.wrap_optimizer(), use the wrapped "
+                               "optimizer's scale_loss(loss)")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("amp handle: expected optimizer to be a torch.optim.Optimizer, "
+                            f"got {type(optimizer).__name__}")
+        scaler = self._default_scaler
+        scale = scaler.core.place(loss.device).clone()
+        yield loss.float() * scale
+        found_inf = _scaled_backward_exit(scaler, _params(optimizer), scale)
+        flag = _skip_flags.get(optimizer)
+        if flag is None:
+            flag = _skip_flags[optimizer] = _SkipFlag(optimizer)
+        flag.add(found_inf)
+        self._clear_cache()
+
+    def _clear_cache(self) -> None:
+        torch.clear_autocast_cache()
+
+    def _deactivate(self) -> None:
+        """Turns amp off: autocast as it was before ``init`` (once; again: nothing)."""
+        if self._previous is None:
+            return
+        (enabled, dtype, cache), self._previous = self._previous, None
+        torch.set_autocast_enabled(self._device, enabled)
+        torch.set_autocast_dtype(self._device, dtype)
+        torch.set_autocast_cache_enabled(cache)
+        torch.clear_autocast_cache()
+        self._is_active = False
+
+    @property
+    def has_cache(self) -> bool:
+        return self._enable_caching
+
+    def remove_cache(self, param: Tensor) -> None:
+        """Apex dropped one weight's cached cast; autocast's cache is cleared whole."""
+        if self._enable_caching:
+            torch.clear_autocast_cache()
+
+    @property
+    def verbose(self) -> bool:
+        return self._verbose
+
+
+class NoOpHandle:
+    """What ``amp.init(enabled=False)`` returns: every method leaves training as it is."""
+
+    def is_active(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def _disable_casts(self):
+        yield
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, num_loss: int = 1):
+        return OptimWrapper(optimizer, self, num_loss)
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: Tensor, optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+        yield loss
+
+    has_cache = property(lambda self: False)
+    verbose = property(lambda self: False)
+
+    def _clear_cache(self) -> None:
+        pass
+
+    def _deactivate(self) -> None:
+        pass
+
+
+class OptimWrapper:
+    """Apex's ``amp.opt.OptimWrapper`` (from ``handle.wrap_optimizer``): one dynamic loss
+    scale per loss; each ``scale_loss`` sees only its loss's gradients (those of the
+    earlier losses are set aside and added back, unscaled); ``step`` is skipped when
+    any loss overflowed since the last step (one host read). Other attributes are the
+    optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, amp_handle, num_loss: int = 1):
+        if isinstance(num_loss, bool) or not isinstance(num_loss, int) or num_loss < 1:
+            raise ValueError(f"amp handle: expected num_loss to be an int >= 1, got {num_loss!r}")
+        self._optimizer = optimizer
+        self._amp_handle = amp_handle
+        self._num_loss = num_loss
+        self._loss_idx = 0
+        self._loss_scaler = [LossScaler("dynamic") for _ in range(num_loss)]
+        self._found_inf: Optional[Tensor] = None
+
+    @contextlib.contextmanager
+    def scale_loss(self, loss: Tensor) -> Iterator[Tensor]:
+        if not self._amp_handle.is_active():
+            yield loss
+            return
+        if self._loss_idx >= self._num_loss:
+            raise RuntimeError(f"amp handle: scale_loss called more than num_loss="
+                               f"{self._num_loss} times before step()")
+        params = _params(self._optimizer)
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        scaler = self._loss_scaler[self._loss_idx]
+        scale = scaler.core.place(loss.device).clone()
+        try:
+            yield loss.float() * scale
+        except BaseException:
+            for p, g in zip(params, earlier):
+                p.grad = g
+            raise
+        found_inf = _scaled_backward_exit(scaler, params, scale)
+        self._found_inf = found_inf if self._found_inf is None else self._found_inf + found_inf
+        self._loss_idx += 1
+        for p, g in zip(params, earlier):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self._amp_handle._clear_cache()
+
+    def step(self, closure=None):
+        if not self._amp_handle.is_active():
+            return self._optimizer.step(closure=closure)
+        if closure is not None:
+            raise NotImplementedError("amp handle: the wrapped optimizer's step takes no "
+                                      "closure (as in Apex)")
+        self._loss_idx = 0
+        flag, self._found_inf = self._found_inf, None
+        if flag is not None and flag.item() != 0:  # sync-ok: once a step, as Apex
+            return None
+        return self._optimizer.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_optimizer"], name)
+
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        self._optimizer.zero_grad(*args, **kwargs)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+
+_handle: Optional[AmpHandle] = None
+
+
+def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True,
+         verbose: bool = False, allow_banned: bool = False):
+    """Apex's 2018 entry point: returns an :class:`AmpHandle` (``enabled=False``: a
+    :class:`NoOpHandle`). Instead of patching torch's functions it turns autocast on
+    (float16; CUDA where available, else the CPU) for the calling thread until
+    ``handle._deactivate()``, and applies the ``register_*_function`` registry.
+    ``allow_banned=True`` is rejected: under autocast, torch refuses
+    ``binary_cross_entropy`` in float16 whatever is allowed; use
+    ``binary_cross_entropy_with_logits`` or wrap the call in :func:`float_function`."""
+    global _handle
+    if allow_banned:
+        raise ValueError("amp.init: allow_banned=True is not supported (torch's autocast "
+                         "refuses float16 binary_cross_entropy); expected False")
+    if enabled and loss_scale != "dynamic":  # checked before the last handle is replaced
+        check_scale("amp.init", "loss_scale", loss_scale)
+    if _handle is not None:  # a second init replaces the first
+        _handle._deactivate()
+        _handle = None
+    if not enabled:
+        return NoOpHandle()
+    _handle = AmpHandle(loss_scale, enable_caching, verbose)
+    for module, name, wrap in _registered_casts:
+        setattr(module, name, wrap(getattr(module, name)))
+    _registered_casts.clear()
+    return _handle
 
 
 # --- function casts (O1) -----------------------------------------------------------

@@ -323,6 +323,40 @@ class LossScaler:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device})"
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickles mixedprec's scaler, or Apex's (``apex.fp16_utils.loss_scaler``'s
+        objects, which Apex's ``FP16_Optimizer.state_dict`` pickled): Apex's attributes
+        become this class's scaler, on the CPU until first used."""
+        if "core" in state:
+            self.__dict__.update(state)
+        elif "cur_scale" in state:
+            self._from_apex(state)
+        elif "_loss_scale" in state:
+            self._from_apex_amp(state)
+        else:
+            raise ValueError(f"{type(self).__name__}: cannot unpickle a state with "
+                             f"{sorted(state)}; expected Apex's (cur_scale, ... or "
+                             "_loss_scale, ...) or mixedprec's (core)")
+
+    def _from_apex(self, state: Dict[str, Any]) -> None:
+        LossScaler.__init__(self, state["cur_scale"])
+
+    def _from_apex_amp(self, state: Dict[str, Any]) -> None:
+        """``apex.amp.scaler.LossScaler``'s attributes (what Apex's ``FP16_Optimizer``
+        pickled from 2019 on): a :class:`DynamicLossScaler` with amp's rule (factor 2,
+        ``_scale_seq_len`` clean steps, its bounds; ``_unskipped`` steps counted), or a
+        static :class:`LossScaler`."""
+        scale = state["_loss_scale"]
+        if state.get("dynamic"):
+            self.__class__ = DynamicLossScaler
+            DynamicLossScaler.__init__(self, scale, 2.0, state.get("_scale_seq_len", 2000),
+                                       min_loss_scale=state.get("_min_loss_scale"),
+                                       max_loss_scale=state.get("_max_loss_scale"))
+            self.core.load(float(scale), int(state.get("_unskipped", 0)))
+        else:
+            self.__class__ = LossScaler
+            LossScaler.__init__(self, scale)
+
 
 def _apex_setting(name: str, doc: str) -> property:
     """A setting of :class:`DynamicLossScaler` kept by its core, checked when set."""
@@ -394,6 +428,16 @@ class DynamicLossScaler(LossScaler):
         else:
             flag = torch.full((), float(bool(overflow)), device=self.device)
         self.core.update(flag)
+
+    def _from_apex(self, state: Dict[str, Any]) -> None:
+        """Apex's rule (``cur_iter``, ``last_overflow_iter``: the scale grows at the update
+        where ``(cur_iter - last_overflow_iter) % scale_window == 0``; floor 1, no
+        ceiling) as this class's scale and growth tracker."""
+        scale, window = state["cur_scale"], state["scale_window"]
+        DynamicLossScaler.__init__(self, scale, state["scale_factor"], window,
+                                   min_loss_scale=min(1.0, scale), max_loss_scale=None)
+        since = state.get("cur_iter", 0) - state.get("last_overflow_iter", -1)
+        self.core.load(float(scale), (since - 1) % window)
 
     def state_dict(self) -> Dict[str, Any]:
         return dict(super().state_dict(), dynamic=True,
@@ -701,9 +745,19 @@ class FP16_Optimizer:  # Apex's name
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a :meth:`state_dict` and copies the masters into the model (Apex did not;
-        load the model first either way). Differs from Apex: checks first, raising
-        ``ValueError`` (nothing changed) on a mismatch or another kind of optimizer."""
+        """Loads a :meth:`state_dict`, or one saved by Apex's ``FP16_Optimizer`` (its
+        ``loss_scaler`` a pickled ``LossScaler``/``DynamicLossScaler``), and copies the
+        masters into the model (Apex did not; load the model first either way). Differs
+        from Apex: checks first, raising ``ValueError`` (nothing changed) on a mismatch or
+        another kind of optimizer."""
+        saved = state_dict.get("loss_scaler") if isinstance(state_dict, dict) else None
+        if isinstance(getattr(saved, "core", None), LossScale):
+            # Apex pickled its scaler object: unpickled as this module's class, or as
+            # mixedprec.amp's (apex.amp.scaler.LossScaler under the alias): the same core.
+            face = (DynamicLossScaler if saved.core.dynamic else LossScaler).__new__(
+                DynamicLossScaler if saved.core.dynamic else LossScaler)
+            face.core = saved.core
+            state_dict = dict(state_dict, loss_scaler=face.state_dict())
         self._check_state_dict(state_dict)
         scaler = _scaler_from_state_dict(state_dict["loss_scaler"], self._device,
                                          "state_dict['loss_scaler']")
@@ -801,3 +855,46 @@ class FP16_Optimizer:  # Apex's name
                 if value.is_floating_point() != p.is_floating_point():
                     raise ValueError(f"{where}: state '{key}' of parameter {pid} has dtype "
                                      f"{value.dtype}, its parameter {p.dtype}")
+
+
+class LegacyFP16_Optimizer(FP16_Optimizer):
+    """Apex's 2019 ``apex.optimizers.FP16_Optimizer`` (also
+    ``apex.contrib.optimizers.FP16_Optimizer``; pytorch-pretrained-BERT's examples), as
+    ``mixedprec.optimizers.FP16_Optimizer``: :class:`FP16_Optimizer` with that class's
+    defaults. Apex's was "designed only to wrap FusedAdam": it flattened each group
+    and called ``FusedAdam.step(grads=..., output_params=..., scale=...,
+    grad_norms=...)``; here the wrapped optimizer (any) steps fp32 masters with
+    unscaled gradients, and :class:`mixedprec.optimizers.FusedAdam` clips them to its
+    ``max_grad_norm`` itself, per group as Apex did. Differs from Apex: no flat
+    buffers (``fp16_groups_flat``/``fp32_groups_flat``), the state dict is
+    :class:`FP16_Optimizer`'s (a 2019 checkpoint does not load), no overflow printing.
+
+    ``dynamic_loss_scale=True``: the scale starts at 2**16, halves on an overflow (not
+    below 1, the step skipped) and doubles after 1000 clean steps, as in Apex;
+    ``dynamic_loss_args`` is rejected, as Apex did. ``zero_grad`` sets the model's
+    gradients to None by default."""
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[dict] = None,
+                 verbose: bool = True):
+        if dynamic_loss_args is not None:
+            raise ValueError("FP16_Optimizer (apex.optimizers): dynamic_loss_args is not "
+                             "supported, as in Apex; expected None (use "
+                             "mixedprec.fp16_utils.FP16_Optimizer for custom arguments)")
+        args = dict(init_scale=2.0**16, scale_factor=2.0, scale_window=1000,
+                    min_loss_scale=1.0) if dynamic_loss_scale else None
+        super().__init__(init_optimizer, static_loss_scale, dynamic_loss_scale, args, verbose)
+
+    def zero_grad(self, set_grads_to_None: bool = True) -> None:  # Apex's name
+        super().zero_grad(set_grads_to_None)
+
+
+# Apex's FP16_Optimizer pickled its scaler into state_dict(); torch.load(weights_only=True),
+# torch's default since 2.6, loads those names as this module's classes.
+# (apex.amp.scaler.LossScaler, which it pickled from 2019 on, comes back as a
+# DynamicLossScaler or, for a static scale, a LossScaler: see LossScaler._from_apex_amp.)
+torch.serialization.add_safe_globals([
+    (LossScaler, "apex.fp16_utils.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "apex.fp16_utils.loss_scaler.DynamicLossScaler"),
+    (DynamicLossScaler, "apex.amp.scaler.LossScaler"),
+])

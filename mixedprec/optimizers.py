@@ -40,7 +40,10 @@ from torch.optim import Optimizer
 
 from . import masters as mst
 from . import ops
-from .loss_scale import inverse
+from . import amp_C
+from .loss_scale import check_scale, inverse
+# Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
+from .fp16_utils import LegacyFP16_Optimizer as FP16_Optimizer  # noqa: F401
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad",
            "FusedNovoGrad"]
@@ -84,6 +87,20 @@ def _check_nonnegative(name: str, value: Any) -> None:
         raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
     if not value >= 0.0:
         raise ValueError(f"expected {name} >= 0, got {value}")
+
+
+def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[List[Any]]]:
+    """Apex 2019's per-group argument of ``step``: a list per group, or one list (or
+    generator) of tensors for a single group; None: none for any group."""
+    if value is None:
+        return [None] * count
+    value = list(value)
+    if not value or not isinstance(value[0], (list, tuple)):
+        value = [value]  # one group's tensors
+    if len(value) != count:
+        raise ValueError(f"{where}: expected {name} to hold one list per param group "
+                         f"({count}), got {len(value)}")
+    return [None if v is None else list(v) for v in value]
 
 
 class _FusedOptimizer(Optimizer):
@@ -556,23 +573,238 @@ class FusedAdam(_FusedOptimizer):
     device tensor) rather than to each parameter: every parameter of a group is
     assumed to step together. A group's parameters must share one device. Moments are
     float32.
+
+    Apex's 2019 surface (``apex.optimizers.FusedAdam`` of pytorch-pretrained-BERT), as
+    keyword arguments: ``max_grad_norm`` (> 0: each group's gradients are clipped to
+    that 2-norm, on the device, before the update), ``eps_inside_sqrt`` (only False:
+    True is rejected, the fused op adds eps outside the square root), ``use_mt``
+    (accepted: every step is multi-tensor) and ``amp_scale_adjustment`` (gradients are
+    also divided by it while the optimizer is under ``mixedprec.amp``). ``step`` takes
+    Apex's ``grads``, ``output_params``, ``scale`` and ``grad_norms`` (see
+    :meth:`step`). The update is this class's Adam/AdamW: Apex's 2019 kernel applied
+    weight decay and eps through the bias-corrected step size, which is the same only
+    with ``bias_correction=False`` (as pytorch-pretrained-BERT used it).
+
+    For subclasses written against Apex (fairseq's ``FusedAdamV2``):
+    ``multi_tensor_adam`` (:func:`mixedprec.amp_C.multi_tensor_adam`),
+    ``_dummy_overflow_buf`` (an int32 zero on the parameters' device) and
+    ``adam_w_mode`` (1 or 0, from the defaults). A ``group["step"]`` such a subclass
+    keeps as a Python int is accepted by this class's step and ``load_state_dict``.
     """
 
     _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+    multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 capturable: bool = False, master_weights: bool = False):
+                 capturable: bool = False, master_weights: bool = False, *,
+                 max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
+                 use_mt: bool = False, amp_scale_adjustment: float = 1.0):
         if amsgrad:
             raise ValueError("FusedAdam does not support amsgrad")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_grad_norm", max_grad_norm)):
             _check_nonnegative(name, value)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        if eps_inside_sqrt:
+            raise ValueError("FusedAdam: eps_inside_sqrt=True is not supported (the update "
+                             "adds eps outside the square root); expected False")
+        if not isinstance(use_mt, bool):
+            raise TypeError(f"FusedAdam: expected use_mt to be a bool, got {use_mt!r}")
+        self._amp_scale_adjustment = check_scale("FusedAdam", "amp_scale_adjustment",
+                                                 amp_scale_adjustment)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
+        if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
+            defaults["max_grad_norm"] = float(max_grad_norm)
         super().__init__(params, defaults, master_weights, set_grad_none)
+
+    @property
+    def adam_w_mode(self) -> int:
+        """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2."""
+        return int(bool(self.defaults["adam_w_mode"]))
+
+    @property
+    def _dummy_overflow_buf(self) -> Tensor:
+        """Apex's no-op flag for ``multi_tensor_applier``: an int32 zero on the device of
+        the first parameter, made once."""
+        buf = self.__dict__.get("_overflow_buf")
+        if buf is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            device = params[0].device if params else torch.device("cpu")
+            buf = self.__dict__["_overflow_buf"] = torch.zeros(1, dtype=torch.int32,
+                                                               device=device)
+        return buf
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(super().__getstate__(), _amp_scale_adjustment=self._amp_scale_adjustment)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state.setdefault("_amp_scale_adjustment", 1.0)
+        super().__setstate__(state)
+
+    @torch.no_grad()
+    def step(self, closure=None, grads=None, output_params=None, scale=None,
+             grad_norms=None):
+        """One Adam step. With no Apex 2019 argument (and no ``max_grad_norm``), the
+        fused path of :class:`_FusedOptimizer`. Otherwise, per param group:
+
+        * ``grads``: the gradients to use instead of ``p.grad`` (a list per group, or one
+          list for a single group; a None entry falls back to ``p.grad``);
+        * ``output_params``: tensors (e.g. the fp16 model copies of fp32 parameters)
+          that receive the updated parameters, cast; a list per group, all or none;
+        * ``scale``: the gradients are divided by it (a number > 0; default 1);
+        * ``grad_norms``: per group, the 2-norm of the gradients as given (still
+          multiplied by ``scale``); with ``max_grad_norm`` > 0 the gradients are clipped
+          to it. Left out, the norms are computed on the device.
+
+        Everything is checked before anything is updated. No host synchronisation."""
+        legacy_args = (grads, output_params, scale, grad_norms)
+        clipping = any(g.get("max_grad_norm", 0) > 0 for g in self.param_groups)
+        adjusting = self._amp_scale_adjustment != 1.0 and hasattr(self, "_amp_stash")
+        if all(a is None for a in legacy_args) and not clipping and not adjusting:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._legacy_work(*legacy_args)
+        for group, items, outputs, norm in work:
+            self._legacy_group_step(group, items, outputs, norm, scale)
+        for _, items, _, _ in work:  # master gradients are used by one step
+            for p in items.params:
+                master = self.state[p].get("master_param")
+                if master is not None:
+                    master.grad = None
+        self._invalidate_plans()
+        return loss
+
+    def _legacy_work(self, grads, output_params, scale, grad_norms):
+        """[(group, its _Work, its output params or None, its given norm or None)] for
+        step's Apex 2019 path; every argument checked before anything changes."""
+        where = "FusedAdam.step"
+        count = len(self.param_groups)
+        grads = _per_group(where, "grads", grads, count)
+        outputs = _per_group(where, "output_params", output_params, count)
+        if scale is not None:
+            check_scale(where, "scale", scale)
+        if grad_norms is None:
+            grad_norms = [None] * count
+        grad_norms = list(grad_norms)
+        if len(grad_norms) != count:
+            raise ValueError(f"{where}: expected grad_norms to hold one norm per param group "
+                             f"({count}), got {len(grad_norms)}")
+        for norm in grad_norms:
+            if norm is not None and not (isinstance(norm, (int, float)) and not isinstance(
+                    norm, bool) or isinstance(norm, Tensor) and norm.numel() == 1):
+                raise TypeError(f"{where}: expected grad_norms to hold numbers or one-element "
+                                f"tensors, got {type(norm).__name__}")
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            for name, given in (("grads", grads[gi]), ("output_params", outputs[gi])):
+                if given is not None and len(given) != len(params):
+                    raise ValueError(f"{where}: {name}[{gi}] holds {len(given)} tensors, param "
+                                     f"group {gi} has {len(params)} parameters")
+            items, outs = _Work([], [], []), []
+            for pi, p in enumerate(params):
+                state = self.state.get(p)
+                master = state.get("master_param") if state else None
+                grad = grads[gi][pi] if grads[gi] is not None else None
+                if grad is None:
+                    grad = master.grad if master is not None and master.grad is not None \
+                        else p.grad
+                if grad is None:
+                    continue
+                self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "
+                                          f"{gi}")
+                if grad.stride() != p.stride() and not mst.same_layout(grad, p):
+                    grad = mst.follow_layout(grad, p)
+                if outputs[gi] is not None:
+                    out = outputs[gi][pi]
+                    if not isinstance(out, Tensor) or out.dtype not in _FLOAT_DTYPES or (
+                            out.shape != p.shape or out.device != p.device):
+                        raise ValueError(f"{where}: expected output_params[{gi}][{pi}] to be "
+                                         f"a float tensor of shape {tuple(p.shape)} on "
+                                         f"{p.device}, got {out!r:.80}")
+                    if self.master_weights and mst.needs_master(p):
+                        raise ValueError(f"{where}: output_params with master_weights=True "
+                                         "(the masters' model copies are the parameters)")
+                    outs.append(out)
+                items.params.append(p)
+                items.grads.append(grad)
+                items.states.append(state)
+            devices = {p.device for p in items.params}
+            if len(devices) > 1:
+                raise ValueError(f"{where}: the parameters of a param group must share one "
+                                 f"device, got {sorted(map(str, devices))}")
+            work.append((group, items, outs if outputs[gi] is not None else None,
+                         grad_norms[gi]))
+        return work
+
+    def _check_grad(self, grad: Any, p: Tensor, what: str) -> None:
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(grad).__name__}")
+        if grad.is_sparse:
+            raise RuntimeError(f"{what} is sparse; FusedAdam does not support sparse gradients")
+        if grad.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{what} must be float32, float16 or bfloat16, got {grad.dtype}")
+        if grad.shape != p.shape or grad.device != p.device:
+            raise ValueError(f"{what} has shape {tuple(grad.shape)} on {grad.device}, its "
+                             f"parameter {tuple(p.shape)} on {p.device}")
+
+    def _legacy_group_step(self, group, items: _Work, outputs, norm, scale) -> None:
+        """One group's update on step's Apex 2019 path: gradients divided by ``scale``
+        (and ``amp_scale_adjustment`` under amp), clipped to ``max_grad_norm``, all in
+        the op's ``inv_scale`` on the device."""
+        if not items.params:
+            return
+        device = items.params[0].device
+        for i, (p, state) in enumerate(zip(items.params, items.states)):
+            if state is None:
+                items.states[i] = self.state[p]
+        inv_scale, found_inf = self._scaling(device, (getattr(self, "grad_scale", None),
+                                                      getattr(self, "found_inf", None)))
+        divisor = 1.0 if scale is None else float(scale)
+        if hasattr(self, "_amp_stash"):
+            divisor *= self._amp_scale_adjustment
+        factor = inverse(torch.full((), divisor, dtype=torch.float64, device=device))
+        factor = factor if inv_scale is None else inv_scale.reshape(()) * factor
+        max_norm = group.get("max_grad_norm", 0.0)
+        if max_norm > 0:
+            if norm is None:  # the norm of the gradients as the update sees them
+                total = ops.multi_tensor_l2norm(items.grads, factor.reshape(1))[0]
+            else:  # Apex's convention: the norm of the gradients as given
+                total = torch.as_tensor(norm, dtype=torch.float32).to(device).reshape(()) \
+                    * factor
+            factor = factor * torch.clamp(max_norm / (total.reshape(()) + 1e-6), max=1.0)
+        step = self._group_step_tensor(group, device)
+        targets, model = self._update_lists(items.params, items.states)
+        if outputs is not None:
+            model = outputs
+        exp_avgs = [self._state_tensor(state, "exp_avg", t)
+                    for state, t in zip(items.states, targets)]
+        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
+                       for state, t in zip(items.states, targets)]
+        beta1, beta2 = group["betas"]
+        ops.fused_adam_(targets, items.grads, exp_avgs, exp_avg_sqs, model, step, group["lr"],
+                        beta1, beta2, group["eps"], group["weight_decay"],
+                        group["adam_w_mode"], group["bias_correction"], factor.reshape(()),
+                        found_inf)
+
+    @staticmethod
+    def _group_step_tensor(group: Dict[str, Any], device: torch.device) -> Tensor:
+        """``group["step"]`` as a float32 tensor on ``device``, created (0) if absent,
+        converted from the Python int an Apex-style subclass keeps."""
+        step = group.get("step")
+        if not isinstance(step, Tensor):
+            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                              device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        return step
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         if len(by_device) > 1:
@@ -580,11 +812,7 @@ class FusedAdam(_FusedOptimizer):
                              f"device (the group's step count lives there), got {list(by_device)}")
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        step = group.get("step")
-        if step is None:
-            step = group["step"] = torch.zeros(1, dtype=torch.float32, device=device)
-        elif step.device != device:  # the model moved after the optimizer was built
-            step = group["step"] = step.to(device)
+        self._group_step_tensor(group, device)
         targets, model = self._update_lists(items.params, items.states)
         exp_avgs = [self._state_tensor(state, "exp_avg", t)
                     for state, t in zip(items.states, targets)]
@@ -596,7 +824,7 @@ class FusedAdam(_FusedOptimizer):
 
     def _plan_holds(self, group, plan) -> bool:
         step = group.get("step")
-        return step is not None and step.device == plan.lists[0][0].device
+        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
         targets, exp_avgs, exp_avg_sqs, model = lists
@@ -611,11 +839,11 @@ class FusedAdam(_FusedOptimizer):
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         step = new_group.get("step")
-        if step is None:
+        if step is None or type(step) is int and step >= 0:  # an int: an Apex-style subclass
             return
         if not isinstance(step, Tensor) or step.numel() != 1:
             raise ValueError("FusedAdam.load_state_dict: a param group's 'step' must be a "
-                             "1-element tensor")
+                             "1-element tensor or an int >= 0")
         device = group["params"][0].device if group["params"] else step.device
         new_group["step"] = step.to(device, torch.float32, copy=True)
 
