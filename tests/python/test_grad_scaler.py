@@ -67,13 +67,18 @@ def loss_of(model, step):
 
 def assert_untouched(model, opt, before, msg):
     """Nothing that existed in `before` (a full_snapshot) changed. State first created
-    by the skipped step (zero moments, a zero step count) is allowed if it is zero;
-    whether it then behaves like absent state is for the tests against torch.optim."""
+    by the skipped step is allowed if it is zero (moments, a step count) or, for a
+    master, the parameter's value; whether it then behaves like absent state is for
+    the tests against torch.optim."""
     after = full_snapshot(model, opt)
     for name, then in before.items():
         assert_bitwise_equal(after.pop(name), then, msg=f"{msg} {name}")
     for name, new in after.items():
-        assert not new.any(), f"{msg}: new state {name} is not zero"
+        if name.endswith(".master_param"):
+            param = before[f"param{name[len('state'):].split('.')[0]}"]
+            assert_bitwise_equal(new, param.float(), msg=f"{msg}: new master {name}")
+        else:
+            assert not new.any(), f"{msg}: new state {name} is not zero"
 
 
 def train_with_scaler(model, opt, scaler, steps, inf_step, clip=None):

@@ -1,7 +1,10 @@
 """Legacy-style Apex scripts (tests/python/legacy_scripts/, written for these tests) run
 unmodified through `python -m mixedprec.apex` in a subprocess, on the CPU: a
 Megatron-like model on apex.normalization, an NVIDIA-BERT-like prologue (apex_C, amp_C,
-apex.parallel's DDP) and Delaunay-like `import apex.fp16_utils.fp16_optimizer as m`."""
+apex.parallel's DDP), BERT-like pretraining with FusedLAMB at O2, Delaunay-like `import
+apex.fp16_utils.fp16_optimizer as m`, a fairseq-like FusedAdam subclass, amp internals
+as NVIDIA's BERT touches them, maskrcnn-benchmark's amp.init handle and
+pytorch-pretrained-BERT's 2019 FP16_Optimizer."""
 
 import os
 import subprocess
@@ -18,7 +21,16 @@ CASES = {
     "megatron_layernorm.py": ("MEGATRON-LIKE-OK", False),
     "bert_prologue_flatten.py": ("BERT-PROLOGUE-OK", True),
     "delaunay_fp16_optimizer.py": ("DELAUNAY-LIKE-OK", False),
+    "bert_pretraining_lamb.py": ("LEGACY-SCRIPT-OK", False),
+    "fairseq_fused_adam_v2.py": ("LEGACY-SCRIPT-OK", False),
+    "amp_internals_bert.py": ("LEGACY-SCRIPT-OK", False),
+    "maskrcnn_amp_init.py": ("LEGACY-SCRIPT-OK", False),
+    "pretrained_bert_fp16_optimizer.py": ("LEGACY-SCRIPT-OK", False),
 }
+
+
+def test_every_script_is_run():
+    assert sorted(CASES) == sorted(p.name for p in SCRIPTS.glob("*.py"))
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
@@ -27,7 +39,8 @@ def test_legacy_script_runs_unmodified(script, tmp_path):
     args = [sys.executable, "-m", "mixedprec.apex", str(SCRIPTS / script)]
     if scratch:
         args.append(str(tmp_path))
-    env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo",
+               CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
