@@ -3,7 +3,8 @@
 Fused C++/CUDA operators (``torch.ops.mixedprec``, typed wrappers in
 :mod:`mixedprec.ops`) for master weights, sync-free loss scaling and fp32-accumulated
 reductions; fused optimizers with fp32 master weights (:class:`FusedSGD`,
-:class:`FusedAdam`) and a :class:`GradScaler` without host synchronisation.
+:class:`FusedAdam`, :class:`FusedLAMB`, :class:`FusedAdagrad`, :class:`FusedNovoGrad`)
+and a :class:`GradScaler` without host synchronisation.
 
 Apex's API lives in :mod:`mixedprec.amp`, :mod:`mixedprec.fp16_utils`,
 :mod:`mixedprec.parallel`, :mod:`mixedprec.amp_C`, :mod:`mixedprec.multi_tensor_apply`,
@@ -39,13 +40,15 @@ if _BUILT_FOR is not None:
 
 from . import ops  # noqa: E402
 from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
-from .optimizers import FusedAdam, FusedSGD  # noqa: E402
+from .optimizers import (FusedAdagrad, FusedAdam, FusedLAMB,  # noqa: E402
+                         FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD)
 from .scaler import GradScaler  # noqa: E402
 
 _register_dtensor_ops()  # the ops take DTensor arguments (see mixedprec.distributed)
 
 __version__ = "0.1.0"
-__all__ = ["ops", "FusedAdam", "FusedSGD", "GradScaler", "__version__"]
+__all__ = ["ops", "FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
+           "FusedAdagrad", "FusedNovoGrad", "GradScaler", "__version__"]
 
 _SUBMODULES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply", "normalization",
                "apex_C")

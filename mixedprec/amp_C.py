@@ -51,6 +51,8 @@ __all__ = [
     "multi_tensor_l2norm_scale",
     "multi_tensor_lamb",
     "multi_tensor_lamb_mp",
+    "multi_tensor_lamb_stage1_cuda",
+    "multi_tensor_lamb_stage2_cuda",
 ]
 
 TensorLists = Sequence[List[Tensor]]
@@ -606,3 +608,88 @@ def __getattr__(name: str):
             f"{', '.join(__all__)}"
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _unless(skip: Tensor, dst: Tensor, value: Tensor) -> None:
+    """``dst = value`` (cast) unless ``skip``: decided on the device."""
+    dst.copy_(torch.where(skip, dst, value.to(dst.dtype)))
+
+
+def multi_tensor_lamb_stage1_cuda(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor_decay: Tensor,
+    step: int,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    global_grad_norm: Tensor,
+    max_global_grad_norm: float,
+) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_stage1_cuda``, the first half of LAMB as Apex's
+    contrib ``DistributedFusedLAMB`` calls it: for ``tensor_lists = [g, p, m, v,
+    update]``, with ``g`` divided by ``max(1, global_grad_norm / max_global_grad_norm)``,
+    ``m`` and ``v`` updated (``grad_averaging``, bias correction for step ``step + 1``)
+    and ``update = m_hat / (sqrt(v_hat) + epsilon) + per_tensor_decay[i] * p``.
+
+    Unlike the fused entries it runs torch operations tensor by tensor (fp32 math, on
+    the device, no host read): Apex's contrib optimizer is its only caller. It writes
+    nothing when ``noop_flag`` is set (Apex's kernel ignored the flag)."""
+    fn = "multi_tensor_lamb_stage1_cuda"
+    _check_flag(fn, noop_flag)
+    grads, params, exp_avgs, exp_avg_sqs, updates = _lists(fn, tensor_lists, (5,))
+    if not grads:
+        return
+    device = params[0].device
+    if per_tensor_decay.numel() < len(params):
+        raise ValueError(f"{fn}: expected per_tensor_decay to hold a value per tensor "
+                         f"({len(params)}), got {per_tensor_decay.numel()}")
+    skip = (noop_flag != 0).to(device).reshape(())
+    norm = global_grad_norm.to(device, torch.float32).reshape(())
+    clip = torch.where(norm > max_global_grad_norm, norm / max_global_grad_norm,
+                       torch.ones((), device=device))
+    decay = per_tensor_decay.to(device, torch.float32).reshape(-1)
+    bc1, bc2 = 1.0 - beta1 ** (step + 1), 1.0 - beta2 ** (step + 1)
+    with torch.no_grad():
+        for i, (g, p, m, v, u) in enumerate(zip(grads, params, exp_avgs, exp_avg_sqs, updates)):
+            g = g.float() / clip
+            new_m = m.float() * beta1 + (1 - beta1) * g
+            new_v = v.float() * beta2 + (1 - beta2) * g * g
+            update = (new_m / bc1) / ((new_v / bc2).sqrt() + epsilon) + decay[i] * p.float()
+            _unless(skip, m, new_m)
+            _unless(skip, v, new_v)
+            _unless(skip, u, update)
+
+
+def multi_tensor_lamb_stage2_cuda(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    per_tensor_param_norm: Tensor,
+    per_tensor_update_norm: Tensor,
+    lr: float,
+    weight_decay: float,
+    use_nvlamb_python: Optional[bool] = None,
+) -> None:
+    """Apex ``amp_C.multi_tensor_lamb_stage2_cuda``, the second half: for ``tensor_lists
+    = [p, update]``, ``p -= ratio * update`` with ``ratio = lr * ||p|| / ||update||``
+    (the given per-tensor norms) when ``use_nvlamb_python`` or ``weight_decay != 0`` and
+    both norms are nonzero, else ``lr``. Torch operations tensor by tensor, as
+    :func:`multi_tensor_lamb_stage1_cuda`; nothing is written when ``noop_flag`` is set."""
+    fn = "multi_tensor_lamb_stage2_cuda"
+    _check_flag(fn, noop_flag)
+    params, updates = _lists(fn, tensor_lists, (2,))
+    if not params:
+        return
+    device = params[0].device
+    skip = (noop_flag != 0).to(device).reshape(())
+    p_norms = per_tensor_param_norm.to(device, torch.float32).reshape(-1)
+    u_norms = per_tensor_update_norm.to(device, torch.float32).reshape(-1)
+    ratios = torch.full_like(p_norms, lr)
+    if use_nvlamb_python or weight_decay != 0:
+        trusted = (p_norms != 0) & (u_norms != 0)
+        ratios = torch.where(trusted, lr * p_norms / u_norms, ratios)
+    with torch.no_grad():
+        for i, (p, u) in enumerate(zip(params, updates)):
+            _unless(skip, p, p.float() - ratios[i] * u.float())

@@ -44,8 +44,9 @@ __all__ = ["is_dtensor", "register_ops"]
 # Ops that write an overflow flag from their first list: the flag is agreed across ranks.
 _FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
              "multi_tensor_check_finite_": 0}
-# Ops whose math needs whole tensors; refused with sharded DTensors unless handled here.
-_WHOLE_TENSOR_OPS: Tuple[str, ...] = ()
+# Ops whose math needs whole tensors (per-tensor norms inside the op: LAMB's trust
+# ratio, NovoGrad's second moment); refused with sharded DTensors.
+_WHOLE_TENSOR_OPS: Tuple[str, ...] = ("fused_lamb_", "fused_novograd_")
 
 
 def _dtensor_module():
@@ -140,8 +141,10 @@ def _run_on_shards(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         return _l2norm_on_shards(bound)
     if name in _WHOLE_TENSOR_OPS and _sharded_groups(bound["params"]):
         raise NotImplementedError(
-            f"mixedprec.{name}: parameters sharded across ranks are not supported (its "
-            "per-tensor norms would need a reduction across shards)")
+            f"mixedprec.{name}: parameters sharded across ranks (FSDP2, tensor "
+            "parallelism) are not supported: its per-tensor norms would need a reduction "
+            "across shards. It runs under DDP and ZeroRedundancyOptimizer, whose "
+            "parameters are whole on every rank")
     local_args = []
     for a in schema_args:
         value = bound[a.name]

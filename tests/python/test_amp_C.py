@@ -395,8 +395,8 @@ def test_update_scale_hysteresis(device):
 
 
 def test_missing_apex_function_is_named():
-    with pytest.raises(AttributeError, match="multi_tensor_lamb_stage1_cuda"):
-        getattr(amp_C, "multi_tensor_lamb_stage1_cuda")  # noqa: B009  (the lookup is the test)
+    with pytest.raises(AttributeError, match="multi_tensor_fused_adam"):
+        getattr(amp_C, "multi_tensor_fused_adam")  # noqa: B009  (the lookup is the test)
 
 
 def test_bad_arguments_are_named():

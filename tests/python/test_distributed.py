@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mixedprec
+from mixedprec.optimizers import FusedAdagrad, FusedLAMB, FusedNovoGrad
 from distributed_harness import can_run, device, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
@@ -246,6 +247,8 @@ def _optimizers(master_weights):
                                                   master_weights=master_weights),
         "FusedAdam": lambda ps: mixedprec.FusedAdam(ps, lr=1e-2, weight_decay=0.01,
                                                     master_weights=master_weights),
+        "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.01,
+                                                master_weights=master_weights),
     }
 
 
@@ -287,13 +290,27 @@ def dtensor_optimizers(rank, world, layout):
             keys = set(opt.state[next(iter(model.parameters()))])
             assert ("master_param" in keys) == master_weights, (name, keys)
             checked.append((name, master_weights))
+    # Per-tensor norms inside one op (LAMB, NovoGrad) would need a reduction across
+    # shards: refused with a message that says so, before anything is written.
+    model = fsdp(mlp()) if layout == "fsdp" else parallelize_module(
+        mlp(), init_device_mesh(device().type, (world,)),
+        {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for cls in (FusedLAMB, FusedNovoGrad):
+        opt = cls(model.parameters(), lr=1e-2)
+        loss_of(model, *(batch(0, rank, world) if layout == "fsdp" else batch(0))).backward()
+        before = [p.to_local().clone() for p in model.parameters()]
+        with pytest.raises(NotImplementedError, match="sharded across ranks"):
+            opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+        checked.append((cls.__name__, "refused"))
     return checked
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_fused_optimizers_step_dtensor_parameters(backend, layout):
     checked = run_ranks(dtensor_optimizers, 2, layout, device=backend)[0]
-    assert len(checked) == 2 * len(_optimizers(False))
+    assert len(checked) == 2 * len(_optimizers(False)) + 2
 
 
 # -- 4. ZeroRedundancyOptimizer ----------------------------------------------------------

@@ -425,6 +425,33 @@ def test_amp_c_multi_tensor_l2norm_scale(device):
     assert noop.item() == 1
 
 
+def test_amp_c_lamb_stages_compose_to_lamb(device):
+    """Apex's two LAMB stages (contrib's DistributedFusedLAMB), joined by the per-tensor
+    norms, give the float64 LAMB step; a set noop_flag writes nothing."""
+    params = [randn(s, F32, device, i) for i, s in enumerate(SHAPES)]
+    grads = [randn(s, (F16, F32)[i % 2], device, 10 + i) for i, s in enumerate(SHAPES)]
+    m, v = adam_state(params, device, seed=30)
+    updates = [torch.empty_like(p) for p in params]
+    wd, lr, step = 0.01, 1e-2, 3
+    norm = ref_global_norm(grads)
+    want_p, want_m, want_v, _ = ref_lamb(params, grads, m, v, step, lr, eps=1e-6,
+                                         weight_decay=wd, global_grad_norm=norm,
+                                         max_grad_norm=norm / 2)
+    noop = torch.zeros(1, dtype=torch.int32, device=device)
+    decay = torch.full((len(params),), wd, device=device)
+    args = (decay, step, 0.9, 0.999, 1e-6, scalar(norm, device), norm / 2)
+    frozen = [t.clone() for t in params + m + v]
+    amp_C.multi_tensor_lamb_stage1_cuda(2048, noop + 1, [grads, params, m, v, updates], *args)
+    for a, b in zip(params + m + v, frozen):
+        assert_bitwise_equal(a, b)
+    amp_C.multi_tensor_lamb_stage1_cuda(2048, noop, [grads, params, m, v, updates], *args)
+    _, p_norms = ops.multi_tensor_l2norm(params, per_tensor=True)
+    _, u_norms = ops.multi_tensor_l2norm(updates, per_tensor=True)
+    amp_C.multi_tensor_lamb_stage2_cuda(2048, noop, [params, updates], p_norms, u_norms, lr, wd)
+    for got, want in zip(params + m + v, want_p + want_m + want_v):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("cls, kwargs", [
     pytest.param(FusedLAMB, dict(master_weights=True), id="lamb-masters"),
     pytest.param(FusedMixedPrecisionLamb, {}, id="mixed-precision-lamb"),
