@@ -8,9 +8,10 @@ and a :class:`GradScaler` without host synchronisation.
 
 Apex's API lives in :mod:`mixedprec.amp`, :mod:`mixedprec.fp16_utils`,
 :mod:`mixedprec.parallel`, :mod:`mixedprec.amp_C`, :mod:`mixedprec.multi_tensor_apply`,
-:mod:`mixedprec.normalization` and :mod:`mixedprec.apex_C` (loaded on first use). ``import mixedprec.apex``
-makes ``import apex`` resolve to them; ``python -m mixedprec.apex script.py`` runs a
-legacy script that way.
+:mod:`mixedprec.normalization` and :mod:`mixedprec.apex_C` (loaded on first use).
+``import mixedprec.apex`` makes ``import apex`` resolve to them; ``python -m
+mixedprec.apex script.py`` runs a legacy script that way. :mod:`mixedprec.distributed`
+lets the ops take DTensors (FSDP2, tensor parallelism).
 """
 
 import importlib
