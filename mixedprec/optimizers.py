@@ -247,6 +247,50 @@ class _FusedOptimizer(Optimizer):
             value = state[key] = mst.follow_layout(value, like)
         return value
 
+    def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
+        """Adam's two fp32 moments (``exp_avg``, ``exp_avg_sq``) of each target, created
+        as zeros where absent (FusedAdam, FusedLAMB)."""
+        return ([self._state_tensor(state, "exp_avg", t) for state, t in zip(states, targets)],
+                [self._state_tensor(state, "exp_avg_sq", t) for state, t in zip(states, targets)])
+
+    # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
+    # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
+    @staticmethod
+    def _group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
+        """``group["step"]`` on ``device``, created from the number it holds (0 if absent:
+        an Apex-style subclass's int, FusedMixedPrecisionLamb's start count)."""
+        step = group.get("step")
+        if not isinstance(step, Tensor):
+            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                              device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        return step
+
+    @staticmethod
+    def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
+        """Whether the group's step count is a tensor on the device of the plan's lists."""
+        step = group.get("step")
+        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
+
+    def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
+        it is; a 1-element tensor becomes a float32 copy on the group's device."""
+        step = new_group.get("step")
+        if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
+                and step >= 0:
+            return
+        if not isinstance(step, Tensor) or step.numel() != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
+                             "must be a number >= 0 or a 1-element tensor")
+        device = group["params"][0].device if group["params"] else step.device
+        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
+
+    def _one_device(self, by_device: Dict[torch.device, "_Work"], why: str) -> None:
+        if len(by_device) > 1:
+            raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
+                             f"share one device ({why}), got {list(by_device)}")
+
     def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
         """(update targets, model copies) for one op call: the fp32 masters and the
         model params when any param has a master (an fp32 param is then its own
@@ -780,51 +824,30 @@ class FusedAdam(_FusedOptimizer):
                 total = torch.as_tensor(norm, dtype=torch.float32).to(device).reshape(()) \
                     * factor
             factor = factor * torch.clamp(max_norm / (total.reshape(()) + 1e-6), max=1.0)
-        step = self._group_step_tensor(group, device)
+        step = self._group_step(group, device)
         targets, model = self._update_lists(items.params, items.states)
         if outputs is not None:
             model = outputs
-        exp_avgs = [self._state_tensor(state, "exp_avg", t)
-                    for state, t in zip(items.states, targets)]
-        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
-                       for state, t in zip(items.states, targets)]
+        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
         beta1, beta2 = group["betas"]
         ops.fused_adam_(targets, items.grads, exp_avgs, exp_avg_sqs, model, step, group["lr"],
                         beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], factor.reshape(()),
                         found_inf)
 
-    @staticmethod
-    def _group_step_tensor(group: Dict[str, Any], device: torch.device) -> Tensor:
-        """``group["step"]`` as a float32 tensor on ``device``, created (0) if absent,
-        converted from the Python int an Apex-style subclass keeps."""
-        step = group.get("step")
-        if not isinstance(step, Tensor):
-            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
-                                              device=device)
-        elif step.device != device:  # the model moved after the optimizer was built
-            step = group["step"] = step.to(device)
-        return step
-
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
-        if len(by_device) > 1:
-            raise ValueError("FusedAdam: the parameters of a param group must share one "
-                             f"device (the group's step count lives there), got {list(by_device)}")
+        self._one_device(by_device, "the group's step count lives there")
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        self._group_step_tensor(group, device)
+        self._group_step(group, device)
         targets, model = self._update_lists(items.params, items.states)
-        exp_avgs = [self._state_tensor(state, "exp_avg", t)
-                    for state, t in zip(items.states, targets)]
-        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
-                       for state, t in zip(items.states, targets)]
+        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
         self._adam(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
                    found_inf)
         return targets, exp_avgs, exp_avg_sqs, model
 
     def _plan_holds(self, group, plan) -> bool:
-        step = group.get("step")
-        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
+        return self._step_on(group, plan)
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
         targets, exp_avgs, exp_avg_sqs, model = lists
@@ -838,14 +861,7 @@ class FusedAdam(_FusedOptimizer):
                         group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        step = new_group.get("step")
-        if step is None or type(step) is int and step >= 0:  # an int: an Apex-style subclass
-            return
-        if not isinstance(step, Tensor) or step.numel() != 1:
-            raise ValueError("FusedAdam.load_state_dict: a param group's 'step' must be a "
-                             "1-element tensor or an int >= 0")
-        device = group["params"][0].device if group["params"] else step.device
-        new_group["step"] = step.to(device, torch.float32, copy=True)
+        self._load_group_step(new_group, group)
 
 
 class FusedAdagrad(_FusedOptimizer):
@@ -950,9 +966,7 @@ class FusedNovoGrad(_FusedOptimizer):
         return state
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
-        if len(by_device) > 1:
-            raise ValueError("FusedNovoGrad: the parameters of a param group must share one "
-                             f"device (the group's moments live there), got {list(by_device)}")
+        self._one_device(by_device, "the group's step count and moments live there")
 
     @staticmethod
     def _group_tensor(group, key: str, size: int, device: torch.device) -> Tensor:
@@ -1099,29 +1113,18 @@ class FusedLAMB(_FusedOptimizer):
         return norm
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
-        if len(by_device) > 1:
-            raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
-                             f"(the global gradient norm), got {list(by_device)}")
+        self._one_device(by_device, "the global gradient norm")
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        step = group.get("step")
-        if not isinstance(step, Tensor):  # None, or FusedMixedPrecisionLamb's first step
-            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
-                                              device=device)
-        elif step.device != device:  # the model moved after the optimizer was built
-            step = group["step"] = step.to(device)
+        self._group_step(group, device)
         targets, model = self._update_lists(items.params, items.states)
-        exp_avgs = [self._state_tensor(state, "exp_avg", t)
-                    for state, t in zip(items.states, targets)]
-        exp_avg_sqs = [self._state_tensor(state, "exp_avg_sq", t)
-                       for state, t in zip(items.states, targets)]
+        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
         self._lamb(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
                    found_inf)
         return targets, exp_avgs, exp_avg_sqs, model
 
     def _plan_holds(self, group, plan) -> bool:
-        step = group.get("step")
-        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
+        return self._step_on(group, plan)
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
         targets, exp_avgs, exp_avg_sqs, model = lists
@@ -1136,14 +1139,7 @@ class FusedLAMB(_FusedOptimizer):
                         inv_scale, found_inf)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        step = new_group.get("step")
-        if step is None or isinstance(step, (int, float)):  # no step yet, or a start count
-            return
-        if not isinstance(step, Tensor) or step.numel() != 1:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
-                             "must be a number or a 1-element tensor")
-        device = group["params"][0].device if group["params"] else step.device
-        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
+        self._load_group_step(new_group, group)
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

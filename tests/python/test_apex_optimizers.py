@@ -61,9 +61,11 @@ def assert_model_is_cast_masters(opt, params):
 def apex_optimizers():
     """``apex.optimizers`` under mixedprec's alias (installed for the import only)."""
     import importlib
+    import sys
 
+    # (importing mixedprec.apex the first time installs the alias)
+    installed = "mixedprec.apex" in sys.modules and sys.modules["mixedprec.apex"].is_installed()
     import mixedprec.apex as alias
-    installed = alias.is_installed()
     alias.install()
     try:
         return importlib.import_module("apex.optimizers")
