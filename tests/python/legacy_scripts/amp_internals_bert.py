@@ -16,14 +16,16 @@ from apex.optimizers import FusedAdam
 
 def main():
     torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = model.to(device)
     optimizer = FusedAdam(model.parameters(), lr=1e-3)
     model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic",
                                       cast_model_outputs=torch.float16, verbosity=0)
     amp._amp_state.loss_scalers[0]._loss_scale = 2.0**20
     assert _amp_state.loss_scalers[0].loss_scale() == 2.0**20
 
-    x, y = torch.randn(32, 8).half(), torch.randint(0, 4, (32,))
+    x, y = torch.randn(32, 8).half().to(device), torch.randint(0, 4, (32,)).to(device)
     initial = [p.detach().clone() for p in model.parameters()]
     accumulation = 2
     skipped = stepped = 0
@@ -40,7 +42,7 @@ def main():
                 scaled_loss.backward()
         # The script's own overflow check of the (still scaled) gradients.
         scaler = _amp_state.loss_scalers[0]
-        overflow_buf = torch.zeros(1, dtype=torch.int32)
+        overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         multi_tensor_applier(amp_C.multi_tensor_l2norm, overflow_buf, [grads], False)
         old_overflow_buf = scaler._overflow_buf
@@ -65,7 +67,7 @@ def main():
     for before, p in zip(initial, model.parameters()):  # five unscaled Adam steps of lr 1e-3
         change = (p.detach().float() - before.float()).abs().max().item()
         assert torch.isfinite(p).all() and 1e-3 < change < 6e-3, change
-    print("LEGACY-SCRIPT-OK")
+    print("LEGACY-SCRIPT-OK", device)
 
 
 if __name__ == "__main__":

@@ -29,16 +29,17 @@ class TinyBert(nn.Module):
         return self.decoder(self.LayerNorm(self.layer(self.embed(ids))))
 
 
-def batches(step):
-    g = torch.Generator().manual_seed(step)
+def batches(step, device):
+    g = torch.Generator().manual_seed(step)  # on the CPU: the same batches on any device
     # a learnable task: predict each token's successor modulo VOCAB
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
     return ids, (ids + 1) % VOCAB
 
 
 def main():
     torch.manual_seed(0)
-    model = TinyBert()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = TinyBert().to(device)
     no_decay = ["bias", "LayerNorm.bias", "LayerNorm.weight"]
     groups = [
         {"params": [p for n, p in model.named_parameters()
@@ -55,7 +56,7 @@ def main():
     losses = []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
-            ids, labels = batches(step * ACCUMULATE + micro)
+            ids, labels = batches(step * ACCUMULATE + micro, device)
             logits = model(ids)
             loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB),
                                                labels.reshape(-1)) / ACCUMULATE
@@ -70,7 +71,7 @@ def main():
         losses.append(loss.item() * ACCUMULATE)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.8 * first, (first, last)
-    print(f"LEGACY-SCRIPT-OK {first:.4f} -> {last:.4f}")
+    print(f"LEGACY-SCRIPT-OK {device} {first:.4f} -> {last:.4f}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ from apex.parallel import DistributedDataParallel as DDP
 
 
 def main(scratch):
+    # On the CPU on every machine, GPU or not: the DDP part is a one-process gloo group
+    # (gloo: torch's CPU backend; no NCCL) reducing CPU gradients. amp_C on CUDA is run
+    # by the other scripts.
+    device = torch.device("cpu")
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(scratch, 'init')}",
                             rank=0, world_size=1)
     try:
@@ -38,7 +42,7 @@ def main(scratch):
         overflow = torch.zeros(1, dtype=torch.int)
         norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, overflow, [grads], False)
         assert torch.allclose(norm, torch.linalg.vector_norm(flat)), (norm, flat.norm())
-        print("BERT-PROLOGUE-OK", float(norm))
+        print("BERT-PROLOGUE-OK", device, float(norm))
     finally:
         dist.destroy_process_group()
 

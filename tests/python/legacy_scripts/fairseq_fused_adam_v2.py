@@ -63,13 +63,15 @@ def main():
     torch.manual_seed(0)
     cls = get_fused_adam_class()
     assert cls is FusedAdamV2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     twin.load_state_dict(model.state_dict())
+    model, twin = model.to(device), twin.to(device)
     opt = cls(model.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-8,
                             weight_decay=0.01)
-    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    x, y = torch.randn(64, 8).to(device), torch.randn(64, 1).to(device)
     losses = []
     for _ in range(50):
         for m, o in ((model, opt), (twin, ref)):
@@ -82,7 +84,7 @@ def main():
     assert opt.param_groups[0]["step"] == 50
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p, q, atol=1e-5), (p - q).abs().max()
-    print("LEGACY-SCRIPT-OK")
+    print("LEGACY-SCRIPT-OK", device)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ class Net(torch.nn.Module):
 
 def main():
     torch.manual_seed(0)
+    # amp.init turns autocast on for CUDA where there is a GPU (as Apex), else for the CPU
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp_handle = amp.init(enabled=True, verbose=False)
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = torch.randn(32, 8), torch.randn(32, 2)
+    x, y = torch.randn(32, 8).to(device), torch.randn(32, 2).to(device)
     losses = []
     for it in range(30):
         losses_dict = {"l2": torch.nn.functional.mse_loss(model(x).float(), y)}
@@ -44,7 +46,7 @@ def main():
     assert amp_handle._default_scaler.loss_scale() == 2.0**15
     disabled = amp.init(enabled=False)
     assert not disabled.is_active()
-    print("LEGACY-SCRIPT-OK")
+    print("LEGACY-SCRIPT-OK", device)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ class Model(torch.nn.Module):
 
 def main():
     torch.manual_seed(0)
-    model = Model()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = Model().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x = torch.randn(64, 8, 16)
+    x = torch.randn(64, 8, 16).to(device)
     y = x.sum(-1, keepdim=True).tanh()
     losses = []
     for _ in range(20):
@@ -50,7 +51,7 @@ def main():
     norm = model.final_layernorm
     assert norm.weight.dtype == torch.float32
     assert norm(x.bfloat16()).dtype == torch.float32
-    print("MEGATRON-LIKE-OK", round(losses[0], 4), round(losses[-1], 4))
+    print("MEGATRON-LIKE-OK", device, round(losses[0], 4), round(losses[-1], 4))
 
 
 if __name__ == "__main__":

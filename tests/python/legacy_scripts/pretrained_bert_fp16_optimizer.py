@@ -15,8 +15,9 @@ def warmup_linear(x, warmup=0.1):
 
 def main():
     torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
-                                torch.nn.Linear(32, 3)).half()
+                                torch.nn.Linear(32, 3)).to(device).half()
     no_decay = ["bias"]
     named = list(model.named_parameters())
     groups = [
@@ -31,8 +32,8 @@ def main():
         optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True)
     else:
         optimizer = FP16_Optimizer(optimizer, static_loss_scale=loss_scale)
-    x = torch.randn(64, 16).half()
-    y = torch.randint(0, 3, (64,))
+    x = torch.randn(64, 16).half().to(device)
+    y = torch.randint(0, 3, (64,)).to(device)
     total_steps, first, last = 40, None, None
     for global_step in range(total_steps):
         logits = model(x)
@@ -47,7 +48,7 @@ def main():
         last = loss.item()
     assert last < 0.8 * first, (first, last)
     assert optimizer.loss_scale == 2.0**16, optimizer.loss_scale
-    print("LEGACY-SCRIPT-OK")
+    print("LEGACY-SCRIPT-OK", device)
 
 
 if __name__ == "__main__":
