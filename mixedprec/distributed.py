@@ -18,9 +18,11 @@ module (no cost for single-device training). Sharding rules
 (``torch.distributed.tensor.experimental.register_sharding``) were tried and not
 chosen: they refuse in-place list ops on sharded tensors ("in-place operations that
 require placement changes are not supported", torch 2.11), and a rule per op says
-nothing the local run does not. Ops whose result depends on whole tensors reduce
-across shards here: the overflow flag and the L2 norms. Others of that kind are
-refused on sharded DTensors (:data:`_WHOLE_TENSOR_OPS`).
+nothing the local run does not. Results that depend on whole tensors are reduced
+across shards here: the overflow flag and the L2 norms. The optimizer ops that take
+per-tensor norms inside (LAMB's trust ratio, NovoGrad's second moment) run tensor by
+tensor on all-gathered whole tensors when a parameter is sharded: correct, and slower
+than the pointwise ops (:func:`_run_on_whole_tensors`).
 
 **Overflow across ranks.** Each rank checks only its shards: the flag written by
 ``multi_tensor_unscale_``, ``multi_tensor_unscale_to_`` and
@@ -45,8 +47,13 @@ __all__ = ["is_dtensor", "register_ops"]
 _FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
              "multi_tensor_check_finite_": 0}
 # Ops whose math needs whole tensors (per-tensor norms inside the op: LAMB's trust
-# ratio, NovoGrad's second moment); refused with sharded DTensors.
-_WHOLE_TENSOR_OPS: Tuple[str, ...] = ("fused_lamb_", "fused_novograd_")
+# ratio, NovoGrad's second moment): their per-tensor lists, and those the op writes.
+_WHOLE_TENSOR_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "fused_lamb_": (("params", "grads", "exp_avgs", "exp_avg_sqs", "model_params"),
+                    ("params", "exp_avgs", "exp_avg_sqs", "model_params")),
+    "fused_novograd_": (("params", "grads", "exp_avgs", "model_params"),
+                        ("params", "exp_avgs", "model_params")),
+}
 
 
 def _dtensor_module():
@@ -86,23 +93,23 @@ def _local_grads(grads: Sequence[Tensor], params: Sequence[Tensor]) -> List[Tens
     return out
 
 
+def _sharded_dims(t: Any) -> list:
+    """The process groups of the mesh dimensions on which DTensor ``t`` is sharded (not
+    replicated) across more than one rank; [] for a plain tensor."""
+    if not is_dtensor(t):
+        return []
+    mesh = t.device_mesh
+    return [mesh.get_group(dim) for dim, placement in enumerate(t.placements)
+            if not placement.is_replicate() and mesh.size(dim) > 1]
+
+
 def _sharded_groups(tensors: Sequence[Any]) -> list:
-    """The process groups of the mesh dimensions on which some DTensor of ``tensors``
-    is not replicated, in a fixed order (the same on every rank, as every rank holds
-    the same parameters)."""
-    module = _dtensor_module()
+    """The process groups on which some DTensor of ``tensors`` is sharded, in a fixed
+    order (the same on every rank, as every rank holds the same parameters)."""
     groups: list = []
-    seen = set()
     for t in tensors:
-        if not isinstance(t, module.DTensor):
-            continue
-        mesh = t.device_mesh
-        for dim, placement in enumerate(t.placements):
-            if placement.is_replicate() or (id(mesh), dim) in seen:
-                continue
-            seen.add((id(mesh), dim))
-            group = mesh.get_group(dim)
-            if dist.get_world_size(group) > 1 and group not in groups:
+        for group in _sharded_dims(t):
+            if group not in groups:
                 groups.append(group)
     return groups
 
@@ -115,19 +122,59 @@ def agree_found_inf(found_inf: Tensor, tensors: Sequence[Any]) -> None:
 
 
 def _l2norm_on_shards(args: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
-    """``multi_tensor_l2norm`` of DTensors: the local sums of squares, summed over the
-    ranks holding other shards, then the square root."""
+    """``multi_tensor_l2norm`` of DTensors: each tensor's local sum of squares, summed
+    over the ranks that hold its other shards (a replicated tensor counts once), then
+    the square roots; the total from the per-tensor sums."""
     tensors = args["tensors"]
     total, per_tensor = torch.ops.mixedprec.multi_tensor_l2norm.default(
-        _local(tensors), _local(args["inv_scale"]), args["per_tensor"])
+        _local(tensors), _local(args["inv_scale"]), True)
     groups = _sharded_groups(tensors)
-    if not groups:
-        return total, per_tensor
-    squares = torch.cat([total.reshape(1), per_tensor]).double().square()
-    for group in groups:
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
-    norms = squares.sqrt().float()
-    return norms[:1].clone(), norms[1:].clone()
+    if groups:
+        squares = per_tensor.double().square()
+        for group in groups:
+            sharded = torch.tensor([group in _sharded_dims(t) for t in tensors],
+                                   device=squares.device)
+            part = torch.where(sharded, squares, 0.0)
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+            squares = torch.where(sharded, part, squares)
+        total = squares.sum().sqrt().float().reshape(1)
+        per_tensor = squares.sqrt().float()
+    if not args["per_tensor"]:
+        per_tensor = per_tensor.new_empty(0)
+    return total, per_tensor
+
+
+def _run_on_whole_tensors(op, name: str, bound: Dict[str, Any]) -> None:
+    """An op of :data:`_WHOLE_TENSOR_OPS` on sharded DTensors: tensor by tensor, on the
+    whole tensors (all-gathered; one tensor's lists at a time in memory), every rank
+    computing the same result and keeping its shard of what the op wrote. Correct,
+    and slower than on one device: the all-gathers and one op call per tensor."""
+    from torch.distributed.tensor import distribute_tensor
+
+    lists, written = _WHOLE_TENSOR_OPS[name]
+    step = bound["step"]
+    stepped = step
+    for i in range(len(bound["params"])):
+        call = dict(bound)
+        gathered = {}
+        for key in lists:
+            if bound[key]:  # (model_params may be empty)
+                t = bound[key][i]
+                full = t.detach().full_tensor() if is_dtensor(t) else t  # (no autograd)
+                gathered[key] = (t, full)
+                call[key] = [full]
+        if "exp_avg_sq" in bound and not isinstance(bound["exp_avg_sq"], (list, tuple)):
+            call["exp_avg_sq"] = _local(bound["exp_avg_sq"]).narrow(0, i, 1)  # NovoGrad's
+        call = {k: _local(v) for k, v in call.items()}
+        call["step"] = stepped = _local(step).clone()  # each tensor steps from the same count
+        op(*[call[a.name] for a in op._schema.arguments])
+        for key in written:
+            if key in gathered and is_dtensor(gathered[key][0]):
+                t, full = gathered[key]
+                shard = distribute_tensor(full, t.device_mesh, t.placements,
+                                          src_data_rank=None).to_local()
+                t.to_local().copy_(shard)
+    _local(step).copy_(stepped)
 
 
 def _run_on_shards(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -140,11 +187,7 @@ def _run_on_shards(op, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     if name == "multi_tensor_l2norm":
         return _l2norm_on_shards(bound)
     if name in _WHOLE_TENSOR_OPS and _sharded_groups(bound["params"]):
-        raise NotImplementedError(
-            f"mixedprec.{name}: parameters sharded across ranks (FSDP2, tensor "
-            "parallelism) are not supported: its per-tensor norms would need a reduction "
-            "across shards. It runs under DDP and ZeroRedundancyOptimizer, whose "
-            "parameters are whole on every rank")
+        return _run_on_whole_tensors(op, name, bound)
     local_args = []
     for a in schema_args:
         value = bound[a.name]

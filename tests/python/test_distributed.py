@@ -249,6 +249,11 @@ def _optimizers(master_weights):
                                                     master_weights=master_weights),
         "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.01,
                                                 master_weights=master_weights),
+        # per-tensor norms inside the op: run on the whole tensors (mixedprec.distributed)
+        "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5,
+                                          master_weights=master_weights),
+        "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01,
+                                                  master_weights=master_weights),
     }
 
 
@@ -259,6 +264,18 @@ def dtensor_optimizers(rank, world, layout):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
+    # multi_tensor_l2norm of sharded and replicated DTensors: the whole tensors' norms
+    model = fsdp(mlp()) if layout == "fsdp" else parallelize_module(
+        mlp(), init_device_mesh(device().type, (world,)),
+        {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    loss_of(model, *(batch(0, rank, world) if layout == "fsdp" else batch(0))).backward()
+    grads = [p.grad for p in model.parameters()]
+    total, per_tensor = mixedprec.ops.multi_tensor_l2norm(grads, per_tensor=True)
+    whole = [g.double() for g in full(grads)]
+    torch.testing.assert_close(per_tensor.double(), torch.stack([g.norm() for g in whole]),
+                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.double().reshape(()),
+                               torch.cat([g.reshape(-1) for g in whole]).norm(), rtol=1e-6, atol=0)
     checked = []
     for master_weights in (False, True):
         dtype = torch.bfloat16 if master_weights else torch.float32
@@ -290,27 +307,13 @@ def dtensor_optimizers(rank, world, layout):
             keys = set(opt.state[next(iter(model.parameters()))])
             assert ("master_param" in keys) == master_weights, (name, keys)
             checked.append((name, master_weights))
-    # Per-tensor norms inside one op (LAMB, NovoGrad) would need a reduction across
-    # shards: refused with a message that says so, before anything is written.
-    model = fsdp(mlp()) if layout == "fsdp" else parallelize_module(
-        mlp(), init_device_mesh(device().type, (world,)),
-        {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    for cls in (FusedLAMB, FusedNovoGrad):
-        opt = cls(model.parameters(), lr=1e-2)
-        loss_of(model, *(batch(0, rank, world) if layout == "fsdp" else batch(0))).backward()
-        before = [p.to_local().clone() for p in model.parameters()]
-        with pytest.raises(NotImplementedError, match="sharded across ranks"):
-            opt.step()
-        opt.zero_grad()
-        assert all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
-        checked.append((cls.__name__, "refused"))
     return checked
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_fused_optimizers_step_dtensor_parameters(backend, layout):
     checked = run_ranks(dtensor_optimizers, 2, layout, device=backend)[0]
-    assert len(checked) == 2 * len(_optimizers(False)) + 2
+    assert len(checked) == 2 * len(_optimizers(False))
 
 
 # -- 4. ZeroRedundancyOptimizer ----------------------------------------------------------
