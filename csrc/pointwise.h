@@ -6,9 +6,9 @@
 // the lists in kWrites, and returns true when it saw a non-finite input that the
 // op reports in found_inf. apply() is a template over the value type V: float here
 // (CUDA, and single elements on the CPU), a vector of floats in the CPU engine
-// (cpu/engine.h), where each lane sees the same operations as a float would. resolve() runs once per block (CUDA) or call (CPU),
-// on the device that holds the data, to read device-side scalars such as
-// inv_scale and step.
+// (cpu/engine.h), where each lane sees the same operations as a float would.
+// resolve() runs once per block (CUDA) or call (CPU), on the device that holds the
+// data, to read device-side scalars such as inv_scale and step.
 //
 // A functor may declare `kPerTensor`, a mask of per-tensor lists: list k in it holds,
 // for tensor i of the other lists, one fp32 value (a one-element tensor), which

@@ -1,7 +1,8 @@
 """Fused optimizers with fp32 master weights for fp16/bf16 models.
 
-:class:`FusedSGD`, :class:`FusedAdam`, :class:`FusedAdagrad` and :class:`FusedNovoGrad`
-take Apex's argument names and defaults and behave as full :class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
+:class:`FusedSGD`, :class:`FusedAdam`, :class:`FusedLAMB`, :class:`FusedAdagrad` and
+:class:`FusedNovoGrad` take Apex's argument names and defaults and behave as full
+:class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
 ``add_param_group``, ``zero_grad``, LR schedulers). Each step is one fused op call per
 param group and device (two for SGD while some momentum buffers are new), which:
 

@@ -90,8 +90,10 @@ def fsdp_recipe(rank, world, recipe):
         ours, theirs = fsdp(mlp(), policy), fsdp(mlp(), policy)
         opt = mixedprec.FusedAdam(ours.parameters(), lr=1e-2, weight_decay=0.01)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.01)
-        scalers = (mixedprec.GradScaler(device().type, init_scale=2.0**8),
-                   torch.amp.GradScaler(device().type, init_scale=2.0**8)) if recipe == "fp16" else None
+        scalers = None
+        if recipe == "fp16":
+            scalers = (mixedprec.GradScaler(device().type, init_scale=2.0**8),
+                       torch.amp.GradScaler(device().type, init_scale=2.0**8))
         for step in range(STEPS):
             x, y = batch(step, rank, world)
             for i, (model, o) in enumerate(((ours, opt), (theirs, ref))):
@@ -355,7 +357,8 @@ def zero_fused_adam(rank, world):
 
 
 def test_zero_redundancy_optimizer_with_fused_adam_masters(backend):
-    assert run_ranks(zero_fused_adam, 2, device=backend)[0] == ["exp_avg", "exp_avg_sq", "master_param"]
+    keys = run_ranks(zero_fused_adam, 2, device=backend)[0]
+    assert keys == ["exp_avg", "exp_avg_sq", "master_param"]
 
 
 # -- 5. Distributed checkpoints: save on N ranks, load on M, continue ----------------------

@@ -108,7 +108,8 @@ def train_with_scaler(model, opt, scaler, steps, inf_step, clip=None):
 # --- the loss-scale algorithm, as a plain Python reference -----------------------------
 
 def reference_states(flags, init_scale, growth_factor=2.0, backoff_factor=0.5,
-                     growth_interval=2000, hysteresis=1, min_scale=DEFAULT_MIN_SCALE, max_scale=INF):
+                     growth_interval=2000, hysteresis=1, min_scale=DEFAULT_MIN_SCALE,
+                     max_scale=INF):
     """(scale, growth_tracker, hysteresis_tracker) after each update, for overflow
     `flags`: the documented algorithm, the scale a float32."""
     f32 = np.float32
