@@ -61,6 +61,11 @@ def _norm(kind: str, input: Tensor, weight: Optional[Tensor], bias: Optional[Ten
         input, weight, bias = (t if t is None or not t.is_floating_point() else t.to(dtype)
                                for t in (input, weight, bias))
     out_dtype = weight.dtype if mixed and weight is not None else input.dtype
+    if kind == "layer" and all(t is None or t.dtype == out_dtype for t in (input, weight, bias)):
+        # One dtype throughout: torch's kernel reads fp16/bf16 input and accumulates the
+        # statistics in float32 itself, without a float32 copy of the input.
+        with torch.autocast(device_type, enabled=False):
+            return F.layer_norm(input, shape, weight, bias, eps)
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     x, w, b = (None if t is None else t.to(compute) for t in (input, weight, bias))
     with torch.autocast(device_type, enabled=False):
