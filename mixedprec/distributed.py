@@ -121,11 +121,22 @@ def agree_found_inf(found_inf: Tensor, tensors: Sequence[Any]) -> None:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
 
 
+def _without_partial(t: Any) -> Any:
+    """``t`` with pending (``Partial``) reductions done: a partial sum's norm is not the
+    sum of the partial norms."""
+    if not is_dtensor(t) or not any(p.is_partial() for p in t.placements):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_partial() else p for p in t.placements]
+    return t.detach().redistribute(t.device_mesh, placements)
+
+
 def _l2norm_on_shards(args: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
     """``multi_tensor_l2norm`` of DTensors: each tensor's local sum of squares, summed
     over the ranks that hold its other shards (a replicated tensor counts once), then
     the square roots; the total from the per-tensor sums."""
-    tensors = args["tensors"]
+    tensors = [_without_partial(t) for t in args["tensors"]]
     total, per_tensor = torch.ops.mixedprec.multi_tensor_l2norm.default(
         _local(tensors), _local(args["inv_scale"]), True)
     groups = _sharded_groups(tensors)

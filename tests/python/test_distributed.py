@@ -418,3 +418,25 @@ def test_distributed_checkpoint_resumes_across_world_sizes(backend, tmp_path, sa
     else:  # gradients averaged over other shards: equal to rounding (see recipes)
         for a, b in zip(masters, straight[1]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+# -- 6. Norms of partial sums --------------------------------------------------------------
+
+def partial_and_sharded_norms(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh(device().type, (world,))
+    pending = DTensor.from_local(torch.full((4,), float(rank + 1), device=device()), mesh,
+                                 [Partial()])
+    sharded = DTensor.from_local(torch.arange(3.0, device=device()) + rank, mesh, [Shard(0)])
+    total, per_tensor = mixedprec.ops.multi_tensor_l2norm([pending, sharded], per_tensor=True)
+    whole = [t.full_tensor().double() for t in (pending, sharded)]
+    torch.testing.assert_close(per_tensor.double(), torch.stack([w.norm() for w in whole]))
+    torch.testing.assert_close(total.double().reshape(()), torch.cat(whole).norm())
+    return True
+
+
+def test_l2norm_of_partial_and_sharded_dtensors(backend):
+    """A Partial DTensor's norm is that of the sum it stands for, not of its parts."""
+    assert run_ranks(partial_and_sharded_norms, 2, device=backend) == [True, True]
