@@ -281,7 +281,10 @@ class _FusedOptimizer(Optimizer):
         master), and taken anew from the parameter when the parameter was written
         outside the optimizer (its version counter moved: ``load_state_dict`` on the
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
-        count, as they bypass the counter)."""
+        count, as they bypass the counter). A Kahan compensation is dropped once the
+        optimizer left master="kahan" (``master_weights = True`` after construction)."""
+        if self.master != "kahan" and "kahan_comp" in state:
+            del state["kahan_comp"]
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
                 self._master_versions.pop(id(state.pop("master_param")), None)

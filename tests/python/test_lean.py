@@ -289,6 +289,21 @@ def test_master_modes_and_master_weights(cls):
     assert opt.master == "none"
 
 
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_leaving_kahan_drops_the_compensations(cls, kwargs):
+    model = _Model("cpu", torch.bfloat16)
+    opt = cls(model.parameters(), master="kahan", **kwargs)
+    _train(model, opt, 2)
+    assert all("kahan_comp" in opt.state[p] for p in model.parameters())
+    opt.master_weights = True  # as mixedprec.amp.initialize does
+    _train(model, opt, 1, first=2)
+    for p in model.parameters():
+        assert "kahan_comp" not in opt.state[p]
+        assert_bitwise_equal(p.detach(), opt.state[p]["master_param"].bfloat16())
+    cls(_Model("cpu", torch.bfloat16).parameters(), master_weights=True,
+        **kwargs).load_state_dict(opt.state_dict())  # no stale entry to reject
+
+
 @pytest.mark.parametrize("cls, dtype_arg", [(FusedAdam, "moment_dtype"),
                                             (FusedSGD, "momentum_dtype")])
 def test_lean_argument_errors(cls, dtype_arg):
