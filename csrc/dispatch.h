@@ -88,28 +88,38 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
   Engine::template run<Op, Ts...>(lists, op, skip, nullptr);
 }
 
-// Optimizers: params and grads in any float type, state in fp32 (Op::Storage),
-// and the model copy, when present (the last list), in any float type; params
-// are then fp32 masters (validated before).
+// Optimizers: params and grads in any float type; the state lists in fp32, or all
+// in bf16 where Op::kLeanState (validated before; list 2 tells which); the model copy,
+// when present (list Op::kModelList), in any float type, and params are then fp32
+// masters (validated before).
 template <class Engine, typename Op>
 void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op& op,
                    const float* skip) {
   constexpr int D = Op::kDepth;
   for (const auto& g : group_by_dtype<D>(lists)) {
-    const bool has_model = !g[D - 1].empty();
+    const bool has_model = !g[Op::kModelList].empty();
+    const bool bf16_state = !g[2].empty() && g[2][0].scalar_type() == at::kBFloat16;
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "mixedprec optimizer", param_t, [&] {
       MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "mixedprec optimizer", grad_t, [&] {
-        if (!has_model) {
-          using Types = typename Op::template Storage<param_t, grad_t, float>;
-          run_types<Engine>(Types{}, g, op, skip);
-          return;
-        }
-        MP_DISPATCH_FLOATS(g[D - 1][0].scalar_type(), "mixedprec optimizer", model_t, [&] {
-          if constexpr (std::is_same_v<param_t, float>) {
-            using Types = typename Op::template Storage<float, grad_t, model_t>;
+        auto run = [&](auto state_tag) {
+          using state_t = decltype(state_tag);
+          if (!has_model) {
+            using Types = typename Op::template Storage<param_t, grad_t, float, state_t>;
             run_types<Engine>(Types{}, g, op, skip);
+            return;
           }
-        });
+          MP_DISPATCH_FLOATS(g[Op::kModelList][0].scalar_type(), "mixedprec optimizer",
+                             model_t, [&] {
+            if constexpr (std::is_same_v<param_t, float>) {
+              using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
+              run_types<Engine>(Types{}, g, op, skip);
+            }
+          });
+        };
+        if constexpr (Op::kLeanState) {
+          if (bf16_state) return run(c10::BFloat16{});
+        }
+        run(float{});
       });
     });
   }
@@ -229,13 +239,16 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 at::TensorList model_params, double lr, double momentum, double dampening,
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
-                const std::optional<at::Tensor>& found_inf, bool wd_after_momentum = false) {
+                const std::optional<at::Tensor>& found_inf, bool wd_after_momentum = false,
+                std::optional<at::TensorList> kahan_comps = std::nullopt) {
+  const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
   Checker c("fused_sgd_");
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
   check_params(c, params, grads, model_params);
+  check_compensations(c, params, model_params, compensations);
   if (momentum != 0) {
-    c.list(momentum_buffers, "momentum_buffers", kF32, Access::kWrite);
+    c.list(momentum_buffers, "momentum_buffers", kF32 | kBF16, Access::kWrite);
     c.paired(params, "params", momentum_buffers, "momentum_buffers");
   } else {
     TORCH_CHECK_VALUE(momentum_buffers.empty(),
@@ -264,9 +277,10 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.nesterov = nesterov;
   op.first_run = first_run;
   op.wd_after_momentum = wd_after_momentum;
+  op.kahan = !compensations.empty();
   op.inv_scale_ptr = optional_ptr(inv_scale);
-  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params}, op,
-                               optional_ptr(found_inf));
+  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params, compensations},
+                               op, optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
@@ -279,17 +293,21 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  double lr, double beta1, double beta2, double eps, double weight_decay,
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& lr_tensor = std::nullopt) {
+                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
+                 std::optional<at::TensorList> kahan_comps = std::nullopt) {
+  const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params);
-  c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
+  check_compensations(c, params, model_params, compensations);
+  c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
-  c.list(exp_avg_sqs, "exp_avg_sqs", kF32, Access::kWrite);
+  c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
+  c.same_dtypes(exp_avgs, "exp_avgs", exp_avg_sqs, "exp_avg_sqs");
   c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
   c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
   c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
@@ -312,8 +330,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.step_ptr = step.data_ptr<float>();
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
-  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params}, op,
-                                optional_ptr(found_inf));
+  op.kahan = !compensations.empty();
+  run_optimizer<Engine, AdamOp>(
+      {params, grads, exp_avgs, exp_avg_sqs, model_params, compensations}, op,
+      optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each

@@ -63,9 +63,10 @@ MP_HD bool is_finite(float x) {
 }
 
 // What the functors need of their value type V beyond + - * /: a square root, a
-// flag (per lane) for non-finite values, and a choice per lane (select: a where the
-// condition holds, else b; the condition is a comparison of Vs). The CPU engine
-// adds its vector types.
+// flag (per lane) for non-finite values, a choice per lane (select: a where the
+// condition holds, else b; the condition is a comparison of Vs), and round_bf16: the
+// value bf16 storage would hold (round to nearest even, as every bf16 store here).
+// The CPU engine adds its vector types.
 template <typename V>
 struct Lanes;
 
@@ -76,6 +77,7 @@ struct Lanes<float> {
   static MP_HD bool not_finite(float x) { return !is_finite(x); }
   static MP_HD bool none() { return false; }
   static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
+  static MP_HD float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
 };
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
@@ -111,20 +113,30 @@ struct CheckFiniteOp {
   }
 };
 
+// The optimizers' lists as run_optimizer (dispatch.h) stores them: list 2 is the
+// first state list (fp32, or bf16 where the op has kLeanState), kModelList the model
+// copy (absent without masters). Ops with kahan read and write a compensation list
+// (bf16, beside bf16 params, no masters): the update starts from p + comp and
+// leaves comp = new - round_bf16(new), the part of the new value that bf16 params
+// cannot hold (Kahan summation); without compensations p is used as it is.
+
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
 // momentum update instead of to the gradient before it.
 struct SgdOp {
-  static constexpr int kDepth = 4;  // params, grads, momentum_buffers, model_params
-  static constexpr unsigned kReads = 0b0111;
-  static constexpr unsigned kWrites = 0b1101;
-  template <typename Param, typename Grad, typename Model>
-  using Storage = TypeList<Param, Grad, float, Model>;
+  static constexpr int kDepth = 5;  // params, grads, momentum_buffers, model_params, comps
+  static constexpr unsigned kReads = 0b10111;
+  static constexpr unsigned kWrites = 0b11101;
+  static constexpr int kModelList = 3;
+  static constexpr bool kLeanState = true;
+  template <typename Param, typename Grad, typename Model, typename State>
+  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
   bool wd_after_momentum = false;
+  bool kahan = false;
   const float* inv_scale_ptr = nullptr;
   float inv_scale = 1.f;
 
@@ -134,6 +146,7 @@ struct SgdOp {
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V p = x[0];
+    if (kahan) p = p + x[4];
     V g = x[1] * inv_scale;
     if (weight_decay != 0.f && !wd_after_momentum) g = g + weight_decay * p;
     if (momentum != 0.f) {
@@ -145,6 +158,7 @@ struct SgdOp {
     p = p - lr * g;
     x[0] = p;
     x[3] = p;
+    if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
     return Lanes<V>::none();
   }
 };
@@ -153,14 +167,18 @@ struct SgdOp {
 // has already been incremented on the device when resolve() reads it. The learning
 // rate is `lr`, or the float at lr_ptr (a device tensor, read by resolve()) when set.
 struct AdamOp {
-  static constexpr int kDepth = 5;  // params, grads, exp_avgs, exp_avg_sqs, model_params
-  static constexpr unsigned kReads = 0b01111;
-  static constexpr unsigned kWrites = 0b11101;
-  template <typename Param, typename Grad, typename Model>
-  using Storage = TypeList<Param, Grad, float, float, Model>;
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps
+  static constexpr int kDepth = 6;
+  static constexpr unsigned kReads = 0b101111;
+  static constexpr unsigned kWrites = 0b111101;
+  static constexpr int kModelList = 4;
+  static constexpr bool kLeanState = true;
+  template <typename Param, typename Grad, typename Model, typename State>
+  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
+  bool kahan = false;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
   const float* lr_ptr = nullptr;
@@ -190,6 +208,7 @@ struct AdamOp {
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V p = x[0];
+    if (kahan) p = p + x[5];
     V g = x[1] * inv_scale;
     if (wd_f != 0.f) {
       if (adamw) {
@@ -208,6 +227,7 @@ struct AdamOp {
     x[2] = m;
     x[3] = v;
     x[4] = p;
+    if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
     return Lanes<V>::none();
   }
 };
@@ -301,7 +321,9 @@ struct AdagradOp {
   static constexpr int kDepth = 4;  // params, grads, state_sums, model_params
   static constexpr unsigned kReads = 0b0111;
   static constexpr unsigned kWrites = 0b1101;
-  template <typename Param, typename Grad, typename Model>
+  static constexpr int kModelList = 3;
+  static constexpr bool kLeanState = false;
+  template <typename Param, typename Grad, typename Model, typename State>
   using Storage = TypeList<Param, Grad, float, Model>;
 
   float lr, eps, weight_decay;
@@ -339,7 +361,9 @@ struct NovoGradOp {
   static constexpr unsigned kReads = 0b01111;
   static constexpr unsigned kWrites = 0b10101;
   static constexpr unsigned kPerTensor = 0b01000;
-  template <typename Param, typename Grad, typename Model>
+  static constexpr int kModelList = 4;
+  static constexpr bool kLeanState = false;
+  template <typename Param, typename Grad, typename Model, typename State>
   using Storage = TypeList<Param, Grad, float, float, Model>;
 
   double beta1, beta2;

@@ -135,6 +135,16 @@ void Checker::paired(at::TensorList a, const char* a_name, at::TensorList b,
   }
 }
 
+void Checker::same_dtypes(at::TensorList a, const char* a_name, at::TensorList b,
+                          const char* b_name) {
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const ArgName an{a_name, static_cast<int64_t>(i)}, bn{b_name, static_cast<int64_t>(i)};
+    TORCH_CHECK_TYPE(a[i].scalar_type() == b[i].scalar_type(), op_, ": expected ", bn,
+                     " to have the dtype of ", an, " (", a[i].scalar_type(), "), got ",
+                     b[i].scalar_type());
+  }
+}
+
 void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of,
                          const char* of_name) {
   TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
@@ -191,6 +201,17 @@ void check_params(Checker& c, at::TensorList params, at::TensorList grads,
     c.list(model_params, "model_params", kFloats, Access::kWrite, /*twins=*/params);
     c.paired(params, "params", model_params, "model_params");
   }
+}
+
+void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,
+                         at::TensorList compensations) {
+  if (compensations.empty()) return;
+  TORCH_CHECK_VALUE(model_params.empty(), c.op(), ": expected model_params to be empty with "
+                    "compensations (Kahan summation updates bf16 params, no masters), got ",
+                    model_params.size(), " tensors");
+  c.list(compensations, "compensations", kBF16, Access::kWrite);
+  c.paired(params, "params", compensations, "compensations");
+  c.same_dtypes(compensations, "compensations", params, "params");
 }
 
 }  // namespace mixedprec

@@ -60,6 +60,9 @@ class Checker {
             at::TensorList twins = {});
   // b pairs element-wise with a: same length, same numel, same memory order.
   void paired(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
+  // b[i] has the dtype of a[i] (lists of equal length: checked before).
+  void same_dtypes(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
+  const char* op() const { return op_; }
   // A per-tensor list (pointwise.h), read: one one-element float32 tensor for each
   // tensor of `of`.
   void per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name);
@@ -89,6 +92,11 @@ class Checker {
 // Lists of an optimizer: params are fp32 masters when model_params is given.
 void check_params(Checker& c, at::TensorList params, at::TensorList grads,
                   at::TensorList model_params);
+
+// Kahan compensations of an optimizer (pointwise.h): none, or one bf16 tensor per
+// param, the params then bf16 and without masters (model_params empty).
+void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,
+                         at::TensorList compensations);
 
 // The value of an optional 1-element float32 tensor's storage, or nullptr.
 inline const float* optional_ptr(const std::optional<at::Tensor>& t) {

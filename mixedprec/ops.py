@@ -178,6 +178,7 @@ def fused_sgd_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     wd_after_momentum: bool = False,
+    compensations: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -188,16 +189,23 @@ def fused_sgd_(
     empty when ``momentum`` is 0; with ``first_run`` they start as the gradient.
     ``wd_after_momentum`` (Apex's option) adds ``weight_decay * p`` to the step after
     the momentum update instead of to the gradient before it. When ``found_inf`` is
-    given and nonzero, nothing at all is written."""
+    given and nonzero, nothing at all is written.
+
+    ``momentum_buffers`` may also be bf16 (each may differ; the math stays fp32).
+    ``compensations`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
+    per param, the params then bf16 and ``model_params`` empty; each update starts from
+    ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``."""
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
+        compensations or None,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-      weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False):
+      weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False,
+      compensations=None):
     _no_meta_among_real("fused_sgd_", locals())
     return None
 
@@ -219,24 +227,28 @@ def fused_adam_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     lr_tensor: Optional[Tensor] = None,
+    compensations: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
 
     ``step`` (float32, one element) is incremented on the device before use, unless
-    ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32. Masters, model
-    copy, unscale and skip behave as in :func:`fused_sgd_`. ``lr_tensor`` (float32,
-    one element), when given, replaces ``lr``: the learning rate is then read on the
-    device, so that a captured CUDA graph follows a scheduler that writes it."""
+    ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32 or bf16 (the two
+    moments of a param of one dtype; the math stays fp32). Masters, model copy,
+    unscale, skip and ``compensations`` behave as in :func:`fused_sgd_`. ``lr_tensor``
+    (float32, one element), when given, replaces ``lr``: the learning rate is then read
+    on the device, so that a captured CUDA graph follows a scheduler that writes it."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
         weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
+        compensations or None,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-      weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None):
+      weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None,
+      compensations=None):
     _no_meta_among_real("fused_adam_", locals())
     return None
 

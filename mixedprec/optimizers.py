@@ -19,7 +19,10 @@ State is created at a parameter's first step, as torch's optimizers create their
 is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
 state it loads a checkpoint into.
 
-Optimizer state (moments, momentum buffers, masters) is always float32, and follows
+Optimizer state (moments, momentum buffers, masters) is float32 by default; FusedAdam
+and FusedSGD can keep their moments or momentum buffers in bfloat16 and, with
+``master="kahan"``, a bfloat16 compensation per bf16 parameter instead of an fp32 master
+(docs/lean-precision.md). State follows
 its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
 was built works), and a master is taken anew from its parameter when the parameter
 was written outside the optimizer (see ``_FusedOptimizer._master``).
@@ -51,8 +54,41 @@ __all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "Fus
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# State entries that are float32 whatever the parameter's dtype.
-_FP32_STATE = ("master_param", "momentum_buffer", "exp_avg", "exp_avg_sq", "sum")
+# State entries shaped like their parameter, with the dtype they must have: masters
+# and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
+# state_dtype (None here); Kahan compensations are bfloat16.
+_PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
+                "exp_avg": None, "exp_avg_sq": None, "kahan_comp": torch.bfloat16}
+# What FusedAdam and FusedSGD keep of each parameter's value ("master", see
+# _master_mode): "stochastic" is reserved for stochastic rounding (part 2 of issue #11).
+_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
+    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
+    ``master``; either may be left out (None), and given both must agree."""
+    if master is None:
+        return "fp32" if master_weights else "none"
+    if not isinstance(master, str) or master not in _MASTER_MODES:
+        raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
+                         f"got {master!r}")
+    if master == "stochastic":
+        raise NotImplementedError(f"{where}: master='stochastic' (bf16 params rounded "
+                                  "stochastically) is reserved and not implemented yet; it "
+                                  "comes with Philox stochastic rounding (issue #11, part 2)")
+    if master_weights is not None and bool(master_weights) != (master == "fp32"):
+        raise ValueError(f"{where}: master_weights={master_weights!r} conflicts with "
+                         f"master={master!r} (master_weights=True is master='fp32', False "
+                         "is master='none'); give one of them")
+    return master
+
+
+def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
+    if dtype not in _STATE_DTYPES:
+        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
+                        f"got {dtype!r}")
+    return dtype
 
 
 class _Work(NamedTuple):
@@ -68,7 +104,7 @@ class _Plan(NamedTuple):
     """A param group's op call as the last step made it, reused while nothing it was
     made from has changed (see ``_FusedOptimizer._planned_work``)."""
 
-    state_key: Tuple[int, int, bool]  # the state dict's id and size, master_weights
+    state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
     # per group param: (dtype, storage address, version), so that a parameter converted,
     # moved, re-laid-out (all of which give it new storage) or written elsewhere takes
     # the full path
@@ -113,15 +149,41 @@ class _FusedOptimizer(Optimizer):
     # The per-parameter state entries this optimizer keeps (load_state_dict checks).
     _STATE_KEYS: Tuple[str, ...] = ("master_param",)
 
-    def __init__(self, params, defaults: Dict[str, Any], master_weights: bool,
-                 set_grad_none: bool):
-        self.master_weights = bool(master_weights)
+    def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
+                 set_grad_none: bool, master: Optional[str] = None,
+                 state_dtype: torch.dtype = torch.float32):
+        where = type(self).__name__
+        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly)
+        # or "kahan" (bf16 params with a bf16 compensation each, "kahan_comp").
+        self.master = _master_mode(where, master_weights, master)
+        # The dtype of moments and momentum buffers (float32 or bfloat16).
+        self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
         self.set_grad_none = bool(set_grad_none)
         self._plans: Dict[int, _Plan] = {}
         # id(master) -> the version counter of its parameter when the master was last
         # in step with it (the update writes the parameter without bumping it).
         self._master_versions: Dict[int, int] = {}
         super().__init__(params, defaults)
+
+    @property
+    def master_weights(self) -> bool:
+        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
+        does) switches between "fp32" and "none"."""
+        return self.master == "fp32"
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        if value:
+            self.master = "fp32"
+        elif self.master == "fp32":
+            self.master = "none"
+
+    def _check_kahan(self, p: Tensor) -> None:
+        if self.master == "kahan" and p.dtype != torch.bfloat16:
+            raise TypeError(f"{type(self).__name__}: master='kahan' compensates bfloat16 "
+                            f"parameters and expects only those, got one of dtype {p.dtype} "
+                            "(fp32 parameters need no compensation: step them with another "
+                            "optimizer, or use master='none' or 'fp32')")
 
     def _invalidate_plans(self) -> None:
         """Forgets the op calls kept from the last step (see ``_planned_work``): for
@@ -140,6 +202,8 @@ class _FusedOptimizer(Optimizer):
                     f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
                     f"bfloat16, got {p.dtype}"
                 )
+            if isinstance(p, Tensor):
+                self._check_kahan(p)
         super().add_param_group(dict(param_group, params=params))
         self._invalidate_plans()
 
@@ -195,6 +259,7 @@ class _FusedOptimizer(Optimizer):
                                  f"{tuple(p.shape)}")
             if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                 grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
+            self._check_kahan(p)  # (the model may have been cast after construction)
             work = by_device.get(p.device)
             if work is None:
                 work = by_device[p.device] = _Work([], [], [])
@@ -216,7 +281,10 @@ class _FusedOptimizer(Optimizer):
         master), and taken anew from the parameter when the parameter was written
         outside the optimizer (its version counter moved: ``load_state_dict`` on the
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
-        count, as they bypass the counter)."""
+        count, as they bypass the counter). A Kahan compensation is dropped once the
+        optimizer left master="kahan" (``master_weights = True`` after construction)."""
+        if self.master != "kahan" and "kahan_comp" in state:
+            del state["kahan_comp"]
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
                 self._master_versions.pop(id(state.pop("master_param")), None)
@@ -237,22 +305,35 @@ class _FusedOptimizer(Optimizer):
         return moved
 
     @staticmethod
-    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor) -> Tensor:
-        """state[key] as an fp32 tensor on like's device and in its layout, created as
-        zeros if absent."""
+    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+        """state[key] on like's device and in its layout, created as zeros of `dtype`
+        (made from `like`: a DTensor's state is a DTensor with its placements) if
+        absent."""
         value = state.get(key)
         if value is None:
-            value = state[key] = torch.zeros_like(like, dtype=torch.float32,
+            value = state[key] = torch.zeros_like(like, dtype=dtype,
                                                   memory_format=torch.preserve_format)
         else:
             value = state[key] = mst.follow_layout(value, like)
         return value
 
     def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
-        """Adam's two fp32 moments (``exp_avg``, ``exp_avg_sq``) of each target, created
-        as zeros where absent (FusedAdam, FusedLAMB)."""
-        return ([self._state_tensor(state, "exp_avg", t) for state, t in zip(states, targets)],
-                [self._state_tensor(state, "exp_avg_sq", t) for state, t in zip(states, targets)])
+        """Adam's two moments (``exp_avg``, ``exp_avg_sq``, of ``state_dtype``) of each
+        target, created as zeros where absent (FusedAdam, FusedLAMB)."""
+        dtype = self.state_dtype
+        return ([self._state_tensor(state, "exp_avg", t, dtype)
+                 for state, t in zip(states, targets)],
+                [self._state_tensor(state, "exp_avg_sq", t, dtype)
+                 for state, t in zip(states, targets)])
+
+    def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
+        """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
+        master='kahan', created as zeros where absent; else none."""
+        if self.master != "kahan":
+            return []
+        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
+                for state, p in zip(states, params)]
 
     # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
     # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
@@ -351,8 +432,8 @@ class _FusedOptimizer(Optimizer):
             self._plans.update(plans)
         return loss
 
-    def _state_key(self) -> Tuple[int, int, bool]:
-        return id(self.state), len(self.state), self.master_weights
+    def _state_key(self) -> Tuple[int, int, str]:
+        return id(self.state), len(self.state), self.master
 
     def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple]) -> _Plan:
         params = group["params"]
@@ -414,9 +495,16 @@ class _FusedOptimizer(Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
-        state.update(master_weights=self.master_weights, set_grad_none=self.set_grad_none,
-                     _plans={}, _master_versions={})
+        state.update(master=self.master, state_dtype=self.state_dtype,
+                     set_grad_none=self.set_grad_none, _plans={}, _master_versions={})
         return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # (A pickle from before the master modes holds master_weights instead.)
+        master_weights = state.pop("master_weights", False)
+        state.setdefault("master", "fp32" if master_weights else "none")
+        state.setdefault("state_dtype", torch.float32)
+        super().__setstate__(state)
 
     def _step_group(self, group, device, items: "_Work", inv_scale,
                     found_inf) -> Optional[tuple]:
@@ -497,12 +585,17 @@ class _FusedOptimizer(Optimizer):
         if not isinstance(value, Tensor):
             return value
         where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
-        if key in _FP32_STATE:
+        if key == "kahan_comp" and self.master != "kahan":
+            raise ValueError(f"{where}: a Kahan compensation, which only master='kahan' keeps "
+                             f"(this optimizer has master={self.master!r})")
+        if key in _PARAM_STATE:
             if value.shape != p.shape:
                 raise ValueError(f"{where} has shape {tuple(value.shape)}, "
                                  f"the parameter {tuple(p.shape)}")
-            if value.dtype != torch.float32:
-                raise ValueError(f"{where} has dtype {value.dtype}, expected torch.float32")
+            expected = _PARAM_STATE[key] or self.state_dtype
+            if value.dtype != expected:
+                raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
+                                 "optimizer's setting)")
         return value.to(p.device, copy=True)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
@@ -529,10 +622,20 @@ class FusedSGD(_FusedOptimizer):
             only when one was set (see the module docstring).
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
         master_weights: keep fp32 masters of fp16/bf16 parameters in the state and
-            update them; the parameters receive the cast masters.
+            update them; the parameters receive the cast masters. Apex's spelling of
+            ``master="fp32"`` (True) or ``"none"`` (False); left out, ``master`` decides.
+        master: (keyword) what is kept of each parameter's value (docs/lean-precision.md):
+            ``"fp32"`` fp32 masters as above; ``"none"`` (the default) the parameters
+            are updated directly, in fp32 math, rounded to nearest; ``"kahan"``
+            bf16 parameters only, each with a bf16 compensation (``state["kahan_comp"]``)
+            that carries what bf16 rounding dropped into the next update;
+            ``"stochastic"`` is reserved (NotImplementedError). A ``master_weights``
+            that disagrees is a ValueError.
+        momentum_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
+            momentum buffers' dtype (the math stays fp32).
 
-    Momentum buffers are float32. The arguments are in Apex's order (master_weights,
-    which Apex's FusedSGD lacks, last).
+    The arguments are in Apex's order (master_weights, which Apex's FusedSGD lacks,
+    last; master and momentum_dtype keyword-only).
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros. With ``dampening``
@@ -541,12 +644,13 @@ class FusedSGD(_FusedOptimizer):
     ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
 
-    _STATE_KEYS = ("master_param", "momentum_buffer")
+    _STATE_KEYS = ("master_param", "momentum_buffer", "kahan_comp")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
-                 set_grad_none: bool = False, master_weights: bool = False):
+                 set_grad_none: bool = False, master_weights: Optional[bool] = None, *,
+                 master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -555,7 +659,8 @@ class FusedSGD(_FusedOptimizer):
                         weight_decay=weight_decay, nesterov=nesterov)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        _check_state_dtype("FusedSGD", "momentum_dtype", momentum_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, momentum_dtype)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -578,12 +683,13 @@ class FusedSGD(_FusedOptimizer):
         lists = None
         for first_run, call in calls.items():
             targets, model = self._update_lists(call.params, call.states)
-            buffers = [self._state_tensor(state, "momentum_buffer", t)
+            buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
                        for state, t in zip(call.states, targets)] if momentum != 0 else []
+            comps = self._compensations(call.states, targets)
             ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
-                           first_run, inv_scale, found_inf, self.wd_after_momentum)
-            lists = (targets, buffers, model)
+                           first_run, inv_scale, found_inf, self.wd_after_momentum, comps)
+            lists = (targets, buffers, model, comps)
         # The next step reuses the lists unless buffers started in this one.
         return lists if len(calls) == 1 and True not in calls else None
 
@@ -591,10 +697,10 @@ class FusedSGD(_FusedOptimizer):
         return (group["momentum"] != 0) == bool(plan.lists[1])
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, buffers, model = lists
+        targets, buffers, model, comps = lists
         ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], False,
-                       inv_scale, found_inf, self.wd_after_momentum)
+                       inv_scale, found_inf, self.wd_after_momentum, comps)
 
 
 class FusedAdam(_FusedOptimizer):
@@ -612,12 +718,14 @@ class FusedAdam(_FusedOptimizer):
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         capturable: accepted for Apex compatibility; every step already runs without
             host synchronisation (the step count lives on the device).
-        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+        master_weights, master: fp32 masters, none, or Kahan compensations (see
+            FusedSGD).
+        moment_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
+            of both moments (the math stays fp32; docs/lean-precision.md).
 
     As in Apex, the step count belongs to the param group (``group["step"]``, a float32
     device tensor) rather than to each parameter: every parameter of a group is
-    assumed to step together. A group's parameters must share one device. Moments are
-    float32.
+    assumed to step together. A group's parameters must share one device.
 
     Apex's 2019 surface (``apex.optimizers.FusedAdam`` of pytorch-pretrained-BERT), as
     keyword arguments: ``max_grad_norm`` (> 0: each group's gradients are clipped to
@@ -637,15 +745,16 @@ class FusedAdam(_FusedOptimizer):
     keeps as a Python int is accepted by this class's step and ``load_state_dict``.
     """
 
-    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp")
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 capturable: bool = False, master_weights: bool = False, *,
+                 capturable: bool = False, master_weights: Optional[bool] = None, *,
                  max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
-                 use_mt: bool = False, amp_scale_adjustment: float = 1.0):
+                 use_mt: bool = False, amp_scale_adjustment: float = 1.0,
+                 master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32):
         if amsgrad:
             raise ValueError("FusedAdam does not support amsgrad")
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
@@ -664,7 +773,8 @@ class FusedAdam(_FusedOptimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        _check_state_dtype("FusedAdam", "moment_dtype", moment_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, moment_dtype)
 
     @property
     def adam_w_mode(self) -> int:
@@ -777,6 +887,9 @@ class FusedAdam(_FusedOptimizer):
                     if self.master_weights and mst.needs_master(p):
                         raise ValueError(f"{where}: output_params with master_weights=True "
                                          "(the masters' model copies are the parameters)")
+                    if self.master == "kahan":
+                        raise ValueError(f"{where}: output_params with master='kahan' (the "
+                                         "bf16 parameters are updated, no copies)")
                     outs.append(out)
                 items.params.append(p)
                 items.grads.append(grad)
@@ -834,7 +947,7 @@ class FusedAdam(_FusedOptimizer):
         ops.fused_adam_(targets, items.grads, exp_avgs, exp_avg_sqs, model, step, group["lr"],
                         beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], factor.reshape(()),
-                        found_inf)
+                        found_inf, compensations=self._compensations(items.states, targets))
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
@@ -843,23 +956,25 @@ class FusedAdam(_FusedOptimizer):
         self._group_step(group, device)
         targets, model = self._update_lists(items.params, items.states)
         exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
-        self._adam(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
-                   found_inf)
-        return targets, exp_avgs, exp_avg_sqs, model
+        comps = self._compensations(items.states, targets)
+        lists = (targets, exp_avgs, exp_avg_sqs, model, comps)
+        self._adam(group, lists, items.grads, inv_scale, found_inf)
+        return lists
 
     def _plan_holds(self, group, plan) -> bool:
         return self._step_on(group, plan)
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, exp_avgs, exp_avg_sqs, model = lists
-        self._adam(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf)
+        self._adam(group, lists, grads, inv_scale, found_inf)
 
     @staticmethod
-    def _adam(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
+    def _adam(group, lists, grads, inv_scale, found_inf):
+        targets, exp_avgs, exp_avg_sqs, model, comps = lists
         beta1, beta2 = group["betas"]
         ops.fused_adam_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                        group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf)
+                        group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf,
+                        compensations=comps)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

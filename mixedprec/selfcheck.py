@@ -186,6 +186,30 @@ def check_adam(dev, r):
     after = params + exp_avgs + exp_avg_sqs + model + [step]
     r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
              "a step with found_inf set changed a tensor or the step")
+    _check_adam_lean(dev, r)
+
+
+def _check_adam_lean(dev, r):
+    """Lean precision (docs/lean-precision.md): bf16 params with bf16 Kahan compensations
+    and bf16 moments, one step against float64 AdamW from p + comp."""
+    lr, beta1, beta2, eps = 1e-3, 0.9, 0.999, 1e-8
+    n = [ops.CHUNK_SIZE + 9, 100]
+    params = [(torch.randn(k, device=dev) + 1).bfloat16() for k in n]
+    comps = [(torch.randn(k, device=dev) * 1e-3).bfloat16() for k in n]
+    grads = [torch.randn(k, device=dev).bfloat16() for k in n]
+    exp_avgs = [torch.zeros(k, device=dev, dtype=torch.bfloat16) for k in n]
+    exp_avg_sqs = [torch.zeros(k, device=dev, dtype=torch.bfloat16) for k in n]
+    start = [p.double() + c.double() for p, c in zip(params, comps)]
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], scalar(0.0, dev), lr, beta1,
+                    beta2, eps, compensations=comps)
+    for i, (x, g) in enumerate(zip(start, grads)):
+        g = g.double()
+        m, v = (1 - beta1) * g, (1 - beta2) * g * g
+        want = x - lr / (1 - beta1) * m / (v.sqrt() / math.sqrt(1 - beta2) + eps)
+        r.close(params[i].double() + comps[i].double(), want, 1e-5, f"kahan params[{i}]")
+        r.close(params[i], want, RTOL[torch.bfloat16], f"kahan params[{i}] (bf16)")
+        r.close(exp_avgs[i], m, RTOL[torch.bfloat16], f"bf16 exp_avgs[{i}]")
+        r.close(exp_avg_sqs[i], v, RTOL[torch.bfloat16], f"bf16 exp_avg_sqs[{i}]")
 
 
 def check_lamb(dev, r):

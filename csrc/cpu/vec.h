@@ -66,6 +66,12 @@ struct Lanes<VecF16> {
   }
   static inline VecI16 none() { return VecI16{}; }
   static inline VecF16 select(VecI16 cond, VecF16 a, VecF16 b) { return cond ? a : b; }
+  // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
+  // compensation reads it, which is then NaN as with c10's rounding).
+  static inline VecF16 round_bf16(VecF16 x) {
+    const VecU16 u = (VecU16)x;
+    return (VecF16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+  }
 };
 
 template <>
@@ -79,6 +85,12 @@ struct Lanes<VecF8> {
   }
   static inline VecI8 none() { return VecI8{}; }
   static inline VecF8 select(VecI8 cond, VecF8 a, VecF8 b) { return cond ? a : b; }
+  // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
+  // compensation reads it, which is then NaN as with c10's rounding).
+  static inline VecF8 round_bf16(VecF8 x) {
+    const VecU8 u = (VecU8)x;
+    return (VecF8)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+  }
 };
 
 namespace cpu {

@@ -26,8 +26,28 @@ constexpr auto multi_tensor_unscale_to_ = &entry::multi_tensor_unscale_to_<CpuEn
 constexpr auto multi_tensor_check_finite_ = &entry::multi_tensor_check_finite_<CpuEngine>;
 constexpr auto multi_tensor_copy_ = &entry::multi_tensor_copy_<CpuEngine>;
 constexpr auto multi_tensor_l2norm = &entry::multi_tensor_l2norm<CpuEngine>;
-constexpr auto fused_sgd_ = &entry::fused_sgd_<CpuEngine>;
-constexpr auto fused_adam_ = &entry::fused_adam_<CpuEngine>;
+// (Functions, not pointers, so that the trailing defaults, as the schemas', apply.)
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                at::TensorList model_params, double lr, double momentum, double dampening,
+                double weight_decay, bool nesterov, bool first_run,
+                const std::optional<at::Tensor>& inv_scale,
+                const std::optional<at::Tensor>& found_inf, bool wd_after_momentum,
+                std::optional<at::TensorList> compensations = std::nullopt) {
+  entry::fused_sgd_<CpuEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
+                               dampening, weight_decay, nesterov, first_run, inv_scale,
+                               found_inf, wd_after_momentum, compensations);
+}
+void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
+                 const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& lr_tensor,
+                 std::optional<at::TensorList> compensations = std::nullopt) {
+  entry::fused_adam_<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr,
+                                beta1, beta2, eps, weight_decay, adamw, bias_correction,
+                                inv_scale, found_inf, lr_tensor, compensations);
+}
 constexpr auto fused_lamb_ = &entry::fused_lamb_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
 constexpr auto update_loss_scale_ = &entry::update_loss_scale_<CpuEngine>;
@@ -592,6 +612,129 @@ TEST(Validation, MultiTensorOps) {
                       "inv_scale");
   expect_error_naming([&] { cpu::multi_tensor_l2norm({at::ones({2}, at::kLong)}, {}, false); },
                       "tensors[0]");
+}
+
+// --------------------------------------------------------------- lean precision
+
+// Bits of a bf16 tensor (NaN-safe comparison).
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         at::equal(a.view(at::kShort), b.view(at::kShort));
+}
+
+// bf16 moments hold what the fp32 moments hold after the same step, rounded; the
+// update itself (fp32 math from the same values) is the same, bit for bit.
+TEST(LeanPrecision, Bf16MomentsStoreTheRoundedFp32Moments) {
+  AdamCase c = adam_case(2.f);
+  for (auto& m : c.exp_avgs) m = m.to(at::kBFloat16).to(at::kFloat);  // bf16 values
+  for (auto& v : c.exp_avg_sqs) v = v.to(at::kBFloat16).to(at::kFloat);
+  AdamCase lean = c;
+  lean.params = clones(c.params);
+  lean.model = clones(c.model);
+  lean.step = scalar(2.f);
+  lean.exp_avgs.clear();
+  lean.exp_avg_sqs.clear();
+  for (size_t i = 0; i < c.params.size(); ++i) {
+    lean.exp_avgs.push_back(c.exp_avgs[i].to(at::kBFloat16));
+    lean.exp_avg_sqs.push_back(c.exp_avg_sqs[i].to(at::kBFloat16));
+  }
+  for (AdamCase* k : {&c, &lean}) {
+    cpu::fused_adam_(k->params, k->grads, k->exp_avgs, k->exp_avg_sqs, k->model, k->step, 1e-3,
+                     0.9, 0.999, 1e-8, 1e-2, true, true, scalar(0.5f), scalar(0.f), std::nullopt,
+                     std::nullopt);
+  }
+  for (size_t i = 0; i < c.params.size(); ++i) {
+    EXPECT_TRUE(at::equal(lean.params[i], c.params[i])) << "params[" << i << "]";
+    EXPECT_TRUE(same_bits(lean.exp_avgs[i], c.exp_avgs[i].to(at::kBFloat16)));
+    EXPECT_TRUE(same_bits(lean.exp_avg_sqs[i], c.exp_avg_sqs[i].to(at::kBFloat16)));
+  }
+  // SGD's momentum buffers likewise.
+  std::vector<Tensor> params = {at::randn({kChunkSize + 3})}, grads = {at::randn({kChunkSize + 3})};
+  std::vector<Tensor> bufs = {at::randn({kChunkSize + 3}).to(at::kBFloat16).to(at::kFloat)};
+  std::vector<Tensor> lean_params = clones(params), lean_bufs = {bufs[0].to(at::kBFloat16)};
+  cpu::fused_sgd_(params, grads, bufs, {}, 0.1, 0.9, 0.1, 1e-2, false, false, std::nullopt,
+                  std::nullopt, false, std::nullopt);
+  cpu::fused_sgd_(lean_params, grads, lean_bufs, {}, 0.1, 0.9, 0.1, 1e-2, false, false,
+                  std::nullopt, std::nullopt, false, std::nullopt);
+  EXPECT_TRUE(at::equal(lean_params[0], params[0]));
+  EXPECT_TRUE(same_bits(lean_bufs[0], bufs[0].to(at::kBFloat16)));
+}
+
+// A Kahan step is the fp32 step from master = p + comp: p becomes that value rounded to
+// bf16 (what the model copy of an fp32 master gets) and comp what the rounding dropped.
+TEST(LeanPrecision, KahanStepIsTheFp32StepFromParamPlusCompensation) {
+  for (bool adam : {false, true}) {
+    const int64_t n = kChunkSize + 5;
+    std::vector<Tensor> params = {(at::randn({n}) + 1).to(at::kBFloat16)};
+    std::vector<Tensor> comps = {(at::randn({n}) * 1e-3).to(at::kBFloat16)};
+    std::vector<Tensor> grads = {at::randn({n}).to(at::kBFloat16)};
+    std::vector<Tensor> masters = {params[0].to(at::kFloat) + comps[0].to(at::kFloat)};
+    std::vector<Tensor> model = {at::empty({n}, at::kBFloat16)};
+    std::vector<Tensor> m = {at::randn({n}) * 0.1}, v = {at::rand({n}) * 0.01};
+    std::vector<Tensor> m2 = clones(m), v2 = clones(v), bufs = clones(m), bufs2 = clones(m);
+    if (adam) {
+      cpu::fused_adam_(params, grads, m, v, {}, scalar(3.f), 1e-2, 0.9, 0.999, 1e-8, 1e-2, true,
+                       true, std::nullopt, std::nullopt, std::nullopt,
+                       at::TensorList(comps));
+      cpu::fused_adam_(masters, grads, m2, v2, model, scalar(3.f), 1e-2, 0.9, 0.999, 1e-8, 1e-2,
+                       true, true, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    } else {
+      cpu::fused_sgd_(params, grads, bufs, {}, 0.05, 0.9, 0.0, 1e-2, false, false, std::nullopt,
+                      std::nullopt, false, at::TensorList(comps));
+      cpu::fused_sgd_(masters, grads, bufs2, model, 0.05, 0.9, 0.0, 1e-2, false, false,
+                      std::nullopt, std::nullopt, false, std::nullopt);
+    }
+    EXPECT_TRUE(same_bits(params[0], model[0])) << (adam ? "adam" : "sgd");
+    const Tensor dropped = (masters[0] - params[0].to(at::kFloat)).to(at::kBFloat16);
+    EXPECT_TRUE(same_bits(comps[0], dropped)) << (adam ? "adam" : "sgd");
+    EXPECT_GT(comps[0].to(at::kFloat).abs().max().item<float>(), 0.f);
+  }
+}
+
+TEST(LeanPrecision, FoundInfSkipsKahanSteps) {
+  std::vector<Tensor> params = {at::randn({40}).to(at::kBFloat16)};
+  std::vector<Tensor> comps = {(at::randn({40}) * 1e-3).to(at::kBFloat16)};
+  std::vector<Tensor> grads = {at::randn({40})}, bufs = {at::randn({40}).to(at::kBFloat16)};
+  const auto p0 = clones(params), c0 = clones(comps), b0 = clones(bufs);
+  cpu::fused_sgd_(params, grads, bufs, {}, 0.1, 0.9, 0.0, 0.0, false, false, scalar(1.f),
+                  scalar(1.f), false, at::TensorList(comps));
+  EXPECT_TRUE(same_bits(params[0], p0[0]) && same_bits(comps[0], c0[0]) &&
+              same_bits(bufs[0], b0[0]));
+}
+
+TEST(Validation, LeanPrecision) {
+  std::vector<Tensor> bf16 = {at::ones({4}, at::kBFloat16)}, grads = {at::ones({4})};
+  std::vector<Tensor> comps = {at::zeros({4}, at::kBFloat16)};
+  const auto sgd = [&](std::vector<Tensor> params, std::vector<Tensor> model,
+                       std::vector<Tensor> c) {
+    cpu::fused_sgd_(params, grads, {}, model, 0.1, 0.0, 0.0, 0.0, false, false, std::nullopt,
+                    std::nullopt, false, at::TensorList(c));
+  };
+  expect_error_naming([&] { sgd({at::ones({4})}, {}, comps); }, "params[0]");
+  expect_error_naming([&] { sgd({at::ones({4})}, bf16, comps); }, "model_params");
+  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({4})}); }, "compensations[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({5}, at::kBFloat16)}); },
+                      "compensations[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {bf16[0]}); }, "compensations[0]");  // overlap
+  EXPECT_TRUE(at::equal(bf16[0], at::ones({4}, at::kBFloat16)));
+  // bf16 moments: both of a param in one dtype; LAMB keeps fp32 moments only.
+  AdamCase c = adam_case(0.f);
+  std::vector<Tensor> m = {c.exp_avgs[0].to(at::kBFloat16), c.exp_avgs[1].to(at::kBFloat16)};
+  expect_error_naming(
+      [&] {
+        cpu::fused_adam_(c.params, c.grads, m, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9, 0.999,
+                         1e-8, 0.0, true, true, std::nullopt, std::nullopt, std::nullopt,
+                         std::nullopt);
+      },
+      "exp_avg_sqs[0]");
+  expect_error_naming(
+      [&] {
+        cpu::fused_lamb_(c.params, c.grads, m, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9, 0.999,
+                         1e-6, 0.0, true, true, true, false, std::nullopt, 1.0, std::nullopt,
+                         std::nullopt);
+      },
+      "exp_avgs[0]");
+  EXPECT_EQ(value(c.step), 0.f);
 }
 
 TEST(Validation, FusedSgd) {

@@ -56,7 +56,9 @@ def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
 def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
              eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=None):
     """One torch.optim.Adam (adamw=False) / AdamW (adamw=True) step in float64 from
-    the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step)."""
+    the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step).
+    With bf16 moments the update uses these unrounded values; the optimizer then stores
+    round_bf16 of them."""
     scale = 1.0 if inv_scale is None else inv_scale
     step = step + 1
     bc1 = 1 - beta1**step if bias_correction else 1.0
@@ -76,6 +78,27 @@ def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
         out_m.append(m)
         out_v.append(v)
     return out_p, out_m, out_v, step
+
+
+def round_bf16(t):
+    """`t` rounded to bfloat16 (to nearest even), as float64."""
+    return t.to(torch.bfloat16).double()
+
+
+def ref_lean_update(params, new_params, compensations=None):
+    """What the lean master modes store after an update to the float64 values
+    `new_params` of bf16 `params`: master="none" rounds them to nearest (compensations
+    None); master="kahan" stores p = bf16(new) and comp = bf16(new - p).
+    Returns (params, compensations) as float64 (compensations None for "none")."""
+    out_p = [round_bf16(new) for new in new_params]
+    if compensations is None:
+        return out_p, None
+    return out_p, [round_bf16(new - p) for new, p in zip(new_params, out_p)]
+
+
+def ref_kahan_start(params, compensations):
+    """The value a Kahan update starts from: p + comp in float64."""
+    return [p.double() + c.double() for p, c in zip(params, compensations)]
 
 
 def ref_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,

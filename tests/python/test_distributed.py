@@ -244,7 +244,16 @@ def test_ddp_gradient_changed_on_one_rank_is_that_ranks_alone(backend, kind):
 # -- 3. The fused optimizers on DTensor parameters ---------------------------------------
 
 def _optimizers(master_weights):
-    return {
+    """Each fused optimizer; with master_weights (bf16 params) also the lean modes (bf16
+    state, Kahan compensations: state made from the parameters, DTensors alike)."""
+    lean = {
+        "FusedAdam-kahan-bf16-moments": lambda ps: mixedprec.FusedAdam(
+            ps, lr=1e-2, weight_decay=0.01, master="kahan", moment_dtype=torch.bfloat16),
+        "FusedSGD-bf16-momentum": lambda ps: mixedprec.FusedSGD(
+            ps, lr=0.05, momentum=0.9, weight_decay=0.01, master_weights=True,
+            momentum_dtype=torch.bfloat16),
+    } if master_weights else {}
+    return lean | {
         "FusedSGD": lambda ps: mixedprec.FusedSGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
                                                   master_weights=master_weights),
         "FusedAdam": lambda ps: mixedprec.FusedAdam(ps, lr=1e-2, weight_decay=0.01,
@@ -305,9 +314,12 @@ def dtensor_optimizers(rank, world, layout):
                 for key, value in opt.state[p].items():
                     if isinstance(value, torch.Tensor):
                         assert value.placements == p.placements, (name, key)
-                        assert value.dtype == torch.float32, (name, key)
+                        expected = {"kahan_comp": torch.bfloat16,
+                                    "master_param": torch.float32}.get(key, opt.state_dtype)
+                        assert value.dtype == expected, (name, key)
             keys = set(opt.state[next(iter(model.parameters()))])
-            assert ("master_param" in keys) == master_weights, (name, keys)
+            assert ("master_param" in keys) == opt.master_weights, (name, keys)
+            assert ("kahan_comp" in keys) == (opt.master == "kahan"), (name, keys)
             checked.append((name, master_weights))
     return checked
 
@@ -315,7 +327,7 @@ def dtensor_optimizers(rank, world, layout):
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_fused_optimizers_step_dtensor_parameters(backend, layout):
     checked = run_ranks(dtensor_optimizers, 2, layout, device=backend)[0]
-    assert len(checked) == 2 * len(_optimizers(False))
+    assert len(checked) == len(_optimizers(False)) + len(_optimizers(True))
 
 
 # -- 4. ZeroRedundancyOptimizer ----------------------------------------------------------

@@ -63,6 +63,30 @@ def adam_args(d):
                 found_inf=scalar(0.0, d))
 
 
+def kahan_lists(d):
+    """bf16 params updated directly, each with a bf16 Kahan compensation."""
+    params = [randn(4, BF16, d, 0), randn((3, 4), BF16, d, 1), randn(5, BF16, d, 2)]
+    grads = [randn(4, F16, d, 3), randn((3, 4), BF16, d, 4), randn(5, F32, d, 5)]
+    return params, grads, [torch.zeros_like(p) for p in params]
+
+
+def sgd_kahan_args(d):
+    args = sgd_args(d)
+    params, grads, comps = kahan_lists(d)
+    args.update(params=params, grads=grads, model_params=[], compensations=comps,
+                momentum_buffers=[torch.zeros_like(p) for p in params])  # bf16 momentum
+    return args
+
+
+def adam_kahan_args(d):
+    args = adam_args(d)
+    params, grads, comps = kahan_lists(d)
+    args.update(params=params, grads=grads, model_params=[], compensations=comps,
+                exp_avgs=[torch.zeros_like(p) for p in params],  # bf16 moments
+                exp_avg_sqs=[torch.zeros_like(p) for p in params])
+    return args
+
+
 def lamb_args(d):
     args = adam_args(d)
     args.update(eps=1e-6, weight_decay=1e-2, grad_averaging=True, use_nvlamb=False,
@@ -111,6 +135,8 @@ OPS = {
     "multi_tensor_l2norm": (ops.multi_tensor_l2norm, l2norm_args),
     "fused_sgd_": (ops.fused_sgd_, sgd_args),
     "fused_adam_": (ops.fused_adam_, adam_args),
+    "fused_sgd_-kahan": (ops.fused_sgd_, sgd_kahan_args),
+    "fused_adam_-kahan": (ops.fused_adam_, adam_kahan_args),
     "fused_lamb_": (ops.fused_lamb_, lamb_args),
     "sum_fp32": (ops.sum_fp32, sum_args),
     "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
@@ -274,7 +300,7 @@ CASES = [
          ValueError, "grads[1]"),
     *list_cases("fused_sgd_", "params", 0, BAD_LIST_DTYPES),
     *list_cases("fused_sgd_", "grads", 1, BAD_LIST_DTYPES),
-    *list_cases("fused_sgd_", "momentum_buffers", 2, [torch.float16, torch.bfloat16]),
+    *list_cases("fused_sgd_", "momentum_buffers", 2, [torch.float16, torch.float64]),
     *list_cases("fused_sgd_", "model_params", 0, BAD_LIST_DTYPES),
     *scalar_cases("fused_sgd_", "found_inf"),
     *scalar_cases("fused_sgd_", "inv_scale"),
@@ -304,7 +330,9 @@ CASES = [
          TypeError, "params[0]"),
     *list_cases("fused_adam_", "params", 2, BAD_LIST_DTYPES),
     *list_cases("fused_adam_", "grads", 0, BAD_LIST_DTYPES),
-    *list_cases("fused_adam_", "exp_avgs", 1, [torch.float16, torch.bfloat16]),
+    *list_cases("fused_adam_", "exp_avgs", 1, [torch.float16, torch.float64]),
+    Case("fused_adam_", "exp_avg_sqs-dtype-of-exp_avgs",
+         set_item("exp_avg_sqs", 1, as_dtype(torch.bfloat16)), TypeError, "exp_avg_sqs[1]"),
     *list_cases("fused_adam_", "exp_avg_sqs", 2, [torch.float16, torch.float64]),
     *list_cases("fused_adam_", "model_params", 1, BAD_LIST_DTYPES),
     value_case("fused_adam_", "lr", -1e-3),
@@ -316,6 +344,21 @@ CASES = [
     value_case("fused_adam_", "eps", -1e-8),
     value_case("fused_adam_", "eps", float("inf")),
     value_case("fused_adam_", "weight_decay", -0.1),
+    # Kahan compensations (fused_sgd_ and fused_adam_ alike)
+    *[case for op in ("fused_sgd_-kahan", "fused_adam_-kahan") for case in (
+        Case(op, "compensations-shorter", drop_last("compensations"), ValueError,
+             "compensations"),
+        Case(op, "compensations-numel", set_item("compensations", 1, other_numel), ValueError,
+             "compensations[1]"),
+        Case(op, "params-fp32", set_item("params", 2, as_dtype(torch.float32)), TypeError,
+             "params[2]"),
+        Case(op, "params-fp16", set_item("params", 0, as_dtype(torch.float16)), TypeError,
+             "params[0]"),
+        Case(op, "with-masters", lambda a, d: a.update(
+            model_params=a["params"], params=[p.float() for p in a["params"]]), ValueError,
+            "model_params"),
+        *list_cases(op, "compensations", 1, [torch.float32, torch.float16, torch.float64]),
+    )],
     # sum_fp32
     Case("sum_fp32", "self-int32", set_arg("self", lambda a, d: a["self"].int()),
          TypeError, "self"),
@@ -526,6 +569,11 @@ def overlap_case(op, id, mutate, first, second):
 
 
 OVERLAP_CASES = [
+    *[overlap_case(op, "compensation-is-param", alias("compensations", 1, "params", 1),
+                   "params[1]", "compensations[1]")
+      for op in ("fused_sgd_-kahan", "fused_adam_-kahan")],
+    overlap_case("fused_adam_-kahan", "compensation-is-moment",
+                 alias("exp_avgs", 2, "compensations", 2), "compensations[2]", "exp_avgs[2]"),
     overlap_case("multi_tensor_unscale_", "same-tensor-twice", alias("tensors", 1, "tensors", 0),
                  "tensors[0]", "tensors[1]"),
     overlap_case("multi_tensor_unscale_", "found_inf-in-tensors",

@@ -104,6 +104,16 @@ def sample_inputs(device):
     add(sgd(fp32(9), mixed(10), 0.9, like(fp32(9), [f16, bf16]), *flags(), nesterov=True))
     add(sgd(fp32(11), mixed(12), 0.9, like(fp32(11), [bf16]), *flags(found=1.0),
             first_run=True))
+    # Lean state: bf16 momentum buffers (beside fp32 ones); Kahan compensations of bf16
+    # params (given as a keyword, and skipped with found_inf).
+    name, args, _ = sgd(fp32(60), mixed(61), 0.9, [], *flags())
+    add((name, (args[0], args[1], like(args[0], [bf16, f32]), *args[3:]), {}))
+    bf16_params = [randn(s, bf16, d, 62 + i) for i, s in enumerate(((5,), (3, 4), (2, 3, 2, 2)))]
+    for found in (0.0, 1.0):
+        name, args, _ = sgd(bf16_params, mixed(65), 0.9, [], *flags(found=found))
+        add((name, (args[0], args[1], like(args[0], [bf16]), *args[3:]),
+             {"compensations": [randn(p.shape, bf16, d, 70 + i, scale=1e-3)
+                                for i, p in enumerate(bf16_params)]}))
 
     def adam(params, grads, model, inv_scale, found_inf, adamw=True, bias_correction=True):
         m, v = adam_state(params, d, seed=99)
@@ -114,6 +124,15 @@ def sample_inputs(device):
     add(adam(fp32(15), mixed(16), like(fp32(15), [f16, bf16]), *flags()))
     add(adam(fp32(17), mixed(18), like(fp32(17), [f16]), *flags(found=1.0),
              bias_correction=False))
+    # bf16 moments (with fp32 params, and over fp32 masters), Kahan compensations.
+    for params, model in ((fp32(80), []), (fp32(81), like(fp32(81), [bf16]))):
+        name, args, _ = adam(params, mixed(82), model, *flags())
+        m, v = ([t.to(bf16) for t in ts] for ts in (args[2], args[3]))
+        add((name, (args[0], args[1], m, v, *args[4:]), {}))
+    for found in (0.0, 1.0):
+        name, args, _ = adam(bf16_params, mixed(83), [], *flags(found=found))
+        add((name, args, {"compensations": [randn(p.shape, bf16, d, 90 + i, scale=1e-3)
+                                            for i, p in enumerate(bf16_params)]}))
 
     def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
         m, v = adam_state(params, d, seed=98)

@@ -1,0 +1,338 @@
+"""Lean precision modes of FusedAdam and FusedSGD (issue #11, part 1): bf16 moments and
+momentum buffers, master="none" (bf16 params rounded to nearest) and master="kahan"
+(a bf16 compensation per bf16 param), each step against float64 references, and what
+must still hold for them: skipped steps, state_dict round trips, load checks, errors."""
+
+import copy
+import io
+
+import pytest
+import torch
+from helpers import TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full_snapshot, randn
+from references import ref_adam, ref_kahan_start, ref_lean_update, ref_sgd, round_bf16
+from torch import nn
+
+from mixedprec import FusedAdam, FusedSGD
+
+# Sizes past the CPU engine's vector widths (8, 16 floats), with tails, and a matrix.
+SHAPES = [(37,), (5, 7), (300,)]
+STEPS = 5
+TIGHT = TOLERANCES[torch.float32]
+BF16_ULP = 2.0 ** -7  # a bf16 unit in the last place, relative to the value (at most)
+
+ADAM = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 1e-2}
+SGD = {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-2}
+
+
+def make_params(device, dtype, seed=0):
+    return [nn.Parameter(randn(shape, torch.float32, "cpu", seed=seed + i).to(dtype)
+                         .to(device)) for i, shape in enumerate(SHAPES)]
+
+
+def set_grads(params, step):
+    for i, p in enumerate(params):
+        p.grad = randn(p.shape, p.dtype, p.device, seed=1000 + 31 * step + i, scale=0.5)
+
+
+def assert_within_bf16_ulp(actual, expected, msg):
+    """bf16 `actual` is the float64 `expected` rounded to nearest, or a neighbour of
+    it (fp32 math may land on the other side of a rounding boundary; atol: sums that
+    cancel, exact in fp32, leave float64 a few 1e-17)."""
+    torch.testing.assert_close(actual.double(), round_bf16(expected), rtol=BF16_ULP, atol=1e-6,
+                               msg=msg)
+
+
+def adam_ref_step(opt, params, step_before):
+    """The float64 reference of FusedAdam's next step from its current state:
+    (update start values, new values, new moments) per param."""
+    beta1, beta2 = ADAM["betas"]
+    starts, ms, vs, grads = [], [], [], []
+    for p in params:
+        state = opt.state.get(p, {})
+        if opt.master == "kahan" and "kahan_comp" in state:
+            start = ref_kahan_start([p], [state["kahan_comp"]])[0]
+        else:
+            start = state.get("master_param", p).double()
+        starts.append(start)
+        ms.append(state.get("exp_avg", torch.zeros_like(p, dtype=torch.float64)))
+        vs.append(state.get("exp_avg_sq", torch.zeros_like(p, dtype=torch.float64)))
+        grads.append(p.grad)
+    new_p, new_m, new_v, _ = ref_adam(starts, grads, ms, vs, step_before, lr=ADAM["lr"],
+                                      beta1=beta1, beta2=beta2, eps=ADAM["eps"],
+                                      weight_decay=ADAM["weight_decay"])
+    return starts, new_p, new_m, new_v
+
+
+# (param dtype, master mode, moment dtype)
+ADAM_MODES = [
+    pytest.param(torch.float32, "none", torch.bfloat16, id="fp32-params-bf16-moments"),
+    pytest.param(torch.bfloat16, "fp32", torch.bfloat16, id="bf16-fp32-master-bf16-moments"),
+    pytest.param(torch.bfloat16, "none", torch.float32, id="bf16-params-none"),
+    pytest.param(torch.bfloat16, "none", torch.bfloat16, id="bf16-params-none-bf16-moments"),
+    pytest.param(torch.bfloat16, "kahan", torch.float32, id="bf16-params-kahan"),
+    pytest.param(torch.bfloat16, "kahan", torch.bfloat16, id="bf16-params-kahan-bf16-moments"),
+]
+
+
+@pytest.mark.parametrize("dtype, master, moment_dtype", ADAM_MODES)
+def test_adam_modes_follow_the_float64_reference(device, dtype, master, moment_dtype):
+    params = make_params(device, dtype)
+    opt = FusedAdam(params, master=master, moment_dtype=moment_dtype, **ADAM)
+    for step in range(STEPS):
+        set_grads(params, step)
+        _, new_p, new_m, new_v = adam_ref_step(opt, params, step)
+        opt.step()
+        for i, p in enumerate(params):
+            state, where = opt.state[p], f"step {step} param {i}"
+            for key, ref in (("exp_avg", new_m[i]), ("exp_avg_sq", new_v[i])):
+                assert state[key].dtype == moment_dtype
+                if moment_dtype == torch.bfloat16:  # the reference rounds the moments
+                    assert_within_bf16_ulp(state[key], ref, f"{where} {key}")
+                else:
+                    torch.testing.assert_close(state[key].double(), ref, **TIGHT)
+            if master == "fp32":
+                torch.testing.assert_close(state["master_param"].double(), new_p[i], **TIGHT)
+                assert_bitwise_equal(p.detach(), state["master_param"].to(dtype))
+            elif dtype == torch.float32:
+                torch.testing.assert_close(p.double(), new_p[i], **TIGHT, msg=where)
+            else:
+                assert_within_bf16_ulp(p, new_p[i], f"{where} param")
+            if master == "kahan":
+                comp = state["kahan_comp"]
+                assert comp.dtype == torch.bfloat16 and comp.shape == p.shape
+                # p + comp holds the fp32 update to bf16's precision of comp.
+                torch.testing.assert_close(p.double() + comp.double(), new_p[i],
+                                           rtol=2.0 ** -15, atol=1e-6, msg=where)
+                _, ref_comp = ref_lean_update([p], [new_p[i]], [comp])
+                if torch.equal(p.double(), round_bf16(new_p[i])):
+                    torch.testing.assert_close(comp.double(), ref_comp[0],
+                                               rtol=BF16_ULP, atol=1e-6, msg=where)
+            else:
+                assert "kahan_comp" not in state
+
+
+# (param dtype, master mode, momentum dtype)
+SGD_MODES = [
+    pytest.param(torch.float32, "none", torch.bfloat16, id="fp32-params-bf16-momentum"),
+    pytest.param(torch.bfloat16, "fp32", torch.bfloat16, id="bf16-fp32-master-bf16-momentum"),
+    pytest.param(torch.bfloat16, "none", torch.float32, id="bf16-params-none"),
+    pytest.param(torch.bfloat16, "kahan", torch.bfloat16, id="bf16-params-kahan-bf16-momentum"),
+]
+
+
+@pytest.mark.parametrize("dtype, master, momentum_dtype", SGD_MODES)
+def test_sgd_modes_follow_the_float64_reference(device, dtype, master, momentum_dtype):
+    params = make_params(device, dtype)
+    opt = FusedSGD(params, master=master, momentum_dtype=momentum_dtype, **SGD)
+    for step in range(STEPS):
+        set_grads(params, step)
+        states = [opt.state.get(p, {}) for p in params]
+        if master == "kahan" and step > 0:
+            starts = ref_kahan_start(params, [s["kahan_comp"] for s in states])
+        else:
+            starts = [s.get("master_param", p).double() for s, p in zip(states, params)]
+        buffers = [s.get("momentum_buffer") for s in states]
+        new_p, new_buf = ref_sgd(starts, [p.grad for p in params], buffers,
+                                 first_run=step == 0, **SGD)
+        opt.step()
+        for i, p in enumerate(params):
+            state, where = opt.state[p], f"step {step} param {i}"
+            buf = state["momentum_buffer"]
+            assert buf.dtype == momentum_dtype
+            if momentum_dtype == torch.bfloat16:
+                assert_within_bf16_ulp(buf, new_buf[i], f"{where} momentum_buffer")
+            else:
+                torch.testing.assert_close(buf.double(), new_buf[i], **TIGHT)
+            if master == "fp32":
+                torch.testing.assert_close(state["master_param"].double(), new_p[i], **TIGHT)
+            elif dtype == torch.float32:
+                torch.testing.assert_close(p.double(), new_p[i], **TIGHT, msg=where)
+            else:
+                assert_within_bf16_ulp(p, new_p[i], f"{where} param")
+            if master == "kahan":
+                torch.testing.assert_close(p.double() + state["kahan_comp"].double(), new_p[i],
+                                           rtol=2.0 ** -15, atol=1e-6, msg=where)
+
+
+def _quadratic_run(master, steps=500, lr=1e-3):
+    """FusedAdam on 0.5 * |p - target|^2 with bf16 params near 1 and a learning rate
+    below half a bf16 unit there: the fp32 values each mode's params stand for."""
+    target = torch.full((64,), 2.0)
+    start = 1.0 + torch.linspace(0, 0.25, 64)
+    p = nn.Parameter(start.to(torch.bfloat16))
+    opt = FusedAdam([p], lr=lr, betas=(0.9, 0.999), master=master)
+    for _ in range(steps):
+        p.grad = (p.detach().float() - target).to(torch.bfloat16)
+        opt.step()
+    state = opt.state[p]
+    if master == "fp32":
+        return state["master_param"].double()
+    if master == "kahan":
+        return p.detach().double() + state["kahan_comp"].double()
+    return p.detach().double()
+
+
+def test_kahan_tracks_fp32_masters_where_round_to_nearest_stalls():
+    reference = _quadratic_run("fp32")
+    moved = (reference - (1.0 + torch.linspace(0, 0.25, 64).double())).abs().min().item()
+    assert moved > 0.4  # 500 steps of about lr each: the fp32 masters did move
+    none_error = (_quadratic_run("none") - reference).abs().max().item()
+    kahan_error = (_quadratic_run("kahan") - reference).abs().max().item()
+    assert none_error > 0.3, none_error  # each update is under half a bf16 unit: lost
+    assert kahan_error < 2 ** -10, kahan_error  # an eighth of a bf16 unit there
+    assert kahan_error < none_error / 100
+
+
+LEAN = [
+    pytest.param(FusedAdam, dict(ADAM, moment_dtype=torch.bfloat16), torch.float32,
+                 id="adam-bf16-moments"),
+    pytest.param(FusedAdam, dict(ADAM, master="kahan"), torch.bfloat16, id="adam-kahan"),
+    pytest.param(FusedAdam, dict(ADAM, master="kahan", moment_dtype=torch.bfloat16),
+                 torch.bfloat16, id="adam-kahan-bf16-moments"),
+    pytest.param(FusedAdam, dict(ADAM, master="none"), torch.bfloat16, id="adam-none"),
+    pytest.param(FusedSGD, dict(SGD, momentum_dtype=torch.bfloat16), torch.float32,
+                 id="sgd-bf16-momentum"),
+    pytest.param(FusedSGD, dict(SGD, master="kahan", momentum_dtype=torch.bfloat16),
+                 torch.bfloat16, id="sgd-kahan-bf16-momentum"),
+]
+
+
+class _Model(nn.Module):
+    def __init__(self, device, dtype):
+        super().__init__()
+        self.ps = nn.ParameterList(make_params(device, dtype))
+
+
+def _train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        set_grads(list(model.parameters()), step)
+        opt.step()
+
+
+@pytest.mark.parametrize("cls, kwargs, dtype", LEAN)
+def test_found_inf_skips_lean_steps_bit_for_bit(device, cls, kwargs, dtype):
+    model = _Model(device, dtype)
+    opt = cls(model.parameters(), **kwargs)
+    _train(model, opt, 3)
+    set_grads(list(model.parameters()), 3)
+    opt.grad_scale = torch.full((), 64.0, device=device)
+    opt.found_inf = torch.full((), 1.0, device=device)
+    before = full_snapshot(model, opt)
+    opt.step()
+    assert_same_snapshot(full_snapshot(model, opt), before, "after a skipped step")
+    opt.found_inf = torch.full((), 0.0, device=device)
+    opt.step()
+    assert not torch.equal(next(model.parameters()), before["param0"])
+
+
+@pytest.mark.parametrize("cls, kwargs, dtype", LEAN)
+def test_lean_state_dict_round_trip_resumes_bit_for_bit(device, cls, kwargs, dtype):
+    model = _Model(device, dtype)
+    opt = cls(model.parameters(), **kwargs)
+    _train(model, opt, 4)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    resumed_model = copy.deepcopy(model)
+    resumed = cls(resumed_model.parameters(), **kwargs)
+    resumed.load_state_dict(loaded)
+    for p, rp in zip(model.parameters(), resumed_model.parameters()):
+        assert sorted(resumed.state[rp]) == sorted(opt.state[p])
+        for key, value in opt.state[p].items():
+            assert_bitwise_equal(resumed.state[rp][key], value, msg=key)  # dtypes kept
+    _train(model, opt, 3, first=4)
+    _train(resumed_model, resumed, 3, first=4)
+    assert_same_snapshot(full_snapshot(resumed_model, resumed), full_snapshot(model, opt))
+
+
+def test_load_state_dict_checks_the_lean_dtypes():
+    params = make_params("cpu", torch.bfloat16)
+    lean = FusedAdam(params, master="kahan", moment_dtype=torch.bfloat16, **ADAM)
+    set_grads(params, 0)
+    lean.step()
+    saved = lean.state_dict()
+    plain = FusedAdam(make_params("cpu", torch.bfloat16), **ADAM)  # fp32 moments, "none"
+    with pytest.raises(ValueError, match=r"'exp_avg'.*bfloat16.*expected torch.float32"):
+        plain.load_state_dict(saved)
+    fp32_moments = copy.deepcopy(saved)
+    for state in fp32_moments["state"].values():
+        state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].float(), \
+            state["exp_avg_sq"].float()
+    with pytest.raises(ValueError, match="kahan_comp.*only master='kahan'"):
+        plain.load_state_dict(fp32_moments)
+    assert not plain.state  # nothing loaded
+    bad_comp = copy.deepcopy(saved)
+    bad_comp["state"][0]["kahan_comp"] = bad_comp["state"][0]["kahan_comp"].float()
+    fresh = FusedAdam(make_params("cpu", torch.bfloat16), master="kahan",
+                      moment_dtype=torch.bfloat16, **ADAM)
+    with pytest.raises(ValueError, match="kahan_comp.*float32, expected torch.bfloat16"):
+        fresh.load_state_dict(bad_comp)
+    fresh.load_state_dict(saved)
+    assert fresh.state[fresh.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.bfloat16
+
+
+# --- arguments --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
+def test_master_modes_and_master_weights(cls):
+    p = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+    assert cls(p).master == "none" and not cls(p).master_weights
+    assert cls(p, master_weights=True).master == "fp32"
+    assert cls(p, master="fp32").master_weights
+    assert cls(p, master_weights=False, master="kahan").master == "kahan"
+    opt = cls(p, master="none")
+    opt.master_weights = True  # as mixedprec.amp.initialize does
+    assert opt.master == "fp32"
+    opt.master_weights = False
+    assert opt.master == "none"
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_leaving_kahan_drops_the_compensations(cls, kwargs):
+    model = _Model("cpu", torch.bfloat16)
+    opt = cls(model.parameters(), master="kahan", **kwargs)
+    _train(model, opt, 2)
+    assert all("kahan_comp" in opt.state[p] for p in model.parameters())
+    opt.master_weights = True  # as mixedprec.amp.initialize does
+    _train(model, opt, 1, first=2)
+    for p in model.parameters():
+        assert "kahan_comp" not in opt.state[p]
+        assert_bitwise_equal(p.detach(), opt.state[p]["master_param"].bfloat16())
+    cls(_Model("cpu", torch.bfloat16).parameters(), master_weights=True,
+        **kwargs).load_state_dict(opt.state_dict())  # no stale entry to reject
+
+
+@pytest.mark.parametrize("cls, dtype_arg", [(FusedAdam, "moment_dtype"),
+                                            (FusedSGD, "momentum_dtype")])
+def test_lean_argument_errors(cls, dtype_arg):
+    bf16 = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match=r"master_weights=True conflicts with master='kahan'"):
+        cls(bf16, master_weights=True, master="kahan")
+    with pytest.raises(ValueError, match=r"master_weights=False conflicts with master='fp32'"):
+        cls(bf16, master_weights=False, master="fp32")
+    with pytest.raises(ValueError, match="expected master to be one of"):
+        cls(bf16, master="bf16")
+    with pytest.raises(NotImplementedError, match="stochastic.*part 2"):
+        cls(bf16, master="stochastic")
+    with pytest.raises(TypeError, match=f"expected {dtype_arg} to be torch.float32 or "
+                                        "torch.bfloat16, got torch.float16"):
+        cls(bf16, **{dtype_arg: torch.float16})
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(TypeError, match=f"master='kahan'.*dtype {dtype}"):
+            cls([nn.Parameter(torch.zeros(3, dtype=dtype))], master="kahan")
+
+
+def test_kahan_rejects_a_model_cast_later_before_any_write():
+    model = _Model("cpu", torch.bfloat16)
+    opt = FusedAdam(model.parameters(), master="kahan", **ADAM)
+    _train(model, opt, 2)
+    set_grads(list(model.parameters()), 2)
+    late = model.ps[1]
+    late.data = late.data.float()  # what model.float() does to a parameter
+    late.grad = late.grad.float()
+    before = full_snapshot(model, opt)
+    with pytest.raises(TypeError, match="master='kahan'.*float32"):
+        opt.step()
+    assert_same_snapshot(full_snapshot(model, opt), before)
