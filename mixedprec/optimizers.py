@@ -875,6 +875,7 @@ class FusedAdam(_FusedOptimizer):
                     continue
                 self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "
                                           f"{gi}")
+                self._check_kahan(p)  # every group is checked before any is updated
                 if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                     grad = mst.follow_layout(grad, p)
                 if outputs[gi] is not None:

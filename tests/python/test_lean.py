@@ -336,3 +336,19 @@ def test_kahan_rejects_a_model_cast_later_before_any_write():
     with pytest.raises(TypeError, match="master='kahan'.*float32"):
         opt.step()
     assert_same_snapshot(full_snapshot(model, opt), before)
+
+
+def test_kahan_rejects_a_cast_model_on_apex_2019_step_before_any_write():
+    """FusedAdam's 2019 ``step(grads=...)`` checks every group before updating any."""
+    model = _Model("cpu", torch.bfloat16)
+    params = list(model.parameters())
+    opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], master="kahan", **ADAM)
+    _train(model, opt, 2)
+    set_grads(params, 2)
+    late = params[-1]
+    late.data = late.data.float()
+    late.grad = late.grad.float()
+    before = full_snapshot(model, opt)
+    with pytest.raises(TypeError, match="master='kahan'.*float32"):
+        opt.step(grads=[[p.grad for p in g["params"]] for g in opt.param_groups])
+    assert_same_snapshot(full_snapshot(model, opt), before)
