@@ -67,7 +67,8 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
     """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
-    ``master``; either may be left out (None), and given both must agree."""
+    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
+    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
     if master is None:
         return "fp32" if master_weights else "none"
     if not isinstance(master, str) or master not in _MASTER_MODES:
@@ -77,10 +78,9 @@ def _master_mode(where: str, master_weights: Optional[bool], master: Optional[st
         raise NotImplementedError(f"{where}: master='stochastic' (bf16 params rounded "
                                   "stochastically) is reserved and not implemented yet; it "
                                   "comes with Philox stochastic rounding (issue #11, part 2)")
-    if master_weights is not None and bool(master_weights) != (master == "fp32"):
-        raise ValueError(f"{where}: master_weights={master_weights!r} conflicts with "
-                         f"master={master!r} (master_weights=True is master='fp32', False "
-                         "is master='none'); give one of them")
+    if master_weights and master != "fp32":
+        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
+                         "(master_weights=True is master='fp32'); give one of them")
     return master
 
 
@@ -649,7 +649,7 @@ class FusedSGD(_FusedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
-                 set_grad_none: bool = False, master_weights: Optional[bool] = None, *,
+                 set_grad_none: bool = False, master_weights: bool = False, *,
                  master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
@@ -751,7 +751,7 @@ class FusedAdam(_FusedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-                 capturable: bool = False, master_weights: Optional[bool] = None, *,
+                 capturable: bool = False, master_weights: bool = False, *,
                  max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
                  use_mt: bool = False, amp_scale_adjustment: float = 1.0,
                  master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32):

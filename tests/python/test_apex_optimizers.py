@@ -226,7 +226,7 @@ def test_fused_sgd_signature_follows_apex_and_torch():
     assert {k: v.default for k, v in sig.items() if k not in ("params", "lr")} == {
         "momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False,
         "wd_after_momentum": False, "materialize_master_grads": True, "set_grad_none": False,
-        "master_weights": None}
+        "master_weights": False}
 
 
 def test_fused_sgd_takes_param_groups_without_a_top_level_lr(device):

@@ -150,14 +150,14 @@ def test_signatures_follow_apex():
     assert {k: v.default for k, v in sgd.items() if k not in ("params", "lr")} == {
         "momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False,
         "wd_after_momentum": False, "materialize_master_grads": True,
-        "master_weights": None, "set_grad_none": False}
+        "master_weights": False, "set_grad_none": False}
     adam = inspect.signature(FusedAdam).parameters
     # (Apex 2019's keyword-only arguments: tests/python/test_apex_legacy.py)
     assert {k: v.default for k, v in adam.items()
             if k != "params" and v.kind is not v.KEYWORD_ONLY} == {
         "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
         "adam_w_mode": True, "weight_decay": 0.0, "amsgrad": False, "set_grad_none": True,
-        "capturable": False, "master_weights": None}
+        "capturable": False, "master_weights": False}
     for cls in (FusedSGD, FusedAdam):
         assert issubclass(cls, torch.optim.Optimizer)
         assert cls._step_supports_amp_scaling is True
