@@ -162,6 +162,30 @@ void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage
   }
 }
 
+// Stochastic rounding (sr_seed given) writes bf16 params directly: no masters, no
+// compensations; its salts are one fp32 value per param (an integer below 2^24, so
+// that the counter word it fills is exact: the caller's to keep, as the values are
+// on the device). Without it, no salts.
+inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
+                             at::TensorList model_params, at::TensorList compensations,
+                             at::TensorList salts, bool stochastic) {
+  if (!stochastic) {
+    TORCH_CHECK_VALUE(salts.empty(), op, ": expected sr_salts to be empty without sr_seed, "
+                      "got ", salts.size(), " tensors");
+    return;
+  }
+  c.per_tensor(salts, "sr_salts", params, "params");
+  TORCH_CHECK_VALUE(compensations.empty() && model_params.empty(), op,
+                    ": sr_seed: stochastic rounding writes bf16 params directly, expected no "
+                    "model_params and no compensations, got ", model_params.size(), " and ",
+                    compensations.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, op,
+                     ": sr_seed: stochastic rounding expected bfloat16 params, got ",
+                     params[i].scalar_type(), " at params[", i, "]");
+  }
+}
+
 // --- The op entries --------------------------------------------------------------
 // Each checks its arguments before anything is written, makes the data's device
 // current, and runs on the engine. Signatures follow the schemas in ops.cpp.
@@ -234,19 +258,32 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
   return Engine::l2norm(tensors, optional_ptr(inv_scale), per_tensor, device);
 }
 
+// sr_seed, when given, turns on stochastic rounding of the bf16 params (pointwise.h),
+// keyed by the seed and `step`, a device step count then required, read (the caller
+// advances it: one optimizer step may take two calls), with one salt per param.
 template <class Engine>
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList model_params, double lr, double momentum, double dampening,
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
                 const std::optional<at::Tensor>& found_inf, bool wd_after_momentum = false,
-                std::optional<at::TensorList> kahan_comps = std::nullopt) {
+                std::optional<at::TensorList> kahan_comps = std::nullopt,
+                std::optional<at::TensorList> sr_salts = std::nullopt,
+                std::optional<int64_t> sr_seed = std::nullopt,
+                const std::optional<at::Tensor>& step = std::nullopt) {
   const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
+  const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   Checker c("fused_sgd_");
+  c.optional_scalar(step, "step");
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
   check_params(c, params, grads, model_params);
   check_compensations(c, params, model_params, compensations);
+  check_stochastic(c, "fused_sgd_", params, model_params, compensations, salts,
+                   sr_seed.has_value());
+  TORCH_CHECK_VALUE(!sr_seed.has_value() || step.has_value(),
+                    "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
+                    "keys its bits by the step), got None");
   if (momentum != 0) {
     c.list(momentum_buffers, "momentum_buffers", kF32 | kBF16, Access::kWrite);
     c.paired(params, "params", momentum_buffers, "momentum_buffers");
@@ -278,15 +315,20 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.first_run = first_run;
   op.wd_after_momentum = wd_after_momentum;
   op.kahan = !compensations.empty();
+  op.stochastic = sr_seed.has_value();
+  op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
+  op.step_ptr = optional_ptr(step);
   op.inv_scale_ptr = optional_ptr(inv_scale);
-  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params, compensations},
-                               op, optional_ptr(found_inf));
+  run_optimizer<Engine, SgdOp>(
+      {params, grads, momentum_buffers, model_params, compensations, salts}, op,
+      optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
 // the update, which reads it. lr_tensor, when given, holds the learning rate on the
 // device (read there, so that it can change between replays of a CUDA graph) and
-// replaces `lr`.
+// replaces `lr`. sr_seed, when given, turns on stochastic rounding of the bf16 params
+// (pointwise.h), keyed by the seed and the step, with one salt per param (sr_salts).
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -294,8 +336,11 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& lr_tensor = std::nullopt,
-                 std::optional<at::TensorList> kahan_comps = std::nullopt) {
+                 std::optional<at::TensorList> kahan_comps = std::nullopt,
+                 std::optional<at::TensorList> sr_salts = std::nullopt,
+                 std::optional<int64_t> sr_seed = std::nullopt) {
   const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
+  const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
@@ -303,6 +348,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params);
   check_compensations(c, params, model_params, compensations);
+  check_stochastic(c, "fused_adam_", params, model_params, compensations, salts,
+                   sr_seed.has_value());
   c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
@@ -331,8 +378,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
   op.kahan = !compensations.empty();
+  op.stochastic = sr_seed.has_value();
+  op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   run_optimizer<Engine, AdamOp>(
-      {params, grads, exp_avgs, exp_avg_sqs, model_params, compensations}, op,
+      {params, grads, exp_avgs, exp_avg_sqs, model_params, compensations, salts}, op,
       optional_ptr(found_inf));
 }
 

@@ -22,14 +22,16 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, "
       "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
-      "bool wd_after_momentum=False, Tensor(d!)[]? compensations=None) -> ()");
+      "bool wd_after_momentum=False, Tensor(d!)[]? compensations=None, "
+      "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None) -> ()");
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
-      "Tensor? lr_tensor=None, Tensor(f!)[]? compensations=None) -> ()");
+      "Tensor? lr_tensor=None, Tensor(f!)[]? compensations=None, "
+      "Tensor[]? sr_salts=None, int? sr_seed=None) -> ()");
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "

@@ -14,6 +14,10 @@
 // for tensor i of the other lists, one fp32 value (a one-element tensor), which
 // apply() sees in x[k] for every element of tensor i. Such lists are read, never
 // written (in kReads, not in kWrites). Functors without the member have none.
+//
+// A functor that declares `kNeedsIndex = true` gets apply(x, index) instead, where
+// index is the element's position within its tensor (for a CPU vector, that of its
+// first lane; lane j is index + j): stochastic rounding draws its bits from it.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -22,6 +26,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__CUDACC__)
@@ -29,6 +34,8 @@
 #else
 #define MP_HD inline
 #endif
+
+#include "philox.h"
 
 namespace mixedprec {
 
@@ -50,6 +57,27 @@ constexpr unsigned per_tensor_mask() {
   static_assert((PerTensorMask<Op>::value & ~Op::kReads) == 0, "per-tensor lists are read");
   return PerTensorMask<Op>::value;
 }
+// Op::kNeedsIndex, or false when Op does not declare it.
+template <typename Op, typename = void>
+struct NeedsIndex {
+  static constexpr bool value = false;
+};
+template <typename Op>
+struct NeedsIndex<Op, std::void_t<decltype(Op::kNeedsIndex)>> {
+  static constexpr bool value = Op::kNeedsIndex;
+};
+
+// op.apply on x, the element(s) from `index` on, as the functor asks (see above).
+template <typename Op, typename V>
+MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
+  if constexpr (NeedsIndex<Op>::value) {
+    return op.apply(x, index);
+  } else {
+    (void)index;
+    return op.apply(x);
+  }
+}
+
 // Whether list K of Op is a per-tensor list.
 template <typename Op, size_t K>
 constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
@@ -62,10 +90,29 @@ MP_HD bool is_finite(float x) {
 #endif
 }
 
+// Stochastic rounding of a float to bf16 (the value, as a float, that bf16 holds
+// exactly): `bits`, 16 uniform random bits, are added to the low half of x's bits,
+// which are then cut off. x rounds away from zero (in magnitude, up one bf16 unit)
+// with probability (low half of x) / 2^16, so E[result] = x (unbiased). inf and NaN
+// are rounded to nearest instead (inf stays inf, NaN stays NaN: adding bits could
+// turn a NaN whose payload lies in the low half into inf). A finite x beyond bf16's
+// largest finite value rounds to it or to inf, as the same construction gives.
+MP_HD float round_bf16_stochastic(float x, uint32_t bits) {
+  if (!is_finite(x)) return static_cast<float>(c10::BFloat16(x));
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  u = (u + (bits & 0xffffu)) & 0xffff0000u;
+  float out;
+  memcpy(&out, &u, sizeof(out));
+  return out;
+}
+
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
-// condition holds, else b; the condition is a comparison of Vs), and round_bf16: the
-// value bf16 storage would hold (round to nearest even, as every bf16 store here).
+// condition holds, else b; the condition is a comparison of Vs), round_bf16: the
+// value bf16 storage would hold (round to nearest even, as every bf16 store here),
+// round_bf16_stochastic: each lane j rounded stochastically with the bits of element
+// index + j, and first: lane 0 (a per-tensor value, the same in every lane).
 // The CPU engine adds its vector types.
 template <typename V>
 struct Lanes;
@@ -78,6 +125,10 @@ struct Lanes<float> {
   static MP_HD bool none() { return false; }
   static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
   static MP_HD float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
+  static MP_HD float round_bf16_stochastic(float x, const RoundingKey& key, int64_t index) {
+    return mixedprec::round_bf16_stochastic(x, rounding_bits(key, index));
+  }
+  static MP_HD float first(float x) { return x; }
 };
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
@@ -119,32 +170,44 @@ struct CheckFiniteOp {
 // (bf16, beside bf16 params, no masters): the update starts from p + comp and
 // leaves comp = new - round_bf16(new), the part of the new value that bf16 params
 // cannot hold (Kahan summation); without compensations p is used as it is.
+// With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
+// stochastically, with Philox bits keyed by (seed, step) and counted by the element's
+// index and its tensor's salt, the per-tensor list after the compensations (the
+// tensor's position in the op's params list, an fp32 value: exact below 2^24).
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
 // momentum update instead of to the gradient before it.
 struct SgdOp {
-  static constexpr int kDepth = 5;  // params, grads, momentum_buffers, model_params, comps
-  static constexpr unsigned kReads = 0b10111;
-  static constexpr unsigned kWrites = 0b11101;
+  // params, grads, momentum_buffers, model_params, comps, salts (per tensor)
+  static constexpr int kDepth = 6;
+  static constexpr unsigned kReads = 0b110111;
+  static constexpr unsigned kWrites = 0b011101;
+  static constexpr unsigned kPerTensor = 0b100000;
+  static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16>;
+  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, float>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
   bool wd_after_momentum = false;
   bool kahan = false;
+  bool stochastic = false;
+  uint64_t seed = 0;
+  const float* step_ptr = nullptr;  // read with stochastic only
   const float* inv_scale_ptr = nullptr;
   float inv_scale = 1.f;
+  uint32_t step = 0;  // filled by resolve()
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    if (stochastic) step = static_cast<uint32_t>(*step_ptr);
   }
   template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[4];
     V g = x[1] * inv_scale;
@@ -159,6 +222,10 @@ struct SgdOp {
     x[0] = p;
     x[3] = p;
     if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
+    if (stochastic) {
+      const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[5])), step};
+      x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
+    }
     return Lanes<V>::none();
   }
 };
@@ -167,18 +234,22 @@ struct SgdOp {
 // has already been incremented on the device when resolve() reads it. The learning
 // rate is `lr`, or the float at lr_ptr (a device tensor, read by resolve()) when set.
 struct AdamOp {
-  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps
-  static constexpr int kDepth = 6;
-  static constexpr unsigned kReads = 0b101111;
-  static constexpr unsigned kWrites = 0b111101;
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts (per tensor)
+  static constexpr int kDepth = 7;
+  static constexpr unsigned kReads = 0b1101111;
+  static constexpr unsigned kWrites = 0b0111101;
+  static constexpr unsigned kPerTensor = 0b1000000;
+  static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16>;
+  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, float>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
   bool kahan = false;
+  bool stochastic = false;
+  uint64_t seed = 0;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
   const float* lr_ptr = nullptr;
@@ -186,11 +257,13 @@ struct AdamOp {
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
+  uint32_t step_u = 0;
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
     const double rate = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : lr;
     const double step = *step_ptr;
+    step_u = static_cast<uint32_t>(step);
     double bc1 = 1.0, bc2 = 1.0;
     if (bias_correction) {
       bc1 = 1.0 - pow(beta1, step);
@@ -206,7 +279,7 @@ struct AdamOp {
     wd_f = static_cast<float>(weight_decay);
   }
   template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x) const {
+  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[5];
     V g = x[1] * inv_scale;
@@ -228,6 +301,10 @@ struct AdamOp {
     x[3] = v;
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
+    if (stochastic) {
+      const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[6])), step_u};
+      x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
+    }
     return Lanes<V>::none();
   }
 };

@@ -179,6 +179,9 @@ def fused_sgd_(
     found_inf: Optional[Tensor] = None,
     wd_after_momentum: bool = False,
     compensations: Optional[List[Tensor]] = None,
+    sr_salts: Optional[List[Tensor]] = None,
+    sr_seed: Optional[int] = None,
+    step: Optional[Tensor] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -194,18 +197,26 @@ def fused_sgd_(
     ``momentum_buffers`` may also be bf16 (each may differ; the math stays fp32).
     ``compensations`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
     per param, the params then bf16 and ``model_params`` empty; each update starts from
-    ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``."""
+    ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``.
+
+    ``sr_seed`` (``master="stochastic"``; an int, used as 64 bits): the bf16 params
+    (no masters, no compensations) receive the new value rounded stochastically, the
+    random bits drawn by Philox4x32-10 keyed by ``sr_seed`` and counted by (element
+    index, ``sr_salts[i]``, ``step``): ``sr_salts`` holds one float32 one-element tensor
+    per param (an integer below 2^24, e.g. its position in the param group) and
+    ``step`` (float32, one element) the step count, read only (docs/lean-precision.md).
+    """
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
-        compensations or None,
+        compensations or None, sr_salts or None, sr_seed, step,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
       weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False,
-      compensations=None):
+      compensations=None, sr_salts=None, sr_seed=None, step=None):
     _no_meta_among_real("fused_sgd_", locals())
     return None
 
@@ -228,6 +239,8 @@ def fused_adam_(
     found_inf: Optional[Tensor] = None,
     lr_tensor: Optional[Tensor] = None,
     compensations: Optional[List[Tensor]] = None,
+    sr_salts: Optional[List[Tensor]] = None,
+    sr_seed: Optional[int] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
@@ -237,18 +250,20 @@ def fused_adam_(
     moments of a param of one dtype; the math stays fp32). Masters, model copy,
     unscale, skip and ``compensations`` behave as in :func:`fused_sgd_`. ``lr_tensor``
     (float32, one element), when given, replaces ``lr``: the learning rate is then read
-    on the device, so that a captured CUDA graph follows a scheduler that writes it."""
+    on the device, so that a captured CUDA graph follows a scheduler that writes it.
+    ``sr_seed`` and ``sr_salts``: stochastic rounding as in :func:`fused_sgd_`, keyed by
+    the incremented ``step``."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
         weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
-        compensations or None,
+        compensations or None, sr_salts or None, sr_seed,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
       weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None,
-      compensations=None):
+      compensations=None, sr_salts=None, sr_seed=None):
     _no_meta_among_real("fused_adam_", locals())
     return None
 

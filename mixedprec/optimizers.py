@@ -21,7 +21,8 @@ state it loads a checkpoint into.
 
 Optimizer state (moments, momentum buffers, masters) is float32 by default; FusedAdam
 and FusedSGD can keep their moments or momentum buffers in bfloat16 and, with
-``master="kahan"``, a bfloat16 compensation per bf16 parameter instead of an fp32 master
+``master="kahan"``, a bfloat16 compensation per bf16 parameter instead of an fp32 master,
+or with ``master="stochastic"``, no master and bf16 parameters rounded stochastically
 (docs/lean-precision.md). State follows
 its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
 was built works), and a master is taken anew from its parameter when the parameter
@@ -60,7 +61,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "kahan_comp": torch.bfloat16}
 # What FusedAdam and FusedSGD keep of each parameter's value ("master", see
-# _master_mode): "stochastic" is reserved for stochastic rounding (part 2 of issue #11).
+# _master_mode); "kahan" and "stochastic" take bf16 parameters only.
 _MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -74,14 +75,27 @@ def _master_mode(where: str, master_weights: Optional[bool], master: Optional[st
     if not isinstance(master, str) or master not in _MASTER_MODES:
         raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
                          f"got {master!r}")
-    if master == "stochastic":
-        raise NotImplementedError(f"{where}: master='stochastic' (bf16 params rounded "
-                                  "stochastically) is reserved and not implemented yet; it "
-                                  "comes with Philox stochastic rounding (issue #11, part 2)")
     if master_weights and master != "fp32":
         raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
                          "(master_weights=True is master='fp32'); give one of them")
     return master
+
+
+def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
+    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
+    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
+    the other modes (where a seed is an error)."""
+    if master != "stochastic":
+        if seed is not None:
+            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
+        return None
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{where}: expected seed in [0, 2**63), got {seed}")
+    return seed
 
 
 def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
@@ -151,11 +165,14 @@ class _FusedOptimizer(Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
                  set_grad_none: bool, master: Optional[str] = None,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None):
         where = type(self).__name__
-        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly)
-        # or "kahan" (bf16 params with a bf16 compensation each, "kahan_comp").
+        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly),
+        # "kahan" (bf16 params with a bf16 compensation each, "kahan_comp") or
+        # "stochastic" (bf16 params rounded stochastically, group["sr_seed"]).
         self.master = _master_mode(where, master_weights, master)
+        # master='stochastic': group i's seed is this + i (see add_param_group).
+        self._sr_seed = _rounding_seed(where, self.master, seed)
         # The dtype of moments and momentum buffers (float32 or bfloat16).
         self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
         self.set_grad_none = bool(set_grad_none)
@@ -179,10 +196,12 @@ class _FusedOptimizer(Optimizer):
             self.master = "none"
 
     def _check_kahan(self, p: Tensor) -> None:
-        if self.master == "kahan" and p.dtype != torch.bfloat16:
-            raise TypeError(f"{type(self).__name__}: master='kahan' compensates bfloat16 "
+        """master='kahan' and master='stochastic' take bfloat16 parameters only."""
+        if self.master in ("kahan", "stochastic") and p.dtype != torch.bfloat16:
+            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
+            raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
                             f"parameters and expects only those, got one of dtype {p.dtype} "
-                            "(fp32 parameters need no compensation: step them with another "
+                            "(fp32 parameters need neither: step them with another "
                             "optimizer, or use master='none' or 'fp32')")
 
     def _invalidate_plans(self) -> None:
@@ -204,7 +223,11 @@ class _FusedOptimizer(Optimizer):
                 )
             if isinstance(p, Tensor):
                 self._check_kahan(p)
-        super().add_param_group(dict(param_group, params=params))
+        param_group = dict(param_group, params=params)
+        if self._sr_seed is not None and "sr_seed" not in param_group:
+            # Each group its own seed: positions (the salts) repeat across groups.
+            param_group["sr_seed"] = (self._sr_seed + len(self.param_groups)) % 2**63
+        super().add_param_group(param_group)
         self._invalidate_plans()
 
     def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
@@ -334,6 +357,16 @@ class _FusedOptimizer(Optimizer):
             return []
         return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
                 for state, p in zip(states, params)]
+
+    def _salts(self, group: Dict[str, Any], params: List[Tensor],
+               device: torch.device) -> List[Tensor]:
+        """master='stochastic': each param's salt, its position in the group (a float32
+        one-element tensor on ``device``, views of one); else none."""
+        if self.master != "stochastic":
+            return []
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        values = [float(position[id(p)]) for p in params]
+        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
 
     # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
     # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
@@ -496,7 +529,8 @@ class _FusedOptimizer(Optimizer):
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
         state.update(master=self.master, state_dtype=self.state_dtype,
-                     set_grad_none=self.set_grad_none, _plans={}, _master_versions={})
+                     set_grad_none=self.set_grad_none, _sr_seed=self._sr_seed, _plans={},
+                     _master_versions={})
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -504,6 +538,7 @@ class _FusedOptimizer(Optimizer):
         master_weights = state.pop("master_weights", False)
         state.setdefault("master", "fp32" if master_weights else "none")
         state.setdefault("state_dtype", torch.float32)
+        state.setdefault("_sr_seed", None)
         super().__setstate__(state)
 
     def _step_group(self, group, device, items: "_Work", inv_scale,
@@ -569,6 +604,8 @@ class _FusedOptimizer(Optimizer):
         new_groups = []
         for group, saved in zip(self.param_groups, saved_groups):
             new_group = {k: v for k, v in saved.items() if k != "params"}
+            if "sr_seed" in group:  # (a state dict saved in another mode has none)
+                new_group.setdefault("sr_seed", group["sr_seed"])
             self._load_group_state(new_group, group)
             new_group["params"] = group["params"]
             new_groups.append(new_group)
@@ -629,10 +666,18 @@ class FusedSGD(_FusedOptimizer):
             are updated directly, in fp32 math, rounded to nearest; ``"kahan"``
             bf16 parameters only, each with a bf16 compensation (``state["kahan_comp"]``)
             that carries what bf16 rounding dropped into the next update;
-            ``"stochastic"`` is reserved (NotImplementedError). A ``master_weights``
-            that disagrees is a ValueError.
+            ``"stochastic"`` bf16 parameters only, no master: the fp32 result is
+            rounded stochastically into the bf16 parameter (unbiased), with
+            reproducible Philox bits keyed by the group's ``sr_seed`` and a device step
+            count ``group["step"]`` that this mode adds. A ``master_weights`` that
+            disagrees is a ValueError.
         momentum_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
             momentum buffers' dtype (the math stays fp32).
+        seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
+            ``sr_seed`` is ``seed + i`` of; default: drawn once, at construction, from
+            torch's default CPU generator (``torch.manual_seed`` repeats it). The
+            seeds are in the state_dict's param groups; a resumed run continues bit
+            for bit.
 
     The arguments are in Apex's order (master_weights, which Apex's FusedSGD lacks,
     last; master and momentum_dtype keyword-only).
@@ -650,7 +695,8 @@ class FusedSGD(_FusedOptimizer):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False, master_weights: bool = False, *,
-                 master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32):
+                 master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32,
+                 seed: Optional[int] = None):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -660,7 +706,8 @@ class FusedSGD(_FusedOptimizer):
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
         _check_state_dtype("FusedSGD", "momentum_dtype", momentum_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, momentum_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, momentum_dtype,
+                         seed)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -681,26 +728,48 @@ class FusedSGD(_FusedOptimizer):
             call.grads.append(grad)
             call.states.append(state)
         lists = None
+        step = self._sgd_step(group, device, found_inf)
         for first_run, call in calls.items():
             targets, model = self._update_lists(call.params, call.states)
             buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
                        for state, t in zip(call.states, targets)] if momentum != 0 else []
             comps = self._compensations(call.states, targets)
+            salts = self._salts(group, call.params, device)
             ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
                            group["dampening"], group["weight_decay"], group["nesterov"],
-                           first_run, inv_scale, found_inf, self.wd_after_momentum, comps)
-            lists = (targets, buffers, model, comps)
+                           first_run, inv_scale, found_inf, self.wd_after_momentum, comps,
+                           salts, group.get("sr_seed") if salts else None, step)
+            lists = (targets, buffers, model, comps, salts)
         # The next step reuses the lists unless buffers started in this one.
         return lists if len(calls) == 1 and True not in calls else None
 
+    def _sgd_step(self, group, device, found_inf) -> Optional[Tensor]:
+        """master='stochastic': ``group["step"]`` advanced on the device, unless found_inf
+        is set (one count per optimizer step, however many op calls it takes); else
+        None."""
+        if self.master != "stochastic":
+            return None
+        step = self._group_step(group, device)
+        if found_inf is None:
+            step.add_(1.0)
+        else:
+            step.add_((found_inf.reshape(1) == 0).to(torch.float32))
+        return step
+
     def _plan_holds(self, group, plan) -> bool:
-        return (group["momentum"] != 0) == bool(plan.lists[1])
+        return (group["momentum"] != 0) == bool(plan.lists[1]) and (
+            self.master != "stochastic" or self._step_on(group, plan))
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, buffers, model, comps = lists
+        targets, buffers, model, comps, salts = lists
+        step = self._sgd_step(group, targets[0].device, found_inf)
         ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], False,
-                       inv_scale, found_inf, self.wd_after_momentum, comps)
+                       inv_scale, found_inf, self.wd_after_momentum, comps, salts,
+                       group.get("sr_seed") if salts else None, step)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        self._load_group_step(new_group, group)
 
 
 class FusedAdam(_FusedOptimizer):
@@ -718,8 +787,9 @@ class FusedAdam(_FusedOptimizer):
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         capturable: accepted for Apex compatibility; every step already runs without
             host synchronisation (the step count lives on the device).
-        master_weights, master: fp32 masters, none, or Kahan compensations (see
-            FusedSGD).
+        master_weights, master, seed: fp32 masters, none, Kahan compensations or
+            stochastic rounding (see FusedSGD; the step count keying the bits is the
+            group's ``step``).
         moment_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
             of both moments (the math stays fp32; docs/lean-precision.md).
 
@@ -754,7 +824,8 @@ class FusedAdam(_FusedOptimizer):
                  capturable: bool = False, master_weights: bool = False, *,
                  max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
                  use_mt: bool = False, amp_scale_adjustment: float = 1.0,
-                 master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32):
+                 master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32,
+                 seed: Optional[int] = None):
         if amsgrad:
             raise ValueError("FusedAdam does not support amsgrad")
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
@@ -774,7 +845,8 @@ class FusedAdam(_FusedOptimizer):
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
         _check_state_dtype("FusedAdam", "moment_dtype", moment_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, moment_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, moment_dtype,
+                         seed)
 
     @property
     def adam_w_mode(self) -> int:
@@ -888,9 +960,10 @@ class FusedAdam(_FusedOptimizer):
                     if self.master_weights and mst.needs_master(p):
                         raise ValueError(f"{where}: output_params with master_weights=True "
                                          "(the masters' model copies are the parameters)")
-                    if self.master == "kahan":
-                        raise ValueError(f"{where}: output_params with master='kahan' (the "
-                                         "bf16 parameters are updated, no copies)")
+                    if self.master in ("kahan", "stochastic"):
+                        raise ValueError(f"{where}: output_params with master="
+                                         f"{self.master!r} (the bf16 parameters are updated, "
+                                         "no copies)")
                     outs.append(out)
                 items.params.append(p)
                 items.grads.append(grad)
@@ -945,10 +1018,12 @@ class FusedAdam(_FusedOptimizer):
             model = outputs
         exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
         beta1, beta2 = group["betas"]
+        salts = self._salts(group, items.params, device)
         ops.fused_adam_(targets, items.grads, exp_avgs, exp_avg_sqs, model, step, group["lr"],
                         beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], factor.reshape(()),
-                        found_inf, compensations=self._compensations(items.states, targets))
+                        found_inf, compensations=self._compensations(items.states, targets),
+                        sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None)
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
@@ -958,7 +1033,8 @@ class FusedAdam(_FusedOptimizer):
         targets, model = self._update_lists(items.params, items.states)
         exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
         comps = self._compensations(items.states, targets)
-        lists = (targets, exp_avgs, exp_avg_sqs, model, comps)
+        salts = self._salts(group, items.params, device)
+        lists = (targets, exp_avgs, exp_avg_sqs, model, comps, salts)
         self._adam(group, lists, items.grads, inv_scale, found_inf)
         return lists
 
@@ -970,12 +1046,13 @@ class FusedAdam(_FusedOptimizer):
 
     @staticmethod
     def _adam(group, lists, grads, inv_scale, found_inf):
-        targets, exp_avgs, exp_avg_sqs, model, comps = lists
+        targets, exp_avgs, exp_avg_sqs, model, comps, salts = lists
         beta1, beta2 = group["betas"]
         ops.fused_adam_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
                         group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf,
-                        compensations=comps)
+                        compensations=comps, sr_salts=salts,
+                        sr_seed=group.get("sr_seed") if salts else None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -48,7 +48,7 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
                    : loaded_list<Op, K>() && std::get<K>(p) != nullptr
                        ? static_cast<float>(std::get<K>(p)[i])
                        : 0.f)...};
-    any |= static_cast<int>(op.apply(x));
+    any |= static_cast<int>(apply_at(op, x, i));
     ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr
           ? (void)(std::get<K>(p)[i] = static_cast<Ts>(x[K]))
           : void()),
@@ -82,7 +82,7 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
                    : loaded_list<Op, K>() && std::get<K>(p) != nullptr                     \
                        ? NS::load(std::get<K>(p) + i)                                      \
                        : Vec{})...};                                                       \
-      bad |= op.apply(x);                                                                  \
+      bad |= apply_at(op, x, i);                                                           \
       ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr                             \
             ? NS::store(std::get<K>(p) + i, x[K])                                          \
             : void()),                                                                     \

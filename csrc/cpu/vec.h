@@ -72,6 +72,14 @@ struct Lanes<VecF16> {
     const VecU16 u = (VecU16)x;
     return (VecF16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
+  // Lane by lane, in scalar code (Philox is not vectorised).
+  static inline VecF16 round_bf16_stochastic(VecF16 x, const RoundingKey& key, int64_t index) {
+    for (int j = 0; j < static_cast<int>(sizeof(VecF16) / sizeof(float)); ++j) {
+      x[j] = mixedprec::round_bf16_stochastic(x[j], rounding_bits(key, index + j));
+    }
+    return x;
+  }
+  static inline float first(VecF16 x) { return x[0]; }
 };
 
 template <>
@@ -91,6 +99,14 @@ struct Lanes<VecF8> {
     const VecU8 u = (VecU8)x;
     return (VecF8)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
+  // Lane by lane, in scalar code (Philox is not vectorised).
+  static inline VecF8 round_bf16_stochastic(VecF8 x, const RoundingKey& key, int64_t index) {
+    for (int j = 0; j < static_cast<int>(sizeof(VecF8) / sizeof(float)); ++j) {
+      x[j] = mixedprec::round_bf16_stochastic(x[j], rounding_bits(key, index + j));
+    }
+    return x;
+  }
+  static inline float first(VecF8 x) { return x[0]; }
 };
 
 namespace cpu {

@@ -161,11 +161,11 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
 }
 
 // Applies `op` to the n elements at ptrs (list k stored as Ts[k]; a per-tensor list
-// points at its value); returns whether this thread saw a non-finite input that op
-// reports.
+// points at its value), elements first..first+n-1 of their tensors; returns whether
+// this thread saw a non-finite input that op reports.
 template <typename Op, typename... Ts, size_t... K>
-MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t n,
-                           std::index_sequence<K...>) {
+MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t first,
+                           int64_t n, std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
   static_assert(((!kPerTensorList<Op, K> || std::is_same<Ts, float>::value) && ...),
                 "per-tensor lists are fp32");
@@ -203,7 +203,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
         const int64_t i = base + u * stride;
         if (i >= done) continue;
 #pragma unroll
-        for (int j = 0; j < kILP; ++j) bad |= op.apply(x[u][j]);
+        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[u][j], first + i + j);
         (store_vector<Ts, D>(out[K], i, x[u], K), ...);
       }
     }
@@ -213,7 +213,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
 #pragma unroll
     for (int k = 0; k < D; ++k) x[k] = per[k];
     (load_element<Ts>(in[K], i, x[K]), ...);
-    bad |= op.apply(x);
+    bad |= apply_at(op, x, first + i);
     (store_element<Ts>(out[K], i, x[K]), ...);
   }
   return bad;
@@ -233,7 +233,7 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   void* const ptrs[sizeof...(Ts)] = {kPerTensorList<Op, K>
                                          ? meta.ptrs[K][c.slot]
                                          : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
-  const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.size, seq);
+  const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }
 

@@ -222,3 +222,45 @@ def ref_update_loss_scale(state, found_inf, growth_factor=2.0, backoff_factor=0.
                     scale = grown
                 growth_tracker = 0
     return float(f32(scale)), growth_tracker, hysteresis_tracker
+
+
+# Philox4x32-10 (Salmon et al. 2011), written from the paper's definition, as
+# csrc/philox.h keys it for stochastic rounding: key = the 64-bit seed (low word
+# first), counter = (index low word, index high word, salt, step).
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_MASK32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key):
+    """The four 32-bit output words of Philox4x32-10 for four counter words and two
+    key words (Python ints)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r > 0:
+            k0 = (k0 + _PHILOX_W[0]) & _MASK32
+            k1 = (k1 + _PHILOX_W[1]) & _MASK32
+        p0 = _PHILOX_M[0] * c0
+        p1 = _PHILOX_M[1] * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1,
+                          p0 & _MASK32)
+    return c0, c1, c2, c3
+
+
+def ref_rounding_bits(seed, salt, step, numel):
+    """The 16 random bits stochastic rounding adds to each of elements 0..numel-1 of a
+    tensor: the high half of Philox's first word (an int64 tensor)."""
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    return torch.tensor([philox4x32_10((i & _MASK32, i >> 32, salt, step), key)[0] >> 16
+                         for i in range(numel)], dtype=torch.int64)
+
+
+def ref_round_bf16_stochastic(x, bits):
+    """fp32 tensor x rounded to bf16 stochastically with `bits` (int64, per element):
+    the bits added to the low half of x's bits, which are then cut off; inf and NaN
+    rounded to nearest. Returned as float32 (exactly the bf16 values)."""
+    x = x.float().contiguous()
+    u = x.view(torch.int32).to(torch.int64) & _MASK32
+    rounded = ((u + bits) & 0xFFFF0000).to(torch.int32).view(torch.float32)  # wraps as C++
+    return torch.where(torch.isfinite(x), rounded, x.bfloat16().float())

@@ -314,14 +314,16 @@ def test_lean_argument_errors(cls, dtype_arg):
     assert cls(bf16, master_weights=False, master="fp32").master == "fp32"
     with pytest.raises(ValueError, match="expected master to be one of"):
         cls(bf16, master="bf16")
-    with pytest.raises(NotImplementedError, match="stochastic.*part 2"):
-        cls(bf16, master="stochastic")
+    with pytest.raises(ValueError, match="master_weights=True conflicts with "
+                                         "master='stochastic'"):
+        cls(bf16, master_weights=True, master="stochastic")
     with pytest.raises(TypeError, match=f"expected {dtype_arg} to be torch.float32 or "
                                         "torch.bfloat16, got torch.float16"):
         cls(bf16, **{dtype_arg: torch.float16})
     for dtype in (torch.float32, torch.float16):
-        with pytest.raises(TypeError, match=f"master='kahan'.*dtype {dtype}"):
-            cls([nn.Parameter(torch.zeros(3, dtype=dtype))], master="kahan")
+        for master in ("kahan", "stochastic"):
+            with pytest.raises(TypeError, match=f"master='{master}'.*dtype {dtype}"):
+                cls([nn.Parameter(torch.zeros(3, dtype=dtype))], master=master)
 
 
 def test_kahan_rejects_a_model_cast_later_before_any_write():

@@ -1,0 +1,65 @@
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011), a
+// counter-based generator: the bits are a pure function of a 128-bit counter and a
+// 64-bit key, so any element can draw its own, on the host or the device, in any
+// order and at any thread count. Written for MP_HD (pointwise.h) and plain integers
+// only, so the CPU engine, the CUDA kernels and the host build of the block code
+// compute the same bits. tests/python/references.py holds a Python reference.
+//
+// Stochastic rounding keys it as follows: key = the 64-bit seed (low word first);
+// counter = (element index low 32 bits, index high 32 bits, tensor salt, step).
+#pragma once
+
+#include <cstdint>
+
+#if !defined(MP_HD)
+#if defined(__CUDACC__)
+#define MP_HD __host__ __device__ __forceinline__
+#else
+#define MP_HD inline
+#endif
+#endif
+
+namespace mixedprec {
+
+struct Philox4x32 {
+  uint32_t v[4];
+};
+
+MP_HD uint32_t mul_hi32(uint32_t a, uint32_t b) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+}
+
+// Ten rounds, the key bumped by the Weyl constants between rounds.
+MP_HD Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      k0 += kW0;
+      k1 += kW1;
+    }
+    const uint32_t hi0 = mul_hi32(kM0, c.v[0]), lo0 = kM0 * c.v[0];
+    const uint32_t hi1 = mul_hi32(kM1, c.v[2]), lo1 = kM1 * c.v[2];
+    c = Philox4x32{{hi1 ^ c.v[1] ^ k0, lo1, hi0 ^ c.v[3] ^ k1, lo0}};
+  }
+  return c;
+}
+
+// The key of stochastic rounding's bits at one step: everything but the element.
+struct RoundingKey {
+  uint64_t seed;
+  uint32_t salt;  // the tensor's position in its list (param group)
+  uint32_t step;
+};
+
+// The 16 random bits stochastic rounding adds to element `index`: the high half of
+// the first output word.
+MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  const Philox4x32 out = philox4x32_10(
+      Philox4x32{{static_cast<uint32_t>(i), static_cast<uint32_t>(i >> 32), key.salt, key.step}},
+      static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+  return out.v[0] >> 16;
+}
+
+}  // namespace mixedprec

@@ -1,0 +1,275 @@
+"""master="stochastic" of FusedAdam and FusedSGD (issue #11, part 2a): bf16 params
+without masters, the fp32 result rounded to bf16 stochastically with Philox4x32-10 bits
+keyed by (seed, step) and counted by (element index, the param's position in its
+group). The bits and rounding decisions against a Python reference of Philox, a float64
+reference of a step, unbiasedness over many draws, thread counts, skipped steps, and
+bit-for-bit resume from a weights_only state_dict."""
+
+import copy
+import io
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, randn
+from references import (philox4x32_10, ref_adam, ref_round_bf16_stochastic,
+                        ref_rounding_bits)
+from torch import nn
+
+from mixedprec import FusedAdam, FusedSGD, ops
+
+# Past the CPU engine's vector widths (8, 16) with tails, and the CUDA block's 4-wide
+# accesses; kept small, as the Python Philox is slow.
+SHAPES = [(37,), (5, 7), (300,)]
+ADAM = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 1e-2}
+SGD = {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-2}
+
+
+def make_params(device, seed=0):
+    return [nn.Parameter(randn(shape, torch.float32, "cpu", seed=seed + i)
+                         .bfloat16().to(device)) for i, shape in enumerate(SHAPES)]
+
+
+def set_grads(params, step):
+    for i, p in enumerate(params):
+        p.grad = randn(p.shape, p.dtype, p.device, seed=1000 + 31 * step + i, scale=0.5)
+
+
+def test_philox_reference_gives_the_known_answers():
+    """The published known-answer vectors of Philox4x32-10 (Random123's kat_vectors):
+    the Python reference, and through it the C++ one, is Philox itself."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2,
+              (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in cases:
+        assert philox4x32_10(counter, key) == expected
+
+
+def sgd_plain_step(device, seed, salts, step, lr=0.05):
+    """One fused_sgd_ step (no momentum, no decay) with stochastic rounding; returns the
+    params before and after, their grads, and lr."""
+    params = [randn(s, torch.float32, device, seed=i).bfloat16() for i, s in enumerate(SHAPES)]
+    grads = [randn(s, torch.float32, device, seed=50 + i) for i, s in enumerate(SHAPES)]
+    before = [p.clone() for p in params]
+    salt_tensors = [torch.full((1,), float(s), device=device) for s in salts]
+    ops.fused_sgd_(params, grads, [], [], lr, sr_salts=salt_tensors, sr_seed=seed,
+                   step=torch.full((1,), float(step), device=device))
+    return before, params, grads
+
+
+@pytest.mark.parametrize("seed", [0, 12345, 2**63 - 1])
+def test_sgd_rounds_as_the_reference_bit_for_bit(device, seed):
+    """p - lr * g is formed in fp32 exactly as the op does (two roundings, no FMA), so
+    every element must equal the reference's stochastic rounding of it, bit for bit;
+    the salts and the step enter the counter."""
+    salts, step, lr = [3, 0, 7], 5, 0.05
+    before, after, grads = sgd_plain_step(device, seed, salts, step, lr)
+    lr32 = torch.tensor(lr, dtype=torch.float32)
+    for i, (p, new, g) in enumerate(zip(before, after, grads)):
+        exact = p.float().cpu() - lr32 * g.cpu()
+        bits = ref_rounding_bits(seed, salts[i], step, p.numel()).reshape(p.shape)
+        expected = ref_round_bf16_stochastic(exact, bits)
+        assert_bitwise_equal(new.cpu(), expected.bfloat16(), f"param {i}")
+        nearest = exact.bfloat16()
+        assert not torch.equal(new.cpu(), nearest), "some element must round the other way"
+
+
+def test_the_bits_follow_seed_step_and_salt():
+    base = sgd_plain_step("cpu", 1, [0, 1, 2], 1)[1]
+    for seed, salts, step in ((2, [0, 1, 2], 1), (1, [0, 1, 2], 2), (1, [5, 1, 2], 1)):
+        other = sgd_plain_step("cpu", seed, salts, step)[1]
+        assert not torch.equal(other[0], base[0]), (seed, salts, step)
+
+
+def test_non_finite_values_keep_their_class():
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0, -1.5])
+    # the largest finite fp32 value: beyond bf16's, it rounds to bf16's largest or inf
+    bits = torch.tensor([0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF, 0])
+    out = ref_round_bf16_stochastic(x, bits)
+    assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan()
+    assert out[3] == 1.0 and out[4] == -1.5  # exact bf16 values never move
+    # the op: a NaN whose payload lies in the low 16 bits stays NaN, inf stays inf
+    nan_low = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
+    params = [torch.zeros(3, dtype=torch.bfloat16)]
+    grads = [torch.cat([nan_low, torch.tensor([float("inf"), 1e-30])])]
+    ops.fused_sgd_(params, grads, [], [], 1.0, sr_salts=[torch.zeros(1)], sr_seed=3,
+                   step=torch.ones(1))
+    assert params[0][0].isnan() and params[0][1] == -float("inf")
+    assert params[0][2].abs() < 1e-29  # finite stays finite
+
+
+def adam_state_copy(opt, params):
+    return [dict(opt.state.get(p, {})) for p in params]
+
+
+def test_adam_step_follows_the_float64_reference(device):
+    """One FusedAdam step: the float64 reference's new value, rounded to fp32, then
+    stochastically with the reference's Philox bits. The op's fp32 math differs from
+    float64 by a few fp32 units, so a rounding decision is compared exactly where the
+    reference's value is not within 64 fp32 units of the decision's threshold (most
+    elements; the others must still be one of the two bf16 neighbours)."""
+    params = make_params(device)
+    opt = FusedAdam(params, master="stochastic", seed=99, **ADAM)
+    seed = opt.param_groups[0]["sr_seed"]
+    assert seed == 99  # group 0: the seed itself
+    for step in (1, 2):
+        set_grads(params, step)
+        states = adam_state_copy(opt, params)
+        starts = [p.double().cpu() for p in params]
+        ms = [s.get("exp_avg", torch.zeros(p.shape)).double().cpu() for s, p in
+              zip(states, params)]
+        vs = [s.get("exp_avg_sq", torch.zeros(p.shape)).double().cpu() for s, p in
+              zip(states, params)]
+        new, _, _, _ = ref_adam(starts, [p.grad.cpu() for p in params], ms, vs, step - 1,
+                                lr=ADAM["lr"], beta1=ADAM["betas"][0], beta2=ADAM["betas"][1],
+                                eps=ADAM["eps"], weight_decay=ADAM["weight_decay"])
+        opt.step()
+        assert opt.param_groups[0]["step"].item() == step
+        robust = 0
+        for i, (p, ref) in enumerate(zip(params, new)):
+            x32 = ref.float()
+            bits = ref_rounding_bits(seed, i, step, p.numel()).reshape(p.shape)
+            expected = ref_round_bf16_stochastic(x32, bits)
+            low = x32.view(torch.int32).to(torch.int64) & 0xFFFF
+            safe = (low + bits - 0x10000).abs() > 64
+            got = p.detach().cpu().float()
+            assert torch.equal(got[safe], expected[safe]), f"param {i} at step {step}"
+            down = x32.bfloat16().float()  # a neighbour; the other is one unit away
+            assert ((got - x32).abs() <= (x32 - down).abs().clamp_min(0) +
+                    x32.abs() * 2.0 ** -7).all()
+            robust += int(safe.sum())
+        assert robust >= 0.95 * sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.83])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_stochastic_rounding_is_unbiased(device, fraction, sign):
+    """FusedSGD moves every one of many elements at 1.0 (sign -1: -1.0) by `fraction` of
+    a bf16 unit (2^-7 there): each rounds up with probability `fraction`, so the mean
+    of the rounded values equals the fp32 value within its standard error. Round to
+    nearest (master="none") misses it by far: the test tells the two apart."""
+    n, seeds = 1 << 18, 4  # draws: n elements under each of 4 seeds
+    unit = 2.0 ** -7
+    x32 = torch.tensor(sign * (1.0 + fraction * unit), dtype=torch.float32).double()
+    q = fraction
+    std_err = unit * (q * (1 - q) / (n * seeds)) ** 0.5
+    means = {}
+    for master in ("stochastic", "none"):
+        total = 0.0
+        for seed in range(seeds):
+            p = nn.Parameter(torch.full((n,), sign, dtype=torch.bfloat16, device=device))
+            opt = FusedSGD([p], lr=fraction * unit, master=master,
+                           **({"seed": seed} if master == "stochastic" else {}))
+            p.grad = torch.full((n,), -sign, dtype=torch.bfloat16, device=device)
+            opt.step()
+            values = p.detach().double()
+            assert set(values.unique().tolist()) <= {sign, sign * (1 + unit)}
+            total += values.sum().item()
+        means[master] = total / (n * seeds)
+    assert abs(means["stochastic"] - x32.item()) < 4 * std_err, means
+    assert abs(means["none"] - x32.item()) > 40 * std_err, means
+
+
+def _train(opt, params, steps, first=0):
+    for s in range(first, first + steps):
+        set_grads(params, s)
+        opt.step()
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_resume_continues_bit_for_bit(device, cls, kwargs):
+    params = make_params(device)
+    opt = cls(params, master="stochastic", **kwargs)
+    _train(opt, params, 3)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    saved_params = [p.detach().clone() for p in params]
+    _train(opt, params, 3, first=3)
+
+    resumed = [nn.Parameter(p.clone()) for p in saved_params]
+    opt2 = cls(resumed, master="stochastic", seed=1, **kwargs)  # the state_dict's seed wins
+    buffer.seek(0)
+    opt2.load_state_dict(torch.load(buffer, weights_only=True))
+    assert opt2.param_groups[0]["sr_seed"] == opt.param_groups[0]["sr_seed"]
+    _train(opt2, resumed, 3, first=3)
+    for i, (a, b) in enumerate(zip(params, resumed)):
+        assert_bitwise_equal(b.detach(), a.detach(), f"param {i}")
+
+
+def test_default_seed_comes_from_torchs_generator_and_groups_differ():
+    torch.manual_seed(0)
+    a = FusedAdam([{"params": make_params("cpu")}, {"params": make_params("cpu", 9)}],
+                  master="stochastic")
+    torch.manual_seed(0)
+    b = FusedSGD(make_params("cpu"), master="stochastic")
+    seed = a.param_groups[0]["sr_seed"]
+    assert b.param_groups[0]["sr_seed"] == seed
+    assert a.param_groups[1]["sr_seed"] == seed + 1
+    assert "sr_seed" not in FusedAdam(make_params("cpu"), master="none").param_groups[0]
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_a_skipped_step_changes_nothing_and_is_not_counted(device, cls, kwargs):
+    params = make_params(device)
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = cls(params, master="stochastic", seed=5, **kwargs)
+    ref = cls(ref_params, master="stochastic", seed=5, **kwargs)
+    _train(opt, params, 2)
+    _train(ref, ref_params, 2)
+    before = ([p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()))
+    set_grads(params, 2)
+    opt.found_inf = torch.ones(1, device=device)
+    opt.step()
+    del opt.found_inf
+    for p, b in zip(params, before[0]):
+        assert_bitwise_equal(p.detach(), b)
+    assert opt.param_groups[0]["step"].item() == 2
+    _train(opt, params, 2, first=2)
+    _train(ref, ref_params, 2, first=2)
+    for a, b in zip(params, ref_params):
+        assert_bitwise_equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_the_bits_do_not_depend_on_the_thread_count(cls, kwargs):
+    """Sizes over several chunks of the CPU engine (65536 elements), so threads split
+    them differently."""
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            params = [nn.Parameter(randn((3 * 65536 + 5,), torch.float32, "cpu", 3)
+                                   .bfloat16())]
+            opt = cls(params, master="stochastic", seed=11, **kwargs)
+            _train(opt, params, 2)
+            results.append(params[0].detach().clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert_bitwise_equal(results[1], results[0])
+
+
+def test_a_large_tensor_counts_elements_past_the_first_chunk():
+    """Elements past the CPU engine's first chunk and vector lanes are keyed by their
+    own index: the reference bits of a slice far into the tensor."""
+    n = 65536 + 100
+    p = torch.full((n,), 1.0, dtype=torch.bfloat16)
+    g = torch.full((n,), -0.37 * 2.0 ** -7)
+    ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=[torch.full((1,), 2.0)], sr_seed=77,
+                   step=torch.full((1,), 4.0))
+    exact = torch.full((n,), 1.0) - g
+    bits = torch.tensor([philox4x32_10((i, 0, 2, 4), (77, 0))[0] >> 16
+                         for i in range(65530, n)])
+    expected = ref_round_bf16_stochastic(exact[65530:], bits)
+    assert_bitwise_equal(p[65530:].float(), expected)
+
+
+def test_stochastic_argument_errors():
+    bf16 = make_params("cpu")
+    with pytest.raises(TypeError, match="expected seed to be an int"):
+        FusedAdam(bf16, master="stochastic", seed=1.5)
+    with pytest.raises(ValueError, match=r"expected seed in \[0, 2\*\*63\)"):
+        FusedSGD(bf16, master="stochastic", seed=-1)
+    with pytest.raises(ValueError, match="seed is for master='stochastic'"):
+        FusedSGD(bf16, master="kahan", seed=3)
