@@ -248,7 +248,7 @@ struct AffinePerTensorOp {
   }
 };
 static_assert(per_tensor_mask<AffinePerTensorOp>() == 0b1100);
-static_assert(per_tensor_mask<AdamOp>() == 0, "functors without the member have none");
+static_assert(per_tensor_mask<AdagradOp>() == 0, "functors without the member have none");
 
 template <typename T>
 void expect_affine_per_tensor() {
@@ -1006,6 +1006,123 @@ TEST(FusedAdam, LearningRateFromATensor) {
                          at::zeros({2}));
       },
       "lr_tensor");
+}
+
+
+// Philox4x32-10's published known answers (Random123's kat_vectors).
+TEST(Philox, KnownAnswers) {
+  const Philox4x32 zero = philox4x32_10(Philox4x32{{0, 0, 0, 0}}, 0, 0);
+  const uint32_t zero_want[4] = {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u};
+  const Philox4x32 ones = philox4x32_10(
+      Philox4x32{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu,
+      0xffffffffu);
+  const uint32_t ones_want[4] = {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu};
+  const Philox4x32 pi = philox4x32_10(
+      Philox4x32{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u,
+      0x299f31d0u);
+  const uint32_t pi_want[4] = {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(zero.v[i], zero_want[i]) << i;
+    EXPECT_EQ(ones.v[i], ones_want[i]) << i;
+    EXPECT_EQ(pi.v[i], pi_want[i]) << i;
+  }
+}
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Over all 2^16 values of the random bits, the rounded values average to x exactly
+// (unbiased), each is one of x's two bf16 neighbours, and bf16 values never move.
+TEST(StochasticRounding, AveragesToTheValueOverAllBits) {
+  for (const uint32_t u : {0x3f800001u, 0x3f808000u, 0x3f80ffffu, 0xbf80abcdu, 0x00001234u,
+                           0x7f7e8001u}) {
+    const double x = from_bits(u);
+    const double down = from_bits(u & 0xffff0000u);
+    const double up = from_bits((u & 0xffff0000u) + 0x10000u);
+    double sum = 0.0;
+    for (uint32_t r = 0; r < 0x10000u; ++r) {
+      const double y = round_bf16_stochastic(static_cast<float>(x), r);
+      ASSERT_TRUE(y == down || y == up) << std::hex << u << " " << r;
+      sum += y;
+    }
+    EXPECT_EQ(sum / 65536.0, x) << std::hex << u;
+  }
+  for (const float exact : {1.f, -1.5f, 0.f, 65536.f}) {
+    EXPECT_EQ(round_bf16_stochastic(exact, 0xffffu), exact);
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(round_bf16_stochastic(inf, 0xffffu), inf);
+  EXPECT_EQ(round_bf16_stochastic(-inf, 0xffffu), -inf);
+  EXPECT_TRUE(std::isnan(round_bf16_stochastic(from_bits(0x7f800001u), 0xffffu)));
+  EXPECT_TRUE(std::isnan(round_bf16_stochastic(std::nanf(""), 0xffffu)));
+}
+
+// fused_sgd_ with stochastic rounding (vector lanes and the scalar tail): every element
+// is the scalar rounding of p - lr * g with the bits of its own index, salt and step.
+TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
+  at::manual_seed(21);
+  std::vector<Tensor> params, grads, salts;
+  for (const int64_t n : {1, 37, 1000}) {
+    params.push_back(at::randn({n}).to(at::kBFloat16));
+    grads.push_back(at::randn({n}));
+  }
+  salts = {scalar(4.f), scalar(0.f), scalar(9.f)};
+  const auto before = clones(params);
+  const int64_t seed = -5;  // all 64 bits: 0xffff...fb
+  entry::fused_sgd_<cpu::CpuEngine>(params, grads, {}, {}, 0.03, 0.0, 0.0, 0.0, false, false,
+                               std::nullopt, std::nullopt, false, std::nullopt, salts, seed,
+                               scalar(6.f));
+  int up = 0, total = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const RoundingKey key{static_cast<uint64_t>(seed), static_cast<uint32_t>(
+                              salts[t].item<float>()), 6u};
+    for (int64_t i = 0; i < params[t].numel(); ++i) {
+      const float p = static_cast<float>(before[t][i].item<at::BFloat16>());
+      const float exact = p - 0.03f * grads[t][i].item<float>();
+      const float want = round_bf16_stochastic(exact, rounding_bits(key, i));
+      ASSERT_EQ(static_cast<float>(params[t][i].item<at::BFloat16>()), want) << t << " " << i;
+      up += want != static_cast<float>(c10::BFloat16(exact));
+      ++total;
+    }
+  }
+  EXPECT_GT(up, total / 20) << "some elements must not round to nearest";
+}
+
+TEST(StochasticRounding, ChecksItsArguments) {
+  const std::vector<Tensor> bf16 = {at::zeros({3}, at::kBFloat16)};
+  const std::vector<Tensor> grads = {at::zeros({3})};
+  const std::vector<Tensor> salts = {scalar(0.f)};
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>({at::zeros({3})}, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false,
+                                     false, std::nullopt, std::nullopt, false, std::nullopt,
+                                     salts, 1, scalar(1.f));
+      },
+      "bfloat16 params");
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>(bf16, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
+                                     std::nullopt, std::nullopt, false, std::nullopt,
+                                     std::vector<Tensor>{}, 1, scalar(1.f));
+      },
+      "sr_salts");
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>(bf16, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
+                                     std::nullopt, std::nullopt, false, std::nullopt, salts, 1);
+      },
+      "step");
+  expect_error_naming(
+      [&] {
+        entry::fused_adam_<cpu::CpuEngine>(bf16, grads, {at::zeros({3})}, {at::zeros({3})}, {},
+                                      scalar(0.f), 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
+                                      std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                      salts);
+      },
+      "sr_salts");
 }
 
 }  // namespace

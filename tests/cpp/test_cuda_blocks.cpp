@@ -324,6 +324,67 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
+// Stochastic rounding (master="stochastic"): the Philox bits are keyed by the element's
+// index within its tensor, which the CPU engine counts per chunk and vector lane and the
+// CUDA blocks per chunk slice, 4-wide access and scalar tail; every element must get
+// the same bits, so the params must be equal bit for bit.
+std::vector<Tensor> salts_of(size_t n) {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(scalar(static_cast<float>(i)));
+  return out;
+}
+
+TEST(CudaBlocks, StochasticRoundingMatchesTheCpuEngine) {
+  at::manual_seed(12);
+  const auto params = make_list(edge_sizes(), {at::kBFloat16});
+  const auto grads = like(params, at::kBFloat16);
+  const auto bufs = like(params, at::kBFloat16);
+  const auto salts = salts_of(params.size());
+  const int64_t seed = 0x7edcba9876543210LL;
+  auto sgd = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> b) {
+    using Engine = decltype(engine);
+    for (const float step : {1.f, 2.f, 3.f}) {
+      entry::fused_sgd_<Engine>(p, grads, b, {}, 0.01, 0.9, 0.0, 1e-4, false, step == 1.f,
+                                scalar(0.5f), scalar(0.f), false, std::nullopt, salts, seed,
+                                scalar(step));
+    }
+    return p;
+  };
+  const auto cpu_sgd = sgd(CpuEngine{}, clones(params), clones(bufs));
+  expect_bitwise_equal(sgd(EmulatedCudaEngine{}, clones(params), clones(bufs)), cpu_sgd,
+                       "sgd params");
+  // Not round to nearest: the same steps without stochastic rounding differ somewhere.
+  auto nearest = clones(params);
+  auto nearest_bufs = clones(bufs);
+  for (const bool first_run : {true, false, false}) {
+    entry::fused_sgd_<CpuEngine>(nearest, grads, nearest_bufs, {}, 0.01, 0.9, 0.0, 1e-4, false,
+                                 first_run, scalar(0.5f), scalar(0.f));
+  }
+  EXPECT_FALSE(at::equal(cpu_sgd.back(), nearest.back())) << "rounded to nearest";
+
+  auto adam = [&](auto engine, std::vector<Tensor> p, const Tensor& found_inf) {
+    using Engine = decltype(engine);
+    auto m1 = like(params, at::kBFloat16), m2 = like(params, at::kBFloat16);
+    for (auto& v : m2) v.abs_();
+    const Tensor step = scalar(0.f);
+    for (int i = 0; i < 3; ++i) {
+      entry::fused_adam_<Engine>(p, grads, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2,
+                                 true, true, scalar(0.5f), found_inf, std::nullopt,
+                                 std::nullopt, salts, seed);
+    }
+    return p;
+  };
+  at::manual_seed(13);
+  const auto cpu_adam = adam(CpuEngine{}, clones(params), scalar(0.f));
+  at::manual_seed(13);
+  const auto emulated_adam = adam(EmulatedCudaEngine{}, clones(params), scalar(0.f));
+  expect_bitwise_equal(emulated_adam, cpu_adam, "adam params");
+  EXPECT_FALSE(at::equal(emulated_adam.back(), params.back())) << "no step was taken";
+  at::manual_seed(13);
+  expect_bitwise_equal(adam(EmulatedCudaEngine{}, clones(params), scalar(1.f)), params,
+                       "skipped params");
+}
+
 TEST(CudaBlocks, FusedLambMatchesTheCpuEngine) {
   at::manual_seed(9);
   struct Case {

@@ -87,6 +87,29 @@ def adam_kahan_args(d):
     return args
 
 
+def stochastic_lists(d):
+    """bf16 params updated directly, rounded stochastically: a salt each, a seed."""
+    params, grads, _ = kahan_lists(d)
+    return params, grads, [scalar(float(i), d) for i in range(len(params))]
+
+
+def sgd_stochastic_args(d):
+    args = sgd_args(d)
+    params, grads, salts = stochastic_lists(d)
+    args.update(params=params, grads=grads, model_params=[], sr_salts=salts, sr_seed=123,
+                step=scalar(1.0, d), momentum_buffers=[torch.zeros_like(p) for p in params])
+    return args
+
+
+def adam_stochastic_args(d):
+    args = adam_args(d)
+    params, grads, salts = stochastic_lists(d)
+    args.update(params=params, grads=grads, model_params=[], sr_salts=salts, sr_seed=2**63 - 1,
+                exp_avgs=[torch.zeros_like(p) for p in params],
+                exp_avg_sqs=[torch.zeros_like(p) for p in params])
+    return args
+
+
 def lamb_args(d):
     args = adam_args(d)
     args.update(eps=1e-6, weight_decay=1e-2, grad_averaging=True, use_nvlamb=False,
@@ -137,6 +160,8 @@ OPS = {
     "fused_adam_": (ops.fused_adam_, adam_args),
     "fused_sgd_-kahan": (ops.fused_sgd_, sgd_kahan_args),
     "fused_adam_-kahan": (ops.fused_adam_, adam_kahan_args),
+    "fused_sgd_-stochastic": (ops.fused_sgd_, sgd_stochastic_args),
+    "fused_adam_-stochastic": (ops.fused_adam_, adam_stochastic_args),
     "fused_lamb_": (ops.fused_lamb_, lamb_args),
     "sum_fp32": (ops.sum_fp32, sum_args),
     "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
@@ -359,6 +384,25 @@ CASES = [
             "model_params"),
         *list_cases(op, "compensations", 1, [torch.float32, torch.float16, torch.float64]),
     )],
+    # Stochastic rounding (fused_sgd_ and fused_adam_ alike)
+    *[case for op in ("fused_sgd_-stochastic", "fused_adam_-stochastic") for case in (
+        Case(op, "sr_salts-shorter", drop_last("sr_salts"), ValueError, "sr_salts"),
+        Case(op, "sr_salts-numel", set_item("sr_salts", 1, other_numel), ValueError,
+             "sr_salts[1]"),
+        Case(op, "sr_salts-float64", set_item("sr_salts", 1, as_dtype(torch.float64)),
+             TypeError, "sr_salts[1]"),
+        Case(op, "sr_salts-without-seed", set_arg("sr_seed", None), ValueError, "sr_salts"),
+        Case(op, "params-fp32", set_item("params", 2, as_dtype(torch.float32)), TypeError,
+             "params[2]"),
+        Case(op, "with-masters", lambda a, d: a.update(
+            model_params=a["params"], params=[p.float() for p in a["params"]]), ValueError,
+            "model_params"),
+        Case(op, "with-compensations", set_arg("compensations", lambda a, d: [
+            torch.zeros_like(p) for p in a["params"]]), ValueError, "compensations"),
+    )],
+    Case("fused_sgd_-stochastic", "no-step", set_arg("step", None), ValueError, "step"),
+    Case("fused_sgd_-stochastic", "step-numel", set_arg("step", sized("step", 2)), ValueError,
+         "step"),
     # sum_fp32
     Case("sum_fp32", "self-int32", set_arg("self", lambda a, d: a["self"].int()),
          TypeError, "self"),
@@ -574,6 +618,12 @@ OVERLAP_CASES = [
       for op in ("fused_sgd_-kahan", "fused_adam_-kahan")],
     overlap_case("fused_adam_-kahan", "compensation-is-moment",
                  alias("exp_avgs", 2, "compensations", 2), "compensations[2]", "exp_avgs[2]"),
+    overlap_case("fused_adam_-stochastic", "salt-is-step", alias("sr_salts", 0, "step"),
+                 "step", "sr_salts[0]"),
+    overlap_case("fused_sgd_-stochastic", "salt-in-momentum-buffer", lambda a, d: (
+        a["momentum_buffers"].__setitem__(1, torch.zeros(a["params"][1].shape, device=d)),
+        a["sr_salts"].__setitem__(1, a["momentum_buffers"][1].view(-1)[:1])),
+        "sr_salts[1]", "momentum_buffers[1]"),
     overlap_case("multi_tensor_unscale_", "same-tensor-twice", alias("tensors", 1, "tensors", 0),
                  "tensors[0]", "tensors[1]"),
     overlap_case("multi_tensor_unscale_", "found_inf-in-tensors",

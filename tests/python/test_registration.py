@@ -134,6 +134,15 @@ def sample_inputs(device):
         add((name, args, {"compensations": [randn(p.shape, bf16, d, 90 + i, scale=1e-3)
                                             for i, p in enumerate(bf16_params)]}))
 
+    # Stochastic rounding of bf16 params: a salt per param, a seed (all 64 bits), the step.
+    salts = [scalar(float(i), d) for i in range(len(bf16_params))]
+    for found in (0.0, 1.0):
+        name, args, _ = sgd(bf16_params, mixed(66), 0.9, [], *flags(found=found))
+        add((name, (args[0], args[1], like(args[0], [bf16]), *args[3:]),
+             {"sr_salts": salts, "sr_seed": 2**63 - 1, "step": scalar(4.0, d)}))
+        name, args, _ = adam(bf16_params, mixed(84), [], *flags(found=found))
+        add((name, args, {"sr_salts": salts, "sr_seed": 17}))
+
     def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
         m, v = adam_state(params, d, seed=98)
         return ("fused_lamb_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
