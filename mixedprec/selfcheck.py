@@ -149,6 +149,39 @@ def check_sgd(dev, r):
                    found_inf=scalar(1.0, dev))
     r.expect(all(torch.equal(a, b) for a, b in zip(before, params + bufs + model)),
              "a step with found_inf set changed a tensor")
+    _check_sgd_stochastic(dev, r)
+
+
+def _sgd_stochastic(dev, n, fraction, found_inf=0.0):
+    """bf16 params at 1.0 moved by `fraction` of a bf16 unit (2^-7), rounded
+    stochastically (master="stochastic"); returns them."""
+    params = [torch.ones(k, device=dev, dtype=torch.bfloat16) for k in n]
+    grads = [torch.full((k,), -1.0, device=dev, dtype=torch.bfloat16) for k in n]
+    salts = [scalar(float(i), dev) for i in range(len(n))]
+    ops.fused_sgd_(params, grads, [], [], fraction * 2.0**-7, found_inf=scalar(found_inf, dev),
+                   sr_salts=salts, sr_seed=2024, step=scalar(3.0, dev))
+    return params
+
+
+def _check_sgd_stochastic(dev, r):
+    """Stochastic rounding: each value is one of the two bf16 neighbours, their mean is
+    the fp32 value within 5 standard errors (unbiased), the same key gives the same bits
+    (on CUDA: the CPU's bits), and a skipped step writes nothing."""
+    n, fraction = [ops.CHUNK_SIZE + 5, 1000], 0.3
+    params = _sgd_stochastic(dev, n, fraction)
+    values = torch.cat(params).double()
+    unit = 2.0**-7
+    r.expect(bool(((values == 1.0) | (values == 1.0 + unit)).all()),  # sync-ok: a self-check
+             "stochastic rounding gave a value other than the two bf16 neighbours")
+    std_err = unit * math.sqrt(fraction * (1 - fraction) / values.numel())
+    r.close(values.mean().reshape(1), torch.full((1,), 1.0 + fraction * unit), 5 * std_err,
+            "stochastic rounding's mean (unbiased)")
+    again = _sgd_stochastic("cpu", n, fraction)
+    r.expect(all(torch.equal(a.cpu(), b) for a, b in zip(params, again)),
+             "stochastic rounding's bits differ from the CPU's for the same key")
+    skipped = _sgd_stochastic(dev, n, fraction, found_inf=1.0)
+    r.expect(all(bool((p == 1.0).all()) for p in skipped),  # sync-ok: a self-check
+             "a stochastic step with found_inf set changed a param")
 
 
 def check_adam(dev, r):

@@ -1097,9 +1097,9 @@ TEST(StochasticRounding, ChecksItsArguments) {
   const std::vector<Tensor> salts = {scalar(0.f)};
   expect_error_naming(
       [&] {
-        entry::fused_sgd_<cpu::CpuEngine>({at::zeros({3})}, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false,
-                                     false, std::nullopt, std::nullopt, false, std::nullopt,
-                                     salts, 1, scalar(1.f));
+        entry::fused_sgd_<cpu::CpuEngine>({at::zeros({3})}, grads, {}, {}, 0.1, 0.0, 0.0, 0.0,
+                                          false, false, std::nullopt, std::nullopt, false,
+                                          std::nullopt, salts, 1, scalar(1.f));
       },
       "bfloat16 params");
   expect_error_naming(
