@@ -273,3 +273,19 @@ def test_stochastic_argument_errors():
         FusedSGD(bf16, master="stochastic", seed=-1)
     with pytest.raises(ValueError, match="seed is for master='stochastic'"):
         FusedSGD(bf16, master="kahan", seed=3)
+
+
+def test_apex_2019_step_arguments_round_as_the_fused_path():
+    """FusedAdam.step(scale=...) (Apex 2019's path) keys the bits as step() does."""
+    params, legacy = make_params("cpu"), make_params("cpu")
+    opt = FusedAdam(params, master="stochastic", seed=4, **ADAM)
+    opt_legacy = FusedAdam(legacy, master="stochastic", seed=4, **ADAM)
+    for s in range(3):
+        set_grads(params, s)
+        set_grads(legacy, s)
+        opt.step()
+        opt_legacy.step(scale=1.0)
+    for a, b in zip(params, legacy):
+        assert_bitwise_equal(b.detach(), a.detach())
+    with pytest.raises(ValueError, match="output_params with master='stochastic'"):
+        opt_legacy.step(output_params=[torch.zeros_like(p) for p in legacy])
