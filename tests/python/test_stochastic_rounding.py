@@ -289,3 +289,21 @@ def test_apex_2019_step_arguments_round_as_the_fused_path():
         assert_bitwise_equal(b.detach(), a.detach())
     with pytest.raises(ValueError, match="output_params with master='stochastic'"):
         opt_legacy.step(output_params=[torch.zeros_like(p) for p in legacy])
+
+
+@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+def test_stochastic_steps_never_read_device_values(device, cls, kwargs, monkeypatch):
+    """Full and planned steps, scaled and skipped, without a host read (test_amp's
+    detector: on the CPU, calls from mixedprec's code; on CUDA, any call)."""
+    from test_amp import SyncDetector, armed
+    params = make_params(device)
+    opt = cls(params, master="stochastic", **kwargs)
+    detector = SyncDetector(monkeypatch)
+    for s in range(4):
+        set_grads(params, s)
+        opt.grad_scale = torch.full((), 2.0, device=device)
+        opt.found_inf = torch.full((1,), float(s == 2), device=device)
+        with armed(detector, device):
+            opt.step()
+    assert detector.calls == [], detector.calls
+    assert opt.param_groups[0]["step"].item() == 3
