@@ -482,7 +482,15 @@ def parse_args(argv):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     C.ensure_importable()
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
     device = C.pick_device(args.device)
     cfg = dict(QUICK if args.quick else FULL)
     if args.seeds:
