@@ -312,9 +312,9 @@ def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, 
         for m, task in tasks.items():
             r = runs[m]
             losses = [round(v, 5) for v in torch.stack(r.pop("losses")).float().tolist()]
-            r["step_ms"] = [round(v, 3) for v in r["step_ms"]]
             r.update(seed=seed, losses=losses, metric=task.metric(),
                      median_step_ms=statistics.median(r["step_ms"]),
+                     step_ms=C.summary(r["step_ms"]),
                      **state_bytes(task.model, task.opt))
             out[m]["status"] = "ok"
             out[m]["seeds"].append(r)
@@ -328,7 +328,7 @@ def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, 
         out[m].update(
             metric_mean=statistics.mean(vals) if vals else None,
             metric_spread=(max(vals) - min(vals)) if vals else None,
-            median_step_ms=statistics.median(s for r in seeds_ for s in r["step_ms"]),
+            median_step_ms=statistics.median(r["median_step_ms"] for r in seeds_),
             total_bytes=seeds_[0]["total_bytes"], param_bytes=seeds_[0]["param_bytes"],
             state_bytes=seeds_[0]["state_bytes"],
             nonfinite=any(not math.isfinite(v) for r in seeds_ for v in r["losses"]))
@@ -365,9 +365,21 @@ def evaluate_bar(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
                           f" of {REFERENCE} ({what})")
                 passed = None if gap is None else gap <= margin
             status = results.get(model, {}).get(mode, {}).get("status")
+            paired = [_gap(model, a["metric"], b["metric"]) for a, b in zip(
+                results.get(model, {}).get(mode, {}).get("seeds", []),
+                results.get(model, {}).get(REFERENCE, {}).get("seeds", []))]
+            if shown and paired:
+                shown += " (per seed: " + ", ".join(paired) + ")"
             bars.append(dict(model=model, mode=mode, target=target, value=shown,
                              passed=passed, status=status))
     return bars
+
+
+def _gap(model: str, value: float, ref: float) -> str:
+    """One seed's difference to the reference, as the bar measures it."""
+    if model == "lm":
+        return f"{100 * (value - ref) / ref:+.2f}%"
+    return f"{value - ref:+.2f}"
 
 
 LABELS = {"digits": "Digits CNN, test accuracy (%)", "lm": "Byte LM, held-out loss (nats/byte)",
@@ -413,7 +425,9 @@ def markdown(data: Dict[str, Any]) -> str:
     lines += ["", "Spread: max - min over the seeds (shown as ± half of it). Memory: "
               "numel * element_size summed over the parameters and every optimizer state "
               "tensor after training (gradients and activations not counted). Step time: "
-              "median wall clock of zero_grad + forward + backward + step over all seeds."]
+              "wall clock of zero_grad + forward + backward + step, the median of the "
+              "seeds' medians. Bar: per seed, the same seed's bf16-master run is the "
+              "reference (same initial weights and batches)."]
     return "\n".join(lines) + "\n"
 
 
