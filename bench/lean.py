@@ -311,7 +311,8 @@ def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, 
                     runs[m]["evals"].append([i + 1, tasks[m].metric()])
         for m, task in tasks.items():
             r = runs[m]
-            losses = [round(v, 5) for v in torch.stack(r.pop("losses")).float().tolist()]
+            losses = torch.stack(r.pop("losses")).float().tolist()  # sync-ok: after training
+            losses = [round(v, 5) for v in losses]
             r.update(seed=seed, losses=losses, metric=task.metric(),
                      median_step_ms=statistics.median(r["step_ms"]),
                      step_ms=C.summary(r["step_ms"]),
