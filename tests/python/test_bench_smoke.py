@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmarks (bench/ops.py, bench/train.py) on the CPU.
+"""Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -48,7 +48,7 @@ def _needs_torchvision():
 ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn", "mixedprec"}
 
 
-@pytest.mark.parametrize("name", ["ops", "train", "common"])
+@pytest.mark.parametrize("name", ["ops", "train", "common", "lean"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -267,3 +267,80 @@ def test_train_report_on_gpu_numbers(bench_train, tmp_path):
     if HAS_MATPLOTLIB:
         assert bench_train.chart(data, tmp_path / "chart.png") is None
         assert (tmp_path / "chart.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def bench_lean():
+    return _load("lean")
+
+
+def _stochastic_available() -> bool:
+    import mixedprec
+    try:
+        mixedprec.FusedAdam([torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)],
+                            master="stochastic")
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_lean_quick(bench_lean, tmp_path):
+    """``bench/lean.py --quick``: every model and mode runs (or stochastic rounding is
+    reported unavailable, exactly when the build lacks it), the memory is measured from
+    the tensors (bytes per parameter as docs/lean-precision.md counts them), and the
+    markdown, JSON and PNG are written and parse."""
+    pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
+    models = "digits,lm,resnet18" if importlib.util.find_spec("torchvision") else "digits,lm"
+    threads = torch.get_num_threads()
+    assert bench_lean.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
+                            "--models", models]) == 0
+    assert torch.get_num_threads() == threads  # restored
+    data = json.loads((tmp_path / "lean-cpu.json").read_text())
+    assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
+    assert list(data["results"]) == models.split(",")
+    stochastic = _stochastic_available()
+    per_param = {"fp32": 12, "bf16-master": 14, "fp32-bf16mom": 8, "bf16-kahan": 12,
+                 "bf16-stochastic": 10, "bf16-none": 10}  # Adam, fp32 moments unless named
+    for model, res in data["results"].items():
+        assert set(res) == set(bench_lean.MODES)
+        for mode, r in res.items():
+            if mode == "bf16-stochastic" and not stochastic:
+                assert r["status"] == bench_lean.UNAVAILABLE and not r["seeds"]
+                continue
+            assert r["status"] == "ok", (model, mode, r)
+            assert not r["nonfinite"] and r["median_step_ms"] > 0
+            numel = r["param_bytes"] // bench_lean.MODES[mode][0].itemsize
+            assert r["total_bytes"] == per_param[mode] * numel, (model, mode)
+            seed = r["seeds"][0]
+            assert len(seed["losses"]) == {"digits": data["config"]["digits_steps"],
+                                           "lm": data["config"]["lm_steps"]}.get(
+                model, data["config"]["rn_steps"] + data["config"]["rn_warmup"])
+            if model == "digits":
+                assert 0 <= r["metric_mean"] <= 100
+            elif model == "lm":
+                assert 0 < r["metric_mean"] < 10 and seed["evals"]
+            else:
+                assert r["metric_mean"] is None
+    assert len(data["bar"]) == 6
+    md = (tmp_path / "lean-cpu.md").read_text()
+    assert "CPU smoke run" in md and "## The bar (issue #11)" in md
+    assert ("not available in this build" in md) == (not stochastic)
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "lean-cpu.png").stat().st_size > 0
+
+
+def test_lean_bar_on_made_up_numbers(bench_lean):
+    """The bar's verdicts: 1% relative on the LM's loss, 0.5 points on digits' accuracy,
+    the baseline visibly worse; a mode not run has no verdict."""
+    def ok(v):
+        return {"status": "ok", "metric_mean": v}
+    results = {
+        "lm": {"bf16-master": ok(2.0), "bf16-kahan": ok(2.019), "bf16-none": ok(2.05),
+               "bf16-stochastic": {"status": bench_lean.UNAVAILABLE}},
+        "digits": {"bf16-master": ok(97.0), "bf16-kahan": ok(96.4), "bf16-none": ok(96.8),
+                   "bf16-stochastic": ok(97.5)},
+    }
+    got = {(b["model"], b["mode"]): b["passed"] for b in bench_lean.evaluate_bar(results)}
+    assert got == {("lm", "bf16-kahan"): True, ("lm", "bf16-stochastic"): None,
+                   ("lm", "bf16-none"): True, ("digits", "bf16-kahan"): False,
+                   ("digits", "bf16-stochastic"): True, ("digits", "bf16-none"): False}

@@ -1,0 +1,554 @@
+"""The lean precision modes of FusedAdam side by side (issue #11, docs/lean-precision.md).
+
+Three models, trained in one run:
+
+* ``digits``: the small CNN of examples/digits on scikit-learn's digits (shipped with
+  scikit-learn, offline); reports test accuracy.
+* ``lm``: a byte-level causal transformer (bench/train.py's ``CausalLM``) on a real
+  offline corpus: the Python standard library's own top-level ``*.py`` files
+  (``sysconfig.get_paths()["stdlib"]``); every tenth file is held out. Reports the final
+  held-out loss (nats per byte).
+* ``resnet18``: torchvision's ResNet-18 on synthetic 32x32 images, for step time and
+  memory only.
+
+Modes (each one ``mixedprec.FusedAdam`` configuration):
+
+===================  ==========================================================
+fp32                 fp32 params, fp32 moments (the reference)
+bf16-master          bf16 params, ``master="fp32"``, fp32 moments
+fp32-bf16mom         fp32 params, ``moment_dtype=torch.bfloat16``
+bf16-kahan           bf16 params, ``master="kahan"``, fp32 moments
+bf16-stochastic      bf16 params, ``master="stochastic"``, fp32 moments
+bf16-none            bf16 params, ``master="none"``, fp32 moments (the baseline)
+===================  ==========================================================
+
+bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
+logits; bf16 needs no loss scale. A mode whose construction raises
+``NotImplementedError`` (``master="stochastic"`` in builds without it) is reported as
+"not available in this build" and the run carries on.
+
+Per model and mode, over ``--seeds`` seeds (same data order and initial weights per
+seed in every mode): final metric mean and spread (max - min), the bytes of
+parameters plus optimizer state (sum of numel * element_size over the parameters and
+every tensor in the optimizer state, after training: the peak, since the state is
+fixed in size after the first step), and the median step time (zero_grad, forward,
+backward, step; wall clock on the CPU, synchronised on CUDA). Modes are interleaved
+step by step (the order rotated each step) so that machine noise hits all of them
+alike.
+
+The learning rate warms up, then decays by cosine to ``lr / 20``: late in training the
+updates are smaller than half a bf16 unit of many weights, where ``"none"`` stalls.
+
+The bar (issue #11): kahan and stochastic end within 1% relative of bf16-master's
+held-out loss on the LM and within 0.5 points of its accuracy on digits; bf16-none is
+visibly worse (beyond the same margins).
+
+Writes ``lean-<device>.md``, ``.json``, ``.png`` to bench/results (or ``--out``;
+``--quick``, a smoke run of under a minute, writes to bench/results/cpu-smoke).
+"""
+
+import argparse
+import importlib.util
+import math
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _load(name: str):
+    module_name = f"mixedprec_bench_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            module_name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+C = _load("common")
+
+# name -> (param dtype, master, moment dtype)
+MODES: Dict[str, tuple] = {
+    "fp32": (torch.float32, "none", torch.float32),
+    "bf16-master": (torch.bfloat16, "fp32", torch.float32),
+    "fp32-bf16mom": (torch.float32, "none", torch.bfloat16),
+    "bf16-kahan": (torch.bfloat16, "kahan", torch.float32),
+    "bf16-stochastic": (torch.bfloat16, "stochastic", torch.float32),
+    "bf16-none": (torch.bfloat16, "none", torch.float32),
+}
+REFERENCE = "bf16-master"  # the bar's reference: fp32 masters
+CONTENDERS = ("bf16-kahan", "bf16-stochastic")
+BASELINE = "bf16-none"
+BAR_LM_REL = 0.01  # relative held-out loss
+BAR_DIGITS_POINTS = 0.5  # accuracy, percentage points
+UNAVAILABLE = "not available in this build"
+
+# Sizes: full run (measured 223 s on 1 thread of a shared Xeon) and --quick (~10 s).
+FULL = dict(seeds=3, digits_steps=1200, digits_batch=32, digits_lr=3e-4,
+            lm_steps=400, lm_batch=16, lm_seq=64, lm_d=96, lm_layers=2, lm_heads=4,
+            lm_lr=2e-3, lm_eval_every=50, lm_eval_batches=16, lm_corpus_mb=4.0,
+            rn_steps=6, rn_warmup=1, rn_batch=8, rn_image=32)
+QUICK = dict(seeds=1, digits_steps=30, digits_batch=32, digits_lr=3e-4,
+             lm_steps=20, lm_batch=4, lm_seq=32, lm_d=32, lm_layers=1, lm_heads=2,
+             lm_lr=2e-3, lm_eval_every=10, lm_eval_batches=2, lm_corpus_mb=0.3,
+             rn_steps=2, rn_warmup=1, rn_batch=2, rn_image=32)
+
+
+def lr_at(step: int, total: int, lr: float) -> float:
+    """Linear warm-up over the first 5% of the steps, then cosine decay to lr / 20."""
+    warm = max(1, total // 20)
+    if step < warm:
+        return lr * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return lr / 20 + (lr - lr / 20) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> Dict[str, int]:
+    """Bytes of the parameters and of every tensor in the optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = 0
+    for s in opt.state.values():
+        for v in s.values():
+            if torch.is_tensor(v):
+                state += v.numel() * v.element_size()
+    return {"param_bytes": params, "state_bytes": state, "total_bytes": params + state}
+
+
+def make_optimizer(mode: str, model: nn.Module, lr: float):
+    """The mode's FusedAdam; raises NotImplementedError where the build lacks it."""
+    import mixedprec
+    _, master, moments = MODES[mode]
+    return mixedprec.FusedAdam(model.parameters(), lr=lr, master=master, moment_dtype=moments)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the three tasks -----------------------------------------------------------------------
+
+class Task:
+    """One model in one mode and seed: ``step(i)`` trains on batch ``i`` (returns the
+    loss tensor), ``metric()`` evaluates (a host read: outside the timed steps)."""
+
+    def __init__(self, model: nn.Module, mode: str, lr: float, total: int,
+                 device: torch.device):
+        self.dtype = MODES[mode][0]
+        self.model = model.to(device=device, dtype=self.dtype)
+        self.opt = make_optimizer(mode, self.model, lr)
+        self.lr, self.total, self.device = lr, total, device
+
+    def step(self, i: int) -> torch.Tensor:
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(i, self.total, self.lr)
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(i)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+class DigitsTask(Task):
+    def __init__(self, mode, seed, cfg, data, device):
+        ex = _load_digits_example()
+        torch.manual_seed(seed)
+        super().__init__(ex.DigitsNet(), mode, cfg["digits_lr"], cfg["digits_steps"], device)
+        self.x_train, self.y_train, self.x_test, self.y_test = data
+        g = torch.Generator().manual_seed(seed)
+        n, b = len(self.y_train), cfg["digits_batch"]
+        per_epoch = n // b
+        epochs = -(-cfg["digits_steps"] // per_epoch)
+        order = torch.cat([torch.randperm(n, generator=g)[:per_epoch * b] for _ in range(epochs)])
+        self.batches = order.view(-1, b).to(device)
+
+    def loss(self, i):
+        idx = self.batches[i]
+        out = self.model(self.x_train[idx].to(self.dtype))
+        return F.cross_entropy(out.float(), self.y_train[idx])
+
+    @torch.no_grad()
+    def metric(self) -> float:
+        self.model.eval()
+        pred = self.model(self.x_test.to(self.dtype)).argmax(1)
+        self.model.train()
+        return 100.0 * (pred == self.y_test).float().mean().item()  # sync-ok: evaluation
+
+
+class LMTask(Task):
+    def __init__(self, mode, seed, cfg, data, device):
+        train_mod = _load("train")
+        torch.manual_seed(seed)
+        model = train_mod.CausalLM(256, cfg["lm_seq"], cfg["lm_layers"], cfg["lm_d"],
+                                   cfg["lm_heads"])
+        super().__init__(model, mode, cfg["lm_lr"], cfg["lm_steps"], device)
+        train, held = data
+        g = torch.Generator().manual_seed(seed)
+        t, b = cfg["lm_seq"], cfg["lm_batch"]
+        starts = torch.randint(0, len(train) - t - 1, (cfg["lm_steps"], b), generator=g)
+        self.train, self.starts, self.t = train.to(device), starts.to(device), t
+        # Fixed held-out windows (the same for every mode and seed).
+        g_eval = torch.Generator().manual_seed(12345)
+        n_eval = cfg["lm_eval_batches"] * b
+        hs = torch.randint(0, len(held) - t - 1, (n_eval,), generator=g_eval)
+        windows = torch.stack([held[s:s + t + 1] for s in hs.tolist()]).to(device)
+        self.eval_x, self.eval_y = windows[:, :-1], windows[:, 1:]
+        self.eval_b = b
+
+    def _xy(self, starts):
+        idx = starts[:, None] + torch.arange(self.t + 1, device=starts.device)
+        w = self.train[idx]
+        return w[:, :-1], w[:, 1:]
+
+    def loss(self, i):
+        x, y = self._xy(self.starts[i])
+        out = self.model(x)
+        return F.cross_entropy(out.float().reshape(-1, 256), y.reshape(-1))
+
+    @torch.no_grad()
+    def metric(self) -> float:
+        total = torch.zeros((), device=self.device)
+        n = 0
+        for s in range(0, len(self.eval_x), self.eval_b):
+            x, y = self.eval_x[s:s + self.eval_b], self.eval_y[s:s + self.eval_b]
+            out = self.model(x).float()
+            total += F.cross_entropy(out.reshape(-1, 256), y.reshape(-1), reduction="sum")
+            n += y.numel()
+        return (total / n).item()  # sync-ok: evaluation
+
+
+class ResNetTask(Task):
+    def __init__(self, mode, seed, cfg, data, device):
+        import torchvision
+        torch.manual_seed(seed)
+        super().__init__(torchvision.models.resnet18(num_classes=10), mode, 1e-3,
+                         cfg["rn_steps"] + cfg["rn_warmup"], device)
+        g = torch.Generator().manual_seed(seed)
+        b, s = cfg["rn_batch"], cfg["rn_image"]
+        self.x = torch.randn(b, 3, s, s, generator=g).to(device=device, dtype=self.dtype)
+        self.y = torch.randint(0, 10, (b,), generator=g).to(device)
+
+    def loss(self, i):
+        return F.cross_entropy(self.model(self.x).float(), self.y)
+
+    def metric(self) -> Optional[float]:
+        return None
+
+
+def _load_digits_example():
+    name = "mixedprec_example_digits"
+    if name not in sys.modules:
+        path = C.ROOT / "examples" / "digits" / "train.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def stdlib_corpus(max_mb: float):
+    """Bytes of the standard library's top-level ``*.py`` files (sorted by name), up to
+    ``max_mb`` MB: every tenth file held out. Returns (train, held-out) uint8 -> int64
+    tensors and a description."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    train, held, used, size = [], [], 0, 0
+    for k, f in enumerate(files):
+        data = f.read_bytes()
+        (held if k % 10 == 9 else train).append(data)
+        used, size = used + 1, size + len(data)
+        if size >= max_mb * 1e6:
+            break
+    to_t = lambda chunks: torch.frombuffer(bytearray(b"\n".join(chunks)),  # noqa: E731
+                                           dtype=torch.uint8).long()
+    desc = (f"{used} top-level .py files of {root} (sorted by name, {size / 1e6:.2f} MB; "
+            f"every tenth held out: {sum(map(len, held)) / 1e6:.2f} MB)")
+    return (to_t(train), to_t(held)), desc
+
+
+TASKS = {"digits": DigitsTask, "lm": LMTask, "resnet18": ResNetTask}
+
+
+def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, data,
+              device: torch.device, log) -> Dict[str, Any]:
+    """Every mode and seed of one model; modes interleaved step by step."""
+    cls = TASKS[name]
+    steps = {"digits": cfg["digits_steps"], "lm": cfg["lm_steps"],
+             "resnet18": cfg["rn_steps"] + cfg["rn_warmup"]}[name]
+    warmup = cfg["rn_warmup"] if name == "resnet18" else 1
+    every = cfg["lm_eval_every"] if name == "lm" else None
+    out: Dict[str, Any] = {m: {"seeds": []} for m in modes}
+    for seed in range(seeds):
+        tasks = {}
+        for m in modes:
+            try:
+                tasks[m] = cls(m, seed, cfg, data, device)
+            except NotImplementedError as e:
+                out[m]["status"] = UNAVAILABLE
+                out[m]["error"] = str(e)
+        runs = {m: {"losses": [], "step_ms": [], "evals": []} for m in tasks}
+        live = list(tasks)
+        for i in range(steps):
+            order = live[i % len(live):] + live[:i % len(live)] if live else []
+            for m in order:
+                sync(device)
+                t0 = time.perf_counter()
+                loss = tasks[m].step(i)
+                sync(device)
+                if i >= warmup:
+                    runs[m]["step_ms"].append((time.perf_counter() - t0) * 1e3)
+                runs[m]["losses"].append(loss)
+            if every and ((i + 1) % every == 0 or i + 1 == steps):
+                for m in live:
+                    runs[m]["evals"].append([i + 1, tasks[m].metric()])
+        for m, task in tasks.items():
+            r = runs[m]
+            losses = torch.stack(r.pop("losses")).float().tolist()  # sync-ok: after training
+            losses = [round(v, 5) for v in losses]
+            r.update(seed=seed, losses=losses, metric=task.metric(),
+                     median_step_ms=statistics.median(r["step_ms"]),
+                     step_ms=C.summary(r["step_ms"]),
+                     **state_bytes(task.model, task.opt))
+            out[m]["status"] = "ok"
+            out[m]["seeds"].append(r)
+            log(f"  {name} seed {seed} {m}: metric {r['metric']}, "
+                f"step {r['median_step_ms']:.1f} ms")
+    for m in modes:
+        seeds_ = out[m]["seeds"]
+        if not seeds_:
+            continue
+        vals = [s["metric"] for s in seeds_ if s["metric"] is not None]
+        out[m].update(
+            metric_mean=statistics.mean(vals) if vals else None,
+            metric_spread=(max(vals) - min(vals)) if vals else None,
+            median_step_ms=statistics.median(r["median_step_ms"] for r in seeds_),
+            total_bytes=seeds_[0]["total_bytes"], param_bytes=seeds_[0]["param_bytes"],
+            state_bytes=seeds_[0]["state_bytes"],
+            nonfinite=any(not math.isfinite(v) for r in seeds_ for v in r["losses"]))
+    return out
+
+
+# --- the bar, the report --------------------------------------------------------------------
+
+def evaluate_bar(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Kahan/stochastic against bf16-master on the LM (1% relative loss) and digits
+    (0.5 accuracy points); bf16-none beyond the same margin. passed None: not run."""
+    bars = []
+
+    def mean(model, mode):
+        r = results.get(model, {}).get(mode, {})
+        return r.get("metric_mean") if r.get("status") == "ok" else None
+
+    for model, what in (("lm", "held-out loss"), ("digits", "test accuracy")):
+        ref = mean(model, REFERENCE)
+        for mode in CONTENDERS + (BASELINE,):
+            v = mean(model, mode)
+            if model == "lm":
+                gap = None if v is None or ref is None else (v - ref) / ref
+                margin, shown = BAR_LM_REL, (None if gap is None else f"{100 * gap:+.2f}%")
+            else:
+                gap = None if v is None or ref is None else ref - v
+                margin, shown = BAR_DIGITS_POINTS, (None if gap is None else f"{-gap:+.2f} pts")
+            if mode == BASELINE:
+                target = (f"{mode} visibly worse than {REFERENCE} ({what}: "
+                          f"{'> 1% relative' if model == 'lm' else '> 0.5 points'})")
+                passed = None if gap is None else gap > margin
+            else:
+                target = (f"{mode} within {'1% relative' if model == 'lm' else '0.5 points'}"
+                          f" of {REFERENCE} ({what})")
+                passed = None if gap is None else gap <= margin
+            status = results.get(model, {}).get(mode, {}).get("status")
+            paired = [_gap(model, a["metric"], b["metric"]) for a, b in zip(
+                results.get(model, {}).get(mode, {}).get("seeds", []),
+                results.get(model, {}).get(REFERENCE, {}).get("seeds", []))]
+            if shown and paired:
+                shown += " (per seed: " + ", ".join(paired) + ")"
+            bars.append(dict(model=model, mode=mode, target=target, value=shown,
+                             passed=passed, status=status))
+    return bars
+
+
+def _gap(model: str, value: float, ref: float) -> str:
+    """One seed's difference to the reference, as the bar measures it."""
+    if model == "lm":
+        return f"{100 * (value - ref) / ref:+.2f}%"
+    return f"{value - ref:+.2f}"
+
+
+LABELS = {"digits": "Digits CNN, test accuracy (%)", "lm": "Byte LM, held-out loss (nats/byte)",
+          "resnet18": "ResNet-18 (synthetic), step time only"}
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    env, cfg = data["env"], data["config"]
+    lines = ["# Lean precision modes: FusedAdam configurations side by side", ""]
+    lines += C.env_lines(env, data["smoke"])
+    lines += [f"- CPU: {env.get('cpu_model')}, torch threads {env.get('cpu_threads')}, "
+              f"{env.get('cpu_count')} cores, capability {env.get('cpu_capability')}",
+              f"- seeds: {cfg['seeds']}; modes interleaved step by step; total "
+              f"{data['wall_s']:.0f} s",
+              f"- corpus: {data['corpus']}", ""]
+    if data.get("note"):
+        lines += [data["note"], ""]
+    for model, res in data["results"].items():
+        lines += [f"## {LABELS[model]}", ""]
+        rows = []
+        for mode, r in res.items():
+            if r.get("status") != "ok":
+                rows.append([mode, r.get("status", "not run"), "", "", "", ""])
+                continue
+            metric = ("" if r["metric_mean"] is None else
+                      f"{r['metric_mean']:.{2 if model == 'digits' else 4}f} "
+                      f"(±{r['metric_spread'] / 2:.{2 if model == 'digits' else 4}f})")
+            rows.append([mode, metric + (" non-finite!" if r["nonfinite"] else ""),
+                         f"{r['total_bytes'] / 1e6:.3f}",
+                         f"{r['total_bytes'] / (r['param_bytes'] / MODES[mode][0].itemsize):.1f}",
+                         C.fmt(r["median_step_ms"], 1),
+                         f"{r['median_step_ms'] / res['fp32']['median_step_ms']:.2f}"
+                         if res.get("fp32", {}).get("status") == "ok" else ""])
+        head = {"digits": "accuracy % (± half spread)", "lm": "held-out loss (± half spread)",
+                "resnet18": "metric"}[model]
+        lines += C.md_table(["mode", head, "params+state MB", "B/param", "step ms",
+                             "vs fp32"], rows)
+        lines.append("")
+    lines += ["## The bar (issue #11)", ""]
+    lines += C.md_table(["target", "measured", "verdict"],
+                        [[b["target"], b["value"] or b["status"] or "",
+                          C.verdict(b["passed"])] for b in data["bar"]], align="lll")
+    lines += ["", "Spread: max - min over the seeds (shown as ± half of it). Memory: "
+              "numel * element_size summed over the parameters and every optimizer state "
+              "tensor after training (gradients and activations not counted). Step time: "
+              "wall clock of zero_grad + forward + backward + step, the median of the "
+              "seeds' medians. Bar: per seed, the same seed's bf16-master run is the "
+              "reference (same initial weights and batches)."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
+    """Loss curves, mean over seeds per mode. Returns why not, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return f"matplotlib missing: {e}"
+    res = data["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+
+    def smooth(xs, k):
+        out, acc = [], []
+        for x in xs:
+            acc.append(x)
+            acc = acc[-k:]
+            out.append(sum(acc) / len(acc))
+        return out
+
+    for mode in MODES:
+        for ax, model, key in ((axes[0], "digits", "losses"), (axes[1], "lm", "losses")):
+            r = res.get(model, {}).get(mode, {})
+            if r.get("status") != "ok":
+                continue
+            curves = [s[key] for s in r["seeds"]]
+            mean = [statistics.mean(v) for v in zip(*curves)]
+            ax.plot(smooth(mean, 20), label=mode, lw=1)
+        r = res.get("lm", {}).get(mode, {})
+        if r.get("status") == "ok" and r["seeds"][0]["evals"]:
+            xs = [e[0] for e in r["seeds"][0]["evals"]]
+            ys = [statistics.mean(v) for v in zip(*[[e[1] for e in s["evals"]]
+                                                     for s in r["seeds"]])]
+            axes[2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1)
+    axes[0].set(title="digits: training loss (20-step mean)", xlabel="step", yscale="log")
+    axes[1].set(title="byte LM: training loss (20-step mean)", xlabel="step")
+    axes[2].set(title="byte LM: held-out loss", xlabel="step")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"FusedAdam lean modes, mean over {data['config']['seeds']} seeds "
+                 f"({data['env']['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run, under a minute")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--out", help="output directory (default bench/results, "
+                                 "bench/results/cpu-smoke with --quick)")
+    p.add_argument("--models", default="digits,lm,resnet18")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--seeds", type=int, help="default 3 (1 with --quick)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--note", help="a sentence added to the report (e.g. what else ran)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    C.ensure_importable()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args) -> int:
+    device = C.pick_device(args.device)
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.seeds:
+        cfg["seeds"] = args.seeds
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    for m in models + modes:
+        if m not in TASKS and m not in MODES:
+            raise SystemExit(f"unknown model or mode {m!r}: models {list(TASKS)}, "
+                             f"modes {list(MODES)}")
+    env = C.environment(device)
+    t_start = time.time()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    corpus_desc = None
+    results: Dict[str, Any] = {}
+    for model in models:
+        if model == "digits":
+            data = _load_digits_example().load_data(0, device)
+        elif model == "lm":
+            data, corpus_desc = stdlib_corpus(cfg["lm_corpus_mb"])
+        else:
+            data = None
+        log(f"{model}: {cfg['seeds']} seeds x {len(modes)} modes")
+        results[model] = run_model(model, cfg, modes, cfg["seeds"], data, device, log)
+    data = dict(env=env, smoke=args.quick, config=dict(cfg, models=models, modes=modes),
+                corpus=corpus_desc, results=results, wall_s=time.time() - t_start)
+    data["bar"] = evaluate_bar(results)
+    if device.type == "cpu":
+        data["note"] = ("Timings are wall clock on the CPU, noisy where the machine is "
+                        "shared; the modes are interleaved so that noise falls on all of "
+                        "them alike. " + (args.note or "")).strip()
+    out = C.out_dir(args.out, args.quick)
+    slug = C.device_slug(env)
+    md = markdown(data)
+    C.write_json(out / f"lean-{slug}.json", data)
+    (out / f"lean-{slug}.md").write_text(md)
+    why = chart(data, out / f"lean-{slug}.png")
+    print(md)
+    print(f"wrote {out}/lean-{slug}.{{md,json}}" + (f" (no chart: {why})" if why else ", .png"))
+    C.copy_out([out / f"lean-{slug}.{e}" for e in ("md", "json", "png")],
+               bool(args.out), args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
