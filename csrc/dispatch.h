@@ -355,12 +355,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
   c.same_dtypes(exp_avgs, "exp_avgs", exp_avg_sqs, "exp_avg_sqs");
-  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
-  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
-  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
-  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
   c.no_overlap();
   if (params.empty()) return;
 
@@ -408,12 +403,7 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.paired(params, "params", exp_avgs, "exp_avgs");
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
-  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
-  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
-  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
-  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
   if (global_grad_norm.has_value()) {
     c.value(max_grad_norm > 0 && std::isfinite(max_grad_norm), "max_grad_norm",
             "a finite number > 0 with a global_grad_norm", max_grad_norm);
@@ -524,12 +514,7 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
                         static_cast<int64_t>(params.size()),
                     "fused_novograd_: expected exp_avg_sq to be a vector of one value for each "
                     "of the ", params.size(), " params, got shape ", exp_avg_sq.sizes());
-  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
-  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
-  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
-  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
   c.value(norm_type == 0 || norm_type == 2, "norm_type", "0 (inf-norm) or 2 (L2)",
           static_cast<double>(norm_type));
   c.no_overlap();

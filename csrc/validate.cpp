@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace mixedprec {
@@ -201,6 +202,16 @@ void check_params(Checker& c, at::TensorList params, at::TensorList grads,
     c.list(model_params, "model_params", kFloats, Access::kWrite, /*twins=*/params);
     c.paired(params, "params", model_params, "model_params");
   }
+}
+
+void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta2, double eps,
+                                double weight_decay) {
+  c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
+  c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
+  c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
+  c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
+          "a finite number >= 0", weight_decay);
 }
 
 void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,

@@ -93,6 +93,10 @@ class Checker {
 void check_params(Checker& c, at::TensorList params, at::TensorList grads,
                   at::TensorList model_params);
 
+// lr, beta1, beta2, eps and weight_decay of the Adam family (Adam, LAMB, NovoGrad).
+void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta2, double eps,
+                                double weight_decay);
+
 // Kahan compensations of an optimizer (pointwise.h): none, or one bf16 tensor per
 // param, the params then bf16 and without masters (model_params empty).
 void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,

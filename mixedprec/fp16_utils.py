@@ -202,8 +202,9 @@ def master_params_to_model_params(model_params: Sequence[Tensor], master_params:
 
 
 def to_python_float(t: Any) -> float:
-    """``t.item()`` (synchronises); differs from Apex: Python numbers are returned as
-    floats (Apex failed); other sequences give ``t[0]`` as in Apex."""
+    """The value of a one-element tensor as a Python number (a host read, as in Apex);
+    differs from Apex: Python numbers are returned as floats (Apex failed); other
+    sequences give ``t[0]`` as in Apex."""
     if hasattr(t, "item"):
         return t.item()  # sync-ok: Apex API, a host read by definition
     if isinstance(t, (int, float)):

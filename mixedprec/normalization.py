@@ -121,9 +121,13 @@ def manual_rms_norm(input, normalized_shape, weight, eps):
     return out
 
 
-class FusedLayerNorm(nn.Module):
-    """Apex's ``FusedLayerNorm``: ``torch.nn.LayerNorm``'s arguments plus
-    ``memory_efficient`` (no effect here); output in the input's dtype."""
+class _FusedNorm(nn.Module):
+    """What Apex's four norm modules share: ``torch.nn.LayerNorm``'s arguments plus
+    ``memory_efficient`` (no effect here), a weight (and, for the layer norm, a bias)
+    of ``normalized_shape``, and the output dtype rule of ``_norm``."""
+
+    _kind = "layer"  # or "rms": no bias
+    _mixed = False  # the output in the parameters' dtype (the Mixed* modules)
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
                  memory_efficient=False):
@@ -132,54 +136,42 @@ class FusedLayerNorm(nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
+        has_bias = self._kind == "layer"
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape))
-            self.bias = nn.Parameter(torch.zeros(self.normalized_shape))
         else:
             self.register_parameter("weight", None)
+        if has_bias and elementwise_affine:
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape))
+        elif has_bias:
             self.register_parameter("bias", None)
 
     def reset_parameters(self) -> None:
         if self.elementwise_affine:
             nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+            if self._kind == "layer":
+                nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        return _norm("layer", input, self.weight, self.bias, self.normalized_shape, self.eps,
-                     mixed=False)
+        bias = self.bias if self._kind == "layer" else None
+        return _norm(self._kind, input, self.weight, bias, self.normalized_shape, self.eps,
+                     mixed=self._mixed)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, "
                 f"elementwise_affine={self.elementwise_affine}")
 
 
-class FusedRMSNorm(nn.Module):
+class FusedLayerNorm(_FusedNorm):
+    """Apex's ``FusedLayerNorm``: ``torch.nn.LayerNorm``'s arguments plus
+    ``memory_efficient`` (no effect here); output in the input's dtype."""
+
+
+class FusedRMSNorm(_FusedNorm):
     """Apex's ``FusedRMSNorm``: ``y = x / sqrt(mean(x**2) + eps) * weight`` over the last
     ``normalized_shape`` dimensions; output in the input's dtype."""
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True,
-                 memory_efficient=False):
-        super().__init__()
-        self.normalized_shape = torch.Size(_shape(normalized_shape))
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-
-    def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("rms", input, self.weight, None, self.normalized_shape, self.eps,
-                     mixed=False)
-
-    def extra_repr(self) -> str:
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
+    _kind = "rms"
 
 
 def _mixed_affine(cls_name: str, kwargs: dict) -> None:
@@ -196,23 +188,19 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     """Apex's ``MixedFusedLayerNorm``: a :class:`FusedLayerNorm` whose output has the
     parameters' dtype (float32 parameters, fp16/bf16 input: float32 output)."""
 
+    _mixed = True
+
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
         _mixed_affine("MixedFusedLayerNorm", kwargs)
         super().__init__(normalized_shape, eps, True, memory_efficient)
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("layer", input, self.weight, self.bias, self.normalized_shape, self.eps,
-                     mixed=True)
 
 
 class MixedFusedRMSNorm(FusedRMSNorm):
     """Apex's ``MixedFusedRMSNorm``: a :class:`FusedRMSNorm` whose output has the
     parameters' dtype."""
 
+    _mixed = True
+
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
         _mixed_affine("MixedFusedRMSNorm", kwargs)
         super().__init__(normalized_shape, eps, True, memory_efficient)
-
-    def forward(self, input: Tensor) -> Tensor:
-        return _norm("rms", input, self.weight, None, self.normalized_shape, self.eps,
-                     mixed=True)

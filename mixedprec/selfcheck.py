@@ -177,7 +177,7 @@ def _check_sgd_stochastic(dev, r):
     r.close(values.mean().reshape(1), torch.full((1,), 1.0 + fraction * unit), 5 * std_err,
             "stochastic rounding's mean (unbiased)")
     again = _sgd_stochastic("cpu", n, fraction)
-    r.expect(all(torch.equal(a.cpu(), b) for a, b in zip(params, again)),
+    r.expect(all(torch.equal(a.cpu(), b) for a, b in zip(params, again)),  # sync-ok: check
              "stochastic rounding's bits differ from the CPU's for the same key")
     skipped = _sgd_stochastic(dev, n, fraction, found_inf=1.0)
     r.expect(all(bool((p == 1.0).all()) for p in skipped),  # sync-ok: a self-check
