@@ -181,6 +181,7 @@ def main():
             progress.update(1)
     if progress is not None:
         progress.close()
+    dist.barrier()  # leave together: a rank exiting early can abort gloo in its peer
     dist.destroy_process_group()
 
 
