@@ -113,6 +113,15 @@ class _Work(NamedTuple):
     grads: List[Tensor]
     states: List[Optional[Dict[str, Any]]]
 
+    def pick(self, positions: List[int]) -> "_Work":
+        return _Work([self.params[i] for i in positions], [self.grads[i] for i in positions],
+                     [self.states[i] for i in positions])
+
+
+def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
+    """The gradients of one op call of a group (``_lean_calls``' positions)."""
+    return grads if positions is None else [grads[i] for i in positions]
+
 
 class _Plan(NamedTuple):
     """A param group's op call as the last step made it, reused while nothing it was
@@ -127,6 +136,7 @@ class _Plan(NamedTuple):
     masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
     stepped: List[bool]  # per group param: whether it had a gradient
     lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
+    device: Optional[torch.device]  # where the lists are (None: no call)
 
 
 def _signature(p: Tensor) -> Tuple[Any, ...]:
@@ -196,13 +206,29 @@ class _FusedOptimizer(Optimizer):
             self.master = "none"
 
     def _check_kahan(self, p: Tensor) -> None:
-        """master='kahan' and master='stochastic' take bfloat16 parameters only."""
-        if self.master in ("kahan", "stochastic") and p.dtype != torch.bfloat16:
+        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
+        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
+        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
             what = "compensates" if self.master == "kahan" else "rounds stochastically into"
             raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
-                            f"parameters and expects only those, got one of dtype {p.dtype} "
-                            "(fp32 parameters need neither: step them with another "
-                            "optimizer, or use master='none' or 'fp32')")
+                            "parameters (fp32 ones are updated directly), got one of dtype "
+                            "torch.float16 (use master='fp32' for fp16 parameters)")
+
+    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
+        """The op calls of one group's parameters: (their _Work, their positions in
+        ``items`` or None for all, whether the call is lean). With master='kahan' or
+        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
+        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
+        call that updates them directly, as master='none' does: fp32 holds their
+        updates. Otherwise one plain call."""
+        if self.master not in ("kahan", "stochastic"):
+            return [(items, None, False)]
+        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
+        if len(bf16) == len(items.params):
+            return [(items, None, True)]
+        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
+        return [(items.pick(positions), positions, lean)
+                for positions, lean in ((bf16, True), (other, False)) if positions]
 
     def _invalidate_plans(self) -> None:
         """Forgets the op calls kept from the last step (see ``_planned_work``): for
@@ -305,8 +331,10 @@ class _FusedOptimizer(Optimizer):
         outside the optimizer (its version counter moved: ``load_state_dict`` on the
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
         count, as they bypass the counter). A Kahan compensation is dropped once the
-        optimizer left master="kahan" (``master_weights = True`` after construction)."""
-        if self.master != "kahan" and "kahan_comp" in state:
+        optimizer left master="kahan" (``master_weights = True`` after construction) or
+        the parameter left bf16 (``model.float()``: the dropped part is below bf16's
+        resolution)."""
+        if "kahan_comp" in state and (self.master != "kahan" or p.dtype != torch.bfloat16):
             del state["kahan_comp"]
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
@@ -386,7 +414,7 @@ class _FusedOptimizer(Optimizer):
     def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
         """Whether the group's step count is a tensor on the device of the plan's lists."""
         step = group.get("step")
-        return isinstance(step, Tensor) and step.device == plan.lists[0][0].device
+        return isinstance(step, Tensor) and step.device == plan.device
 
     def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
@@ -431,8 +459,8 @@ class _FusedOptimizer(Optimizer):
             used_master_grads = False
             for group, plan, grads, from_master in planned:
                 if plan.lists is not None:
-                    device = plan.lists[0][0].device
-                    self._run_plan(group, plan.lists, grads, *self._scaling(device, scaling))
+                    self._run_plan(group, plan.lists, grads,
+                                   *self._scaling(plan.device, scaling))
                 used_master_grads |= from_master
             if used_master_grads:  # master gradients are used by one step
                 for _, plan, _, _ in planned:
@@ -451,9 +479,9 @@ class _FusedOptimizer(Optimizer):
                         items.states[i] = self.state[p]
                 lists = self._step_group(group, device, items, *self._scaling(device, scaling))
                 if lists is not None and len(by_device) == 1 and not compiling:
-                    plans[index] = self._make_plan(group, lists)
+                    plans[index] = self._make_plan(group, lists, device)
             if not by_device and not compiling:  # no gradients in this group
-                plans[index] = self._make_plan(group, None)
+                plans[index] = self._make_plan(group, None, None)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():
                 for state in items.states:
@@ -468,14 +496,15 @@ class _FusedOptimizer(Optimizer):
     def _state_key(self) -> Tuple[int, int, str]:
         return id(self.state), len(self.state), self.master
 
-    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple]) -> _Plan:
+    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple],
+                   device: Optional[torch.device]) -> _Plan:
         params = group["params"]
         states = [self.state.get(p) or {} for p in params]
         masters = [state.get("master_param") for state in states]
         stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
                    for p, m in zip(params, masters)]
         return _Plan(self._state_key(), [_signature(p) for p in params],
-                     [p.stride() for p in params], masters, stepped, lists)
+                     [p.stride() for p in params], masters, stepped, lists, device)
 
     def _planned_work(self):
         """[(group, plan, gradients, whether some came from masters)] when every group
@@ -717,31 +746,24 @@ class FusedSGD(_FusedOptimizer):
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
         momentum = group["momentum"]
-        # Params whose momentum buffer starts now (first_run) go in a call of their own.
-        calls: Dict[bool, _Work] = {}
-        for p, grad, state in zip(items.params, items.grads, items.states):
-            first_run = momentum != 0 and "momentum_buffer" not in state
-            call = calls.get(first_run)
-            if call is None:
-                call = calls[first_run] = _Work([], [], [])
-            call.params.append(p)
-            call.grads.append(grad)
-            call.states.append(state)
-        lists = None
         step = self._sgd_step(group, device, found_inf)
-        for first_run, call in calls.items():
-            targets, model = self._update_lists(call.params, call.states)
-            buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
-                       for state, t in zip(call.states, targets)] if momentum != 0 else []
-            comps = self._compensations(call.states, targets)
-            salts = self._salts(group, call.params, device)
-            ops.fused_sgd_(targets, call.grads, buffers, model, group["lr"], momentum,
-                           group["dampening"], group["weight_decay"], group["nesterov"],
-                           first_run, inv_scale, found_inf, self.wd_after_momentum, comps,
-                           salts, group.get("sr_seed") if salts else None, step)
-            lists = (targets, buffers, model, comps, salts)
-        # The next step reuses the lists unless buffers started in this one.
-        return lists if len(calls) == 1 and True not in calls else None
+        calls, starting = [], False
+        for call, positions, lean in self._lean_calls(items):
+            # Params whose momentum buffer starts now (first_run) go in a call of their own.
+            starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
+            for first_run in sorted(set(starts)):
+                part = call.pick([i for i, s in enumerate(starts) if s == first_run])
+                targets, model = self._update_lists(part.params, part.states)
+                buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
+                           for state, t in zip(part.states, targets)] if momentum != 0 else []
+                comps = self._compensations(part.states, targets) if lean else []
+                salts = self._salts(group, part.params, device) if lean else []
+                lists = (positions, targets, buffers, model, comps, salts)
+                self._sgd(group, lists, part.grads, first_run, inv_scale, found_inf, step)
+                calls.append(lists)
+                starting |= first_run
+        # The next step reuses the calls unless buffers started in this one.
+        return None if starting else tuple(calls)
 
     def _sgd_step(self, group, device, found_inf) -> Optional[Tensor]:
         """master='stochastic': ``group["step"]`` advanced on the device, unless found_inf
@@ -757,16 +779,21 @@ class FusedSGD(_FusedOptimizer):
         return step
 
     def _plan_holds(self, group, plan) -> bool:
-        return (group["momentum"] != 0) == bool(plan.lists[1]) and (
+        return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
             self.master != "stochastic" or self._step_on(group, plan))
 
-    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, buffers, model, comps, salts = lists
-        step = self._sgd_step(group, targets[0].device, found_inf)
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        step = self._sgd_step(group, calls[0][1][0].device, found_inf)
+        for lists in calls:
+            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
+
+    def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
+        """One op call: lists as ``_step_group`` makes them (positions first)."""
+        _, targets, buffers, model, comps, salts = lists
         ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
-                       group["dampening"], group["weight_decay"], group["nesterov"], False,
+                       group["dampening"], group["weight_decay"], group["nesterov"], first_run,
                        inv_scale, found_inf, self.wd_after_momentum, comps, salts,
-                       group.get("sr_seed") if salts else None, step)
+                       group.get("sr_seed") if salts else None, step if salts else None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)
@@ -1012,47 +1039,49 @@ class FusedAdam(_FusedOptimizer):
                 total = torch.as_tensor(norm, dtype=torch.float32).to(device).reshape(()) \
                     * factor
             factor = factor * torch.clamp(max_norm / (total.reshape(()) + 1e-6), max=1.0)
-        step = self._group_step(group, device)
-        targets, model = self._update_lists(items.params, items.states)
-        if outputs is not None:
-            model = outputs
-        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
-        beta1, beta2 = group["betas"]
-        salts = self._salts(group, items.params, device)
-        ops.fused_adam_(targets, items.grads, exp_avgs, exp_avg_sqs, model, step, group["lr"],
-                        beta1, beta2, group["eps"], group["weight_decay"],
-                        group["adam_w_mode"], group["bias_correction"], factor.reshape(()),
-                        found_inf, compensations=self._compensations(items.states, targets),
-                        sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None)
+        calls = self._calls(group, device, items, outputs)  # (outputs: never lean)
+        self._run_plan(group, calls, items.grads, factor.reshape(()), found_inf)
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
 
     def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        calls = self._calls(group, device, items)
+        self._run_plan(group, calls, items.grads, inv_scale, found_inf)
+        return calls
+
+    def _calls(self, group, device, items: _Work, outputs=None) -> tuple:
+        """The group's op calls (``_lean_calls``), each (positions, targets, exp_avgs,
+        exp_avg_sqs, model, comps, salts); ``outputs`` replace the model copies."""
         self._group_step(group, device)
-        targets, model = self._update_lists(items.params, items.states)
-        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
-        comps = self._compensations(items.states, targets)
-        salts = self._salts(group, items.params, device)
-        lists = (targets, exp_avgs, exp_avg_sqs, model, comps, salts)
-        self._adam(group, lists, items.grads, inv_scale, found_inf)
-        return lists
+        calls = []
+        for call, positions, lean in self._lean_calls(items):
+            targets, model = self._update_lists(call.params, call.states)
+            exp_avgs, exp_avg_sqs = self._moments(call.states, targets)
+            comps = self._compensations(call.states, targets) if lean else []
+            salts = self._salts(group, call.params, device) if lean else []
+            calls.append((positions, targets, exp_avgs, exp_avg_sqs,
+                          model if outputs is None else outputs, comps, salts))
+        return tuple(calls)
 
     def _plan_holds(self, group, plan) -> bool:
         return self._step_on(group, plan)
 
-    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        self._adam(group, lists, grads, inv_scale, found_inf)
-
-    @staticmethod
-    def _adam(group, lists, grads, inv_scale, found_inf):
-        targets, exp_avgs, exp_avg_sqs, model, comps, salts = lists
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        # Each op call advances the step count it is given (unless found_inf is set) and a
+        # group steps once: a second call (fp32 params beside bf16 ones, _lean_calls)
+        # gets a copy of the count taken before the first call.
+        step = group["step"]
+        steps = [step] + [step.clone() for _ in calls[1:]]
         beta1, beta2 = group["betas"]
-        ops.fused_adam_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                        group["adam_w_mode"], group["bias_correction"], inv_scale, found_inf,
-                        compensations=comps, sr_salts=salts,
-                        sr_seed=group.get("sr_seed") if salts else None)
+        for (positions, targets, exp_avgs, exp_avg_sqs, model, comps, salts), count in zip(
+                calls, steps):
+            ops.fused_adam_(targets, _pick(grads, positions), exp_avgs, exp_avg_sqs, model,
+                            count, group["lr"], beta1, beta2, group["eps"],
+                            group["weight_decay"], group["adam_w_mode"],
+                            group["bias_correction"], inv_scale, found_inf,
+                            compensations=comps, sr_salts=salts,
+                            sr_seed=group.get("sr_seed") if salts else None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)
@@ -1186,8 +1215,7 @@ class FusedNovoGrad(_FusedOptimizer):
         return lists
 
     def _plan_holds(self, group, plan) -> bool:
-        device = plan.lists[0][0].device
-        return all(group.get(key) is not None and group[key].device == device
+        return all(group.get(key) is not None and group[key].device == plan.device
                    for key in ("step", "exp_avg_sq"))
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
