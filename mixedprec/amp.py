@@ -37,7 +37,7 @@ from . import masters as _masters
 from . import ops
 from .fp16_utils import convert_network
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
-from .optimizers import _FusedOptimizer
+from .optimizers import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -70,14 +70,48 @@ class Properties:
                 f"amp.initialize: unexpected opt_level {opt_level!r}; options are 'O0', 'O1', "
                 "'O2', 'O3' (the prefix is the letter O, not the number zero)")
         self.opt_level = opt_level
-        self.options = dict(_OPT_LEVELS[opt_level], cast_model_outputs=None)
+        self.options = dict(_OPT_LEVELS[opt_level], cast_model_outputs=None, master=None,
+                            state_dtype=None)
         bf16 = overrides.get("cast_model_type") is torch.bfloat16
         if bf16 and overrides.get("loss_scale") is None and opt_level != "O0":
             self.options["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling needed
         for name, value in overrides.items():
-            if value is not None:
+            if value is not None and name not in ("master", "state_dtype"):
                 self._set(name, value)
+        self._set_lean(overrides.get("master"), overrides.get("state_dtype"),
+                       overrides.get("master_weights"))
         vars(self).update(self.options)
+
+    def _set_lean(self, master: Any, state_dtype: Any, master_weights: Any) -> None:
+        """mixedprec's ``master`` (what is kept of each 16-bit weight's value, see
+        docs/lean-precision.md) and ``state_dtype`` (of the optimizer's moments and
+        momentum), beside Apex's options. ``master`` applies to the cast weights of O2
+        and O3 and decides ``master_weights`` ("fp32": True; "none", "kahan",
+        "stochastic": False); "kahan" and "stochastic" need them in bfloat16."""
+        if state_dtype is not None and state_dtype not in _STATE_DTYPES:
+            raise ValueError("amp.initialize: state_dtype must be torch.float32 or "
+                             f"torch.bfloat16, got {state_dtype!r}")
+        self.options["state_dtype"] = state_dtype
+        if master is None:
+            return
+        if not isinstance(master, str) or master not in _MASTER_MODES:
+            raise ValueError(f"amp.initialize: master must be one of {list(_MASTER_MODES)}, "
+                             f"got {master!r}")
+        if self.opt_level in ("O0", "O1"):
+            raise ValueError(f"amp.initialize: master={master!r} is for the 16-bit weights of "
+                             f"opt_level O2 or O3; with {self.opt_level} the weights stay "
+                             "fp32 (their own masters)")
+        if master in ("kahan", "stochastic") and \
+                self.options["cast_model_type"] is not torch.bfloat16:
+            raise ValueError(f"amp.initialize: master={master!r} keeps bfloat16 weights; "
+                             "expected cast_model_type=torch.bfloat16, got "
+                             f"{self.options['cast_model_type']}")
+        if master_weights is not None and self.options["master_weights"] != (master == "fp32"):
+            raise ValueError(f"amp.initialize: master_weights={master_weights!r} conflicts "
+                             f"with master={master!r} (master='fp32' is master_weights=True, "
+                             "the other modes False); give one of them")
+        self.options["master"] = master
+        self.options["master_weights"] = master == "fp32"
 
     def _set(self, name: str, value: Any) -> None:
         o1 = self.opt_level == "O1"
@@ -541,7 +575,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale=None,
-               max_loss_scale: float = 2.0**24):
+               max_loss_scale: float = 2.0**24, *, master: Optional[str] = None,
+               state_dtype: Optional[torch.dtype] = None):
     """Prepares models and optimizers for mixed precision at an Apex opt level.
 
     O0: fp32. O1: autocast around the forward. O2: the model in fp16 (or
@@ -549,6 +584,17 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     fp16/bf16. O1 and O2 scale the loss dynamically. Overrides are checked as Apex did
     (``"True"``, ``"128.0"`` accepted), all before anything changes. Returns the models
     and optimizers given, in the shape given; each optimizer may be passed only once.
+
+    mixedprec's lean precision (docs/lean-precision.md), keyword-only, for
+    ``mixedprec.FusedAdam``/``FusedSGD`` (Apex's opt levels are unchanged without them):
+
+    * ``master``: what is kept of each cast weight's value at O2/O3: ``"fp32"`` (fp32
+      masters, O2's default), ``"none"``, ``"kahan"`` (a bf16 compensation per bf16
+      weight) or ``"stochastic"`` (bf16 weights rounded stochastically); the last two
+      with ``cast_model_type=torch.bfloat16``. Parameters left fp32 (batchnorm at O2)
+      are updated directly.
+    * ``state_dtype``: ``torch.bfloat16`` keeps the optimizers' moments and momentum
+      buffers in bf16 (any opt level); ``torch.float32`` the default.
     """
     global _current
     optimizer_list = _as_list(optimizers or [])
@@ -574,7 +620,15 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     props = Properties(opt_level, dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-        loss_scale=loss_scale, cast_model_outputs=cast_model_outputs))
+        loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master=master,
+        state_dtype=state_dtype))
+    for o in optimizer_list:
+        if isinstance(o, _FusedOptimizer):
+            o._check_precision("amp.initialize", props.master, props.state_dtype)
+        elif props.master in ("kahan", "stochastic") or props.state_dtype is not None:
+            raise TypeError(f"amp.initialize: master={props.master!r} and state_dtype="
+                            f"{props.state_dtype} take mixedprec.FusedAdam or FusedSGD, got "
+                            f"{type(o).__name__}")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
     if min_loss_scale is not None:
@@ -593,8 +647,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     dtype = None if props.patch_torch_functions else props.cast_model_type
     casting = dtype is not None and dtype != torch.float32
     # fp32 values of every parameter before the cast: exact master weights.
-    fp32 = {p: _masters.make_master(p)
-            for m in model_list for p in m.parameters()} if casting else {}
+    fp32 = {p: _masters.make_master(p) for m in model_list
+            for p in m.parameters()} if casting and props.master_weights else {}
     for m in model_list:
         if casting and props.keep_batchnorm_fp32:
             convert_network(m, dtype)
@@ -604,6 +658,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     for o in optimizer_list:
         masters: Dict[Tensor, Tensor] = {}
         if isinstance(o, _FusedOptimizer):
+            o._set_precision("amp.initialize", props.master, props.state_dtype)
             if props.master_weights:
                 o.master_weights = True
                 for p in (p for g in o.param_groups for p in g["params"] if p in fp32):

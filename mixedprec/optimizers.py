@@ -172,6 +172,9 @@ class _FusedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     # The per-parameter state entries this optimizer keeps (load_state_dict checks).
     _STATE_KEYS: Tuple[str, ...] = ("master_param",)
+    # Whether it takes the lean modes: master "kahan"/"stochastic" and bf16 state
+    # (FusedAdam, FusedSGD), or only fp32 masters or none, and fp32 state.
+    _LEAN = False
 
     def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
                  set_grad_none: bool, master: Optional[str] = None,
@@ -229,6 +232,39 @@ class _FusedOptimizer(Optimizer):
         other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
         return [(items.pick(positions), positions, lean)
                 for positions, lean in ((bf16, True), (other, False)) if positions]
+
+    def _check_precision(self, where: str, master: Optional[str],
+                         state_dtype: Optional[torch.dtype]) -> None:
+        """Raises unless ``_set_precision`` can apply these: lean modes on a class that
+        has them, and no change to what an optimizer with state keeps."""
+        if master is not None:
+            _master_mode(where, None, master)
+        if state_dtype is not None:
+            _check_state_dtype(where, "state_dtype", state_dtype)
+        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
+                not self._LEAN:
+            raise TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
+                            f"mixedprec.FusedAdam or FusedSGD, got {type(self).__name__}")
+        if self.state and ((master is not None and master != self.master) or
+                           (state_dtype is not None and state_dtype != self.state_dtype)):
+            raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
+                             "pass an optimizer that has not stepped yet")
+
+    def _set_precision(self, where: str, master: Optional[str],
+                       state_dtype: Optional[torch.dtype]) -> None:
+        """``mixedprec.amp.initialize``'s ``master`` and ``state_dtype`` (None:
+        unchanged), checked by ``_check_precision`` first. master='stochastic' draws
+        the seeds as the constructor does."""
+        self._check_precision(where, master, state_dtype)
+        if master == "stochastic" and self._sr_seed is None:
+            self._sr_seed = _rounding_seed(where, master, None)
+            for i, group in enumerate(self.param_groups):
+                group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
+        if master is not None:
+            self.master = master
+        if state_dtype is not None:
+            self.state_dtype = state_dtype
+        self._invalidate_plans()
 
     def _invalidate_plans(self) -> None:
         """Forgets the op calls kept from the last step (see ``_planned_work``): for
@@ -719,6 +755,7 @@ class FusedSGD(_FusedOptimizer):
     """
 
     _STATE_KEYS = ("master_param", "momentum_buffer", "kahan_comp")
+    _LEAN = True
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
@@ -843,6 +880,7 @@ class FusedAdam(_FusedOptimizer):
     """
 
     _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp")
+    _LEAN = True
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
