@@ -61,7 +61,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "kahan_comp": torch.bfloat16}
 # What FusedAdam and FusedSGD keep of each parameter's value ("master", see
-# _master_mode); "kahan" and "stochastic" take bf16 parameters only.
+# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
+# directly: _FusedOptimizer._lean_calls).
 _MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -729,13 +730,14 @@ class FusedSGD(_FusedOptimizer):
         master: (keyword) what is kept of each parameter's value (docs/lean-precision.md):
             ``"fp32"`` fp32 masters as above; ``"none"`` (the default) the parameters
             are updated directly, in fp32 math, rounded to nearest; ``"kahan"``
-            bf16 parameters only, each with a bf16 compensation (``state["kahan_comp"]``)
+            each bf16 parameter with a bf16 compensation (``state["kahan_comp"]``)
             that carries what bf16 rounding dropped into the next update;
-            ``"stochastic"`` bf16 parameters only, no master: the fp32 result is
+            ``"stochastic"`` bf16 parameters, no master: the fp32 result is
             rounded stochastically into the bf16 parameter (unbiased), with
             reproducible Philox bits keyed by the group's ``sr_seed`` and a device step
-            count ``group["step"]`` that this mode adds. A ``master_weights`` that
-            disagrees is a ValueError.
+            count ``group["step"]`` that this mode adds. With both, fp32 parameters
+            are updated directly and fp16 ones are a TypeError. A ``master_weights``
+            that disagrees is a ValueError.
         momentum_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
             momentum buffers' dtype (the math stays fp32).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
