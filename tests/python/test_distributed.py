@@ -252,6 +252,9 @@ def _optimizers(master_weights):
         "FusedSGD-bf16-momentum": lambda ps: mixedprec.FusedSGD(
             ps, lr=0.05, momentum=0.9, weight_decay=0.01, master_weights=True,
             momentum_dtype=torch.bfloat16),
+        # (the bits are keyed by the shard-local index: within an ulp or two of one process)
+        "FusedAdam-stochastic": lambda ps: mixedprec.FusedAdam(
+            ps, lr=1e-2, weight_decay=0.01, master="stochastic", seed=3),
     } if master_weights else {}
     return lean | {
         "FusedSGD": lambda ps: mixedprec.FusedSGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
