@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["is_dtensor", "register_ops"]
+__all__ = ["is_dtensor", "register_ops", "shard_index"]
 
 # Ops that write an overflow flag from their first list: the flag is agreed across ranks.
 _FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
@@ -112,6 +112,22 @@ def _sharded_groups(tensors: Sequence[Any]) -> list:
             if group not in groups:
                 groups.append(group)
     return groups
+
+
+def shard_index(t: Any) -> Tuple[int, int]:
+    """(this rank's shard of DTensor ``t`` among its shards, how many shards): over the
+    mesh dimensions on which ``t`` is sharded, so that replicas share an index; (0, 1)
+    for a plain tensor. From the mesh's metadata: no collective, no device read."""
+    if not is_dtensor(t):
+        return 0, 1
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    index, count = 0, 1
+    for dim, placement in enumerate(t.placements):
+        if placement.is_shard() and mesh.size(dim) > 1:
+            index = index * mesh.size(dim) + coordinate[dim]
+            count *= mesh.size(dim)
+    return index, count
 
 
 def agree_found_inf(found_inf: Tensor, tensors: Sequence[Any]) -> None:

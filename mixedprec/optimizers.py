@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from . import masters as mst
 from . import ops
 from . import amp_C
+from .distributed import shard_index
 from .loss_scale import check_scale, inverse
 # Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
 from .fp16_utils import LegacyFP16_Optimizer as FP16_Optimizer  # noqa: F401
@@ -425,12 +426,23 @@ class _FusedOptimizer(Optimizer):
 
     def _salts(self, group: Dict[str, Any], params: List[Tensor],
                device: torch.device) -> List[Tensor]:
-        """master='stochastic': each param's salt, its position in the group (a float32
-        one-element tensor on ``device``, views of one); else none."""
+        """master='stochastic': each param's salt (a float32 one-element tensor on
+        ``device``, views of one); else none. The salt is the param's position in its
+        group, plus the group's size times the index of this rank's shard for a
+        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
+        draw different bits, and its replicas the same."""
         if self.master != "stochastic":
             return []
+        count = len(group["params"])
         position = {id(p): i for i, p in enumerate(group["params"])}
-        values = [float(position[id(p)]) for p in params]
+        values = []
+        for p in params:
+            shard, shards = shard_index(p)
+            if count * shards > 2**24:  # (salts are exact fp32 integers)
+                raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
+                                 f"{count} params of a group times the {shards} shards of "
+                                 "each in salts below 2**24; split the param group")
+            values.append(float(position[id(p)] + count * shard))
         return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
 
     # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,

@@ -333,6 +333,31 @@ def test_fused_optimizers_step_dtensor_parameters(backend, layout):
     assert len(checked) == len(_optimizers(False)) + len(_optimizers(True))
 
 
+def stochastic_rounding_bits_per_shard(rank, world):
+    """Stochastic rounding on DTensors: the shards of one tensor draw different bits
+    (their salts differ), the replicas of a replicated one the same (they stay equal)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh(device().type, (world,))
+    half = torch.linspace(0.5, 1.0, 2048)
+    whole = torch.cat([half] * world).to(torch.bfloat16).to(device())  # equal shards
+    results = []
+    for placement in (Shard(0), Replicate()):
+        p = nn.Parameter(distribute_tensor(whole.clone(), mesh, [placement]))
+        p.grad = distribute_tensor(torch.full_like(whole, 0.3), mesh, [placement])
+        opt = mixedprec.FusedSGD([p], lr=1e-3, master="stochastic", seed=7)
+        opt.step()
+        local = p.to_local()
+        assert not torch.equal(local, whole[:local.numel()])  # it moved
+        results.append(all_equal(local))
+    return results
+
+
+def test_stochastic_rounding_bits_differ_across_shards_and_agree_across_replicas(backend):
+    assert run_ranks(stochastic_rounding_bits_per_shard, 2, device=backend) == [[False, True]] * 2
+
+
 # -- 4. ZeroRedundancyOptimizer ----------------------------------------------------------
 
 def zero_fused_adam(rank, world):
