@@ -259,8 +259,8 @@ def test_a_large_tensor_counts_elements_past_the_first_chunk():
     ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=[torch.full((1,), 2.0)], sr_seed=77,
                    step=torch.full((1,), 4.0))
     exact = torch.full((n,), 1.0) - g
-    bits = torch.tensor([philox4x32_10((i, 0, 2, 4), (77, 0))[0] >> 16
-                         for i in range(65530, n)])
+    bits = torch.tensor([(philox4x32_10((i // 8, 0, 2, 4), (77, 0))[i % 8 // 2]
+                          >> (16 * (i % 2))) & 0xFFFF for i in range(65530, n)])
     expected = ref_round_bf16_stochastic(exact[65530:], bits)
     assert_bitwise_equal(p[65530:].float(), expected)
 
