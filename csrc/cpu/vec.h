@@ -88,6 +88,13 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
   return c;
 }
 
+// rounding_bits of elements index .. index + n - 1, for vectors that start off a
+// multiple of 8 (not the engine's): out of line, to keep the vector path inlined.
+__attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index,
+                                                      int n, uint32_t* out) {
+  for (int j = 0; j < n; ++j) out[j] = rounding_bits(key, index + j);
+}
+
 // round_bf16_stochastic (pointwise.h) on every lane, lane j with bits[j] (< 2^16):
 // finite lanes get (bits(x) + bits) & 0xffff0000; inf stays inf; NaN becomes c10's
 // bf16 NaN (0x7fc0), as c10::BFloat16(x) gives in the scalar path.
@@ -121,15 +128,17 @@ struct Lanes<VecF16> {
   }
   // Philox for blocks index / 8 and index / 8 + 1 in vector lanes when index % 8 == 0,
   // as the engine's vectors start; else the lanes' rounding_bits one by one.
-  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 round_bf16_stochastic(
-      VecF16 x, const RoundingKey& key, int64_t index) {
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16
+  round_bf16_stochastic(VecF16 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(32)));
     VecU16 bits;
     if (index % 8 == 0) {
       const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
       bits = __builtin_convertvector((Halves)out, VecU16);
     } else {
-      for (int j = 0; j < 16; ++j) bits[j] = rounding_bits(key, index + j);
+      uint32_t lanes[16];
+      lane_bits(key, index, 16, lanes);
+      memcpy(&bits, lanes, sizeof(bits));
     }
     return round_bf16_stochastic_lanes<VecF16>(x, bits);
   }
@@ -155,15 +164,17 @@ struct Lanes<VecF8> {
   }
   // Philox for block index / 8 in vector lanes when index % 8 == 0, as the engine's
   // vectors start; else the lanes' rounding_bits one by one.
-  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8 round_bf16_stochastic(
-      VecF8 x, const RoundingKey& key, int64_t index) {
+  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8
+  round_bf16_stochastic(VecF8 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(16)));
     VecU8 bits;
     if (index % 8 == 0) {
       const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
       bits = __builtin_convertvector((Halves)_mm256_castsi256_si128(out), VecU8);
     } else {
-      for (int j = 0; j < 8; ++j) bits[j] = rounding_bits(key, index + j);
+      uint32_t lanes[8];
+      lane_bits(key, index, 8, lanes);
+      memcpy(&bits, lanes, sizeof(bits));
     }
     return round_bf16_stochastic_lanes<VecF8>(x, bits);
   }
