@@ -34,8 +34,8 @@ constexpr bool loaded_list() {
 // op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
 // absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
 template <typename Op, typename... Ts, size_t... K>
-__attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int64_t end,
-                       std::index_sequence<K...>) {
+__attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i,
+                                          int64_t end, std::index_sequence<K...>) {
   constexpr int D = sizeof...(K);
   static_assert(((!kPerTensorList<Op, K> || std::is_same_v<Ts, float>) && ...),
                 "per-tensor lists are fp32");
