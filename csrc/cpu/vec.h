@@ -75,13 +75,17 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
                                       static_cast<int>(kW0), 0, static_cast<int>(kW1), 0);
   const __m256i m = _mm256_setr_epi32(static_cast<int>(kM0), 0, static_cast<int>(kM1), 0,
                                       static_cast<int>(kM0), 0, static_cast<int>(kM1), 0);
-  const __m256i even = _mm256_setr_epi32(-1, 0, -1, 0, -1, 0, -1, 0);
+  // Bytes (per 128-bit half) that move v[1] and v[3] to words 0 and 2, words 1 and 3
+  // zero (index -128).
+  const __m256i odd_words = _mm256_setr_epi8(4, 5, 6, 7, -128, -128, -128, -128, 12, 13, 14,
+                                             15, -128, -128, -128, -128, 4, 5, 6, 7, -128, -128,
+                                             -128, -128, 12, 13, 14, 15, -128, -128, -128, -128);
   for (int r = 0; r < 10; ++r) {
     if (r > 0) k = _mm256_add_epi32(k, w);
     // Per block: products (lo0, hi0, lo1, hi1) of M0 * v[0] and M1 * v[2]; the new
     // words are (hi1 ^ v[1] ^ k0, lo1, hi0 ^ v[3] ^ k1, lo0).
     const __m256i p = _mm256_mul_epu32(c, m);
-    const __m256i odd = _mm256_and_si256(_mm256_shuffle_epi32(c, _MM_SHUFFLE(0, 3, 0, 1)), even);
+    const __m256i odd = _mm256_shuffle_epi8(c, odd_words);  // (v[1], 0, v[3], 0)
     c = _mm256_xor_si256(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
                          _mm256_xor_si256(odd, k));
   }
