@@ -6,7 +6,9 @@
 // compute the same bits. tests/python/references.py holds a Python reference.
 //
 // Stochastic rounding keys it as follows: key = the 64-bit seed (low word first);
-// counter = (element index low 32 bits, index high 32 bits, tensor salt, step).
+// counter = (block low 32 bits, block high 32 bits, tensor salt, step), where block =
+// element index / 8: one call gives the 16 bits of 8 consecutive elements (element
+// index takes 16-bit half index % 8 of the 128 output bits, see rounding_bits).
 #pragma once
 
 #include <cstdint>
@@ -29,10 +31,13 @@ MP_HD uint32_t mul_hi32(uint32_t a, uint32_t b) {
   return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
 }
 
+// The multipliers and the Weyl constants (the key's increments) of Philox4x32.
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
 // Ten rounds, the key bumped by the Weyl constants between rounds.
 MP_HD Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
-  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
   for (int r = 0; r < 10; ++r) {
     if (r > 0) {
       k0 += kW0;
@@ -52,14 +57,24 @@ struct RoundingKey {
   uint32_t step;
 };
 
-// The 16 random bits stochastic rounding adds to element `index`: the high half of
-// the first output word.
+// The Philox output of block `block` of stochastic rounding: the bits of elements
+// 8 * block .. 8 * block + 7. Read as eight 16-bit halves in order (half h is
+// v[h / 2] >> (16 * (h % 2)), low half first, which is their order in a little-endian
+// memory), half h holds the bits of element 8 * block + h. The CPU engine's vector path
+// takes the eight halves at once.
+MP_HD Philox4x32 rounding_block(const RoundingKey& key, uint64_t block) {
+  return philox4x32_10(Philox4x32{{static_cast<uint32_t>(block),
+                                   static_cast<uint32_t>(block >> 32), key.salt, key.step}},
+                       static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+}
+
+// The 16 random bits stochastic rounding adds to element `index` (>= 0): half index % 8
+// of its block's output (see rounding_block).
 MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
   const uint64_t i = static_cast<uint64_t>(index);
-  const Philox4x32 out = philox4x32_10(
-      Philox4x32{{static_cast<uint32_t>(i), static_cast<uint32_t>(i >> 32), key.salt, key.step}},
-      static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
-  return out.v[0] >> 16;
+  const Philox4x32 out = rounding_block(key, i >> 3);
+  const uint32_t h = static_cast<uint32_t>(i & 7);
+  return (out.v[h >> 1] >> (16 * (h & 1))) & 0xffffu;
 }
 
 }  // namespace mixedprec

@@ -17,7 +17,8 @@
 //
 // A functor that declares `kNeedsIndex = true` gets apply(x, index) instead, where
 // index is the element's position within its tensor (for a CPU vector, that of its
-// first lane; lane j is index + j): stochastic rounding draws its bits from it.
+// first lane, a multiple of the vector's width; lane j is index + j): stochastic
+// rounding draws its bits from it (a CPU vector, 8 lanes per Philox call).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -172,8 +173,9 @@ struct CheckFiniteOp {
 // cannot hold (Kahan summation); without compensations p is used as it is.
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
-// index and its tensor's salt, the per-tensor list after the compensations (the
-// tensor's position in the op's params list, an fp32 value: exact below 2^24).
+// index (one Philox call per 8 elements: philox.h's rounding_bits) and its tensor's
+// salt, the per-tensor list after the compensations (the tensor's position in the
+// op's params list, an fp32 value: exact below 2^24).
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the

@@ -34,8 +34,8 @@ constexpr bool loaded_list() {
 // op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
 // absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
 template <typename Op, typename... Ts, size_t... K>
-inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int64_t end,
-                       std::index_sequence<K...>) {
+__attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i,
+                                          int64_t end, std::index_sequence<K...>) {
   constexpr int D = sizeof...(K);
   static_assert(((!kPerTensorList<Op, K> || std::is_same_v<Ts, float>) && ...),
                 "per-tensor lists are fp32");
@@ -59,7 +59,10 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
 
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
 // the rest one at a time. op comes by value, so that its fields are loop invariants.
-// A per-tensor list is broadcast once, before the loop.
+// A per-tensor list is broadcast once, before the loop. `flatten` inlines the calls
+// of the loop (op.apply and, through it, the Lanes functions that carry a target
+// attribute, such as sqrt, which GCC would not inline into apply, a function without
+// one: they were calls through the PLT, per vector); elementwise stays a call.
 #define MP_PASS(NAME, TARGET, NS)                                                          \
   template <typename Op, typename... Ts, size_t... K>                                      \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,              \
@@ -92,8 +95,8 @@ inline int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i, int
   }
 
 #if defined(MP_X86_ISA)
-MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET))), avx2)
-MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET))), avx512)
+MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
+MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
 #endif
 #undef MP_PASS
 

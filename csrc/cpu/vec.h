@@ -13,6 +13,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "../pointwise.h"
 
@@ -52,6 +53,63 @@ typedef float VecF8 __attribute__((vector_size(32)));
 typedef int32_t VecI8 __attribute__((vector_size(32)));
 typedef uint32_t VecU8 __attribute__((vector_size(32)));
 
+// Philox4x32-10 (philox.h) of stochastic rounding's blocks `block` and `block + 1`
+// at once, in vector lanes: the result's 32-bit lanes are rounding_block(key, block)'s
+// v[0..3], then block + 1's; as 16-bit lanes, half h of each block in order, the bits
+// of elements 8 * block .. 8 * block + 15 (x86 is little-endian). Each round is one
+// vpmuludq for all four products (the scalar form takes four 64-bit multiplies, which
+// share one port). The AVX2 path uses the first block only: half the width costs the
+// same instructions.
+__attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const RoundingKey& key,
+                                                                        uint64_t block) {
+  constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
+  const uint64_t next = block + 1;
+  __m256i c = _mm256_setr_epi32(
+      static_cast<int>(block), static_cast<int>(block >> 32), static_cast<int>(key.salt),
+      static_cast<int>(key.step), static_cast<int>(next), static_cast<int>(next >> 32),
+      static_cast<int>(key.salt), static_cast<int>(key.step));
+  const uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+  __m256i k = _mm256_setr_epi32(static_cast<int>(k0), 0, static_cast<int>(k1), 0,
+                                static_cast<int>(k0), 0, static_cast<int>(k1), 0);
+  const __m256i w = _mm256_setr_epi32(static_cast<int>(kW0), 0, static_cast<int>(kW1), 0,
+                                      static_cast<int>(kW0), 0, static_cast<int>(kW1), 0);
+  const __m256i m = _mm256_setr_epi32(static_cast<int>(kM0), 0, static_cast<int>(kM1), 0,
+                                      static_cast<int>(kM0), 0, static_cast<int>(kM1), 0);
+  // Bytes (per 128-bit half) that move v[1] and v[3] to words 0 and 2, words 1 and 3
+  // zero (index -128).
+  const __m256i odd_words = _mm256_setr_epi8(4, 5, 6, 7, -128, -128, -128, -128, 12, 13, 14,
+                                             15, -128, -128, -128, -128, 4, 5, 6, 7, -128, -128,
+                                             -128, -128, 12, 13, 14, 15, -128, -128, -128, -128);
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) k = _mm256_add_epi32(k, w);
+    // Per block: products (lo0, hi0, lo1, hi1) of M0 * v[0] and M1 * v[2]; the new
+    // words are (hi1 ^ v[1] ^ k0, lo1, hi0 ^ v[3] ^ k1, lo0).
+    const __m256i p = _mm256_mul_epu32(c, m);
+    const __m256i odd = _mm256_shuffle_epi8(c, odd_words);  // (v[1], 0, v[3], 0)
+    c = _mm256_xor_si256(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
+                         _mm256_xor_si256(odd, k));
+  }
+  return c;
+}
+
+// rounding_bits of elements index .. index + n - 1, for vectors that start off a
+// multiple of 8 (not the engine's): out of line, to keep the vector path inlined.
+__attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index,
+                                                      int n, uint32_t* out) {
+  for (int j = 0; j < n; ++j) out[j] = rounding_bits(key, index + j);
+}
+
+// round_bf16_stochastic (pointwise.h) on every lane, lane j with bits[j] (< 2^16):
+// finite lanes get (bits(x) + bits) & 0xffff0000; inf stays inf; NaN becomes c10's
+// bf16 NaN (0x7fc0), as c10::BFloat16(x) gives in the scalar path.
+template <typename F, typename U>
+inline F round_bf16_stochastic_lanes(F x, U bits) {
+  const U u = (U)x;
+  const auto finite = (F)(u & 0x7fffffffu) <= 3.40282347e+38f;
+  const U other = x != x ? U{} + 0x7fc00000u : u;
+  return (F)(finite ? (u + bits) & 0xffff0000u : other);
+}
+
 // |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
 // the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
 // then reports as maybe uninitialized.)
@@ -72,12 +130,21 @@ struct Lanes<VecF16> {
     const VecU16 u = (VecU16)x;
     return (VecF16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
-  // Lane by lane, in scalar code (Philox is not vectorised).
-  static inline VecF16 round_bf16_stochastic(VecF16 x, const RoundingKey& key, int64_t index) {
-    for (int j = 0; j < static_cast<int>(sizeof(VecF16) / sizeof(float)); ++j) {
-      x[j] = mixedprec::round_bf16_stochastic(x[j], rounding_bits(key, index + j));
+  // Philox for blocks index / 8 and index / 8 + 1 in vector lanes when index % 8 == 0,
+  // as the engine's vectors start; else the lanes' rounding_bits one by one.
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16
+  round_bf16_stochastic(VecF16 x, const RoundingKey& key, int64_t index) {
+    typedef uint16_t Halves __attribute__((vector_size(32)));
+    VecU16 bits;
+    if (index % 8 == 0) {
+      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
+      bits = __builtin_convertvector((Halves)out, VecU16);
+    } else {
+      uint32_t lanes[16];
+      lane_bits(key, index, 16, lanes);
+      memcpy(&bits, lanes, sizeof(bits));
     }
-    return x;
+    return round_bf16_stochastic_lanes<VecF16>(x, bits);
   }
   static inline float first(VecF16 x) { return x[0]; }
 };
@@ -99,12 +166,21 @@ struct Lanes<VecF8> {
     const VecU8 u = (VecU8)x;
     return (VecF8)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
-  // Lane by lane, in scalar code (Philox is not vectorised).
-  static inline VecF8 round_bf16_stochastic(VecF8 x, const RoundingKey& key, int64_t index) {
-    for (int j = 0; j < static_cast<int>(sizeof(VecF8) / sizeof(float)); ++j) {
-      x[j] = mixedprec::round_bf16_stochastic(x[j], rounding_bits(key, index + j));
+  // Philox for block index / 8 in vector lanes when index % 8 == 0, as the engine's
+  // vectors start; else the lanes' rounding_bits one by one.
+  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8
+  round_bf16_stochastic(VecF8 x, const RoundingKey& key, int64_t index) {
+    typedef uint16_t Halves __attribute__((vector_size(16)));
+    VecU8 bits;
+    if (index % 8 == 0) {
+      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
+      bits = __builtin_convertvector((Halves)_mm256_castsi256_si128(out), VecU8);
+    } else {
+      uint32_t lanes[8];
+      lane_bits(key, index, 8, lanes);
+      memcpy(&bits, lanes, sizeof(bits));
     }
-    return x;
+    return round_bf16_stochastic_lanes<VecF8>(x, bits);
   }
   static inline float first(VecF8 x) { return x[0]; }
 };

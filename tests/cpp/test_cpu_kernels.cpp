@@ -1091,6 +1091,93 @@ TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
   EXPECT_GT(up, total / 20) << "some elements must not round to nearest";
 }
 
+// The bit mapping, restated: element i takes 16-bit half i % 8 of the Philox output
+// for counter (i / 8 low word, high word, salt, step), key = the seed.
+uint32_t mapped_bits(const RoundingKey& key, uint64_t i) {
+  const uint64_t b = i / 8;
+  const Philox4x32 out =
+      philox4x32_10(Philox4x32{{static_cast<uint32_t>(b), static_cast<uint32_t>(b >> 32),
+                                key.salt, key.step}},
+                    static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+  return (out.v[(i % 8) / 2] >> (16 * (i % 2))) & 0xffffu;
+}
+
+#if defined(MP_X86_ISA)
+// One vector of the engine's stochastic rounding, x[0..W) from `index` on.
+#define MP_ROUND_VEC(NAME, TARGET, V)                                                   \
+  __attribute__((target(TARGET))) void NAME(float* x, const RoundingKey& key,         \
+                                            int64_t index) {                          \
+    V v;                                                                              \
+    std::memcpy(&v, x, sizeof(v));                                                    \
+    v = Lanes<V>::round_bf16_stochastic(v, key, index);                               \
+    std::memcpy(x, &v, sizeof(v));                                                    \
+  }
+MP_ROUND_VEC(round_vec8, MP_AVX2_TARGET, VecF8)
+MP_ROUND_VEC(round_vec16, MP_AVX512_TARGET, VecF16)
+#undef MP_ROUND_VEC
+#endif
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// rounding_bits is the mapping, the scalar rounding (Lanes<float>) uses it, and the
+// vector rounding (one Philox call per 8 lanes from multiples of 8, lane by lane from
+// other starts) gives every lane the scalar path's bits, NaN and inf lanes included.
+TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
+  const uint64_t far = (uint64_t{1} << 35) - 20;  // block index past 32 bits
+  for (const RoundingKey key : {RoundingKey{0, 0, 1}, RoundingKey{0xfedcba9876543210u, 7, 3}}) {
+    for (uint64_t i = 0; i < 300; ++i) {
+      ASSERT_EQ(rounding_bits(key, static_cast<int64_t>(i)), mapped_bits(key, i)) << i;
+      ASSERT_EQ(rounding_bits(key, static_cast<int64_t>(far + i)), mapped_bits(key, far + i));
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {inf, -inf, std::nanf(""), from_bits(0x7f800001u),
+                            from_bits(0xffc12345u), from_bits(0x7f7fffffu), -0.f,
+                            from_bits(0x00001234u)};
+  std::vector<float> values(400);
+  uint32_t state = 12345;
+  for (size_t i = 0; i < values.size(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    values[i] = i % 11 == 3 ? specials[(i / 11) % 8] : from_bits(state & 0xbfffffffu);
+  }
+  const RoundingKey key{0x0123456789abcdefu, 5, 9};
+  const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq");
+  int vector_checks = 0;
+  for (const uint64_t base : {uint64_t{0}, far}) {
+    for (int64_t start = 0; start + 16 <= static_cast<int64_t>(values.size()); ++start) {
+      const int64_t index = static_cast<int64_t>(base) + start;
+      float want[16];
+      for (int j = 0; j < 16; ++j) {
+        want[j] = Lanes<float>::round_bf16_stochastic(values[start + j], key, index + j);
+        const float direct = round_bf16_stochastic(values[start + j], mapped_bits(key, index + j));
+        ASSERT_EQ(bits_of(want[j]), bits_of(direct)) << index + j;
+      }
+#if defined(MP_X86_ISA)
+      float x8[8], x16[16];
+      std::memcpy(x8, &values[start], sizeof(x8));
+      std::memcpy(x16, &values[start], sizeof(x16));
+      if (has_avx2) round_vec8(x8, key, index);
+      if (has_avx512) round_vec16(x16, key, index);
+      for (int j = 0; j < 16; ++j) {
+        if (has_avx2 && j < 8) ASSERT_EQ(bits_of(x8[j]), bits_of(want[j])) << index << " " << j;
+        if (has_avx512) ASSERT_EQ(bits_of(x16[j]), bits_of(want[j])) << index << " " << j;
+      }
+      vector_checks += has_avx2;
+#endif
+    }
+  }
+  if (vector_checks == 0) GTEST_SKIP() << "no AVX2: only the scalar path checked";
+}
+
 TEST(StochasticRounding, ChecksItsArguments) {
   const std::vector<Tensor> bf16 = {at::zeros({3}, at::kBFloat16)};
   const std::vector<Tensor> grads = {at::zeros({3})};

@@ -226,7 +226,8 @@ def ref_update_loss_scale(state, found_inf, growth_factor=2.0, backoff_factor=0.
 
 # Philox4x32-10 (Salmon et al. 2011), written from the paper's definition, as
 # csrc/philox.h keys it for stochastic rounding: key = the 64-bit seed (low word
-# first), counter = (index low word, index high word, salt, step).
+# first), counter = (block low word, block high word, salt, step), block = index // 8;
+# element index takes 16-bit half index % 8 of the block's 128 output bits.
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 _MASK32 = 0xFFFFFFFF
@@ -250,10 +251,17 @@ def philox4x32_10(counter, key):
 
 def ref_rounding_bits(seed, salt, step, numel):
     """The 16 random bits stochastic rounding adds to each of elements 0..numel-1 of a
-    tensor: the high half of Philox's first word (an int64 tensor)."""
+    tensor (an int64 tensor): element i takes half h = i % 8 of the output of Philox
+    for block i // 8, (word h // 2 >> 16 * (h % 2)) & 0xffff."""
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
-    return torch.tensor([philox4x32_10((i & _MASK32, i >> 32, salt, step), key)[0] >> 16
-                         for i in range(numel)], dtype=torch.int64)
+    blocks = {}
+    bits = []
+    for i in range(numel):
+        b, h = i >> 3, i & 7
+        if b not in blocks:
+            blocks[b] = philox4x32_10((b & _MASK32, b >> 32, salt, step), key)
+        bits.append((blocks[b][h >> 1] >> (16 * (h & 1))) & 0xFFFF)
+    return torch.tensor(bits, dtype=torch.int64)
 
 
 def ref_round_bf16_stochastic(x, bits):

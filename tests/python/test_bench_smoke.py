@@ -344,3 +344,19 @@ def test_lean_bar_on_made_up_numbers(bench_lean):
     assert got == {("lm", "bf16-kahan"): True, ("lm", "bf16-stochastic"): None,
                    ("lm", "bf16-none"): True, ("digits", "bf16-kahan"): False,
                    ("digits", "bf16-stochastic"): True, ("digits", "bf16-none"): False}
+
+
+def test_sr_step_measures_every_mode(tmp_path, capsys):
+    """``bench/sr_step.py`` on a tiny size: a row per (tensors, mode), ratios to 'none'."""
+    threads = torch.get_num_threads()
+    try:
+        assert _load("sr_step").main(["--numel", "1003", "--tensors", "1", "3", "--reps", "2",
+                                      "--threads", "1", "--json", str(tmp_path / "sr.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "sr.json").read_text())
+    assert [(r["tensors"], r["mode"]) for r in data["rows"]] == [
+        (t, m) for t in (1, 3) for m in ("none", "stochastic", "kahan")]
+    assert all(r["median_ms"] > 0 for r in data["rows"])
+    assert [r["ratio"] for r in data["rows"] if r["mode"] == "none"] == [1.0, 1.0]
+    assert "| 1003 x 3 | stochastic |" in capsys.readouterr().out

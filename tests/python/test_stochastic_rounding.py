@@ -250,6 +250,42 @@ def test_the_bits_do_not_depend_on_the_thread_count(cls, kwargs):
     assert_bitwise_equal(results[1], results[0])
 
 
+ISA_SCRIPT = """
+import sys
+import torch
+from mixedprec import ops
+sizes = [1, 7, 8, 37, 1000, 4097, 65536 + 21]
+params = [(torch.arange(n) * 0.37).sin().bfloat16() for n in sizes]
+grads = [(torch.arange(n) * 0.11).cos() for n in sizes]
+salts = [torch.full((1,), float(i)) for i in range(len(sizes))]
+ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**40 + 3,
+               step=torch.full((1,), 9.0))
+torch.save(params, sys.argv[1])
+"""
+
+
+def test_every_instruction_set_draws_the_same_bits(device, tmp_path):
+    """The CPU engine's AVX-512 (two Philox blocks per vector), AVX2 (one) and
+    baseline loops (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails:
+    the same params bit for bit."""
+    if device == "cuda":
+        pytest.skip("the CPU engine's instruction sets")
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "isa.py"
+    script.write_text(ISA_SCRIPT)
+    results = {}
+    for capability in ("default", "avx2", "avx512"):
+        path = tmp_path / f"{capability}.pt"
+        subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=120,
+                       env=dict(os.environ, ATEN_CPU_CAPABILITY=capability))
+        results[capability] = torch.load(path)
+    for capability in ("avx2", "avx512"):
+        for i, (a, b) in enumerate(zip(results["default"], results[capability])):
+            assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
+
+
 def test_a_large_tensor_counts_elements_past_the_first_chunk():
     """Elements past the CPU engine's first chunk and vector lanes are keyed by their
     own index: the reference bits of a slice far into the tensor."""
@@ -259,8 +295,8 @@ def test_a_large_tensor_counts_elements_past_the_first_chunk():
     ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=[torch.full((1,), 2.0)], sr_seed=77,
                    step=torch.full((1,), 4.0))
     exact = torch.full((n,), 1.0) - g
-    bits = torch.tensor([philox4x32_10((i, 0, 2, 4), (77, 0))[0] >> 16
-                         for i in range(65530, n)])
+    bits = torch.tensor([(philox4x32_10((i // 8, 0, 2, 4), (77, 0))[i % 8 // 2]
+                          >> (16 * (i % 2))) & 0xFFFF for i in range(65530, n)])
     expected = ref_round_bf16_stochastic(exact[65530:], bits)
     assert_bitwise_equal(p[65530:].float(), expected)
 
