@@ -17,6 +17,7 @@ latest one, on any number of processes.
 """
 
 import argparse
+import gc
 import math
 import os
 import sysconfig
@@ -181,6 +182,10 @@ def main():
             progress.update(1)
     if progress is not None:
         progress.close()
+    # The model and optimizer (and through them the process groups) go first: a gloo
+    # group destroyed later, at exit, can deadlock or abort (seen with torch 2.11).
+    del model, opt
+    gc.collect()
     dist.barrier()  # leave together: a rank exiting early can abort gloo in its peer
     dist.destroy_process_group()
 
