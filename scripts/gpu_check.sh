@@ -16,6 +16,8 @@
 #                kernels with shared memory)
 #   synccheck    compute-sanitizer synccheck over the engine's CUDA tests
 #   bench-ops    bench/ops.py;  bench-train: bench/train.py;  bench: both
+#   bench-lean   bench/lean.py on the GPU (issue #11's modes; not in the default run:
+#                name it in a call of its own)
 # With no STEP: selfcheck, then the other correctness steps at once (they share
 # the GPU; none of them times anything), then the benchmarks alone. A STEP written
 # A+B+... runs those steps at once, each into its own log, printed when all are
@@ -147,7 +149,8 @@ cpp_tests() {
   cmake --build build/cpp -j "$MAX_JOBS" && ctest --test-dir build/cpp --output-on-failure -j 8
 }
 
-ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench)
+ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
+  bench-lean)
 DEFAULT_STEPS=(selfcheck pytest+ctest+memcheck+racecheck+synccheck bench)
 # The op tests: what memcheck checks (the rest of the suite drives the same kernels
 # through the Python layer, at many times the run time under the tool; test_errors.py
@@ -199,6 +202,7 @@ run_step() {
       "${ENGINE_TESTS[@]}" ;;
     bench-ops) step "bench ops.py" "$PY" bench/ops.py ;;
     bench-train) step "bench train.py" "$PY" bench/train.py ;;
+    bench-lean) step "bench lean.py" "$PY" bench/lean.py --device cuda ;;
     bench)
       run_step bench-ops
       run_step bench-train
