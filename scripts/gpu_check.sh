@@ -189,9 +189,9 @@ sanitize() {
 }
 
 run_step() {
+  # shellcheck disable=SC2046  # workers' words are separate arguments
   case $1 in
     selfcheck) step "selfcheck" "$PY" -m mixedprec.selfcheck ;;
-    # shellcheck disable=SC2046
     pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra \
       $(workers "${PYTEST_WORKERS:-6}") -p no:cacheprovider --durations=10 ;;
     ctest) step "ctest" cpp_tests ;;
