@@ -37,14 +37,13 @@ constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
 
 // Ten rounds, the key bumped by the Weyl constants between rounds.
 MP_HD Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
   for (int r = 0; r < 10; ++r) {
     if (r > 0) {
-      k0 += kW0;
-      k1 += kW1;
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
     }
-    const uint32_t hi0 = mul_hi32(kM0, c.v[0]), lo0 = kM0 * c.v[0];
-    const uint32_t hi1 = mul_hi32(kM1, c.v[2]), lo1 = kM1 * c.v[2];
+    const uint32_t hi0 = mul_hi32(kPhiloxM0, c.v[0]), lo0 = kPhiloxM0 * c.v[0];
+    const uint32_t hi1 = mul_hi32(kPhiloxM1, c.v[2]), lo1 = kPhiloxM1 * c.v[2];
     c = Philox4x32{{hi1 ^ c.v[1] ^ k0, lo1, hi0 ^ c.v[3] ^ k1, lo0}};
   }
   return c;

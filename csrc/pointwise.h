@@ -174,8 +174,9 @@ struct CheckFiniteOp {
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
 // index (one Philox call per 8 elements: philox.h's rounding_bits) and its tensor's
-// salt, the per-tensor list after the compensations (the tensor's position in the
-// op's params list, an fp32 value: exact below 2^24).
+// salt, the per-tensor list after the compensations (the tensor's position in its
+// param group, counting its shard for a sharded DTensor: an fp32 value, exact below
+// 2^24).
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the

@@ -37,7 +37,7 @@ from . import masters as _masters
 from . import ops
 from .fp16_utils import convert_network
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
-from .optimizers import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer
+from .optimizers import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -626,9 +626,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         if isinstance(o, _FusedOptimizer):
             o._check_precision("amp.initialize", props.master, props.state_dtype)
         elif props.master in ("kahan", "stochastic") or props.state_dtype is not None:
-            raise TypeError(f"amp.initialize: master={props.master!r} and state_dtype="
-                            f"{props.state_dtype} take mixedprec.FusedAdam or FusedSGD, got "
-                            f"{type(o).__name__}")
+            raise lean_refused("amp.initialize", props.master, props.state_dtype, o)
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
     if min_loss_scale is not None:

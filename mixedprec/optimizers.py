@@ -83,6 +83,14 @@ def _master_mode(where: str, master_weights: Optional[bool], master: Optional[st
     return master
 
 
+def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
+                 optimizer: Optimizer) -> TypeError:
+    """The error for lean modes asked of an optimizer without them (FusedAdam and
+    FusedSGD have them)."""
+    return TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
+                     f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
+
+
 def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
     """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
     (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
@@ -245,8 +253,7 @@ class _FusedOptimizer(Optimizer):
             _check_state_dtype(where, "state_dtype", state_dtype)
         if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
                 not self._LEAN:
-            raise TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
-                            f"mixedprec.FusedAdam or FusedSGD, got {type(self).__name__}")
+            raise lean_refused(where, master, state_dtype, self)
         if self.state and ((master is not None and master != self.master) or
                            (state_dtype is not None and state_dtype != self.state_dtype)):
             raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "

@@ -49,6 +49,20 @@ def loss_of(model, x, y):
     return (model(x.to(p.device, p.dtype)).float() - y.to(p.device)).square().mean()
 
 
+def train_beside(model, opt, single, ref, sliced: bool = True) -> None:
+    """STEPS steps of ``model`` (on this rank's slice of each global batch, or with
+    ``sliced=False`` the whole batch, as tensor parallelism takes it) and of the
+    one-process reference ``single`` (the whole batch)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(STEPS):
+        loss_of(model, *(batch(step, rank, world) if sliced else batch(step))).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(single, *batch(step)).backward()
+        ref.step()
+        ref.zero_grad()
+
+
 def fsdp(model: nn.Module, policy=None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -120,14 +134,7 @@ def fsdp_recipe(rank, world, recipe):
         single = mlp(torch.bfloat16)  # the reference: one process, the whole batch
         opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
         ref = mixedprec.FusedAdam(single.parameters(), lr=1e-2, master_weights=True)
-        for step in range(STEPS):
-            x, y = batch(step, rank, world)
-            loss_of(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            loss_of(single, *batch(step)).backward()
-            ref.step()
-            ref.zero_grad()
+        train_beside(model, opt, single, ref)
         masters = full(opt.state[p]["master_param"] for p in model.parameters())
         ref_masters = [ref.state[p]["master_param"] for p in single.parameters()]
         for a, b in zip(masters, ref_masters):
@@ -302,14 +309,7 @@ def dtensor_optimizers(rank, world, layout):
                                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
             single = mlp(dtype)
             opt, ref = make(model.parameters()), make(single.parameters())
-            for step in range(STEPS):
-                x, y = batch(step, rank, world) if layout == "fsdp" else batch(step)
-                loss_of(model, x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                loss_of(single, *batch(step)).backward()
-                ref.step()
-                ref.zero_grad()
+            train_beside(model, opt, single, ref, sliced=layout == "fsdp")
             tol = dict(rtol=0, atol=2e-2 if master_weights else 1e-5)  # bf16: an ulp or two
             for a, b in zip(full(model.parameters()), single.parameters()):
                 torch.testing.assert_close(a, b.detach(), **tol)
@@ -368,13 +368,7 @@ def zero_fused_adam(rank, world):
                                   lr=1e-2, master_weights=True)
     single = mlp(torch.bfloat16)
     ref = mixedprec.FusedAdam(single.parameters(), lr=1e-2, master_weights=True)
-    for step in range(STEPS):
-        loss_of(model, *batch(step, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_of(single, *batch(step)).backward()
-        ref.step()
-        ref.zero_grad()
+    train_beside(model, opt, single, ref)
     for a, b in zip(model.parameters(), single.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=2e-2)
         assert all_equal(a.detach())  # every rank got every partition's update

@@ -111,7 +111,6 @@ def test_amp_lean_mode_is_the_optimizer_mode(device, cls, kwargs, master, state_
                                                  p.dtype == torch.bfloat16), name
     for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
         assert group.get("sr_seed") == ref_group.get("sr_seed")
-    assert model.fc1.weight.dtype == torch.bfloat16
 
 
 def test_amp_master_fp32_is_o2s_default_and_none_drops_the_masters(device):
