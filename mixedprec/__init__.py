@@ -41,8 +41,6 @@ if _BUILT_FOR is not None:
 
 from . import ops  # noqa: E402
 from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
-from .optimizers import (FusedAdagrad, FusedAdam, FusedLAMB,  # noqa: E402
-                         FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD)
 from .scaler import GradScaler  # noqa: E402
 
 _register_dtensor_ops()  # the ops take DTensor arguments (see mixedprec.distributed)
@@ -51,11 +49,16 @@ __version__ = "0.1.0"
 __all__ = ["ops", "FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedAdagrad", "FusedNovoGrad", "GradScaler", "__version__"]
 
-_SUBMODULES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply", "normalization",
-               "apex_C")
+# Apex's faces (mixedprec.compat), loaded on first use: the core never imports them.
+_FACES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply", "normalization",
+          "apex_C", "optimizers")
+_APEX_OPTIMIZERS = ("FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
+                    "FusedAdagrad", "FusedNovoGrad")
 
 
 def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _FACES:
+        return importlib.import_module(f"{__name__}.compat.{name}")
+    if name in _APEX_OPTIMIZERS:
+        return getattr(importlib.import_module(f"{__name__}.compat.optimizers"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,8 +71,9 @@ class Entry(NamedTuple):
     run: Optional[str] = None
 
 
-_AMP, _FP16, _OPT = "mixedprec.amp", "mixedprec.fp16_utils", "mixedprec.optimizers"
-_PAR, _MTA, _NORM = "mixedprec.parallel", "mixedprec.multi_tensor_apply", "mixedprec.normalization"
+_FACES = "mixedprec.compat."  # the package of Apex's faces
+_AMP, _FP16, _OPT = _FACES + "amp", _FACES + "fp16_utils", _FACES + "optimizers"
+_PAR, _MTA, _NORM = _FACES + "parallel", _FACES + "multi_tensor_apply", _FACES + "normalization"
 _AMP_NAMES = ("init", "half_function", "float_function", "promote_function",
               "register_half_function", "register_float_function", "register_promote_function")
 _FP16UTIL = ("BN_convert_float", "network_to_half", "prep_param_lists",
@@ -162,8 +163,8 @@ MODULES: Dict[str, Entry] = {
     "apex.contrib.optimizers.fused_lamb": Entry(_OPT, ("FusedLAMB",)),
     "apex.contrib.optimizers.fused_sgd": Entry(_OPT, ("FusedSGD",)),
     # Apex's top-level extension modules: mixedprec's modules themselves.
-    "amp_C": Entry("mixedprec.amp_C", whole=True),
-    "apex_C": Entry("mixedprec.apex_C", whole=True),
+    "amp_C": Entry(_FACES + "amp_C", whole=True),
+    "apex_C": Entry(_FACES + "apex_C", whole=True),
 }
 
 #: The Apex packages Apex deleted: the alias supplies them (and their submodules)

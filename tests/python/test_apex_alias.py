@@ -86,8 +86,8 @@ def test_own_modules_resolve(alias):
     assert convert_syncbn_model is mixedprec.parallel.convert_syncbn_model
     assert apex.parallel.LARC.LARC is mixedprec.parallel.LARC
     # The mixedprec modules keep their own identity under the alias.
-    assert mixedprec.parallel.__spec__.name == "mixedprec.parallel"
-    assert mixedprec.amp_C.__spec__.name == "mixedprec.amp_C"
+    assert mixedprec.parallel.__spec__.name == "mixedprec.compat.parallel"
+    assert mixedprec.amp_C.__spec__.name == "mixedprec.compat.amp_C"
 
 
 def test_table_covers_apex_file_layout(alias):
@@ -325,7 +325,7 @@ import helper_next_to_the_script  # found as with `python script.py`
 import mixedprec
 
 assert LARC is mixedprec.parallel.LARC and FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
-assert amp.scale_loss is mixedprec.amp.scale_loss and apex_C.__name__ == "mixedprec.apex_C"
+assert amp.scale_loss is mixedprec.amp.scale_loss and apex_C.__name__ == "mixedprec.compat.apex_C"
 flag = torch.cuda.IntTensor([0]) if torch.cuda.is_available() else torch.IntTensor([0])
 src = [torch.ones(3, device=flag.device)]
 dst = [torch.empty(3, device=flag.device)]
@@ -342,8 +342,8 @@ assert torch.allclose(param.detach(), torch.full((4,), 0.95))
 def child(index):
     import amp_C
     import apex.parallel.LARC
-    assert amp_C.__name__ == "mixedprec.amp_C"
-    assert apex.parallel.LARC.LARC.__module__ == "mixedprec.parallel"
+    assert amp_C.__name__ == "mixedprec.compat.amp_C"
+    assert apex.parallel.LARC.LARC.__module__ == "mixedprec.compat.parallel"
 
 
 if __name__ == "__main__":
@@ -353,7 +353,7 @@ if __name__ == "__main__":
     out = subprocess.run(
         [sys.executable, "-c", "import apex.multi_tensor_apply, amp_C; print(amp_C.__name__)"],
         check=True, capture_output=True, text=True).stdout
-    assert out.strip() == "mixedprec.amp_C", out
+    assert out.strip() == "mixedprec.compat.amp_C", out
     print("{marker}")
     sys.exit(3)
 """
@@ -390,7 +390,7 @@ def test_runs_a_module(tmp_path):
     """))
     result = run_alias(["-m", "legacy_module", "a", "b"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "__main__ ['a', 'b'] mixedprec.amp_C" in result.stdout
+    assert "__main__ ['a', 'b'] mixedprec.compat.amp_C" in result.stdout
 
 
 def test_usage_without_a_script(alias, capsys):
@@ -427,13 +427,13 @@ from apex.optimizers import FusedAdam
 import apex.fp16_utils.fp16_optimizer as m
 
 assert apex.REAL and amp_C.REAL and FusedAdam.REAL
-assert scale_loss.__module__ == "mixedprec.amp"
-assert m.FP16_Optimizer.__module__ == "mixedprec.fp16_utils"
+assert scale_loss.__module__ == "mixedprec.compat.amp"
+assert m.FP16_Optimizer.__module__ == "mixedprec.compat.fp16_utils"
 code = ("import apex, amp_C, apex_C; from apex.parallel import DistributedDataParallel as D; "
         "print(apex.REAL, amp_C.REAL, apex_C.REAL, D.__module__)")
 out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                      text=True).stdout
-assert out.split() == ["True", "True", "True", "mixedprec.parallel"], out
+assert out.split() == ["True", "True", "True", "mixedprec.compat.parallel"], out
 print("REAL-APEX-OK")
 """
 

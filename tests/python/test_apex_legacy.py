@@ -663,7 +663,7 @@ def test_apex_fp16_optimizer_checkpoint_resumes(dynamic, weights_only):
             alias.uninstall()
     scaler = sd["loss_scaler"]
     assert isinstance(scaler, fp16_utils.DynamicLossScaler if dynamic else fp16_utils.LossScaler)
-    assert type(scaler).__module__ == "mixedprec.fp16_utils"
+    assert type(scaler).__module__ == "mixedprec.compat.fp16_utils"
 
     opt = fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                     dynamic_loss_scale=dynamic, static_loss_scale=1.0)

@@ -1,0 +1,1477 @@
+"""Fused optimizers with fp32 master weights for fp16/bf16 models.
+
+:class:`FusedSGD`, :class:`FusedAdam`, :class:`FusedLAMB`, :class:`FusedAdagrad` and
+:class:`FusedNovoGrad` take Apex's argument names and defaults and behave as full
+:class:`torch.optim.Optimizer` objects (param groups, ``state_dict``,
+``add_param_group``, ``zero_grad``, LR schedulers). Each step is one fused op call per
+param group and device (two for SGD while some momentum buffers are new), which:
+
+* reads fp32, fp16 or bf16 gradients and multiplies them by ``1 / grad_scale`` when a
+  ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``;
+* skips the whole update on the device when the scaler set ``found_inf``, so an
+  overflow never forces a host synchronisation;
+* with ``master_weights=True`` updates fp32 master copies of fp16/bf16 parameters
+  (kept in the optimizer state as ``master_param``) and writes them, cast, into the
+  model parameters in the same pass.
+
+State is created at a parameter's first step, as torch's optimizers create theirs
+(masters included): an optimizer that has not stepped has an empty ``state``, which
+is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
+state it loads a checkpoint into.
+
+Optimizer state (moments, momentum buffers, masters) is float32 by default; FusedAdam
+and FusedSGD can keep their moments or momentum buffers in bfloat16 and, with
+``master="kahan"``, a bfloat16 compensation per bf16 parameter instead of an fp32 master,
+or with ``master="stochastic"``, no master and bf16 parameters rounded stochastically
+(docs/lean-precision.md). State follows
+its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
+was built works), and a master is taken anew from its parameter when the parameter
+was written outside the optimizer (see ``_FusedOptimizer._master``).
+
+The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
+that ``torch.amp.GradScaler`` sets around ``step()`` (mixedprec's GradScaler, amp and
+fp16_utils set the same). ``p.grad`` is read, never written: after a scaled step it
+still holds the scaled gradient (torch's fused optimizers unscale it in place).
+With masters, a master whose ``.grad`` is set (fp32, unscaled) is updated from that
+instead of ``p.grad``: ``mixedprec.amp.master_params`` puts it there for gradient
+clipping, and the step clears it.
+"""
+
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import masters as mst
+from .. import ops
+from . import amp_C
+from ..distributed import shard_index
+from ..loss_scale import check_scale, inverse
+# Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
+from .fp16_utils import LegacyFP16_Optimizer as FP16_Optimizer  # noqa: F401
+
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad",
+           "FusedNovoGrad"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# State entries shaped like their parameter, with the dtype they must have: masters
+# and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
+# state_dtype (None here); Kahan compensations are bfloat16.
+_PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
+                "exp_avg": None, "exp_avg_sq": None, "kahan_comp": torch.bfloat16}
+# What FusedAdam and FusedSGD keep of each parameter's value ("master", see
+# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
+# directly: _FusedOptimizer._lean_calls).
+_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
+    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
+    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
+    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
+    if master is None:
+        return "fp32" if master_weights else "none"
+    if not isinstance(master, str) or master not in _MASTER_MODES:
+        raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
+                         f"got {master!r}")
+    if master_weights and master != "fp32":
+        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
+                         "(master_weights=True is master='fp32'); give one of them")
+    return master
+
+
+def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
+                 optimizer: Optimizer) -> TypeError:
+    """The error for lean modes asked of an optimizer without them (FusedAdam and
+    FusedSGD have them)."""
+    return TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
+                     f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
+
+
+def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
+    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
+    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
+    the other modes (where a seed is an error)."""
+    if master != "stochastic":
+        if seed is not None:
+            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
+        return None
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{where}: expected seed in [0, 2**63), got {seed}")
+    return seed
+
+
+def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
+    if dtype not in _STATE_DTYPES:
+        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
+                        f"got {dtype!r}")
+    return dtype
+
+
+class _Work(NamedTuple):
+    """The parameters of one op call, their gradients and their state dicts (None for
+    a parameter without state yet)."""
+
+    params: List[Tensor]
+    grads: List[Tensor]
+    states: List[Optional[Dict[str, Any]]]
+
+    def pick(self, positions: List[int]) -> "_Work":
+        return _Work([self.params[i] for i in positions], [self.grads[i] for i in positions],
+                     [self.states[i] for i in positions])
+
+
+def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
+    """The gradients of one op call of a group (``_lean_calls``' positions)."""
+    return grads if positions is None else [grads[i] for i in positions]
+
+
+class _Plan(NamedTuple):
+    """A param group's op call as the last step made it, reused while nothing it was
+    made from has changed (see ``_FusedOptimizer._planned_work``)."""
+
+    state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
+    # per group param: (dtype, storage address, version), so that a parameter converted,
+    # moved, re-laid-out (all of which give it new storage) or written elsewhere takes
+    # the full path
+    signature: List[Tuple[Any, ...]]
+    strides: List[Tuple[int, ...]]  # per group param: its strides (its gradient's must match)
+    masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
+    stepped: List[bool]  # per group param: whether it had a gradient
+    lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
+    device: Optional[torch.device]  # where the lists are (None: no call)
+
+
+def _signature(p: Tensor) -> Tuple[Any, ...]:
+    return p.dtype, p.data_ptr(), p._version
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, Tensor) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"expected {name} >= 0, got {value}")
+
+
+def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[List[Any]]]:
+    """Apex 2019's per-group argument of ``step``: a list per group, or one list (or
+    generator) of tensors for a single group; None: none for any group."""
+    if value is None:
+        return [None] * count
+    value = list(value)
+    if not value or not isinstance(value[0], (list, tuple)):
+        value = [value]  # one group's tensors
+    if len(value) != count:
+        raise ValueError(f"{where}: expected {name} to hold one list per param group "
+                         f"({count}), got {len(value)}")
+    return [None if v is None else list(v) for v in value]
+
+
+class _FusedOptimizer(Optimizer):
+    """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
+
+    # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
+    # unscaling and checking gradients itself.
+    _step_supports_amp_scaling = True
+    # The per-parameter state entries this optimizer keeps (load_state_dict checks).
+    _STATE_KEYS: Tuple[str, ...] = ("master_param",)
+    # Whether it takes the lean modes: master "kahan"/"stochastic" and bf16 state
+    # (FusedAdam, FusedSGD), or only fp32 masters or none, and fp32 state.
+    _LEAN = False
+
+    def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
+                 set_grad_none: bool, master: Optional[str] = None,
+                 state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None):
+        where = type(self).__name__
+        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly),
+        # "kahan" (bf16 params with a bf16 compensation each, "kahan_comp") or
+        # "stochastic" (bf16 params rounded stochastically, group["sr_seed"]).
+        self.master = _master_mode(where, master_weights, master)
+        # master='stochastic': group i's seed is this + i (see add_param_group).
+        self._sr_seed = _rounding_seed(where, self.master, seed)
+        # The dtype of moments and momentum buffers (float32 or bfloat16).
+        self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
+        self.set_grad_none = bool(set_grad_none)
+        self._plans: Dict[int, _Plan] = {}
+        # id(master) -> the version counter of its parameter when the master was last
+        # in step with it (the update writes the parameter without bumping it).
+        self._master_versions: Dict[int, int] = {}
+        super().__init__(params, defaults)
+
+    @property
+    def master_weights(self) -> bool:
+        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
+        does) switches between "fp32" and "none"."""
+        return self.master == "fp32"
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        if value:
+            self.master = "fp32"
+        elif self.master == "fp32":
+            self.master = "none"
+
+    def _check_kahan(self, p: Tensor) -> None:
+        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
+        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
+        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
+            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
+            raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
+                            "parameters (fp32 ones are updated directly), got one of dtype "
+                            "torch.float16 (use master='fp32' for fp16 parameters)")
+
+    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
+        """The op calls of one group's parameters: (their _Work, their positions in
+        ``items`` or None for all, whether the call is lean). With master='kahan' or
+        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
+        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
+        call that updates them directly, as master='none' does: fp32 holds their
+        updates. Otherwise one plain call."""
+        if self.master not in ("kahan", "stochastic"):
+            return [(items, None, False)]
+        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
+        if len(bf16) == len(items.params):
+            return [(items, None, True)]
+        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
+        return [(items.pick(positions), positions, lean)
+                for positions, lean in ((bf16, True), (other, False)) if positions]
+
+    def _check_precision(self, where: str, master: Optional[str],
+                         state_dtype: Optional[torch.dtype]) -> None:
+        """Raises unless ``_set_precision`` can apply these: lean modes on a class that
+        has them, and no change to what an optimizer with state keeps."""
+        if master is not None:
+            _master_mode(where, None, master)
+        if state_dtype is not None:
+            _check_state_dtype(where, "state_dtype", state_dtype)
+        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
+                not self._LEAN:
+            raise lean_refused(where, master, state_dtype, self)
+        if self.state and ((master is not None and master != self.master) or
+                           (state_dtype is not None and state_dtype != self.state_dtype)):
+            raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
+                             "pass an optimizer that has not stepped yet")
+
+    def _set_precision(self, where: str, master: Optional[str],
+                       state_dtype: Optional[torch.dtype]) -> None:
+        """``mixedprec.amp.initialize``'s ``master`` and ``state_dtype`` (None:
+        unchanged), checked by ``_check_precision`` first. master='stochastic' draws
+        the seeds as the constructor does."""
+        self._check_precision(where, master, state_dtype)
+        if master == "stochastic" and self._sr_seed is None:
+            self._sr_seed = _rounding_seed(where, master, None)
+            for i, group in enumerate(self.param_groups):
+                group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
+        if master is not None:
+            self.master = master
+        if state_dtype is not None:
+            self.state_dtype = state_dtype
+        self._invalidate_plans()
+
+    def _invalidate_plans(self) -> None:
+        """Forgets the op calls kept from the last step (see ``_planned_work``): for
+        whatever changes state, groups or masters other than through a step. (The dict
+        is changed in place, never rebound, as torch.compile traces that more easily.)"""
+        self._plans.clear()
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:  # checked before torch adds the group, so a bad one changes nothing
+            if isinstance(p, Tensor) and p.layout != torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support sparse parameters")
+            if isinstance(p, Tensor) and p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
+                    f"bfloat16, got {p.dtype}"
+                )
+            if isinstance(p, Tensor):
+                self._check_kahan(p)
+        param_group = dict(param_group, params=params)
+        if self._sr_seed is not None and "sr_seed" not in param_group:
+            # Each group its own seed: positions (the salts) repeat across groups.
+            param_group["sr_seed"] = (self._sr_seed + len(self.param_groups)) % 2**63
+        super().add_param_group(param_group)
+        self._invalidate_plans()
+
+    def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
+        """A fresh fp32 master of ``p`` in its ``state``, and the version of ``p`` it was
+        taken at (see ``_master``)."""
+        master = state["master_param"] = mst.make_master(p)
+        if not torch.compiler.is_compiling():  # (id() is not traceable; see _master)
+            self._master_versions[id(master)] = p._version
+        return master
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Zeroes the gradients; ``set_to_none`` defaults to the constructor's
+        ``set_grad_none``."""
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _scaling(self, device: torch.device, scaling):
+        """``(inv_scale, found_inf)`` on `device` from (grad_scale, found_inf)."""
+        grad_scale, found_inf = scaling
+        inv_scale = None
+        if grad_scale is not None:
+            inv_scale = inverse(grad_scale.to(device))
+        if found_inf is not None:
+            found_inf = found_inf.to(device, torch.float32)
+        return inv_scale, found_inf
+
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, "_Work"]:
+        """The group's parameters that have gradients, with those gradients and their
+        state dicts, by device, after checking them. One pass and one state lookup
+        per parameter: this runs every step, and its cost is the step's fixed cost.
+
+        The gradient the update reads is the fp32 master's ``.grad`` when one was
+        materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
+        the parameter's."""
+        by_device: Dict[torch.device, _Work] = {}
+        state_of = self.state
+        for p in group["params"]:
+            state = state_of.get(p)
+            master = state.get("master_param") if state else None
+            grad = master.grad if master is not None and master.grad is not None else p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if grad.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
+                    f"bfloat16, got {grad.dtype}"
+                )
+            if grad.shape != p.shape:
+                raise ValueError(f"{type(self).__name__}: a gradient of shape "
+                                 f"{tuple(grad.shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            if grad.stride() != p.stride() and not mst.same_layout(grad, p):
+                grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
+            self._check_kahan(p)  # (the model may have been cast after construction)
+            work = by_device.get(p.device)
+            if work is None:
+                work = by_device[p.device] = _Work([], [], [])
+            work.params.append(p)
+            work.grads.append(grad)
+            work.states.append(state)
+        self._check_devices(by_device)
+        return by_device
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        """Hook: reject a device layout the optimizer cannot step (before any update)."""
+
+    def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
+        """p's fp32 master in p's `state`, or None when p needs none.
+
+        The master follows the parameter: created when the model was cast to 16 bits
+        after the optimizer was built, moved and re-laid-out with it (``.cuda()``,
+        ``channels_last``), dropped while the parameter is fp32 (it is then its own
+        master), and taken anew from the parameter when the parameter was written
+        outside the optimizer (its version counter moved: ``load_state_dict`` on the
+        model, an in-place edit under ``no_grad``; edits through ``.data`` do not
+        count, as they bypass the counter). A Kahan compensation is dropped once the
+        optimizer left master="kahan" (``master_weights = True`` after construction) or
+        the parameter left bf16 (``model.float()``: the dropped part is below bf16's
+        resolution)."""
+        if "kahan_comp" in state and (self.master != "kahan" or p.dtype != torch.bfloat16):
+            del state["kahan_comp"]
+        if not self.master_weights or not mst.needs_master(p):
+            if state.get("master_param") is not None:
+                self._master_versions.pop(id(state.pop("master_param")), None)
+            return None
+        master = state.get("master_param")
+        if master is None:
+            return self._new_master(p, state)
+        # (Under torch.compile the version counter is not traceable: not checked there.)
+        if not torch.compiler.is_compiling() and (
+                self._master_versions.setdefault(id(master), p._version) != p._version):
+            del self._master_versions[id(master)]
+            return self._new_master(p, state)
+        moved = mst.follow_layout(master, p)
+        if moved is not master:
+            self._master_versions[id(moved)] = self._master_versions.pop(id(master),
+                                                                          p._version)
+            state["master_param"] = moved
+        return moved
+
+    @staticmethod
+    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+        """state[key] on like's device and in its layout, created as zeros of `dtype`
+        (made from `like`: a DTensor's state is a DTensor with its placements) if
+        absent."""
+        value = state.get(key)
+        if value is None:
+            value = state[key] = torch.zeros_like(like, dtype=dtype,
+                                                  memory_format=torch.preserve_format)
+        else:
+            value = state[key] = mst.follow_layout(value, like)
+        return value
+
+    def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
+        """Adam's two moments (``exp_avg``, ``exp_avg_sq``, of ``state_dtype``) of each
+        target, created as zeros where absent (FusedAdam, FusedLAMB)."""
+        dtype = self.state_dtype
+        return ([self._state_tensor(state, "exp_avg", t, dtype)
+                 for state, t in zip(states, targets)],
+                [self._state_tensor(state, "exp_avg_sq", t, dtype)
+                 for state, t in zip(states, targets)])
+
+    def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
+        """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
+        master='kahan', created as zeros where absent; else none."""
+        if self.master != "kahan":
+            return []
+        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
+                for state, p in zip(states, params)]
+
+    def _salts(self, group: Dict[str, Any], params: List[Tensor],
+               device: torch.device) -> List[Tensor]:
+        """master='stochastic': each param's salt (a float32 one-element tensor on
+        ``device``, views of one); else none. The salt is the param's position in its
+        group, plus the group's size times the index of this rank's shard for a
+        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
+        draw different bits, and its replicas the same."""
+        if self.master != "stochastic":
+            return []
+        count = len(group["params"])
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        values = []
+        for p in params:
+            shard, shards = shard_index(p)
+            if count * shards > 2**24:  # (salts are exact fp32 integers)
+                raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
+                                 f"{count} params of a group times the {shards} shards of "
+                                 "each in salts below 2**24; split the param group")
+            values.append(float(position[id(p)] + count * shard))
+        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
+
+    # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
+    # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
+    @staticmethod
+    def _group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
+        """``group["step"]`` on ``device``, created from the number it holds (0 if absent:
+        an Apex-style subclass's int, FusedMixedPrecisionLamb's start count)."""
+        step = group.get("step")
+        if not isinstance(step, Tensor):
+            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                              device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        return step
+
+    @staticmethod
+    def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
+        """Whether the group's step count is a tensor on the device of the plan's lists."""
+        step = group.get("step")
+        return isinstance(step, Tensor) and step.device == plan.device
+
+    def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
+        it is; a 1-element tensor becomes a float32 copy on the group's device."""
+        step = new_group.get("step")
+        if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
+                and step >= 0:
+            return
+        if not isinstance(step, Tensor) or step.numel() != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
+                             "must be a number >= 0 or a 1-element tensor")
+        device = group["params"][0].device if group["params"] else step.device
+        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
+
+    def _one_device(self, by_device: Dict[torch.device, "_Work"], why: str) -> None:
+        if len(by_device) > 1:
+            raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
+                             f"share one device ({why}), got {list(by_device)}")
+
+    def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
+        """(update targets, model copies) for one op call: the fp32 masters and the
+        model params when any param has a master (an fp32 param is then its own
+        master), else the params themselves and no model copy."""
+        masters = [self._master(p, state) for p, state in zip(params, states)]
+        if all(m is None for m in masters):
+            return list(params), []
+        return [p if m is None else m for p, m in zip(params, masters)], list(params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step (on the device, without host synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # The one channel from a loss scaler: the attributes torch.amp.GradScaler sets
+        # around step() for optimizers with _step_supports_amp_scaling (mixedprec's
+        # GradScaler, amp and fp16_utils set the same ones).
+        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        planned = self._planned_work()
+        if planned is not None:
+            used_master_grads = False
+            for group, plan, grads, from_master in planned:
+                if plan.lists is not None:
+                    self._run_plan(group, plan.lists, grads,
+                                   *self._scaling(plan.device, scaling))
+                used_master_grads |= from_master
+            if used_master_grads:  # master gradients are used by one step
+                for _, plan, _, _ in planned:
+                    for master in plan.masters:
+                        if master is not None:
+                            master.grad = None
+            return loss
+        # Check every group before touching any state, so a bad gradient changes nothing.
+        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        plans: Dict[int, _Plan] = {}
+        compiling = torch.compiler.is_compiling()
+        for index, (group, by_device) in enumerate(work):
+            for device, items in by_device.items():
+                for i, (p, state) in enumerate(zip(items.params, items.states)):
+                    if state is None:  # first step of p: its state starts now
+                        items.states[i] = self.state[p]
+                lists = self._step_group(group, device, items, *self._scaling(device, scaling))
+                if lists is not None and len(by_device) == 1 and not compiling:
+                    plans[index] = self._make_plan(group, lists, device)
+            if not by_device and not compiling:  # no gradients in this group
+                plans[index] = self._make_plan(group, None, None)
+        for _, by_device in work:  # master gradients are used by one step
+            for items in by_device.values():
+                for state in items.states:
+                    master = state.get("master_param")
+                    if master is not None:
+                        master.grad = None
+        self._plans.clear()
+        if not torch.compiler.is_compiling():
+            self._plans.update(plans)
+        return loss
+
+    def _state_key(self) -> Tuple[int, int, str]:
+        return id(self.state), len(self.state), self.master
+
+    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple],
+                   device: Optional[torch.device]) -> _Plan:
+        params = group["params"]
+        states = [self.state.get(p) or {} for p in params]
+        masters = [state.get("master_param") for state in states]
+        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
+                   for p, m in zip(params, masters)]
+        return _Plan(self._state_key(), [_signature(p) for p in params],
+                     [p.stride() for p in params], masters, stepped, lists, device)
+
+    def _planned_work(self):
+        """[(group, plan, gradients, whether some came from masters)] when every group
+        can reuse the op call of the last step, else None (the step then takes the
+        full path, and makes new plans).
+
+        A plan holds the op's lists of masters, moments, buffers and model params, so
+        a step only gathers the gradients. It is reused while the optimizer's state
+        dict is the same object of the same size, ``master_weights`` is unchanged, the
+        group's parameters have the dtypes, devices and (un)set gradients they had,
+        the group settings the plan depends on hold, and nothing called
+        ``_invalidate_plans`` (``load_state_dict``, ``add_param_group``,
+        ``mixedprec.amp.initialize``). State entries must be replaced through those,
+        not by assigning to ``optimizer.state[p][key]``."""
+        plans = self._plans
+        if len(plans) != len(self.param_groups) or torch.compiler.is_compiling():
+            return None  # (a compiled step is traced once: it needs no plans)
+        state_key = self._state_key()
+        planned = []
+        for index, group in enumerate(self.param_groups):
+            plan = plans.get(index)
+            params = group["params"]
+            if plan is None or plan.state_key != state_key or len(params) != len(plan.stepped):
+                return None
+            grads: List[Tensor] = []
+            from_master = False
+            for p, m, stepped, signature, strides in zip(params, plan.masters, plan.stepped,
+                                                         plan.signature, plan.strides):
+                if _signature(p) != signature:
+                    return None
+                grad = p.grad
+                if m is not None and m.grad is not None:
+                    grad, from_master = m.grad, True
+                if (grad is not None) != stepped:
+                    return None
+                if grad is not None:
+                    if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
+                            or grad.stride() != strides):
+                        return None  # the full path converts it or raises the error
+                    grads.append(grad)
+            if plan.lists is not None and not self._plan_holds(group, plan):
+                return None
+            planned.append((group, plan, grads, from_master))
+        return planned
+
+    def _plan_holds(self, group: Dict[str, Any], plan: _Plan) -> bool:
+        """Hook: whether group settings a plan depends on are still as planned."""
+        return True
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.optim.Optimizer keeps only defaults, state and param_groups.
+        state = super().__getstate__()
+        state.update(master=self.master, state_dtype=self.state_dtype,
+                     set_grad_none=self.set_grad_none, _sr_seed=self._sr_seed, _plans={},
+                     _master_versions={})
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # (A pickle from before the master modes holds master_weights instead.)
+        master_weights = state.pop("master_weights", False)
+        state.setdefault("master", "fp32" if master_weights else "none")
+        state.setdefault("state_dtype", torch.float32)
+        state.setdefault("_sr_seed", None)
+        super().__setstate__(state)
+
+    def _step_group(self, group, device, items: "_Work", inv_scale,
+                    found_inf) -> Optional[tuple]:
+        """One group's update on one device; returns the op's lists other than the
+        gradients (for ``_run_plan``), or None when the next step cannot reuse them."""
+        raise NotImplementedError
+
+    def _run_plan(self, group, lists: tuple, grads: List[Tensor], inv_scale,
+                  found_inf) -> None:
+        """The op call of ``_step_group`` again, with the lists it returned."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict saved by this optimizer class.
+
+        Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
+        moments, momentum buffers) stays float32 instead of being cast to the dtype of
+        fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
+        a ValueError names it and nothing is changed. The optimizer's load_state_dict
+        pre- and post-hooks run as in torch.
+        """
+        name = type(self).__name__
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
+                f"the optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: Dict[Any, Tensor] = {}
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
+                    f"params in the state dict and {len(group['params'])} in the optimizer"
+                )
+            id_to_param.update(zip(saved["params"], group["params"]))
+
+        for i, saved in enumerate(saved_groups):
+            missing = sorted(k for k in self.defaults if k not in saved)
+            if missing:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} of the state dict has no "
+                    f"{missing}: it was not saved by a {name}")
+        new_state: Dict[Tensor, Dict[str, Any]] = {}
+        for key, saved_state in state_dict["state"].items():
+            if key not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+            unknown = sorted(k for k in saved_state if k not in self._STATE_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
+                    f"a {name} does not keep (it keeps {list(self._STATE_KEYS)}): the state "
+                    f"dict was saved by another optimizer")
+            p = id_to_param[key]
+            new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            new_group = {k: v for k, v in saved.items() if k != "params"}
+            if "sr_seed" in group:  # (a state dict saved in another mode has none)
+                new_group.setdefault("sr_seed", group["sr_seed"])
+            self._load_group_state(new_group, group)
+            new_group["params"] = group["params"]
+            new_groups.append(new_group)
+
+        self.state.clear()
+        self.state.update(new_state)
+        self._master_versions.clear()  # loaded masters are in step with the loaded model
+        self.param_groups = new_groups
+        self._invalidate_plans()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
+        if key == "kahan_comp" and self.master != "kahan":
+            raise ValueError(f"{where}: a Kahan compensation, which only master='kahan' keeps "
+                             f"(this optimizer has master={self.master!r})")
+        if key in _PARAM_STATE:
+            if value.shape != p.shape:
+                raise ValueError(f"{where} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(p.shape)}")
+            expected = _PARAM_STATE[key] or self.state_dtype
+            if value.dtype != expected:
+                raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
+                                 "optimizer's setting)")
+        return value.to(p.device, copy=True)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """Hook for group-level state tensors (FusedAdam's step)."""
+
+
+class FusedSGD(_FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov momentum and weight decay, fused over all
+    parameters; ``torch.optim.SGD`` semantics (the first step's momentum buffer is the
+    gradient), Apex's ``FusedSGD`` argument names.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr: learning rate; 1e-3 by default, as ``torch.optim.SGD`` (Apex required it),
+            so that param groups that each set ``lr`` need no top-level one.
+        momentum, dampening, weight_decay, nesterov: as ``torch.optim.SGD``.
+        wd_after_momentum: Apex's option: add ``weight_decay * p`` to the step after
+            the momentum update instead of to the gradient before it (False:
+            ``torch.optim.SGD``'s order).
+        materialize_master_grads: accepted for Apex compatibility, no effect. In Apex
+            (under amp O2) it chose whether fp16 gradients were first copied into
+            fp32 master gradients; here the step always reads the model's gradients
+            directly (unscaling them in the same pass), and a master's ``.grad``
+            only when one was set (see the module docstring).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: False).
+        master_weights: keep fp32 masters of fp16/bf16 parameters in the state and
+            update them; the parameters receive the cast masters. Apex's spelling of
+            ``master="fp32"`` (True) or ``"none"`` (False); left out, ``master`` decides.
+        master: (keyword) what is kept of each parameter's value (docs/lean-precision.md):
+            ``"fp32"`` fp32 masters as above; ``"none"`` (the default) the parameters
+            are updated directly, in fp32 math, rounded to nearest; ``"kahan"``
+            each bf16 parameter with a bf16 compensation (``state["kahan_comp"]``)
+            that carries what bf16 rounding dropped into the next update;
+            ``"stochastic"`` bf16 parameters, no master: the fp32 result is
+            rounded stochastically into the bf16 parameter (unbiased), with
+            reproducible Philox bits keyed by the group's ``sr_seed`` and a device step
+            count ``group["step"]`` that this mode adds. With both, fp32 parameters
+            are updated directly and fp16 ones are a TypeError. A ``master_weights``
+            that disagrees is a ValueError.
+        momentum_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
+            momentum buffers' dtype (the math stays fp32).
+        seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
+            ``sr_seed`` is ``seed + i`` of; default: drawn once, at construction, from
+            torch's default CPU generator (``torch.manual_seed`` repeats it). The
+            seeds are in the state_dict's param groups; a resumed run continues bit
+            for bit.
+
+    The arguments are in Apex's order (master_weights, which Apex's FusedSGD lacks,
+    last; master and momentum_dtype keyword-only).
+
+    A step skipped on the device (``found_inf`` set) still creates the momentum
+    buffers of parameters stepped for the first time, as zeros. With ``dampening``
+    0 the next step is then exactly torch.optim.SGD's first; with ``dampening`` d it
+    starts the buffer at ``(1 - d) * grad`` instead of ``grad`` (torch's own
+    ``SGD(fused=True)`` also creates its buffers before the skip is known).
+    """
+
+    _STATE_KEYS = ("master_param", "momentum_buffer", "kahan_comp")
+    _LEAN = True
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False, master_weights: bool = False, *,
+                 master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32,
+                 seed: Optional[int] = None):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
+        _check_state_dtype("FusedSGD", "momentum_dtype", momentum_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, momentum_dtype,
+                         seed)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(wd_after_momentum=self.wd_after_momentum,
+                     materialize_master_grads=self.materialize_master_grads)
+        return state
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        momentum = group["momentum"]
+        step = self._sgd_step(group, device, found_inf)
+        calls, starting = [], False
+        for call, positions, lean in self._lean_calls(items):
+            # Params whose momentum buffer starts now (first_run) go in a call of their own.
+            starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
+            for first_run in sorted(set(starts)):
+                part = call.pick([i for i, s in enumerate(starts) if s == first_run])
+                targets, model = self._update_lists(part.params, part.states)
+                buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
+                           for state, t in zip(part.states, targets)] if momentum != 0 else []
+                comps = self._compensations(part.states, targets) if lean else []
+                salts = self._salts(group, part.params, device) if lean else []
+                lists = (positions, targets, buffers, model, comps, salts)
+                self._sgd(group, lists, part.grads, first_run, inv_scale, found_inf, step)
+                calls.append(lists)
+                starting |= first_run
+        # The next step reuses the calls unless buffers started in this one.
+        return None if starting else tuple(calls)
+
+    def _sgd_step(self, group, device, found_inf) -> Optional[Tensor]:
+        """master='stochastic': ``group["step"]`` advanced on the device, unless found_inf
+        is set (one count per optimizer step, however many op calls it takes); else
+        None."""
+        if self.master != "stochastic":
+            return None
+        step = self._group_step(group, device)
+        if found_inf is None:
+            step.add_(1.0)
+        else:
+            step.add_((found_inf.reshape(1) == 0).to(torch.float32))
+        return step
+
+    def _plan_holds(self, group, plan) -> bool:
+        return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
+            self.master != "stochastic" or self._step_on(group, plan))
+
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        step = self._sgd_step(group, calls[0][1][0].device, found_inf)
+        for lists in calls:
+            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
+
+    def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
+        """One op call: lists as ``_step_group`` makes them (positions first)."""
+        _, targets, buffers, model, comps, salts = lists
+        ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
+                       group["dampening"], group["weight_decay"], group["nesterov"], first_run,
+                       inv_scale, found_inf, self.wd_after_momentum, comps, salts,
+                       group.get("sr_seed") if salts else None, step if salts else None)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        self._load_group_step(new_group, group)
+
+
+class FusedAdam(_FusedOptimizer):
+    """Adam (``adam_w_mode=False``: L2 weight decay added to the gradient) and AdamW
+    (``adam_w_mode=True``, the default: decoupled weight decay), fused over all
+    parameters; ``torch.optim.Adam``/``AdamW`` math, Apex's ``FusedAdam`` argument
+    names and defaults.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        bias_correction: apply Adam's bias correction.
+        adam_w_mode: decoupled weight decay (AdamW) when True.
+        amsgrad: not supported (a ValueError, as in Apex).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        capturable: accepted for Apex compatibility; every step already runs without
+            host synchronisation (the step count lives on the device).
+        master_weights, master, seed: fp32 masters, none, Kahan compensations or
+            stochastic rounding (see FusedSGD; the step count keying the bits is the
+            group's ``step``).
+        moment_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
+            of both moments (the math stays fp32; docs/lean-precision.md).
+
+    As in Apex, the step count belongs to the param group (``group["step"]``, a float32
+    device tensor) rather than to each parameter: every parameter of a group is
+    assumed to step together. A group's parameters must share one device.
+
+    Apex's 2019 surface (``apex.optimizers.FusedAdam`` of pytorch-pretrained-BERT), as
+    keyword arguments: ``max_grad_norm`` (> 0: each group's gradients are clipped to
+    that 2-norm, on the device, before the update), ``eps_inside_sqrt`` (only False:
+    True is rejected, the fused op adds eps outside the square root), ``use_mt``
+    (accepted: every step is multi-tensor) and ``amp_scale_adjustment`` (gradients are
+    also divided by it while the optimizer is under ``mixedprec.amp``). ``step`` takes
+    Apex's ``grads``, ``output_params``, ``scale`` and ``grad_norms`` (see
+    :meth:`step`). The update is this class's Adam/AdamW: Apex's 2019 kernel applied
+    weight decay and eps through the bias-corrected step size, which is the same only
+    with ``bias_correction=False`` (as pytorch-pretrained-BERT used it).
+
+    For subclasses written against Apex (fairseq's ``FusedAdamV2``):
+    ``multi_tensor_adam`` (:func:`mixedprec.amp_C.multi_tensor_adam`),
+    ``_dummy_overflow_buf`` (an int32 zero on the parameters' device) and
+    ``adam_w_mode`` (1 or 0, from the defaults). A ``group["step"]`` such a subclass
+    keeps as a Python int is accepted by this class's step and ``load_state_dict``.
+    """
+
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp")
+    _LEAN = True
+    multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
+                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
+                 capturable: bool = False, master_weights: bool = False, *,
+                 max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
+                 use_mt: bool = False, amp_scale_adjustment: float = 1.0,
+                 master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32,
+                 seed: Optional[int] = None):
+        if amsgrad:
+            raise ValueError("FusedAdam does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_grad_norm", max_grad_norm)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        if eps_inside_sqrt:
+            raise ValueError("FusedAdam: eps_inside_sqrt=True is not supported (the update "
+                             "adds eps outside the square root); expected False")
+        if not isinstance(use_mt, bool):
+            raise TypeError(f"FusedAdam: expected use_mt to be a bool, got {use_mt!r}")
+        self._amp_scale_adjustment = check_scale("FusedAdam", "amp_scale_adjustment",
+                                                 amp_scale_adjustment)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
+        if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
+            defaults["max_grad_norm"] = float(max_grad_norm)
+        _check_state_dtype("FusedAdam", "moment_dtype", moment_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, moment_dtype,
+                         seed)
+
+    @property
+    def adam_w_mode(self) -> int:
+        """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2."""
+        return int(bool(self.defaults["adam_w_mode"]))
+
+    @property
+    def _dummy_overflow_buf(self) -> Tensor:
+        """Apex's no-op flag for ``multi_tensor_applier``: an int32 zero on the device of
+        the first parameter, made once."""
+        buf = self.__dict__.get("_overflow_buf")
+        if buf is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            device = params[0].device if params else torch.device("cpu")
+            buf = self.__dict__["_overflow_buf"] = torch.zeros(1, dtype=torch.int32,
+                                                               device=device)
+        return buf
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(super().__getstate__(), _amp_scale_adjustment=self._amp_scale_adjustment)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state.setdefault("_amp_scale_adjustment", 1.0)
+        super().__setstate__(state)
+
+    @torch.no_grad()
+    def step(self, closure=None, grads=None, output_params=None, scale=None,
+             grad_norms=None):
+        """One Adam step. With no Apex 2019 argument (and no ``max_grad_norm``), the
+        fused path of :class:`_FusedOptimizer`. Otherwise, per param group:
+
+        * ``grads``: the gradients to use instead of ``p.grad`` (a list per group, or one
+          list for a single group; a None entry falls back to ``p.grad``);
+        * ``output_params``: tensors (e.g. the fp16 model copies of fp32 parameters)
+          that receive the updated parameters, cast; a list per group, all or none;
+        * ``scale``: the gradients are divided by it (a number > 0; default 1);
+        * ``grad_norms``: per group, the 2-norm of the gradients as given (still
+          multiplied by ``scale``); with ``max_grad_norm`` > 0 the gradients are clipped
+          to it. Left out, the norms are computed on the device.
+
+        Everything is checked before anything is updated. No host synchronisation."""
+        legacy_args = (grads, output_params, scale, grad_norms)
+        clipping = any(g.get("max_grad_norm", 0) > 0 for g in self.param_groups)
+        adjusting = self._amp_scale_adjustment != 1.0 and hasattr(self, "_amp_stash")
+        if all(a is None for a in legacy_args) and not clipping and not adjusting:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._legacy_work(*legacy_args)
+        for group, items, outputs, norm in work:
+            self._legacy_group_step(group, items, outputs, norm, scale)
+        for _, items, _, _ in work:  # master gradients are used by one step
+            for p in items.params:
+                master = self.state[p].get("master_param")
+                if master is not None:
+                    master.grad = None
+        self._invalidate_plans()
+        return loss
+
+    def _legacy_work(self, grads, output_params, scale, grad_norms):
+        """[(group, its _Work, its output params or None, its given norm or None)] for
+        step's Apex 2019 path; every argument checked before anything changes."""
+        where = "FusedAdam.step"
+        count = len(self.param_groups)
+        grads = _per_group(where, "grads", grads, count)
+        outputs = _per_group(where, "output_params", output_params, count)
+        if scale is not None:
+            check_scale(where, "scale", scale)
+        if grad_norms is None:
+            grad_norms = [None] * count
+        grad_norms = list(grad_norms)
+        if len(grad_norms) != count:
+            raise ValueError(f"{where}: expected grad_norms to hold one norm per param group "
+                             f"({count}), got {len(grad_norms)}")
+        for norm in grad_norms:
+            if norm is not None and not (isinstance(norm, (int, float)) and not isinstance(
+                    norm, bool) or isinstance(norm, Tensor) and norm.numel() == 1):
+                raise TypeError(f"{where}: expected grad_norms to hold numbers or one-element "
+                                f"tensors, got {type(norm).__name__}")
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            for name, given in (("grads", grads[gi]), ("output_params", outputs[gi])):
+                if given is not None and len(given) != len(params):
+                    raise ValueError(f"{where}: {name}[{gi}] holds {len(given)} tensors, param "
+                                     f"group {gi} has {len(params)} parameters")
+            items, outs = _Work([], [], []), []
+            for pi, p in enumerate(params):
+                state = self.state.get(p)
+                master = state.get("master_param") if state else None
+                grad = grads[gi][pi] if grads[gi] is not None else None
+                if grad is None:
+                    grad = master.grad if master is not None and master.grad is not None \
+                        else p.grad
+                if grad is None:
+                    continue
+                self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "
+                                          f"{gi}")
+                self._check_kahan(p)  # every group is checked before any is updated
+                if grad.stride() != p.stride() and not mst.same_layout(grad, p):
+                    grad = mst.follow_layout(grad, p)
+                if outputs[gi] is not None:
+                    out = outputs[gi][pi]
+                    if not isinstance(out, Tensor) or out.dtype not in _FLOAT_DTYPES or (
+                            out.shape != p.shape or out.device != p.device):
+                        raise ValueError(f"{where}: expected output_params[{gi}][{pi}] to be "
+                                         f"a float tensor of shape {tuple(p.shape)} on "
+                                         f"{p.device}, got {out!r:.80}")
+                    if self.master_weights and mst.needs_master(p):
+                        raise ValueError(f"{where}: output_params with master_weights=True "
+                                         "(the masters' model copies are the parameters)")
+                    if self.master in ("kahan", "stochastic"):
+                        raise ValueError(f"{where}: output_params with master="
+                                         f"{self.master!r} (the bf16 parameters are updated, "
+                                         "no copies)")
+                    outs.append(out)
+                items.params.append(p)
+                items.grads.append(grad)
+                items.states.append(state)
+            devices = {p.device for p in items.params}
+            if len(devices) > 1:
+                raise ValueError(f"{where}: the parameters of a param group must share one "
+                                 f"device, got {sorted(map(str, devices))}")
+            work.append((group, items, outs if outputs[gi] is not None else None,
+                         grad_norms[gi]))
+        return work
+
+    def _check_grad(self, grad: Any, p: Tensor, what: str) -> None:
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(grad).__name__}")
+        if grad.is_sparse:
+            raise RuntimeError(f"{what} is sparse; FusedAdam does not support sparse gradients")
+        if grad.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{what} must be float32, float16 or bfloat16, got {grad.dtype}")
+        if grad.shape != p.shape or grad.device != p.device:
+            raise ValueError(f"{what} has shape {tuple(grad.shape)} on {grad.device}, its "
+                             f"parameter {tuple(p.shape)} on {p.device}")
+
+    def _legacy_group_step(self, group, items: _Work, outputs, norm, scale) -> None:
+        """One group's update on step's Apex 2019 path: gradients divided by ``scale``
+        (and ``amp_scale_adjustment`` under amp), clipped to ``max_grad_norm``, all in
+        the op's ``inv_scale`` on the device."""
+        if not items.params:
+            return
+        device = items.params[0].device
+        for i, (p, state) in enumerate(zip(items.params, items.states)):
+            if state is None:
+                items.states[i] = self.state[p]
+        inv_scale, found_inf = self._scaling(device, (getattr(self, "grad_scale", None),
+                                                      getattr(self, "found_inf", None)))
+        divisor = 1.0 if scale is None else float(scale)
+        if hasattr(self, "_amp_stash"):
+            divisor *= self._amp_scale_adjustment
+        factor = inverse(torch.full((), divisor, dtype=torch.float64, device=device))
+        factor = factor if inv_scale is None else inv_scale.reshape(()) * factor
+        max_norm = group.get("max_grad_norm", 0.0)
+        if max_norm > 0:
+            if norm is None:  # the norm of the gradients as the update sees them
+                total = ops.multi_tensor_l2norm(items.grads, factor.reshape(1))[0]
+            else:  # Apex's convention: the norm of the gradients as given
+                total = torch.as_tensor(norm, dtype=torch.float32).to(device).reshape(()) \
+                    * factor
+            factor = factor * torch.clamp(max_norm / (total.reshape(()) + 1e-6), max=1.0)
+        calls = self._calls(group, device, items, outputs)  # (outputs: never lean)
+        self._run_plan(group, calls, items.grads, factor.reshape(()), found_inf)
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        self._one_device(by_device, "the group's step count lives there")
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        calls = self._calls(group, device, items)
+        self._run_plan(group, calls, items.grads, inv_scale, found_inf)
+        return calls
+
+    def _calls(self, group, device, items: _Work, outputs=None) -> tuple:
+        """The group's op calls (``_lean_calls``), each (positions, targets, exp_avgs,
+        exp_avg_sqs, model, comps, salts); ``outputs`` replace the model copies."""
+        self._group_step(group, device)
+        calls = []
+        for call, positions, lean in self._lean_calls(items):
+            targets, model = self._update_lists(call.params, call.states)
+            exp_avgs, exp_avg_sqs = self._moments(call.states, targets)
+            comps = self._compensations(call.states, targets) if lean else []
+            salts = self._salts(group, call.params, device) if lean else []
+            calls.append((positions, targets, exp_avgs, exp_avg_sqs,
+                          model if outputs is None else outputs, comps, salts))
+        return tuple(calls)
+
+    def _plan_holds(self, group, plan) -> bool:
+        return self._step_on(group, plan)
+
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        # Each op call advances the step count it is given (unless found_inf is set) and a
+        # group steps once: a second call (fp32 params beside bf16 ones, _lean_calls)
+        # gets a copy of the count taken before the first call.
+        step = group["step"]
+        steps = [step] + [step.clone() for _ in calls[1:]]
+        beta1, beta2 = group["betas"]
+        for (positions, targets, exp_avgs, exp_avg_sqs, model, comps, salts), count in zip(
+                calls, steps):
+            ops.fused_adam_(targets, _pick(grads, positions), exp_avgs, exp_avg_sqs, model,
+                            count, group["lr"], beta1, beta2, group["eps"],
+                            group["weight_decay"], group["adam_w_mode"],
+                            group["bias_correction"], inv_scale, found_inf,
+                            compensations=comps, sr_salts=salts,
+                            sr_seed=group.get("sr_seed") if salts else None)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        self._load_group_step(new_group, group)
+
+
+class FusedAdagrad(_FusedOptimizer):
+    """Adagrad fused over all parameters, with Apex's ``FusedAdagrad`` arguments and
+    defaults: ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``, the math of
+    ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, eps, weight_decay: as ``torch.optim.Adagrad`` (defaults 1e-2, 1e-10, 0).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        adagrad_w_mode: False (default): weight decay added to the gradient (L2, as
+            torch); True: decoupled, ``lr * weight_decay * p`` added to the step.
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    The state is ``sum`` per parameter (float32, created as zeros at the parameter's
+    first step), as in Apex and torch; unlike torch, no per-parameter ``step``. Steps
+    are unscaled and skipped on the device with a GradScaler, as FusedSGD's.
+    """
+
+    _STATE_KEYS = ("master_param", "sum")
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10,
+                 weight_decay: float = 0.0, set_grad_none: bool = True,
+                 adagrad_w_mode: bool = False, master_weights: bool = False):
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        self.adagrad_w_mode = bool(adagrad_w_mode)
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(adagrad_w_mode=self.adagrad_w_mode)
+        return state
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        targets, model = self._update_lists(items.params, items.states)
+        sums = [self._state_tensor(state, "sum", t) for state, t in zip(items.states, targets)]
+        self._run_plan(group, (targets, sums, model), items.grads, inv_scale, found_inf)
+        return targets, sums, model
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, sums, model = lists
+        ops.fused_adagrad_(targets, grads, sums, model, group["lr"], group["eps"],
+                           group["weight_decay"], self.adagrad_w_mode, inv_scale, found_inf)
+
+
+class FusedNovoGrad(_FusedOptimizer):
+    """NovoGrad fused over all parameters, with Apex's ``FusedNovoGrad`` arguments,
+    defaults and math (:func:`mixedprec.ops.fused_novograd_`): Adam's first moment
+    per element, a second moment per tensor from the norm of its gradient.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay: as Apex's (defaults 1e-3, (0.9, 0.999), 1e-8, 0).
+        bias_correction: divide the moments by ``1 - beta1**step`` and
+            ``sqrt(1 - beta2**step)``.
+        amsgrad: not supported (a ValueError; Apex raised RuntimeError).
+        reg_inside_moment: add the weight decay to the normalized gradient inside the
+            first moment (Apex's moment mode 0) instead of to the step (mode 1, default).
+        grad_averaging: weigh the gradient by ``1 - beta1`` in the first moment.
+        norm_type: 2 (L2 norm, blended as ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``)
+            or 0 (inf-norm, ``beta2 * v + (1 - beta2) * n``).
+        init_zero: start the second moments at 0 instead of at the first step's norms.
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    As in Apex, the step count and the second moments belong to the param group:
+    ``group["step"]`` (a float32 device tensor, as FusedAdam's) and
+    ``group["exp_avg_sq"]``, one float32 vector with a value for each parameter of the
+    group in order (Apex kept two, for its fp16 and fp32 parameters). They are updated
+    on the device, the first step's norms included (Apex read them on the host). The
+    group's parameters must share one device. The first moments are float32.
+    """
+
+    _STATE_KEYS = ("master_param", "exp_avg")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, reg_inside_moment: bool = False,
+                 grad_averaging: bool = True, norm_type: int = 2, init_zero: bool = False,
+                 set_grad_none: bool = True, master_weights: bool = False):
+        if amsgrad:
+            raise ValueError("FusedNovoGrad does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        if norm_type not in (0, 2):
+            raise ValueError(f"expected norm_type 0 (inf-norm) or 2 (L2), got {norm_type}")
+        self.reg_inside_moment = bool(reg_inside_moment)
+        self.moment_mode = 0 if reg_inside_moment else 1  # Apex's attribute
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        norm_type=norm_type, init_zero=init_zero)
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(reg_inside_moment=self.reg_inside_moment, moment_mode=self.moment_mode)
+        return state
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        self._one_device(by_device, "the group's step count and moments live there")
+
+    @staticmethod
+    def _group_tensor(group, key: str, size: int, device: torch.device) -> Tensor:
+        value = group.get(key)
+        if value is None:
+            value = group[key] = torch.zeros(size, dtype=torch.float32, device=device)
+        elif value.device != device:  # the model moved after the optimizer was built
+            value = group[key] = value.to(device)
+        return value
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        self._group_tensor(group, "step", 1, device)
+        self._group_tensor(group, "exp_avg_sq", len(group["params"]), device)
+        targets, model = self._update_lists(items.params, items.states)
+        exp_avgs = [self._state_tensor(state, "exp_avg", t)
+                    for state, t in zip(items.states, targets)]
+        index = None  # the positions in exp_avg_sq of the params stepped, when not all are
+        if len(items.params) != len(group["params"]):
+            position = {id(p): i for i, p in enumerate(group["params"])}
+            index = torch.tensor([position[id(p)] for p in items.params], device=device)
+        lists = (targets, exp_avgs, model, index)
+        self._run_plan(group, lists, items.grads, inv_scale, found_inf)
+        return lists
+
+    def _plan_holds(self, group, plan) -> bool:
+        return all(group.get(key) is not None and group[key].device == plan.device
+                   for key in ("step", "exp_avg_sq"))
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, exp_avgs, model, index = lists
+        exp_avg_sq = group["exp_avg_sq"]
+        moments = exp_avg_sq if index is None else exp_avg_sq.index_select(0, index)
+        beta1, beta2 = group["betas"]
+        ops.fused_novograd_(targets, grads, exp_avgs, model, moments, group["step"], group["lr"],
+                            beta1, beta2, group["eps"], group["weight_decay"],
+                            group["bias_correction"], group["grad_averaging"],
+                            self.reg_inside_moment, group["norm_type"], group["init_zero"],
+                            inv_scale, found_inf)
+        if index is not None:
+            exp_avg_sq.index_copy_(0, index, moments)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        device = group["params"][0].device if group["params"] else None
+        for key, size in (("step", 1), ("exp_avg_sq", len(group["params"]))):
+            value = new_group.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, Tensor) or value.numel() != size or value.dim() != 1:
+                raise ValueError(f"FusedNovoGrad.load_state_dict: a param group's {key!r} must "
+                                 f"be a tensor of shape [{size}]")
+            new_group[key] = value.to(device or value.device, torch.float32, copy=True)
+
+
+class FusedLAMB(_FusedOptimizer):
+    """LAMB (Apex's ``FusedLAMB``: its argument names, defaults and math), fused over all
+    parameters: Adam's moments give an update ``u`` per parameter (with decoupled weight
+    decay, ``adam_w_mode=True``, or L2 weight decay added to the gradient), and each
+    parameter moves by ``lr * ||p|| / ||u||`` times ``u`` (the trust ratio; ``lr`` alone
+    where a norm is 0, and for parameters of a group without weight decay unless
+    ``use_nvlamb``). Gradients are first divided by ``max(1, norm / max_grad_norm)``,
+    ``norm`` the L2 norm of all gradients of all groups (unscaled), computed on the
+    device. One :func:`mixedprec.ops.fused_lamb_` call per param group.
+
+    Args:
+        params: parameters (fp32, fp16 or bf16) or param-group dicts.
+        lr, betas, eps, weight_decay, bias_correction: as Apex's ``FusedLAMB``.
+        adam_w_mode: decoupled weight decay when True (Apex's default).
+        grad_averaging: weight the gradient by ``1 - beta1`` in the first moment.
+        max_grad_norm: the global gradient norm above which gradients are scaled down
+            (``self.defaults["max_grad_norm"]``, as in Apex); 0 turns clipping off
+            (Apex would then zero the gradients).
+        use_nvlamb: apply the trust ratio to parameters without weight decay too.
+        amsgrad: not supported (a ValueError).
+        set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
+        master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
+
+    Differences from Apex: the update is kept in a scratch buffer, so gradients are
+    read and never written (Apex overwrote them with the update, rounded to their
+    dtype); the step count is a float32 device tensor in ``group["step"]``, which a
+    step skipped on overflow does not advance; bf16 parameters and mixed dtypes in a
+    group work; all parameters must share one device. Moments are float32.
+    """
+
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 set_grad_none: bool = True, max_grad_norm: float = 1.0,
+                 use_nvlamb: bool = False, master_weights: bool = False):
+        if amsgrad:
+            raise ValueError(f"{type(self).__name__} does not support amsgrad")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_grad_norm", max_grad_norm)):
+            _check_nonnegative(name, value)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        max_grad_norm=max_grad_norm, adam_w_mode=adam_w_mode,
+                        use_nvlamb=use_nvlamb)
+        self._grad_norm: Optional[Tensor] = None
+        super().__init__(params, defaults, master_weights, set_grad_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step (on the device, without host synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._grad_norm = self._global_grad_norm()
+        try:
+            super().step()
+        finally:
+            self._grad_norm = None
+        return loss
+
+    def _global_grad_norm(self) -> Optional[Tensor]:
+        """The L2 norm of every gradient the step reads (unscaled by ``grad_scale``), on
+        their device; None when clipping is off or there is no gradient. Gradients the
+        step rejects are left out here: the step raises for them, before any update."""
+        if self.defaults["max_grad_norm"] == 0:
+            return None
+        grads: List[Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                master = state.get("master_param") if state else None
+                grad = master.grad if master is not None and master.grad is not None else p.grad
+                if grad is None or grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
+                    continue
+                grads.append(grad if ops.is_dense(grad) else grad.contiguous())
+        if not grads:
+            return None
+        device = grads[0].device
+        others = sorted({str(g.device) for g in grads if g.device != device})
+        if others:
+            raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
+                             f"(the global gradient norm), got {device} and {others}")
+        inv_scale, _ = self._scaling(device, (getattr(self, "grad_scale", None), None))
+        norm, _ = ops.multi_tensor_l2norm(grads, inv_scale, False)
+        return norm
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        self._one_device(by_device, "the global gradient norm")
+
+    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
+        self._group_step(group, device)
+        targets, model = self._update_lists(items.params, items.states)
+        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
+        self._lamb(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
+                   found_inf)
+        return targets, exp_avgs, exp_avg_sqs, model
+
+    def _plan_holds(self, group, plan) -> bool:
+        return self._step_on(group, plan)
+
+    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
+        targets, exp_avgs, exp_avg_sqs, model = lists
+        self._lamb(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf)
+
+    def _lamb(self, group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
+                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                        group["adam_w_mode"], group["bias_correction"], group["grad_averaging"],
+                        group["use_nvlamb"], self._grad_norm, self.defaults["max_grad_norm"],
+                        inv_scale, found_inf)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        self._load_group_step(new_group, group)
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """Apex's ``FusedMixedPrecisionLamb``: :class:`FusedLAMB` with fp32 masters of
+    fp16/bf16 parameters (``master_weights=True``), with Apex's arguments.
+
+    Args:
+        lr: a float, or a one-element tensor (read once, here: ``group["lr"]`` is then
+            a float, which LR schedulers change as usual).
+        step: the step count the param groups start from (Apex's ``step``).
+        reduced_precision_dtype: accepted (None, torch.float16 or torch.bfloat16);
+            every fp16/bf16 parameter gets an fp32 master whatever its value (Apex
+            kept masters only for parameters of that dtype, and updated the others in
+            their own dtype).
+        the others: as :class:`FusedLAMB` (Apex's defaults).
+
+    Gradient scaling comes as for every mixedprec optimizer, from ``torch.amp`` or
+    ``mixedprec.GradScaler`` through ``scaler.step(optimizer)`` (the scaler's
+    ``grad_scale`` and ``found_inf``); Apex's ``step(grad_scaler=...)`` argument is not
+    taken (torch's GradScaler would then pass itself instead of those attributes).
+    The gradient norm is of the unscaled gradients, compared with ``max_grad_norm``
+    (Apex compared the scaled norm with ``max_grad_norm * scale``: the same test).
+    """
+
+    def __init__(self, params: Iterable, lr=1e-3, step: int = 0, bias_correction: bool = True,
+                 betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
+                 max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 reduced_precision_dtype: Optional[torch.dtype] = None):
+        if isinstance(lr, Tensor):
+            if lr.numel() != 1 or not lr.is_floating_point():
+                raise TypeError(f"expected lr to be a float or a one-element float tensor, "
+                                f"got a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}")
+            lr = float(lr)  # sync-ok: Apex's lr may be a device tensor; read once, here
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise TypeError("expected reduced_precision_dtype to be None, torch.float16 or "
+                            f"torch.bfloat16, got {reduced_precision_dtype}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"expected step to be an int >= 0, got {step!r}")
+        self.reduced_precision_dtype = reduced_precision_dtype
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                         grad_averaging=grad_averaging, set_grad_none=True,
+                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
+                         master_weights=True)
+        # A number until a group's first step makes it a device tensor.
+        self.defaults["step"] = step
+        for group in self.param_groups:
+            group.setdefault("step", step)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()
+        state.update(reduced_precision_dtype=self.reduced_precision_dtype)
+        return state
