@@ -41,12 +41,14 @@ if _BUILT_FOR is not None:
 
 from . import ops  # noqa: E402
 from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
+from . import optim  # noqa: E402
+from .optim import SGD, Adam, AdamW  # noqa: E402
 from .scaler import GradScaler  # noqa: E402
 
 _register_dtensor_ops()  # the ops take DTensor arguments (see mixedprec.distributed)
 
 __version__ = "0.1.0"
-__all__ = ["ops", "FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
+__all__ = ["ops", "optim", "Adam", "AdamW", "SGD", "FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedAdagrad", "FusedNovoGrad", "GradScaler", "__version__"]
 
 # Apex's faces (mixedprec.compat), loaded on first use: the core never imports them.

@@ -37,7 +37,7 @@ from .. import masters as _masters
 from .. import ops
 from .fp16_utils import convert_network
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
-from .optimizers import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
+from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",

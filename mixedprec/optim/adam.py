@@ -1,0 +1,197 @@
+"""torch.optim.Adam and AdamW, fused: one op call per group and device for fp32, fp16
+and bf16 parameters, with fp32 masters or the lean modes as keyword-only extras."""
+
+from collections import Counter
+from typing import Any, Dict, List
+
+import torch
+import torch.optim.adam as torch_adam
+from torch import Tensor
+
+from .. import ops
+from .optimizer import _pick, _Work
+from .torch_optimizer import TorchOptimizer, torch_defaults
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(TorchOptimizer):
+    """``torch.optim.Adam`` with torch's arguments, defaults, param-group keys and
+    ``state_dict`` (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` per
+    parameter), stepped by one fused op call per group and device without host
+    synchronisation. Step for step equal to torch.optim.Adam on fp32 parameters.
+
+    mixedprec's extras, keyword-only:
+
+    * ``master``: what is kept of fp16/bf16 parameters' values: ``"fp32"`` (default)
+      fp32 masters in the state (``master_param``), the parameters receive them cast;
+      ``"none"`` the parameters are updated directly (torch.optim's behaviour);
+      ``"kahan"``/``"stochastic"``: bf16 parameters with a bf16 compensation, or
+      rounded stochastically (docs/lean-precision.md).
+    * ``state_dtype``: ``torch.float32`` (default) or ``torch.bfloat16``, the moments'
+      dtype (the math stays fp32).
+    * ``seed``: master="stochastic"'s base seed.
+    * ``unscale_grads``: after a step with a GradScaler, ``p.grad`` holds the unscaled
+      gradient, as with torch's fused optimizers (default True); False skips that write.
+
+    ``foreach``, ``fused`` and ``capturable`` are accepted (every step is fused and
+    capturable); ``differentiable=True`` is refused. Parameters that step together
+    share one step-count tensor inside the optimizer; ``state_dict()`` gives each its
+    own, as torch does.
+    """
+
+    _TORCH_CLASS = torch.optim.Adam
+    _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
+                   "kahan_comp")
+    _LEAN = True
+    _NEWER_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                       differentiable=False, fused=None, decoupled_weight_decay=False)
+    _SCALAR_KEYS = ("betas", "weight_decay", "eps")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 master="fp32", state_dtype=torch.float32, seed=None, unscale_grads=True):
+        defaults = torch_defaults(self._TORCH_CLASS, type(self).__name__, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            foreach=foreach, maximize=maximize, capturable=capturable,
+            differentiable=differentiable, fused=fused,
+            **self._decoupled(decoupled_weight_decay)))
+        super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
+                         unscale_grads=unscale_grads)
+
+    @staticmethod
+    def _decoupled(value: bool) -> Dict[str, Any]:
+        return {"decoupled_weight_decay": value}
+
+    def _check_devices(self, by_device) -> None:
+        pass  # (each parameter's step count is its own)
+
+    def _step_group(self, group, device, items: _Work, inv_scale, found_inf):
+        calls = self._calls(group, device, items)
+        self._run_plan(group, calls, items.grads, inv_scale, found_inf)
+        return calls
+
+    def _calls(self, group, device, items: _Work) -> tuple:
+        """The group's op calls: ``_lean_calls``, each split by step count (parameters
+        whose counts are one tensor, all of its holders, go in one call)."""
+        holders = Counter(id(state["step"]) for state in map(self.state.get, group["params"])
+                          if state and "step" in state)
+        used: set = set()
+        calls = []
+        for call, positions, lean in self._lean_calls(items):
+            for picked, step in self._steps(call, device, holders, used):
+                part = call.pick(picked)
+                where = picked if positions is None else [positions[i] for i in picked]
+                targets, model = self._update_lists(part.params, part.states)
+                exp_avgs, exp_avg_sqs = self._moments(part.states, targets)
+                maxes = [self._state_tensor(state, "max_exp_avg_sq", t, self.state_dtype)
+                         for state, t in zip(part.states, targets)] if group["amsgrad"] else []
+                comps = self._compensations(part.states, targets) if lean else []
+                salts = self._salts(group, part.params, device) if lean else []
+                calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
+                               salts, step))
+        return tuple(calls)
+
+    @staticmethod
+    def _steps(call: _Work, device: torch.device, holders: Counter, used: set):
+        """[(positions in ``call``, their step-count tensor)]: new parameters get a new
+        count (zero); a count whose holders are not all in this call is split off (a
+        copy), so each op call advances its own tensor once."""
+        counts: Dict[int, List[Any]] = {}
+        new: List[int] = []
+        for i, state in enumerate(call.states):
+            step = state.get("step")
+            if step is None:
+                new.append(i)
+            else:
+                counts.setdefault(id(step), [step, []])[1].append(i)
+        out = []
+        if new:
+            step = torch.zeros((), dtype=torch.float32, device=device)
+            out.append((new, step))
+        for key, (step, picked) in counts.items():
+            if key in used or holders[key] != len(picked) or step.device != device:
+                step = step.to(device, torch.float32, copy=True)
+            out.append((picked, step))
+        for picked, step in out:
+            used.add(id(step))
+            for i in picked:
+                call.states[i]["step"] = step
+        return out
+
+    def _plan_holds(self, group, plan) -> bool:
+        return all(bool(call[4]) == bool(group["amsgrad"]) for call in plan.lists)
+
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        for where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, step in calls:
+            extra: Dict[str, Any] = {}
+            if isinstance(lr, Tensor):
+                extra["lr_tensor"] = lr.to(step.device, torch.float32).reshape(())
+            if maxes:
+                extra["max_exp_avg_sqs"] = maxes
+            if group["maximize"]:
+                extra["maximize"] = True
+            if self.unscale_grads and inv_scale is not None:
+                extra["unscale_grads"] = True
+            if comps:
+                extra["kahan_comps"] = comps
+            if salts:
+                extra.update(sr_salts=salts, sr_seed=group["sr_seed"])
+            ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
+                            0.0 if isinstance(lr, Tensor) else lr, beta1, beta2, group["eps"],
+                            group["weight_decay"], group["decoupled_weight_decay"], True,
+                            inv_scale, found_inf, **extra)
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
+                               "please consider SparseAdam instead")
+
+    def _torch_step(self, group, params: List[Tensor], grads: List[Tensor]) -> None:
+        exp_avgs, exp_avg_sqs, maxes, steps = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+                for key in ("exp_avg", "exp_avg_sq") + (
+                        ("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if group["amsgrad"]:
+                maxes.append(state.setdefault("max_exp_avg_sq", torch.zeros_like(
+                    p, memory_format=torch.preserve_format)))
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        torch_adam.adam(
+            params, grads, exp_avgs, exp_avg_sqs, maxes, steps, foreach=False,
+            capturable=False, differentiable=False, fused=False,
+            has_complex=any(torch.is_complex(p) for p in params),
+            decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=group["maximize"])
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW``: :class:`Adam` with decoupled weight decay (default 1e-2),
+    torch's arguments and defaults, and the same keyword-only extras."""
+
+    _TORCH_CLASS = torch.optim.AdamW
+    _NEWER_KEYS = dict(Adam._NEWER_KEYS, decoupled_weight_decay=True)
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, master="fp32", state_dtype=torch.float32,
+                 seed=None, unscale_grads=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused, master=master,
+                         state_dtype=state_dtype, seed=seed, unscale_grads=unscale_grads)
+
+    @staticmethod
+    def _decoupled(value: bool) -> Dict[str, Any]:
+        return {}  # (torch.optim.AdamW sets it, and takes no such argument)
+

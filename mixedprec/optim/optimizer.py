@@ -1,0 +1,719 @@
+"""The base of mixedprec's optimizers: master weights or the lean modes, the loss
+scaler's channel (``grad_scale``/``found_inf``), state that follows its parameter,
+plans that reuse a step's op calls, and state loading.
+
+Each subclass runs one fused op call per param group and device:
+
+* it reads fp32, fp16 or bf16 gradients and multiplies them by ``1 / grad_scale`` when a
+  ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``;
+* it skips the whole update on the device when the scaler set ``found_inf``, so an
+  overflow never forces a host synchronisation;
+* with fp32 masters (``master="fp32"``) it updates fp32 master copies of fp16/bf16
+  parameters (kept in the optimizer state as ``master_param``) and writes them, cast,
+  into the model parameters in the same pass.
+
+State is created at a parameter's first step, as torch's optimizers create theirs
+(masters included): an optimizer that has not stepped has an empty ``state``, which
+is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
+state it loads a checkpoint into. State follows its parameter: moved with it, laid out
+like it (``channels_last`` after the optimizer was built works), and a master is taken
+anew from its parameter when the parameter was written outside the optimizer (see
+``_FusedOptimizer._master``). Moments and momentum buffers are float32 or bfloat16
+(``state_dtype``); docs/lean-precision.md has the lean modes.
+
+The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
+that ``torch.amp.GradScaler`` sets around ``step()`` (mixedprec's GradScaler and the
+Apex faces set the same). With masters, a master whose ``.grad`` is set (fp32,
+unscaled) is updated from that instead of ``p.grad``: Apex's amp puts it there for
+gradient clipping, and the step clears it.
+"""
+
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import masters as mst
+from ..distributed import shard_index
+from ..loss_scale import inverse
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# State entries shaped like their parameter, with the dtype they must have: masters
+# and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
+# state_dtype (None here); Kahan compensations are bfloat16.
+_PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
+                "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
+                "kahan_comp": torch.bfloat16}
+# What FusedAdam and FusedSGD keep of each parameter's value ("master", see
+# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
+# directly: _FusedOptimizer._lean_calls).
+_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
+    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
+    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
+    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
+    if master is None:
+        return "fp32" if master_weights else "none"
+    if not isinstance(master, str) or master not in _MASTER_MODES:
+        raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
+                         f"got {master!r}")
+    if master_weights and master != "fp32":
+        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
+                         "(master_weights=True is master='fp32'); give one of them")
+    return master
+
+
+def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
+                 optimizer: Optimizer) -> TypeError:
+    """The error for lean modes asked of an optimizer without them (FusedAdam and
+    FusedSGD have them)."""
+    return TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
+                     f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
+
+
+def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
+    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
+    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
+    the other modes (where a seed is an error)."""
+    if master != "stochastic":
+        if seed is not None:
+            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
+        return None
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{where}: expected seed in [0, 2**63), got {seed}")
+    return seed
+
+
+def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
+    if dtype not in _STATE_DTYPES:
+        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
+                        f"got {dtype!r}")
+    return dtype
+
+
+class _Work(NamedTuple):
+    """The parameters of one op call, their gradients and their state dicts (None for
+    a parameter without state yet)."""
+
+    params: List[Tensor]
+    grads: List[Tensor]
+    states: List[Optional[Dict[str, Any]]]
+
+    def pick(self, positions: List[int]) -> "_Work":
+        return _Work([self.params[i] for i in positions], [self.grads[i] for i in positions],
+                     [self.states[i] for i in positions])
+
+
+def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
+    """The gradients of one op call of a group (``_lean_calls``' positions)."""
+    return grads if positions is None else [grads[i] for i in positions]
+
+
+class _Plan(NamedTuple):
+    """A param group's op call as the last step made it, reused while nothing it was
+    made from has changed (see ``_FusedOptimizer._planned_work``)."""
+
+    state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
+    # per group param: (dtype, storage address, version), so that a parameter converted,
+    # moved, re-laid-out (all of which give it new storage) or written elsewhere takes
+    # the full path
+    signature: List[Tuple[Any, ...]]
+    strides: List[Tuple[int, ...]]  # per group param: its strides (its gradient's must match)
+    masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
+    stepped: List[bool]  # per group param: whether it had a gradient
+    lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
+    device: Optional[torch.device]  # where the lists are (None: no call)
+
+
+def _signature(p: Tensor) -> Tuple[Any, ...]:
+    return p.dtype, p.data_ptr(), p._version
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, Tensor) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"expected {name} >= 0, got {value}")
+
+
+
+class _FusedOptimizer(Optimizer):
+    """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
+
+    # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
+    # unscaling and checking gradients itself.
+    _step_supports_amp_scaling = True
+    # The per-parameter state entries this optimizer keeps (load_state_dict checks).
+    _STATE_KEYS: Tuple[str, ...] = ("master_param",)
+    # Whether it takes the lean modes: master "kahan"/"stochastic" and bf16 state
+    # (FusedAdam, FusedSGD), or only fp32 masters or none, and fp32 state.
+    _LEAN = False
+
+    def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
+                 set_grad_none: bool, master: Optional[str] = None,
+                 state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None):
+        where = type(self).__name__
+        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly),
+        # "kahan" (bf16 params with a bf16 compensation each, "kahan_comp") or
+        # "stochastic" (bf16 params rounded stochastically, group["sr_seed"]).
+        self.master = _master_mode(where, master_weights, master)
+        # master='stochastic': group i's seed is this + i (see add_param_group).
+        self._sr_seed = _rounding_seed(where, self.master, seed)
+        # The dtype of moments and momentum buffers (float32 or bfloat16).
+        self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
+        self.set_grad_none = bool(set_grad_none)
+        self._plans: Dict[int, _Plan] = {}
+        # id(master) -> the version counter of its parameter when the master was last
+        # in step with it (the update writes the parameter without bumping it).
+        self._master_versions: Dict[int, int] = {}
+        super().__init__(params, defaults)
+
+    @property
+    def master_weights(self) -> bool:
+        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
+        does) switches between "fp32" and "none"."""
+        return self.master == "fp32"
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        if value:
+            self.master = "fp32"
+        elif self.master == "fp32":
+            self.master = "none"
+
+    def _check_kahan(self, p: Tensor) -> None:
+        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
+        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
+        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
+            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
+            raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
+                            "parameters (fp32 ones are updated directly), got one of dtype "
+                            "torch.float16 (use master='fp32' for fp16 parameters)")
+
+    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
+        """The op calls of one group's parameters: (their _Work, their positions in
+        ``items`` or None for all, whether the call is lean). With master='kahan' or
+        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
+        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
+        call that updates them directly, as master='none' does: fp32 holds their
+        updates. Otherwise one plain call."""
+        if self.master not in ("kahan", "stochastic"):
+            return [(items, None, False)]
+        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
+        if len(bf16) == len(items.params):
+            return [(items, None, True)]
+        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
+        return [(items.pick(positions), positions, lean)
+                for positions, lean in ((bf16, True), (other, False)) if positions]
+
+    def _check_precision(self, where: str, master: Optional[str],
+                         state_dtype: Optional[torch.dtype]) -> None:
+        """Raises unless ``_set_precision`` can apply these: lean modes on a class that
+        has them, and no change to what an optimizer with state keeps."""
+        if master is not None:
+            _master_mode(where, None, master)
+        if state_dtype is not None:
+            _check_state_dtype(where, "state_dtype", state_dtype)
+        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
+                not self._LEAN:
+            raise lean_refused(where, master, state_dtype, self)
+        if self.state and ((master is not None and master != self.master) or
+                           (state_dtype is not None and state_dtype != self.state_dtype)):
+            raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
+                             "pass an optimizer that has not stepped yet")
+
+    def _set_precision(self, where: str, master: Optional[str],
+                       state_dtype: Optional[torch.dtype]) -> None:
+        """``mixedprec.amp.initialize``'s ``master`` and ``state_dtype`` (None:
+        unchanged), checked by ``_check_precision`` first. master='stochastic' draws
+        the seeds as the constructor does."""
+        self._check_precision(where, master, state_dtype)
+        if master == "stochastic" and self._sr_seed is None:
+            self._sr_seed = _rounding_seed(where, master, None)
+            for i, group in enumerate(self.param_groups):
+                group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
+        if master is not None:
+            self.master = master
+        if state_dtype is not None:
+            self.state_dtype = state_dtype
+        self._invalidate_plans()
+
+    def _invalidate_plans(self) -> None:
+        """Forgets the op calls kept from the last step (see ``_planned_work``): for
+        whatever changes state, groups or masters other than through a step. (The dict
+        is changed in place, never rebound, as torch.compile traces that more easily.)"""
+        self._plans.clear()
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for p in params:  # checked before torch adds the group, so a bad one changes nothing
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
+            if isinstance(p, Tensor) and not self._fused_dtype(p):
+                continue  # (a subclass steps it another way)
+            if isinstance(p, Tensor) and p.layout != torch.strided:
+                raise TypeError(f"{type(self).__name__} does not support sparse parameters")
+            if isinstance(p, Tensor) and p.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
+                    f"bfloat16, got {p.dtype}"
+                )
+            if isinstance(p, Tensor):
+                self._check_kahan(p)
+        param_group = dict(param_group, params=params)
+        if self._sr_seed is not None and "sr_seed" not in param_group:
+            # Each group its own seed: positions (the salts) repeat across groups.
+            param_group["sr_seed"] = (self._sr_seed + len(self.param_groups)) % 2**63
+        super().add_param_group(param_group)
+        self._invalidate_plans()
+
+    def _fused_dtype(self, p: Tensor) -> bool:
+        """Hook: whether the fused ops step ``p`` (the torch-named optimizers step float64
+        and complex parameters through torch's own implementation)."""
+        return True
+
+    def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
+        """A fresh fp32 master of ``p`` in its ``state``, and the version of ``p`` it was
+        taken at (see ``_master``)."""
+        master = state["master_param"] = mst.make_master(p)
+        if not torch.compiler.is_compiling():  # (id() is not traceable; see _master)
+            self._master_versions[id(master)] = p._version
+        return master
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Zeroes the gradients; ``set_to_none`` defaults to the constructor's
+        ``set_grad_none``."""
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def _scaling(self, device: torch.device, scaling):
+        """``(inv_scale, found_inf)`` on `device` from (grad_scale, found_inf)."""
+        grad_scale, found_inf = scaling
+        inv_scale = None
+        if grad_scale is not None:
+            inv_scale = inverse(grad_scale.to(device))
+        if found_inf is not None:
+            found_inf = found_inf.to(device, torch.float32)
+        return inv_scale, found_inf
+
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, "_Work"]:
+        """The group's parameters that have gradients, with those gradients and their
+        state dicts, by device, after checking them. One pass and one state lookup
+        per parameter: this runs every step, and its cost is the step's fixed cost.
+
+        The gradient the update reads is the fp32 master's ``.grad`` when one was
+        materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
+        the parameter's."""
+        by_device: Dict[torch.device, _Work] = {}
+        state_of = self.state
+        for p in group["params"]:
+            state = state_of.get(p)
+            master = state.get("master_param") if state else None
+            grad = master.grad if master is not None and master.grad is not None else p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if grad.dtype not in _FLOAT_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
+                    f"bfloat16, got {grad.dtype}"
+                )
+            if grad.shape != p.shape:
+                raise ValueError(f"{type(self).__name__}: a gradient of shape "
+                                 f"{tuple(grad.shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)}")
+            if grad.stride() != p.stride() and not mst.same_layout(grad, p):
+                grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
+            self._check_kahan(p)  # (the model may have been cast after construction)
+            work = by_device.get(p.device)
+            if work is None:
+                work = by_device[p.device] = _Work([], [], [])
+            work.params.append(p)
+            work.grads.append(grad)
+            work.states.append(state)
+        self._check_devices(by_device)
+        return by_device
+
+    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+        """Hook: reject a device layout the optimizer cannot step (before any update)."""
+
+    def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
+        """p's fp32 master in p's `state`, or None when p needs none.
+
+        The master follows the parameter: created when the model was cast to 16 bits
+        after the optimizer was built, moved and re-laid-out with it (``.cuda()``,
+        ``channels_last``), dropped while the parameter is fp32 (it is then its own
+        master), and taken anew from the parameter when the parameter was written
+        outside the optimizer (its version counter moved: ``load_state_dict`` on the
+        model, an in-place edit under ``no_grad``; edits through ``.data`` do not
+        count, as they bypass the counter). A Kahan compensation is dropped once the
+        optimizer left master="kahan" (``master_weights = True`` after construction) or
+        the parameter left bf16 (``model.float()``: the dropped part is below bf16's
+        resolution)."""
+        if "kahan_comp" in state and (self.master != "kahan" or p.dtype != torch.bfloat16):
+            del state["kahan_comp"]
+        if not self.master_weights or not mst.needs_master(p):
+            if state.get("master_param") is not None:
+                self._master_versions.pop(id(state.pop("master_param")), None)
+            return None
+        master = state.get("master_param")
+        if master is None:
+            return self._new_master(p, state)
+        # (Under torch.compile the version counter is not traceable: not checked there.)
+        if not torch.compiler.is_compiling() and (
+                self._master_versions.setdefault(id(master), p._version) != p._version):
+            del self._master_versions[id(master)]
+            return self._new_master(p, state)
+        moved = mst.follow_layout(master, p)
+        if moved is not master:
+            self._master_versions[id(moved)] = self._master_versions.pop(id(master),
+                                                                          p._version)
+            state["master_param"] = moved
+        return moved
+
+    @staticmethod
+    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+        """state[key] on like's device and in its layout, created as zeros of `dtype`
+        (made from `like`: a DTensor's state is a DTensor with its placements) if
+        absent."""
+        value = state.get(key)
+        if value is None:
+            value = state[key] = torch.zeros_like(like, dtype=dtype,
+                                                  memory_format=torch.preserve_format)
+        else:
+            value = state[key] = mst.follow_layout(value, like)
+        return value
+
+    def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
+        """Adam's two moments (``exp_avg``, ``exp_avg_sq``, of ``state_dtype``) of each
+        target, created as zeros where absent (FusedAdam, FusedLAMB)."""
+        dtype = self.state_dtype
+        return ([self._state_tensor(state, "exp_avg", t, dtype)
+                 for state, t in zip(states, targets)],
+                [self._state_tensor(state, "exp_avg_sq", t, dtype)
+                 for state, t in zip(states, targets)])
+
+    def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
+        """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
+        master='kahan', created as zeros where absent; else none."""
+        if self.master != "kahan":
+            return []
+        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
+                for state, p in zip(states, params)]
+
+    def _salts(self, group: Dict[str, Any], params: List[Tensor],
+               device: torch.device) -> List[Tensor]:
+        """master='stochastic': each param's salt (a float32 one-element tensor on
+        ``device``, views of one); else none. The salt is the param's position in its
+        group, plus the group's size times the index of this rank's shard for a
+        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
+        draw different bits, and its replicas the same."""
+        if self.master != "stochastic":
+            return []
+        count = len(group["params"])
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        values = []
+        for p in params:
+            shard, shards = shard_index(p)
+            if count * shards > 2**24:  # (salts are exact fp32 integers)
+                raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
+                                 f"{count} params of a group times the {shards} shards of "
+                                 "each in salts below 2**24; split the param group")
+            values.append(float(position[id(p)] + count * shard))
+        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
+
+    # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
+    # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
+    @staticmethod
+    def _group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
+        """``group["step"]`` on ``device``, created from the number it holds (0 if absent:
+        an Apex-style subclass's int, FusedMixedPrecisionLamb's start count)."""
+        step = group.get("step")
+        if not isinstance(step, Tensor):
+            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                              device=device)
+        elif step.device != device:  # the model moved after the optimizer was built
+            step = group["step"] = step.to(device)
+        return step
+
+    @staticmethod
+    def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
+        """Whether the group's step count is a tensor on the device of the plan's lists."""
+        step = group.get("step")
+        return isinstance(step, Tensor) and step.device == plan.device
+
+    def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
+        it is; a 1-element tensor becomes a float32 copy on the group's device."""
+        step = new_group.get("step")
+        if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
+                and step >= 0:
+            return
+        if not isinstance(step, Tensor) or step.numel() != 1:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
+                             "must be a number >= 0 or a 1-element tensor")
+        device = group["params"][0].device if group["params"] else step.device
+        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
+
+    def _one_device(self, by_device: Dict[torch.device, "_Work"], why: str) -> None:
+        if len(by_device) > 1:
+            raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
+                             f"share one device ({why}), got {list(by_device)}")
+
+    def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
+        """(update targets, model copies) for one op call: the fp32 masters and the
+        model params when any param has a master (an fp32 param is then its own
+        master), else the params themselves and no model copy."""
+        masters = [self._master(p, state) for p, state in zip(params, states)]
+        if all(m is None for m in masters):
+            return list(params), []
+        return [p if m is None else m for p, m in zip(params, masters)], list(params)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step (on the device, without host synchronisation)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # The one channel from a loss scaler: the attributes torch.amp.GradScaler sets
+        # around step() for optimizers with _step_supports_amp_scaling (mixedprec's
+        # GradScaler, amp and fp16_utils set the same ones).
+        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        planned = self._planned_work()
+        if planned is not None:
+            used_master_grads = False
+            for group, plan, grads, from_master in planned:
+                if plan.lists is not None:
+                    self._run_plan(group, plan.lists, grads,
+                                   *self._scaling(plan.device, scaling))
+                used_master_grads |= from_master
+            if used_master_grads:  # master gradients are used by one step
+                for _, plan, _, _ in planned:
+                    for master in plan.masters:
+                        if master is not None:
+                            master.grad = None
+            return loss
+        # Check every group before touching any state, so a bad gradient changes nothing.
+        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        plans: Dict[int, _Plan] = {}
+        compiling = torch.compiler.is_compiling()
+        for index, (group, by_device) in enumerate(work):
+            for device, items in by_device.items():
+                for i, (p, state) in enumerate(zip(items.params, items.states)):
+                    if state is None:  # first step of p: its state starts now
+                        items.states[i] = self.state[p]
+                lists = self._step_group(group, device, items, *self._scaling(device, scaling))
+                for p, state in zip(items.params, items.states):
+                    if not state:  # nothing kept (SGD without momentum on an fp32 param)
+                        self.state.pop(p, None)
+                if lists is not None and len(by_device) == 1 and not compiling:
+                    plans[index] = self._make_plan(group, lists, device)
+            if not by_device and not compiling:  # no gradients in this group
+                plans[index] = self._make_plan(group, None, None)
+        for _, by_device in work:  # master gradients are used by one step
+            for items in by_device.values():
+                for state in items.states:
+                    master = state.get("master_param")
+                    if master is not None:
+                        master.grad = None
+        self._plans.clear()
+        if not torch.compiler.is_compiling():
+            self._plans.update(plans)
+        return loss
+
+    def _state_key(self) -> Tuple[int, int, str]:
+        return id(self.state), len(self.state), self.master
+
+    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple],
+                   device: Optional[torch.device]) -> _Plan:
+        params = group["params"]
+        states = [self.state.get(p) or {} for p in params]
+        masters = [state.get("master_param") for state in states]
+        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
+                   for p, m in zip(params, masters)]
+        return _Plan(self._state_key(), [_signature(p) for p in params],
+                     [p.stride() for p in params], masters, stepped, lists, device)
+
+    def _planned_work(self):
+        """[(group, plan, gradients, whether some came from masters)] when every group
+        can reuse the op call of the last step, else None (the step then takes the
+        full path, and makes new plans).
+
+        A plan holds the op's lists of masters, moments, buffers and model params, so
+        a step only gathers the gradients. It is reused while the optimizer's state
+        dict is the same object of the same size, ``master_weights`` is unchanged, the
+        group's parameters have the dtypes, devices and (un)set gradients they had,
+        the group settings the plan depends on hold, and nothing called
+        ``_invalidate_plans`` (``load_state_dict``, ``add_param_group``,
+        ``mixedprec.amp.initialize``). State entries must be replaced through those,
+        not by assigning to ``optimizer.state[p][key]``."""
+        plans = self._plans
+        if len(plans) != len(self.param_groups) or torch.compiler.is_compiling():
+            return None  # (a compiled step is traced once: it needs no plans)
+        state_key = self._state_key()
+        planned = []
+        for index, group in enumerate(self.param_groups):
+            plan = plans.get(index)
+            params = group["params"]
+            if plan is None or plan.state_key != state_key or len(params) != len(plan.stepped):
+                return None
+            grads: List[Tensor] = []
+            from_master = False
+            for p, m, stepped, signature, strides in zip(params, plan.masters, plan.stepped,
+                                                         plan.signature, plan.strides):
+                if _signature(p) != signature:
+                    return None
+                grad = p.grad
+                if m is not None and m.grad is not None:
+                    grad, from_master = m.grad, True
+                if (grad is not None) != stepped:
+                    return None
+                if grad is not None:
+                    if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
+                            or grad.stride() != strides):
+                        return None  # the full path converts it or raises the error
+                    grads.append(grad)
+            if plan.lists is not None and not self._plan_holds(group, plan):
+                return None
+            planned.append((group, plan, grads, from_master))
+        return planned
+
+    def _plan_holds(self, group: Dict[str, Any], plan: _Plan) -> bool:
+        """Hook: whether group settings a plan depends on are still as planned."""
+        return True
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.optim.Optimizer keeps only defaults, state and param_groups.
+        state = super().__getstate__()
+        state.update(master=self.master, state_dtype=self.state_dtype,
+                     set_grad_none=self.set_grad_none, _sr_seed=self._sr_seed, _plans={},
+                     _master_versions={})
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # (A pickle from before the master modes holds master_weights instead.)
+        master_weights = state.pop("master_weights", False)
+        state.setdefault("master", "fp32" if master_weights else "none")
+        state.setdefault("state_dtype", torch.float32)
+        state.setdefault("_sr_seed", None)
+        super().__setstate__(state)
+
+    def _step_group(self, group, device, items: "_Work", inv_scale,
+                    found_inf) -> Optional[tuple]:
+        """One group's update on one device; returns the op's lists other than the
+        gradients (for ``_run_plan``), or None when the next step cannot reuse them."""
+        raise NotImplementedError
+
+    def _run_plan(self, group, lists: tuple, grads: List[Tensor], inv_scale,
+                  found_inf) -> None:
+        """The op call of ``_step_group`` again, with the lists it returned."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict saved by this optimizer class.
+
+        Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
+        moments, momentum buffers) stays float32 instead of being cast to the dtype of
+        fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
+        a ValueError names it and nothing is changed. The optimizer's load_state_dict
+        pre- and post-hooks run as in torch.
+        """
+        name = type(self).__name__
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
+        if missing:
+            raise ValueError(f"{name}.load_state_dict: expected a state dict with 'state' and "
+                             f"'param_groups', got one without {missing}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
+                f"the optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: Dict[Any, Tensor] = {}
+        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
+                    f"params in the state dict and {len(group['params'])} in the optimizer"
+                )
+            id_to_param.update(zip(saved["params"], group["params"]))
+
+        saved_groups = [self._upgrade_group(dict(saved)) for saved in saved_groups]
+        for i, saved in enumerate(saved_groups):
+            missing = sorted(k for k in self.defaults if k not in saved)
+            if missing:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {i} of the state dict has no "
+                    f"{missing}: it was not saved by a {name}")
+        new_state: Dict[Tensor, Dict[str, Any]] = {}
+        for key, saved_state in state_dict["state"].items():
+            if key not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+            unknown = sorted(k for k in saved_state if k not in self._STATE_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
+                    f"a {name} does not keep (it keeps {list(self._STATE_KEYS)}): the state "
+                    f"dict was saved by another optimizer")
+            p = id_to_param[key]
+            new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+
+        new_groups = []
+        for group, saved in zip(self.param_groups, saved_groups):
+            new_group = {k: v for k, v in saved.items() if k != "params"}
+            if "param_names" in group:  # (as torch: kept when the state dict has none)
+                new_group.setdefault("param_names", group["param_names"])
+            if "sr_seed" in group:  # (a state dict saved in another mode has none)
+                new_group.setdefault("sr_seed", group["sr_seed"])
+            self._load_group_state(new_group, group)
+            new_group["params"] = group["params"]
+            new_groups.append(new_group)
+
+        self.state.clear()
+        self.state.update(new_state)
+        self._master_versions.clear()  # loaded masters are in step with the loaded model
+        self.param_groups = new_groups
+        self._invalidate_plans()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
+        if key == "kahan_comp" and self.master != "kahan":
+            raise ValueError(f"{where}: a Kahan compensation, which only master='kahan' keeps "
+                             f"(this optimizer has master={self.master!r})")
+        if key in _PARAM_STATE:
+            if value.shape != p.shape:
+                raise ValueError(f"{where} has shape {tuple(value.shape)}, "
+                                 f"the parameter {tuple(p.shape)}")
+            expected = _PARAM_STATE[key] or self.state_dtype
+            if value.dtype != expected:
+                raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
+                                 "optimizer's setting)")
+        return value.to(p.device, copy=True)
+
+    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        """Hook: a saved param group with the keys a newer release added (torch's
+        optimizers give an older state dict their defaults)."""
+        return saved
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """Hook for group-level state tensors (FusedAdam's step)."""

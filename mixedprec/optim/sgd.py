@@ -1,0 +1,126 @@
+"""torch.optim.SGD, fused: one op call per group and device (two while some momentum
+buffers start) for fp32, fp16 and bf16 parameters, with fp32 masters or the lean modes
+as keyword-only extras."""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.optim.sgd as torch_sgd
+from torch import Tensor
+
+from .. import ops
+from .optimizer import _pick, _Work
+from .torch_optimizer import TorchOptimizer, torch_defaults
+
+__all__ = ["SGD"]
+
+
+class SGD(TorchOptimizer):
+    """``torch.optim.SGD`` with torch's arguments, defaults, param-group keys and
+    ``state_dict`` (``momentum_buffer`` per parameter, none without momentum), stepped
+    by fused op calls without host synchronisation. Step for step equal to
+    torch.optim.SGD on fp32 parameters. Sparse gradients, float64 and complex
+    parameters and a tensor ``weight_decay`` go through torch's own implementation.
+
+    Keyword-only extras as :class:`mixedprec.optim.Adam`: ``master``, ``state_dtype``
+    (the momentum buffers' dtype), ``seed``, ``unscale_grads``. With
+    master="stochastic" the group keeps a device step count (``group["step"]``) that
+    keys the rounding bits.
+
+    A step skipped on the device (``found_inf`` set) still creates the momentum
+    buffers of parameters stepped for the first time, as zeros (torch's own
+    ``SGD(fused=True)`` also creates them before the skip is known).
+    """
+
+    _TORCH_CLASS = torch.optim.SGD
+    _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp")
+    _LEAN = True
+    _NEWER_KEYS = dict(nesterov=False, maximize=False, foreach=None, differentiable=False,
+                       fused=False)
+    _SCALAR_KEYS = ("weight_decay", "momentum", "dampening")
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
+                 fused=None, master="fp32", state_dtype=torch.float32, seed=None,
+                 unscale_grads=True):
+        defaults = torch_defaults(self._TORCH_CLASS, "SGD", dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize, foreach=foreach,
+            differentiable=differentiable, fused=fused))
+        super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
+                         unscale_grads=unscale_grads)
+
+    def _step_group(self, group, device, items: _Work, inv_scale, found_inf):
+        momentum = group["momentum"]
+        step = self._rounding_step(group, device, found_inf)
+        calls, starting = [], False
+        for call, positions, lean in self._lean_calls(items):
+            # Params whose momentum buffer starts now (first_run) go in a call of their own.
+            starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
+            for first_run in sorted(set(starts)):
+                picked = [i for i, s in enumerate(starts) if s == first_run]
+                part = call.pick(picked)
+                where = picked if positions is None else [positions[i] for i in picked]
+                targets, model = self._update_lists(part.params, part.states)
+                buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
+                           for state, t in zip(part.states, targets)] if momentum != 0 else []
+                comps = self._compensations(part.states, targets) if lean else []
+                salts = self._salts(group, part.params, device) if lean else []
+                lists = (where, targets, buffers, model, comps, salts)
+                self._sgd(group, lists, _pick(items.grads, where), first_run, inv_scale,
+                          found_inf, step)
+                calls.append(lists)
+                starting |= first_run
+        # The next step reuses the calls unless buffers started in this one.
+        return None if starting else tuple(calls)
+
+    def _rounding_step(self, group, device, found_inf) -> Optional[Tensor]:
+        """master='stochastic': ``group["step"]`` advanced on the device unless found_inf
+        is set (it keys the rounding bits); else None."""
+        if self.master != "stochastic":
+            return None
+        step = self._group_step(group, device)
+        step.add_(1.0 if found_inf is None else (found_inf.reshape(1) == 0).to(torch.float32))
+        return step
+
+    def _plan_holds(self, group, plan) -> bool:
+        return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
+            self.master != "stochastic" or self._step_on(group, plan))
+
+    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
+        step = self._rounding_step(group, calls[0][1][0].device, found_inf)
+        for lists in calls:
+            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
+
+    def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
+        _, targets, buffers, model, comps, salts = lists
+        lr = group["lr"]
+        extra: Dict[str, Any] = {}
+        if isinstance(lr, Tensor):
+            extra["lr_tensor"] = lr.to(targets[0].device, torch.float32).reshape(())
+        if group["maximize"]:
+            extra["maximize"] = True
+        if self.unscale_grads and inv_scale is not None:
+            extra["unscale_grads"] = True
+        if comps:
+            extra["kahan_comps"] = comps
+        if salts:
+            extra.update(sr_salts=salts, sr_seed=group["sr_seed"], step=step)
+        ops.fused_sgd_(targets, grads, buffers, model, 0.0 if isinstance(lr, Tensor) else lr,
+                       group["momentum"], group["dampening"], group["weight_decay"],
+                       group["nesterov"], first_run, inv_scale, found_inf, **extra)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        self._load_group_step(new_group, group)
+
+    def _torch_step(self, group, params: List[Tensor], grads: List[Tensor]) -> None:
+        momentum = group["momentum"]
+        buffers = [self.state[p].get("momentum_buffer") for p in params] if momentum != 0 \
+            else []
+        torch_sgd.sgd(
+            params, grads, buffers, has_sparse_grad=any(g.is_sparse for g in grads),
+            foreach=False, fused=False, weight_decay=group["weight_decay"], momentum=momentum,
+            lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"])
+        for p, buffer in zip(params, buffers):
+            self.state[p]["momentum_buffer"] = buffer

@@ -1,0 +1,206 @@
+"""What the torch-named optimizers (Adam, AdamW, SGD) add to the fused base: torch.optim's
+surface and torch's results where the fused ops do not go.
+
+* Arguments: torch's own constructor checks them and gives the defaults (so messages,
+  defaults and param-group keys are torch's, release for release); mixedprec adds only
+  what torch lets through and cannot be stepped (a non-finite ``lr``, a NaN
+  ``dampening``) and refuses ``differentiable=True``. ``foreach`` and ``fused`` are
+  accepted as torch's implementation selectors: every step is fused.
+* Fallback: float64 and complex parameters, sparse gradients and tensor hyperparameters
+  other than ``lr`` are stepped by torch's own functional implementation, on torch's
+  state layout, so the results are torch's. That path unscales gradients in place and
+  reads ``found_inf`` on the host (float64 and complex training is not a mixed-precision
+  hot path).
+* State: torch's ``state_dict`` format both ways (a torch.optim state dict loads, and
+  ours loads into torch.optim), older state dicts get the newer group keys' defaults.
+"""
+
+import math
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import Tensor
+
+from ..loss_scale import inverse
+from .optimizer import _FLOAT_DTYPES, _FusedOptimizer, _Work
+
+
+def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``torch_class``'s defaults for ``kwargs``, after its own argument checks (it is
+    built over one empty parameter and dropped), and mixedprec's few more."""
+    if kwargs.get("differentiable"):
+        raise ValueError(f"{where}: differentiable=True is not supported (the step is a fused "
+                         "op without autograd); use torch.optim for a differentiable step")
+    defaults = dict(torch_class([torch.empty(0)], **kwargs).defaults)
+    lr = defaults["lr"]
+    if not isinstance(lr, Tensor) and not math.isfinite(lr):
+        raise ValueError(f"{where}: expected lr to be a finite number >= 0, got {lr}")
+    dampening = defaults.get("dampening", 0.0)
+    if not isinstance(dampening, Tensor) and not math.isfinite(dampening):
+        raise ValueError(f"{where}: expected dampening to be a finite number, got {dampening}")
+    return defaults
+
+
+class TorchOptimizer(_FusedOptimizer):
+    """The base of mixedprec.optim's torch-named optimizers (see the module docstring)."""
+
+    #: torch.optim's class of the same name (its checks, defaults and group keys).
+    _TORCH_CLASS: Any = None
+    #: Group keys a newer torch added, with the value torch's ``__setstate__`` gives an
+    #: older state dict.
+    _NEWER_KEYS: Dict[str, Any] = {}
+    #: Group hyperparameters that torch lets be tensors and the fused ops take as numbers.
+    _SCALAR_KEYS: Tuple[str, ...] = ()
+
+    def __init__(self, params, defaults: Dict[str, Any], *, master: str, state_dtype,
+                 seed, unscale_grads: bool):
+        if not isinstance(unscale_grads, bool):
+            raise TypeError(f"{type(self).__name__}: expected unscale_grads to be a bool, got "
+                            f"{unscale_grads!r}")
+        #: After a scaled step, p.grad holds the unscaled gradient (torch's fused
+        #: optimizers do the same); False skips that write (a pass over the gradients).
+        self.unscale_grads = unscale_grads
+        super().__init__(params, defaults, None, True, master, state_dtype, seed)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(super().__getstate__(), unscale_grads=self.unscale_grads)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state.setdefault("unscale_grads", True)
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._NEWER_KEYS.items():
+                group.setdefault(key, value)
+
+    def _fused_dtype(self, p: Tensor) -> bool:
+        return p.dtype in _FLOAT_DTYPES
+
+    def _fused_group(self, group: Dict[str, Any]) -> bool:
+        """Whether the group's hyperparameters suit the fused op (tensors other than lr
+        go to torch's implementation)."""
+        return not any(isinstance(v, Tensor) for key in self._SCALAR_KEYS
+                       for v in (group[key] if isinstance(group[key], tuple) else (group[key],)))
+
+    def _unfused(self, group: Dict[str, Any]) -> List[Tensor]:
+        """The group's parameters with gradients that torch's implementation steps."""
+        if not self._fused_group(group):
+            return [p for p in group["params"] if p.grad is not None]
+        return [p for p in group["params"] if p.grad is not None and (
+            not self._fused_dtype(p) or p.grad.is_sparse)]
+
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, _Work]:
+        if not self._fused_group(group):
+            return {}
+        by_device = super()._grads_by_device(_Subset(group, self._unfused(group)))
+        return by_device
+
+    def _planned_work(self):
+        if any(self._unfused(group) for group in self.param_groups):
+            return None
+        return super()._planned_work()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimization step (on the device, without host synchronisation, for fp32,
+        fp16 and bf16 parameters with dense gradients)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        unfused = [(group, self._unfused(group)) for group in self.param_groups]
+        for group, params in unfused:
+            self._check_unfused(group, params)
+        super().step()
+        found_inf = getattr(self, "found_inf", None)
+        # sync-ok: the fallback (float64, complex, sparse) runs torch's own step on the host
+        if any(params for _, params in unfused) and (found_inf is None or not bool(found_inf)):
+            grad_scale = getattr(self, "grad_scale", None)
+            for group, params in unfused:
+                if not params:
+                    continue
+                grads = [p.grad for p in params]
+                if grad_scale is not None:
+                    for grad in grads:
+                        grad.mul_(inverse(grad_scale.to(grad.device)).to(grad.dtype))
+                self._torch_step(group, params, grads)
+        return loss
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """Hook: errors of torch's implementation raised before any update."""
+
+    def _torch_step(self, group: Dict[str, Any], params: List[Tensor],
+                    grads: List[Tensor]) -> None:
+        """torch's functional step of ``params`` on torch's state layout."""
+        raise NotImplementedError
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format. Parameters that step together share one step-count tensor in
+        the optimizer (one op call advances it); the state dict gives each its own."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {
+            key: dict(value, step=value["step"].clone()) if isinstance(
+                value.get("step"), Tensor) else value
+            for key, value in state_dict["state"].items()}
+        return state_dict
+
+    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        for key, value in self._NEWER_KEYS.items():
+            saved.setdefault(key, value)
+        return saved
+
+    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if not self._fused_dtype(p) and isinstance(value, Tensor):
+            if key == "step":  # torch's layout: a float32 CPU scalar
+                return value.to("cpu", torch.float32, copy=True)
+            return value.to(p.device, p.dtype if value.is_floating_point() else value.dtype,
+                            copy=True)
+        if value is None and key == "momentum_buffer":
+            return None
+        return super()._loaded_value(p, param_id, key, value)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict of this class or of torch.optim's class of the same name
+        (moments, momentum buffers and step counts in torch's format; masters are taken
+        anew from the parameters when the state dict has none). Checked first: on a
+        mismatch a ValueError names it and nothing changes."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and state.get("momentum_buffer", 0) is None:
+                    del state["momentum_buffer"]
+                if state == {}:
+                    del self.state[p]
+        self._share_steps()
+
+    def _share_steps(self) -> None:
+        """Loaded step counts: a float32 tensor on the parameter's device, one per
+        group and value, shared by the parameters that have it (read on the host here,
+        once, when loading)."""
+        for group in self.param_groups:
+            shared: Dict[Tuple[torch.device, float], Tensor] = {}
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "step" not in state or not self._fused_dtype(p):
+                    continue
+                step = state["step"]
+                value = float(step)  # sync-ok: loading a state dict, not a step
+                if not value >= 0 or value != int(value):
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: a step count "
+                                     f"must be a whole number >= 0, got {value}")
+                key = (p.device, value)
+                if key not in shared:
+                    shared[key] = torch.tensor(value, dtype=torch.float32, device=p.device)
+                state["step"] = shared[key]
+        self._invalidate_plans()
+
+
+class _Subset(dict):
+    """A param group seen without some of its parameters (those torch's implementation
+    steps)."""
+
+    def __init__(self, group: Dict[str, Any], without: List[Tensor]):
+        super().__init__(group)
+        if without:
+            skip = {id(p) for p in without}
+            self["params"] = [p for p in group["params"] if id(p) not in skip]

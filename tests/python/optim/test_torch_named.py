@@ -1,0 +1,300 @@
+"""mixedprec.optim.Adam/AdamW/SGD against torch.optim: optim_db's configurations step for
+step, torch's fallback dtypes, per-parameter step counts, state_dict interchange both
+ways, the scaler channel, and argument errors."""
+
+import copy
+
+import pytest
+import torch
+
+import mixedprec
+from mixedprec import optim
+
+common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
+
+PAIRS = {"Adam": (optim.Adam, torch.optim.Adam), "AdamW": (optim.AdamW, torch.optim.AdamW),
+         "SGD": (optim.SGD, torch.optim.SGD)}
+
+
+def db_inputs(device):
+    """(name, kwargs) of optim_db's configurations of Adam, AdamW and SGD."""
+    out = []
+    for info in common_optimizers.optim_db:
+        name = info.optim_cls.__name__
+        if name in PAIRS:
+            for inp in info.optim_inputs_func(device=device):
+                out.append(pytest.param(name, inp.kwargs, id=f"{name}-{inp.desc}"))
+    return out
+
+
+def model_params(dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
+    return [torch.randn(s, generator=gen, dtype=dtype).to(device).requires_grad_()
+            for s in shapes]
+
+
+def grads_for(params, step, frozen=()):
+    gen = torch.Generator().manual_seed(100 + step)
+    out = []
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        out.append(None if i in frozen else g.to(p.device))
+    return out
+
+
+def train(opt, params, steps, frozen_at=lambda step: ()):
+    for step in range(steps):
+        for p, g in zip(params, grads_for(params, step, frozen_at(step))):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+
+
+def clone(params):
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+@pytest.mark.parametrize("name,kwargs", db_inputs("cpu"))
+def test_optim_db_configurations_match_torch(name, kwargs, device):
+    ours_cls, torch_cls = PAIRS[name]
+    if isinstance(kwargs.get("lr"), torch.Tensor):
+        kwargs = dict(kwargs, lr=kwargs["lr"].to(device))
+    params = model_params(device=device)
+    ref = clone(params)
+    ours, theirs = ours_cls(params, **kwargs), torch_cls(ref, **copy.deepcopy(kwargs))
+    train(ours, params, 6)
+    train(theirs, ref, 6)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    ours_state, theirs_state = ours.state_dict(), theirs.state_dict()
+    assert ours_state["param_groups"][0].keys() == theirs_state["param_groups"][0].keys()
+    for i, s in theirs_state["state"].items():
+        assert ours_state["state"][i].keys() == s.keys()
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_signature_and_defaults_are_torchs(name):
+    import inspect
+    ours_cls, torch_cls = PAIRS[name]
+    ours = inspect.signature(ours_cls.__init__).parameters
+    theirs = inspect.signature(torch_cls.__init__).parameters
+    for key, param in theirs.items():
+        assert key in ours, key
+        assert ours[key].default == param.default, key
+        assert ours[key].kind == param.kind, key
+    extras = [k for k in ours if k not in theirs]
+    assert extras == ["master", "state_dtype", "seed", "unscale_grads"]
+    assert all(ours[k].kind is inspect.Parameter.KEYWORD_ONLY for k in extras)
+    assert getattr(mixedprec, name) is ours_cls
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_float64_and_complex_step_as_torch(name, dtype):
+    ours_cls, torch_cls = PAIRS[name]
+    kwargs = dict(lr=0.01, weight_decay=0.1)
+    if name == "SGD":
+        kwargs.update(momentum=0.9)
+    params = model_params(dtype=dtype)
+    ref = clone(params)
+    train(ours_cls(params, **kwargs), params, 4)
+    train(torch_cls(ref, **kwargs), ref, 4)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+
+
+def test_sgd_sparse_gradients_step_as_torch():
+    weight = torch.randn(10, 3, requires_grad=True)
+    ref = weight.detach().clone().requires_grad_()
+    ours = optim.SGD([weight], lr=0.1, momentum=0.9)
+    theirs = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for step in range(3):
+        idx = torch.tensor([[step, 2, 7]])
+        for p, opt in ((weight, ours), (ref, theirs)):
+            p.grad = None
+            torch.nn.functional.embedding(idx, p, sparse=True).sum().backward()
+            opt.step()
+    torch.testing.assert_close(weight, ref, rtol=0, atol=0)
+
+
+def test_adam_sparse_gradients_are_refused_before_any_update():
+    dense, sparse = torch.randn(4, requires_grad=True), torch.randn(10, 3, requires_grad=True)
+    opt = optim.Adam([dense, sparse])
+    dense.grad = torch.ones(4)
+    torch.nn.functional.embedding(torch.tensor([[1]]), sparse, sparse=True).sum().backward()
+    before = dense.detach().clone()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    assert torch.equal(dense, before) and not opt.state
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_per_parameter_steps_with_a_frozen_layer(name, device):
+    ours_cls, torch_cls = PAIRS[name]
+    params = model_params(device=device)
+    ref = clone(params)
+    # parameter 1 is frozen for steps 2..4, then resumes; parameter 3 starts at step 3
+    frozen = lambda step: ({1} if 2 <= step <= 4 else set()) | ({3} if step < 3 else set())  # noqa: E731
+    ours, theirs = ours_cls(params, lr=0.05), torch_cls(ref, lr=0.05)
+    train(ours, params, 9, frozen)
+    train(theirs, ref, 9, frozen)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    steps = [float(s["step"]) for s in ours.state_dict()["state"].values()]
+    assert steps == [float(s["step"]) for s in theirs.state_dict()["state"].values()]
+    assert steps == [9.0, 6.0, 9.0, 6.0]
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_state_dict_moves_to_torch_and_back(name):
+    ours_cls, torch_cls = PAIRS[name]
+    kwargs = dict(lr=0.02, weight_decay=0.01)
+    if name == "SGD":
+        kwargs.update(momentum=0.9)
+    base = model_params()
+    reference = clone(base)
+    ref_opt = torch_cls(reference, **kwargs)
+    train(ref_opt, reference, 8)
+    # torch for 3 steps -> mixedprec for 3 -> torch for 2, against torch throughout
+    a = clone(base)
+    opt_a = torch_cls(a, **kwargs)
+    train(opt_a, a, 3)
+    b = clone(a)
+    opt_b = ours_cls(b, **kwargs)
+    opt_b.load_state_dict(opt_a.state_dict())
+    for step in range(3, 6):
+        for p, g in zip(b, grads_for(b, step)):
+            p.grad = g
+        opt_b.step()
+    c = clone(b)
+    opt_c = torch_cls(c, **kwargs)
+    opt_c.load_state_dict(opt_b.state_dict())
+    for step in range(6, 8):
+        for p, g in zip(c, grads_for(c, step)):
+            p.grad = g
+        opt_c.step()
+    for p, r in zip(c, reference):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_loaded_state_dict_steps_are_not_shared():
+    params = model_params()
+    opt = optim.Adam(params)
+    train(opt, params, 2)
+    saved = opt.state_dict()
+    steps = [s["step"] for s in saved["state"].values()]
+    assert len({id(s) for s in steps}) == len(steps)
+    theirs = torch.optim.Adam(clone(params))
+    theirs.load_state_dict(saved)  # torch advances each count in place
+    train(theirs, list(theirs.param_groups[0]["params"]), 1)
+    assert [float(s["step"]) for s in theirs.state.values()] == [3.0] * 4
+
+
+def test_older_state_dict_gets_the_newer_keys():
+    params = model_params()
+    opt = optim.Adam(params)
+    train(opt, params, 1)
+    saved = opt.state_dict()
+    for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                "decoupled_weight_decay"):
+        del saved["param_groups"][0][key]
+    opt2 = optim.Adam(clone(params))
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["maximize"] is False
+    assert opt2.param_groups[0]["decoupled_weight_decay"] is False
+
+
+def test_param_names_are_kept():
+    params = model_params()
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    opt = optim.AdamW(named)
+    assert opt.param_groups[0]["param_names"] == ["p0", "p1", "p2", "p3"]
+    train(opt, params, 1)
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["param_names"]
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["param_names"] == ["p0", "p1", "p2", "p3"]
+
+
+def test_sgd_without_momentum_keeps_no_state_and_zero_grad_sets_none():
+    params = model_params()
+    opt = optim.SGD(params, lr=0.1)
+    train(opt, params, 2)
+    assert len(opt.state) == 0
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    before = [p.detach().clone() for p in params]
+    opt.step()  # no gradients: nothing moves
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_bf16_params_keep_fp32_masters_by_default(name):
+    ours_cls, torch_cls = PAIRS[name]
+    params = model_params()
+    half = [p.detach().to(torch.bfloat16).requires_grad_() for p in params]
+    ref = [p.detach().float().requires_grad_() for p in half]
+    ours, theirs = ours_cls(half, lr=0.01), torch_cls(ref, lr=0.01)
+    for step in range(5):
+        grads = grads_for(params, step)
+        for p, r, g in zip(half, ref, grads):
+            p.grad, r.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
+        ours.step()
+        theirs.step()
+    for p, r in zip(half, ref):
+        torch.testing.assert_close(ours.state[p]["master_param"], r, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, r.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_grad_is_unscaled_after_a_scaler_step(name):
+    ours_cls, _ = PAIRS[name]
+    params = model_params()
+    opt = ours_cls(params, lr=0.01)
+    scaler = mixedprec.GradScaler("cpu", init_scale=1024.0)
+    grads = grads_for(params, 0)
+    for p, g in zip(params, grads):
+        p.grad = g * 1024.0
+    scaler.step(opt)
+    scaler.update()
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    kept = model_params()
+    opt = ours_cls(kept, lr=0.01, unscale_grads=False)
+    for p, g in zip(kept, grads):
+        p.grad = g * 1024.0
+    scaler.step(opt)
+    for p, g in zip(kept, grads):
+        torch.testing.assert_close(p.grad, g * 1024.0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=float("inf")), "lr to be a finite number"),
+    (dict(lr=-1.0), "Invalid learning rate"),
+    (dict(differentiable=True), "differentiable=True"),
+    (dict(unscale_grads=1), "unscale_grads to be a bool"),
+    (dict(master="fp8"), "master to be one of"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        optim.Adam(model_params(), **kwargs)
+
+
+def test_sgd_nan_dampening_is_refused():
+    with pytest.raises(ValueError, match="dampening to be a finite number"):
+        optim.SGD(model_params(), momentum=0.9, dampening=float("nan"))
+
+
+def test_load_state_dict_without_state_changes_nothing():
+    params = model_params()
+    opt = optim.Adam(params)
+    train(opt, params, 1)
+    saved = opt.state_dict()
+    before = copy.deepcopy(saved)
+    with pytest.raises(ValueError, match="'state'"):
+        opt.load_state_dict({"param_groups": saved["param_groups"]})
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, s in before["state"].items():
+        for key, value in s.items():
+            assert torch.equal(after["state"][i][key], value)
