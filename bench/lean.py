@@ -16,7 +16,7 @@ Modes (each one ``mixedprec.FusedAdam`` configuration):
 ===================  ==========================================================
 fp32                 fp32 params, fp32 moments (the reference)
 bf16-master          bf16 params, ``master="fp32"``, fp32 moments
-fp32-bf16mom         fp32 params, ``moment_dtype=torch.bfloat16``
+fp32-bf16mom         fp32 params, ``state_dtype=torch.bfloat16``
 bf16-kahan           bf16 params, ``master="kahan"``, fp32 moments
 bf16-stochastic      bf16 params, ``master="stochastic"``, fp32 moments
 bf16-none            bf16 params, ``master="none"``, fp32 moments (the baseline)
@@ -126,7 +126,7 @@ def make_optimizer(mode: str, model: nn.Module, lr: float):
     """The mode's FusedAdam; raises NotImplementedError where the build lacks it."""
     import mixedprec
     _, master, moments = MODES[mode]
-    return mixedprec.FusedAdam(model.parameters(), lr=lr, master=master, moment_dtype=moments)
+    return mixedprec.FusedAdam(model.parameters(), lr=lr, master=master, state_dtype=moments)
 
 
 def sync(device: torch.device) -> None:

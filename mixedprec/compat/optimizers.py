@@ -112,7 +112,7 @@ class FusedSGD(_FusedOptimizer):
             count ``group["step"]`` that this mode adds. With both, fp32 parameters
             are updated directly and fp16 ones are a TypeError. A ``master_weights``
             that disagrees is a ValueError.
-        momentum_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
+        state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
             momentum buffers' dtype (the math stays fp32).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
             ``sr_seed`` is ``seed + i`` of; default: drawn once, at construction, from
@@ -121,7 +121,7 @@ class FusedSGD(_FusedOptimizer):
             for bit.
 
     The arguments are in Apex's order (master_weights, which Apex's FusedSGD lacks,
-    last; master and momentum_dtype keyword-only).
+    last; master and state_dtype keyword-only).
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros. With ``dampening``
@@ -137,7 +137,7 @@ class FusedSGD(_FusedOptimizer):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False, master_weights: bool = False, *,
-                 master: Optional[str] = None, momentum_dtype: torch.dtype = torch.float32,
+                 master: Optional[str] = None, state_dtype: torch.dtype = torch.float32,
                  seed: Optional[int] = None):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             _check_nonnegative(name, value)
@@ -147,8 +147,8 @@ class FusedSGD(_FusedOptimizer):
                         weight_decay=weight_decay, nesterov=nesterov)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        _check_state_dtype("FusedSGD", "momentum_dtype", momentum_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, momentum_dtype,
+        _check_state_dtype("FusedSGD", "state_dtype", state_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, state_dtype,
                          seed)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -230,7 +230,7 @@ class FusedAdam(_FusedOptimizer):
         master_weights, master, seed: fp32 masters, none, Kahan compensations or
             stochastic rounding (see FusedSGD; the step count keying the bits is the
             group's ``step``).
-        moment_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
+        state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
             of both moments (the math stays fp32; docs/lean-precision.md).
 
     As in Apex, the step count belongs to the param group (``group["step"]``, a float32
@@ -265,7 +265,7 @@ class FusedAdam(_FusedOptimizer):
                  capturable: bool = False, master_weights: bool = False, *,
                  max_grad_norm: float = 0.0, eps_inside_sqrt: bool = False,
                  use_mt: bool = False, amp_scale_adjustment: float = 1.0,
-                 master: Optional[str] = None, moment_dtype: torch.dtype = torch.float32,
+                 master: Optional[str] = None, state_dtype: torch.dtype = torch.float32,
                  seed: Optional[int] = None):
         if amsgrad:
             raise ValueError("FusedAdam does not support amsgrad")
@@ -285,8 +285,8 @@ class FusedAdam(_FusedOptimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
-        _check_state_dtype("FusedAdam", "moment_dtype", moment_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, moment_dtype,
+        _check_state_dtype("FusedAdam", "state_dtype", state_dtype)
+        super().__init__(params, defaults, master_weights, set_grad_none, master, state_dtype,
                          seed)
 
     @property

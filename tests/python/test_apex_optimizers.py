@@ -218,7 +218,7 @@ def test_fused_adagrad_skips_an_overflowed_step_with_grad_scaler(device, dtype, 
 
 def test_fused_sgd_signature_follows_apex_and_torch():
     sig = {k: v for k, v in inspect.signature(FusedSGD).parameters.items()
-           if v.kind is not v.KEYWORD_ONLY}  # (master, momentum_dtype: mixedprec's own)
+           if v.kind is not v.KEYWORD_ONLY}  # (master, state_dtype: mixedprec's own)
     assert list(sig) == ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov",
                          "wd_after_momentum", "materialize_master_grads", "set_grad_none",
                          "master_weights"]

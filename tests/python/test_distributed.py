@@ -255,10 +255,10 @@ def _optimizers(master_weights):
     state, Kahan compensations: state made from the parameters, DTensors alike)."""
     lean = {
         "FusedAdam-kahan-bf16-moments": lambda ps: mixedprec.FusedAdam(
-            ps, lr=1e-2, weight_decay=0.01, master="kahan", moment_dtype=torch.bfloat16),
+            ps, lr=1e-2, weight_decay=0.01, master="kahan", state_dtype=torch.bfloat16),
         "FusedSGD-bf16-momentum": lambda ps: mixedprec.FusedSGD(
             ps, lr=0.05, momentum=0.9, weight_decay=0.01, master_weights=True,
-            momentum_dtype=torch.bfloat16),
+            state_dtype=torch.bfloat16),
         # (the bits are keyed by the shard-local index: within an ulp or two of one process)
         "FusedAdam-stochastic": lambda ps: mixedprec.FusedAdam(
             ps, lr=1e-2, weight_decay=0.01, master="stochastic", seed=3),

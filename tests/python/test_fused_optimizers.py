@@ -142,7 +142,7 @@ def named_snapshot(obj):
 
 def test_signatures_follow_apex():
     sgd = {k: v for k, v in inspect.signature(FusedSGD).parameters.items()
-           if v.kind is not v.KEYWORD_ONLY}  # (master, momentum_dtype: tests/python/test_lean.py)
+           if v.kind is not v.KEYWORD_ONLY}  # (master, state_dtype: tests/python/test_lean.py)
     assert list(sgd) == ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov",
                          "wd_after_momentum", "materialize_master_grads", "set_grad_none",
                          "master_weights"]

@@ -74,10 +74,10 @@ ADAM_MODES = [
 ]
 
 
-@pytest.mark.parametrize("dtype, master, moment_dtype", ADAM_MODES)
-def test_adam_modes_follow_the_float64_reference(device, dtype, master, moment_dtype):
+@pytest.mark.parametrize("dtype, master, state_dtype", ADAM_MODES)
+def test_adam_modes_follow_the_float64_reference(device, dtype, master, state_dtype):
     params = make_params(device, dtype)
-    opt = FusedAdam(params, master=master, moment_dtype=moment_dtype, **ADAM)
+    opt = FusedAdam(params, master=master, state_dtype=state_dtype, **ADAM)
     for step in range(STEPS):
         set_grads(params, step)
         _, new_p, new_m, new_v = adam_ref_step(opt, params, step)
@@ -85,8 +85,8 @@ def test_adam_modes_follow_the_float64_reference(device, dtype, master, moment_d
         for i, p in enumerate(params):
             state, where = opt.state[p], f"step {step} param {i}"
             for key, ref in (("exp_avg", new_m[i]), ("exp_avg_sq", new_v[i])):
-                assert state[key].dtype == moment_dtype
-                if moment_dtype == torch.bfloat16:  # the reference rounds the moments
+                assert state[key].dtype == state_dtype
+                if state_dtype == torch.bfloat16:  # the reference rounds the moments
                     assert_within_bf16_ulp(state[key], ref, f"{where} {key}")
                 else:
                     torch.testing.assert_close(state[key].double(), ref, **TIGHT)
@@ -120,10 +120,10 @@ SGD_MODES = [
 ]
 
 
-@pytest.mark.parametrize("dtype, master, momentum_dtype", SGD_MODES)
-def test_sgd_modes_follow_the_float64_reference(device, dtype, master, momentum_dtype):
+@pytest.mark.parametrize("dtype, master, state_dtype", SGD_MODES)
+def test_sgd_modes_follow_the_float64_reference(device, dtype, master, state_dtype):
     params = make_params(device, dtype)
-    opt = FusedSGD(params, master=master, momentum_dtype=momentum_dtype, **SGD)
+    opt = FusedSGD(params, master=master, state_dtype=state_dtype, **SGD)
     for step in range(STEPS):
         set_grads(params, step)
         states = [opt.state.get(p, {}) for p in params]
@@ -138,8 +138,8 @@ def test_sgd_modes_follow_the_float64_reference(device, dtype, master, momentum_
         for i, p in enumerate(params):
             state, where = opt.state[p], f"step {step} param {i}"
             buf = state["momentum_buffer"]
-            assert buf.dtype == momentum_dtype
-            if momentum_dtype == torch.bfloat16:
+            assert buf.dtype == state_dtype
+            if state_dtype == torch.bfloat16:
                 assert_within_bf16_ulp(buf, new_buf[i], f"{where} momentum_buffer")
             else:
                 torch.testing.assert_close(buf.double(), new_buf[i], **TIGHT)
@@ -184,15 +184,15 @@ def test_kahan_tracks_fp32_masters_where_round_to_nearest_stalls():
 
 
 LEAN = [
-    pytest.param(FusedAdam, dict(ADAM, moment_dtype=torch.bfloat16), torch.float32,
+    pytest.param(FusedAdam, dict(ADAM, state_dtype=torch.bfloat16), torch.float32,
                  id="adam-bf16-moments"),
     pytest.param(FusedAdam, dict(ADAM, master="kahan"), torch.bfloat16, id="adam-kahan"),
-    pytest.param(FusedAdam, dict(ADAM, master="kahan", moment_dtype=torch.bfloat16),
+    pytest.param(FusedAdam, dict(ADAM, master="kahan", state_dtype=torch.bfloat16),
                  torch.bfloat16, id="adam-kahan-bf16-moments"),
     pytest.param(FusedAdam, dict(ADAM, master="none"), torch.bfloat16, id="adam-none"),
-    pytest.param(FusedSGD, dict(SGD, momentum_dtype=torch.bfloat16), torch.float32,
+    pytest.param(FusedSGD, dict(SGD, state_dtype=torch.bfloat16), torch.float32,
                  id="sgd-bf16-momentum"),
-    pytest.param(FusedSGD, dict(SGD, master="kahan", momentum_dtype=torch.bfloat16),
+    pytest.param(FusedSGD, dict(SGD, master="kahan", state_dtype=torch.bfloat16),
                  torch.bfloat16, id="sgd-kahan-bf16-momentum"),
 ]
 
@@ -249,7 +249,7 @@ def test_lean_state_dict_round_trip_resumes_bit_for_bit(device, cls, kwargs, dty
 
 def test_load_state_dict_checks_the_lean_dtypes():
     params = make_params("cpu", torch.bfloat16)
-    lean = FusedAdam(params, master="kahan", moment_dtype=torch.bfloat16, **ADAM)
+    lean = FusedAdam(params, master="kahan", state_dtype=torch.bfloat16, **ADAM)
     set_grads(params, 0)
     lean.step()
     saved = lean.state_dict()
@@ -266,7 +266,7 @@ def test_load_state_dict_checks_the_lean_dtypes():
     bad_comp = copy.deepcopy(saved)
     bad_comp["state"][0]["kahan_comp"] = bad_comp["state"][0]["kahan_comp"].float()
     fresh = FusedAdam(make_params("cpu", torch.bfloat16), master="kahan",
-                      moment_dtype=torch.bfloat16, **ADAM)
+                      state_dtype=torch.bfloat16, **ADAM)
     with pytest.raises(ValueError, match="kahan_comp.*float32, expected torch.bfloat16"):
         fresh.load_state_dict(bad_comp)
     fresh.load_state_dict(saved)
@@ -355,8 +355,8 @@ def test_fp32_params_beside_bf16_ones_are_updated_directly(device, cls, kwargs, 
     assert len(opt._plans) == 1  # the later steps reused the op calls
 
 
-@pytest.mark.parametrize("cls, dtype_arg", [(FusedAdam, "moment_dtype"),
-                                            (FusedSGD, "momentum_dtype")])
+@pytest.mark.parametrize("cls, dtype_arg", [(FusedAdam, "state_dtype"),
+                                            (FusedSGD, "state_dtype")])
 def test_lean_argument_errors(cls, dtype_arg):
     bf16 = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
     with pytest.raises(ValueError, match=r"master_weights=True conflicts with master='kahan'"):

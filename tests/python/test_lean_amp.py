@@ -79,15 +79,15 @@ def hand_run(device, cls, kwargs, steps, **opt_kwargs):
 
 
 LEAN = [
-    pytest.param(mixedprec.FusedAdam, ADAM, "kahan", torch.float32, "moment_dtype",
+    pytest.param(mixedprec.FusedAdam, ADAM, "kahan", torch.float32, "state_dtype",
                  id="adam-kahan"),
-    pytest.param(mixedprec.FusedAdam, ADAM, "stochastic", torch.bfloat16, "moment_dtype",
+    pytest.param(mixedprec.FusedAdam, ADAM, "stochastic", torch.bfloat16, "state_dtype",
                  id="adam-stochastic-bf16-moments"),
-    pytest.param(mixedprec.FusedAdam, ADAM, "none", torch.bfloat16, "moment_dtype",
+    pytest.param(mixedprec.FusedAdam, ADAM, "none", torch.bfloat16, "state_dtype",
                  id="adam-none-bf16-moments"),
-    pytest.param(mixedprec.FusedSGD, SGD, "kahan", torch.bfloat16, "momentum_dtype",
+    pytest.param(mixedprec.FusedSGD, SGD, "kahan", torch.bfloat16, "state_dtype",
                  id="sgd-kahan-bf16-momentum"),
-    pytest.param(mixedprec.FusedSGD, SGD, "stochastic", torch.float32, "momentum_dtype",
+    pytest.param(mixedprec.FusedSGD, SGD, "stochastic", torch.float32, "state_dtype",
                  id="sgd-stochastic"),
 ]
 
