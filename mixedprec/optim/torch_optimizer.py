@@ -89,13 +89,19 @@ class TorchOptimizer(_FusedOptimizer):
             not self._fused_dtype(p) or p.grad.is_sparse)]
 
     def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, _Work]:
+        # (the full path of a step: every group is checked here before any is updated)
+        unfused = self._unfused(group)
+        self._check_unfused(group, unfused)
+        if unfused:
+            self._pending.append((group, unfused))
         if not self._fused_group(group):
             return {}
-        by_device = super()._grads_by_device(_Subset(group, self._unfused(group)))
-        return by_device
+        return super()._grads_by_device(_Subset(group, unfused))
 
     def _planned_work(self):
-        if any(self._unfused(group) for group in self.param_groups):
+        # (a plan never holds unfused parameters: their gradients' dtypes or sparse
+        # layout send the step to the full path)
+        if not all(map(self._fused_group, self.param_groups)):
             return None
         return super()._planned_work()
 
@@ -107,17 +113,14 @@ class TorchOptimizer(_FusedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        unfused = [(group, self._unfused(group)) for group in self.param_groups]
-        for group, params in unfused:
-            self._check_unfused(group, params)
+        self._pending: List[Tuple[Dict[str, Any], List[Tensor]]] = []
         super().step()
+        pending, self._pending = self._pending, []
         found_inf = getattr(self, "found_inf", None)
         # sync-ok: the fallback (float64, complex, sparse) runs torch's own step on the host
-        if any(params for _, params in unfused) and (found_inf is None or not bool(found_inf)):
+        if pending and (found_inf is None or not bool(found_inf)):
             grad_scale = getattr(self, "grad_scale", None)
-            for group, params in unfused:
-                if not params:
-                    continue
+            for group, params in pending:
                 grads = [p.grad for p in params]
                 if grad_scale is not None:
                     for grad in grads:
