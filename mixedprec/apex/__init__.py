@@ -17,19 +17,23 @@ placed first). What it supplies depends on whether a real Apex is installed:
   ``apex.optimizers``, ``apex.parallel``, ``apex.multi_tensor_apply``,
   ``apex.normalization``, ``apex.contrib.optimizers`` with every submodule of Apex's
   file layout at its last release with amp (``apex.fp16_utils.fp16_optimizer``,
-  ``apex.parallel.LARC``, ``apex.amp.handle``, ...), and the top-level extension
+  ``apex.parallel.LARC``, ``apex.amp.handle``, ...), ``apex.optimizers.fp16_optimizer``
+  of Apex's releases before late 2019, and the top-level extension
   modules ``amp_C`` (:mod:`mixedprec.amp_C`) and ``apex_C``
   (:mod:`mixedprec.apex_C`). Other Apex packages (``apex.transformer``,
   ``apex.mlp``, ...) raise ``ModuleNotFoundError`` saying so.
 * **A real Apex installed** (one that ``import apex`` finds on :data:`sys.path`):
   the alias supplies only what Apex removed, :data:`REMOVED` (``apex.amp``,
-  ``apex.fp16_utils``, ``apex.parallel`` and their submodules). ``apex`` itself,
-  ``apex.optimizers``, ``apex.normalization``, ``apex.contrib``, every other
-  ``apex.*``, ``amp_C`` and ``apex_C`` are the real Apex's.
+  ``apex.fp16_utils``, ``apex.parallel`` and their submodules,
+  ``apex.optimizers.fp16_optimizer``). ``apex`` itself, ``apex.optimizers``,
+  ``apex.normalization``, ``apex.contrib``, every other ``apex.*``, ``amp_C`` and
+  ``apex_C`` are the real Apex's.
 
 Each Apex module of the table is a module object of its own (``apex.amp`` is not
 :mod:`mixedprec.amp`) whose names are looked up in the mixedprec module that holds
-them: the public names the Apex file defined that mixedprec provides. So
+them: the public names the Apex file defined that mixedprec provides (under the same
+name, or another one: ``apex.optimizers.fp16_optimizer.FP16_Optimizer`` is
+:class:`mixedprec.fp16_utils.LegacyFP16_Optimizer`). So
 ``import apex.fp16_utils.fp16_optimizer as m; m.FP16_Optimizer``, ``from apex.amp
 import handle``, ``from apex.parallel.LARC import LARC`` all work, and a name resolves
 to mixedprec's object itself (``apex.parallel.LARC.LARC is mixedprec.parallel.LARC``).
@@ -69,6 +73,13 @@ class Entry(NamedTuple):
     whole: bool = False
     #: ``python -m`` runs ``target.<run>()``.
     run: Optional[str] = None
+    #: Names of ``names`` that ``target`` holds under another name: (Apex's name,
+    #: ``target``'s name) pairs.
+    renamed: Tuple[Tuple[str, str], ...] = ()
+
+    def source(self, name: str) -> str:
+        """The name in ``target`` of the Apex name ``name``."""
+        return dict(self.renamed).get(name, name)
 
 
 _FACES = "mixedprec.compat."  # the package of Apex's faces
@@ -133,6 +144,10 @@ MODULES: Dict[str, Entry] = {
     "apex.optimizers.fused_mixed_precision_lamb": Entry(_OPT, ("FusedMixedPrecisionLamb",)),
     "apex.optimizers.fused_novograd": Entry(_OPT, ("FusedNovoGrad",)),
     "apex.optimizers.fused_sgd": Entry(_OPT, ("FusedSGD",)),
+    # Apex's releases before late 2019 (pytorch-pretrained-BERT's examples): the 2019
+    # FP16_Optimizer, later apex.contrib.optimizers.fp16_optimizer.
+    "apex.optimizers.fp16_optimizer": Entry(_FP16, ("FP16_Optimizer",), renamed=(
+        ("FP16_Optimizer", "LegacyFP16_Optimizer"),)),
     # apex.parallel
     "apex.parallel": Entry(_PAR, (
         "ReduceOp", "DistributedDataParallel", "Reducer", "SyncBatchNorm",
@@ -167,9 +182,9 @@ MODULES: Dict[str, Entry] = {
     "apex_C": Entry(_FACES + "apex_C", whole=True),
 }
 
-#: The Apex packages Apex deleted: the alias supplies them (and their submodules)
-#: even when a real Apex is installed.
-REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel")
+#: The Apex packages and modules Apex deleted: the alias supplies them (and their
+#: submodules) even when a real Apex is installed.
+REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel", "apex.optimizers.fp16_optimizer")
 
 _APEX = "apex"
 _TOP = (_APEX, "amp_C", "apex_C")
@@ -196,13 +211,13 @@ class _ApexModule(types.ModuleType):
         target = sys.modules.get(entry.target) or importlib.import_module(entry.target)
         if name == "__all__":  # for `from apex.x import *`: the public names
             public = [n for n in self._visible(entry, target)
-                      if not n.startswith("_") and hasattr(target, n)]
+                      if not n.startswith("_") and hasattr(target, entry.source(n))]
             return public + list(_children(alias) if alias == _APEX else ())
         if name.startswith("__"):
             raise AttributeError(name)
         if name in entry.names:
             try:
-                return getattr(target, name)
+                return getattr(target, entry.source(name))
             except AttributeError:
                 raise AttributeError(
                     f"{alias}.{name}: Apex defined it here, but {entry.target} does not "

@@ -375,7 +375,21 @@ class _OptimizerAmp:
                     delattr(optimizer, name)
         elif self.masters and not self.skip:
             _masters.copy_to_model(list(self.masters.values()), list(self.masters))
+        # As Apex's O2 step: the masters' gradients are used by one step. model.zero_grad()
+        # (transformers' Trainer) never reaches them; kept, they would add up over steps.
+        for master in self.step_masters(optimizer):
+            master.grad = None
         self.found_inf = self.carried = self.delayed = None
+
+    def step_masters(self, optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+        """The fp32 masters of the cast parameters: amp's (torch optimizers) or those in a
+        fused optimizer's state (whose step reads a master's ``.grad`` when set)."""
+        if not self.fused:
+            return iter(self.masters.values())
+        state = optimizer.state
+        return (s["master_param"] for s in (state.get(p) for g in optimizer.param_groups
+                                             for p in g["params"])
+                if s and s.get("master_param") is not None)
 
     def before_backward(self, loss_id: int) -> None:
         """Sets aside the gradients gathered since the last step, so that this loss's

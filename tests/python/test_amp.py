@@ -1071,6 +1071,86 @@ def test_small_gradients_keep_their_precision_at_o2(device, opt_name, set_to_non
         assert error < 2e-3, f"step {step}: relative error {error:.3g} of the update"
 
 
+# Every kind of optimizer amp O2 takes: torch's (fp32 masters in its param_groups) and
+# mixedprec's fused ones (masters in their state; the step reads a master's .grad once
+# master_params() has put one there for clipping).
+O2_OPTIMIZERS = dict(
+    OPTIMIZERS,
+    AdamW=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    FusedLAMB=lambda params: mixedprec.optimizers.FusedLAMB(params, lr=1e-2),
+    FusedAdagrad=lambda params: mixedprec.optimizers.FusedAdagrad(params, lr=1e-2),
+    FusedNovoGrad=lambda params: mixedprec.optimizers.FusedNovoGrad(params, lr=1e-2),
+    FusedMixedPrecisionLamb=lambda params: mixedprec.optimizers.FusedMixedPrecisionLamb(
+        params, lr=1e-2),
+)
+
+
+def apex_o2_reference(opt_name, steps, clip, scale):
+    """Apex's O2 written out: an fp16 model (batchnorm fp32), fp32 masters stepped by the
+    optimizer, each step's model gradients unscaled into fresh master gradients, the
+    masters copied into the model, then the masters' gradients cleared (Apex's patched
+    ``step``: "clear the master grads that wouldn't be zeroed by model.zero_grad()").
+    The masters start from the fp32 weights, as mixedprec takes them (Apex took the
+    fp16 weights). The masters after each step."""
+    model = make_mlp(0)
+    half = mixedprec.fp16_utils.convert_network(copy.deepcopy(model), torch.float16)
+    masters = [p.detach().clone().requires_grad_(True) if h.dtype == torch.float16 else h
+               for h, p in zip(half.parameters(), model.parameters())]
+    opt = O2_OPTIMIZERS[opt_name](masters)
+    history = []
+    for step in range(steps):
+        x, y = batch(step)
+        (F.mse_loss(half(x.half()).float(), y) * scale).backward()
+        for h, m in zip(half.parameters(), masters):
+            if m is h:
+                h.grad.mul_(1.0 / scale)
+            else:
+                m.grad = h.grad.float() * (1.0 / scale)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(masters, max_norm=0.5)
+        opt.step()
+        with torch.no_grad():
+            for h, m in zip(half.parameters(), masters):
+                if m is not h:
+                    h.copy_(m)
+                    m.grad = None
+        half.zero_grad()
+        history.append([m.detach().clone() for m in masters])
+    return history
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "clip_master_params"])
+@pytest.mark.parametrize("opt_name", list(O2_OPTIMIZERS))
+def test_o2_with_model_zero_grad_matches_apex(opt_name, clip):
+    """The loop of transformers 2.x (Trainer, run_glue.py): scale_loss, clipping of
+    amp.master_params, optimizer.step(), then model.zero_grad(), never the optimizer's.
+    Apex's O2 step cleared the masters' gradients, so each step used that step's
+    gradients; masters whose gradients kept the running sum of all steps so far made
+    transformers 2.9's Trainer never learn at O2."""
+    steps, scale = 4, 128.0
+    expected = apex_o2_reference(opt_name, steps, clip, scale)
+    model = make_mlp(0)
+    opt = O2_OPTIMIZERS[opt_name](model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=scale, verbosity=0)
+    for step in range(steps):
+        x, y = batch(step)
+        with amp.scale_loss(F.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=0.5)
+        opt.step()
+        model.zero_grad()
+        masters = list(amp.master_params(opt))
+        for i, (got, want) in enumerate(zip(masters, expected[step])):
+            assert got.dtype == want.dtype == torch.float32
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), \
+                f"step {step}, master {i}: max difference {(got - want).abs().max():.3g}"
+        assert [i for i, m in enumerate(masters) if m.grad is not None] == [], \
+            f"step {step}: master gradients left after the step and model.zero_grad()"
+        for p, m in zip(model.parameters(), masters):
+            assert torch.equal(p.detach(), m.detach().to(p.dtype))
+
+
 # --- function casts ----------------------------------------------------------------------------
 
 def _dtypes_and_sum(a, b):

@@ -40,6 +40,9 @@ apex.parallel.distributed apex.parallel.multiproc apex.parallel.optimized_sync_b
 apex.parallel.optimized_sync_batchnorm_kernel apex.parallel.sync_batchnorm
 apex.parallel.sync_batchnorm_kernel
 """.split()
+# Modules of Apex's earlier releases that legacy scripts import: apex.optimizers held the
+# 2019 FP16_Optimizer until late 2019 (pytorch-pretrained-BERT's examples).
+OLDER_APEX_FILES = ["apex.optimizers.fp16_optimizer"]
 
 # Names the table lists that other parts of mixedprec are adding (in parallel with the
 # alias): until they land, looking one up says so.
@@ -92,8 +95,9 @@ def test_own_modules_resolve(alias):
 
 def test_table_covers_apex_file_layout(alias):
     provided = {name for name in alias.MODULES if name.startswith("apex.")}
-    assert set(APEX_FILES) <= provided
-    assert provided - set(APEX_FILES) == {"apex.contrib"}  # the parent of contrib.optimizers
+    assert set(APEX_FILES) | set(OLDER_APEX_FILES) <= provided
+    # the parent of contrib.optimizers
+    assert provided - set(APEX_FILES) - set(OLDER_APEX_FILES) == {"apex.contrib"}
 
 
 def expected_names(alias, module_name):
@@ -101,11 +105,12 @@ def expected_names(alias, module_name):
     its object) and those it lacks."""
     entry = alias.MODULES[module_name]
     target = importlib.import_module(entry.target)
-    found = {n: getattr(target, n) for n in entry.names if hasattr(target, n)}
+    found = {n: getattr(target, entry.source(n)) for n in entry.names
+             if hasattr(target, entry.source(n))}
     return found, set(entry.names) - set(found)
 
 
-@pytest.mark.parametrize("module_name", APEX_FILES)
+@pytest.mark.parametrize("module_name", APEX_FILES + OLDER_APEX_FILES)
 def test_every_import_form(alias, module_name):
     parent, _, child = module_name.rpartition(".")
     found, missing = expected_names(alias, module_name)
@@ -167,6 +172,30 @@ def test_legacy_import_forms(alias):
     from apex.parallel import LARC
 
     assert LARC is larc_module  # Apex's apex.parallel did not import the class
+
+
+def test_2019_apex_optimizers_fp16_optimizer(alias):
+    """Apex's apex/optimizers/fp16_optimizer.py (releases before late 2019) is the 2019
+    FP16_Optimizer, fp16_utils' LegacyFP16_Optimizer, in every import form."""
+    from mixedprec.compat.fp16_utils import LegacyFP16_Optimizer
+
+    import apex.optimizers.fp16_optimizer as m
+    from apex.optimizers.fp16_optimizer import FP16_Optimizer
+
+    assert FP16_Optimizer is m.FP16_Optimizer is LegacyFP16_Optimizer
+    import apex.optimizers
+
+    assert apex.optimizers.fp16_optimizer is m
+    assert "FP16_Optimizer" in dir(m)
+    star = {}
+    exec("from apex.optimizers.fp16_optimizer import *", star)
+    assert star["FP16_Optimizer"] is LegacyFP16_Optimizer
+    # Apex's 2019 defaults: a static scale of 1.0, gradients set to None by zero_grad.
+    import torch
+
+    model = torch.nn.Linear(2, 1).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    assert not opt.dynamic_loss_scale and opt.loss_scale == 1.0
 
 
 @pytest.mark.parametrize("apex_name", ["apex.amp", "apex.fp16_utils", "apex.optimizers",
@@ -258,6 +287,11 @@ def test_real_apex_supplies_all_but_what_it_removed(alias, fake_apex):
     assert scale_loss is mixedprec.amp.scale_loss
     assert m.FP16_Optimizer is mixedprec.fp16_utils.FP16_Optimizer
     assert apex.parallel.LARC.LARC is mixedprec.parallel.LARC
+    # Apex removed apex.optimizers.fp16_optimizer in 2019: mixedprec's, in the real package.
+    from apex.optimizers.fp16_optimizer import FP16_Optimizer
+
+    assert FP16_Optimizer is mixedprec.fp16_utils.LegacyFP16_Optimizer
+    assert apex.optimizers.FusedAdam.REAL
     assert apex.amp.__name__ == "apex.amp" and not hasattr(apex.amp, "REAL")
     # Other Apex packages are the real Apex's business: it has no apex.transformer.
     with pytest.raises(ModuleNotFoundError) as err:
