@@ -304,6 +304,92 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
     assert [p.dtype for p in bn] == [expect_bn] * 2
 
 
+# --- MIXEDPREC_HALF_DTYPE: an unmodified fp16 script in bf16 ---------------------------------
+
+class DtypeProbe(nn.Module):
+    """A Linear that records the dtype its output had (O1's autocast dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.fc(x)
+        self.seen.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("value", ["bfloat16", "bf16", " BFloat16 "])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_half_dtype_variable_makes_the_opt_levels_bf16(level, value, monkeypatch):
+    """With MIXEDPREC_HALF_DTYPE=bfloat16 an Apex script's opt level means bf16 where it
+    meant fp16; the loss scale stays the opt level's (dynamic at O1/O2: the script did
+    not ask for another)."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    model = make_mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    weights = {"O1": torch.float32, "O2": torch.bfloat16, "O3": torch.bfloat16}[level]
+    assert model.fc1.weight.dtype == weights
+    assert model.bn.weight.dtype == (torch.bfloat16 if level == "O3" else torch.float32)
+    assert scaler_state() == ((2.0**16 if level in ("O1", "O2") else 1.0), 0)
+    if level == "O2":
+        assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
+    probe = DtypeProbe()
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+    probe, probe_opt = amp.initialize(probe, probe_opt, opt_level=level, verbosity=0)
+    out = probe(torch.ones(2, 8))
+    assert probe.seen == [torch.bfloat16] and out.dtype == torch.float32
+    for step in range(2):  # trains (bf16 gradients into fp32 masters at O2)
+        train_step(model, opt, step)
+
+
+@pytest.mark.parametrize("value", ["float16", "fp16", "half", ""])
+def test_half_dtype_variable_float16_or_empty_is_apex_s_fp16(value, monkeypatch):
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    model = make_mlp(0)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16
+
+
+def test_half_dtype_variable_keeps_a_dtype_the_script_gives(monkeypatch):
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    model = make_mlp(0)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   cast_model_type=torch.float16, verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16
+    assert scaler_state() == (2.0**16, 0)
+
+
+@pytest.mark.parametrize("value", ["bfloat", "float32", "torch.bfloat16", "1"])
+def test_bad_half_dtype_variable_is_rejected_before_anything_changes(value, monkeypatch):
+    model, opt, before = fresh()
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    with pytest.raises(ValueError, match=r"MIXEDPREC_HALF_DTYPE=.*expected 'bfloat16' or "
+                                         r"'float16'"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    monkeypatch.delenv("MIXEDPREC_HALF_DTYPE")
+    assert_untouched(model, opt, before)
+
+
+def test_half_dtype_variable_reaches_amp_init(monkeypatch):
+    """amp.init (the 2018 handle): autocast in bf16; a bad value raises and leaves the
+    live handle as it was."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    handle = amp.init(verbose=False)
+    try:
+        assert torch.get_autocast_dtype(handle._device) == torch.bfloat16
+        monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "fp8")
+        with pytest.raises(ValueError, match="MIXEDPREC_HALF_DTYPE='fp8'"):
+            amp.init(verbose=False)
+        assert handle.is_active() and amp._handle is handle
+        assert torch.get_autocast_dtype(handle._device) == torch.bfloat16
+    finally:
+        handle._deactivate()
+
+
 @pytest.mark.parametrize("level,half,outputs,expected", [
     ("O0", None, torch.float16, torch.float16),
     ("O1", torch.float16, torch.float32, torch.float32),
