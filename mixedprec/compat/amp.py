@@ -642,6 +642,19 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                              "amp.initialize; build a new one for new models")
     if len(set(map(id, optimizer_list))) != len(optimizer_list):
         raise ValueError("amp.initialize: the same optimizer is listed twice")
+    model_params = {p for m in model_list for p in m.parameters()}
+    for i, o in enumerate(optimizer_list):
+        held = [p for g in o.param_groups for p in g["params"]]
+        if held and not any(p in model_params for p in held):
+            # (An optimizer over a copy or an earlier instance of the model: the models
+            # would be cast and never stepped. Some parameters of its own beside the
+            # models', a learnable loss temperature, are fine.)
+            raise ValueError(
+                f"amp.initialize: expected optimizers[{i}] ({type(o).__name__}) to hold "
+                f"parameters of the models given; its {len(held)} parameters are none of "
+                "theirs (an optimizer built on another instance or a copy of the model?). "
+                "Build it from the model's parameters, e.g. "
+                f"{type(o).__name__}(model.parameters(), ...)")
     props = Properties(opt_level, dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,

@@ -1377,6 +1377,41 @@ def test_optimizer_passed_twice_is_rejected():
     assert_untouched(model, opt, before)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_optimizer_of_another_model_is_rejected_before_any_cast(level):
+    """An optimizer built on another instance (or a copy) of the model: Apex cast the
+    model and returned, and the model never learned. A ValueError naming the optimizer,
+    nothing cast, the registry and both objects as they were."""
+    model, _, before = fresh()
+    other = make_mlp(0)
+    foreign = torch.optim.SGD(other.parameters(), lr=0.1)
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    functions = types.SimpleNamespace(add=lambda a, b: a + b)
+    original = functions.add
+    amp.register_half_function(functions, "add")  # pending: applied by an O1 initialize
+    with pytest.raises(ValueError, match=r"optimizers\[1\] \(SGD\) to hold parameters "
+                                         r"of the models given"):
+        amp.initialize(model, [mine, foreign], opt_level=level, verbosity=0)
+    assert functions.add is original and len(amp._registered_casts) == 1
+    assert all(p.dtype == torch.float32 for p in other.parameters())
+    assert [p for g in foreign.param_groups for p in g["params"]] == list(other.parameters())
+    assert foreign not in amp._optimizer_amp and mine not in amp._optimizer_amp
+    amp._registered_casts.clear()
+    assert_untouched(model, mine, before)
+
+
+def test_optimizer_with_the_models_and_extra_parameters_is_accepted():
+    """A subset of the model's parameters (frozen layers) or some of its own beside
+    them (a learnable loss temperature) is still the model's optimizer."""
+    model = make_mlp(0)
+    temperature = nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([{"params": model.fc1.parameters()}, {"params": [temperature]}],
+                          lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16 and temperature.dtype == torch.float32
+    assert opt.param_groups[1]["params"] == [temperature]
+
+
 def test_ddp_wrapped_model_is_rejected(tmp_path):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_gloo_available()):
@@ -1499,8 +1534,9 @@ def test_enabled_false_returns_inputs_unchanged(monkeypatch):
 def test_enabled_false_after_an_enabled_initialize():
     """A disabled initialize after an enabled one (e.g. a second training run in the
     same process): the disabled optimizer's scale_loss still yields the loss itself."""
-    amp.initialize(make_mlp(1), torch.optim.SGD(make_mlp(1).parameters(), lr=0.1),
-                   opt_level="O1", verbosity=0)
+    first = make_mlp(1)
+    amp.initialize(first, torch.optim.SGD(first.parameters(), lr=0.1), opt_level="O1",
+                   verbosity=0)
     check_disabled(*fresh())
 
 
