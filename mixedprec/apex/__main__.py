@@ -2,6 +2,13 @@
 module [args...]``: runs a legacy Apex script with ``apex``, ``amp_C`` and ``apex_C``
 resolving to mixedprec (see :mod:`mixedprec.apex`).
 
+``--half-dtype bfloat16`` (before the script) runs an fp16 script in bfloat16: it sets
+``MIXEDPREC_HALF_DTYPE`` for the script and its child processes, so that amp's opt
+levels, ``amp.init``, ``network_to_half`` and ``FP16Model`` cast to bfloat16 where the
+script leaves the dtype to them (loss scaling unchanged; see
+:func:`mixedprec.fp16_utils.half_dtype`). ``--half-dtype float16`` sets it back to
+Apex's float16.
+
 The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python
 script.py args...`` would set them. For child Python processes (multiprocessing
 spawn, ``torch.distributed.launch``, ``subprocess``), a temporary directory with
@@ -21,7 +28,9 @@ from typing import List, Optional
 
 import mixedprec
 
-USAGE = "usage: python -m mixedprec.apex (script.py | -m module) [args...]"
+USAGE = ("usage: python -m mixedprec.apex [--half-dtype {bfloat16,float16}] "
+         "(script.py | -m module) [args...]")
+HALF_DTYPE_OPTION = "--half-dtype"
 
 _SHIM = (
     "# Written by `python -m mixedprec.apex`: `import {name}` in a child process\n"
@@ -51,11 +60,41 @@ def _child_pythonpath(shim: str) -> str:
     return os.pathsep.join(entries)
 
 
+def _take_half_dtype(argv: List[str]) -> List[str]:
+    """Consumes a leading ``--half-dtype VALUE`` (or ``--half-dtype=VALUE``): checks VALUE
+    and sets ``MIXEDPREC_HALF_DTYPE`` to it (exit status 2 for a bad or missing one);
+    returns the arguments after it."""
+    from mixedprec.compat.fp16_utils import HALF_DTYPE_VAR, half_dtype
+
+    while argv and (argv[0] == HALF_DTYPE_OPTION or argv[0].startswith(HALF_DTYPE_OPTION + "=")):
+        if argv[0] == HALF_DTYPE_OPTION:
+            if len(argv) < 2:
+                print(f"{USAGE}\nerror: {HALF_DTYPE_OPTION} expects a value: bfloat16 or "
+                      "float16", file=sys.stderr)
+                sys.exit(2)
+            value, argv = argv[1], argv[2:]
+        else:
+            value, argv = argv[0].split("=", 1)[1], argv[1:]
+        previous = os.environ.get(HALF_DTYPE_VAR)
+        os.environ[HALF_DTYPE_VAR] = value
+        try:
+            half_dtype()
+        except ValueError as err:
+            if previous is None:
+                del os.environ[HALF_DTYPE_VAR]
+            else:
+                os.environ[HALF_DTYPE_VAR] = previous
+            print(f"{USAGE}\nerror: {HALF_DTYPE_OPTION} {value!r}: {err}", file=sys.stderr)
+            sys.exit(2)
+    return argv
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0)
+    argv = _take_half_dtype(list(argv))
     if not argv or argv == ["-m"]:
         print(USAGE, file=sys.stderr)
         sys.exit(2)

@@ -5,7 +5,9 @@ What differs from Apex:
 
 * O1 runs the forward under ``torch.autocast`` instead of patching torch globally.
   ``cast_model_type=torch.bfloat16`` selects bf16 (autocast at O1, weights at O2/O3)
-  with a static loss scale of 1.0 by default.
+  with a static loss scale of 1.0 by default. ``MIXEDPREC_HALF_DTYPE=bfloat16`` makes the
+  opt levels' fp16 (and ``init``'s) bf16 for an unmodified script, its loss scaling
+  unchanged (see ``fp16_utils.half_dtype``).
 * ``initialize`` returns the user's own models with, as in Apex, an instance attribute
   ``model.forward`` wrapping the original with amp's casts (O1: autocast; O2/O3: inputs
   to the model's dtype; outputs to ``cast_model_outputs``, default fp32). It may be
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from .. import masters as _masters
 from .. import ops
-from .fp16_utils import convert_network
+from .fp16_utils import convert_network, half_dtype
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 
@@ -64,14 +66,20 @@ _OPT_LEVELS: Dict[str, Dict[str, Any]] = {
 class Properties:
     """The resolved options of one ``initialize`` call, validated as Apex did."""
 
-    def __init__(self, opt_level: str, overrides: Dict[str, Any]):
+    def __init__(self, opt_level: str, overrides: Dict[str, Any],
+                 half: torch.dtype = torch.float16):
         if opt_level not in _OPT_LEVELS:
             raise ValueError(
                 f"amp.initialize: unexpected opt_level {opt_level!r}; options are 'O0', 'O1', "
                 "'O2', 'O3' (the prefix is the letter O, not the number zero)")
         self.opt_level = opt_level
+        # `half`: the opt levels' 16-bit dtype (O1's autocast, O2/O3's weights), float16
+        # unless MIXEDPREC_HALF_DTYPE says otherwise; a cast_model_type given overrides it.
+        self.half_dtype = half
         self.options = dict(_OPT_LEVELS[opt_level], cast_model_outputs=None, master=None,
                             state_dtype=None)
+        if self.options["cast_model_type"] is torch.float16:
+            self.options["cast_model_type"] = half
         bf16 = overrides.get("cast_model_type") is torch.bfloat16
         if bf16 and overrides.get("loss_scale") is None and opt_level != "O0":
             self.options["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling needed
@@ -553,7 +561,7 @@ def _patch_forward(model: nn.Module, props: Properties) -> None:
     autocast_dtype = input_dtype = None
     output_dtype = props.cast_model_outputs
     if props.patch_torch_functions:
-        autocast_dtype = props.cast_model_type or torch.float16
+        autocast_dtype = props.cast_model_type or props.half_dtype
     elif props.cast_model_type is not None and props.cast_model_type != torch.float32:
         input_dtype = props.cast_model_type
     if autocast_dtype or input_dtype:
@@ -595,7 +603,10 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
 
     O0: fp32. O1: autocast around the forward. O2: the model in fp16 (or
     ``cast_model_type``), batchnorm in fp32, fp32 master weights. O3: the model all in
-    fp16/bf16. O1 and O2 scale the loss dynamically. Overrides are checked as Apex did
+    fp16/bf16. O1 and O2 scale the loss dynamically. The environment variable
+    ``MIXEDPREC_HALF_DTYPE=bfloat16`` makes the opt levels' fp16 bf16 (a
+    ``cast_model_type`` given is kept; the loss scale stays the script's or the opt
+    level's), read at each call. Overrides are checked as Apex did
     (``"True"``, ``"128.0"`` accepted), all before anything changes. Returns the models
     and optimizers given, in the shape given; each optimizer may be passed only once.
 
@@ -631,11 +642,24 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                              "amp.initialize; build a new one for new models")
     if len(set(map(id, optimizer_list))) != len(optimizer_list):
         raise ValueError("amp.initialize: the same optimizer is listed twice")
+    model_params = {p for m in model_list for p in m.parameters()}
+    for i, o in enumerate(optimizer_list):
+        held = [p for g in o.param_groups for p in g["params"]]
+        if held and not any(p in model_params for p in held):
+            # (An optimizer over a copy or an earlier instance of the model: the models
+            # would be cast and never stepped. Some parameters of its own beside the
+            # models', a learnable loss temperature, are fine.)
+            raise ValueError(
+                f"amp.initialize: expected optimizers[{i}] ({type(o).__name__}) to hold "
+                f"parameters of the models given; its {len(held)} parameters are none of "
+                "theirs (an optimizer built on another instance or a copy of the model?). "
+                "Build it from the model's parameters, e.g. "
+                f"{type(o).__name__}(model.parameters(), ...)")
     props = Properties(opt_level, dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master=master,
-        state_dtype=state_dtype))
+        state_dtype=state_dtype), half=half_dtype())
     for o in optimizer_list:
         if isinstance(o, _FusedOptimizer):
             o._check_precision("amp.initialize", props.master, props.state_dtype)
@@ -880,11 +904,12 @@ class AmpHandle:
         self._verbose = bool(verbose)
         self._default_scaler: Optional[LossScaler] = LossScaler(loss_scale)
         self._is_active = True
+        self._dtype = half_dtype()  # float16, unless MIXEDPREC_HALF_DTYPE says bfloat16
         self._device = _autocast_device()
         self._previous = (torch.is_autocast_enabled(self._device),
                           torch.get_autocast_dtype(self._device),
                           torch.is_autocast_cache_enabled())
-        torch.set_autocast_dtype(self._device, torch.float16)
+        torch.set_autocast_dtype(self._device, self._dtype)
         torch.set_autocast_enabled(self._device, True)
         torch.set_autocast_cache_enabled(self._enable_caching)
 
@@ -1065,7 +1090,8 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
          verbose: bool = False, allow_banned: bool = False):
     """Apex's 2018 entry point: returns an :class:`AmpHandle` (``enabled=False``: a
     :class:`NoOpHandle`). Instead of patching torch's functions it turns autocast on
-    (float16; CUDA where available, else the CPU) for the calling thread until
+    (float16, or bfloat16 under ``MIXEDPREC_HALF_DTYPE``; CUDA where available, else
+    the CPU) for the calling thread until
     ``handle._deactivate()``, and applies the ``register_*_function`` registry.
     ``allow_banned=True`` is rejected: under autocast, torch refuses
     ``binary_cross_entropy`` in float16 whatever is allowed; use
@@ -1076,6 +1102,8 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
                          "refuses float16 binary_cross_entropy); expected False")
     if enabled and loss_scale != "dynamic":  # checked before the last handle is replaced
         check_scale("amp.init", "loss_scale", loss_scale)
+    if enabled:
+        half_dtype()  # a bad MIXEDPREC_HALF_DTYPE raises here, the last handle untouched
     if _handle is not None:  # a second init replaces the first
         _handle._deactivate()
         _handle = None

@@ -5,10 +5,15 @@ CPU tensors and bfloat16 are accepted; ``backward`` and ``update_master_grads`` 
 read the device, nor does ``step`` when the wrapped optimizer skips overflowed steps on
 the device (``_step_supports_amp_scaling``), else it reads the flag once as Apex did;
 overflows are not printed; ``state_dict()`` loads with ``weights_only=True``.
+
+``MIXEDPREC_HALF_DTYPE=bfloat16`` (or ``python -m mixedprec.apex --half-dtype bfloat16``)
+runs an unmodified fp16 script in bfloat16 (on a CPU, several times faster): see
+:func:`half_dtype`.
 """
 
 import contextlib
 import math
+import os
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -29,6 +34,32 @@ _FLOAT_DTYPES = (torch.float32, *HALF_DTYPES)
 _PARAM_SHAPED_STATE = frozenset((
     "momentum_buffer exp_avg exp_avg_sq max_exp_avg_sq sum square_avg acc_delta grad_avg "
     "exp_inf ax prev step_size mu_product_buffer").split())
+
+
+#: The environment variable naming the 16-bit dtype Apex's fp16 stands for (see
+#: :func:`half_dtype`); ``python -m mixedprec.apex --half-dtype`` sets it.
+HALF_DTYPE_VAR = "MIXEDPREC_HALF_DTYPE"
+_HALF_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+                     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def half_dtype() -> torch.dtype:
+    """The 16-bit dtype that Apex's float16 stands for where a legacy script leaves it
+    to Apex: torch.float16, or torch.bfloat16 when the environment variable
+    ``MIXEDPREC_HALF_DTYPE`` says ``bfloat16`` (or ``bf16``; ``float16``, ``fp16``,
+    ``half`` or unset: float16), read at each call. Read by ``amp.initialize`` (O2/O3's
+    weights, O1's autocast), ``amp.init``, :func:`network_to_half` and
+    :class:`FP16Model` without a ``dtype``; a dtype a script passes is kept. Loss
+    scaling stays as the script asked. Any other value raises ``ValueError`` naming the
+    variable."""
+    value = os.environ.get(HALF_DTYPE_VAR, "")
+    if not value.strip():
+        return torch.float16
+    dtype = _HALF_DTYPE_NAMES.get(value.strip().lower())
+    if dtype is None:
+        raise ValueError(f"{HALF_DTYPE_VAR}={value!r}: expected 'bfloat16' or 'float16' "
+                         "(also 'bf16', 'fp16', 'half'), or the variable unset (float16)")
+    return dtype
 
 
 def _check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
@@ -71,10 +102,11 @@ def BN_convert_float(module: nn.Module) -> nn.Module:  # Apex's name
     return module
 
 
-def network_to_half(network: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Sequential:
+def network_to_half(network: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Sequential:
     """``nn.Sequential(tofp16(), BN_convert_float(network.half()))`` (``network`` converted
-    in place). Differs from Apex: ``dtype=torch.bfloat16`` is accepted."""
-    _check_dtype(dtype)
+    in place). Differs from Apex: ``dtype`` may be torch.float16 or torch.bfloat16;
+    ``None``: float16, or bfloat16 under ``MIXEDPREC_HALF_DTYPE`` (:func:`half_dtype`)."""
+    dtype = half_dtype() if dtype is None else _check_dtype(dtype)
     return nn.Sequential(tofp16(dtype), BN_convert_float(network.to(dtype)))
 
 
@@ -104,13 +136,15 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 class FP16Model(nn.Module):
     """``convert_network(network, dtype)`` whose floating-point inputs are cast to ``dtype``.
-    Differs from Apex: ``dtype`` may be bfloat16; only floating-point tensors are cast
-    (Apex called ``.half()`` on every input); keyword arguments are passed (and cast) too."""
+    Differs from Apex: ``dtype`` may be bfloat16 (``None``: float16, or bfloat16 under
+    ``MIXEDPREC_HALF_DTYPE``, see :func:`half_dtype`); only floating-point tensors are
+    cast (Apex called ``.half()`` on every input); keyword arguments are passed (and
+    cast) too."""
 
-    def __init__(self, network: nn.Module, dtype: torch.dtype = torch.float16):
+    def __init__(self, network: nn.Module, dtype: Optional[torch.dtype] = None):
         super().__init__()
-        self.dtype = _check_dtype(dtype)
-        self.network = convert_network(network, dtype=dtype)
+        self.dtype = half_dtype() if dtype is None else _check_dtype(dtype)
+        self.network = convert_network(network, dtype=self.dtype)
 
     def _cast(self, value: Any) -> Any:
         if isinstance(value, Tensor) and value.is_floating_point():
@@ -523,6 +557,14 @@ class FP16_Optimizer:  # Apex's name
                                     "torch.float16, torch.bfloat16 or torch.float32")
         loss_scaler = (DynamicLossScaler(**(dynamic_loss_args or {})) if dynamic_loss_scale
                        else LossScaler(static_loss_scale))
+        if half_dtype() is torch.bfloat16 and any(
+                p.dtype == torch.float16 for g in init_optimizer.param_groups
+                for p in g["params"]):
+            warnings.warn(
+                f"FP16_Optimizer: {HALF_DTYPE_VAR} asks for bfloat16, but the optimizer holds "
+                "float16 parameters: the model was cast outside mixedprec (model.half() is "
+                "torch's own); the variable reaches amp.initialize, network_to_half and "
+                "FP16Model. They train in float16.", stacklevel=2)
 
         self.verbose = verbose
         self.optimizer = init_optimizer

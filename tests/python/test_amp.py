@@ -304,6 +304,92 @@ def test_opt_level_dtypes_and_masters(device, level, half, opt_name):
     assert [p.dtype for p in bn] == [expect_bn] * 2
 
 
+# --- MIXEDPREC_HALF_DTYPE: an unmodified fp16 script in bf16 ---------------------------------
+
+class DtypeProbe(nn.Module):
+    """A Linear that records the dtype its output had (O1's autocast dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.fc(x)
+        self.seen.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("value", ["bfloat16", "bf16", " BFloat16 "])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_half_dtype_variable_makes_the_opt_levels_bf16(level, value, monkeypatch):
+    """With MIXEDPREC_HALF_DTYPE=bfloat16 an Apex script's opt level means bf16 where it
+    meant fp16; the loss scale stays the opt level's (dynamic at O1/O2: the script did
+    not ask for another)."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    model = make_mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    weights = {"O1": torch.float32, "O2": torch.bfloat16, "O3": torch.bfloat16}[level]
+    assert model.fc1.weight.dtype == weights
+    assert model.bn.weight.dtype == (torch.bfloat16 if level == "O3" else torch.float32)
+    assert scaler_state() == ((2.0**16 if level in ("O1", "O2") else 1.0), 0)
+    if level == "O2":
+        assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
+    probe = DtypeProbe()
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=0.05)
+    probe, probe_opt = amp.initialize(probe, probe_opt, opt_level=level, verbosity=0)
+    out = probe(torch.ones(2, 8))
+    assert probe.seen == [torch.bfloat16] and out.dtype == torch.float32
+    for step in range(2):  # trains (bf16 gradients into fp32 masters at O2)
+        train_step(model, opt, step)
+
+
+@pytest.mark.parametrize("value", ["float16", "fp16", "half", ""])
+def test_half_dtype_variable_float16_or_empty_is_apex_s_fp16(value, monkeypatch):
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    model = make_mlp(0)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16
+
+
+def test_half_dtype_variable_keeps_a_dtype_the_script_gives(monkeypatch):
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    model = make_mlp(0)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   cast_model_type=torch.float16, verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16
+    assert scaler_state() == (2.0**16, 0)
+
+
+@pytest.mark.parametrize("value", ["bfloat", "float32", "torch.bfloat16", "1"])
+def test_bad_half_dtype_variable_is_rejected_before_anything_changes(value, monkeypatch):
+    model, opt, before = fresh()
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    with pytest.raises(ValueError, match=r"MIXEDPREC_HALF_DTYPE=.*expected 'bfloat16' or "
+                                         r"'float16'"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    monkeypatch.delenv("MIXEDPREC_HALF_DTYPE")
+    assert_untouched(model, opt, before)
+
+
+def test_half_dtype_variable_reaches_amp_init(monkeypatch):
+    """amp.init (the 2018 handle): autocast in bf16; a bad value raises and leaves the
+    live handle as it was."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    handle = amp.init(verbose=False)
+    try:
+        assert torch.get_autocast_dtype(handle._device) == torch.bfloat16
+        monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "fp8")
+        with pytest.raises(ValueError, match="MIXEDPREC_HALF_DTYPE='fp8'"):
+            amp.init(verbose=False)
+        assert handle.is_active() and amp._handle is handle
+        assert torch.get_autocast_dtype(handle._device) == torch.bfloat16
+    finally:
+        handle._deactivate()
+
+
 @pytest.mark.parametrize("level,half,outputs,expected", [
     ("O0", None, torch.float16, torch.float16),
     ("O1", torch.float16, torch.float32, torch.float32),
@@ -1291,6 +1377,41 @@ def test_optimizer_passed_twice_is_rejected():
     assert_untouched(model, opt, before)
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_optimizer_of_another_model_is_rejected_before_any_cast(level):
+    """An optimizer built on another instance (or a copy) of the model: Apex cast the
+    model and returned, and the model never learned. A ValueError naming the optimizer,
+    nothing cast, the registry and both objects as they were."""
+    model, _, before = fresh()
+    other = make_mlp(0)
+    foreign = torch.optim.SGD(other.parameters(), lr=0.1)
+    mine = torch.optim.SGD(model.parameters(), lr=0.1)
+    functions = types.SimpleNamespace(add=lambda a, b: a + b)
+    original = functions.add
+    amp.register_half_function(functions, "add")  # pending: applied by an O1 initialize
+    with pytest.raises(ValueError, match=r"optimizers\[1\] \(SGD\) to hold parameters "
+                                         r"of the models given"):
+        amp.initialize(model, [mine, foreign], opt_level=level, verbosity=0)
+    assert functions.add is original and len(amp._registered_casts) == 1
+    assert all(p.dtype == torch.float32 for p in other.parameters())
+    assert [p for g in foreign.param_groups for p in g["params"]] == list(other.parameters())
+    assert foreign not in amp._optimizer_amp and mine not in amp._optimizer_amp
+    amp._registered_casts.clear()
+    assert_untouched(model, mine, before)
+
+
+def test_optimizer_with_the_models_and_extra_parameters_is_accepted():
+    """A subset of the model's parameters (frozen layers) or some of its own beside
+    them (a learnable loss temperature) is still the model's optimizer."""
+    model = make_mlp(0)
+    temperature = nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([{"params": model.fc1.parameters()}, {"params": [temperature]}],
+                          lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert model.fc1.weight.dtype == torch.float16 and temperature.dtype == torch.float32
+    assert opt.param_groups[1]["params"] == [temperature]
+
+
 def test_ddp_wrapped_model_is_rejected(tmp_path):
     dist = torch.distributed
     if not (dist.is_available() and dist.is_gloo_available()):
@@ -1413,8 +1534,9 @@ def test_enabled_false_returns_inputs_unchanged(monkeypatch):
 def test_enabled_false_after_an_enabled_initialize():
     """A disabled initialize after an enabled one (e.g. a second training run in the
     same process): the disabled optimizer's scale_loss still yields the loss itself."""
-    amp.initialize(make_mlp(1), torch.optim.SGD(make_mlp(1).parameters(), lr=0.1),
-                   opt_level="O1", verbosity=0)
+    first = make_mlp(1)
+    amp.initialize(first, torch.optim.SGD(first.parameters(), lr=0.1), opt_level="O1",
+                   verbosity=0)
     check_disabled(*fresh())
 
 

@@ -450,6 +450,84 @@ def test_mixedprec_is_importable_without_the_alias():
     assert mixedprec.__name__ == "mixedprec"
 
 
+HALF_DTYPE_SCRIPT = """\
+import os
+import subprocess
+import sys
+
+import torch
+from apex import amp
+from apex.fp16_utils import network_to_half
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+with amp.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), optimizer) as scaled:
+    scaled.backward()
+optimizer.step()
+print("amp", model[0].weight.dtype, model[1].weight.dtype,
+      amp._amp_state.loss_scalers[0].loss_scale())
+print("network_to_half", network_to_half(torch.nn.Linear(4, 4))[1].weight.dtype)
+code = ("import torch; from apex.fp16_utils import network_to_half; "
+        "print(network_to_half(torch.nn.Linear(2, 2))[1].weight.dtype)")
+child = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                       text=True).stdout.strip()
+print("child", child, os.environ.get("MIXEDPREC_HALF_DTYPE"))
+print("argv", sys.argv[1:])
+"""
+
+
+def run_half_dtype_script(tmp_path, *options, args=()):
+    script = tmp_path / "fp16_script.py"
+    script.write_text(HALF_DTYPE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "MIXEDPREC_HALF_DTYPE"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "mixedprec.apex", *options, str(script),
+                           *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("options", [("--half-dtype", "bfloat16"), ("--half-dtype=bf16",)],
+                         ids=["separate", "equals"])
+def test_half_dtype_option_runs_an_fp16_script_in_bf16(tmp_path, options):
+    """`python -m mixedprec.apex --half-dtype bfloat16 script.py`: amp O2's weights and
+    network_to_half's are bf16, in the script and in its child processes; the loss
+    scale stays O2's dynamic one; the script's own arguments are its own."""
+    result = run_half_dtype_script(tmp_path, *options, args=("--half-dtype", "x"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "amp torch.bfloat16 torch.float32 65536.0" in out, out
+    assert "network_to_half torch.bfloat16" in out
+    assert f"child torch.bfloat16 {options[-1].rpartition('=')[2]}" in out
+    assert "argv ['--half-dtype', 'x']" in out
+
+
+def test_without_the_half_dtype_option_the_script_stays_fp16(tmp_path):
+    result = run_half_dtype_script(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "amp torch.float16 torch.float32 65536.0" in result.stdout
+    assert "child torch.float16 None" in result.stdout
+
+
+@pytest.mark.parametrize("options,match", [
+    (("--half-dtype", "bfloat"), "--half-dtype 'bfloat': MIXEDPREC_HALF_DTYPE='bfloat'"),
+    (("--half-dtype=fp32",), "--half-dtype 'fp32'"),
+    (("--half-dtype",), "--half-dtype expects a value"),
+])
+def test_bad_half_dtype_option_is_a_usage_error(tmp_path, options, match):
+    script = tmp_path / "never_run.py"
+    script.write_text("print('RAN')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    args = [sys.executable, "-m", "mixedprec.apex", *options]
+    if len(options) > 1 or "=" in options[0]:
+        args.append(str(script))
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert match in result.stderr and "usage" in result.stderr
+    assert "RAN" not in result.stdout
+
+
 REAL_APEX_SCRIPT = """\
 import subprocess
 import sys

@@ -221,6 +221,58 @@ def test_convert_network_and_fp16_model(device, dtype):
     assert emb(ids).dtype == dtype
 
 
+@pytest.mark.parametrize("value", ["bfloat16", "bf16"])
+def test_half_dtype_variable_makes_network_to_half_bf16(value, monkeypatch):
+    """MIXEDPREC_HALF_DTYPE=bfloat16: Apex's network_to_half(model) and FP16Model(model),
+    which take no dtype, cast to bf16; a dtype passed is kept."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    assert fp16.half_dtype() is torch.bfloat16
+    net = network_to_half(conv_net("cpu"))
+    assert net[0].dtype == torch.bfloat16 and net[1][0].weight.dtype == torch.bfloat16
+    assert net[1][1].weight.dtype == torch.float32  # affine BatchNorm, as with fp16
+    assert net(torch.randn(2, 3, 8, 8)).dtype == torch.bfloat16
+    model = FP16Model(conv_net("cpu"))
+    assert model.dtype == torch.bfloat16 and model.network[0].weight.dtype == torch.bfloat16
+    assert network_to_half(conv_net("cpu"), torch.float16)[1][0].weight.dtype == torch.float16
+    assert FP16Model(conv_net("cpu"), torch.float16).dtype == torch.float16
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "float16")
+    assert network_to_half(conv_net("cpu"))[1][0].weight.dtype == torch.float16
+    monkeypatch.delenv("MIXEDPREC_HALF_DTYPE")
+    assert network_to_half(conv_net("cpu"))[1][0].weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("value", ["bfloat", "torch.bfloat16", "float32"])
+def test_bad_half_dtype_variable_is_rejected_before_anything_changes(value, monkeypatch):
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", value)
+    net = conv_net("cpu")
+    with pytest.raises(ValueError, match=f"MIXEDPREC_HALF_DTYPE={value!r}: expected"):
+        network_to_half(net)
+    with pytest.raises(ValueError, match="MIXEDPREC_HALF_DTYPE"):
+        FP16Model(net)
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    model = nn.Linear(4, 2).half()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="MIXEDPREC_HALF_DTYPE"):
+        FP16_Optimizer(inner, verbose=False)
+    assert inner.param_groups[0]["params"] == list(model.parameters())  # no masters put in
+
+
+def test_fp16_optimizer_says_when_the_variable_cannot_reach_the_model(monkeypatch):
+    """model.half() is torch's own: under MIXEDPREC_HALF_DTYPE=bfloat16, FP16_Optimizer
+    warns that such a model trains in fp16; a model network_to_half made is bf16."""
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    model = nn.Linear(4, 2).half()
+    with pytest.warns(UserWarning, match="MIXEDPREC_HALF_DTYPE asks for bfloat16.*float16"):
+        FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    import warnings
+
+    net = network_to_half(nn.Sequential(nn.Linear(4, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer = FP16_Optimizer(torch.optim.SGD(net.parameters(), lr=0.1), verbose=False)
+    assert [p.dtype for p in optimizer.all_fp16_params] == [torch.bfloat16] * 2
+
+
 def test_convert_module_casts_grads_and_only_its_own_tensors(device):
     net = nn.Sequential(nn.Linear(2, 2)).to(device)
     net[0].weight.grad = torch.ones(2, 2, device=device)
