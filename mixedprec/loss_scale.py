@@ -230,6 +230,8 @@ class LossScale:
                             ("hysteresis_tracker", hysteresis_tracker)):
             if isinstance(value, Tensor):
                 value = int(value.detach().reshape(()).cpu())  # sync-ok: checkpoint
+            elif isinstance(value, float) and value.is_integer():
+                value = int(value)  # e.g. a checkpoint that went through a float format
             # The hysteresis tracker counts below 0 while overflows follow each other.
             low = 0 if name == "growth_tracker" else -(2**31)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

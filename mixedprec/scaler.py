@@ -11,10 +11,36 @@ from torch import Tensor
 from . import ops
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "MissingStateKeys"]
 
+# The keys of torch.amp.GradScaler's state dict, which load_state_dict needs.
+_TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                     "_growth_tracker")
 # Gradient dtypes the multi-tensor ops take; others (float64) go through torch's kernel.
 _OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class MissingStateKeys(KeyError, ValueError):
+    """``GradScaler.load_state_dict`` was given a state dict without some of the keys
+    every GradScaler state dict has. A KeyError, as torch's scaler raises for a missing
+    key, and a ValueError; its message names the missing keys."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _check_device(device: Any) -> None:
+    """Raises (naming ``device``) unless ``device`` names a device torch knows."""
+    if isinstance(device, torch.device):
+        return
+    if not isinstance(device, str):
+        raise TypeError(f"GradScaler: expected device to be a device type such as 'cuda' "
+                        f"or 'cpu', got {type(device).__name__} {device!r}")
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"GradScaler: expected device to be a device type such as 'cuda' "
+                         f"or 'cpu', got {device!r}") from None
 
 
 def _core_attr(name: str, doc: str) -> property:
@@ -35,10 +61,15 @@ class GradScaler(torch.amp.GradScaler):
       the smallest fp16 value; see that module), so a run whose gradients overflow in
       every step keeps skipping steps at the floor instead of reaching a zero scale and
       writing NaN. There is no ceiling by default;
-    * every setting is checked when given (construction, setters, ``load_state_dict``):
-      ``init_scale`` 0, inf or NaN, ``backoff_factor`` outside (0, 1),
-      ``growth_interval`` < 1, ``hysteresis`` < 1, ``min_scale > max_scale`` raise
-      ``ValueError``/``TypeError`` naming the argument, before anything changes;
+    * every setting of an enabled scaler is checked when given (construction, setters,
+      ``load_state_dict``): ``init_scale`` 0, inf or NaN, ``backoff_factor`` outside
+      (0, 1], ``growth_interval`` < 1, ``hysteresis`` < 1, ``min_scale > max_scale``
+      raise ``ValueError``/``TypeError`` naming the argument, before anything changes
+      (a disabled scaler, like torch's, checks none: it never uses them). ``device``
+      must name a device torch knows (torch's scaler takes any string and fails at the
+      first ``scale()``); a state dict without one of torch's five keys raises
+      :class:`MissingStateKeys` (a ``KeyError``, as torch raises) naming them, and
+      loads nothing;
     * no host synchronisation in :meth:`step` and :meth:`update` with optimizers that
       declare ``_step_supports_amp_scaling`` (mixedprec's :class:`FusedSGD` and
       :class:`FusedAdam`, torch's fused optimizers): the overflow check is one
@@ -84,10 +115,23 @@ class GradScaler(torch.amp.GradScaler):
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, hysteresis: int = 1,
                  min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf) -> None:
-        self._core = LossScale(init_scale, growth_factor=growth_factor,
-                               backoff_factor=backoff_factor, growth_interval=growth_interval,
-                               hysteresis=hysteresis, min_scale=min_scale,
-                               max_scale=max_scale, owner="GradScaler")
+        _check_device(device)
+        settings = dict(growth_factor=growth_factor, backoff_factor=backoff_factor,
+                        growth_interval=growth_interval, hysteresis=hysteresis,
+                        min_scale=min_scale, max_scale=max_scale)
+        try:
+            self._core = LossScale(init_scale, owner="GradScaler", **settings)
+        except (TypeError, ValueError):
+            # torch's scaler disables itself for "cuda" without CUDA; a disabled scaler
+            # never uses its settings and torch checks none of them then: keep them as
+            # given (the getters return them).
+            disabled = not enabled or (
+                device == "cuda" and torch.cuda.amp.common.amp_definitely_not_available())
+            if not disabled:
+                raise
+            self._core = LossScale(owner="GradScaler")
+            self._core.__dict__.update(settings)
+            self._core._init = (init_scale, 0, hysteresis)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled)
         self._found_inf: Optional[Tensor] = None
@@ -239,10 +283,12 @@ class GradScaler(torch.amp.GradScaler):
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was "
                                "saved from a disabled instance of GradScaler.")
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
-                               "_growth_tracker") if k not in state_dict]
+        missing = [k for k in _TORCH_STATE_KEYS if k not in state_dict]
         if missing:
-            raise ValueError(f"GradScaler.load_state_dict: the state dict has no {missing}")
+            raise MissingStateKeys(
+                f"GradScaler.load_state_dict: the state dict has no {', '.join(missing)} "
+                f"(a GradScaler state dict has {', '.join(_TORCH_STATE_KEYS)}); "
+                "nothing was loaded")
         core = self._core
         settings = {k: state_dict.get(k, getattr(core, k))
                     for k in ("growth_factor", "backoff_factor", "growth_interval",

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD, GradScaler
 from mixedprec.loss_scale import DEFAULT_MIN_SCALE
+from mixedprec.scaler import MissingStateKeys
 
 INF = float("inf")
 TIGHT = TOLERANCES[torch.float32]
@@ -321,6 +322,89 @@ def test_load_a_torch_state_dict(device):
     flags = [0, 1, 0, 0, 0, 0] + random_flags(9, 40)
     assert [s[:2] for s in run_flags(ours, device, flags)] == [
         s[:2] for s in run_flags(theirs, device, flags, init=False)]
+
+
+@pytest.mark.parametrize("device_arg", ["bogus", "cuda:x", ""])
+def test_an_unknown_device_is_refused_at_construction(device_arg):
+    # torch's scaler keeps any string and only fails (or not) at the first scale().
+    with pytest.raises(ValueError, match=r"device .*%r" % device_arg):
+        GradScaler(device=device_arg)
+
+
+def test_a_device_that_is_no_string_is_refused():
+    with pytest.raises(TypeError, match="device"):
+        GradScaler(device=3.5)
+
+
+@pytest.mark.parametrize("device_arg", ["cpu", "cpu:0", torch.device("cpu")], ids=str)
+def test_device_spellings_torch_takes(device_arg):
+    ours, theirs = GradScaler(device_arg), torch.amp.GradScaler(device_arg)
+    assert ours._device == theirs._device
+    x = torch.ones(2)
+    assert torch.equal(ours.scale(x), theirs.scale(x))
+
+
+def test_a_state_dict_missing_keys_names_them_and_loads_nothing(device):
+    scaler = GradScaler(device, init_scale=32.0, growth_interval=5, hysteresis=2)
+    run_flags(scaler, device, [0, 1])
+    before = scaler.state_dict()
+    partial = {"scale": 4.0, "growth_factor": 3.0, "hysteresis": 7}
+
+    with pytest.raises(MissingStateKeys) as caught:
+        scaler.load_state_dict(partial)
+
+    message = str(caught.value)
+    for key in ("backoff_factor", "growth_interval", "_growth_tracker"):
+        assert key in message
+    assert "growth_factor," not in message.split("has no")[1].split("(")[0]
+    assert "nothing was loaded" in message
+    # Code written against torch's scaler catches a KeyError; ours is one too.
+    assert isinstance(caught.value, KeyError) and isinstance(caught.value, ValueError)
+    assert scaler.state_dict() == before
+
+
+def test_a_fresh_scaler_given_a_partial_state_dict_is_unchanged():
+    scaler = GradScaler("cpu", init_scale=16.0)
+    before = scaler.state_dict()
+    with pytest.raises(KeyError, match="_growth_tracker"):
+        scaler.load_state_dict({k: v for k, v in before.items() if k != "_growth_tracker"})
+    assert scaler.state_dict() == before and scaler._scale is None
+
+
+@pytest.mark.parametrize("kwargs", [{"init_scale": 0.0}, {"growth_interval": 0},
+                                    {"growth_factor": 0.5}, {"backoff_factor": 2.0},
+                                    {"init_scale": 1e-30}], ids=str)
+def test_a_disabled_scaler_takes_the_settings_torch_takes(kwargs):
+    # Disabled, neither scaler uses or checks its settings; enabled, ours refuses them.
+    ours = GradScaler("cpu", enabled=False, **kwargs)
+    theirs = torch.amp.GradScaler("cpu", enabled=False, **kwargs)
+    assert (ours.get_scale(), ours.is_enabled()) == (theirs.get_scale(), theirs.is_enabled())
+    assert ours.state_dict() == theirs.state_dict() == {}
+    # torch's disabled scaler has no growth settings at all (its getters raise
+    # AttributeError); ours gives back what it was given.
+    name, value = next(iter(kwargs.items()))
+    if name != "init_scale":
+        assert getattr(ours, f"get_{name}")() == value
+    with pytest.raises(ValueError):
+        GradScaler("cpu", **kwargs)
+
+
+def test_a_scaler_disabled_for_want_of_cuda_takes_any_settings():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the scaler stays enabled")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = GradScaler("cuda", init_scale=0.0)
+    assert not scaler.is_enabled() and scaler.get_scale() == 1.0
+
+
+def test_a_growth_tracker_saved_as_a_whole_float_loads(device):
+    scaler = GradScaler(device)
+    sd = dict(GradScaler(device, init_scale=8.0).state_dict(), _growth_tracker=3.0)
+    scaler.load_state_dict(sd)
+    assert scaler.state_dict()["_growth_tracker"] == 3
+    with pytest.raises(ValueError, match="growth_tracker"):
+        scaler.load_state_dict(dict(sd, _growth_tracker=2.5))
+    assert scaler.state_dict()["_growth_tracker"] == 3
 
 
 def test_pickle_round_trip(device):
