@@ -6,9 +6,9 @@ surface and torch's results where the fused ops do not go.
   what torch lets through and cannot be stepped (a non-finite ``lr``, a NaN
   ``dampening``) and refuses ``differentiable=True``. ``foreach`` and ``fused`` are
   accepted as torch's implementation selectors: every step is fused.
-* Fallback: float64 and complex parameters, sparse gradients and tensor hyperparameters
-  other than ``lr`` are stepped by torch's own functional implementation, on torch's
-  state layout, so the results are torch's. That path unscales gradients in place and
+* Fallback: float64 and complex parameters, strided views that are not dense, sparse
+  gradients and tensor hyperparameters other than ``lr`` are stepped by torch's own
+  functional implementation, on torch's state layout, so the results are torch's. That path unscales gradients in place and
   reads ``found_inf`` on the host (float64 and complex training is not a mixed-precision
   hot path).
 * State: torch's ``state_dict`` format both ways (a torch.optim state dict loads, and
@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..loss_scale import inverse
 from .optimizer import _FLOAT_DTYPES, _FusedOptimizer, _Work
 
@@ -73,7 +74,8 @@ class TorchOptimizer(_FusedOptimizer):
                 group.setdefault(key, value)
 
     def _fused_dtype(self, p: Tensor) -> bool:
-        return p.dtype in _FLOAT_DTYPES
+        # (a strided view, such as every other column, is not dense: torch steps it)
+        return p.dtype in _FLOAT_DTYPES and ops.is_dense(p)
 
     def _fused_group(self, group: Dict[str, Any]) -> bool:
         """Whether the group's hyperparameters suit the fused op (tensors other than lr

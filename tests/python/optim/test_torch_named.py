@@ -298,3 +298,18 @@ def test_load_state_dict_without_state_changes_nothing():
     for i, s in before["state"].items():
         for key, value in s.items():
             assert torch.equal(after["state"][i][key], value)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_strided_view_parameters_step_as_torch(name):
+    ours_cls, torch_cls = PAIRS[name]
+    base = torch.randn(10, 10)
+    ref_base = base.clone()
+    view, ref_view = base[:, ::2].requires_grad_(), ref_base[:, ::2].requires_grad_()
+    ours, theirs = ours_cls([view], lr=0.01), torch_cls([ref_view], lr=0.01)
+    for step in range(3):
+        g = torch.randn(10, 5)
+        view.grad, ref_view.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(view, ref_view, rtol=0, atol=0)
