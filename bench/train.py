@@ -30,8 +30,8 @@ doubling then bisecting search over full training steps, catching OOM, bounded i
 time.
 
 With no arguments: the full GPU run when CUDA is available (time-budgeted to stay
-under about 4 minutes on an H100), else a CPU smoke run (ResNet-18 at batch 2 on 32x32 images and a tiny
-transformer at sequence 32, fp32/O1/O2 in bf16, 2 steps each) written to
+under about 4 minutes on an H100), else a CPU smoke run (ResNet-18 at batch 2 on 32x32 images
+and a tiny transformer at sequence 32, fp32/O1/O2 in bf16, 2 steps each) written to
 bench/results/cpu-smoke/ so that it never reads as a result.
 """
 

@@ -39,17 +39,16 @@ except ImportError:  # a build from before the file existed: nothing to compare
 if _BUILT_FOR is not None:
     _check_build(_BUILT_FOR, torch.__version__)
 
-from . import ops  # noqa: E402
+from . import ops, optim  # noqa: E402
 from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
-from . import optim  # noqa: E402
 from .optim import SGD, Adam, AdamW  # noqa: E402
 from .scaler import GradScaler  # noqa: E402
 
 _register_dtensor_ops()  # the ops take DTensor arguments (see mixedprec.distributed)
 
 __version__ = "0.1.0"
-__all__ = ["ops", "optim", "Adam", "AdamW", "SGD", "FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb",
-           "FusedAdagrad", "FusedNovoGrad", "GradScaler", "__version__"]
+__all__ = ["ops", "optim", "Adam", "AdamW", "SGD", "FusedAdam", "FusedSGD", "FusedLAMB",
+           "FusedMixedPrecisionLamb", "FusedAdagrad", "FusedNovoGrad", "GradScaler", "__version__"]
 
 # Apex's faces (mixedprec.compat), loaded on first use: the core never imports them.
 _FACES = ("amp", "fp16_utils", "parallel", "amp_C", "multi_tensor_apply", "normalization",

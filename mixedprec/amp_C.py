@@ -1,4 +1,4 @@
-"""Kept for existing imports: the module is :mod:`mixedprec.compat.amp_C` (Apex's API)."""
+"""Kept for existing imports: Apex's API is in :mod:`mixedprec.compat.amp_C`."""
 
 import sys
 

@@ -35,7 +35,7 @@ that rank alone, as with torch's GradScaler: its overflow skips that rank's step
 (the replicas have diverged anyway, through the changed gradient).
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Kept for existing imports: the module is :mod:`mixedprec.compat.multi_tensor_apply` (Apex's API)."""
+"""Kept for existing imports: Apex's API is in :mod:`mixedprec.compat.multi_tensor_apply`."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Kept for existing imports: the module is :mod:`mixedprec.compat.parallel` (Apex's API).
+"""Kept for existing imports: Apex's API is in :mod:`mixedprec.compat.parallel`.
 ``python -m mixedprec.parallel`` runs its launcher (Apex's ``multiproc``)."""
 
 import sys

@@ -37,9 +37,9 @@ from torch import Tensor, nn
 
 from .. import masters as _masters
 from .. import ops
-from .fp16_utils import convert_network, half_dtype
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
+from .fp16_utils import convert_network, half_dtype
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",

@@ -8,9 +8,9 @@ surface and torch's results where the fused ops do not go.
   accepted as torch's implementation selectors: every step is fused.
 * Fallback: float64 and complex parameters, strided views that are not dense, sparse
   gradients and tensor hyperparameters other than ``lr`` are stepped by torch's own
-  functional implementation, on torch's state layout, so the results are torch's. That path unscales gradients in place and
-  reads ``found_inf`` on the host (float64 and complex training is not a mixed-precision
-  hot path).
+  functional implementation, on torch's state layout, so the results are torch's. That
+  path unscales gradients in place and reads ``found_inf`` on the host (float64 and
+  complex training is not a mixed-precision hot path).
 * State: torch's ``state_dict`` format both ways (a torch.optim state dict loads, and
   ours loads into torch.optim), older state dicts get the newer group keys' defaults.
 """

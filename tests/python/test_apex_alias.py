@@ -154,11 +154,10 @@ def test_every_import_form(alias, module_name):
 
 def test_legacy_import_forms(alias):
     """The forms that legacy scripts use, among them Delaunay/MixedPrecision's."""
-    import apex.fp16_utils.fp16_optimizer as m
-    from apex.amp import handle
     import apex.amp.scaler
+    import apex.fp16_utils.fp16_optimizer as m
     import apex.parallel.LARC as larc_module
-    from apex.amp import _amp_state
+    from apex.amp import _amp_state, handle
 
     import mixedprec.amp
     import mixedprec.fp16_utils
@@ -177,10 +176,10 @@ def test_legacy_import_forms(alias):
 def test_2019_apex_optimizers_fp16_optimizer(alias):
     """Apex's apex/optimizers/fp16_optimizer.py (releases before late 2019) is the 2019
     FP16_Optimizer, fp16_utils' LegacyFP16_Optimizer, in every import form."""
-    from mixedprec.compat.fp16_utils import LegacyFP16_Optimizer
-
     import apex.optimizers.fp16_optimizer as m
     from apex.optimizers.fp16_optimizer import FP16_Optimizer
+
+    from mixedprec.compat.fp16_utils import LegacyFP16_Optimizer
 
     assert FP16_Optimizer is m.FP16_Optimizer is LegacyFP16_Optimizer
     import apex.optimizers
@@ -330,7 +329,6 @@ def test_apex_imported_before_the_alias_is_reported(alias, monkeypatch):
     monkeypatch.setitem(sys.modules, "apex.amp", earlier)
     with pytest.warns(UserWarning, match="import mixedprec.apex before apex"):
         alias.install()
-    import apex.amp
 
     assert sys.modules["apex.amp"] is earlier
 

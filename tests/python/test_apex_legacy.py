@@ -9,7 +9,6 @@ References are float64 (torch.optim on float64 copies, or the few lines of Apex'
 written out here). The scripts in ``legacy_scripts/`` run in test_legacy_scripts.py."""
 
 import io
-import math
 import pickle
 import sys
 import types
@@ -18,12 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-import mixedprec
 from mixedprec import amp, fp16_utils
 from mixedprec.multi_tensor_apply import multi_tensor_applier
 from mixedprec.optimizers import FusedAdam
-
-
 
 # --- FusedAdam: an Apex-style subclass (fairseq's FusedAdamV2 pattern) -------------------
 

@@ -11,8 +11,15 @@ import io
 
 import pytest
 import torch
-from helpers import (TOLERANCES, adam_state, assert_bitwise_equal, assert_same_snapshot,
-                     full_snapshot, randn, scalar)
+from helpers import (
+    TOLERANCES,
+    adam_state,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    full_snapshot,
+    randn,
+    scalar,
+)
 from references import ref_adagrad, ref_adam, ref_novograd, ref_sgd
 from torch import nn
 

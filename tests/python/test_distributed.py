@@ -4,16 +4,15 @@ decision across ranks, ZeroRedundancyOptimizer, and distributed checkpoints that
 reshard. Each test runs on the CPU with gloo, and again on GPUs with NCCL on a machine
 with one GPU per rank (skipped elsewhere)."""
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from distributed_harness import can_run, device, run_ranks
 from torch import nn
 
 import mixedprec
 from mixedprec.optimizers import FusedAdagrad, FusedLAMB, FusedNovoGrad
-from distributed_harness import can_run, device, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 
@@ -179,8 +178,11 @@ def overflow_agreement(rank, world, layout, kind):
         model = fsdp(mlp())
     else:  # tensor parallelism: Shard(0) and Shard(1) weights, a replicated bias
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         mesh = init_device_mesh(device().type, (world,))
         model = parallelize_module(mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -282,8 +284,11 @@ def dtensor_optimizers(rank, world, layout):
     """Each optimizer, with and without masters (bf16 params), steps a sharded model as
     it steps the whole model in one process."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     # multi_tensor_l2norm of sharded and replicated DTensors: the whole tensors' norms
     model = fsdp(mlp()) if layout == "fsdp" else parallelize_module(

@@ -15,7 +15,6 @@ from helpers import assert_bitwise_equal, assert_unchanged, snapshot
 from torch import nn
 
 from mixedprec import fp16_utils as fp16
-from mixedprec.loss_scale import DEFAULT_MIN_SCALE, LossScale
 from mixedprec.fp16_utils import (
     BN_convert_float,
     DynamicLossScaler,
@@ -31,6 +30,7 @@ from mixedprec.fp16_utils import (
     to_python_float,
     tofp16,
 )
+from mixedprec.loss_scale import DEFAULT_MIN_SCALE, LossScale
 
 HALF = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 

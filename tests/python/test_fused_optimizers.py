@@ -9,8 +9,15 @@ import io
 
 import pytest
 import torch
-from helpers import (TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full_snapshot,
-                     randn, snapshot, torch_optimizer)
+from helpers import (
+    TOLERANCES,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    full_snapshot,
+    randn,
+    snapshot,
+    torch_optimizer,
+)
 from references import ref_adam
 from torch import nn
 from torch.nn import functional as F

@@ -10,8 +10,14 @@ import io
 import numpy as np
 import pytest
 import torch
-from helpers import (TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full_snapshot,
-                     randn, torch_optimizer)
+from helpers import (
+    TOLERANCES,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    full_snapshot,
+    randn,
+    torch_optimizer,
+)
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -104,8 +104,9 @@ def test_an_extension_built_for_another_torch_is_refused_at_import():
 
 
 def test_this_build_recorded_its_torch():
-    from mixedprec import _build_info
     import torch
+
+    from mixedprec import _build_info
     assert _build_info.TORCH_VERSION == torch.__version__
 
 

@@ -7,8 +7,14 @@ import io
 
 import pytest
 import torch
-from helpers import adam_state, assert_bitwise_equal, assert_same_snapshot, full_snapshot, randn
-from helpers import scalar
+from helpers import (
+    adam_state,
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    full_snapshot,
+    randn,
+    scalar,
+)
 from references import ref_global_norm, ref_l2norm, ref_lamb
 
 import mixedprec

@@ -68,9 +68,8 @@ def test_old_import_paths_are_the_faces():
         assert old is importlib.import_module(f"mixedprec.compat.{name}")
         assert getattr(mixedprec, name) is old
     from mixedprec.amp import initialize
-    from mixedprec.optimizers import FusedAdam
-
     from mixedprec.compat import amp, optimizers
+    from mixedprec.optimizers import FusedAdam
     assert initialize is amp.initialize
     assert FusedAdam is optimizers.FusedAdam is mixedprec.FusedAdam
     for name in mixedprec._APEX_OPTIMIZERS:

@@ -11,8 +11,7 @@ import io
 import pytest
 import torch
 from helpers import assert_bitwise_equal, randn
-from references import (philox4x32_10, ref_adam, ref_round_bf16_stochastic,
-                        ref_rounding_bits)
+from references import philox4x32_10, ref_adam, ref_round_bf16_stochastic, ref_rounding_bits
 from torch import nn
 
 from mixedprec import FusedAdam, FusedSGD, ops

@@ -5,9 +5,8 @@ gradients accumulated with ``delay_unscale=True``, the overflow checked with ``a
 into a script-owned buffer that ``update_scale()`` reads, and master gradients cleared
 through ``optimizer._amp_stash`` on an overflow."""
 
-import torch
-
 import amp_C
+import torch
 from apex import amp
 from apex.amp import _amp_state
 from apex.multi_tensor_apply import multi_tensor_applier

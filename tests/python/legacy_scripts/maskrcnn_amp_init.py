@@ -3,7 +3,6 @@
 ``amp.float_function``, and the training loop scales the loss through the handle."""
 
 import torch
-
 from apex import amp
 
 

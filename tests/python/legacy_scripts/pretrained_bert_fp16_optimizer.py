@@ -4,9 +4,7 @@ max_grad_norm=1.0 wrapped in apex.optimizers.FP16_Optimizer, a warmup schedule w
 into param_groups, optimizer.backward(loss) and optimizer.step()."""
 
 import torch
-
-from apex.optimizers import FP16_Optimizer
-from apex.optimizers import FusedAdam
+from apex.optimizers import FP16_Optimizer, FusedAdam
 
 
 def warmup_linear(x, warmup=0.1):
