@@ -261,6 +261,9 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
 // sr_seed, when given, turns on stochastic rounding of the bf16 params (pointwise.h),
 // keyed by the seed and `step`, a device step count then required, read (the caller
 // advances it: one optimizer step may take two calls), with one salt per param.
+// maximize negates the unscaled gradient; lr_tensor, when given, holds the learning
+// rate on the device and replaces `lr`; unscale_grads writes grad * inv_scale back
+// into the grads (nothing without an inv_scale: they are unscaled already).
 template <class Engine>
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList model_params, double lr, double momentum, double dampening,
@@ -270,14 +273,17 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 std::optional<at::TensorList> kahan_comps = std::nullopt,
                 std::optional<at::TensorList> sr_salts = std::nullopt,
                 std::optional<int64_t> sr_seed = std::nullopt,
-                const std::optional<at::Tensor>& step = std::nullopt) {
+                const std::optional<at::Tensor>& step = std::nullopt, bool maximize = false,
+                const std::optional<at::Tensor>& lr_tensor = std::nullopt,
+                bool unscale_grads = false) {
   const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   Checker c("fused_sgd_");
   c.optional_scalar(step, "step");
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
-  check_params(c, params, grads, model_params);
+  c.optional_scalar(lr_tensor, "lr_tensor");
+  check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_compensations(c, params, model_params, compensations);
   check_stochastic(c, "fused_sgd_", params, model_params, compensations, salts,
                    sr_seed.has_value());
@@ -314,13 +320,17 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.nesterov = nesterov;
   op.first_run = first_run;
   op.wd_after_momentum = wd_after_momentum;
+  op.maximize = maximize;
   op.kahan = !compensations.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   op.step_ptr = optional_ptr(step);
   op.inv_scale_ptr = optional_ptr(inv_scale);
+  op.lr_ptr = optional_ptr(lr_tensor);
+  const at::TensorList unscaled =
+      unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, SgdOp>(
-      {params, grads, momentum_buffers, model_params, compensations, salts}, op,
+      {params, grads, momentum_buffers, model_params, compensations, salts, unscaled}, op,
       optional_ptr(found_inf));
 }
 
@@ -329,6 +339,9 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 // device (read there, so that it can change between replays of a CUDA graph) and
 // replaces `lr`. sr_seed, when given, turns on stochastic rounding of the bf16 params
 // (pointwise.h), keyed by the seed and the step, with one salt per param (sr_salts).
+// maximize negates the unscaled gradient; max_exp_avg_sqs, when given, turns on
+// amsgrad (one per param, of its exp_avg_sq's dtype); unscale_grads writes
+// grad * inv_scale back into the grads (nothing without an inv_scale).
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -338,15 +351,18 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  const std::optional<at::Tensor>& lr_tensor = std::nullopt,
                  std::optional<at::TensorList> kahan_comps = std::nullopt,
                  std::optional<at::TensorList> sr_salts = std::nullopt,
-                 std::optional<int64_t> sr_seed = std::nullopt) {
+                 std::optional<int64_t> sr_seed = std::nullopt, bool maximize = false,
+                 std::optional<at::TensorList> max_exp_avg_sqs = std::nullopt,
+                 bool unscale_grads = false) {
   const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
+  const at::TensorList max_sqs = max_exp_avg_sqs.value_or(at::TensorList{});
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
   c.optional_scalar(inv_scale, "inv_scale");
   c.optional_scalar(lr_tensor, "lr_tensor");
-  check_params(c, params, grads, model_params);
+  check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_compensations(c, params, model_params, compensations);
   check_stochastic(c, "fused_adam_", params, model_params, compensations, salts,
                    sr_seed.has_value());
@@ -355,6 +371,11 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
   c.same_dtypes(exp_avgs, "exp_avgs", exp_avg_sqs, "exp_avg_sqs");
+  if (max_exp_avg_sqs.has_value()) {
+    c.list(max_sqs, "max_exp_avg_sqs", kF32 | kBF16, Access::kWrite);
+    c.paired(params, "params", max_sqs, "max_exp_avg_sqs");
+    c.same_dtypes(exp_avg_sqs, "exp_avg_sqs", max_sqs, "max_exp_avg_sqs");
+  }
   check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
   c.no_overlap();
   if (params.empty()) return;
@@ -369,15 +390,19 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.weight_decay = weight_decay;
   op.adamw = adamw;
   op.bias_correction = bias_correction;
+  op.maximize = maximize;
+  op.amsgrad = !max_sqs.empty();
   op.step_ptr = step.data_ptr<float>();
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
   op.kahan = !compensations.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
-  run_optimizer<Engine, AdamOp>(
-      {params, grads, exp_avgs, exp_avg_sqs, model_params, compensations, salts}, op,
-      optional_ptr(found_inf));
+  const at::TensorList unscaled =
+      unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
+  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params,
+                                 compensations, salts, max_sqs, unscaled},
+                                op, optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each

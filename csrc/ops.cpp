@@ -17,21 +17,24 @@ TORCH_LIBRARY(mixedprec, m) {
   m.def(
       "multi_tensor_l2norm(Tensor[] tensors, Tensor? inv_scale, "
       "bool per_tensor) -> (Tensor, Tensor)");
+  // grads are written (unscaled) only with unscale_grads=True.
   m.def(
-      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, "
+      "fused_sgd_(Tensor(a!)[] params, Tensor(e!)[] grads, "
       "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, "
       "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
       "bool wd_after_momentum=False, Tensor(d!)[]? compensations=None, "
-      "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None) -> ()");
+      "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None, "
+      "bool maximize=False, Tensor? lr_tensor=None, bool unscale_grads=False) -> ()");
   m.def(
-      "fused_adam_(Tensor(a!)[] params, Tensor[] grads, "
+      "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
       "Tensor? lr_tensor=None, Tensor(f!)[]? compensations=None, "
-      "Tensor[]? sr_salts=None, int? sr_seed=None) -> ()");
+      "Tensor[]? sr_salts=None, int? sr_seed=None, bool maximize=False, "
+      "Tensor(h!)[]? max_exp_avg_sqs=None, bool unscale_grads=False) -> ()");
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "

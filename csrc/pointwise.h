@@ -178,35 +178,53 @@ struct CheckFiniteOp {
 // param group, counting its shard for a sharded DTensor: an fp32 value, exact below
 // 2^24).
 
+// torch.maximum: the larger of a and b, NaN where either is (per lane).
+template <typename V>
+MP_HD V maximum(V a, V b) {
+  return Lanes<V>::select(a != a, a, Lanes<V>::select(a >= b, a, b));
+}
+
+// Options shared by SgdOp and AdamOp, as torch.optim has them:
+// - maximize: the gradient is negated after the unscale, before anything else uses it.
+// - the unscaled gradient (grad * inv_scale, not negated) is written to the last
+//   list, when present: the grads themselves, so that they hold what torch's fused
+//   optimizers leave in p.grad after a GradScaler step (unscale_grads).
+// - the learning rate is `lr`, or the float at lr_ptr (a device tensor, read by
+//   resolve()) when set, so that a captured CUDA graph follows a scheduler.
+
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
 // momentum update instead of to the gradient before it.
 struct SgdOp {
-  // params, grads, momentum_buffers, model_params, comps, salts (per tensor)
-  static constexpr int kDepth = 6;
-  static constexpr unsigned kReads = 0b110111;
-  static constexpr unsigned kWrites = 0b011101;
-  static constexpr unsigned kPerTensor = 0b100000;
+  // params, grads, momentum_buffers, model_params, comps, salts (per tensor),
+  // unscaled grads (the grads again, written)
+  static constexpr int kDepth = 7;
+  static constexpr unsigned kReads = 0b0110111;
+  static constexpr unsigned kWrites = 0b1011101;
+  static constexpr unsigned kPerTensor = 0b0100000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, float>;
+  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, float, Grad>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
   bool nesterov, first_run;
   bool wd_after_momentum = false;
+  bool maximize = false;
   bool kahan = false;
   bool stochastic = false;
   uint64_t seed = 0;
   const float* step_ptr = nullptr;  // read with stochastic only
   const float* inv_scale_ptr = nullptr;
+  const float* lr_ptr = nullptr;
   float inv_scale = 1.f;
   uint32_t step = 0;  // filled by resolve()
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    if (lr_ptr != nullptr) lr = *lr_ptr;
     if (stochastic) step = static_cast<uint32_t>(*step_ptr);
   }
   template <typename V>
@@ -214,6 +232,8 @@ struct SgdOp {
     V p = x[0];
     if (kahan) p = p + x[4];
     V g = x[1] * inv_scale;
+    x[6] = g;
+    if (maximize) g = -g;
     if (weight_decay != 0.f && !wd_after_momentum) g = g + weight_decay * p;
     if (momentum != 0.f) {
       const V buf = first_run ? g : x[2] * momentum + grad_weight * g;
@@ -234,22 +254,26 @@ struct SgdOp {
 };
 
 // torch.optim.Adam (adamw false) and AdamW (adamw true) on fp32 math. `step`
-// has already been incremented on the device when resolve() reads it. The learning
-// rate is `lr`, or the float at lr_ptr (a device tensor, read by resolve()) when set.
+// has already been incremented on the device when resolve() reads it. With amsgrad
+// (max_exp_avg_sqs given), torch's: max_exp_avg_sq = maximum(max_exp_avg_sq,
+// exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's.
 struct AdamOp {
-  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts (per tensor)
-  static constexpr int kDepth = 7;
-  static constexpr unsigned kReads = 0b1101111;
-  static constexpr unsigned kWrites = 0b0111101;
-  static constexpr unsigned kPerTensor = 0b1000000;
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts (per tensor),
+  // max_exp_avg_sqs, unscaled grads (the grads again, written)
+  static constexpr int kDepth = 9;
+  static constexpr unsigned kReads = 0b011101111;
+  static constexpr unsigned kWrites = 0b110111101;
+  static constexpr unsigned kPerTensor = 0b001000000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, float>;
+  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, float, State, Grad>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
+  bool maximize = false;
+  bool amsgrad = false;
   bool kahan = false;
   bool stochastic = false;
   uint64_t seed = 0;
@@ -286,6 +310,8 @@ struct AdamOp {
     V p = x[0];
     if (kahan) p = p + x[5];
     V g = x[1] * inv_scale;
+    x[8] = g;
+    if (maximize) g = -g;
     if (wd_f != 0.f) {
       if (adamw) {
         p = p * decay;
@@ -297,7 +323,12 @@ struct AdamOp {
     const float w = avg_weight;
     const V m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
     const V v = x[3] * beta2_f + sq_weight * (g * g);
-    const V denom = Lanes<V>::sqrt(v) / bias_correction2_sqrt + eps_f;
+    V v_denom = v;
+    if (amsgrad) {
+      v_denom = maximum(x[7], v);
+      x[7] = v_denom;
+    }
+    const V denom = Lanes<V>::sqrt(v_denom) / bias_correction2_sqrt + eps_f;
     p = p - step_size * (m / denom);
     x[0] = p;
     x[2] = m;

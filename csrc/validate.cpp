@@ -194,9 +194,9 @@ void Checker::no_overlap() {
 }
 
 void check_params(Checker& c, at::TensorList params, at::TensorList grads,
-                  at::TensorList model_params) {
+                  at::TensorList model_params, Access grads_access) {
   c.list(params, "params", model_params.empty() ? kFloats : kF32, Access::kWrite);
-  c.list(grads, "grads", kFloats);
+  c.list(grads, "grads", kFloats, grads_access);
   c.paired(params, "params", grads, "grads");
   if (!model_params.empty()) {
     c.list(model_params, "model_params", kFloats, Access::kWrite, /*twins=*/params);

@@ -89,9 +89,10 @@ class Checker {
   bool any_written_ = false;
 };
 
-// Lists of an optimizer: params are fp32 masters when model_params is given.
+// Lists of an optimizer: params are fp32 masters when model_params is given. The grads
+// are read, or also written (grads_access kWrite: the op writes them back unscaled).
 void check_params(Checker& c, at::TensorList params, at::TensorList grads,
-                  at::TensorList model_params);
+                  at::TensorList model_params, Access grads_access = Access::kRead);
 
 // lr, beta1, beta2, eps and weight_decay of the Adam family (Adam, LAMB, NovoGrad).
 void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta2, double eps,

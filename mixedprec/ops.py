@@ -182,6 +182,9 @@ def fused_sgd_(
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
     step: Optional[Tensor] = None,
+    maximize: bool = False,
+    lr_tensor: Optional[Tensor] = None,
+    unscale_grads: bool = False,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -205,18 +208,29 @@ def fused_sgd_(
     index, ``sr_salts[i]``, ``step``): ``sr_salts`` holds one float32 one-element tensor
     per param (an integer below 2^24, e.g. its position in the param group) and
     ``step`` (float32, one element) the step count, read only (docs/lean-precision.md).
+
+    As ``torch.optim.SGD``'s options: ``maximize`` negates the (unscaled) gradient
+    before anything uses it. ``lr_tensor`` (float32, one element), when given,
+    replaces ``lr``: the learning rate is then read on the device, so that a captured
+    CUDA graph follows a scheduler that writes it. ``unscale_grads`` writes the
+    unscaled gradient ``grad * inv_scale`` (fp32 math, stored in the grad's dtype; not
+    negated by ``maximize``) back into ``grads``, as torch's fused optimizers leave
+    ``p.grad`` after a ``GradScaler`` step; nothing is written when the step is skipped
+    (``found_inf`` set) or without ``inv_scale``.
     """
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
-        compensations or None, sr_salts or None, sr_seed, step,
+        compensations or None, sr_salts or None, sr_seed, step, maximize, lr_tensor,
+        unscale_grads,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
       weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False,
-      compensations=None, sr_salts=None, sr_seed=None, step=None):
+      compensations=None, sr_salts=None, sr_seed=None, step=None, maximize=False,
+      lr_tensor=None, unscale_grads=False):
     _no_meta_among_real("fused_sgd_", locals())
     return None
 
@@ -241,6 +255,9 @@ def fused_adam_(
     compensations: Optional[List[Tensor]] = None,
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
+    maximize: bool = False,
+    max_exp_avg_sqs: Optional[List[Tensor]] = None,
+    unscale_grads: bool = False,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
@@ -252,18 +269,27 @@ def fused_adam_(
     (float32, one element), when given, replaces ``lr``: the learning rate is then read
     on the device, so that a captured CUDA graph follows a scheduler that writes it.
     ``sr_seed`` and ``sr_salts``: stochastic rounding as in :func:`fused_sgd_`, keyed by
-    the incremented ``step``."""
+    the incremented ``step``.
+
+    ``max_exp_avg_sqs`` (amsgrad, as ``torch.optim.Adam(amsgrad=True)``): None, or one
+    tensor per param, of its ``exp_avg_sqs``' dtype; each becomes
+    ``maximum(max_exp_avg_sq, exp_avg_sq)`` (NaN where either is) and the denominator
+    ``sqrt(max_exp_avg_sq) / sqrt(1 - beta2**step) + eps``. Works with masters, bf16
+    moments, ``compensations`` and stochastic rounding alike. ``maximize`` and
+    ``unscale_grads`` behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
         weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
-        compensations or None, sr_salts or None, sr_seed,
+        compensations or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
+        unscale_grads,
     )
 
 
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
       weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None,
-      compensations=None, sr_salts=None, sr_seed=None):
+      compensations=None, sr_salts=None, sr_seed=None, maximize=False, max_exp_avg_sqs=None,
+      unscale_grads=False):
     _no_meta_among_real("fused_adam_", locals())
     return None
 

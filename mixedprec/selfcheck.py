@@ -149,7 +149,27 @@ def check_sgd(dev, r):
                    found_inf=scalar(1.0, dev))
     r.expect(all(torch.equal(a, b) for a, b in zip(before, params + bufs + model)),
              "a step with found_inf set changed a tensor")
+    _check_sgd_options(dev, r)
     _check_sgd_stochastic(dev, r)
+
+
+def _check_sgd_options(dev, r):
+    """torch.optim.SGD(maximize=True) with the learning rate read on the device and the
+    unscaled gradients written back (unscale_grads)."""
+    lr, momentum, loss_scale = 0.05, 0.9, 64.0
+    n = [ops.CHUNK_SIZE + 3, 50]
+    params = [torch.randn(k, device=dev) for k in n]
+    grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
+    bufs = [torch.randn(k, device=dev) for k in n]
+    want_g = [(g.float() / loss_scale).bfloat16() for g in grads]
+    want_b = [b.double() * momentum - g.double() / loss_scale for b, g in zip(bufs, grads)]
+    want_p = [p.double() - lr * b for p, b in zip(params, want_b)]
+    ops.fused_sgd_(params, grads, bufs, [], 0.0, momentum, inv_scale=scalar(1 / loss_scale, dev),
+                   maximize=True, lr_tensor=scalar(lr, dev), unscale_grads=True)
+    for i in range(len(n)):
+        r.close(params[i], want_p[i], RTOL[torch.float32], f"maximize: params[{i}]")
+        r.close(bufs[i], want_b[i], RTOL[torch.float32], f"maximize: momentum_buffers[{i}]")
+        r.expect(torch.equal(grads[i], want_g[i]), f"unscale_grads: grads[{i}]")
 
 
 def _sgd_stochastic(dev, n, fraction, found_inf=0.0):
@@ -219,7 +239,38 @@ def check_adam(dev, r):
     after = params + exp_avgs + exp_avg_sqs + model + [step]
     r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
              "a step with found_inf set changed a tensor or the step")
+    _check_adam_options(dev, r)
     _check_adam_lean(dev, r)
+
+
+def _check_adam_options(dev, r):
+    """torch.optim.Adam(amsgrad=True, maximize=True), one step from state, and the
+    unscaled gradients written back (unscale_grads)."""
+    lr, beta1, beta2, eps, loss_scale, t = 1e-2, 0.9, 0.99, 1e-8, 256.0, 3
+    n = [ops.CHUNK_SIZE + 9, 100]
+    params = [torch.randn(k, device=dev) for k in n]
+    grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
+    exp_avgs = [torch.randn(k, device=dev) * 0.1 for k in n]
+    exp_avg_sqs = [torch.rand(k, device=dev) * 0.01 for k in n]
+    maxima = [v * 2 * torch.rand(k, device=dev) for v, k in zip(exp_avg_sqs, n)]
+    want = []
+    for p, g, m, v, vmax in zip(params, grads, exp_avgs, exp_avg_sqs, maxima):
+        g = -g.double() / loss_scale
+        m = beta1 * m.double() + (1 - beta1) * g
+        v = beta2 * v.double() + (1 - beta2) * g * g
+        vmax = torch.maximum(vmax.double(), v)
+        denom = vmax.sqrt() / math.sqrt(1 - beta2**t) + eps
+        want.append((p.double() - lr / (1 - beta1**t) * m / denom, m, v, vmax))
+    want_g = [(g.float() / loss_scale).half() for g in grads]
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], scalar(t - 1.0, dev), lr, beta1,
+                    beta2, eps, adamw=False, inv_scale=scalar(1 / loss_scale, dev),
+                    maximize=True, max_exp_avg_sqs=maxima, unscale_grads=True)
+    for i, (p, m, v, vmax) in enumerate(want):
+        r.close(params[i], p, RTOL[torch.float32], f"amsgrad: params[{i}]")
+        r.close(exp_avgs[i], m, RTOL[torch.float32], f"amsgrad: exp_avgs[{i}]")
+        r.close(exp_avg_sqs[i], v, RTOL[torch.float32], f"amsgrad: exp_avg_sqs[{i}]")
+        r.close(maxima[i], vmax, RTOL[torch.float32], f"amsgrad: max_exp_avg_sqs[{i}]")
+        r.expect(torch.equal(grads[i], want_g[i]), f"unscale_grads: grads[{i}]")
 
 
 def _check_adam_lean(dev, r):

@@ -1008,6 +1008,132 @@ TEST(FusedAdam, LearningRateFromATensor) {
       "lr_tensor");
 }
 
+// torch.optim's options (pointwise.h): maximize negates the unscaled gradient, amsgrad
+// keeps the running maximum of exp_avg_sq for the denominator (NaN where either is),
+// unscale_grads leaves grad * inv_scale (fp32 math, not negated) in the grads.
+TEST(FusedAdam, AmsgradMaximizeAndUnscaleGradsMatchTheFormula) {
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, wd = 0.01;
+  const float inv_scale = 1.f / 3;
+  for (bool adamw : {false, true}) {
+    AdamCase c = adam_case(4.f);
+    std::vector<Tensor> vmax;
+    for (const auto& v : c.exp_avg_sqs) vmax.push_back(v * at::rand(v.sizes()) * 2);
+    vmax[1].view(-1)[3] = std::numeric_limits<float>::quiet_NaN();
+    const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs),
+               max0 = clones(vmax), g0 = clones(c.grads);
+    entry::fused_adam_<cpu::CpuEngine>(
+        c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, beta1, beta2, eps, wd,
+        adamw, true, scalar(inv_scale), scalar(0.f), std::nullopt, std::nullopt, std::nullopt,
+        std::nullopt, /*maximize=*/true, at::TensorList(vmax), /*unscale_grads=*/true);
+    EXPECT_EQ(value(c.step), 5.f);
+    const double bc1 = 1 - std::pow(beta1, 5.0), bc2 = 1 - std::pow(beta2, 5.0);
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      // bf16 grads: (grad * inv_scale in fp32) rounded to bf16, as torch's unscale_.
+      EXPECT_TRUE(at::equal(c.grads[i], (g0[i].to(at::kFloat) * inv_scale).to(at::kBFloat16)));
+      Tensor p = p0[i].to(at::kDouble);
+      Tensor g = -(g0[i].to(at::kDouble) * inv_scale);
+      if (adamw) {
+        p = p * (1 - lr * wd);
+      } else {
+        g = g + wd * p;
+      }
+      const Tensor m = m0[i].to(at::kDouble) * beta1 + (1 - beta1) * g;
+      const Tensor v = v0[i].to(at::kDouble) * beta2 + (1 - beta2) * g * g;
+      const Tensor vm = at::maximum(max0[i].to(at::kDouble), v);
+      p = p - (lr / bc1) * m / (vm.sqrt() / std::sqrt(bc2) + eps);
+      expect_close(c.exp_avgs[i], m, 1e-5, 1e-7, "exp_avgs");
+      expect_close(c.exp_avg_sqs[i], v, 1e-5, 1e-9, "exp_avg_sqs");
+      const Tensor finite = vm.isfinite();
+      EXPECT_EQ(vm.isnan().sum().item<int64_t>(), i == 1 ? 1 : 0);
+      EXPECT_TRUE(at::equal(vmax[i].isnan(), vm.isnan())) << "max_exp_avg_sqs: NaN stays NaN";
+      expect_close(vmax[i].masked_select(finite), vm.masked_select(finite), 1e-5, 1e-9,
+                   "max_exp_avg_sqs");
+      expect_close(c.params[i].masked_select(finite), p.masked_select(finite), 1e-5, 1e-6,
+                   "params");
+    }
+    EXPECT_GT((vmax[0] > c.exp_avg_sqs[0]).sum().item<int64_t>(), 0) << "the maximum mattered";
+  }
+}
+
+TEST(FusedAdam, OptionsWriteNothingWhenSkipped) {
+  AdamCase c = adam_case(2.f);
+  std::vector<Tensor> vmax = clones(c.exp_avg_sqs);
+  const auto g0 = clones(c.grads), max0 = clones(vmax), p0 = clones(c.params);
+  entry::fused_adam_<cpu::CpuEngine>(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model,
+                                     c.step, 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
+                                     scalar(0.5f), scalar(1.f), std::nullopt, std::nullopt,
+                                     std::nullopt, std::nullopt, true, at::TensorList(vmax),
+                                     true);
+  expect_same(c.grads, g0);
+  expect_same(vmax, max0);
+  expect_same(c.params, p0);
+  EXPECT_EQ(value(c.step), 2.f);
+}
+
+TEST(FusedSgd, MaximizeLrTensorAndUnscaleGradsMatchTheFormula) {
+  const float lr = 0.05f, momentum = 0.9f, wd = 0.01f, inv_scale = 0.125f;
+  const int64_t n = kChunkSize + 7;
+  std::vector<Tensor> params = {at::randn({n}), at::randn({9})};
+  std::vector<Tensor> grads = {(at::randn({n}) * 8).to(at::kHalf), at::randn({9}) * 8};
+  std::vector<Tensor> bufs = {at::randn({n}), at::randn({9})};
+  const auto p0 = clones(params), b0 = clones(bufs), g0 = clones(grads);
+  entry::fused_sgd_<cpu::CpuEngine>(params, grads, bufs, {}, /*lr=*/7.0, momentum, 0.0, wd,
+                                    /*nesterov=*/true, false, scalar(inv_scale), scalar(0.f),
+                                    false, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                    /*maximize=*/true, scalar(lr), /*unscale_grads=*/true);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::equal(grads[i], (g0[i].to(at::kFloat) * inv_scale).to(g0[i].scalar_type())));
+    const Tensor p = p0[i].to(at::kDouble);
+    const Tensor g = -(g0[i].to(at::kDouble) * inv_scale) + wd * p;
+    const Tensor buf = b0[i].to(at::kDouble) * momentum + g;
+    expect_close(bufs[i], buf, 1e-5, 1e-6, "momentum_buffers");
+    expect_close(params[i], p - lr * (g + momentum * buf), 1e-5, 1e-6, "params");
+  }
+}
+
+TEST(Validation, OptimizerOptions) {
+  AdamCase c = adam_case(0.f);
+  const auto p0 = clones(c.params), g0 = clones(c.grads);
+  const auto adam = [&](std::vector<Tensor> vmax, bool unscale_grads,
+                        std::vector<Tensor> grads) {
+    entry::fused_adam_<cpu::CpuEngine>(c.params, grads, c.exp_avgs, c.exp_avg_sqs, c.model,
+                                       c.step, 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
+                                       scalar(0.5f), std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt, false, at::TensorList(vmax),
+                                       unscale_grads);
+  };
+  expect_error_naming([&] { adam({c.exp_avg_sqs[0].clone()}, false, c.grads); },
+                      "max_exp_avg_sqs");
+  expect_error_naming([&] { adam({}, false, c.grads); }, "max_exp_avg_sqs");
+  expect_error_naming(
+      [&] { adam({c.exp_avg_sqs[0].clone(), at::zeros({31}, at::kBFloat16)}, false, c.grads); },
+      "max_exp_avg_sqs[1]");
+  expect_error_naming(
+      [&] { adam({c.exp_avg_sqs[0].clone(), at::zeros({30})}, false, c.grads); },
+      "max_exp_avg_sqs[1]");
+  expect_error_naming([&] { adam({c.exp_avg_sqs[0], c.exp_avg_sqs[1].clone()}, false, c.grads); },
+                      "overlaps max_exp_avg_sqs[0]");
+  // The grads are written with unscale_grads only: then they may share no memory.
+  const std::vector<Tensor> vmax = {c.exp_avg_sqs[0].clone(), c.exp_avg_sqs[1].clone()};
+  std::vector<Tensor> overlapping = {c.grads[0], c.grads[0].narrow(0, 0, 31)};
+  expect_error_naming([&] { adam(vmax, true, overlapping); }, "grads[0] overlaps grads[1]");
+  expect_same(c.params, p0);
+  expect_same(c.grads, g0);
+  EXPECT_EQ(value(c.step), 0.f);
+  adam(vmax, false, overlapping);  // read only: allowed
+  EXPECT_EQ(value(c.step), 1.f);
+
+  std::vector<Tensor> params = {at::ones({4})}, grads = {at::ones({4})};
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>(params, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
+                                          std::nullopt, std::nullopt, false, std::nullopt,
+                                          std::nullopt, std::nullopt, std::nullopt, true,
+                                          at::ones({1}, at::kHalf), false);
+      },
+      "lr_tensor");
+  expect_same(params, {at::ones({4})});
+}
 
 // Philox4x32-10's published known answers (Random123's kat_vectors).
 TEST(Philox, KnownAnswers) {

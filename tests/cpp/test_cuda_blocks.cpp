@@ -324,6 +324,72 @@ TEST(CudaBlocks, FusedAdamMatchesTheCpuEngine) {
   }
 }
 
+// torch.optim's options: maximize, amsgrad's maxima (fp32, and bf16 beside bf16
+// moments), the learning rate read on the device, the unscaled grads written back.
+TEST(CudaBlocks, OptimizerOptionsMatchTheCpuEngine) {
+  at::manual_seed(7);
+  const auto params = make_list(edge_sizes(), {at::kFloat});
+  for (const at::ScalarType grad_type : {at::kHalf, at::kBFloat16, at::kFloat}) {
+    const auto grads = like(params, grad_type);
+    auto sgd = [&](auto engine, const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      auto p = clones(params), g = clones(grads), b = like(params, at::kFloat);
+      for (const bool first_run : {true, false}) {
+        entry::fused_sgd_<Engine>(p, g, b, {}, 0.0, 0.9, 0.0, 1e-4, true, first_run,
+                                  scalar(0.25f), found_inf, false, std::nullopt, std::nullopt,
+                                  std::nullopt, std::nullopt, /*maximize=*/true,
+                                  scalar(0.01f), /*unscale_grads=*/true);
+      }
+      std::vector<std::vector<Tensor>> out = {p, g, b};
+      return out;
+    };
+    at::manual_seed(8);
+    const auto cpu_sgd = sgd(CpuEngine{}, scalar(0.f));
+    at::manual_seed(8);
+    const auto emulated_sgd = sgd(EmulatedCudaEngine{}, scalar(0.f));
+    for (size_t k = 0; k < cpu_sgd.size(); ++k) {
+      expect_bitwise_equal(emulated_sgd[k], cpu_sgd[k], "sgd list " + std::to_string(k));
+    }
+    EXPECT_FALSE(at::equal(emulated_sgd[1].back(), grads.back())) << "grads not unscaled";
+    at::manual_seed(8);
+    const auto skipped_sgd = sgd(EmulatedCudaEngine{}, scalar(1.f));
+    expect_bitwise_equal(skipped_sgd[0], params, "skipped sgd params");
+    expect_bitwise_equal(skipped_sgd[1], grads, "skipped sgd grads");
+
+    for (const at::ScalarType state_type : {at::kFloat, at::kBFloat16}) {
+      auto adam = [&](auto engine, const Tensor& found_inf) {
+        using Engine = decltype(engine);
+        auto p = clones(params), g = clones(grads);
+        auto m1 = like(params, state_type), m2 = like(params, state_type),
+             vmax = like(params, state_type);
+        for (auto& v : m2) v.abs_();
+        for (auto& v : vmax) v.abs_();
+        const Tensor step = scalar(0.f);
+        for (int i = 0; i < 2; ++i) {
+          entry::fused_adam_<Engine>(p, g, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2,
+                                     true, true, scalar(0.5f), found_inf, std::nullopt,
+                                     std::nullopt, std::nullopt, std::nullopt,
+                                     /*maximize=*/true, at::TensorList(vmax),
+                                     /*unscale_grads=*/true);
+        }
+        std::vector<std::vector<Tensor>> out = {p, g, m1, m2, vmax};
+        return out;
+      };
+      at::manual_seed(9);
+      const auto cpu_adam = adam(CpuEngine{}, scalar(0.f));
+      at::manual_seed(9);
+      const auto emulated_adam = adam(EmulatedCudaEngine{}, scalar(0.f));
+      for (size_t k = 0; k < cpu_adam.size(); ++k) {
+        expect_bitwise_equal(emulated_adam[k], cpu_adam[k], "adam list " + std::to_string(k));
+      }
+      at::manual_seed(9);
+      const auto skipped_adam = adam(EmulatedCudaEngine{}, scalar(1.f));
+      expect_bitwise_equal(skipped_adam[0], params, "skipped adam params");
+      expect_bitwise_equal(skipped_adam[1], grads, "skipped adam grads");
+    }
+  }
+}
+
 // Stochastic rounding (master="stochastic"): the Philox bits are keyed by the element's
 // index within its tensor, which the CPU engine counts per chunk and vector lane and the
 // CUDA blocks per chunk slice, 4-wide access and scalar tail; every element must get

@@ -31,13 +31,16 @@ def ref_l2norm(tensors, inv_scale=None, per_tensor=False):
 
 def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
             weight_decay=0.0, nesterov=False, first_run=False, inv_scale=None,
-            wd_after_momentum=False):
+            wd_after_momentum=False, maximize=False):
     """One torch.optim.SGD step in float64: (new params, new momentum buffers). With
-    wd_after_momentum (Apex's option) the weight decay joins after the momentum."""
+    wd_after_momentum (Apex's option) the weight decay joins after the momentum;
+    maximize negates the (unscaled) gradient first."""
     scale = 1.0 if inv_scale is None else inv_scale
     new_params, new_buffers = [], []
     for i, (p, g) in enumerate(zip(params, grads)):
         p, g = p.double(), g.double() * scale
+        if maximize:
+            g = -g
         if weight_decay != 0 and not wd_after_momentum:
             g = g + weight_decay * p
         if momentum != 0:
@@ -54,18 +57,25 @@ def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
 
 
 def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
-             eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=None):
+             eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=None,
+             maximize=False, max_exp_avg_sqs=None):
     """One torch.optim.Adam (adamw=False) / AdamW (adamw=True) step in float64 from
     the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step).
     With bf16 moments the update uses these unrounded values; the optimizer then stores
-    round_bf16 of them."""
+    round_bf16 of them. maximize negates the (unscaled) gradient first. With
+    max_exp_avg_sqs (amsgrad) the new maxima, max(max_exp_avg_sq, exp_avg_sq) (NaN
+    where either is), take exp_avg_sq's place in the denominator and are returned
+    fifth: (params, exp_avgs, exp_avg_sqs, step, max_exp_avg_sqs)."""
     scale = 1.0 if inv_scale is None else inv_scale
     step = step + 1
     bc1 = 1 - beta1**step if bias_correction else 1.0
     bc2 = 1 - beta2**step if bias_correction else 1.0
-    out_p, out_m, out_v = [], [], []
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+    amsgrad = max_exp_avg_sqs is not None
+    out_p, out_m, out_v, out_max = [], [], [], []
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         p, g, m, v = p.double(), g.double() * scale, m.double(), v.double()
+        if maximize:
+            g = -g
         if weight_decay != 0:
             if adamw:
                 p = p * (1 - lr * weight_decay)
@@ -73,11 +83,23 @@ def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
                 g = g + weight_decay * p
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
-        p = p - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
+        v_denom = v
+        if amsgrad:
+            v_denom = torch.maximum(max_exp_avg_sqs[i].double(), v)
+            out_max.append(v_denom)
+        p = p - (lr / bc1) * m / (v_denom.sqrt() / math.sqrt(bc2) + eps)
         out_p.append(p)
         out_m.append(m)
         out_v.append(v)
+    if amsgrad:
+        return out_p, out_m, out_v, step, out_max
     return out_p, out_m, out_v, step
+
+
+def ref_unscaled_grads(grads, inv_scale):
+    """What unscale_grads=True leaves in the grads, as torch's GradScaler.unscale_ does:
+    each element times inv_scale in float32, stored in the grad's dtype."""
+    return [(g.float() * inv_scale).to(g.dtype) for g in grads]
 
 
 def round_bf16(t):

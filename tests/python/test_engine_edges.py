@@ -123,6 +123,43 @@ def test_fused_adam_at_chunk_edges(device, model_dtype):
         assert_bitwise_equal(mod, p.to(model_dtype))
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_optimizer_options_at_chunk_edges(device, optimizer):
+    """maximize, amsgrad's maxima (unaligned too) and the unscaled gradients written
+    back, by the vector and the scalar paths."""
+    masters = edge_list(device, [torch.float32])
+    grads = [randn(p.shape, DTYPES[i % 3], device, seed=100 + i, scale=3.0)
+             for i, p in enumerate(masters)]
+    want_grads = [unscaled(g, INV_SCALE) for g in grads]
+    inv_scale = scalar(INV_SCALE, device)
+    if optimizer == "sgd":
+        bufs = [randn(p.shape, torch.float32, device, seed=200 + i)
+                for i, p in enumerate(masters)]
+        hyper = dict(lr=0.1, momentum=0.9, weight_decay=1e-2, maximize=True)
+        expected = ref_sgd(masters, grads, bufs, inv_scale=INV_SCALE, **hyper)
+        ops.fused_sgd_(masters, grads, bufs, [], inv_scale=inv_scale, unscale_grads=True,
+                       lr_tensor=scalar(0.1, device), **dict(hyper, lr=0.0))
+        got = [masters, bufs]
+    else:
+        m, v = adam_state(masters, device, seed=200)
+        vmax = [offset_copy(t * randn(t.shape, torch.float32, device, seed=300 + i).abs() * 2)
+                for i, t in enumerate(v)]
+        hyper = dict(lr=1e-2, beta2=0.99, weight_decay=0.1, maximize=True)
+        ref_p, ref_m, ref_v, _, ref_max = ref_adam(masters, grads, m, v, 3.0,
+                                                   inv_scale=INV_SCALE, max_exp_avg_sqs=vmax,
+                                                   **hyper)
+        expected = [ref_p, ref_m, ref_v, ref_max]
+        ops.fused_adam_(masters, grads, m, v, [], scalar(3.0, device), inv_scale=inv_scale,
+                        max_exp_avg_sqs=vmax, unscale_grads=True, **hyper)
+        got = [masters, m, v, vmax]
+
+    for tensors, refs in zip(got, expected):
+        for t, r in zip(tensors, refs):
+            torch.testing.assert_close(t.double(), r, **MASTER_TOL)
+    for g, w in zip(grads, want_grads):
+        assert_bitwise_equal(g, w)
+
+
 # --- more tensors than one launch holds ----------------------------------------------
 
 def many_tensors(device, seed=0, dtypes=DTYPES):
@@ -519,7 +556,17 @@ for dtype, (masters, grads, m, v, bufs, sgd) in inputs.items():
     copies = [torch.empty(x.numel(), dtype=torch.bfloat16) for x in masters]
     ops.multi_tensor_copy_(masters, copies)
     norm, per = ops.multi_tensor_l2norm(grads, inv, True)
-    out[dtype] = [masters, m, v, model, sgd, bufs, scaled, copies, [norm, per, found]]
+    # torch.optim's options: maxima above and below exp_avg_sq (one NaN), maximize, the
+    # unscaled gradients written back.
+    vmax = [x.flip(0) for x in v]
+    vmax[2][5] = float("nan")
+    unscaled = [x.clone() for x in grads]
+    ops.fused_adam_(masters, unscaled, m, v, [], step, 1e-2, maximize=True,
+                    max_exp_avg_sqs=vmax, inv_scale=inv, unscale_grads=True)
+    ops.fused_sgd_(sgd, unscaled, bufs, [], 0.1, 0.9, inv_scale=inv, maximize=True,
+                   unscale_grads=True)
+    out[dtype] = [masters, m, v, model, sgd, bufs, scaled, copies, [norm, per, found], vmax,
+                  unscaled]
 torch.save(out, sys.argv[2])
 """
 

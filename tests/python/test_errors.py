@@ -110,6 +110,31 @@ def adam_stochastic_args(d):
     return args
 
 
+def sgd_options_args(d):
+    """torch.optim's options: maximize, the learning rate on the device, the unscaled
+    gradients written back (grads then written)."""
+    args = sgd_args(d)
+    args.update(maximize=True, lr_tensor=scalar(0.1, d), unscale_grads=True)
+    return args
+
+
+def adam_options_args(d):
+    """amsgrad (max_exp_avg_sqs), maximize, the learning rate on the device, the unscaled
+    gradients written back (grads then written)."""
+    args = adam_args(d)
+    args.update(maximize=True, max_exp_avg_sqs=[torch.zeros_like(p) for p in args["params"]],
+                lr_tensor=scalar(1e-3, d), unscale_grads=True)
+    return args
+
+
+def adam_kahan_amsgrad_args(d):
+    """amsgrad in a lean mode: bf16 maxima beside bf16 moments and compensations."""
+    args = adam_kahan_args(d)
+    args.update(max_exp_avg_sqs=[torch.zeros_like(p) for p in args["params"]],
+                unscale_grads=True)
+    return args
+
+
 def lamb_args(d):
     args = adam_args(d)
     args.update(eps=1e-6, weight_decay=1e-2, grad_averaging=True, use_nvlamb=False,
@@ -162,6 +187,9 @@ OPS = {
     "fused_adam_-kahan": (ops.fused_adam_, adam_kahan_args),
     "fused_sgd_-stochastic": (ops.fused_sgd_, sgd_stochastic_args),
     "fused_adam_-stochastic": (ops.fused_adam_, adam_stochastic_args),
+    "fused_sgd_-options": (ops.fused_sgd_, sgd_options_args),
+    "fused_adam_-options": (ops.fused_adam_, adam_options_args),
+    "fused_adam_-kahan-amsgrad": (ops.fused_adam_, adam_kahan_amsgrad_args),
     "fused_lamb_": (ops.fused_lamb_, lamb_args),
     "sum_fp32": (ops.sum_fp32, sum_args),
     "update_loss_scale_": (ops.update_loss_scale_, loss_scale_args),
@@ -400,6 +428,25 @@ CASES = [
         Case(op, "with-compensations", set_arg("compensations", lambda a, d: [
             torch.zeros_like(p) for p in a["params"]]), ValueError, "compensations"),
     )],
+    # torch.optim's options: lr_tensor, amsgrad's maxima (of exp_avg_sqs' dtype)
+    *scalar_cases("fused_sgd_-options", "lr_tensor"),
+    Case("fused_adam_-options", "max_exp_avg_sqs-shorter", drop_last("max_exp_avg_sqs"),
+         ValueError, "max_exp_avg_sqs"),
+    Case("fused_adam_-options", "max_exp_avg_sqs-empty", set_arg("max_exp_avg_sqs", []),
+         ValueError, "max_exp_avg_sqs"),
+    Case("fused_adam_-options", "max_exp_avg_sqs-numel",
+         set_item("max_exp_avg_sqs", 1, other_numel), ValueError, "max_exp_avg_sqs[1]"),
+    Case("fused_adam_-options", "max_exp_avg_sqs-memory-order",
+         set_item("max_exp_avg_sqs", 1, lambda t: t.t().contiguous().t()), ValueError,
+         "max_exp_avg_sqs[1]"),
+    Case("fused_adam_-options", "max_exp_avg_sqs-dtype-of-exp_avg_sqs",
+         set_item("max_exp_avg_sqs", 2, as_dtype(torch.bfloat16)), TypeError,
+         "max_exp_avg_sqs[2]"),
+    Case("fused_adam_-kahan-amsgrad", "max_exp_avg_sqs-dtype-of-exp_avg_sqs",
+         set_item("max_exp_avg_sqs", 0, as_dtype(torch.float32)), TypeError,
+         "max_exp_avg_sqs[0]"),
+    *list_cases("fused_adam_-options", "max_exp_avg_sqs", 0, [torch.float16, torch.float64]),
+    *scalar_cases("fused_adam_-options", "lr_tensor"),
     Case("fused_sgd_-stochastic", "no-step", set_arg("step", None), ValueError, "step"),
     Case("fused_sgd_-stochastic", "step-numel", set_arg("step", sized("step", 2)), ValueError,
          "step"),
@@ -563,6 +610,9 @@ DEVICE_CASES = [
 
 
 DEVICE_CASES += [
+    Case("fused_sgd_-options", "lr_tensor", move("lr_tensor"), RuntimeError, "lr_tensor"),
+    Case("fused_adam_-options", "max_exp_avg_sqs", move("max_exp_avg_sqs", 1), RuntimeError,
+         "max_exp_avg_sqs[1]"),
     Case("fused_lamb_", "step", move("step"), RuntimeError, "step"),
     Case("fused_lamb_", "global_grad_norm", move("global_grad_norm"), RuntimeError,
          "global_grad_norm"),
@@ -686,6 +736,20 @@ OVERLAP_CASES = [
 
 
 OVERLAP_CASES += [
+    # unscale_grads writes the grads: they may then share no memory (a read-only
+    # argument may, without it: test_read_only_grads_may_share_memory).
+    *[overlap_case(op, "grads-share-memory",
+                   lambda a, d: a["grads"].__setitem__(0, a["grads"][2][:4]),
+                   "grads[0]", "grads[2]")
+      for op in ("fused_sgd_-options", "fused_adam_-options")],
+    overlap_case("fused_sgd_-options", "lr_tensor-in-grads",
+                 set_arg("lr_tensor", first_element_of("grads", 2)), "lr_tensor", "grads[2]"),
+    overlap_case("fused_adam_-options", "max-is-exp_avg_sq",
+                 alias("max_exp_avg_sqs", 1, "exp_avg_sqs", 1), "exp_avg_sqs[1]",
+                 "max_exp_avg_sqs[1]"),
+    overlap_case("fused_adam_-kahan-amsgrad", "max-is-compensation",
+                 alias("max_exp_avg_sqs", 0, "compensations", 0), "compensations[0]",
+                 "max_exp_avg_sqs[0]"),
     overlap_case("fused_lamb_", "exp_avg-is-exp_avg_sq", alias("exp_avg_sqs", 2, "exp_avgs", 2),
                  "exp_avgs[2]", "exp_avg_sqs[2]"),
     overlap_case("fused_lamb_", "global_grad_norm-in-exp_avgs",
@@ -735,6 +799,25 @@ def test_fp32_param_as_its_own_master(device, op_name):
     op(**args)
     op(**expected)
     for got, want in zip(args["params"], expected["params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op_name", ["fused_sgd_", "fused_adam_"])
+def test_read_only_grads_may_share_memory(device, op_name):
+    """Without unscale_grads the grads are only read: two params may share one."""
+    grad = randn(6, F16, device, 3)
+
+    def run(grads):
+        params = [randn(6, F32, device, 0), randn(6, F32, device, 1)]
+        if op_name == "fused_sgd_":
+            ops.fused_sgd_(params, grads, [], [], 0.1, inv_scale=scalar(0.5, device))
+        else:
+            state = [torch.zeros_like(p) for p in params + params]
+            ops.fused_adam_(params, grads, state[:2], state[2:], [], scalar(0.0, device), 1e-3,
+                            inv_scale=scalar(0.5, device))
+        return params
+
+    for got, want in zip(run([grad, grad]), run([grad.clone(), grad.clone()])):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

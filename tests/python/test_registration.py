@@ -143,6 +143,27 @@ def sample_inputs(device):
         name, args, _ = adam(bf16_params, mixed(84), [], *flags(found=found))
         add((name, args, {"sr_salts": salts, "sr_seed": 17}))
 
+    # torch.optim's options: maximize, a device learning rate, amsgrad's maxima (fp32, and
+    # bf16 beside Kahan compensations), the unscaled gradients written back (and skipped).
+    for found in (0.0, 1.0):
+        name, args, _ = sgd(fp32(110), mixed(111), 0.9, like(fp32(110), [f16]),
+                            *flags(found=found))
+        add((name, args, {"maximize": True, "lr_tensor": scalar(0.05, d),
+                          "unscale_grads": True}))
+        name, args, _ = adam(fp32(112), mixed(113), like(fp32(112), [bf16]),
+                             *flags(found=found))
+        add((name, args, {"maximize": True, "unscale_grads": True, "lr_tensor": scalar(1e-3, d),
+                          "max_exp_avg_sqs": [v.abs() * 2 for v in args[3]]}))
+    name, args, _ = adam(bf16_params, mixed(114), [], *flags())
+    m, v = ([t.to(bf16) for t in ts] for ts in (args[2], args[3]))
+    add((name, (args[0], args[1], m, v, *args[4:]),
+         {"max_exp_avg_sqs": [randn(p.shape, bf16, d, 115 + i).abs()
+                                          for i, p in enumerate(bf16_params)],
+                      "compensations": [randn(p.shape, bf16, d, 120 + i, scale=1e-3)
+                                        for i, p in enumerate(bf16_params)]}))
+    name, args, _ = adam(fp32(116), mixed(117), [], None, None)
+    add((name, args, {"max_exp_avg_sqs": [v.clone() for v in args[3]], "unscale_grads": True}))
+
     def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
         m, v = adam_state(params, d, seed=98)
         return ("fused_lamb_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
