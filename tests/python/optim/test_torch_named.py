@@ -252,6 +252,7 @@ def test_grad_is_unscaled_after_a_scaler_step(name):
     params = model_params()
     opt = ours_cls(params, lr=0.01)
     scaler = mixedprec.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # (the scale is made at the first scale())
     grads = grads_for(params, 0)
     for p, g in zip(params, grads):
         p.grad = g * 1024.0
@@ -263,6 +264,7 @@ def test_grad_is_unscaled_after_a_scaler_step(name):
     opt = ours_cls(kept, lr=0.01, unscale_grads=False)
     for p, g in zip(kept, grads):
         p.grad = g * 1024.0
+    scaler.scale(torch.ones(()))
     scaler.step(opt)
     for p, g in zip(kept, grads):
         torch.testing.assert_close(p.grad, g * 1024.0, rtol=0, atol=0)
