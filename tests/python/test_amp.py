@@ -851,8 +851,8 @@ def test_load_state_dict_applies_all_or_nothing(bad, match):
     (lambda sd: sd.__setitem__("loss_scaler2", sd.pop("loss_scaler0")),
      r"the state dict has no 'loss_scaler0'"),
     (lambda sd: sd.pop("loss_scaler1"),
-     r"the state dict has no 'loss_scaler1': it has 1 loss scalers \['loss_scaler0'\], "
-     r"amp was initialized with 2"),
+     (r"the state dict has no 'loss_scaler1': it has 1 loss scalers \['loss_scaler0'\], "
+      r"amp was initialized with 2")),
     (lambda sd: sd.__setitem__("loss_scaler1", [8.0, 0]),
      "expected loss_scaler1 to be a dict with 'loss_scale' and 'unskipped'"),
 ], ids=["no_unskipped", "no_loss_scale", "renamed_scaler", "no_second_scaler", "a_list"])
