@@ -404,6 +404,8 @@ class _OptimizerAmp:
         fused optimizer's state (whose step reads a master's ``.grad`` when set)."""
         if not self.fused:
             return iter(self.masters.values())
+        if not getattr(optimizer, "master_weights", False):  # (O1, O3: no masters to visit)
+            return iter(())
         state = optimizer.state
         return (s["master_param"] for s in (state.get(p) for g in optimizer.param_groups
                                              for p in g["params"])
