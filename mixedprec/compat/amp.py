@@ -263,7 +263,17 @@ class LossScaler:
 
     def load_state_dict(self, sd: Dict[str, Any], key: str = "the state",
                         check_only: bool = False) -> None:
-        """A bad entry raises ValueError naming ``key``; ``check_only``: only checks."""
+        """A bad entry raises ValueError naming ``key`` (and a key missing from it);
+        ``check_only``: only checks."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"amp.load_state_dict: expected {key} to be a dict with "
+                             "'loss_scale' and 'unskipped' (as amp.state_dict() saves it), got "
+                             f"{type(sd).__name__}")
+        missing = [name for name in ("loss_scale", "unskipped") if name not in sd]
+        if missing:
+            raise ValueError(f"amp.load_state_dict: {key} has no {missing[0]!r}; expected "
+                             f"'loss_scale' and 'unskipped' (as amp.state_dict() saves them), "
+                             f"got the keys {list(sd)}")
         try:
             self.core.load(sd["loss_scale"], sd["unskipped"], check_only=check_only)
         except (KeyError, TypeError, ValueError) as err:
@@ -394,6 +404,8 @@ class _OptimizerAmp:
         fused optimizer's state (whose step reads a master's ``.grad`` when set)."""
         if not self.fused:
             return iter(self.masters.values())
+        if not getattr(optimizer, "master_weights", False):  # (O1, O3: no masters to visit)
+            return iter(())
         state = optimizer.state
         return (s["master_param"] for s in (state.get(p) for g in optimizer.param_groups
                                              for p in g["params"])
@@ -796,7 +808,16 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
     checked first: a bad one raises ValueError naming its key, and nothing changes."""
     if _current is None:
         raise RuntimeError("amp.load_state_dict: amp.initialize has not been called")
-    scalers = [k for k in state_dict if k.startswith("loss_scaler")]
+    if not isinstance(state_dict, dict):
+        raise ValueError("amp.load_state_dict: expected state_dict to be a dict (from "
+                         f"amp.state_dict()), got {type(state_dict).__name__}")
+    scalers = [k for k in state_dict if isinstance(k, str) and k.startswith("loss_scaler")]
+    expected = [f"loss_scaler{i}" for i in range(len(_current.loss_scalers))]
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        raise ValueError(f"amp.load_state_dict: the state dict has no {missing[0]!r}: it has "
+                         f"{len(scalers)} loss scalers {scalers}, amp was initialized with "
+                         f"{len(expected)} ({', '.join(expected)})")
     if len(scalers) != len(_current.loss_scalers):
         raise ValueError(f"amp.load_state_dict: the state dict has {len(scalers)} loss "
                          f"scalers, amp was initialized with {len(_current.loss_scalers)}")

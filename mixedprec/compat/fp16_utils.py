@@ -483,15 +483,20 @@ class DynamicLossScaler(LossScaler):
 
 def _scaler_from_state_dict(sd: Any, device: torch.device, where: str) -> LossScaler:
     """A new scaler from a scaler ``state_dict``, every value checked; ``ValueError``."""
-    if not isinstance(sd, dict) or "dynamic" not in sd or "loss_scale" not in sd:
-        raise ValueError(f"{where} must be a loss-scaler state_dict with 'dynamic' and "
-                         f"'loss_scale', got {type(sd).__name__}")
+    if not isinstance(sd, dict):
+        raise ValueError(f"{where} must be a loss-scaler state_dict (a dict with 'dynamic' "
+                         f"and 'loss_scale'), got {type(sd).__name__}")
+    for key in ("dynamic", "loss_scale"):
+        if key not in sd:
+            raise ValueError(f"{where} is missing '{key}' (a loss-scaler state_dict has "
+                             f"'dynamic' and 'loss_scale'; it has {list(sd)})")
     tensor_specs = {"loss_scale": torch.float32}
     if sd["dynamic"]:
         tensor_specs.update(growth_tracker=torch.int32, hysteresis_tracker=torch.int32)
-        for key in _SETTINGS:
+        for key in ("growth_tracker", "hysteresis_tracker", *_SETTINGS):
             if key not in sd:
-                raise ValueError(f"{where} is missing '{key}'")
+                raise ValueError(f"{where} is missing '{key}' (a dynamic loss scaler's "
+                                 f"state_dict; it has {list(sd)})")
     for key, dtype in tensor_specs.items():
         t = sd.get(key)
         if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != dtype:
@@ -790,9 +795,11 @@ class FP16_Optimizer:  # Apex's name
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Loads a :meth:`state_dict`, or one saved by Apex's ``FP16_Optimizer`` (its
         ``loss_scaler`` a pickled ``LossScaler``/``DynamicLossScaler``), and copies the
-        masters into the model (Apex did not; load the model first either way). Differs
-        from Apex: checks first, raising ``ValueError`` (nothing changed) on a mismatch or
-        another kind of optimizer."""
+        masters into the model (Apex did not; load the model first either way). As in Apex,
+        a static-scale state makes this optimizer static and a dynamic one dynamic (the
+        state's scale, settings and trackers). Differs from Apex: checks first, raising
+        ``ValueError`` (nothing changed) on a mismatch, a missing key (named) or another
+        kind of optimizer."""
         saved = state_dict.get("loss_scaler") if isinstance(state_dict, dict) else None
         if isinstance(getattr(saved, "core", None), LossScale):
             # Apex pickled its scaler object: unpickled as this module's class, or as
@@ -804,9 +811,14 @@ class FP16_Optimizer:  # Apex's name
         self._check_state_dict(state_dict)
         scaler = _scaler_from_state_dict(state_dict["loss_scaler"], self._device,
                                          "state_dict['loss_scaler']")
-        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        opt = self.optimizer
+        opt.load_state_dict(state_dict["optimizer_state_dict"])
         copy_to_model([m for g in state_dict["fp32_from_fp16"] for m in g],
                       self.all_fp32_from_fp16_params)
+        # As Apex: the state's kind of loss scale (static or dynamic) replaces this one's,
+        # whole: the scaler, the flags, and which parameters the inner optimizer holds
+        # state for (a fused one is handed found_inf only after a parameter's first step).
+        self._started = {id(p) for g in opt.param_groups for p in g["params"] if opt.state.get(p)}
         self.loss_scaler = scaler
         self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
         self.overflow = bool(state_dict["overflow"]) and self.dynamic_loss_scale
@@ -833,6 +845,9 @@ class FP16_Optimizer:  # Apex's name
             raise ValueError(f"{where}: the state_dict has {got} groups of master parameters, "
                              f"this optimizer has {len(self.fp32_from_fp16_groups)}")
         for gi, (current, saved) in enumerate(zip(self.fp32_from_fp16_groups, masters)):
+            if not isinstance(saved, (list, tuple)):
+                raise ValueError(f"{where}: group {gi} of 'fp32_from_fp16' is a "
+                                 f"{type(saved).__name__}, expected a list of tensors")
             if len(saved) != len(current):
                 raise ValueError(f"{where}: group {gi} has {len(saved)} master parameters in "
                                  f"the state_dict, {len(current)} in this optimizer")
@@ -853,8 +868,17 @@ class FP16_Optimizer:  # Apex's name
         neither within the other. Scheduler or torch-version keys are accepted."""
         opt = self.optimizer
         kind = type(opt).__name__
-        if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
-            raise ValueError(f"{where}: 'optimizer_state_dict' is not an optimizer state_dict")
+        if not isinstance(inner, dict):
+            raise ValueError(f"{where}: 'optimizer_state_dict' is not an optimizer state_dict "
+                             f"(a dict), got {type(inner).__name__}")
+        for key, expected_type in (("state", dict), ("param_groups", (list, tuple))):
+            if key not in inner:
+                raise ValueError(f"{where}: 'optimizer_state_dict' has no '{key}' (an "
+                                 f"optimizer state_dict has 'state' and 'param_groups')")
+            if not isinstance(inner[key], expected_type):
+                raise ValueError(f"{where}: 'optimizer_state_dict'['{key}'] is a "
+                                 f"{type(inner[key]).__name__}, expected a "
+                                 f"{'dict' if key == 'state' else 'list'}")
         saved_groups = inner["param_groups"]
         if len(saved_groups) != len(opt.param_groups):
             raise ValueError(f"{where}: the wrapped optimizer's state_dict has "
@@ -863,6 +887,12 @@ class FP16_Optimizer:  # Apex's name
         params_by_id = {}
         not_options = {"params", "param_names"}
         for gi, (g, sg) in enumerate(zip(opt.param_groups, saved_groups)):
+            # 'params' always, 'lr' where the optimizer has one: torch loads a group
+            # without them, and the next step fails on the missing key.
+            for key in ("params", "lr"):
+                if not isinstance(sg, dict) or key not in sg and key in g:
+                    raise ValueError(f"{where}: parameter group {gi} of the wrapped optimizer's "
+                                     f"state_dict has no '{key}'")
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"{where}: parameter group {gi} has {len(sg['params'])} "
                                  f"parameters in the state_dict, {len(g['params'])} here")

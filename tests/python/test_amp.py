@@ -845,6 +845,41 @@ def test_load_state_dict_applies_all_or_nothing(bad, match):
     assert_identical(list(amp.state_dict()["master_params0"]), good["master_params0"])
 
 
+@pytest.mark.parametrize("change,match", [
+    (lambda sd: sd["loss_scaler1"].pop("unskipped"), "loss_scaler1 has no 'unskipped'"),
+    (lambda sd: sd["loss_scaler1"].pop("loss_scale"), "loss_scaler1 has no 'loss_scale'"),
+    (lambda sd: sd.__setitem__("loss_scaler2", sd.pop("loss_scaler0")),
+     r"the state dict has no 'loss_scaler0'"),
+    (lambda sd: sd.pop("loss_scaler1"),
+     (r"the state dict has no 'loss_scaler1': it has 1 loss scalers \['loss_scaler0'\], "
+      r"amp was initialized with 2")),
+    (lambda sd: sd.__setitem__("loss_scaler1", [8.0, 0]),
+     "expected loss_scaler1 to be a dict with 'loss_scale' and 'unskipped'"),
+], ids=["no_unskipped", "no_loss_scale", "renamed_scaler", "no_second_scaler", "a_list"])
+def test_load_state_dict_names_a_missing_key(change, match):
+    """A key missing from amp's state dict (or from one of its entries) is named, and
+    nothing is loaded."""
+    model, opt, _ = setup("O2", torch.float16, "Adam", "cpu", num_losses=2)
+    sd = clone_tree(amp.state_dict())
+    sd["loss_scaler0"] = {"loss_scale": 8.0, "unskipped": 3}
+    sd["master_params0"] = [m + 1 for m in sd["master_params0"]]
+    change(sd)
+    snap, scales = snapshot(model, opt), (scaler_state(0), scaler_state(1))
+    with pytest.raises(ValueError, match=match):
+        amp.load_state_dict(sd)
+    assert_identical(snapshot(model, opt), snap)
+    assert (scaler_state(0), scaler_state(1)) == scales
+
+
+@pytest.mark.parametrize("bad", [None, [], "amp.pt"])
+def test_load_state_dict_of_what_is_not_a_dict(bad):
+    setup("O2", torch.float16, "SGD", "cpu")
+    scale = scaler_state()
+    with pytest.raises(ValueError, match="expected state_dict to be a dict"):
+        amp.load_state_dict(bad)
+    assert scaler_state() == scale
+
+
 def test_load_state_dict_checks_each_scale_against_its_own_bounds():
     """A saved scale below the raised floor of the second scaler: nothing is loaded
     (before, the check ran against default bounds and the first scaler was loaded)."""

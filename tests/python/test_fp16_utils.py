@@ -868,6 +868,14 @@ def _corrupt(state_dict, what):
         first = next(iter(sd["optimizer_state_dict"]["state"].values()))
         first.clear()
         first["momentum_buffer"] = torch.zeros(16, 8)
+    elif what == "scale kind":  # a dynamic scaler's state said to be a static scale's
+        sd["dynamic_loss_scale"] = False
+    elif what.startswith("no "):  # "no <path to a key>": that key deleted
+        *path, key = what[3:].split(".")
+        owner = sd
+        for part in path:
+            owner = owner[int(part) if part.isdigit() else part]
+        del owner[key]
     return sd
 
 
@@ -875,6 +883,19 @@ def _corrupt(state_dict, what):
     ("groups", "groups"), ("size", "size"), ("dtype", "dtype"), ("state size", "exp_avg"),
     ("inner groups", "parameter groups"), ("scaler dtype", "loss_scale"),
     ("missing key", "loss_scaler"), ("state kind", "another kind of optimizer"),
+    ("scale kind", "'dynamic_loss_scale' disagrees with 'loss_scaler'"),
+    # A missing key is named (before: a bare KeyError, a misleading message, or a load
+    # whose next step failed).
+    ("no loss_scaler.dynamic", r"state_dict\['loss_scaler'\] is missing 'dynamic'"),
+    ("no loss_scaler.loss_scale", r"is missing 'loss_scale'"),
+    ("no loss_scaler.growth_tracker", r"is missing 'growth_tracker'"),
+    ("no loss_scaler.scale_window", r"is missing 'scale_window'"),
+    ("no optimizer_state_dict.state", r"'optimizer_state_dict' has no 'state'"),
+    ("no optimizer_state_dict.param_groups", r"'optimizer_state_dict' has no 'param_groups'"),
+    ("no optimizer_state_dict.param_groups.0.params",
+     r"parameter group 0 of the wrapped optimizer's state_dict has no 'params'"),
+    ("no optimizer_state_dict.param_groups.0.lr",
+     r"parameter group 0 of the wrapped optimizer's state_dict has no 'lr'"),
 ])
 def test_load_state_dict_mismatch_changes_nothing(device, what, match):
     model, optimizer = wrapped(device, torch.float16, "adam", dynamic_loss_scale=True,
@@ -892,9 +913,51 @@ def test_load_state_dict_mismatch_changes_nothing(device, what, match):
                 optimizer.optimizer.state_dict()["state"], optimizer.loss_scaler._scale]
 
     before = snapshot(watched())
+    scaler, started = optimizer.loss_scaler, set(optimizer._started)
+    groups = copy.deepcopy(optimizer.optimizer.state_dict()["param_groups"])
     with pytest.raises(ValueError, match=match):
         optimizer.load_state_dict(bad)
     assert_unchanged(watched(), before)
+    assert optimizer.loss_scaler is scaler and optimizer.dynamic_loss_scale is True
+    assert optimizer._started == started
+    assert optimizer.optimizer.state_dict()["param_groups"] == groups
+    train_step(model, optimizer, 2, device)  # and it still trains
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "sgd_fused", "mixedprec_sgd"])
+@pytest.mark.parametrize("saved_dynamic", [True, False],
+                         ids=["dynamic_into_static", "static_into_dynamic"])
+def test_load_state_dict_of_the_other_kind_of_loss_scale(device, opt_name, saved_dynamic):
+    """As Apex: the state's kind of loss scale (static or dynamic) replaces the
+    optimizer's, whole, and the run continues bit for bit as the saved one. Before, the
+    record of which parameters the inner optimizer holds state for was kept from before
+    the load: a fused optimizer was then handed an overflow flag on a parameter's first
+    step (which, skipped, still makes momentum state) where the saved run read the flag
+    on the host, and the two runs parted."""
+    dynamic = dict(dynamic_loss_scale=True, dynamic_loss_args=dict(init_scale=64.0,
+                                                                   scale_window=2))
+    static = dict(static_loss_scale=8.0)
+    saved_kwargs, other_kwargs = (dynamic, static) if saved_dynamic else (static, dynamic)
+    overflow_at = {0, 1} if saved_dynamic else set()  # static: never skips
+    model_a, optimizer_a = wrapped(device, torch.float16, opt_name, **saved_kwargs)
+    train_step(model_a, optimizer_a, 0, device, overflow_at)  # dynamic: skipped, no state
+    saved = round_trip(optimizer_a.state_dict())
+    model_b, optimizer_b = wrapped(device, torch.float16, opt_name, seed=1, **other_kwargs)
+    for step in range(2):
+        train_step(model_b, optimizer_b, step, device)
+    model_b.load_state_dict(model_a.state_dict())
+    optimizer_b.load_state_dict(saved)
+    assert optimizer_b.dynamic_loss_scale is saved_dynamic
+    assert type(optimizer_b.loss_scaler) is type(optimizer_a.loss_scaler)
+    for step in range(1, 5):
+        train_step(model_a, optimizer_a, step, device, overflow_at)
+        train_step(model_b, optimizer_b, step, device, overflow_at)
+        assert optimizer_b.loss_scale == optimizer_a.loss_scale, step
+        for got, expected in zip(optimizer_b.all_fp32_from_fp16_params,
+                                 optimizer_a.all_fp32_from_fp16_params):
+            assert_bitwise_equal(got.detach(), expected.detach(), f"master after step {step}")
+    assert_unchanged(optimizer_b.optimizer.state_dict()["state"],
+                     snapshot(optimizer_a.optimizer.state_dict()["state"]))
 
 
 @pytest.mark.parametrize("trained", [False, True], ids=["fresh", "trained"])
