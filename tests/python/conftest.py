@@ -17,3 +17,4 @@ def other_device(device):
     if not torch.cuda.is_available():
         pytest.skip("mixed-device checks need CUDA")
     return "cpu" if device == "cuda" else "cuda"
+
