@@ -163,11 +163,11 @@ void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage
 }
 
 // Stochastic rounding (sr_seed given) writes bf16 params directly: no masters, no
-// compensations; its salts are one fp32 value per param (an integer below 2^24, so
+// kahan_comps; its salts are one fp32 value per param (an integer below 2^24, so
 // that the counter word it fills is exact: the caller's to keep, as the values are
 // on the device). Without it, no salts.
 inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
-                             at::TensorList model_params, at::TensorList compensations,
+                             at::TensorList model_params, at::TensorList kahan_comps,
                              at::TensorList salts, bool stochastic) {
   if (!stochastic) {
     TORCH_CHECK_VALUE(salts.empty(), op, ": expected sr_salts to be empty without sr_seed, "
@@ -175,10 +175,10 @@ inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
     return;
   }
   c.per_tensor(salts, "sr_salts", params, "params");
-  TORCH_CHECK_VALUE(compensations.empty() && model_params.empty(), op,
+  TORCH_CHECK_VALUE(kahan_comps.empty() && model_params.empty(), op,
                     ": sr_seed: stochastic rounding writes bf16 params directly, expected no "
-                    "model_params and no compensations, got ", model_params.size(), " and ",
-                    compensations.size());
+                    "model_params and no kahan_comps, got ", model_params.size(), " and ",
+                    kahan_comps.size());
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, op,
                      ": sr_seed: stochastic rounding expected bfloat16 params, got ",
@@ -276,7 +276,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 const std::optional<at::Tensor>& step = std::nullopt, bool maximize = false,
                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
                 bool unscale_grads = false) {
-  const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
+  const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   Checker c("fused_sgd_");
   c.optional_scalar(step, "step");
@@ -284,8 +284,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   c.optional_scalar(inv_scale, "inv_scale");
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
-  check_compensations(c, params, model_params, compensations);
-  check_stochastic(c, "fused_sgd_", params, model_params, compensations, salts,
+  check_kahan_comps(c, params, model_params, comps);
+  check_stochastic(c, "fused_sgd_", params, model_params, comps, salts,
                    sr_seed.has_value());
   TORCH_CHECK_VALUE(!sr_seed.has_value() || step.has_value(),
                     "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
@@ -321,7 +321,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.first_run = first_run;
   op.wd_after_momentum = wd_after_momentum;
   op.maximize = maximize;
-  op.kahan = !compensations.empty();
+  op.kahan = !comps.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   op.step_ptr = optional_ptr(step);
@@ -330,7 +330,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   const at::TensorList unscaled =
       unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, SgdOp>(
-      {params, grads, momentum_buffers, model_params, compensations, salts, unscaled}, op,
+      {params, grads, momentum_buffers, model_params, comps, salts, unscaled}, op,
       optional_ptr(found_inf));
 }
 
@@ -354,7 +354,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  std::optional<int64_t> sr_seed = std::nullopt, bool maximize = false,
                  std::optional<at::TensorList> max_exp_avg_sqs = std::nullopt,
                  bool unscale_grads = false) {
-  const at::TensorList compensations = kahan_comps.value_or(at::TensorList{});
+  const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   const at::TensorList max_sqs = max_exp_avg_sqs.value_or(at::TensorList{});
   Checker c("fused_adam_");
@@ -363,8 +363,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.optional_scalar(inv_scale, "inv_scale");
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
-  check_compensations(c, params, model_params, compensations);
-  check_stochastic(c, "fused_adam_", params, model_params, compensations, salts,
+  check_kahan_comps(c, params, model_params, comps);
+  check_stochastic(c, "fused_adam_", params, model_params, comps, salts,
                    sr_seed.has_value());
   c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
@@ -395,13 +395,13 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.step_ptr = step.data_ptr<float>();
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
-  op.kahan = !compensations.empty();
+  op.kahan = !comps.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   const at::TensorList unscaled =
       unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params,
-                                 compensations, salts, max_sqs, unscaled},
+                                 comps, salts, max_sqs, unscaled},
                                 op, optional_ptr(found_inf));
 }
 

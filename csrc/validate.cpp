@@ -214,15 +214,15 @@ void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta
           "a finite number >= 0", weight_decay);
 }
 
-void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,
-                         at::TensorList compensations) {
-  if (compensations.empty()) return;
+void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_params,
+                       at::TensorList kahan_comps) {
+  if (kahan_comps.empty()) return;
   TORCH_CHECK_VALUE(model_params.empty(), c.op(), ": expected model_params to be empty with "
-                    "compensations (Kahan summation updates bf16 params, no masters), got ",
+                    "kahan_comps (Kahan summation updates bf16 params, no masters), got ",
                     model_params.size(), " tensors");
-  c.list(compensations, "compensations", kBF16, Access::kWrite);
-  c.paired(params, "params", compensations, "compensations");
-  c.same_dtypes(compensations, "compensations", params, "params");
+  c.list(kahan_comps, "kahan_comps", kBF16, Access::kWrite);
+  c.paired(params, "params", kahan_comps, "kahan_comps");
+  c.same_dtypes(kahan_comps, "kahan_comps", params, "params");
 }
 
 }  // namespace mixedprec

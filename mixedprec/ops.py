@@ -178,7 +178,7 @@ def fused_sgd_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     wd_after_momentum: bool = False,
-    compensations: Optional[List[Tensor]] = None,
+    kahan_comps: Optional[List[Tensor]] = None,
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
     step: Optional[Tensor] = None,
@@ -198,12 +198,12 @@ def fused_sgd_(
     given and nonzero, nothing at all is written.
 
     ``momentum_buffers`` may also be bf16 (each may differ; the math stays fp32).
-    ``compensations`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
+    ``kahan_comps`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
     per param, the params then bf16 and ``model_params`` empty; each update starts from
     ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``.
 
     ``sr_seed`` (``master="stochastic"``; an int, used as 64 bits): the bf16 params
-    (no masters, no compensations) receive the new value rounded stochastically, the
+    (no masters, no ``kahan_comps``) receive the new value rounded stochastically, the
     random bits drawn by Philox4x32-10 keyed by ``sr_seed`` and counted by (element
     index, ``sr_salts[i]``, ``step``): ``sr_salts`` holds one float32 one-element tensor
     per param (an integer below 2^24, e.g. its position in the param group) and
@@ -221,7 +221,7 @@ def fused_sgd_(
     torch.ops.mixedprec.fused_sgd_.default(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
-        compensations or None, sr_salts or None, sr_seed, step, maximize, lr_tensor,
+        kahan_comps or None, sr_salts or None, sr_seed, step, maximize, lr_tensor,
         unscale_grads,
     )
 
@@ -229,7 +229,7 @@ def fused_sgd_(
 @torch.library.register_fake("mixedprec::fused_sgd_")
 def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
       weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False,
-      compensations=None, sr_salts=None, sr_seed=None, step=None, maximize=False,
+      kahan_comps=None, sr_salts=None, sr_seed=None, step=None, maximize=False,
       lr_tensor=None, unscale_grads=False):
     _no_meta_among_real("fused_sgd_", locals())
     return None
@@ -252,7 +252,7 @@ def fused_adam_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     lr_tensor: Optional[Tensor] = None,
-    compensations: Optional[List[Tensor]] = None,
+    kahan_comps: Optional[List[Tensor]] = None,
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
     maximize: bool = False,
@@ -265,7 +265,7 @@ def fused_adam_(
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32 or bf16 (the two
     moments of a param of one dtype; the math stays fp32). Masters, model copy,
-    unscale, skip and ``compensations`` behave as in :func:`fused_sgd_`. ``lr_tensor``
+    unscale, skip and ``kahan_comps`` behave as in :func:`fused_sgd_`. ``lr_tensor``
     (float32, one element), when given, replaces ``lr``: the learning rate is then read
     on the device, so that a captured CUDA graph follows a scheduler that writes it.
     ``sr_seed`` and ``sr_salts``: stochastic rounding as in :func:`fused_sgd_`, keyed by
@@ -275,12 +275,12 @@ def fused_adam_(
     tensor per param, of its ``exp_avg_sqs``' dtype; each becomes
     ``maximum(max_exp_avg_sq, exp_avg_sq)`` (NaN where either is) and the denominator
     ``sqrt(max_exp_avg_sq) / sqrt(1 - beta2**step) + eps``. Works with masters, bf16
-    moments, ``compensations`` and stochastic rounding alike. ``maximize`` and
+    moments, ``kahan_comps`` and stochastic rounding alike. ``maximize`` and
     ``unscale_grads`` behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
         weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
-        compensations or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
+        kahan_comps or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
         unscale_grads,
     )
 
@@ -288,7 +288,7 @@ def fused_adam_(
 @torch.library.register_fake("mixedprec::fused_adam_")
 def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
       weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None,
-      compensations=None, sr_salts=None, sr_seed=None, maximize=False, max_exp_avg_sqs=None,
+      kahan_comps=None, sr_salts=None, sr_seed=None, maximize=False, max_exp_avg_sqs=None,
       unscale_grads=False):
     _no_meta_among_real("fused_adam_", locals())
     return None

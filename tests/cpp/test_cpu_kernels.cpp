@@ -32,10 +32,10 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
                 const std::optional<at::Tensor>& found_inf, bool wd_after_momentum,
-                std::optional<at::TensorList> compensations = std::nullopt) {
+                std::optional<at::TensorList> kahan_comps = std::nullopt) {
   entry::fused_sgd_<CpuEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
                                dampening, weight_decay, nesterov, first_run, inv_scale,
-                               found_inf, wd_after_momentum, compensations);
+                               found_inf, wd_after_momentum, kahan_comps);
 }
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -43,10 +43,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& lr_tensor,
-                 std::optional<at::TensorList> compensations = std::nullopt) {
+                 std::optional<at::TensorList> kahan_comps = std::nullopt) {
   entry::fused_adam_<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr,
                                 beta1, beta2, eps, weight_decay, adamw, bias_correction,
-                                inv_scale, found_inf, lr_tensor, compensations);
+                                inv_scale, found_inf, lr_tensor, kahan_comps);
 }
 constexpr auto fused_lamb_ = &entry::fused_lamb_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
@@ -712,10 +712,10 @@ TEST(Validation, LeanPrecision) {
   };
   expect_error_naming([&] { sgd({at::ones({4})}, {}, comps); }, "params[0]");
   expect_error_naming([&] { sgd({at::ones({4})}, bf16, comps); }, "model_params");
-  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({4})}); }, "compensations[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({4})}); }, "kahan_comps[0]");
   expect_error_naming([&] { sgd(bf16, {}, {at::zeros({5}, at::kBFloat16)}); },
-                      "compensations[0]");
-  expect_error_naming([&] { sgd(bf16, {}, {bf16[0]}); }, "compensations[0]");  // overlap
+                      "kahan_comps[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {bf16[0]}); }, "kahan_comps[0]");  // overlap
   EXPECT_TRUE(at::equal(bf16[0], at::ones({4}, at::kBFloat16)));
   // bf16 moments: both of a param in one dtype; LAMB keeps fp32 moments only.
   AdamCase c = adam_case(0.f);
