@@ -1,9 +1,10 @@
 // The schemas of every mixedprec operator: the single source of truth.
-// Backends register kernels in csrc/cpu/register.cpp and csrc/cuda/register.cu; fake
-// (Meta) kernels and autograd live in mixedprec/ops.py.
+// Backends register their kernels (the entries of csrc/ops/*.h) in
+// csrc/cpu/register.cpp and csrc/cuda/register.cu; fake (Meta) kernels and autograd
+// live in mixedprec/ops.py.
 #include <torch/library.h>
 
-#include "dispatch.h"
+#include "ops/all.h"
 
 TORCH_LIBRARY(mixedprec, m) {
   m.def(

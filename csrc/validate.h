@@ -1,5 +1,5 @@
 // Argument validation, shared by the CPU and CUDA backends so both reject exactly
-// the same inputs, before any tensor is written. Each op entry (dispatch.h) runs its
+// the same inputs, before any tensor is written. Each op entry (csrc/ops/) runs its
 // arguments through one Checker, in order, and ends with no_overlap().
 //
 // Tensors in the lists must be dense and non-overlapping (contiguous, or a

@@ -35,7 +35,7 @@ __global__ void update_loss_scale_kernel(float* scale, int32_t* growth_tracker,
   update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
 }
 
-// The Engine of csrc/dispatch.h for CUDA: launches on the current stream of the
+// The Engine (csrc/dispatch.h) for CUDA: launches on the current stream of the
 // current device (the entries set it with Guard).
 struct CudaEngine {
   using Guard = c10::cuda::CUDAGuard;

@@ -1,4 +1,4 @@
-// The CPU kernels called directly (the entries of dispatch.h on the CPU engine, as
+// The CPU kernels called directly (the entries of csrc/ops/ on the CPU engine, as
 // registered for the CPU key), their validation, and the registration of every
 // schema with the dispatcher.
 #include <ATen/ATen.h>
@@ -16,6 +16,7 @@
 
 #include "cpu/engine.h"
 #include "multi_tensor_plan.h"
+#include "ops/all.h"
 
 namespace mixedprec {
 namespace cpu {

@@ -5,7 +5,7 @@
 //
 // A launch is emulated block by block and, within a block, thread by thread. That
 // is exact for the pointwise kernels, whose threads share nothing but found_inf.
-// The op entries of csrc/dispatch.h are then run on this engine and on the CPU
+// The op entries of csrc/ops/ are then run on this engine and on the CPU
 // engine over the same inputs, and must give the same bits: both apply the same
 // functors of csrc/pointwise.h to every element exactly once.
 //
@@ -33,6 +33,7 @@ EmulatedDim3 threadIdx, blockIdx, blockDim;
 
 #include "cpu/engine.h"
 #include "cuda/multi_tensor_block.cuh"
+#include "ops/all.h"
 
 namespace mixedprec::cuda {
 namespace {
@@ -41,7 +42,7 @@ using at::Tensor;
 
 int g_launches = 0;  // launches of the emulated engine, for the tests below
 
-// The Engine of csrc/dispatch.h with CudaEngine's block code, on the host. It keeps
+// The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
 // the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
 // kernels call the same functions of pointwise.h.
 struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
