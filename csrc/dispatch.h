@@ -33,11 +33,11 @@ namespace mixedprec {
 template <int D>
 using Lists = std::array<std::vector<at::Tensor>, D>;
 
-#define MP_DISPATCH_FLOATS(TYPE, NAME, ALIAS, ...)                             \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                                               \
-                     AT_PRIVATE_CASE_TYPE_USING_HINT(at::kFloat, ALIAS, __VA_ARGS__) \
-                     AT_PRIVATE_CASE_TYPE_USING_HINT(at::kHalf, ALIAS, __VA_ARGS__)  \
-                     AT_PRIVATE_CASE_TYPE_USING_HINT(at::kBFloat16, ALIAS, __VA_ARGS__))
+#define MP_DISPATCH_FLOATS(TYPE, NAME, ALIAS, ...)                                      \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                                        \
+                     AT_PRIVATE_CASE_TYPE_USING_HINT(at::kFloat, ALIAS, __VA_ARGS__)    \
+                         AT_PRIVATE_CASE_TYPE_USING_HINT(at::kHalf, ALIAS, __VA_ARGS__) \
+                             AT_PRIVATE_CASE_TYPE_USING_HINT(at::kBFloat16, ALIAS, __VA_ARGS__))
 
 // Splits parallel lists into groups whose tensors share a dtype per list (the
 // order within a group is kept). Lists may be empty (absent); the first is not.
@@ -60,8 +60,7 @@ std::vector<Lists<D>> group_by_dtype(const std::array<at::TensorList, D>& lists)
 }
 
 template <class Engine>
-void run_scale(at::TensorList src, at::TensorList dst, const float* inv_scale,
-               float* found_inf) {
+void run_scale(at::TensorList src, at::TensorList dst, const float* inv_scale, float* found_inf) {
   ScaleOp op;
   op.inv_scale_ptr = inv_scale;
   for (const auto& g : group_by_dtype<2>({src, dst})) {
@@ -108,13 +107,13 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
             run_types<Engine>(Types{}, g, op, skip);
             return;
           }
-          MP_DISPATCH_FLOATS(g[Op::kModelList][0].scalar_type(), "mixedprec optimizer",
-                             model_t, [&] {
-            if constexpr (std::is_same_v<param_t, float>) {
-              using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
-              run_types<Engine>(Types{}, g, op, skip);
-            }
-          });
+          MP_DISPATCH_FLOATS(
+              g[Op::kModelList][0].scalar_type(), "mixedprec optimizer", model_t, [&] {
+                if constexpr (std::is_same_v<param_t, float>) {
+                  using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
+                  run_types<Engine>(Types{}, g, op, skip);
+                }
+              });
         };
         if constexpr (Op::kLeanState) {
           if (bf16_state) return run(c10::BFloat16{});
@@ -135,7 +134,7 @@ void run_lamb_stage1(const std::array<at::TensorList, 5>& lists, const LambStage
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
       MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "fused_lamb_", grad_t, [&] {
         Engine::template run<LambStage1Op, param_t, grad_t, float, float, float>(g, op, skip,
-                                                                                nullptr);
+                                                                                 nullptr);
       });
     });
   }
@@ -149,13 +148,13 @@ void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
       if (!has_model) {
         Engine::template run<LambStage2Op, param_t, float, float, float, float>(g, op, skip,
-                                                                               nullptr);
+                                                                                nullptr);
         return;
       }
       MP_DISPATCH_FLOATS(g[2][0].scalar_type(), "fused_lamb_", model_t, [&] {
         if constexpr (std::is_same_v<param_t, float>) {
           Engine::template run<LambStage2Op, float, float, model_t, float, float>(g, op, skip,
-                                                                                 nullptr);
+                                                                                  nullptr);
         }
       });
     });
@@ -170,15 +169,17 @@ inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
                              at::TensorList model_params, at::TensorList kahan_comps,
                              at::TensorList salts, bool stochastic) {
   if (!stochastic) {
-    TORCH_CHECK_VALUE(salts.empty(), op, ": expected sr_salts to be empty without sr_seed, "
-                      "got ", salts.size(), " tensors");
+    TORCH_CHECK_VALUE(salts.empty(), op,
+                      ": expected sr_salts to be empty without sr_seed, "
+                      "got ",
+                      salts.size(), " tensors");
     return;
   }
   c.per_tensor(salts, "sr_salts", params, "params");
   TORCH_CHECK_VALUE(kahan_comps.empty() && model_params.empty(), op,
                     ": sr_seed: stochastic rounding writes bf16 params directly, expected no "
-                    "model_params and no kahan_comps, got ", model_params.size(), " and ",
-                    kahan_comps.size());
+                    "model_params and no kahan_comps, got ",
+                    model_params.size(), " and ", kahan_comps.size());
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, op,
                      ": sr_seed: stochastic rounding expected bfloat16 params, got ",
@@ -202,13 +203,11 @@ struct NoTensorEngine {
   static void run(const Lists<sizeof...(Ts)>&, const Op&, const float*, float*) {
     unsupported();
   }
-  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList, const float*, bool,
-                                                   at::Device) {
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList, const float*, bool, at::Device) {
     unsupported();
   }
   static void increment_step(float*, const float*) { unsupported(); }
-  static void update_loss_scale(float*, int32_t*, int32_t*, const float*,
-                                const LossScaleArgs&) {
+  static void update_loss_scale(float*, int32_t*, int32_t*, const float*, const LossScaleArgs&) {
     unsupported();
   }
 };

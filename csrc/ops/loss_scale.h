@@ -25,8 +25,7 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
   c.scalar(found_inf, "found_inf", at::kFloat);
   c.value(growth_factor >= 1 && std::isfinite(growth_factor), "growth_factor",
           "a finite number >= 1", growth_factor);
-  c.value(backoff_factor > 0 && backoff_factor <= 1, "backoff_factor", "in (0, 1]",
-          backoff_factor);
+  c.value(backoff_factor > 0 && backoff_factor <= 1, "backoff_factor", "in (0, 1]", backoff_factor);
   c.value(growth_interval >= 1 && growth_interval <= INT32_MAX, "growth_interval",
           "in [1, 2**31 - 1]", static_cast<double>(growth_interval));
   c.value(hysteresis >= 1 && hysteresis <= INT32_MAX, "hysteresis", "in [1, 2**31 - 1]",

@@ -29,8 +29,8 @@ void multi_tensor_unscale_(at::TensorList tensors, const at::Tensor& found_inf,
 }
 
 template <class Engine>
-void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst,
-                              const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+void multi_tensor_unscale_to_(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale) {
   Checker c("multi_tensor_unscale_to_");
   c.scalar(found_inf, "found_inf", at::kFloat, Access::kWrite);
   c.scalar(inv_scale, "inv_scale", at::kFloat);

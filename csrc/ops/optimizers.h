@@ -44,8 +44,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
-  check_stochastic(c, "fused_sgd_", params, model_params, comps, salts,
-                   sr_seed.has_value());
+  check_stochastic(c, "fused_sgd_", params, model_params, comps, salts, sr_seed.has_value());
   TORCH_CHECK_VALUE(!sr_seed.has_value() || step.has_value(),
                     "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
                     "keys its bits by the step), got None");
@@ -55,14 +54,14 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   } else {
     TORCH_CHECK_VALUE(momentum_buffers.empty(),
                       "fused_sgd_: expected momentum_buffers to be empty when momentum is 0, "
-                      "got ", momentum_buffers.size(), " tensors");
+                      "got ",
+                      momentum_buffers.size(), " tensors");
   }
   c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
-  c.value(momentum >= 0 && std::isfinite(momentum), "momentum", "a finite number >= 0",
-          momentum);
+  c.value(momentum >= 0 && std::isfinite(momentum), "momentum", "a finite number >= 0", momentum);
   c.value(std::isfinite(dampening), "dampening", "a finite number", dampening);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay", "a finite number >= 0",
+          weight_decay);
   if (nesterov) {
     c.value(momentum > 0, "momentum", "> 0 with nesterov=True", momentum);
     c.value(dampening == 0, "dampening", "0 with nesterov=True", dampening);
@@ -86,8 +85,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.step_ptr = optional_ptr(step);
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
-  const at::TensorList unscaled =
-      unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
+  const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, SgdOp>(
       {params, grads, momentum_buffers, model_params, comps, salts, unscaled}, op,
       optional_ptr(found_inf));
@@ -104,8 +102,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
+                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                 bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& lr_tensor = std::nullopt,
                  std::optional<at::TensorList> kahan_comps = std::nullopt,
@@ -123,8 +121,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
-  check_stochastic(c, "fused_adam_", params, model_params, comps, salts,
-                   sr_seed.has_value());
+  check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value());
   c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
@@ -157,11 +154,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.kahan = !comps.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
-  const at::TensorList unscaled =
-      unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params,
-                                 comps, salts, max_sqs, unscaled},
-                                op, optional_ptr(found_inf));
+  const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
+  run_optimizer<Engine, AdamOp>(
+      {params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts, max_sqs, unscaled}, op,
+      optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each
@@ -172,8 +168,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 template <class Engine>
 void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool adamw, bool bias_correction, bool grad_averaging, bool use_nvlamb,
+                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                 bool bias_correction, bool grad_averaging, bool use_nvlamb,
                  const std::optional<at::Tensor>& global_grad_norm, double max_grad_norm,
                  const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf) {
@@ -256,8 +252,8 @@ void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList 
   c.paired(params, "params", state_sums, "state_sums");
   c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
   c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay", "a finite number >= 0",
+          weight_decay);
   c.no_overlap();
   if (params.empty()) return;
 
@@ -294,10 +290,11 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
   check_params(c, params, grads, model_params);
   c.list(exp_avgs, "exp_avgs", kF32, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
-  TORCH_CHECK_VALUE(exp_avg_sq.dim() == 1 && exp_avg_sq.numel() ==
-                        static_cast<int64_t>(params.size()),
-                    "fused_novograd_: expected exp_avg_sq to be a vector of one value for each "
-                    "of the ", params.size(), " params, got shape ", exp_avg_sq.sizes());
+  TORCH_CHECK_VALUE(
+      exp_avg_sq.dim() == 1 && exp_avg_sq.numel() == static_cast<int64_t>(params.size()),
+      "fused_novograd_: expected exp_avg_sq to be a vector of one value for each "
+      "of the ",
+      params.size(), " params, got shape ", exp_avg_sq.sizes());
   check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
   c.value(norm_type == 0 || norm_type == 2, "norm_type", "0 (inf-norm) or 2 (L2)",
           static_cast<double>(norm_type));
