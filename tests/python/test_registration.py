@@ -361,8 +361,8 @@ def test_all_meta_calls_infer_shapes(op_name):
 @pytest.mark.parametrize("op_name", OP_NAMES)
 def test_fake_tensor_mode_calls(device, op_name):
     """FakeTensors report their fake device, not meta: no error."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from test_errors import OPS
+    from torch._subclasses.fake_tensor import FakeTensorMode
     op, build = OPS[op_name]
     args = build(device)
     with FakeTensorMode() as mode:
