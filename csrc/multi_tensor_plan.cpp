@@ -4,17 +4,15 @@
 
 namespace mixedprec {
 
-std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numels,
-                                      int max_tensors, int max_blocks) {
+std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numels, int max_tensors,
+                                      int max_blocks) {
   std::vector<LaunchPlan> plans;
   LaunchPlan current;
   auto full_tensors = [&] {
-    return max_tensors > 0 &&
-           static_cast<int>(current.tensors.size()) >= max_tensors;
+    return max_tensors > 0 && static_cast<int>(current.tensors.size()) >= max_tensors;
   };
   auto full_blocks = [&] {
-    return max_blocks > 0 &&
-           static_cast<int>(current.block_slot.size()) >= max_blocks;
+    return max_blocks > 0 && static_cast<int>(current.block_slot.size()) >= max_blocks;
   };
   auto flush = [&] {
     if (!current.block_slot.empty()) plans.push_back(std::move(current));

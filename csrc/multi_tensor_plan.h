@@ -31,14 +31,12 @@ struct LaunchPlan {
   std::vector<int> block_chunk;  // per block: chunk index within its tensor
 };
 
-inline int64_t num_chunks(int64_t numel) {
-  return (numel + kChunkSize - 1) / kChunkSize;
-}
+inline int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
 
 // Plans launches over tensors of the given sizes. Zero-size tensors get no
 // blocks and no slot. Limits <= 0 mean "unlimited" (the CPU backend's flat
 // chunk list).
-std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numels,
-                                      int max_tensors, int max_blocks);
+std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numels, int max_tensors,
+                                      int max_blocks);
 
 }  // namespace mixedprec

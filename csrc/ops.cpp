@@ -1,9 +1,10 @@
 // The schemas of every mixedprec operator: the single source of truth.
-// Backends register kernels in csrc/cpu/register.cpp and csrc/cuda/register.cu; fake
-// (Meta) kernels and autograd live in mixedprec/ops.py.
+// Backends register their kernels (the entries of csrc/ops/*.h) in
+// csrc/cpu/register.cpp and csrc/cuda/register.cu; fake (Meta) kernels and autograd
+// live in mixedprec/ops.py.
 #include <torch/library.h>
 
-#include "dispatch.h"
+#include "ops/all.h"
 
 TORCH_LIBRARY(mixedprec, m) {
   m.def(
@@ -23,7 +24,7 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(b!)[] momentum_buffers, Tensor(c!)[] model_params, float lr, "
       "float momentum, float dampening, float weight_decay, bool nesterov, "
       "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
-      "bool wd_after_momentum=False, Tensor(d!)[]? compensations=None, "
+      "bool wd_after_momentum=False, Tensor(d!)[]? kahan_comps=None, "
       "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None, "
       "bool maximize=False, Tensor? lr_tensor=None, bool unscale_grads=False) -> ()");
   m.def(
@@ -32,7 +33,7 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
       "float beta2, float eps, float weight_decay, bool adamw, "
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
-      "Tensor? lr_tensor=None, Tensor(f!)[]? compensations=None, "
+      "Tensor? lr_tensor=None, Tensor(f!)[]? kahan_comps=None, "
       "Tensor[]? sr_salts=None, int? sr_seed=None, bool maximize=False, "
       "Tensor(h!)[]? max_exp_avg_sqs=None, bool unscale_grads=False) -> ()");
   m.def(

@@ -62,8 +62,8 @@ struct RoundingKey {
 // memory), half h holds the bits of element 8 * block + h. The CPU engine's vector path
 // takes the eight halves at once.
 MP_HD Philox4x32 rounding_block(const RoundingKey& key, uint64_t block) {
-  return philox4x32_10(Philox4x32{{static_cast<uint32_t>(block),
-                                   static_cast<uint32_t>(block >> 32), key.salt, key.step}},
+  return philox4x32_10(Philox4x32{{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                                   key.salt, key.step}},
                        static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
 }
 

@@ -360,8 +360,7 @@ struct LambStage1Op {
   const float* grad_norm_ptr = nullptr;  // the global gradient norm (unscaled), or null
   // Filled by resolve(); weights such as 1 - beta2 are formed in double, then rounded.
   float inv_scale = 1.f, clip = 1.f, bias_correction1 = 1.f, bias_correction2 = 1.f;
-  float beta1_f = 0.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f,
-        wd_f = 0.f;
+  float beta1_f = 0.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
@@ -527,9 +526,8 @@ struct LossScaleArgs {
 
 // Dynamic loss scaling with hysteresis, a floor and a ceiling. Products are formed
 // in double and rounded once to float, as torch's _amp_update_scale_ does.
-MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker,
-                             int32_t* hysteresis_tracker, const float* found_inf,
-                             const LossScaleArgs& a) {
+MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                             const float* found_inf, const LossScaleArgs& a) {
   if (*found_inf != 0.f) {
     *hysteresis_tracker -= 1;
     if (*hysteresis_tracker <= 0) {

@@ -77,11 +77,10 @@ void Checker::tensor(const at::Tensor& t, const char* name, unsigned dtypes, Acc
   check(t, ArgName{name, -1}, dtypes, access);
 }
 
-void Checker::scalar(const at::Tensor& t, const char* name, at::ScalarType dtype,
-                     Access access) {
+void Checker::scalar(const at::Tensor& t, const char* name, at::ScalarType dtype, Access access) {
   check(t, ArgName{name, -1}, bit(dtype), access);
-  TORCH_CHECK_VALUE(t.numel() == 1, op_, ": expected ", name,
-                    " to have exactly one element, got ", t.numel());
+  TORCH_CHECK_VALUE(t.numel() == 1, op_, ": expected ", name, " to have exactly one element, got ",
+                    t.numel());
 }
 
 void Checker::optional_scalar(const std::optional<at::Tensor>& t, const char* name) {
@@ -93,9 +92,8 @@ namespace {
 // The same view of the same memory: what an in-place call passes twice.
 // a is validated (strided); b, of a list checked later, may be anything.
 bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  return b.defined() && b.layout() == at::kStrided &&
-         a.const_data_ptr() == b.const_data_ptr() && a.dtype() == b.dtype() &&
-         a.sizes() == b.sizes() && a.strides() == b.strides();
+  return b.defined() && b.layout() == at::kStrided && a.const_data_ptr() == b.const_data_ptr() &&
+         a.dtype() == b.dtype() && a.sizes() == b.sizes() && a.strides() == b.strides();
 }
 
 }  // namespace
@@ -118,21 +116,18 @@ void Checker::list(at::TensorList l, const char* name, unsigned dtypes, Access a
   }
 }
 
-void Checker::paired(at::TensorList a, const char* a_name, at::TensorList b,
-                     const char* b_name) {
+void Checker::paired(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name) {
   TORCH_CHECK_VALUE(a.size() == b.size(), op_, ": expected ", b_name,
-                    " to hold as many tensors as ", a_name, " (", a.size(), "), got ",
-                    b.size());
+                    " to hold as many tensors as ", a_name, " (", a.size(), "), got ", b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     const ArgName an{a_name, static_cast<int64_t>(i)}, bn{b_name, static_cast<int64_t>(i)};
     TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op_, ": expected ", bn, " to have ",
                       a[i].numel(), " elements like ", an, ", got ", b[i].numel());
-    const bool same_order =
-        (a[i].is_contiguous() && b[i].is_contiguous()) ||
-        (a[i].sizes() == b[i].sizes() && a[i].strides() == b[i].strides());
+    const bool same_order = (a[i].is_contiguous() && b[i].is_contiguous()) ||
+                            (a[i].sizes() == b[i].sizes() && a[i].strides() == b[i].strides());
     TORCH_CHECK_VALUE(same_order, op_, ": expected ", bn, " to have the memory layout of ", an,
-                      " (strides ", a[i].strides(), "), got sizes ", b[i].sizes(),
-                      " and strides ", b[i].strides());
+                      " (strides ", a[i].strides(), "), got sizes ", b[i].sizes(), " and strides ",
+                      b[i].strides());
   }
 }
 
@@ -182,8 +177,7 @@ void Checker::no_overlap() {
       const Range& first = hit->order < r.order ? *hit : r;
       const Range& second = hit->order < r.order ? r : *hit;
       TORCH_CHECK_VALUE(false, op_, ": ", first.name, " overlaps ", second.name,
-                        " in memory, and the op writes ",
-                        first.written ? first.name : second.name,
+                        " in memory, and the op writes ", first.written ? first.name : second.name,
                         ": expected tensors that share no memory");
     }
     if (reach == nullptr || r.end > reach->end) reach = &r;
@@ -210,19 +204,20 @@ void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta
   c.value(beta1 >= 0 && beta1 < 1, "beta1", "in [0, 1)", beta1);
   c.value(beta2 >= 0 && beta2 < 1, "beta2", "in [0, 1)", beta2);
   c.value(eps >= 0 && std::isfinite(eps), "eps", "a finite number >= 0", eps);
-  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay",
-          "a finite number >= 0", weight_decay);
+  c.value(weight_decay >= 0 && std::isfinite(weight_decay), "weight_decay", "a finite number >= 0",
+          weight_decay);
 }
 
-void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,
-                         at::TensorList compensations) {
-  if (compensations.empty()) return;
-  TORCH_CHECK_VALUE(model_params.empty(), c.op(), ": expected model_params to be empty with "
-                    "compensations (Kahan summation updates bf16 params, no masters), got ",
+void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_params,
+                       at::TensorList kahan_comps) {
+  if (kahan_comps.empty()) return;
+  TORCH_CHECK_VALUE(model_params.empty(), c.op(),
+                    ": expected model_params to be empty with "
+                    "kahan_comps (Kahan summation updates bf16 params, no masters), got ",
                     model_params.size(), " tensors");
-  c.list(compensations, "compensations", kBF16, Access::kWrite);
-  c.paired(params, "params", compensations, "compensations");
-  c.same_dtypes(compensations, "compensations", params, "params");
+  c.list(kahan_comps, "kahan_comps", kBF16, Access::kWrite);
+  c.paired(params, "params", kahan_comps, "kahan_comps");
+  c.same_dtypes(kahan_comps, "kahan_comps", params, "params");
 }
 
 }  // namespace mixedprec

@@ -1,5 +1,5 @@
 // Argument validation, shared by the CPU and CUDA backends so both reject exactly
-// the same inputs, before any tensor is written. Each op entry (dispatch.h) runs its
+// the same inputs, before any tensor is written. Each op entry (csrc/ops/) runs its
 // arguments through one Checker, in order, and ends with no_overlap().
 //
 // Tensors in the lists must be dense and non-overlapping (contiguous, or a
@@ -98,10 +98,10 @@ void check_params(Checker& c, at::TensorList params, at::TensorList grads,
 void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta2, double eps,
                                 double weight_decay);
 
-// Kahan compensations of an optimizer (pointwise.h): none, or one bf16 tensor per
-// param, the params then bf16 and without masters (model_params empty).
-void check_compensations(Checker& c, at::TensorList params, at::TensorList model_params,
-                         at::TensorList compensations);
+// Kahan compensations of an optimizer (pointwise.h), kahan_comps: none, or one bf16
+// tensor per param, the params then bf16 and without masters (model_params empty).
+void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_params,
+                       at::TensorList kahan_comps);
 
 // The value of an optional 1-element float32 tensor's storage, or nullptr.
 inline const float* optional_ptr(const std::optional<at::Tensor>& t) {

@@ -70,7 +70,8 @@ def _no_meta_among_real(op: str, args: dict) -> None:
     The dispatcher sends such an eager call to the fake kernel, which writes nothing:
     the call would silently do nothing. All-meta calls (shape inference) pass, and so
     do FakeTensors, which report the device they stand for. Each fake kernel calls it
-    first, with ``locals()``: its arguments by name."""
+    first, with its arguments by name (``locals()``, or as _fake_without_outputs names
+    them)."""
     meta = real = None
     for name, value in args.items():
         items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
@@ -90,13 +91,9 @@ def _no_meta_among_real(op: str, args: dict) -> None:
 def multi_tensor_unscale_(tensors: List[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """Multiplies every tensor in place by ``inv_scale``; sets ``found_inf`` to 1.0 when
     any input element is inf or NaN (never clears it)."""
-    torch.ops.mixedprec.multi_tensor_unscale_.default(tensors, found_inf, inv_scale)
-
-
-@torch.library.register_fake("mixedprec::multi_tensor_unscale_")
-def _(tensors, found_inf, inv_scale):
-    _no_meta_among_real("multi_tensor_unscale_", locals())
-    return None
+    torch.ops.mixedprec.multi_tensor_unscale_.default(
+        tensors=tensors, found_inf=found_inf, inv_scale=inv_scale
+    )
 
 
 def multi_tensor_unscale_to_(
@@ -105,38 +102,22 @@ def multi_tensor_unscale_to_(
     """``dst[i] = src[i] * inv_scale`` with a cast to ``dst[i].dtype`` (e.g. fp16/bf16
     gradients into fp32 master gradients); sets ``found_inf`` like
     :func:`multi_tensor_unscale_`."""
-    torch.ops.mixedprec.multi_tensor_unscale_to_.default(src, dst, found_inf, inv_scale)
-
-
-@torch.library.register_fake("mixedprec::multi_tensor_unscale_to_")
-def _(src, dst, found_inf, inv_scale):
-    _no_meta_among_real("multi_tensor_unscale_to_", locals())
-    return None
+    torch.ops.mixedprec.multi_tensor_unscale_to_.default(
+        src=src, dst=dst, found_inf=found_inf, inv_scale=inv_scale
+    )
 
 
 def multi_tensor_check_finite_(tensors: List[Tensor], found_inf: Tensor) -> None:
     """Sets ``found_inf`` to 1.0 when any element of ``tensors`` is inf or NaN (never
     clears it); reads the tensors and writes nothing else. The read-only pass that
     lets a fused optimizer skip a step on the device before it writes anything."""
-    torch.ops.mixedprec.multi_tensor_check_finite_.default(tensors, found_inf)
-
-
-@torch.library.register_fake("mixedprec::multi_tensor_check_finite_")
-def _(tensors, found_inf):
-    _no_meta_among_real("multi_tensor_check_finite_", locals())
-    return None
+    torch.ops.mixedprec.multi_tensor_check_finite_.default(tensors=tensors, found_inf=found_inf)
 
 
 def multi_tensor_copy_(src: List[Tensor], dst: List[Tensor]) -> None:
     """``dst[i].copy_(src[i])`` with a cast, for all pairs in few launches (masters into
     the model)."""
-    torch.ops.mixedprec.multi_tensor_copy_.default(src, dst)
-
-
-@torch.library.register_fake("mixedprec::multi_tensor_copy_")
-def _(src, dst):
-    _no_meta_among_real("multi_tensor_copy_", locals())
-    return None
+    torch.ops.mixedprec.multi_tensor_copy_.default(src=src, dst=dst)
 
 
 def multi_tensor_l2norm(
@@ -151,7 +132,9 @@ def multi_tensor_l2norm(
     per chunk, per tensor, total) are float32. The result is deterministic: partial
     sums are combined in a fixed order. With no tensors and no ``inv_scale``, the
     norm is 0 on the CPU."""
-    return torch.ops.mixedprec.multi_tensor_l2norm.default(tensors, inv_scale, per_tensor)
+    return torch.ops.mixedprec.multi_tensor_l2norm.default(
+        tensors=tensors, inv_scale=inv_scale, per_tensor=per_tensor
+    )
 
 
 @torch.library.register_fake("mixedprec::multi_tensor_l2norm")
@@ -178,7 +161,7 @@ def fused_sgd_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     wd_after_momentum: bool = False,
-    compensations: Optional[List[Tensor]] = None,
+    kahan_comps: Optional[List[Tensor]] = None,
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
     step: Optional[Tensor] = None,
@@ -198,12 +181,12 @@ def fused_sgd_(
     given and nonzero, nothing at all is written.
 
     ``momentum_buffers`` may also be bf16 (each may differ; the math stays fp32).
-    ``compensations`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
+    ``kahan_comps`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
     per param, the params then bf16 and ``model_params`` empty; each update starts from
     ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``.
 
     ``sr_seed`` (``master="stochastic"``; an int, used as 64 bits): the bf16 params
-    (no masters, no compensations) receive the new value rounded stochastically, the
+    (no masters, no ``kahan_comps``) receive the new value rounded stochastically, the
     random bits drawn by Philox4x32-10 keyed by ``sr_seed`` and counted by (element
     index, ``sr_salts[i]``, ``step``): ``sr_salts`` holds one float32 one-element tensor
     per param (an integer below 2^24, e.g. its position in the param group) and
@@ -219,20 +202,13 @@ def fused_sgd_(
     (``found_inf`` set) or without ``inv_scale``.
     """
     torch.ops.mixedprec.fused_sgd_.default(
-        params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-        weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
-        compensations or None, sr_salts or None, sr_seed, step, maximize, lr_tensor,
-        unscale_grads,
+        params=params, grads=grads, momentum_buffers=momentum_buffers,
+        model_params=model_params, lr=lr, momentum=momentum, dampening=dampening,
+        weight_decay=weight_decay, nesterov=nesterov, first_run=first_run,
+        inv_scale=inv_scale, found_inf=found_inf, wd_after_momentum=wd_after_momentum,
+        kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
+        step=step, maximize=maximize, lr_tensor=lr_tensor, unscale_grads=unscale_grads,
     )
-
-
-@torch.library.register_fake("mixedprec::fused_sgd_")
-def _(params, grads, momentum_buffers, model_params, lr, momentum, dampening,
-      weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum=False,
-      compensations=None, sr_salts=None, sr_seed=None, step=None, maximize=False,
-      lr_tensor=None, unscale_grads=False):
-    _no_meta_among_real("fused_sgd_", locals())
-    return None
 
 
 def fused_adam_(
@@ -252,7 +228,7 @@ def fused_adam_(
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
     lr_tensor: Optional[Tensor] = None,
-    compensations: Optional[List[Tensor]] = None,
+    kahan_comps: Optional[List[Tensor]] = None,
     sr_salts: Optional[List[Tensor]] = None,
     sr_seed: Optional[int] = None,
     maximize: bool = False,
@@ -265,7 +241,7 @@ def fused_adam_(
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32 or bf16 (the two
     moments of a param of one dtype; the math stays fp32). Masters, model copy,
-    unscale, skip and ``compensations`` behave as in :func:`fused_sgd_`. ``lr_tensor``
+    unscale, skip and ``kahan_comps`` behave as in :func:`fused_sgd_`. ``lr_tensor``
     (float32, one element), when given, replaces ``lr``: the learning rate is then read
     on the device, so that a captured CUDA graph follows a scheduler that writes it.
     ``sr_seed`` and ``sr_salts``: stochastic rounding as in :func:`fused_sgd_`, keyed by
@@ -275,23 +251,16 @@ def fused_adam_(
     tensor per param, of its ``exp_avg_sqs``' dtype; each becomes
     ``maximum(max_exp_avg_sq, exp_avg_sq)`` (NaN where either is) and the denominator
     ``sqrt(max_exp_avg_sq) / sqrt(1 - beta2**step) + eps``. Works with masters, bf16
-    moments, ``compensations`` and stochastic rounding alike. ``maximize`` and
+    moments, ``kahan_comps`` and stochastic rounding alike. ``maximize`` and
     ``unscale_grads`` behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_adam_.default(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
-        compensations or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
-        unscale_grads,
+        params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+        model_params=model_params, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
+        inv_scale=inv_scale, found_inf=found_inf, lr_tensor=lr_tensor,
+        kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
+        maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs, unscale_grads=unscale_grads,
     )
-
-
-@torch.library.register_fake("mixedprec::fused_adam_")
-def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-      weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor=None,
-      compensations=None, sr_salts=None, sr_seed=None, maximize=False, max_exp_avg_sqs=None,
-      unscale_grads=False):
-    _no_meta_among_real("fused_adam_", locals())
-    return None
 
 
 def sum_fp32(self: Tensor, dim: Optional[Sequence[int]] = None, keepdim: bool = False) -> Tensor:
@@ -300,7 +269,7 @@ def sum_fp32(self: Tensor, dim: Optional[Sequence[int]] = None, keepdim: bool = 
     overflow or round: 4095 fp16 elements of 4.0 sum to exactly 16380. ``dim=None``
     reduces every dimension. Differentiable; the gradient has the input's dtype.
     Any strides are accepted."""
-    return torch.ops.mixedprec.sum_fp32.default(self, dim, keepdim)
+    return torch.ops.mixedprec.sum_fp32.default(self=self, dim=dim, keepdim=keepdim)
 
 
 def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -355,16 +324,11 @@ def update_loss_scale_(
     float32, the trackers int32, all one element on the same device. The defaults
     of ``min_scale`` and ``max_scale`` set no floor and no ceiling."""
     torch.ops.mixedprec.update_loss_scale_.default(
-        scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-        backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+        scale=scale, growth_tracker=growth_tracker, hysteresis_tracker=hysteresis_tracker,
+        found_inf=found_inf, growth_factor=growth_factor, backoff_factor=backoff_factor,
+        growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+        max_scale=max_scale,
     )
-
-
-@torch.library.register_fake("mixedprec::update_loss_scale_")
-def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis, min_scale, max_scale):
-    _no_meta_among_real("update_loss_scale_", locals())
-    return None
 
 
 def fused_lamb_(
@@ -405,18 +369,13 @@ def fused_lamb_(
     ``found_inf`` is set, which skips everything. ``exp_avgs`` and ``exp_avg_sqs``
     are fp32. Masters, model copy and unscale behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_lamb_.default(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction, grad_averaging, use_nvlamb, global_grad_norm,
-        max_grad_norm, inv_scale, found_inf,
+        params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+        model_params=model_params, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
+        grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
+        global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+        inv_scale=inv_scale, found_inf=found_inf,
     )
-
-
-@torch.library.register_fake("mixedprec::fused_lamb_")
-def _(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-      weight_decay, adamw, bias_correction, grad_averaging, use_nvlamb, global_grad_norm,
-      max_grad_norm, inv_scale, found_inf):
-    _no_meta_among_real("fused_lamb_", locals())
-    return None
 
 
 def fused_adagrad_(
@@ -437,16 +396,10 @@ def fused_adagrad_(
     the step (decoupled). ``state_sums`` are fp32, one per param. Masters, model copy,
     unscale and skip behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_adagrad_.default(
-        params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
-        inv_scale, found_inf,
+        params=params, grads=grads, state_sums=state_sums, model_params=model_params, lr=lr,
+        eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
+        inv_scale=inv_scale, found_inf=found_inf,
     )
-
-
-@torch.library.register_fake("mixedprec::fused_adagrad_")
-def _(params, grads, state_sums, model_params, lr, eps, weight_decay, adagrad_w_mode,
-      inv_scale, found_inf):
-    _no_meta_among_real("fused_adagrad_", locals())
-    return None
 
 
 def fused_novograd_(
@@ -485,15 +438,44 @@ def fused_novograd_(
     model copy, unscale and skip (nothing written, ``step`` and ``exp_avg_sq``
     included) behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_novograd_.default(
-        params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
-        weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
-        inv_scale, found_inf,
+        params=params, grads=grads, exp_avgs=exp_avgs, model_params=model_params,
+        exp_avg_sq=exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, bias_correction=bias_correction,
+        grad_averaging=grad_averaging, reg_inside_moment=reg_inside_moment,
+        norm_type=norm_type, init_zero=init_zero, inv_scale=inv_scale, found_inf=found_inf,
     )
 
 
-@torch.library.register_fake("mixedprec::fused_novograd_")
-def _(params, grads, exp_avgs, model_params, exp_avg_sq, step, lr, beta1, beta2, eps,
-      weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero,
-      inv_scale, found_inf):
-    _no_meta_among_real("fused_novograd_", locals())
-    return None
+# --- fake kernels ----------------------------------------------------------------------
+# (multi_tensor_l2norm's and sum_fp32's, which return tensors, are beside their wrappers.)
+
+#: The ops that write their arguments and return nothing: their fake kernels only check
+#: that meta tensors are not mixed with real ones, and are all the same.
+_OPS_WITHOUT_OUTPUTS = (
+    "multi_tensor_unscale_",
+    "multi_tensor_unscale_to_",
+    "multi_tensor_check_finite_",
+    "multi_tensor_copy_",
+    "fused_sgd_",
+    "fused_adam_",
+    "update_loss_scale_",
+    "fused_lamb_",
+    "fused_adagrad_",
+    "fused_novograd_",
+)
+
+
+def _fake_without_outputs(name: str):
+    """The fake kernel of op ``name``, one of _OPS_WITHOUT_OUTPUTS: it names the arguments
+    (positional ones by the schema) for _no_meta_among_real and returns None."""
+    arg_names = [a.name for a in getattr(torch.ops.mixedprec, name).default._schema.arguments]
+
+    def fake(*args, **kwargs):
+        _no_meta_among_real(name, {**dict(zip(arg_names, args)), **kwargs})
+        return None
+
+    return fake
+
+
+for _name in _OPS_WITHOUT_OUTPUTS:
+    torch.library.register_fake(f"mixedprec::{_name}", _fake_without_outputs(_name))

@@ -285,7 +285,7 @@ def _check_adam_lean(dev, r):
     exp_avg_sqs = [torch.zeros(k, device=dev, dtype=torch.bfloat16) for k in n]
     start = [p.double() + c.double() for p, c in zip(params, comps)]
     ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], scalar(0.0, dev), lr, beta1,
-                    beta2, eps, compensations=comps)
+                    beta2, eps, kahan_comps=comps)
     for i, (x, g) in enumerate(zip(start, grads)):
         g = g.double()
         m, v = (1 - beta1) * g, (1 - beta2) * g * g

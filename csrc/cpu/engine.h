@@ -63,35 +63,34 @@ __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>
 // of the loop (op.apply and, through it, the Lanes functions that carry a target
 // attribute, such as sqrt, which GCC would not inline into apply, a function without
 // one: they were calls through the PLT, per vector); elementwise stays a call.
-#define MP_PASS(NAME, TARGET, NS)                                                          \
-  template <typename Op, typename... Ts, size_t... K>                                      \
-  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,              \
-                  std::index_sequence<K...> seq) {                                         \
-    using Vec = NS::Vec;                                                                   \
-    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                     \
-    constexpr int D = sizeof...(K);                                                        \
-    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                              \
-    const Vec per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr                \
-                             ? NS::broadcast(static_cast<float>(std::get<K>(p)[0]))        \
-                             : Vec{})...};                                                 \
-    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                    \
-    int64_t i = begin;                                                                     \
-    for (; i + W <= end; i += W) {                                                         \
-      ((!kPerTensorList<Op, K> && std::get<K>(p) != nullptr                                \
-            ? prefetch_ahead(std::get<K>(p) + i)                                           \
-            : void()),                                                                     \
-       ...);                                                                               \
-      Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                          \
-                   : loaded_list<Op, K>() && std::get<K>(p) != nullptr                     \
-                       ? NS::load(std::get<K>(p) + i)                                      \
-                       : Vec{})...};                                                       \
-      bad |= apply_at(op, x, i);                                                           \
-      ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr                             \
-            ? NS::store(std::get<K>(p) + i, x[K])                                          \
-            : void()),                                                                     \
-       ...);                                                                               \
-    }                                                                                      \
-    return NS::any(bad) | elementwise(op, p, i, end, seq);                                 \
+#define MP_PASS(NAME, TARGET, NS)                                                                \
+  template <typename Op, typename... Ts, size_t... K>                                            \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                    \
+                  std::index_sequence<K...> seq) {                                               \
+    using Vec = NS::Vec;                                                                         \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                           \
+    constexpr int D = sizeof...(K);                                                              \
+    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                                    \
+    const Vec per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr                      \
+                             ? NS::broadcast(static_cast<float>(std::get<K>(p)[0]))              \
+                             : Vec{})...};                                                       \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
+    int64_t i = begin;                                                                           \
+    for (; i + W <= end; i += W) {                                                               \
+      ((!kPerTensorList<Op, K> && std::get<K>(p) != nullptr ? prefetch_ahead(std::get<K>(p) + i) \
+                                                            : void()),                           \
+       ...);                                                                                     \
+      Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
+                   : loaded_list<Op, K>() && std::get<K>(p) != nullptr                           \
+                       ? NS::load(std::get<K>(p) + i)                                            \
+                       : Vec{})...};                                                             \
+      bad |= apply_at(op, x, i);                                                                 \
+      ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr                                   \
+            ? NS::store(std::get<K>(p) + i, x[K])                                                \
+            : void()),                                                                           \
+       ...);                                                                                     \
+    }                                                                                            \
+    return NS::any(bad) | elementwise(op, p, i, end, seq);                                       \
   }
 
 #if defined(MP_X86_ISA)
@@ -105,12 +104,9 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
          std::index_sequence<K...> seq) {
 #if defined(MP_X86_ISA)
   switch (cpu_isa()) {
-    case Isa::kAvx512:
-      return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
-    case Isa::kAvx2:
-      return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
-    default:
-      break;
+    case Isa::kAvx512: return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
+    case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
+    default: break;
   }
 #endif
   const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
@@ -126,16 +122,14 @@ struct CpuEngine {
     mixedprec::increment_step(step, found_inf);
   }
 
-  static void update_loss_scale(float* scale, int32_t* growth_tracker,
-                                int32_t* hysteresis_tracker, const float* found_inf,
-                                const LossScaleArgs& args) {
+  static void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                                const float* found_inf, const LossScaleArgs& args) {
     mixedprec::update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
   }
 
   // In l2norm.cpp.
-  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
-                                                   const float* inv_scale, bool per_tensor,
-                                                   at::Device device);
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const float* inv_scale,
+                                                   bool per_tensor, at::Device device);
 
   template <typename Op, typename... Ts>
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,

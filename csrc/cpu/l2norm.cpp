@@ -48,10 +48,8 @@ __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, in
       __m512 v = (__m512)avx512::load(x + e + 16 * h);
       if (kScaled) v = _mm512_mul_ps(v, s);
       const __m512d pairs = _mm512_castps_pd(v);
-      const __m256 lower =
-          _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 0));
-      const __m256 upper =
-          _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 1));
+      const __m256 lower = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 0));
+      const __m256 upper = _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(avx512::kAll8, pairs, 1));
       const __m512d lo = _mm512_maskz_cvtps_pd(avx512::kAll8, lower);
       const __m512d hi = _mm512_maskz_cvtps_pd(avx512::kAll8, upper);
       a[2 * h] = _mm512_fmadd_pd(lo, lo, a[2 * h]);
@@ -64,8 +62,8 @@ __attribute__((target(MP_AVX512_TARGET))) void sum_squares_avx512(const T* x, in
 
 // Eight floats a load, widened to two vectors of four doubles.
 template <bool kScaled, typename T>
-__attribute__((target(MP_AVX2_TARGET))) void sum_squares_avx2(const T* x, int64_t n,
-                                                              float scale, double* acc) {
+__attribute__((target(MP_AVX2_TARGET))) void sum_squares_avx2(const T* x, int64_t n, float scale,
+                                                              double* acc) {
   const __m256 s = _mm256_set1_ps(scale);
   __m256d a[8];
   for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_pd(acc + 4 * k);
@@ -99,8 +97,7 @@ void sum_squares(const T* x, int64_t n, float scale, double* acc) {
     case Isa::kAvx2:
       return scale == 1.f ? sum_squares_avx2<false>(x, n, scale, acc)
                           : sum_squares_avx2<true>(x, n, scale, acc);
-    default:
-      break;
+    default: break;
   }
 #endif
   sum_squares_baseline(x, n, scale, acc);
@@ -108,9 +105,8 @@ void sum_squares(const T* x, int64_t n, float scale, double* acc) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> CpuEngine::l2norm(at::TensorList tensors,
-                                                     const float* inv_scale, bool per_tensor,
-                                                     at::Device) {
+std::tuple<at::Tensor, at::Tensor> CpuEngine::l2norm(at::TensorList tensors, const float* inv_scale,
+                                                     bool per_tensor, at::Device) {
   const float scale = inv_scale != nullptr ? *inv_scale : 1.f;
   std::vector<int64_t> numels;
   for (const auto& t : tensors) numels.push_back(t.numel());

@@ -1,6 +1,7 @@
-// The CPU kernels: every op's entry (dispatch.h) on the CPU engine.
+// The CPU kernels: every op's entry (csrc/ops/) on the CPU engine.
 #include <torch/library.h>
 
+#include "../ops/all.h"
 #include "engine.h"
 
 namespace mixedprec::cpu {

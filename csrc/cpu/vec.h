@@ -64,10 +64,10 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
                                                                         uint64_t block) {
   constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
   const uint64_t next = block + 1;
-  __m256i c = _mm256_setr_epi32(
-      static_cast<int>(block), static_cast<int>(block >> 32), static_cast<int>(key.salt),
-      static_cast<int>(key.step), static_cast<int>(next), static_cast<int>(next >> 32),
-      static_cast<int>(key.salt), static_cast<int>(key.step));
+  __m256i c = _mm256_setr_epi32(static_cast<int>(block), static_cast<int>(block >> 32),
+                                static_cast<int>(key.salt), static_cast<int>(key.step),
+                                static_cast<int>(next), static_cast<int>(next >> 32),
+                                static_cast<int>(key.salt), static_cast<int>(key.step));
   const uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
   __m256i k = _mm256_setr_epi32(static_cast<int>(k0), 0, static_cast<int>(k1), 0,
                                 static_cast<int>(k0), 0, static_cast<int>(k1), 0);
@@ -77,9 +77,9 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
                                       static_cast<int>(kM0), 0, static_cast<int>(kM1), 0);
   // Bytes (per 128-bit half) that move v[1] and v[3] to words 0 and 2, words 1 and 3
   // zero (index -128).
-  const __m256i odd_words = _mm256_setr_epi8(4, 5, 6, 7, -128, -128, -128, -128, 12, 13, 14,
-                                             15, -128, -128, -128, -128, 4, 5, 6, 7, -128, -128,
-                                             -128, -128, 12, 13, 14, 15, -128, -128, -128, -128);
+  const __m256i odd_words =
+      _mm256_setr_epi8(4, 5, 6, 7, -128, -128, -128, -128, 12, 13, 14, 15, -128, -128, -128, -128,
+                       4, 5, 6, 7, -128, -128, -128, -128, 12, 13, 14, 15, -128, -128, -128, -128);
   for (int r = 0; r < 10; ++r) {
     if (r > 0) k = _mm256_add_epi32(k, w);
     // Per block: products (lo0, hi0, lo1, hi1) of M0 * v[0] and M1 * v[2]; the new
@@ -94,8 +94,8 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
 
 // rounding_bits of elements index .. index + n - 1, for vectors that start off a
 // multiple of 8 (not the engine's): out of line, to keep the vector path inlined.
-__attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index,
-                                                      int n, uint32_t* out) {
+__attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index, int n,
+                                                      uint32_t* out) {
   for (int j = 0; j < n; ++j) out[j] = rounding_bits(key, index + j);
 }
 
@@ -132,8 +132,8 @@ struct Lanes<VecF16> {
   }
   // Philox for blocks index / 8 and index / 8 + 1 in vector lanes when index % 8 == 0,
   // as the engine's vectors start; else the lanes' rounding_bits one by one.
-  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16
-  round_bf16_stochastic(VecF16 x, const RoundingKey& key, int64_t index) {
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 round_bf16_stochastic(
+      VecF16 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(32)));
     VecU16 bits;
     if (index % 8 == 0) {
@@ -168,8 +168,8 @@ struct Lanes<VecF8> {
   }
   // Philox for block index / 8 in vector lanes when index % 8 == 0, as the engine's
   // vectors start; else the lanes' rounding_bits one by one.
-  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8
-  round_bf16_stochastic(VecF8 x, const RoundingKey& key, int64_t index) {
+  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8 round_bf16_stochastic(
+      VecF8 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(16)));
     VecU8 bits;
     if (index % 8 == 0) {
@@ -210,16 +210,15 @@ MP_AVX512 Vec load(const c10::BFloat16* p) {  // bf16 is fp32's top half
 MP_AVX512 void store(float* p, Vec x) { _mm512_storeu_ps(p, (__m512)x); }
 MP_AVX512 void store(c10::Half* p, Vec x) {
   const __m256i h = _mm512_mask_cvtps_ph(_mm256_setzero_si256(), static_cast<__mmask16>(-1),
-                                         (__m512)x,
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                         (__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
 }
 MP_AVX512 void store(c10::BFloat16* p, Vec x) {
   const __m512i u = _mm512_castps_si512((__m512)x);
   const __m512i lsb =
       _mm512_and_si512(_mm512_maskz_srli_epi32(kAll16, u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_maskz_srli_epi32(kAll16, 
-      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i rounded = _mm512_maskz_srli_epi32(
+      kAll16, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
   const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(kAll16, bits));
@@ -242,15 +241,14 @@ MP_AVX2 Vec load(const c10::BFloat16* p) {
 }
 MP_AVX2 void store(float* p, Vec x) { _mm256_storeu_ps(p, (__m256)x); }
 MP_AVX2 void store(c10::Half* p, Vec x) {
-  const __m128i h =
-      _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i h = _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
 MP_AVX2 void store(c10::BFloat16* p, Vec x) {
   const __m256i u = _mm256_castps_si256((__m256)x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)x, (__m256)x, _CMP_UNORD_Q));
   const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
   // Eight 32-bit values (< 2^16) to eight 16-bit ones, in order (packus works per

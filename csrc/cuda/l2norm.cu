@@ -41,8 +41,8 @@ struct Ranges {
   int32_t count[kRangesPerLaunch];
 };
 
-__global__ void l2norm_tensors_kernel(const __grid_constant__ Ranges ranges,
-                                      const float* partial, float* squares) {
+__global__ void l2norm_tensors_kernel(const __grid_constant__ Ranges ranges, const float* partial,
+                                      float* squares) {
   const int64_t begin = ranges.begin[blockIdx.x];
   float acc = 0.f;
   for (int i = threadIdx.x; i < ranges.count[blockIdx.x]; i += blockDim.x) {
@@ -78,13 +78,12 @@ std::tuple<at::Tensor, at::Tensor> CudaEngine::l2norm(at::TensorList tensors,
   at::Tensor partial = at::empty({std::max<int64_t>(layout.total_chunks, 1)}, options);
   for (const auto& group : layout.groups) {
     MP_DISPATCH_FLOATS(group.dtype, "multi_tensor_l2norm", scalar_t, [&] {
-      for_each_launch<1>(group.lists, [&](const TensorListMeta<1>& meta, int num_blocks,
-                                          int64_t first_block) {
-        l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
-            meta, inv_scale, partial.data_ptr<float>(),
-            group.first_partial + first_block);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      for_each_launch<1>(
+          group.lists, [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
+            l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
+                meta, inv_scale, partial.data_ptr<float>(), group.first_partial + first_block);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
     });
   }
 
@@ -103,9 +102,8 @@ std::tuple<at::Tensor, at::Tensor> CudaEngine::l2norm(at::TensorList tensors,
 
   at::Tensor norm = at::empty({1}, options);
   at::Tensor per = at::empty({per_tensor ? n : 0}, options);
-  l2norm_total_kernel<<<1, 1024, 0, stream>>>(squares.data_ptr<float>(), n,
-                                               norm.data_ptr<float>(),
-                                               per_tensor ? per.data_ptr<float>() : nullptr);
+  l2norm_total_kernel<<<1, 1024, 0, stream>>>(squares.data_ptr<float>(), n, norm.data_ptr<float>(),
+                                              per_tensor ? per.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {norm, per};
 }

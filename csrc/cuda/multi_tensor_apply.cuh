@@ -35,7 +35,7 @@ __global__ void update_loss_scale_kernel(float* scale, int32_t* growth_tracker,
   update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
 }
 
-// The Engine of csrc/dispatch.h for CUDA: launches on the current stream of the
+// The Engine (csrc/dispatch.h) for CUDA: launches on the current stream of the
 // current device (the entries set it with Guard).
 struct CudaEngine {
   using Guard = c10::cuda::CUDAGuard;
@@ -53,18 +53,16 @@ struct CudaEngine {
   }
 
   // In l2norm.cu.
-  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors,
-                                                   const float* inv_scale, bool per_tensor,
-                                                   at::Device device);
+  static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const float* inv_scale,
+                                                   bool per_tensor, at::Device device);
 
   static void increment_step(float* step, const float* found_inf) {
     increment_step_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(step, found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
-  static void update_loss_scale(float* scale, int32_t* growth_tracker,
-                                int32_t* hysteresis_tracker, const float* found_inf,
-                                const LossScaleArgs& args) {
+  static void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                                const float* found_inf, const LossScaleArgs& args) {
     update_loss_scale_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
         scale, growth_tracker, hysteresis_tracker, found_inf, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -110,8 +110,7 @@ MP_DEVICE Chunk block_chunk(const TensorListMeta<D>& meta) {
   const int entry = static_cast<int>(blockIdx.x / Parts);
   const int part = static_cast<int>(blockIdx.x % Parts);
   const int slot = meta.block_slot[entry];
-  const int64_t start = static_cast<int64_t>(meta.block_chunk[entry]) * kChunkSize +
-                        part * kSlice;
+  const int64_t start = static_cast<int64_t>(meta.block_chunk[entry]) * kChunkSize + part * kSlice;
   const int64_t rest = meta.numel[slot] - start;
   return {slot, start, rest <= 0 ? 0 : rest < kSlice ? rest : kSlice};
 }
@@ -169,8 +168,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
   constexpr int D = sizeof...(Ts);
   static_assert(((!kPerTensorList<Op, K> || std::is_same<Ts, float>::value) && ...),
                 "per-tensor lists are fp32");
-  const void* in[D] = {
-      (((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? ptrs[K] : nullptr...};
+  const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? ptrs[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? ptrs[K] : nullptr...};
   // The per-tensor values, loaded once; zeros elsewhere.
   float per[D] = {};
@@ -223,16 +221,14 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
 // *skip != 0, else `op` over its share of the block's chunk; a non-finite input
 // that op reports sets *found_inf. Per-tensor lists are not offset by the chunk.
 template <typename Op, typename... Ts, size_t... K>
-MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
-                               const float* skip, float* found_inf,
-                               std::index_sequence<K...> seq) {
+MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op, const float* skip,
+                               float* found_inf, std::index_sequence<K...> seq) {
   if (skip != nullptr && *skip != 0.f) return;
   op.resolve();
   const Chunk c = block_chunk<kBlocksPerChunk>(meta);
   if (c.size == 0) return;
-  void* const ptrs[sizeof...(Ts)] = {kPerTensorList<Op, K>
-                                         ? meta.ptrs[K][c.slot]
-                                         : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
+  void* const ptrs[sizeof...(Ts)] = {
+      kPerTensorList<Op, K> ? meta.ptrs[K][c.slot] : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
   const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }

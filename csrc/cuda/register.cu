@@ -1,6 +1,7 @@
-// The CUDA kernels: every op's entry (dispatch.h) on the CUDA engine.
+// The CUDA kernels: every op's entry (csrc/ops/) on the CUDA engine.
 #include <torch/library.h>
 
+#include "../ops/all.h"
 #include "multi_tensor_apply.cuh"
 
 namespace mixedprec::cuda {

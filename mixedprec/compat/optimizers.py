@@ -494,7 +494,7 @@ class FusedAdam(_FusedOptimizer):
                             count, group["lr"], beta1, beta2, group["eps"],
                             group["weight_decay"], group["adam_w_mode"],
                             group["bias_correction"], inv_scale, found_inf,
-                            compensations=comps, sr_salts=salts,
+                            kahan_comps=comps, sr_salts=salts,
                             sr_seed=group.get("sr_seed") if salts else None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:

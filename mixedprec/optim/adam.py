@@ -137,7 +137,7 @@ class Adam(TorchOptimizer):
             if self.unscale_grads and inv_scale is not None:
                 extra["unscale_grads"] = True
             if comps:
-                extra["compensations"] = comps
+                extra["kahan_comps"] = comps
             if salts:
                 extra.update(sr_salts=salts, sr_seed=group["sr_seed"])
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,

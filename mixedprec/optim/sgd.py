@@ -103,7 +103,7 @@ class SGD(TorchOptimizer):
         if self.unscale_grads and inv_scale is not None:
             extra["unscale_grads"] = True
         if comps:
-            extra["compensations"] = comps
+            extra["kahan_comps"] = comps
         if salts:
             extra.update(sr_salts=salts, sr_seed=group["sr_seed"], step=step)
         ops.fused_sgd_(targets, grads, buffers, model, 0.0 if isinstance(lr, Tensor) else lr,

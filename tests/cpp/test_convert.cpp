@@ -30,18 +30,16 @@ float from_bits(uint32_t u) {
 #if defined(MP_X86_ISA)
 // Whole vectors of src converted with the loads and stores of one instruction set
 // (n is a multiple of the width).
-#define MP_CONVERT(NS, TARGET)                                                   \
-  template <typename T>                                                         \
-  __attribute__((target(TARGET))) void NS##_to_float(const T* src, float* dst,  \
-                                                      size_t n) {               \
-    constexpr size_t W = sizeof(NS::Vec) / sizeof(float);                       \
-    for (size_t i = 0; i < n; i += W) NS::store(dst + i, NS::load(src + i));    \
-  }                                                                             \
-  template <typename T>                                                         \
-  __attribute__((target(TARGET))) void NS##_from_float(const float* src, T* dst, \
-                                                        size_t n) {             \
-    constexpr size_t W = sizeof(NS::Vec) / sizeof(float);                       \
-    for (size_t i = 0; i < n; i += W) NS::store(dst + i, NS::load(src + i));    \
+#define MP_CONVERT(NS, TARGET)                                                               \
+  template <typename T>                                                                      \
+  __attribute__((target(TARGET))) void NS##_to_float(const T* src, float* dst, size_t n) {   \
+    constexpr size_t W = sizeof(NS::Vec) / sizeof(float);                                    \
+    for (size_t i = 0; i < n; i += W) NS::store(dst + i, NS::load(src + i));                 \
+  }                                                                                          \
+  template <typename T>                                                                      \
+  __attribute__((target(TARGET))) void NS##_from_float(const float* src, T* dst, size_t n) { \
+    constexpr size_t W = sizeof(NS::Vec) / sizeof(float);                                    \
+    for (size_t i = 0; i < n; i += W) NS::store(dst + i, NS::load(src + i));                 \
   }
 MP_CONVERT(avx2, MP_AVX2_TARGET)
 MP_CONVERT(avx512, MP_AVX512_TARGET)
@@ -90,12 +88,18 @@ void check_every_16_bit_value(const char* isa) {
 // midpoints between them (ties), +-1 ulp around those, plus random floats.
 template <typename T>
 std::vector<float> hard_floats() {
-  std::vector<float> out = {0.f, -0.f, std::numeric_limits<float>::infinity(),
+  std::vector<float> out = {0.f,
+                            -0.f,
+                            std::numeric_limits<float>::infinity(),
                             -std::numeric_limits<float>::infinity(),
                             std::numeric_limits<float>::quiet_NaN(),
                             -std::numeric_limits<float>::quiet_NaN(),
-                            std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
-                            std::numeric_limits<float>::denorm_min(), 65504.f, 65520.f, 65519.99f};
+                            std::numeric_limits<float>::max(),
+                            std::numeric_limits<float>::min(),
+                            std::numeric_limits<float>::denorm_min(),
+                            65504.f,
+                            65520.f,
+                            65519.99f};
   for (uint32_t i = 0; i < 65535; ++i) {
     T a, b;
     a.x = static_cast<uint16_t>(i);
@@ -139,9 +143,7 @@ class Convert : public ::testing::TestWithParam<const char*> {
 };
 
 TEST_P(Convert, HalfToFloatEveryValue) { check_every_16_bit_value<c10::Half>(GetParam()); }
-TEST_P(Convert, BFloat16ToFloatEveryValue) {
-  check_every_16_bit_value<c10::BFloat16>(GetParam());
-}
+TEST_P(Convert, BFloat16ToFloatEveryValue) { check_every_16_bit_value<c10::BFloat16>(GetParam()); }
 TEST_P(Convert, FloatToHalfRoundsLikeC10) { check_from_float<c10::Half>(GetParam()); }
 TEST_P(Convert, FloatToBFloat16RoundsLikeC10) { check_from_float<c10::BFloat16>(GetParam()); }
 

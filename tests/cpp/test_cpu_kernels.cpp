@@ -1,4 +1,4 @@
-// The CPU kernels called directly (the entries of dispatch.h on the CPU engine, as
+// The CPU kernels called directly (the entries of csrc/ops/ on the CPU engine, as
 // registered for the CPU key), their validation, and the registration of every
 // schema with the dispatcher.
 #include <ATen/ATen.h>
@@ -16,6 +16,7 @@
 
 #include "cpu/engine.h"
 #include "multi_tensor_plan.h"
+#include "ops/all.h"
 
 namespace mixedprec {
 namespace cpu {
@@ -32,21 +33,21 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 double weight_decay, bool nesterov, bool first_run,
                 const std::optional<at::Tensor>& inv_scale,
                 const std::optional<at::Tensor>& found_inf, bool wd_after_momentum,
-                std::optional<at::TensorList> compensations = std::nullopt) {
+                std::optional<at::TensorList> kahan_comps = std::nullopt) {
   entry::fused_sgd_<CpuEngine>(params, grads, momentum_buffers, model_params, lr, momentum,
-                               dampening, weight_decay, nesterov, first_run, inv_scale,
-                               found_inf, wd_after_momentum, compensations);
+                               dampening, weight_decay, nesterov, first_run, inv_scale, found_inf,
+                               wd_after_momentum, kahan_comps);
 }
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool adamw, bool bias_correction, const std::optional<at::Tensor>& inv_scale,
+                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                 bool bias_correction, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& lr_tensor,
-                 std::optional<at::TensorList> compensations = std::nullopt) {
-  entry::fused_adam_<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr,
-                                beta1, beta2, eps, weight_decay, adamw, bias_correction,
-                                inv_scale, found_inf, lr_tensor, compensations);
+                 std::optional<at::TensorList> kahan_comps = std::nullopt) {
+  entry::fused_adam_<CpuEngine>(params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1,
+                                beta2, eps, weight_decay, adamw, bias_correction, inv_scale,
+                                found_inf, lr_tensor, kahan_comps);
 }
 constexpr auto fused_lamb_ = &entry::fused_lamb_<CpuEngine>;
 constexpr auto sum_fp32 = &entry::sum_fp32<CpuEngine>;
@@ -279,9 +280,8 @@ void expect_affine_per_tensor() {
   // A non-finite per-tensor value is reported like any input; a skip writes nothing.
   lists[2][3].fill_(kInf);
   const auto before = clones(data);
-  Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{},
-                                                         scalar(1.f).data_ptr<float>(),
-                                                         found_inf.data_ptr<float>());
+  Engine::run<AffinePerTensorOp, T, float, float, float>(
+      lists, AffinePerTensorOp{}, scalar(1.f).data_ptr<float>(), found_inf.data_ptr<float>());
   expect_same(data, before);
   EXPECT_EQ(value(found_inf), 0.f);
   Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,
@@ -424,8 +424,8 @@ TEST(FusedAdam, FoundInfLeavesEverythingIdentical) {
 
 // LAMB in double, from the math (Apex's multi_tensor_lamb): returns p, m, v.
 std::vector<Tensor> lamb_reference(const Tensor& p32, const Tensor& g16, const Tensor& m32,
-                                   const Tensor& v32, double step, double lr, double wd,
-                                   bool adamw, bool nvlamb, double inv_scale, double clip) {
+                                   const Tensor& v32, double step, double lr, double wd, bool adamw,
+                                   bool nvlamb, double inv_scale, double clip) {
   const double beta1 = 0.9, beta2 = 0.999, eps = 1e-6;
   const Tensor p = p32.to(at::kDouble);
   Tensor g = g16.to(at::kDouble) * inv_scale / clip;
@@ -443,19 +443,19 @@ std::vector<Tensor> lamb_reference(const Tensor& p32, const Tensor& g16, const T
 TEST(FusedLamb, OneStepMatchesTheFormula) {
   const double lr = 1e-2, inv_scale = 0.25, max_grad_norm = 1.0;
   for (const auto& [wd, adamw, nvlamb] :
-       {std::tuple{0.01, true, false}, std::tuple{0.01, false, false},
-        std::tuple{0.0, true, true}, std::tuple{0.0, true, false}}) {
+       {std::tuple{0.01, true, false}, std::tuple{0.01, false, false}, std::tuple{0.0, true, true},
+        std::tuple{0.0, true, false}}) {
     AdamCase c = adam_case(2.f);
     const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
     // A global norm above max_grad_norm: gradients are divided by it.
     const Tensor grad_norm = scalar(3.f);
-    cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9,
-                     0.999, 1e-6, wd, adamw, /*bias_correction=*/true, /*grad_averaging=*/true,
-                     nvlamb, grad_norm, max_grad_norm, scalar(inv_scale), scalar(0.f));
+    cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9, 0.999,
+                     1e-6, wd, adamw, /*bias_correction=*/true, /*grad_averaging=*/true, nvlamb,
+                     grad_norm, max_grad_norm, scalar(inv_scale), scalar(0.f));
     EXPECT_EQ(value(c.step), 3.f);
     for (size_t i = 0; i < c.params.size(); ++i) {
-      const auto want = lamb_reference(p0[i], c.grads[i], m0[i], v0[i], 3, lr, wd, adamw,
-                                       nvlamb, inv_scale, 3.0);
+      const auto want =
+          lamb_reference(p0[i], c.grads[i], m0[i], v0[i], 3, lr, wd, adamw, nvlamb, inv_scale, 3.0);
       expect_close(c.exp_avgs[i], want[1], 1e-5, 1e-7, "exp_avgs");
       expect_close(c.exp_avg_sqs[i], want[2], 1e-5, 1e-9, "exp_avg_sqs");
       expect_close(c.params[i], want[0], 1e-5, 1e-6, "params");
@@ -468,8 +468,8 @@ TEST(FusedLamb, FoundInfLeavesEverythingIdentical) {
   AdamCase c = adam_case(7.f);
   const auto p0 = clones(c.params), m0 = clones(c.exp_avgs), v0 = clones(c.exp_avg_sqs);
   const auto model0 = clones(c.model);
-  cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9,
-                   0.999, 1e-6, 0.01, true, true, true, false, scalar(kInf), 1.0, scalar(1.f),
+  cpu::fused_lamb_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 1e-3, 0.9, 0.999,
+                   1e-6, 0.01, true, true, true, false, scalar(kInf), 1.0, scalar(1.f),
                    scalar(1.f));
   EXPECT_EQ(value(c.step), 7.f);
   expect_same(c.params, p0);
@@ -584,10 +584,7 @@ TEST(Validation, MultiTensorOps) {
                       "inv_scale");
   const Tensor strided = at::ones({8}).slice(0, 0, 8, 2);
   expect_error_naming(
-      [&] {
-        cpu::multi_tensor_unscale_({ok[0], strided}, found_inf, scalar(0.5f));
-      },
-      "tensors[1]");
+      [&] { cpu::multi_tensor_unscale_({ok[0], strided}, found_inf, scalar(0.5f)); }, "tensors[1]");
   EXPECT_TRUE(at::equal(ok[0], at::ones({4})));
 
   const std::vector<Tensor> src = {at::full({4}, 3.f), at::full({5}, 3.f)};
@@ -597,11 +594,8 @@ TEST(Validation, MultiTensorOps) {
   expect_error_naming([&] { cpu::multi_tensor_unscale_to_(src, {dst[0]}, found_inf, scalar(1.f)); },
                       "dst");
   expect_error_naming([&] { cpu::multi_tensor_copy_(src, dst); }, "dst[1]");
-  expect_error_naming(
-      [&] {
-        cpu::multi_tensor_copy_(src, {dst[0], at::empty({5}, at::kMeta)});
-      },
-      "dst[1]");
+  expect_error_naming([&] { cpu::multi_tensor_copy_(src, {dst[0], at::empty({5}, at::kMeta)}); },
+                      "dst[1]");
   EXPECT_TRUE(at::equal(dst[0], at::zeros({4})));
 
   const Tensor a = at::ones({2, 3}), b = at::zeros({3, 2}).t();  // same numel, other order
@@ -639,8 +633,8 @@ TEST(LeanPrecision, Bf16MomentsStoreTheRoundedFp32Moments) {
     lean.exp_avg_sqs.push_back(c.exp_avg_sqs[i].to(at::kBFloat16));
   }
   for (AdamCase* k : {&c, &lean}) {
-    cpu::fused_adam_(k->params, k->grads, k->exp_avgs, k->exp_avg_sqs, k->model, k->step, 1e-3,
-                     0.9, 0.999, 1e-8, 1e-2, true, true, scalar(0.5f), scalar(0.f), std::nullopt,
+    cpu::fused_adam_(k->params, k->grads, k->exp_avgs, k->exp_avg_sqs, k->model, k->step, 1e-3, 0.9,
+                     0.999, 1e-8, 1e-2, true, true, scalar(0.5f), scalar(0.f), std::nullopt,
                      std::nullopt);
   }
   for (size_t i = 0; i < c.params.size(); ++i) {
@@ -674,8 +668,7 @@ TEST(LeanPrecision, KahanStepIsTheFp32StepFromParamPlusCompensation) {
     std::vector<Tensor> m2 = clones(m), v2 = clones(v), bufs = clones(m), bufs2 = clones(m);
     if (adam) {
       cpu::fused_adam_(params, grads, m, v, {}, scalar(3.f), 1e-2, 0.9, 0.999, 1e-8, 1e-2, true,
-                       true, std::nullopt, std::nullopt, std::nullopt,
-                       at::TensorList(comps));
+                       true, std::nullopt, std::nullopt, std::nullopt, at::TensorList(comps));
       cpu::fused_adam_(masters, grads, m2, v2, model, scalar(3.f), 1e-2, 0.9, 0.999, 1e-8, 1e-2,
                        true, true, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
     } else {
@@ -712,10 +705,9 @@ TEST(Validation, LeanPrecision) {
   };
   expect_error_naming([&] { sgd({at::ones({4})}, {}, comps); }, "params[0]");
   expect_error_naming([&] { sgd({at::ones({4})}, bf16, comps); }, "model_params");
-  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({4})}); }, "compensations[0]");
-  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({5}, at::kBFloat16)}); },
-                      "compensations[0]");
-  expect_error_naming([&] { sgd(bf16, {}, {bf16[0]}); }, "compensations[0]");  // overlap
+  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({4})}); }, "kahan_comps[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {at::zeros({5}, at::kBFloat16)}); }, "kahan_comps[0]");
+  expect_error_naming([&] { sgd(bf16, {}, {bf16[0]}); }, "kahan_comps[0]");  // overlap
   EXPECT_TRUE(at::equal(bf16[0], at::ones({4}, at::kBFloat16)));
   // bf16 moments: both of a param in one dtype; LAMB keeps fp32 moments only.
   AdamCase c = adam_case(0.f);
@@ -791,9 +783,7 @@ TEST(Validation, FusedAdam) {
   expect_error_naming([&] { adam(at::zeros({1}, at::kInt), 0.9, 1e-8, c.exp_avgs); }, "step");
   expect_error_naming([&] { adam(at::zeros({2}), 0.9, 1e-8, c.exp_avgs); }, "step");
   expect_error_naming(
-      [&] {
-        adam(c.step, 0.9, 1e-8, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)});
-      },
+      [&] { adam(c.step, 0.9, 1e-8, {c.exp_avgs[0], c.exp_avgs[1].to(at::kHalf)}); },
       "exp_avgs[1]");
   expect_error_naming([&] { adam(c.step, 0.9, 1e-8, c.exp_avg_sqs); },
                       "overlaps exp_avg_sqs[");  // at some index: all are one
@@ -809,9 +799,9 @@ TEST(Validation, FusedLamb) {
   const auto p0 = clones(c.params), m0 = clones(c.exp_avgs);
   const auto lamb = [&](double lr, double max_grad_norm, std::vector<Tensor> exp_avgs,
                         const std::optional<Tensor>& grad_norm) {
-    cpu::fused_lamb_(c.params, c.grads, exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9,
-                     0.999, 1e-6, 0.01, true, true, true, false, grad_norm, max_grad_norm,
-                     std::nullopt, std::nullopt);
+    cpu::fused_lamb_(c.params, c.grads, exp_avgs, c.exp_avg_sqs, c.model, c.step, lr, 0.9, 0.999,
+                     1e-6, 0.01, true, true, true, false, grad_norm, max_grad_norm, std::nullopt,
+                     std::nullopt);
   };
   expect_error_naming([&] { lamb(-1.0, 1.0, c.exp_avgs, std::nullopt); }, "lr");
   expect_error_naming([&] { lamb(1e-3, 0.0, c.exp_avgs, scalar(1.f)); }, "max_grad_norm");
@@ -864,8 +854,7 @@ TEST(FusedAdagrad, OneStepMatchesTheFormula) {
     std::vector<Tensor> grads = {at::randn({kChunkSize + 3}).to(at::kHalf),
                                  at::randn({7}).to(at::kHalf)};
     std::vector<Tensor> sums = {at::rand({kChunkSize + 3}), at::rand({7})};
-    std::vector<Tensor> model = {at::empty({kChunkSize + 3}, at::kHalf),
-                                 at::empty({7}, at::kHalf)};
+    std::vector<Tensor> model = {at::empty({kChunkSize + 3}, at::kHalf), at::empty({7}, at::kHalf)};
     const auto p0 = clones(params), h0 = clones(sums);
     cpu::fused_adagrad_(params, grads, sums, model, lr, eps, wd, w_mode, scalar(inv_scale),
                         scalar(0.f));
@@ -887,8 +876,7 @@ TEST(FusedAdagrad, FoundInfSkipsAndBadArgumentsWriteNothing) {
   std::vector<Tensor> params = {at::randn({20})}, grads = {at::randn({20})},
                       sums = {at::rand({20})};
   const auto p0 = clones(params), h0 = clones(sums);
-  cpu::fused_adagrad_(params, grads, sums, {}, 0.1, 1e-10, 0.0, false, std::nullopt,
-                      scalar(1.f));
+  cpu::fused_adagrad_(params, grads, sums, {}, 0.1, 1e-10, 0.0, false, std::nullopt, scalar(1.f));
   expect_same(params, p0);
   expect_same(sums, h0);
   const auto adagrad = [&](double lr, double eps, const std::vector<Tensor>& s) {
@@ -896,8 +884,7 @@ TEST(FusedAdagrad, FoundInfSkipsAndBadArgumentsWriteNothing) {
   };
   expect_error_naming([&] { adagrad(-1.0, 1e-10, sums); }, "lr");
   expect_error_naming([&] { adagrad(0.1, -1.0, sums); }, "eps");
-  expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({20}, at::kHalf)}); },
-                      "state_sums[0]");
+  expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({20}, at::kHalf)}); }, "state_sums[0]");
   expect_error_naming([&] { adagrad(0.1, 1e-10, {at::zeros({21})}); }, "state_sums");
   expect_same(params, p0);
   expect_same(sums, h0);
@@ -916,8 +903,8 @@ TEST(FusedNovoGrad, OneStepMatchesTheFormula) {
       const Tensor v = at::rand({2}) + 0.5, step = scalar(2.f);
       const auto p0 = clones(params), m0 = clones(m);
       const Tensor v0 = v.clone();
-      cpu::fused_novograd_(params, grads, m, model, v, step, lr, beta1, beta2, eps, wd, true,
-                           true, reg_inside, norm_type, false, std::nullopt, scalar(0.f));
+      cpu::fused_novograd_(params, grads, m, model, v, step, lr, beta1, beta2, eps, wd, true, true,
+                           reg_inside, norm_type, false, std::nullopt, scalar(0.f));
       EXPECT_EQ(value(step), 3.f);
       const double bc1 = 1 - std::pow(beta1, 3), bc2 = std::sqrt(1 - std::pow(beta2, 3));
       for (size_t i = 0; i < params.size(); ++i) {
@@ -950,13 +937,13 @@ TEST(FusedNovoGrad, FirstStepStartsFromTheNormsAndFoundInfSkipsEverything) {
   std::vector<Tensor> m = {at::zeros({30}), at::zeros({5})};
   const Tensor v = at::zeros({2}), step = scalar(0.f);
   const auto p0 = clones(params);
-  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
-                       false, 2, /*init_zero=*/false, std::nullopt, scalar(1.f));
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true, false,
+                       2, /*init_zero=*/false, std::nullopt, scalar(1.f));
   expect_same(params, p0);
   EXPECT_TRUE(at::equal(v, at::zeros({2})));
   EXPECT_EQ(value(step), 0.f);
-  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true,
-                       false, 2, /*init_zero=*/false, std::nullopt, scalar(0.f));
+  cpu::fused_novograd_(params, grads, m, {}, v, step, 0.1, 0.9, 0.999, 1e-8, 0.0, true, true, false,
+                       2, /*init_zero=*/false, std::nullopt, scalar(0.f));
   expect_close(v, at::stack({grads[0].to(at::kDouble).norm(), grads[1].to(at::kDouble).norm()}),
                1e-6, 1e-7, "exp_avg_sq");
   EXPECT_EQ(value(step), 1.f);
@@ -974,11 +961,10 @@ TEST(FusedNovoGrad, FirstStepStartsFromTheNormsAndFoundInfSkipsEverything) {
 TEST(FusedSgd, WeightDecayAfterMomentum) {
   const double lr = 0.1, momentum = 0.9, dampening = 0.2, wd = 0.05;
   const int64_t n = kChunkSize + 5;
-  std::vector<Tensor> params = {at::randn({n})}, grads = {at::randn({n})},
-                      bufs = {at::randn({n})};
+  std::vector<Tensor> params = {at::randn({n})}, grads = {at::randn({n})}, bufs = {at::randn({n})};
   const auto p0 = clones(params), b0 = clones(bufs);
-  cpu::fused_sgd_(params, grads, bufs, {}, lr, momentum, dampening, wd, false, false,
-                  std::nullopt, std::nullopt, /*wd_after_momentum=*/true);
+  cpu::fused_sgd_(params, grads, bufs, {}, lr, momentum, dampening, wd, false, false, std::nullopt,
+                  std::nullopt, /*wd_after_momentum=*/true);
   const Tensor p = p0[0].to(at::kDouble);
   const Tensor buf = b0[0].to(at::kDouble) * momentum + (1 - dampening) * grads[0].to(at::kDouble);
   expect_close(bufs[0], buf, 1e-5, 1e-6, "momentum_buffers");
@@ -1002,8 +988,7 @@ TEST(FusedAdam, LearningRateFromATensor) {
   expect_error_naming(
       [&] {
         cpu::fused_adam_(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step, 0.0, 0.9,
-                         0.999, 1e-8, 0.0, true, true, std::nullopt, std::nullopt,
-                         at::zeros({2}));
+                         0.999, 1e-8, 0.0, true, true, std::nullopt, std::nullopt, at::zeros({2}));
       },
       "lr_tensor");
 }
@@ -1059,11 +1044,10 @@ TEST(FusedAdam, OptionsWriteNothingWhenSkipped) {
   AdamCase c = adam_case(2.f);
   std::vector<Tensor> vmax = clones(c.exp_avg_sqs);
   const auto g0 = clones(c.grads), max0 = clones(vmax), p0 = clones(c.params);
-  entry::fused_adam_<cpu::CpuEngine>(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model,
-                                     c.step, 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
-                                     scalar(0.5f), scalar(1.f), std::nullopt, std::nullopt,
-                                     std::nullopt, std::nullopt, true, at::TensorList(vmax),
-                                     true);
+  entry::fused_adam_<cpu::CpuEngine>(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step,
+                                     1e-3, 0.9, 0.999, 1e-8, 0.0, true, true, scalar(0.5f),
+                                     scalar(1.f), std::nullopt, std::nullopt, std::nullopt,
+                                     std::nullopt, true, at::TensorList(vmax), true);
   expect_same(c.grads, g0);
   expect_same(vmax, max0);
   expect_same(c.params, p0);
@@ -1078,8 +1062,8 @@ TEST(FusedSgd, MaximizeLrTensorAndUnscaleGradsMatchTheFormula) {
   std::vector<Tensor> bufs = {at::randn({n}), at::randn({9})};
   const auto p0 = clones(params), b0 = clones(bufs), g0 = clones(grads);
   entry::fused_sgd_<cpu::CpuEngine>(params, grads, bufs, {}, /*lr=*/7.0, momentum, 0.0, wd,
-                                    /*nesterov=*/true, false, scalar(inv_scale), scalar(0.f),
-                                    false, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                    /*nesterov=*/true, false, scalar(inv_scale), scalar(0.f), false,
+                                    std::nullopt, std::nullopt, std::nullopt, std::nullopt,
                                     /*maximize=*/true, scalar(lr), /*unscale_grads=*/true);
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(at::equal(grads[i], (g0[i].to(at::kFloat) * inv_scale).to(g0[i].scalar_type())));
@@ -1094,23 +1078,19 @@ TEST(FusedSgd, MaximizeLrTensorAndUnscaleGradsMatchTheFormula) {
 TEST(Validation, OptimizerOptions) {
   AdamCase c = adam_case(0.f);
   const auto p0 = clones(c.params), g0 = clones(c.grads);
-  const auto adam = [&](std::vector<Tensor> vmax, bool unscale_grads,
-                        std::vector<Tensor> grads) {
-    entry::fused_adam_<cpu::CpuEngine>(c.params, grads, c.exp_avgs, c.exp_avg_sqs, c.model,
-                                       c.step, 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
-                                       scalar(0.5f), std::nullopt, std::nullopt, std::nullopt,
-                                       std::nullopt, std::nullopt, false, at::TensorList(vmax),
-                                       unscale_grads);
+  const auto adam = [&](std::vector<Tensor> vmax, bool unscale_grads, std::vector<Tensor> grads) {
+    entry::fused_adam_<cpu::CpuEngine>(c.params, grads, c.exp_avgs, c.exp_avg_sqs, c.model, c.step,
+                                       1e-3, 0.9, 0.999, 1e-8, 0.0, true, true, scalar(0.5f),
+                                       std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt, false, at::TensorList(vmax), unscale_grads);
   };
-  expect_error_naming([&] { adam({c.exp_avg_sqs[0].clone()}, false, c.grads); },
-                      "max_exp_avg_sqs");
+  expect_error_naming([&] { adam({c.exp_avg_sqs[0].clone()}, false, c.grads); }, "max_exp_avg_sqs");
   expect_error_naming([&] { adam({}, false, c.grads); }, "max_exp_avg_sqs");
   expect_error_naming(
       [&] { adam({c.exp_avg_sqs[0].clone(), at::zeros({31}, at::kBFloat16)}, false, c.grads); },
       "max_exp_avg_sqs[1]");
-  expect_error_naming(
-      [&] { adam({c.exp_avg_sqs[0].clone(), at::zeros({30})}, false, c.grads); },
-      "max_exp_avg_sqs[1]");
+  expect_error_naming([&] { adam({c.exp_avg_sqs[0].clone(), at::zeros({30})}, false, c.grads); },
+                      "max_exp_avg_sqs[1]");
   expect_error_naming([&] { adam({c.exp_avg_sqs[0], c.exp_avg_sqs[1].clone()}, false, c.grads); },
                       "overlaps max_exp_avg_sqs[0]");
   // The grads are written with unscale_grads only: then they may share no memory.
@@ -1140,12 +1120,10 @@ TEST(Philox, KnownAnswers) {
   const Philox4x32 zero = philox4x32_10(Philox4x32{{0, 0, 0, 0}}, 0, 0);
   const uint32_t zero_want[4] = {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u};
   const Philox4x32 ones = philox4x32_10(
-      Philox4x32{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu,
-      0xffffffffu);
+      Philox4x32{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu, 0xffffffffu);
   const uint32_t ones_want[4] = {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu};
   const Philox4x32 pi = philox4x32_10(
-      Philox4x32{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u,
-      0x299f31d0u);
+      Philox4x32{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u);
   const uint32_t pi_want[4] = {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u};
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(zero.v[i], zero_want[i]) << i;
@@ -1163,8 +1141,8 @@ float from_bits(uint32_t u) {
 // Over all 2^16 values of the random bits, the rounded values average to x exactly
 // (unbiased), each is one of x's two bf16 neighbours, and bf16 values never move.
 TEST(StochasticRounding, AveragesToTheValueOverAllBits) {
-  for (const uint32_t u : {0x3f800001u, 0x3f808000u, 0x3f80ffffu, 0xbf80abcdu, 0x00001234u,
-                           0x7f7e8001u}) {
+  for (const uint32_t u :
+       {0x3f800001u, 0x3f808000u, 0x3f80ffffu, 0xbf80abcdu, 0x00001234u, 0x7f7e8001u}) {
     const double x = from_bits(u);
     const double down = from_bits(u & 0xffff0000u);
     const double up = from_bits((u & 0xffff0000u) + 0x10000u);
@@ -1199,12 +1177,12 @@ TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
   const auto before = clones(params);
   const int64_t seed = -5;  // all 64 bits: 0xffff...fb
   entry::fused_sgd_<cpu::CpuEngine>(params, grads, {}, {}, 0.03, 0.0, 0.0, 0.0, false, false,
-                               std::nullopt, std::nullopt, false, std::nullopt, salts, seed,
-                               scalar(6.f));
+                                    std::nullopt, std::nullopt, false, std::nullopt, salts, seed,
+                                    scalar(6.f));
   int up = 0, total = 0;
   for (size_t t = 0; t < params.size(); ++t) {
-    const RoundingKey key{static_cast<uint64_t>(seed), static_cast<uint32_t>(
-                              salts[t].item<float>()), 6u};
+    const RoundingKey key{static_cast<uint64_t>(seed),
+                          static_cast<uint32_t>(salts[t].item<float>()), 6u};
     for (int64_t i = 0; i < params[t].numel(); ++i) {
       const float p = static_cast<float>(before[t][i].item<at::BFloat16>());
       const float exact = p - 0.03f * grads[t][i].item<float>();
@@ -1221,22 +1199,20 @@ TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
 // for counter (i / 8 low word, high word, salt, step), key = the seed.
 uint32_t mapped_bits(const RoundingKey& key, uint64_t i) {
   const uint64_t b = i / 8;
-  const Philox4x32 out =
-      philox4x32_10(Philox4x32{{static_cast<uint32_t>(b), static_cast<uint32_t>(b >> 32),
-                                key.salt, key.step}},
-                    static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+  const Philox4x32 out = philox4x32_10(
+      Philox4x32{{static_cast<uint32_t>(b), static_cast<uint32_t>(b >> 32), key.salt, key.step}},
+      static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
   return (out.v[(i % 8) / 2] >> (16 * (i % 2))) & 0xffffu;
 }
 
 #if defined(MP_X86_ISA)
 // One vector of the engine's stochastic rounding, x[0..W) from `index` on.
-#define MP_ROUND_VEC(NAME, TARGET, V)                                                   \
-  __attribute__((target(TARGET))) void NAME(float* x, const RoundingKey& key,         \
-                                            int64_t index) {                          \
-    V v;                                                                              \
-    std::memcpy(&v, x, sizeof(v));                                                    \
-    v = Lanes<V>::round_bf16_stochastic(v, key, index);                               \
-    std::memcpy(x, &v, sizeof(v));                                                    \
+#define MP_ROUND_VEC(NAME, TARGET, V)                                                          \
+  __attribute__((target(TARGET))) void NAME(float* x, const RoundingKey& key, int64_t index) { \
+    V v;                                                                                       \
+    std::memcpy(&v, x, sizeof(v));                                                             \
+    v = Lanes<V>::round_bf16_stochastic(v, key, index);                                        \
+    std::memcpy(x, &v, sizeof(v));                                                             \
   }
 MP_ROUND_VEC(round_vec8, MP_AVX2_TARGET, VecF8)
 MP_ROUND_VEC(round_vec16, MP_AVX512_TARGET, VecF16)
@@ -1261,8 +1237,13 @@ TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
     }
   }
   const float inf = std::numeric_limits<float>::infinity();
-  const float specials[] = {inf, -inf, std::nanf(""), from_bits(0x7f800001u),
-                            from_bits(0xffc12345u), from_bits(0x7f7fffffu), -0.f,
+  const float specials[] = {inf,
+                            -inf,
+                            std::nanf(""),
+                            from_bits(0x7f800001u),
+                            from_bits(0xffc12345u),
+                            from_bits(0x7f7fffffu),
+                            -0.f,
                             from_bits(0x00001234u)};
   std::vector<float> values(400);
   uint32_t state = 12345;
@@ -1275,8 +1256,7 @@ TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
                         __builtin_cpu_supports("f16c");
   const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq");
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
   int vector_checks = 0;
   for (const uint64_t base : {uint64_t{0}, far}) {
     for (int64_t start = 0; start + 16 <= static_cast<int64_t>(values.size()); ++start) {
@@ -1318,22 +1298,22 @@ TEST(StochasticRounding, ChecksItsArguments) {
   expect_error_naming(
       [&] {
         entry::fused_sgd_<cpu::CpuEngine>(bf16, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
-                                     std::nullopt, std::nullopt, false, std::nullopt,
-                                     std::vector<Tensor>{}, 1, scalar(1.f));
+                                          std::nullopt, std::nullopt, false, std::nullopt,
+                                          std::vector<Tensor>{}, 1, scalar(1.f));
       },
       "sr_salts");
   expect_error_naming(
       [&] {
         entry::fused_sgd_<cpu::CpuEngine>(bf16, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
-                                     std::nullopt, std::nullopt, false, std::nullopt, salts, 1);
+                                          std::nullopt, std::nullopt, false, std::nullopt, salts,
+                                          1);
       },
       "step");
   expect_error_naming(
       [&] {
-        entry::fused_adam_<cpu::CpuEngine>(bf16, grads, {at::zeros({3})}, {at::zeros({3})}, {},
-                                      scalar(0.f), 1e-3, 0.9, 0.999, 1e-8, 0.0, true, true,
-                                      std::nullopt, std::nullopt, std::nullopt, std::nullopt,
-                                      salts);
+        entry::fused_adam_<cpu::CpuEngine>(
+            bf16, grads, {at::zeros({3})}, {at::zeros({3})}, {}, scalar(0.f), 1e-3, 0.9, 0.999,
+            1e-8, 0.0, true, true, std::nullopt, std::nullopt, std::nullopt, std::nullopt, salts);
       },
       "sr_salts");
 }

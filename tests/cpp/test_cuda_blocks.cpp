@@ -5,7 +5,7 @@
 //
 // A launch is emulated block by block and, within a block, thread by thread. That
 // is exact for the pointwise kernels, whose threads share nothing but found_inf.
-// The op entries of csrc/dispatch.h are then run on this engine and on the CPU
+// The op entries of csrc/ops/ are then run on this engine and on the CPU
 // engine over the same inputs, and must give the same bits: both apply the same
 // functors of csrc/pointwise.h to every element exactly once.
 //
@@ -33,6 +33,7 @@ EmulatedDim3 threadIdx, blockIdx, blockDim;
 
 #include "cpu/engine.h"
 #include "cuda/multi_tensor_block.cuh"
+#include "ops/all.h"
 
 namespace mixedprec::cuda {
 namespace {
@@ -41,7 +42,7 @@ using at::Tensor;
 
 int g_launches = 0;  // launches of the emulated engine, for the tests below
 
-// The Engine of csrc/dispatch.h with CudaEngine's block code, on the host. It keeps
+// The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
 // the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
 // kernels call the same functions of pointwise.h.
 struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
@@ -56,8 +57,7 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
         blockIdx.x = static_cast<unsigned>(b);
         for (int t = 0; t < kBlockSize; ++t) {
           threadIdx.x = static_cast<unsigned>(t);
-          pointwise_block<Op, Ts...>(meta, op, skip, found_inf,
-                                     std::index_sequence_for<Ts...>{});
+          pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
         }
       }
     });
@@ -236,13 +236,12 @@ TEST(CudaBlocks, FusedSgdMatchesTheCpuEngine) {
     std::vector<Tensor> bufs, model;
     if (c.momentum != 0.0) bufs = like(params, at::kFloat);
     if (c.has_model) model = like(params, c.model);
-    auto run = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> b,
-                   std::vector<Tensor> m, const Tensor& found_inf) {
+    auto run = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> b, std::vector<Tensor> m,
+                   const Tensor& found_inf) {
       using Engine = decltype(engine);
       for (const bool first_run : {true, false, false}) {
-        entry::fused_sgd_<Engine>(p, grads, b, m, 0.01, c.momentum, c.dampening,
-                                  c.weight_decay, c.nesterov, first_run, scalar(0.25f),
-                                  found_inf);
+        entry::fused_sgd_<Engine>(p, grads, b, m, 0.01, c.momentum, c.dampening, c.weight_decay,
+                                  c.nesterov, first_run, scalar(0.25f), found_inf);
       }
       std::vector<std::vector<Tensor>> out = {p, b, m};
       return out;
@@ -335,10 +334,10 @@ TEST(CudaBlocks, OptimizerOptionsMatchTheCpuEngine) {
       using Engine = decltype(engine);
       auto p = clones(params), g = clones(grads), b = like(params, at::kFloat);
       for (const bool first_run : {true, false}) {
-        entry::fused_sgd_<Engine>(p, g, b, {}, 0.0, 0.9, 0.0, 1e-4, true, first_run,
-                                  scalar(0.25f), found_inf, false, std::nullopt, std::nullopt,
-                                  std::nullopt, std::nullopt, /*maximize=*/true,
-                                  scalar(0.01f), /*unscale_grads=*/true);
+        entry::fused_sgd_<Engine>(p, g, b, {}, 0.0, 0.9, 0.0, 1e-4, true, first_run, scalar(0.25f),
+                                  found_inf, false, std::nullopt, std::nullopt, std::nullopt,
+                                  std::nullopt, /*maximize=*/true, scalar(0.01f),
+                                  /*unscale_grads=*/true);
       }
       std::vector<std::vector<Tensor>> out = {p, g, b};
       return out;
@@ -366,9 +365,9 @@ TEST(CudaBlocks, OptimizerOptionsMatchTheCpuEngine) {
         for (auto& v : vmax) v.abs_();
         const Tensor step = scalar(0.f);
         for (int i = 0; i < 2; ++i) {
-          entry::fused_adam_<Engine>(p, g, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2,
-                                     true, true, scalar(0.5f), found_inf, std::nullopt,
-                                     std::nullopt, std::nullopt, std::nullopt,
+          entry::fused_adam_<Engine>(p, g, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true,
+                                     true, scalar(0.5f), found_inf, std::nullopt, std::nullopt,
+                                     std::nullopt, std::nullopt,
                                      /*maximize=*/true, at::TensorList(vmax),
                                      /*unscale_grads=*/true);
         }
@@ -434,9 +433,9 @@ TEST(CudaBlocks, StochasticRoundingMatchesTheCpuEngine) {
     for (auto& v : m2) v.abs_();
     const Tensor step = scalar(0.f);
     for (int i = 0; i < 3; ++i) {
-      entry::fused_adam_<Engine>(p, grads, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2,
-                                 true, true, scalar(0.5f), found_inf, std::nullopt,
-                                 std::nullopt, salts, seed);
+      entry::fused_adam_<Engine>(p, grads, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true,
+                                 true, scalar(0.5f), found_inf, std::nullopt, std::nullopt, salts,
+                                 seed);
     }
     return p;
   };
@@ -479,8 +478,8 @@ TEST(CudaBlocks, FusedLambMatchesTheCpuEngine) {
       using Engine = decltype(engine);
       for (int i = 0; i < 3; ++i) {
         entry::fused_lamb_<Engine>(p, grads, m1, m2, m, step, 1e-2, 0.9, 0.999, 1e-6,
-                                   c.weight_decay, c.adamw, true, true, c.nvlamb,
-                                   scalar(40.f), 1.0, scalar(0.5f), found_inf);
+                                   c.weight_decay, c.adamw, true, true, c.nvlamb, scalar(40.f), 1.0,
+                                   scalar(0.5f), found_inf);
       }
       std::vector<std::vector<Tensor>> out = {p, m1, m2, m};
       return out;
@@ -568,24 +567,23 @@ TEST(CudaBlocks, L2NormPartialsOfEachTensorAreContiguous) {
   ASSERT_EQ(layout.groups.size(), 3u);
   std::vector<double> partial(layout.total_chunks, std::nan(""));
   for (const auto& group : layout.groups) {
-    for_each_launch<1>(group.lists, [&](const TensorListMeta<1>& meta, int num_blocks,
-                                        int64_t first_block) {
-      blockDim.x = kBlockSize;
-      for (int b = 0; b < num_blocks; ++b) {
-        blockIdx.x = static_cast<unsigned>(b);
-        double sum = 0.0;
-        for (int t = 0; t < kBlockSize; ++t) {
-          threadIdx.x = static_cast<unsigned>(t);
-          MP_DISPATCH_FLOATS(group.dtype, "test", scalar_t, [&] {
-            sum += chunk_sum_of_squares<scalar_t>(meta, scale);
-          });
-        }
-        const int64_t at = group.first_partial + first_block + b;
-        ASSERT_LT(at, layout.total_chunks);
-        EXPECT_TRUE(std::isnan(partial[at])) << "partial " << at << " written twice";
-        partial[at] = sum;
-      }
-    });
+    for_each_launch<1>(
+        group.lists, [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
+          blockDim.x = kBlockSize;
+          for (int b = 0; b < num_blocks; ++b) {
+            blockIdx.x = static_cast<unsigned>(b);
+            double sum = 0.0;
+            for (int t = 0; t < kBlockSize; ++t) {
+              threadIdx.x = static_cast<unsigned>(t);
+              MP_DISPATCH_FLOATS(group.dtype, "test", scalar_t,
+                                 [&] { sum += chunk_sum_of_squares<scalar_t>(meta, scale); });
+            }
+            const int64_t at = group.first_partial + first_block + b;
+            ASSERT_LT(at, layout.total_chunks);
+            EXPECT_TRUE(std::isnan(partial[at])) << "partial " << at << " written twice";
+            partial[at] = sum;
+          }
+        });
   }
   for (size_t t = 0; t < tensors.size(); ++t) {
     const Tensor x = tensors[t].to(at::kDouble) * scale;
@@ -593,8 +591,8 @@ TEST(CudaBlocks, L2NormPartialsOfEachTensorAreContiguous) {
     for (int64_t start = 0; start < x.numel(); start += kChunkSize, ++at) {
       const int64_t n = std::min(kChunkSize, x.numel() - start);
       const double want = x.narrow(0, start, n).square().sum().item<double>();
-      EXPECT_NEAR(partial[at], want, 1e-4 * want + 1e-30) << "tensor " << t << ", chunk at "
-                                                          << start;
+      EXPECT_NEAR(partial[at], want, 1e-4 * want + 1e-30)
+          << "tensor " << t << ", chunk at " << start;
     }
   }
   for (const double p : partial) EXPECT_FALSE(std::isnan(p)) << "a partial was not written";

@@ -73,7 +73,7 @@ def kahan_lists(d):
 def sgd_kahan_args(d):
     args = sgd_args(d)
     params, grads, comps = kahan_lists(d)
-    args.update(params=params, grads=grads, model_params=[], compensations=comps,
+    args.update(params=params, grads=grads, model_params=[], kahan_comps=comps,
                 momentum_buffers=[torch.zeros_like(p) for p in params])  # bf16 momentum
     return args
 
@@ -81,7 +81,7 @@ def sgd_kahan_args(d):
 def adam_kahan_args(d):
     args = adam_args(d)
     params, grads, comps = kahan_lists(d)
-    args.update(params=params, grads=grads, model_params=[], compensations=comps,
+    args.update(params=params, grads=grads, model_params=[], kahan_comps=comps,
                 exp_avgs=[torch.zeros_like(p) for p in params],  # bf16 moments
                 exp_avg_sqs=[torch.zeros_like(p) for p in params])
     return args
@@ -399,10 +399,10 @@ CASES = [
     value_case("fused_adam_", "weight_decay", -0.1),
     # Kahan compensations (fused_sgd_ and fused_adam_ alike)
     *[case for op in ("fused_sgd_-kahan", "fused_adam_-kahan") for case in (
-        Case(op, "compensations-shorter", drop_last("compensations"), ValueError,
-             "compensations"),
-        Case(op, "compensations-numel", set_item("compensations", 1, other_numel), ValueError,
-             "compensations[1]"),
+        Case(op, "kahan_comps-shorter", drop_last("kahan_comps"), ValueError,
+             "kahan_comps"),
+        Case(op, "kahan_comps-numel", set_item("kahan_comps", 1, other_numel), ValueError,
+             "kahan_comps[1]"),
         Case(op, "params-fp32", set_item("params", 2, as_dtype(torch.float32)), TypeError,
              "params[2]"),
         Case(op, "params-fp16", set_item("params", 0, as_dtype(torch.float16)), TypeError,
@@ -410,7 +410,7 @@ CASES = [
         Case(op, "with-masters", lambda a, d: a.update(
             model_params=a["params"], params=[p.float() for p in a["params"]]), ValueError,
             "model_params"),
-        *list_cases(op, "compensations", 1, [torch.float32, torch.float16, torch.float64]),
+        *list_cases(op, "kahan_comps", 1, [torch.float32, torch.float16, torch.float64]),
     )],
     # Stochastic rounding (fused_sgd_ and fused_adam_ alike)
     *[case for op in ("fused_sgd_-stochastic", "fused_adam_-stochastic") for case in (
@@ -425,8 +425,8 @@ CASES = [
         Case(op, "with-masters", lambda a, d: a.update(
             model_params=a["params"], params=[p.float() for p in a["params"]]), ValueError,
             "model_params"),
-        Case(op, "with-compensations", set_arg("compensations", lambda a, d: [
-            torch.zeros_like(p) for p in a["params"]]), ValueError, "compensations"),
+        Case(op, "with-kahan_comps", set_arg("kahan_comps", lambda a, d: [
+            torch.zeros_like(p) for p in a["params"]]), ValueError, "kahan_comps"),
     )],
     # torch.optim's options: lr_tensor, amsgrad's maxima (of exp_avg_sqs' dtype)
     *scalar_cases("fused_sgd_-options", "lr_tensor"),
@@ -663,11 +663,11 @@ def overlap_case(op, id, mutate, first, second):
 
 
 OVERLAP_CASES = [
-    *[overlap_case(op, "compensation-is-param", alias("compensations", 1, "params", 1),
-                   "params[1]", "compensations[1]")
+    *[overlap_case(op, "compensation-is-param", alias("kahan_comps", 1, "params", 1),
+                   "params[1]", "kahan_comps[1]")
       for op in ("fused_sgd_-kahan", "fused_adam_-kahan")],
     overlap_case("fused_adam_-kahan", "compensation-is-moment",
-                 alias("exp_avgs", 2, "compensations", 2), "compensations[2]", "exp_avgs[2]"),
+                 alias("exp_avgs", 2, "kahan_comps", 2), "kahan_comps[2]", "exp_avgs[2]"),
     overlap_case("fused_adam_-stochastic", "salt-is-step", alias("sr_salts", 0, "step"),
                  "step", "sr_salts[0]"),
     overlap_case("fused_sgd_-stochastic", "salt-in-momentum-buffer", lambda a, d: (
@@ -748,7 +748,7 @@ OVERLAP_CASES += [
                  alias("max_exp_avg_sqs", 1, "exp_avg_sqs", 1), "exp_avg_sqs[1]",
                  "max_exp_avg_sqs[1]"),
     overlap_case("fused_adam_-kahan-amsgrad", "max-is-compensation",
-                 alias("max_exp_avg_sqs", 0, "compensations", 0), "compensations[0]",
+                 alias("max_exp_avg_sqs", 0, "kahan_comps", 0), "kahan_comps[0]",
                  "max_exp_avg_sqs[0]"),
     overlap_case("fused_lamb_", "exp_avg-is-exp_avg_sq", alias("exp_avg_sqs", 2, "exp_avgs", 2),
                  "exp_avgs[2]", "exp_avg_sqs[2]"),

@@ -324,7 +324,7 @@ def test_kahan_with_the_options_is_the_fp32_step_from_param_plus_compensation(de
     masters = [p.float() + c.float() for p, c in zip(params, comps)]
     grads = mixed_grads(params, device, seed=10, scale=LOSS_SCALE)
     options = dict(inv_scale=scalar(1 / 3, device), maximize=True, unscale_grads=True)
-    op, kwargs = optimizer_call(optimizer, device, params, grads, compensations=comps,
+    op, kwargs = optimizer_call(optimizer, device, params, grads, kahan_comps=comps,
                                 **options)
     _, master_kwargs = optimizer_call(optimizer, device, masters, [g.clone() for g in grads],
                                       [torch.empty_like(p) for p in params], **options)

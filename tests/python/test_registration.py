@@ -112,7 +112,7 @@ def sample_inputs(device):
     for found in (0.0, 1.0):
         name, args, _ = sgd(bf16_params, mixed(65), 0.9, [], *flags(found=found))
         add((name, (args[0], args[1], like(args[0], [bf16]), *args[3:]),
-             {"compensations": [randn(p.shape, bf16, d, 70 + i, scale=1e-3)
+             {"kahan_comps": [randn(p.shape, bf16, d, 70 + i, scale=1e-3)
                                 for i, p in enumerate(bf16_params)]}))
 
     def adam(params, grads, model, inv_scale, found_inf, adamw=True, bias_correction=True):
@@ -131,7 +131,7 @@ def sample_inputs(device):
         add((name, (args[0], args[1], m, v, *args[4:]), {}))
     for found in (0.0, 1.0):
         name, args, _ = adam(bf16_params, mixed(83), [], *flags(found=found))
-        add((name, args, {"compensations": [randn(p.shape, bf16, d, 90 + i, scale=1e-3)
+        add((name, args, {"kahan_comps": [randn(p.shape, bf16, d, 90 + i, scale=1e-3)
                                             for i, p in enumerate(bf16_params)]}))
 
     # Stochastic rounding of bf16 params: a salt per param, a seed (all 64 bits), the step.
@@ -159,7 +159,7 @@ def sample_inputs(device):
     add((name, (args[0], args[1], m, v, *args[4:]),
          {"max_exp_avg_sqs": [randn(p.shape, bf16, d, 115 + i).abs()
                                           for i, p in enumerate(bf16_params)],
-                      "compensations": [randn(p.shape, bf16, d, 120 + i, scale=1e-3)
+                      "kahan_comps": [randn(p.shape, bf16, d, 120 + i, scale=1e-3)
                                         for i, p in enumerate(bf16_params)]}))
     name, args, _ = adam(fp32(116), mixed(117), [], None, None)
     add((name, args, {"max_exp_avg_sqs": [v.clone() for v in args[3]], "unscale_grads": True}))
@@ -361,8 +361,8 @@ def test_all_meta_calls_infer_shapes(op_name):
 @pytest.mark.parametrize("op_name", OP_NAMES)
 def test_fake_tensor_mode_calls(device, op_name):
     """FakeTensors report their fake device, not meta: no error."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from test_errors import OPS
+    from torch._subclasses.fake_tensor import FakeTensorMode
     op, build = OPS[op_name]
     args = build(device)
     with FakeTensorMode() as mode:
