@@ -51,9 +51,12 @@ from ..optim.optimizer import (
     _check_nonnegative,
     _check_state_dtype,
     _FusedOptimizer,
+    _master_mode,
     _pick,
     _Work,
 )
+from ..optim.sgd import SGD
+from ..optim.torch_optimizer import TorchOptimizer
 from . import amp_C
 
 # Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
@@ -79,7 +82,7 @@ def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[L
 
 
 
-class FusedSGD(_FusedOptimizer):
+class FusedSGD(SGD):
     """SGD with momentum, dampening, Nesterov momentum and weight decay, fused over all
     parameters; ``torch.optim.SGD`` semantics (the first step's momentum buffer is the
     gradient), Apex's ``FusedSGD`` argument names.
@@ -130,8 +133,7 @@ class FusedSGD(_FusedOptimizer):
     ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
 
-    _STATE_KEYS = ("master_param", "momentum_buffer", "kahan_comp")
-    _LEAN = True
+    _NEWER_KEYS: Dict[str, Any] = {}  # (Apex's param groups: no torch-only keys)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
@@ -148,68 +150,22 @@ class FusedSGD(_FusedOptimizer):
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
         _check_state_dtype("FusedSGD", "state_dtype", state_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, state_dtype,
-                         seed)
+        TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
+            "FusedSGD", master_weights, master), state_dtype=state_dtype, seed=seed,
+            unscale_grads=False, set_grad_none=set_grad_none)
+
+    def _fused_dtype(self, p: Tensor) -> bool:
+        return True  # (Apex's FusedSGD: fp32, fp16 and bf16 only; others are a TypeError)
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        if params:  # (sparse gradients)
+            raise RuntimeError("FusedSGD does not support sparse gradients")
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
         state.update(wd_after_momentum=self.wd_after_momentum,
                      materialize_master_grads=self.materialize_master_grads)
         return state
-
-    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        momentum = group["momentum"]
-        step = self._sgd_step(group, device, found_inf)
-        calls, starting = [], False
-        for call, positions, lean in self._lean_calls(items):
-            # Params whose momentum buffer starts now (first_run) go in a call of their own.
-            starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
-            for first_run in sorted(set(starts)):
-                part = call.pick([i for i, s in enumerate(starts) if s == first_run])
-                targets, model = self._update_lists(part.params, part.states)
-                buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
-                           for state, t in zip(part.states, targets)] if momentum != 0 else []
-                comps = self._compensations(part.states, targets) if lean else []
-                salts = self._salts(group, part.params, device) if lean else []
-                lists = (positions, targets, buffers, model, comps, salts)
-                self._sgd(group, lists, part.grads, first_run, inv_scale, found_inf, step)
-                calls.append(lists)
-                starting |= first_run
-        # The next step reuses the calls unless buffers started in this one.
-        return None if starting else tuple(calls)
-
-    def _sgd_step(self, group, device, found_inf) -> Optional[Tensor]:
-        """master='stochastic': ``group["step"]`` advanced on the device, unless found_inf
-        is set (one count per optimizer step, however many op calls it takes); else
-        None."""
-        if self.master != "stochastic":
-            return None
-        step = self._group_step(group, device)
-        if found_inf is None:
-            step.add_(1.0)
-        else:
-            step.add_((found_inf.reshape(1) == 0).to(torch.float32))
-        return step
-
-    def _plan_holds(self, group, plan) -> bool:
-        return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
-            self.master != "stochastic" or self._step_on(group, plan))
-
-    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
-        step = self._sgd_step(group, calls[0][1][0].device, found_inf)
-        for lists in calls:
-            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
-
-    def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
-        """One op call: lists as ``_step_group`` makes them (positions first)."""
-        _, targets, buffers, model, comps, salts = lists
-        ops.fused_sgd_(targets, grads, buffers, model, group["lr"], group["momentum"],
-                       group["dampening"], group["weight_decay"], group["nesterov"], first_run,
-                       inv_scale, found_inf, self.wd_after_momentum, comps, salts,
-                       group.get("sr_seed") if salts else None, step if salts else None)
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        self._load_group_step(new_group, group)
 
 
 class FusedAdam(_FusedOptimizer):

@@ -77,7 +77,7 @@ class Adam(TorchOptimizer):
         whose counts are one tensor, all of its holders, go in one call)."""
         holders = Counter(id(state["step"]) for state in map(self.state.get, group["params"])
                           if state and "step" in state)
-        used: set = set()
+        used: List[Tensor] = []  # the counts this step's calls advance
         calls = []
         for call, positions, lean in self._lean_calls(items):
             for picked, step in self._steps(call, device, holders, used):
@@ -94,7 +94,7 @@ class Adam(TorchOptimizer):
         return tuple(calls)
 
     @staticmethod
-    def _steps(call: _Work, device: torch.device, holders: Counter, used: set):
+    def _steps(call: _Work, device: torch.device, holders: Counter, used: List[Tensor]):
         """[(positions in ``call``, their step-count tensor)]: new parameters get a new
         count (zero); a count whose holders are not all in this call is split off (a
         copy), so each op call advances its own tensor once."""
@@ -111,11 +111,12 @@ class Adam(TorchOptimizer):
             step = torch.zeros((), dtype=torch.float32, device=device)
             out.append((new, step))
         for key, (step, picked) in counts.items():
-            if key in used or holders[key] != len(picked) or step.device != device:
+            if any(step is u for u in used) or holders[key] != len(picked) or (
+                    step.device != device):
                 step = step.to(device, torch.float32, copy=True)
             out.append((picked, step))
         for picked, step in out:
-            used.add(id(step))
+            used.append(step)
             for i in picked:
                 call.states[i]["step"] = step
         return out

@@ -38,6 +38,8 @@ class SGD(TorchOptimizer):
     _NEWER_KEYS = dict(nesterov=False, maximize=False, foreach=None, differentiable=False,
                        fused=False)
     _SCALAR_KEYS = ("weight_decay", "momentum", "dampening")
+    #: Apex's option (mixedprec.FusedSGD): weight decay added after the momentum update.
+    wd_after_momentum = False
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
@@ -98,8 +100,10 @@ class SGD(TorchOptimizer):
         extra: Dict[str, Any] = {}
         if isinstance(lr, Tensor):
             extra["lr_tensor"] = lr.to(targets[0].device, torch.float32).reshape(())
-        if group["maximize"]:
+        if group.get("maximize"):  # (Apex's FusedSGD groups have no such key)
             extra["maximize"] = True
+        if self.wd_after_momentum:
+            extra["wd_after_momentum"] = True
         if self.unscale_grads and inv_scale is not None:
             extra["unscale_grads"] = True
         if comps:

@@ -54,20 +54,24 @@ class TorchOptimizer(_FusedOptimizer):
     _SCALAR_KEYS: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: Dict[str, Any], *, master: str, state_dtype,
-                 seed, unscale_grads: bool):
+                 seed, unscale_grads: bool, set_grad_none: bool = True):
         if not isinstance(unscale_grads, bool):
             raise TypeError(f"{type(self).__name__}: expected unscale_grads to be a bool, got "
                             f"{unscale_grads!r}")
         #: After a scaled step, p.grad holds the unscaled gradient (torch's fused
         #: optimizers do the same); False skips that write (a pass over the gradients).
         self.unscale_grads = unscale_grads
-        super().__init__(params, defaults, None, True, master, state_dtype, seed)
+        # (group, params) that torch's implementation steps, found during a step; changed
+        # in place, never rebound (torch.compile traces that)
+        self._pending: List[Tuple[Dict[str, Any], List[Tensor]]] = []
+        super().__init__(params, defaults, None, set_grad_none, master, state_dtype, seed)
 
     def __getstate__(self) -> Dict[str, Any]:
         return dict(super().__getstate__(), unscale_grads=self.unscale_grads)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("unscale_grads", True)
+        state["_pending"] = []
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self._NEWER_KEYS.items():
@@ -115,9 +119,10 @@ class TorchOptimizer(_FusedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._pending: List[Tuple[Dict[str, Any], List[Tensor]]] = []
+        self._pending.clear()
         super().step()
-        pending, self._pending = self._pending, []
+        pending = list(self._pending)
+        self._pending.clear()
         found_inf = getattr(self, "found_inf", None)
         # sync-ok: the fallback (float64, complex, sparse) runs torch's own step on the host
         if pending and (found_inf is None or not bool(found_inf)):

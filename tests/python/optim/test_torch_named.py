@@ -316,3 +316,23 @@ def test_strided_view_parameters_step_as_torch(name):
         ours.step()
         theirs.step()
     torch.testing.assert_close(view, ref_view, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_step_compiles_in_one_graph(name):
+    ours_cls, _ = PAIRS[name]
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+        opt = ours_cls(model.parameters(), lr=0.01)
+        step = (torch.compile(opt.step, backend="eager", fullgraph=True) if compiled
+                else opt.step)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
