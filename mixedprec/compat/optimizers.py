@@ -46,13 +46,13 @@ from torch import Tensor
 from .. import masters as mst
 from .. import ops
 from ..loss_scale import check_scale, inverse
+from ..optim.adam import Adam
 from ..optim.optimizer import (
     _FLOAT_DTYPES,
     _check_nonnegative,
     _check_state_dtype,
     _FusedOptimizer,
     _master_mode,
-    _pick,
     _Work,
 )
 from ..optim.sgd import SGD
@@ -82,7 +82,22 @@ def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[L
 
 
 
-class FusedSGD(SGD):
+class _ApexFace:
+    """What the Apex optimizers built on mixedprec.optim share: Apex's param groups (no
+    torch-only keys added on load), fp32/fp16/bf16 parameters only (others are a
+    TypeError, as in Apex) and no sparse gradients."""
+
+    _NEWER_KEYS: Dict[str, Any] = {}
+
+    def _fused_dtype(self, p: Tensor) -> bool:
+        return True
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        if params:  # (sparse gradients)
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+
+
+class FusedSGD(_ApexFace, SGD):
     """SGD with momentum, dampening, Nesterov momentum and weight decay, fused over all
     parameters; ``torch.optim.SGD`` semantics (the first step's momentum buffer is the
     gradient), Apex's ``FusedSGD`` argument names.
@@ -133,8 +148,6 @@ class FusedSGD(SGD):
     ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
 
-    _NEWER_KEYS: Dict[str, Any] = {}  # (Apex's param groups: no torch-only keys)
-
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
@@ -154,13 +167,6 @@ class FusedSGD(SGD):
             "FusedSGD", master_weights, master), state_dtype=state_dtype, seed=seed,
             unscale_grads=False, set_grad_none=set_grad_none)
 
-    def _fused_dtype(self, p: Tensor) -> bool:
-        return True  # (Apex's FusedSGD: fp32, fp16 and bf16 only; others are a TypeError)
-
-    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        if params:  # (sparse gradients)
-            raise RuntimeError("FusedSGD does not support sparse gradients")
-
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
         state.update(wd_after_momentum=self.wd_after_momentum,
@@ -168,7 +174,7 @@ class FusedSGD(SGD):
         return state
 
 
-class FusedAdam(_FusedOptimizer):
+class FusedAdam(_ApexFace, Adam):
     """Adam (``adam_w_mode=False``: L2 weight decay added to the gradient) and AdamW
     (``adam_w_mode=True``, the default: decoupled weight decay), fused over all
     parameters; ``torch.optim.Adam``/``AdamW`` math, Apex's ``FusedAdam`` argument
@@ -242,8 +248,9 @@ class FusedAdam(_FusedOptimizer):
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
         _check_state_dtype("FusedAdam", "state_dtype", state_dtype)
-        super().__init__(params, defaults, master_weights, set_grad_none, master, state_dtype,
-                         seed)
+        TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
+            "FusedAdam", master_weights, master), state_dtype=state_dtype, seed=seed,
+            unscale_grads=False, set_grad_none=set_grad_none)
 
     @property
     def adam_w_mode(self) -> int:
@@ -415,43 +422,28 @@ class FusedAdam(_FusedOptimizer):
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
 
-    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        calls = self._calls(group, device, items)
-        self._run_plan(group, calls, items.grads, inv_scale, found_inf)
-        return calls
+    def _decoupled(self, group) -> bool:
+        return bool(group["adam_w_mode"])
+
+    def _steps(self, group, call: _Work, device, holders, used: List[Tensor]):
+        # As in Apex, the step count belongs to the group; a second op call in one step
+        # (fp32 params beside bf16 ones, _lean_calls) advances a copy taken before the first.
+        step = self._group_step(group, device)
+        if any(step is u for u in used):
+            step = step.clone()
+        used.append(step)
+        return [(list(range(len(call.params))), step)]
 
     def _calls(self, group, device, items: _Work, outputs=None) -> tuple:
-        """The group's op calls (``_lean_calls``), each (positions, targets, exp_avgs,
-        exp_avg_sqs, model, comps, salts); ``outputs`` replace the model copies."""
-        self._group_step(group, device)
-        calls = []
-        for call, positions, lean in self._lean_calls(items):
-            targets, model = self._update_lists(call.params, call.states)
-            exp_avgs, exp_avg_sqs = self._moments(call.states, targets)
-            comps = self._compensations(call.states, targets) if lean else []
-            salts = self._salts(group, call.params, device) if lean else []
-            calls.append((positions, targets, exp_avgs, exp_avg_sqs,
-                          model if outputs is None else outputs, comps, salts))
-        return tuple(calls)
+        """optim.Adam's op calls; ``outputs`` (step's Apex 2019 ``output_params``, never
+        with the lean modes) replace the model copies."""
+        calls = super()._calls(group, device, items)
+        if outputs is not None:
+            calls = tuple(call[:5] + (outputs,) + call[6:] for call in calls)
+        return calls
 
     def _plan_holds(self, group, plan) -> bool:
-        return self._step_on(group, plan)
-
-    def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
-        # Each op call advances the step count it is given (unless found_inf is set) and a
-        # group steps once: a second call (fp32 params beside bf16 ones, _lean_calls)
-        # gets a copy of the count taken before the first call.
-        step = group["step"]
-        steps = [step] + [step.clone() for _ in calls[1:]]
-        beta1, beta2 = group["betas"]
-        for (positions, targets, exp_avgs, exp_avg_sqs, model, comps, salts), count in zip(
-                calls, steps):
-            ops.fused_adam_(targets, _pick(grads, positions), exp_avgs, exp_avg_sqs, model,
-                            count, group["lr"], beta1, beta2, group["eps"],
-                            group["weight_decay"], group["adam_w_mode"],
-                            group["bias_correction"], inv_scale, found_inf,
-                            kahan_comps=comps, sr_salts=salts,
-                            sr_seed=group.get("sr_seed") if salts else None)
+        return super()._plan_holds(group, plan) and plan.lists[0][-1] is group.get("step")
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -56,12 +56,12 @@ class Adam(TorchOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused,
-            **self._decoupled(decoupled_weight_decay)))
+            **self._decoupled_kwarg(decoupled_weight_decay)))
         super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
                          unscale_grads=unscale_grads)
 
     @staticmethod
-    def _decoupled(value: bool) -> Dict[str, Any]:
+    def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
         return {"decoupled_weight_decay": value}
 
     def _check_devices(self, by_device) -> None:
@@ -80,21 +80,22 @@ class Adam(TorchOptimizer):
         used: List[Tensor] = []  # the counts this step's calls advance
         calls = []
         for call, positions, lean in self._lean_calls(items):
-            for picked, step in self._steps(call, device, holders, used):
+            for picked, step in self._steps(group, call, device, holders, used):
                 part = call.pick(picked)
                 where = picked if positions is None else [positions[i] for i in picked]
                 targets, model = self._update_lists(part.params, part.states)
                 exp_avgs, exp_avg_sqs = self._moments(part.states, targets)
                 maxes = [self._state_tensor(state, "max_exp_avg_sq", t, self.state_dtype)
-                         for state, t in zip(part.states, targets)] if group["amsgrad"] else []
+                         for state, t in zip(part.states, targets)] if group.get("amsgrad") \
+                    else []
                 comps = self._compensations(part.states, targets) if lean else []
                 salts = self._salts(group, part.params, device) if lean else []
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
                                salts, step))
         return tuple(calls)
 
-    @staticmethod
-    def _steps(call: _Work, device: torch.device, holders: Counter, used: List[Tensor]):
+    def _steps(self, group, call: _Work, device: torch.device, holders: Counter,
+               used: List[Tensor]):
         """[(positions in ``call``, their step-count tensor)]: new parameters get a new
         count (zero); a count whose holders are not all in this call is split off (a
         copy), so each op call advances its own tensor once."""
@@ -122,7 +123,11 @@ class Adam(TorchOptimizer):
         return out
 
     def _plan_holds(self, group, plan) -> bool:
-        return all(bool(call[4]) == bool(group["amsgrad"]) for call in plan.lists)
+        return all(bool(call[4]) == bool(group.get("amsgrad")) for call in plan.lists)
+
+    def _decoupled(self, group) -> bool:
+        """Whether the group's weight decay is AdamW's (decoupled)."""
+        return group["decoupled_weight_decay"]
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         lr = group["lr"]
@@ -133,7 +138,7 @@ class Adam(TorchOptimizer):
                 extra["lr_tensor"] = lr.to(step.device, torch.float32).reshape(())
             if maxes:
                 extra["max_exp_avg_sqs"] = maxes
-            if group["maximize"]:
+            if group.get("maximize"):  # (Apex's FusedAdam groups have no such key)
                 extra["maximize"] = True
             if self.unscale_grads and inv_scale is not None:
                 extra["unscale_grads"] = True
@@ -143,8 +148,8 @@ class Adam(TorchOptimizer):
                 extra.update(sr_salts=salts, sr_seed=group["sr_seed"])
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
                             0.0 if isinstance(lr, Tensor) else lr, beta1, beta2, group["eps"],
-                            group["weight_decay"], group["decoupled_weight_decay"], True,
-                            inv_scale, found_inf, **extra)
+                            group["weight_decay"], self._decoupled(group),
+                            group.get("bias_correction", True), inv_scale, found_inf, **extra)
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if any(p.grad.is_sparse for p in params):
@@ -193,6 +198,6 @@ class AdamW(Adam):
                          state_dtype=state_dtype, seed=seed, unscale_grads=unscale_grads)
 
     @staticmethod
-    def _decoupled(value: bool) -> Dict[str, Any]:
+    def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
         return {}  # (torch.optim.AdamW sets it, and takes no such argument)
 
