@@ -35,71 +35,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import masters as mst
-from ..distributed import shard_index
 from ..loss_scale import inverse
+from .lean import (  # noqa: F401
+    _FLOAT_DTYPES,
+    _MASTER_MODES,
+    _STATE_DTYPES,
+    LeanModes,
+    _check_state_dtype,
+    _master_mode,
+    _rounding_seed,
+    lean_refused,
+)
+from .plans import Plans, _Plan
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # State entries shaped like their parameter, with the dtype they must have: masters
 # and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
 # state_dtype (None here); Kahan compensations are bfloat16.
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
                 "kahan_comp": torch.bfloat16}
-# What FusedAdam and FusedSGD keep of each parameter's value ("master", see
-# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
-# directly: _FusedOptimizer._lean_calls).
-_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
-    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
-    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
-    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
-    if master is None:
-        return "fp32" if master_weights else "none"
-    if not isinstance(master, str) or master not in _MASTER_MODES:
-        raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
-                         f"got {master!r}")
-    if master_weights and master != "fp32":
-        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
-                         "(master_weights=True is master='fp32'); give one of them")
-    return master
-
-
-def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
-                 optimizer: Optimizer) -> TypeError:
-    """The error for lean modes asked of an optimizer without them (FusedAdam and
-    FusedSGD have them)."""
-    return TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
-                     f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
-
-
-def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
-    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
-    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
-    the other modes (where a seed is an error)."""
-    if master != "stochastic":
-        if seed is not None:
-            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
-        return None
-    if seed is None:
-        return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"{where}: expected seed in [0, 2**63), got {seed}")
-    return seed
-
-
-def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
-    if dtype not in _STATE_DTYPES:
-        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
-                        f"got {dtype!r}")
-    return dtype
-
-
 class _Work(NamedTuple):
     """The parameters of one op call, their gradients and their state dicts (None for
     a parameter without state yet)."""
@@ -118,26 +72,6 @@ def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
     return grads if positions is None else [grads[i] for i in positions]
 
 
-class _Plan(NamedTuple):
-    """A param group's op call as the last step made it, reused while nothing it was
-    made from has changed (see ``_FusedOptimizer._planned_work``)."""
-
-    state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
-    # per group param: (dtype, storage address, version), so that a parameter converted,
-    # moved, re-laid-out (all of which give it new storage) or written elsewhere takes
-    # the full path
-    signature: List[Tuple[Any, ...]]
-    strides: List[Tuple[int, ...]]  # per group param: its strides (its gradient's must match)
-    masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
-    stepped: List[bool]  # per group param: whether it had a gradient
-    lists: Optional[tuple]  # the op's lists other than the gradients; None: no call
-    device: Optional[torch.device]  # where the lists are (None: no call)
-
-
-def _signature(p: Tensor) -> Tuple[Any, ...]:
-    return p.dtype, p.data_ptr(), p._version
-
-
 def _check_nonnegative(name: str, value: Any) -> None:
     if isinstance(value, Tensor) or not isinstance(value, (int, float)):
         raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
@@ -146,7 +80,7 @@ def _check_nonnegative(name: str, value: Any) -> None:
 
 
 
-class _FusedOptimizer(Optimizer):
+class _FusedOptimizer(LeanModes, Plans, Optimizer):
     """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
 
     # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
@@ -176,82 +110,6 @@ class _FusedOptimizer(Optimizer):
         # in step with it (the update writes the parameter without bumping it).
         self._master_versions: Dict[int, int] = {}
         super().__init__(params, defaults)
-
-    @property
-    def master_weights(self) -> bool:
-        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
-        does) switches between "fp32" and "none"."""
-        return self.master == "fp32"
-
-    @master_weights.setter
-    def master_weights(self, value: bool) -> None:
-        if value:
-            self.master = "fp32"
-        elif self.master == "fp32":
-            self.master = "none"
-
-    def _check_kahan(self, p: Tensor) -> None:
-        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
-        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
-        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
-            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
-            raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
-                            "parameters (fp32 ones are updated directly), got one of dtype "
-                            "torch.float16 (use master='fp32' for fp16 parameters)")
-
-    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
-        """The op calls of one group's parameters: (their _Work, their positions in
-        ``items`` or None for all, whether the call is lean). With master='kahan' or
-        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
-        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
-        call that updates them directly, as master='none' does: fp32 holds their
-        updates. Otherwise one plain call."""
-        if self.master not in ("kahan", "stochastic"):
-            return [(items, None, False)]
-        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
-        if len(bf16) == len(items.params):
-            return [(items, None, True)]
-        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
-        return [(items.pick(positions), positions, lean)
-                for positions, lean in ((bf16, True), (other, False)) if positions]
-
-    def _check_precision(self, where: str, master: Optional[str],
-                         state_dtype: Optional[torch.dtype]) -> None:
-        """Raises unless ``_set_precision`` can apply these: lean modes on a class that
-        has them, and no change to what an optimizer with state keeps."""
-        if master is not None:
-            _master_mode(where, None, master)
-        if state_dtype is not None:
-            _check_state_dtype(where, "state_dtype", state_dtype)
-        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
-                not self._LEAN:
-            raise lean_refused(where, master, state_dtype, self)
-        if self.state and ((master is not None and master != self.master) or
-                           (state_dtype is not None and state_dtype != self.state_dtype)):
-            raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
-                             "pass an optimizer that has not stepped yet")
-
-    def _set_precision(self, where: str, master: Optional[str],
-                       state_dtype: Optional[torch.dtype]) -> None:
-        """``mixedprec.amp.initialize``'s ``master`` and ``state_dtype`` (None:
-        unchanged), checked by ``_check_precision`` first. master='stochastic' draws
-        the seeds as the constructor does."""
-        self._check_precision(where, master, state_dtype)
-        if master == "stochastic" and self._sr_seed is None:
-            self._sr_seed = _rounding_seed(where, master, None)
-            for i, group in enumerate(self.param_groups):
-                group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
-        if master is not None:
-            self.master = master
-        if state_dtype is not None:
-            self.state_dtype = state_dtype
-        self._invalidate_plans()
-
-    def _invalidate_plans(self) -> None:
-        """Forgets the op calls kept from the last step (see ``_planned_work``): for
-        whatever changes state, groups or masters other than through a step. (The dict
-        is changed in place, never rebound, as torch.compile traces that more easily.)"""
-        self._plans.clear()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         params = param_group["params"]
@@ -403,35 +261,6 @@ class _FusedOptimizer(Optimizer):
                 [self._state_tensor(state, "exp_avg_sq", t, dtype)
                  for state, t in zip(states, targets)])
 
-    def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
-        """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
-        master='kahan', created as zeros where absent; else none."""
-        if self.master != "kahan":
-            return []
-        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
-                for state, p in zip(states, params)]
-
-    def _salts(self, group: Dict[str, Any], params: List[Tensor],
-               device: torch.device) -> List[Tensor]:
-        """master='stochastic': each param's salt (a float32 one-element tensor on
-        ``device``, views of one); else none. The salt is the param's position in its
-        group, plus the group's size times the index of this rank's shard for a
-        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
-        draw different bits, and its replicas the same."""
-        if self.master != "stochastic":
-            return []
-        count = len(group["params"])
-        position = {id(p): i for i, p in enumerate(group["params"])}
-        values = []
-        for p in params:
-            shard, shards = shard_index(p)
-            if count * shards > 2**24:  # (salts are exact fp32 integers)
-                raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
-                                 f"{count} params of a group times the {shards} shards of "
-                                 "each in salts below 2**24; split the param group")
-            values.append(float(position[id(p)] + count * shard))
-        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
-
     # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
     # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
     @staticmethod
@@ -445,12 +274,6 @@ class _FusedOptimizer(Optimizer):
         elif step.device != device:  # the model moved after the optimizer was built
             step = group["step"] = step.to(device)
         return step
-
-    @staticmethod
-    def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
-        """Whether the group's step count is a tensor on the device of the plan's lists."""
-        step = group.get("step")
-        return isinstance(step, Tensor) and step.device == plan.device
 
     def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
@@ -531,67 +354,6 @@ class _FusedOptimizer(Optimizer):
         if not torch.compiler.is_compiling():
             self._plans.update(plans)
         return loss
-
-    def _state_key(self) -> Tuple[int, int, str]:
-        return id(self.state), len(self.state), self.master
-
-    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple],
-                   device: Optional[torch.device]) -> _Plan:
-        params = group["params"]
-        states = [self.state.get(p) or {} for p in params]
-        masters = [state.get("master_param") for state in states]
-        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
-                   for p, m in zip(params, masters)]
-        return _Plan(self._state_key(), [_signature(p) for p in params],
-                     [p.stride() for p in params], masters, stepped, lists, device)
-
-    def _planned_work(self):
-        """[(group, plan, gradients, whether some came from masters)] when every group
-        can reuse the op call of the last step, else None (the step then takes the
-        full path, and makes new plans).
-
-        A plan holds the op's lists of masters, moments, buffers and model params, so
-        a step only gathers the gradients. It is reused while the optimizer's state
-        dict is the same object of the same size, ``master_weights`` is unchanged, the
-        group's parameters have the dtypes, devices and (un)set gradients they had,
-        the group settings the plan depends on hold, and nothing called
-        ``_invalidate_plans`` (``load_state_dict``, ``add_param_group``,
-        ``mixedprec.amp.initialize``). State entries must be replaced through those,
-        not by assigning to ``optimizer.state[p][key]``."""
-        plans = self._plans
-        if len(plans) != len(self.param_groups) or torch.compiler.is_compiling():
-            return None  # (a compiled step is traced once: it needs no plans)
-        state_key = self._state_key()
-        planned = []
-        for index, group in enumerate(self.param_groups):
-            plan = plans.get(index)
-            params = group["params"]
-            if plan is None or plan.state_key != state_key or len(params) != len(plan.stepped):
-                return None
-            grads: List[Tensor] = []
-            from_master = False
-            for p, m, stepped, signature, strides in zip(params, plan.masters, plan.stepped,
-                                                         plan.signature, plan.strides):
-                if _signature(p) != signature:
-                    return None
-                grad = p.grad
-                if m is not None and m.grad is not None:
-                    grad, from_master = m.grad, True
-                if (grad is not None) != stepped:
-                    return None
-                if grad is not None:
-                    if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
-                            or grad.stride() != strides):
-                        return None  # the full path converts it or raises the error
-                    grads.append(grad)
-            if plan.lists is not None and not self._plan_holds(group, plan):
-                return None
-            planned.append((group, plan, grads, from_master))
-        return planned
-
-    def _plan_holds(self, group: Dict[str, Any], plan: _Plan) -> bool:
-        """Hook: whether group settings a plan depends on are still as planned."""
-        return True
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups.

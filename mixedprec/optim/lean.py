@@ -1,0 +1,175 @@
+"""The lean modes of mixedprec's optimizers (docs/lean-precision.md): what is kept of
+each parameter's value (``master``: fp32 masters, none, a bf16 Kahan compensation, or
+stochastic rounding), the dtype of moments and momentum buffers (``state_dtype``), and
+the seeds of stochastic rounding."""
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..distributed import shard_index
+
+if TYPE_CHECKING:
+    from .optimizer import _Work
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What FusedAdam and FusedSGD keep of each parameter's value ("master", see
+# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
+# directly: _FusedOptimizer._lean_calls).
+_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
+    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
+    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
+    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
+    if master is None:
+        return "fp32" if master_weights else "none"
+    if not isinstance(master, str) or master not in _MASTER_MODES:
+        raise ValueError(f"{where}: expected master to be one of {list(_MASTER_MODES)}, "
+                         f"got {master!r}")
+    if master_weights and master != "fp32":
+        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
+                         "(master_weights=True is master='fp32'); give one of them")
+    return master
+
+
+def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
+                 optimizer: Optimizer) -> TypeError:
+    """The error for lean modes asked of an optimizer without them (FusedAdam and
+    FusedSGD have them)."""
+    return TypeError(f"{where}: master={master!r} and state_dtype={state_dtype} take "
+                     f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
+
+
+def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
+    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
+    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
+    the other modes (where a seed is an error)."""
+    if master != "stochastic":
+        if seed is not None:
+            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
+        return None
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"{where}: expected seed in [0, 2**63), got {seed}")
+    return seed
+
+
+def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
+    if dtype not in _STATE_DTYPES:
+        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
+                        f"got {dtype!r}")
+    return dtype
+
+
+
+class LeanModes:
+    """The optimizer base's methods for the lean modes (a mixin of _FusedOptimizer, which
+    sets ``master``, ``state_dtype`` and ``_sr_seed``)."""
+
+    @property
+    def master_weights(self) -> bool:
+        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
+        does) switches between "fp32" and "none"."""
+        return self.master == "fp32"
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        if value:
+            self.master = "fp32"
+        elif self.master == "fp32":
+            self.master = "none"
+
+    def _check_kahan(self, p: Tensor) -> None:
+        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
+        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
+        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
+            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
+            raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
+                            "parameters (fp32 ones are updated directly), got one of dtype "
+                            "torch.float16 (use master='fp32' for fp16 parameters)")
+
+    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
+        """The op calls of one group's parameters: (their _Work, their positions in
+        ``items`` or None for all, whether the call is lean). With master='kahan' or
+        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
+        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
+        call that updates them directly, as master='none' does: fp32 holds their
+        updates. Otherwise one plain call."""
+        if self.master not in ("kahan", "stochastic"):
+            return [(items, None, False)]
+        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
+        if len(bf16) == len(items.params):
+            return [(items, None, True)]
+        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
+        return [(items.pick(positions), positions, lean)
+                for positions, lean in ((bf16, True), (other, False)) if positions]
+
+    def _check_precision(self, where: str, master: Optional[str],
+                         state_dtype: Optional[torch.dtype]) -> None:
+        """Raises unless ``_set_precision`` can apply these: lean modes on a class that
+        has them, and no change to what an optimizer with state keeps."""
+        if master is not None:
+            _master_mode(where, None, master)
+        if state_dtype is not None:
+            _check_state_dtype(where, "state_dtype", state_dtype)
+        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
+                not self._LEAN:
+            raise lean_refused(where, master, state_dtype, self)
+        if self.state and ((master is not None and master != self.master) or
+                           (state_dtype is not None and state_dtype != self.state_dtype)):
+            raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
+                             "pass an optimizer that has not stepped yet")
+
+    def _set_precision(self, where: str, master: Optional[str],
+                       state_dtype: Optional[torch.dtype]) -> None:
+        """``mixedprec.amp.initialize``'s ``master`` and ``state_dtype`` (None:
+        unchanged), checked by ``_check_precision`` first. master='stochastic' draws
+        the seeds as the constructor does."""
+        self._check_precision(where, master, state_dtype)
+        if master == "stochastic" and self._sr_seed is None:
+            self._sr_seed = _rounding_seed(where, master, None)
+            for i, group in enumerate(self.param_groups):
+                group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
+        if master is not None:
+            self.master = master
+        if state_dtype is not None:
+            self.state_dtype = state_dtype
+        self._invalidate_plans()
+
+    def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
+        """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
+        master='kahan', created as zeros where absent; else none."""
+        if self.master != "kahan":
+            return []
+        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
+                for state, p in zip(states, params)]
+
+    def _salts(self, group: Dict[str, Any], params: List[Tensor],
+               device: torch.device) -> List[Tensor]:
+        """master='stochastic': each param's salt (a float32 one-element tensor on
+        ``device``, views of one); else none. The salt is the param's position in its
+        group, plus the group's size times the index of this rank's shard for a
+        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
+        draw different bits, and its replicas the same."""
+        if self.master != "stochastic":
+            return []
+        count = len(group["params"])
+        position = {id(p): i for i, p in enumerate(group["params"])}
+        values = []
+        for p in params:
+            shard, shards = shard_index(p)
+            if count * shards > 2**24:  # (salts are exact fp32 integers)
+                raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
+                                 f"{count} params of a group times the {shards} shards of "
+                                 "each in salts below 2**24; split the param group")
+            values.append(float(position[id(p)] + count * shard))
+        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
