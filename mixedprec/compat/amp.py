@@ -35,8 +35,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
+from .. import grads, ops
 from .. import masters as _masters
-from .. import ops
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 from .fp16_utils import convert_network, half_dtype
@@ -338,7 +338,7 @@ def _unscale(params: List[Tensor], masters: Dict[Tensor, Tensor], found_inf: Ten
                                   inv_scale, accumulate=accumulate)
     for p in halves:
         p.grad = None
-    _masters.unscale_([p.grad for p in params if p not in masters], found_inf, inv_scale)
+    grads.unscale_([p.grad for p in params if p not in masters], found_inf, inv_scale)
 
 
 class _OptimizerAmp:
@@ -883,12 +883,12 @@ _skip_flags: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _SkipFlag]" = (
 def _unscale_grads(params: Iterable[Tensor], scale: Tensor) -> Tensor:
     """Unscales the ``.grad`` of ``params`` in place; returns the overflow flag."""
     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
+    found = [p.grad for p in params if p.grad is not None]
+    for g in found:
         if g.layout != torch.strided or not ops.is_dense(g):
             raise TypeError("amp handle: expected dense gradients, got one of layout "
                             f"{g.layout} and strides {g.stride()}")
-    _masters.unscale_(grads, found_inf, inverse(scale))
+    grads.unscale_(found, found_inf, inverse(scale))
     return found_inf
 
 

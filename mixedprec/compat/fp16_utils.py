@@ -20,9 +20,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import grads as _grads
 from .. import ops
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
-from ..masters import HALF_DTYPES, copy_to_model, make_master, unscale_, unscale_into_masters
+from ..masters import HALF_DTYPES, copy_to_model, make_master, unscale_into_masters
 
 __all__ = ["BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer",
            "LossScaler", "clip_grad_norm", "convert_module", "convert_network",
@@ -675,8 +676,8 @@ class FP16_Optimizer:  # Apex's name
         for p in self.all_fp32_from_fp32_params:
             if p.grad is not None and not ops.is_dense(p.grad):
                 p.grad = p.grad.contiguous()
-        unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
-                 found_inf, inv_scale)
+        _grads.unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
+                        found_inf, inv_scale)
         if self.dynamic_loss_scale:
             core.update(found_inf)
 
