@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import masters as mst
 from .. import ops
+from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
 from ..optim.optimizer import (
     _FLOAT_DTYPES,
@@ -382,8 +383,7 @@ class FusedAdam(_FusedOptimizer):
                 master = state.get("master_param") if state else None
                 grad = grads[gi][pi] if grads[gi] is not None else None
                 if grad is None:
-                    grad = master.grad if master is not None and master.grad is not None \
-                        else p.grad
+                    grad = update_grad(p, master)
                 if grad is None:
                     continue
                 self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "

@@ -34,8 +34,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .. import grads as _grads
 from .. import masters as mst
 from ..distributed import shard_index
+from ..grads import update_grad
 from ..loss_scale import inverse
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -308,16 +310,14 @@ class _FusedOptimizer(Optimizer):
         """The group's parameters that have gradients, with those gradients and their
         state dicts, by device, after checking them. One pass and one state lookup
         per parameter: this runs every step, and its cost is the step's fixed cost.
-
-        The gradient the update reads is the fp32 master's ``.grad`` when one was
-        materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
-        the parameter's."""
-        by_device: Dict[torch.device, _Work] = {}
+        The gradient the update reads: :func:`mixedprec.grads.update_grad`."""
+        params: List[Tensor] = []
+        grads: List[Tensor] = []
+        states: List[Optional[Dict[str, Any]]] = []
         state_of = self.state
         for p in group["params"]:
             state = state_of.get(p)
-            master = state.get("master_param") if state else None
-            grad = master.grad if master is not None and master.grad is not None else p.grad
+            grad = update_grad(p, state.get("master_param") if state else None)
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -334,14 +334,13 @@ class _FusedOptimizer(Optimizer):
             if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                 grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
             self._check_kahan(p)  # (the model may have been cast after construction)
-            work = by_device.get(p.device)
-            if work is None:
-                work = by_device[p.device] = _Work([], [], [])
-            work.params.append(p)
-            work.grads.append(grad)
-            work.states.append(state)
-        self._check_devices(by_device)
-        return by_device
+            params.append(p)
+            grads.append(grad)
+            states.append(state)
+        work = {device: _Work(*lists)
+                for device, lists in _grads.by_device(params, grads, states).items()}
+        self._check_devices(work)
+        return work
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         """Hook: reject a device layout the optimizer cannot step (before any update)."""
@@ -540,8 +539,7 @@ class _FusedOptimizer(Optimizer):
         params = group["params"]
         states = [self.state.get(p) or {} for p in params]
         masters = [state.get("master_param") for state in states]
-        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
-                   for p, m in zip(params, masters)]
+        stepped = [update_grad(p, m) is not None for p, m in zip(params, masters)]
         return _Plan(self._state_key(), [_signature(p) for p in params],
                      [p.stride() for p in params], masters, stepped, lists, device)
 
@@ -574,9 +572,8 @@ class _FusedOptimizer(Optimizer):
                                                          plan.signature, plan.strides):
                 if _signature(p) != signature:
                     return None
-                grad = p.grad
-                if m is not None and m.grad is not None:
-                    grad, from_master = m.grad, True
+                grad = update_grad(p, m)
+                from_master |= grad is not None and grad is not p.grad  # (a master's)
                 if (grad is not None) != stepped:
                     return None
                 if grad is not None:
