@@ -1,17 +1,28 @@
 """mixedprec.grads: the one gradient module of the core (grouping by device, the
-read-only overflow check, unscale, which gradient an update reads).
+read-only overflow check, unscale, which gradient an update reads), and what its
+callers gained from it: amp's overflow check and unscale take sparse gradients and
+gradients on several devices.
 
 Every test runs on the CPU; those taking the ``device`` fixture have a CUDA twin that
 skips on a machine without a GPU (``other_device``: two devices, CUDA either way)."""
+
+import copy
 
 import pytest
 import torch
 from torch import nn
 
-from mixedprec import grads
+import mixedprec
+from mixedprec import amp, grads
 
 INF = float("inf")
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _forget_pending_registrations():
+    yield
+    amp._registered_casts.clear()
 
 
 @pytest.fixture
@@ -34,8 +45,9 @@ def flag(device):
 
 def sparse(values, indices, size, device, dtype=torch.float32):
     """A 1-d sparse COO tensor, uncoalesced when ``indices`` repeat."""
-    return torch.sparse_coo_tensor(torch.tensor([indices]), torch.tensor(values, dtype=dtype),
-                                   (size,), device=device, check_invariants=True)
+    with torch.sparse.check_sparse_tensor_invariants():
+        return torch.sparse_coo_tensor(torch.tensor([indices]),
+                                       torch.tensor(values, dtype=dtype), (size,), device=device)
 
 
 # --- grouping ----------------------------------------------------------------------------
@@ -192,3 +204,99 @@ def test_no_host_read_in_check_and_unscale(device, no_host_reads):
     grads.unscale_(gs, found_inf, torch.tensor(0.5, device=device))
     grads.unscale_(gs, found_inf, None, out=[torch.empty(4, device=device),
                                             torch.empty(3, device=device)])
+
+
+# --- amp: its overflow check and unscale through grads ------------------------------------
+
+AMP_OPTIMIZERS = {  # the fused path checks (check_finite_), the other unscales (unscale_)
+    "mixedprec.optim.SGD": lambda params: mixedprec.optim.SGD(params, lr=0.5),
+    "torch.optim.SGD": lambda params: torch.optim.SGD(params, lr=0.5),
+}
+
+
+def amp_embedding(device, opt_name):
+    torch.manual_seed(0)
+    emb = nn.Embedding(6, 3, sparse=True).to(device)
+    reference = copy.deepcopy(emb)
+    opt = AMP_OPTIMIZERS[opt_name](emb.parameters())
+    emb, opt = amp.initialize(emb, opt, opt_level="O0", loss_scale="dynamic", verbosity=0)
+    return emb, opt, reference
+
+
+@pytest.mark.parametrize("opt_name", list(AMP_OPTIMIZERS))
+def test_amp_steps_a_sparse_gradient(device, opt_name):
+    emb, opt, reference = amp_embedding(device, opt_name)
+    idx = torch.tensor([1, 4, 4], device=device)
+    with amp.scale_loss(emb(idx).sum(), opt) as scaled:
+        scaled.backward()
+    assert emb.weight.grad.is_sparse
+    opt.step()
+    reference(idx).sum().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert torch.equal(emb.weight.detach(), reference.weight.detach())
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+
+
+@pytest.mark.parametrize("opt_name", list(AMP_OPTIMIZERS))
+def test_amp_skips_the_step_when_a_sparse_gradient_overflows(device, opt_name):
+    emb, opt, _ = amp_embedding(device, opt_name)
+    before = emb.weight.detach().clone()
+    idx = torch.tensor([1, 4], device=device)
+    with amp.scale_loss(emb(idx).sum() * 1e35, opt) as scaled:  # * 2**16: inf in fp32
+        scaled.backward()
+    opt.step()
+    assert torch.equal(emb.weight.detach(), before)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+
+
+class TwoDevices(nn.Module):
+    """One weight on each device; the loss is formed on the first."""
+
+    def __init__(self, device, other_device):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(3, device=device))
+        self.b = nn.Parameter(torch.ones(3, device=other_device))
+
+    def forward(self, x, y):
+        return (self.a * x).sum() + (self.b * y).sum().to(self.a.device)
+
+
+@pytest.mark.parametrize("opt_name", ["FusedSGD", "torch.optim.SGD"])
+@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
+def test_amp_with_gradients_on_two_devices(device, other_device, opt_name, overflow):
+    """amp's overflow check (fused) and unscale (other optimizers) see every device's
+    gradients; an overflow on the device other than the loss's skips the step."""
+    model = TwoDevices(device, other_device)
+    make = (lambda ps: mixedprec.FusedSGD(ps, lr=0.5)) if opt_name == "FusedSGD" \
+        else (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    model, opt = amp.initialize(model, make(model.parameters()), opt_level="O0",
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.full((3,), 2.0, device=device)
+    y = torch.full((3,), 1e35 if overflow else 4.0, device=other_device)
+    with amp.scale_loss(model(x, y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    if overflow:
+        assert torch.equal(model.a.detach().cpu(), torch.ones(3))
+        assert torch.equal(model.b.detach().cpu(), torch.ones(3))
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+    else:
+        assert torch.equal(model.a.detach().cpu(), torch.zeros(3))  # 1 - 0.5 * 2
+        assert torch.equal(model.b.detach().cpu(), torch.full((3,), -1.0))  # 1 - 0.5 * 4
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+
+
+def test_amp_handle_unscales_a_sparse_gradient():
+    """amp.init()'s handle (2018 API) unscales sparse gradients in place."""
+    handle = amp.init(verbose=False)
+    try:
+        emb = nn.Embedding(6, 3, sparse=True)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        idx = torch.tensor([1, 4, 4])
+        with handle.scale_loss(emb(idx).float().sum(), opt) as scaled:
+            scaled.backward()
+        dense = emb.weight.grad.to_dense()
+        assert torch.equal(dense[4], torch.full((3,), 2.0)) and torch.equal(dense[0],
+                                                                           torch.zeros(3))
+    finally:
+        handle._deactivate()
