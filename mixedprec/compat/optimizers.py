@@ -732,8 +732,7 @@ class FusedLAMB(_FusedOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                master = state.get("master_param") if state else None
-                grad = master.grad if master is not None and master.grad is not None else p.grad
+                grad = update_grad(p, state.get("master_param") if state else None)
                 if grad is None or grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
                     continue
                 grads.append(grad if ops.is_dense(grad) else grad.contiguous())
