@@ -1,5 +1,6 @@
 """The one master-weights helper: fp32 masters of fp16/bf16 parameters, their
-gradients, and the copy back into the model.
+gradients (unscaled into them through :mod:`mixedprec.grads`), and the copy back into
+the model.
 
 Used by the fused optimizers (masters in their state), ``mixedprec.amp`` (O2 with
 other optimizers) and ``mixedprec.fp16_utils`` (``FP16_Optimizer``, Apex's
@@ -8,18 +9,18 @@ works through the multi-tensor ops, one call per device for the pairs they take
 (same device, dense, same memory order), and falls back to ``copy_`` for the rest.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import ops
+from . import grads, ops
+from .grads import OP_DTYPES
 
 __all__ = ["HALF_DTYPES", "needs_master", "make_master", "follow_layout", "same_layout",
-           "copy_to_model", "unscale_into_masters", "unscale_"]
+           "copy_to_model", "unscale_into_masters"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def needs_master(p: Tensor) -> bool:
@@ -56,28 +57,20 @@ def follow_layout(t: Tensor, like: Tensor) -> Tensor:
     return out
 
 
-def _pairs_by_device(src: Sequence[Tensor], dst: Sequence[Tensor]):
-    """Splits (src, dst) pairs into those the multi-tensor ops take, by device, and
-    the rest."""
-    fast: Dict[torch.device, Tuple[List[Tensor], List[Tensor]]] = {}
-    slow = []
-    for s, d in zip(src, dst):
-        if s.dtype in _FLOAT_DTYPES and d.dtype in _FLOAT_DTYPES and same_layout(s, d):
-            pair = fast.setdefault(d.device, ([], []))
-            pair[0].append(s)
-            pair[1].append(d)
-        else:
-            slow.append((s, d))
-    return fast, slow
-
-
 @torch.no_grad()
 def copy_to_model(masters: Sequence[Tensor], params: Sequence[Tensor]) -> None:
     """``params[i].copy_(masters[i])`` with the cast, one ``multi_tensor_copy_`` per
     device for the pairs it takes."""
-    fast, slow = _pairs_by_device([m.detach() for m in masters], [p.detach() for p in params])
-    for s, d in fast.values():
-        ops.multi_tensor_copy_(s, d)
+    src, dst, slow = [], [], []
+    for s, d in zip(masters, params):
+        s, d = s.detach(), d.detach()
+        if s.dtype in OP_DTYPES and d.dtype in OP_DTYPES and same_layout(s, d):
+            src.append(s)
+            dst.append(d)
+        else:
+            slow.append((s, d))
+    for s_list, d_list in grads.by_device(src, dst).values():
+        ops.multi_tensor_copy_(s_list, d_list)
     for s, d in slow:
         d.copy_(s.reshape(d.shape))
 
@@ -88,11 +81,12 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
                          accumulate: bool = False) -> None:
     """``masters[i].grad = params[i].grad * inv_scale`` in fp32 (added to an existing
     master gradient when ``accumulate``), and ``found_inf`` set when any model gradient
-    holds inf or NaN. Parameters without gradient leave their master's as it is
-    (``None`` unless accumulating). ``found_inf`` and ``inv_scale`` live on one
-    device; other devices get copies and their flags are added back, on the device.
-    ``inv_scale`` None means 1."""
-    by_device: Dict[torch.device, Tuple[List[Tensor], List[Tensor], List[Tensor]]] = {}
+    holds inf or NaN (:func:`mixedprec.grads.unscale_`, which also says how devices are
+    handled). Parameters without gradient leave their master's as it is (``None``
+    unless accumulating). ``inv_scale`` None means 1."""
+    src: List[Tensor] = []
+    dst: List[Tensor] = []
+    owners: List[Tensor] = []
     for p, m in zip(params, masters):
         grad = p.grad
         if grad is None:
@@ -103,56 +97,14 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
                             "need dense gradients")
         if not ops.is_dense(grad):
             grad = grad.contiguous()
-        dst = torch.empty_like(m, dtype=torch.float32) if accumulate or m.grad is None \
+        out = torch.empty_like(m, dtype=torch.float32) if accumulate or m.grad is None \
             or not same_layout(grad, m.grad) else m.grad
-        if not same_layout(grad, dst):
-            grad = follow_layout(grad, dst)
-        src_list, dst_list, owners = by_device.setdefault(grad.device, ([], [], []))
-        src_list.append(grad)
-        dst_list.append(dst)
+        src.append(grad if same_layout(grad, out) else follow_layout(grad, out))
+        dst.append(out)
         owners.append(m)
-    for device, (src, dst, owners) in by_device.items():
-        flag = _flag_on(device, found_inf)
-        ops.multi_tensor_unscale_to_(src, dst, flag, _inv_on(device, inv_scale))
-        for m, g in zip(owners, dst):
-            if accumulate and m.grad is not None:
-                m.grad.add_(g)
-            else:
-                m.grad = g
-        _merge(flag, found_inf)
-
-
-@torch.no_grad()
-def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Tensor]) -> None:
-    """``grads[i] *= inv_scale`` in place (dense gradients; one ``multi_tensor_unscale_``
-    per device), and ``found_inf`` set when any holds inf or NaN; devices as in
-    :func:`unscale_into_masters`."""
-    by_device: Dict[torch.device, List[Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, on_device in by_device.items():
-        flag = _flag_on(device, found_inf)
-        ops.multi_tensor_unscale_(on_device, flag, _inv_on(device, inv_scale))
-        _merge(flag, found_inf)
-
-
-def _flag_on(device: torch.device, found_inf: Tensor) -> Tensor:
-    """The overflow flag to pass the ops on ``device``: ``found_inf`` on its own device,
-    a fresh one elsewhere (see ``_merge``)."""
-    if device == found_inf.device:
-        return found_inf
-    return torch.zeros((), dtype=torch.float32, device=device)
-
-
-def _merge(flag: Tensor, found_inf: Tensor) -> None:
-    """Joins another device's flag into ``found_inf`` on the device, by a maximum: torch's
-    fused optimizers expect 0 or 1."""
-    if flag is not found_inf:
-        torch.maximum(found_inf, flag.to(found_inf.device, non_blocking=True)
-                      .reshape(found_inf.shape), out=found_inf)
-
-
-def _inv_on(device: torch.device, inv_scale: Optional[Tensor]) -> Tensor:
-    if inv_scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
-    return inv_scale.to(device, non_blocking=True)
+    grads.unscale_(src, found_inf, inv_scale, out=dst)
+    for m, g in zip(owners, dst):
+        if accumulate and m.grad is not None:
+            m.grad.add_(g)
+        else:
+            m.grad = g

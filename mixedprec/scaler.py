@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from . import grads
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
 
 __all__ = ["GradScaler", "MissingStateKeys"]
@@ -16,8 +16,6 @@ __all__ = ["GradScaler", "MissingStateKeys"]
 # The keys of torch.amp.GradScaler's state dict, which load_state_dict needs.
 _TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                      "_growth_tracker")
-# Gradient dtypes the multi-tensor ops take; others (float64) go through torch's kernel.
-_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class MissingStateKeys(KeyError, ValueError):
@@ -140,10 +138,10 @@ class GradScaler(torch.amp.GradScaler):
         self._core.place(dev)
 
     @staticmethod
-    def _grads_by_device(optimizer: torch.optim.Optimizer, allow_fp16: bool):
-        """Gradients by device, (those the multi-tensor ops take, the rest: sparse
-        values, other layouts, float64), checked before anything is written."""
-        by_device: Dict[torch.device, tuple] = {}
+    def _grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> List[Tensor]:
+        """The optimizer's gradients, checked before anything is written; sparse fp16
+        ones coalesced into ``param.grad`` first, as torch's scaler does."""
+        out = []
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
@@ -151,50 +149,22 @@ class GradScaler(torch.amp.GradScaler):
                     continue
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                fast, other = by_device.setdefault(grad.device, ([], []))
-                if grad.dtype in _OP_DTYPES and ops.is_dense(grad):
-                    fast.append(grad)
-                else:
-                    other.append(grad)
-        return by_device
-
-    @staticmethod
-    def _on(device: torch.device, value: Tensor, cache: Dict[torch.device, Tensor]) -> Tensor:
-        """``value`` on ``device``, copied once per device."""
-        if device not in cache:
-            cache[device] = value.to(device=device, non_blocking=True)
-        return cache[device]
+                if grad.is_sparse and grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                out.append(grad)
+        return out
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        inv_by_device = {inv_scale.device: inv_scale}
-        flags = {found_inf.device: found_inf}
-        with torch.no_grad():
-            for device, (fast, other) in self._grads_by_device(optimizer, allow_fp16).items():
-                flag = self._on(device, found_inf, flags)
-                inv = self._on(device, inv_scale, inv_by_device)
-                ops.multi_tensor_unscale_(fast, flag, inv)
-                if other:  # layouts and dtypes the multi-tensor kernel does not take
-                    torch._amp_foreach_non_finite_check_and_unscale_(other, flag, inv)
-        return flags
+        return grads.unscale_(self._grads(optimizer, allow_fp16), found_inf, inv_scale,
+                              merge=False)
 
     def _check_inf_per_device(self, optimizer):
         # For optimizers that unscale inside their own kernel: read the gradients once,
         # write nothing.
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
-        flags = {found_inf.device: found_inf}
-        with torch.no_grad():
-            for device, (fast, other) in self._grads_by_device(optimizer, True).items():
-                flag = self._on(device, found_inf, flags)
-                ops.multi_tensor_check_finite_(fast, flag)
-                for g in other:  # a maximum: torch's fused optimizers expect 0 or 1
-                    torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype), out=flag)
-        states = self._per_optimizer_states[id(optimizer)]
-        states["found_inf_per_device"] = flags
+        flags = grads.check_finite_(self._grads(optimizer, True), found_inf, merge=False)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
         return flags
 
     def update(self, new_scale: Optional[Any] = None) -> None:

@@ -35,8 +35,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch import Tensor, nn
 
+from .. import grads
 from .. import masters as _masters
-from .. import ops
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 from .fp16_utils import convert_network, half_dtype
@@ -338,7 +338,7 @@ def _unscale(params: List[Tensor], masters: Dict[Tensor, Tensor], found_inf: Ten
                                   inv_scale, accumulate=accumulate)
     for p in halves:
         p.grad = None
-    _masters.unscale_([p.grad for p in params if p not in masters], found_inf, inv_scale)
+    grads.unscale_([p.grad for p in params if p not in masters], found_inf, inv_scale)
 
 
 class _OptimizerAmp:
@@ -430,7 +430,7 @@ class _OptimizerAmp:
             one = torch.ones((), dtype=torch.float32, device=flag.device)
             factor = (one if to_scale is None else to_scale) / (
                 one if self.stash_scale is None else self.stash_scale)
-            ops.multi_tensor_unscale_([old for _, old in stash], flag, factor)
+            grads.unscale_([old for _, old in stash], flag, factor)
         for p, old in stash:
             p.grad = old if p.grad is None else p.grad.add_(old)
         self.stash, self.stash_scale = [], None
@@ -447,7 +447,7 @@ class _OptimizerAmp:
         params = [p for p in self.model_params() if p.grad is not None]
         if self.fused:
             if check:  # bf16 at a static scale of 1 reads no gradient here
-                ops.multi_tensor_check_finite_([p.grad for p in params], found_inf)
+                grads.check_finite_([p.grad for p in params], found_inf)
             self.carried = scale
         else:  # O2: added to the master gradients of an earlier loss
             _unscale(params, self.masters, found_inf, scale, accumulate=True)
@@ -881,14 +881,10 @@ _skip_flags: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _SkipFlag]" = (
 
 
 def _unscale_grads(params: Iterable[Tensor], scale: Tensor) -> Tensor:
-    """Unscales the ``.grad`` of ``params`` in place; returns the overflow flag."""
+    """Unscales the ``.grad`` of ``params`` in place (a sparse one: its values); returns
+    the overflow flag."""
     found_inf = torch.zeros(1, dtype=torch.float32, device=scale.device)
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
-        if g.layout != torch.strided or not ops.is_dense(g):
-            raise TypeError("amp handle: expected dense gradients, got one of layout "
-                            f"{g.layout} and strides {g.stride()}")
-    _masters.unscale_(grads, found_inf, inverse(scale))
+    grads.unscale_([p.grad for p in params if p.grad is not None], found_inf, inverse(scale))
     return found_inf
 
 

@@ -20,9 +20,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import grads as _grads
 from .. import ops
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
-from ..masters import HALF_DTYPES, copy_to_model, make_master, unscale_, unscale_into_masters
+from ..masters import HALF_DTYPES, copy_to_model, make_master, unscale_into_masters
 
 __all__ = ["BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer",
            "LossScaler", "clip_grad_norm", "convert_module", "convert_network",
@@ -435,18 +436,12 @@ class DynamicLossScaler(LossScaler):
 
     def has_overflow(self, params: Iterable[Tensor]) -> bool:
         """Whether any ``p.grad`` holds inf or NaN (one fused check per device; reads it)."""
-        flags: Dict[torch.device, Tensor] = {}
-        fast: Dict[torch.device, List[Tensor]] = {}
-        for g in (p.grad for p in params if p.grad is not None):
-            flag = flags.setdefault(g.device, torch.zeros((), dtype=torch.float32, device=g.device))
-            if g.layout == torch.strided and g.dtype in _FLOAT_DTYPES and ops.is_dense(g):
-                fast.setdefault(g.device, []).append(g)
-            else:
-                values = g.coalesce().values() if g.layout == torch.sparse_coo else g
-                flag.add_((~torch.isfinite(values)).any())
-        for device, grads in fast.items():
-            ops.multi_tensor_check_finite_(grads, flags[device])
-        return any(bool(flag.item()) for flag in flags.values())  # sync-ok: Apex returns a bool
+        found = [p.grad for p in params if p.grad is not None]
+        if not found:
+            return False
+        found_inf = torch.zeros((), dtype=torch.float32, device=found[0].device)
+        _grads.check_finite_(found, found_inf)
+        return bool(found_inf.item())  # sync-ok: Apex returns a bool
 
     @staticmethod
     def _has_inf_or_nan(x: Tensor) -> bool:
@@ -675,8 +670,8 @@ class FP16_Optimizer:  # Apex's name
         for p in self.all_fp32_from_fp32_params:
             if p.grad is not None and not ops.is_dense(p.grad):
                 p.grad = p.grad.contiguous()
-        unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
-                 found_inf, inv_scale)
+        _grads.unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
+                        found_inf, inv_scale)
         if self.dynamic_loss_scale:
             core.update(found_inf)
 
@@ -737,17 +732,15 @@ class FP16_Optimizer:  # Apex's name
         if float(norm_type) != 2.0:
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type).to(self._device)
         else:
-            by_device: Dict[torch.device, List[Tensor]] = {}
-            for p in params:
-                by_device.setdefault(p.grad.device, []).append(p.grad)
-            norms = [ops.multi_tensor_l2norm(grads)[0].to(self._device).reshape(())
-                     for grads in by_device.values()]
+            by_device = _grads.by_device([p.grad for p in params])
+            norms = [ops.multi_tensor_l2norm(on_device)[0].to(self._device).reshape(())
+                     for (on_device,) in by_device.values()]
             norms = norms or [torch.zeros((), dtype=torch.float32, device=self._device)]
             total = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
             clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
             with torch.no_grad():
-                for device, grads in by_device.items():
-                    torch._foreach_mul_(grads, clip_coef.to(device))
+                for device, (on_device,) in by_device.items():
+                    torch._foreach_mul_(on_device, clip_coef.to(device))
         if self.dynamic_loss_scale:
             total = torch.where(self._found_inf > 0, -1.0, total)
         return total

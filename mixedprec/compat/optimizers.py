@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import masters as mst
 from .. import ops
+from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
 from ..optim.adam import Adam
 from ..optim.optimizer import (
@@ -345,8 +346,7 @@ class FusedAdam(_ApexFace, Adam):
                 master = state.get("master_param") if state else None
                 grad = grads[gi][pi] if grads[gi] is not None else None
                 if grad is None:
-                    grad = master.grad if master is not None and master.grad is not None \
-                        else p.grad
+                    grad = update_grad(p, master)
                 if grad is None:
                     continue
                 self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "
@@ -680,8 +680,7 @@ class FusedLAMB(_FusedOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                master = state.get("master_param") if state else None
-                grad = master.grad if master is not None and master.grad is not None else p.grad
+                grad = update_grad(p, state.get("master_param") if state else None)
                 if grad is None or grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
                     continue
                 grads.append(grad if ops.is_dense(grad) else grad.contiguous())

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import grads as _grads
 from .. import ops
 from .apex_C import flatten, unflatten
 
@@ -462,11 +463,8 @@ class LARC:
                     group["weight_decay"] = weight_decay
 
     def _adapt(self, group: Dict[str, Any], weight_decay: float) -> None:
-        by_device: Dict[torch.device, List[Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is not None:
-                by_device.setdefault(p.device, []).append(p)
-        for members in by_device.values():
+        with_grads = [p for p in group["params"] if p.grad is not None]
+        for (members,) in _grads.by_device(with_grads).values():
             params = [p.data for p in members]
             grads = [p.grad.data for p in members]
             param_norms = _per_tensor_norms(params)

@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .. import grads as _grads
 from .. import masters as mst
+from ..grads import update_grad
 from ..loss_scale import inverse
 from .lean import (  # noqa: F401
     _FLOAT_DTYPES,
@@ -166,16 +168,14 @@ class _FusedOptimizer(LeanModes, Plans, Optimizer):
         """The group's parameters that have gradients, with those gradients and their
         state dicts, by device, after checking them. One pass and one state lookup
         per parameter: this runs every step, and its cost is the step's fixed cost.
-
-        The gradient the update reads is the fp32 master's ``.grad`` when one was
-        materialized (e.g. for clipping, by ``mixedprec.amp.master_params``), else
-        the parameter's."""
-        by_device: Dict[torch.device, _Work] = {}
+        The gradient the update reads: :func:`mixedprec.grads.update_grad`."""
+        params: List[Tensor] = []
+        grads: List[Tensor] = []
+        states: List[Optional[Dict[str, Any]]] = []
         state_of = self.state
         for p in group["params"]:
             state = state_of.get(p)
-            master = state.get("master_param") if state else None
-            grad = master.grad if master is not None and master.grad is not None else p.grad
+            grad = update_grad(p, state.get("master_param") if state else None)
             if grad is None:
                 continue
             if grad.is_sparse:
@@ -192,14 +192,13 @@ class _FusedOptimizer(LeanModes, Plans, Optimizer):
             if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                 grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
             self._check_kahan(p)  # (the model may have been cast after construction)
-            work = by_device.get(p.device)
-            if work is None:
-                work = by_device[p.device] = _Work([], [], [])
-            work.params.append(p)
-            work.grads.append(grad)
-            work.states.append(state)
-        self._check_devices(by_device)
-        return by_device
+            params.append(p)
+            grads.append(grad)
+            states.append(state)
+        work = {device: _Work(*lists)
+                for device, lists in _grads.by_device(params, grads, states).items()}
+        self._check_devices(work)
+        return work
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         """Hook: reject a device layout the optimizer cannot step (before any update)."""

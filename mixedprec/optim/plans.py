@@ -7,6 +7,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..grads import update_grad
 from .lean import _FLOAT_DTYPES
 
 
@@ -54,8 +55,7 @@ class Plans:
         params = group["params"]
         states = [self.state.get(p) or {} for p in params]
         masters = [state.get("master_param") for state in states]
-        stepped = [(m.grad if m is not None and m.grad is not None else p.grad) is not None
-                   for p, m in zip(params, masters)]
+        stepped = [update_grad(p, m) is not None for p, m in zip(params, masters)]
         return _Plan(self._state_key(), [_signature(p) for p in params],
                      [p.stride() for p in params], masters, stepped, lists, device)
 
@@ -88,9 +88,8 @@ class Plans:
                                                          plan.signature, plan.strides):
                 if _signature(p) != signature:
                     return None
-                grad = p.grad
-                if m is not None and m.grad is not None:
-                    grad, from_master = m.grad, True
+                grad = update_grad(p, m)
+                from_master |= grad is not None and grad is not p.grad  # (a master's)
                 if (grad is not None) != stepped:
                     return None
                 if grad is not None:

@@ -1,0 +1,142 @@
+"""The one gradient module of the core: every place that groups gradients by device,
+checks them for overflow, unscales them or picks the gradient an update reads calls
+this module (nowhere else does it).
+
+* :func:`by_device` groups parallel lists (gradients; or sources and destinations) by
+  device: the multi-tensor ops take one device and any mix of float32, float16 and
+  bfloat16 per call. :func:`by_device_and_dtype` also splits by dtype, with torch's own
+  helper, for torch's kernels that want one dtype per call.
+* :func:`check_finite_` is the read-only overflow check, :func:`unscale_` the unscale
+  (in place, or into other tensors: fp32 master gradients). Both take sparse gradients
+  (their values) and gradients on several devices: ``found_inf`` lives on one device,
+  each other device gets a flag of its own, folded back into ``found_inf`` on the
+  device by a maximum (torch's fused optimizers expect 0 or 1). No host reads.
+* :func:`update_grad`: the fp32 master's ``.grad`` when set, else ``p.grad``.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = ["OP_DTYPES", "by_device", "by_device_and_dtype", "update_grad", "check_finite_",
+           "unscale_"]
+
+# The dtypes the multi-tensor ops take; others (float64) go through torch's kernels.
+OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+Flags = Dict[torch.device, Tensor]
+
+
+def by_device(*lists: Sequence[Any]) -> Dict[torch.device, Tuple[List[Any], ...]]:
+    """Parallel lists (the first of tensors) grouped by the device of the first list's
+    entries, in order: ``{device: (one list per argument)}``."""
+    groups: Dict[torch.device, Tuple[List[Any], ...]] = {}
+    for row in zip(*lists):
+        group = groups.get(row[0].device)
+        if group is None:
+            group = groups[row[0].device] = tuple([] for _ in row)
+        for out, item in zip(group, row):
+            out.append(item)
+    return groups
+
+
+def by_device_and_dtype(*lists: Sequence[Tensor]):
+    """As :func:`by_device`, keyed by ``(device, dtype)`` of the first list's tensors:
+    ``torch.optim.Optimizer._group_tensors_by_device_and_dtype`` (one group under
+    torch.compile, as there)."""
+    if not lists or not lists[0]:
+        return {}
+    grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([list(x) for x in lists])
+    return {key: tuple(tensors) for key, (tensors, _) in grouped.items()}
+
+
+def update_grad(p: Tensor, master: Optional[Tensor]) -> Optional[Tensor]:
+    """The gradient an update of ``p`` reads: its fp32 ``master``'s ``.grad`` when one
+    was materialized (unscaled; e.g. for clipping, by ``mixedprec.amp.master_params``),
+    else ``p.grad``."""
+    if master is not None and master.grad is not None:
+        return master.grad
+    return p.grad
+
+
+def _takes(t: Tensor) -> bool:
+    """Whether the multi-tensor ops take ``t`` as it is."""
+    return t.dtype in OP_DTYPES and ops.is_dense(t)
+
+
+def _flag(flags: Flags, found_inf: Tensor, device: torch.device) -> Tensor:
+    """The overflow flag for ``device``: ``found_inf`` on its own device, a fresh zero
+    flag (kept in ``flags``) elsewhere."""
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags[device] = found_inf.new_zeros(found_inf.shape, device=device)
+    return flag
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``; asynchronously, except into host memory, which the CPU ops
+    read at once (a non-blocking copy there could still be under way)."""
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
+def _finish(flags: Flags, found_inf: Tensor, merge: bool) -> Flags:
+    if merge:
+        for flag in flags.values():
+            if flag is not found_inf:
+                torch.maximum(found_inf, _to(flag, found_inf.device), out=found_inf)
+    return flags
+
+
+@torch.no_grad()
+def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, merge: bool = True) -> Flags:
+    """Sets ``found_inf`` (a float32 flag; never cleared) when any gradient holds inf or
+    NaN, writing nothing else: one ``multi_tensor_check_finite_`` per device, torch for
+    the rest (a sparse gradient: its coalesced values; float64). Returns each device's
+    flag (``found_inf`` on its own); ``merge=False`` leaves the others out of
+    ``found_inf`` (torch's GradScaler keeps them per device)."""
+    flags = {found_inf.device: found_inf}
+    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
+              for g in grads]  # (a sparse gradient: the values its update sums)
+    for device, (on_device,) in by_device(values).items():
+        flag = _flag(flags, found_inf, device)
+        fast = [g for g in on_device if _takes(g)]
+        if fast:
+            ops.multi_tensor_check_finite_(fast, flag)
+        for g in (g for g in on_device if not _takes(g)):
+            torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype), out=flag)
+    return _finish(flags, found_inf, merge)
+
+
+@torch.no_grad()
+def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Tensor],
+             out: Optional[Sequence[Tensor]] = None, merge: bool = True) -> Flags:
+    """``grads[i] *= inv_scale`` in place, or ``out[i] = grads[i] * inv_scale`` (cast to
+    ``out[i]``'s dtype: fp16/bf16 gradients into fp32 master gradients), and
+    ``found_inf`` set as by :func:`check_finite_` (its flags returned). In place, one
+    ``multi_tensor_unscale_`` per device and torch's kernel for the rest (a sparse
+    gradient's values, float64, overlapping layouts); ``out`` takes pairs that the
+    multi-tensor ops take (dense, one device and layout), one ``multi_tensor_unscale_to_``
+    per device. ``inv_scale`` None means 1."""
+    flags = {found_inf.device: found_inf}
+    inv_on = {} if inv_scale is None else {inv_scale.device: inv_scale}
+
+    def on(device: torch.device) -> Tuple[Tensor, Tensor]:
+        if device not in inv_on:
+            inv_on[device] = torch.ones((), dtype=torch.float32, device=device) \
+                if inv_scale is None else _to(inv_scale, device)
+        return _flag(flags, found_inf, device), inv_on[device]
+
+    if out is not None:
+        for device, (src, dst) in by_device(grads, out).items():
+            ops.multi_tensor_unscale_to_(src, dst, *on(device))
+        return _finish(flags, found_inf, merge)
+    values = [g._values() if g.is_sparse else g for g in grads]  # written in place
+    for device, (on_device,) in by_device(values).items():
+        fast = [g for g in on_device if _takes(g)]
+        if fast:
+            ops.multi_tensor_unscale_(fast, *on(device))
+        for (other,) in by_device_and_dtype([g for g in on_device if not _takes(g)]).values():
+            torch._amp_foreach_non_finite_check_and_unscale_(other, *on(device))
+    return _finish(flags, found_inf, merge)
