@@ -10,22 +10,24 @@ import io
 import pytest
 import torch
 from helpers import (
+    IN,
+    OUT,
     TOLERANCES,
     assert_bitwise_equal,
     assert_same_snapshot,
     full_snapshot,
+    make_model,
+    named_snapshot,
     randn,
-    snapshot,
     torch_optimizer,
 )
 from references import ref_adam
 from torch import nn
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD
 
-IN, HIDDEN, OUT, BATCH = 6, 10, 3, 8
+BATCH = 8
 STEPS = 30
 TIGHT = TOLERANCES[torch.float32]  # fp32 math against fp32 torch.optim: rtol 1e-5, atol 1e-6
 
@@ -59,32 +61,7 @@ OPTIMIZERS = [
 ]
 
 
-# --- a small model and its torch.optim twin ---------------------------------------------
-
-class Net(nn.Module):
-    """Two linear layers whose dtypes may differ. The math runs in fp32 on weights cast
-    from the layers' dtypes (fp16/bf16 matmuls are slow on CPU); gradients come back in
-    each parameter's dtype."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(IN, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, OUT)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
-        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
-
-
-def make_model(device, dtype=torch.float32, fc2_dtype=None, seed=0):
-    model = Net()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(randn(p.shape, torch.float32, "cpu", seed=seed + i, scale=0.5))
-    model.fc1.to(device=device, dtype=dtype)
-    model.fc2.to(device=device, dtype=fc2_dtype or dtype)
-    return model
-
+# --- helpers.make_model: its loss and its torch.optim twin -------------------------------
 
 def backward(model, step, scale=1.0):
     """Gradients of a regression loss on the batch of `step` (deterministic)."""
@@ -138,11 +115,6 @@ def assert_tracks_torch(model, opt, twin, twin_opt, tol=TIGHT):
 
 def group_steps(opt):
     return [g["step"].item() if "step" in g else 0.0 for g in opt.param_groups]
-
-
-def named_snapshot(obj):
-    """helpers.snapshot of `obj` as {position:name: clone}."""
-    return {f"{i}:{name}": t for i, (name, t) in enumerate(snapshot(obj))}
 
 
 # --- the constructors ---------------------------------------------------------------------

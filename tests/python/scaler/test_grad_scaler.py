@@ -2,7 +2,6 @@
 loss-scale algorithm; both scalers driving FusedSGD/FusedAdam; and no host
 synchronisation in scale/step/update with the fused optimizers."""
 
-import contextlib
 import copy
 import inspect
 import io
@@ -11,16 +10,18 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    SYNC_METHODS,
     TOLERANCES,
+    HostSyncError,
     assert_bitwise_equal,
     assert_same_snapshot,
+    forbid_host_sync,
     full_snapshot,
+    make_model,
     randn,
     torch_optimizer,
 )
 from torch import nn
-from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD, GradScaler
 from mixedprec.loss_scale import DEFAULT_MIN_SCALE
@@ -41,29 +42,7 @@ FUSED = [
 ]
 
 
-# --- a small model -----------------------------------------------------------------------
-
-class Net(nn.Module):
-    """Two linear layers; the math runs in fp32 on weights cast from the parameters'
-    dtype (fp16/bf16 matmuls are slow on CPU), gradients come back in that dtype."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 10)
-        self.fc2 = nn.Linear(10, 3)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
-        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
-
-
-def make_model(device, dtype=torch.float32):
-    model = Net()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(randn(p.shape, torch.float32, "cpu", seed=i, scale=0.5))
-    return model.to(device=device, dtype=dtype)
-
+# --- the loss of helpers.make_model, and what a skipped step may leave -------------------
 
 def loss_of(model, step):
     device = model.fc1.weight.device
@@ -598,63 +577,6 @@ def test_fused_optimizers_under_a_scaler_match_torch_optim(request, device, cls,
 
 
 # --- no host synchronisation ------------------------------------------------------------
-
-SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
-_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal")
-
-
-class HostSyncError(AssertionError):
-    pass
-
-
-class _ForbidSyncOps(TorchDispatchMode):
-    """Catches the ATen ops that read a tensor on the host, however they are reached
-    (also a `.item()` that bypasses the Python attribute), and device-to-host copies."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in _SYNC_OPS:
-            raise HostSyncError(f"{func} during a sync-free call")
-        if name in ("_to_copy", "copy_"):
-            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
-            if kwargs.get("device") is not None:
-                devices.add(torch.device(kwargs["device"]).type)
-            if "cpu" in devices and len(devices) > 1:
-                raise HostSyncError(f"{func} between the host and the device")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def forbid_host_sync(monkeypatch):
-    """Tensor.item/__bool__/cpu/tolist/__float__/__int__ raise (and are recorded), the
-    ATen ops behind them raise, and on CUDA so does any synchronising CUDA call."""
-    calls = []
-
-    def forbidden(name):
-        def method(self, *args, **kwargs):
-            calls.append(name)
-            raise HostSyncError(f"Tensor.{name} during a sync-free call")
-        return method
-
-    patched = {name: forbidden(name) for name in SYNC_METHODS}
-    with monkeypatch.context() as m:
-        for name, method in patched.items():
-            m.setattr(torch.Tensor, name, method)
-        cuda = torch.cuda.is_available()
-        if cuda:
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            with _ForbidSyncOps():
-                yield calls
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(previous)
-        # What ran was the patched version, and nothing swallowed a HostSyncError.
-        assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
-        assert calls == [], f"host syncs: {calls}"
-
 
 SYNC_CALLS = [
     pytest.param(lambda t: t.sum().item(), id="item"),
