@@ -2,6 +2,7 @@
 every layer (ops/, optim/, scaler/, apex/, distributed/)."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -124,6 +125,26 @@ def torch_optimizer(cls, params, kwargs):
 def named_snapshot(obj):
     """helpers.snapshot of `obj` as {position:name: clone}."""
     return {f"{i}:{name}": t for i, (name, t) in enumerate(snapshot(obj))}
+
+
+def state_dict_snapshot(model, opt):
+    """Deep copies of model.state_dict() and opt.state_dict(), for
+    assert_state_dict_unchanged (hyperparameters included, tensors by torch.equal)."""
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+
+def assert_state_dict_unchanged(model, opt, before):
+    """The model's and the optimizer's state dicts are what `state_dict_snapshot` saw:
+    the same tensors (torch.equal), param_groups and state keys."""
+    model_sd, opt_sd = before
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, model_sd[k]), k
+    now = opt.state_dict()
+    assert now["param_groups"] == opt_sd["param_groups"]
+    assert {k for k, v in now["state"].items() if v} == set(opt_sd["state"])
+    for pid, st in opt_sd["state"].items():
+        for key, value in st.items():
+            assert torch.equal(now["state"][pid][key], value), (pid, key)
 
 
 def full_snapshot(model, opt):
