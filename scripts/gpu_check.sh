@@ -155,14 +155,14 @@ DEFAULT_STEPS=(selfcheck pytest+ctest+memcheck+racecheck+synccheck bench)
 # The op tests: what memcheck checks (the rest of the suite drives the same kernels
 # through the Python layer, at many times the run time under the tool; test_errors.py
 # checks arguments that are rejected before any kernel runs).
-OP_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py
-  tests/python/test_fused_optimizers.py tests/python/test_sum_fp32.py
-  tests/python/test_loss_scale.py)
+OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py
+  tests/python/optim/test_fused_optimizers.py tests/python/ops/test_sum_fp32.py
+  tests/python/scaler/test_loss_scale.py)
 # The engine's tests: what synccheck (barriers) checks; the 2^31-element test is
 # memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
 # reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
-ENGINE_TESTS=(tests/python/test_multi_tensor.py tests/python/test_engine_edges.py)
-L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/test_amp_C.py)
+ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
+L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/apex/test_amp_C.py)
 
 HAVE_XDIST=0
 "$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1

@@ -1,7 +1,14 @@
-"""Tensor builders and assertions shared by the op and optimizer tests."""
+"""Tensor builders, the small model, snapshots and assertions shared by the tests of
+every layer (ops/, optim/, scaler/, apex/, distributed/)."""
+
+import contextlib
+import copy
 
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedSGD
 
@@ -115,6 +122,31 @@ def torch_optimizer(cls, params, kwargs):
     return torch_cls(params, foreach=False, **kwargs)
 
 
+def named_snapshot(obj):
+    """helpers.snapshot of `obj` as {position:name: clone}."""
+    return {f"{i}:{name}": t for i, (name, t) in enumerate(snapshot(obj))}
+
+
+def state_dict_snapshot(model, opt):
+    """Deep copies of model.state_dict() and opt.state_dict(), for
+    assert_state_dict_unchanged (hyperparameters included, tensors by torch.equal)."""
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+
+
+def assert_state_dict_unchanged(model, opt, before):
+    """The model's and the optimizer's state dicts are what `state_dict_snapshot` saw:
+    the same tensors (torch.equal), param_groups and state keys."""
+    model_sd, opt_sd = before
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, model_sd[k]), k
+    now = opt.state_dict()
+    assert now["param_groups"] == opt_sd["param_groups"]
+    assert {k for k, v in now["state"].items() if v} == set(opt_sd["state"])
+    for pid, st in opt_sd["state"].items():
+        for key, value in st.items():
+            assert torch.equal(now["state"][pid][key], value), (pid, key)
+
+
 def full_snapshot(model, opt):
     """{name: clone} of everything an optimizer step may write: params, per-param
     state, group tensors (FusedAdam's step), named by position and key (whatever
@@ -152,3 +184,94 @@ def assert_within_eager_error(actual, reference, eager, factor=2.0):
     assert error <= factor * eager_error + floor, (
         f"error {error:.3e} > {factor} x eager error {eager_error:.3e} + {floor:.3e}"
     )
+
+
+# --- the small model of the optimizer and scaler tests ------------------------------------
+
+IN, HIDDEN, OUT = 6, 10, 3
+
+
+class Net(nn.Module):
+    """Two linear layers whose dtypes may differ. The math runs in fp32 on weights cast
+    from the layers' dtypes (fp16/bf16 matmuls are slow on CPU); gradients come back in
+    each parameter's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
+        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
+
+
+def make_model(device, dtype=torch.float32, fc2_dtype=None, seed=0):
+    """A Net whose weights depend only on `seed`, fc1 in `dtype`, fc2 in `fc2_dtype`
+    (default: `dtype`)."""
+    model = Net()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(randn(p.shape, torch.float32, "cpu", seed=seed + i, scale=0.5))
+    model.fc1.to(device=device, dtype=dtype)
+    model.fc2.to(device=device, dtype=fc2_dtype or dtype)
+    return model
+
+
+# --- no host synchronisation --------------------------------------------------------------
+
+SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
+_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal")
+
+
+class HostSyncError(AssertionError):
+    pass
+
+
+class _ForbidSyncOps(TorchDispatchMode):
+    """Catches the ATen ops that read a tensor on the host, however they are reached
+    (also a `.item()` that bypasses the Python attribute), and device-to-host copies."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS:
+            raise HostSyncError(f"{func} during a sync-free call")
+        if name in ("_to_copy", "copy_"):
+            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+            if kwargs.get("device") is not None:
+                devices.add(torch.device(kwargs["device"]).type)
+            if "cpu" in devices and len(devices) > 1:
+                raise HostSyncError(f"{func} between the host and the device")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def forbid_host_sync(monkeypatch):
+    """Tensor.item/__bool__/cpu/tolist/__float__/__int__ raise (and are recorded), the
+    ATen ops behind them raise, and on CUDA so does any synchronising CUDA call."""
+    calls = []
+
+    def forbidden(name):
+        def method(self, *args, **kwargs):
+            calls.append(name)
+            raise HostSyncError(f"Tensor.{name} during a sync-free call")
+        return method
+
+    patched = {name: forbidden(name) for name in SYNC_METHODS}
+    with monkeypatch.context() as m:
+        for name, method in patched.items():
+            m.setattr(torch.Tensor, name, method)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with _ForbidSyncOps():
+                yield calls
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
+        # What ran was the patched version, and nothing swallowed a HostSyncError.
+        assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
+        assert calls == [], f"host syncs: {calls}"

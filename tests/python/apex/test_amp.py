@@ -30,7 +30,7 @@ from torch import nn
 import mixedprec
 from mixedprec import amp
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PKG_DIR = os.path.dirname(os.path.abspath(mixedprec.__file__))
 THIS_FILE = os.path.abspath(__file__)
 

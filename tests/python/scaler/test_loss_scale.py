@@ -1,5 +1,5 @@
 """update_loss_scale_ over sequences of overflow flags, against a plain Python
-reference of the contract."""
+reference of the contract; and LossScale, the Python core over it."""
 
 import pytest
 import torch
@@ -7,6 +7,7 @@ from helpers import scalar
 from references import ref_update_loss_scale
 
 from mixedprec import ops
+from mixedprec.loss_scale import LossScale
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -105,3 +106,52 @@ def test_defaults(device):
     assert (scale.item(), growth_tracker.item()) == (16.0, 0)
     ops.update_loss_scale_(scale, growth_tracker, hysteresis_tracker, overflow)
     assert (scale.item(), growth_tracker.item(), hysteresis_tracker.item()) == (8.0, 0, 0)
+
+
+# --- LossScale, the Python core over the op ----------------------------------------------
+
+def test_loss_scale_core_update_and_state():
+    core = LossScale(8.0, growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=32.0)
+    assert core.get() == 8.0 and core.scale is None
+    flags = [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+    scales = []
+    for f in flags:
+        core.update(torch.tensor(float(f)))
+        scales.append(core.get())
+    # the first back-off after two overflows (hysteresis 2), then one per overflow until
+    # a clean step; the floor 2; growth every 2 clean steps up to the ceiling 32
+    assert scales == [8.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0, 16.0, 16.0, 32.0]
+    state = dict(scale=core.get(), **core.trackers())
+    other = LossScale(1.0)
+    other.load(state["scale"], state["growth_tracker"], state["hysteresis_tracker"],
+               growth_interval=2, hysteresis=2, min_scale=2.0, max_scale=32.0)
+    assert other.get() == 32.0 and other.trackers() == core.trackers()
+
+
+def test_loss_scale_static_never_changes():
+    core = LossScale(128.0, dynamic=False)
+    for f in (1.0, 0.0, 1.0):
+        core.update(torch.tensor(f))
+    assert core.get() == 128.0
+
+
+def test_loss_scale_rejects_init_outside_its_bounds():
+    with pytest.raises(ValueError, match="init_scale"):
+        LossScale(2.0**20, max_scale=2.0**16)
+    LossScale(2.0**20, max_scale=2.0**16, dynamic=False)  # static: no bounds apply
+
+
+def test_loss_scale_restores_a_hysteresis_tracker_below_zero():
+    """update_loss_scale_ counts the tracker below 0 while overflows follow each other;
+    such a state must load back."""
+    core = LossScale(8.0, hysteresis=2)
+    for _ in range(3):
+        core.update(torch.tensor(1.0))
+    saved = dict(scale=core.get(), **core.trackers())
+    assert saved["hysteresis_tracker"] < 0
+    other = LossScale(8.0, hysteresis=2)
+    other.load(saved["scale"], saved["growth_tracker"], saved["hysteresis_tracker"],
+               hysteresis=2)
+    for c in (core, other):
+        c.update(torch.tensor(1.0))
+    assert other.get() == core.get() and other.trackers() == core.trackers()

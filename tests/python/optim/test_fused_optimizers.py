@@ -1,7 +1,9 @@
 """FusedSGD and FusedAdam as torch.optim.Optimizer objects: many steps on a small model
 against torch.optim (fp32 params, and fp16/bf16 models over fp32 masters), param groups,
 LR schedulers, zero_grad, add_param_group, state_dict round trips and load errors,
-argument checks, and the grad_scale / found_inf hand-off a GradScaler uses."""
+argument checks, and the grad_scale / found_inf hand-off a GradScaler uses; gradients
+with other strides, channels_last, dtype round trips, foreign state dicts and
+torch.compile (each of these last tests failed before its fix)."""
 
 import copy
 import inspect
@@ -10,22 +12,26 @@ import io
 import pytest
 import torch
 from helpers import (
+    IN,
+    OUT,
     TOLERANCES,
     assert_bitwise_equal,
     assert_same_snapshot,
+    assert_state_dict_unchanged,
     full_snapshot,
+    make_model,
+    named_snapshot,
     randn,
-    snapshot,
+    state_dict_snapshot,
     torch_optimizer,
 )
 from references import ref_adam
 from torch import nn
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD
 
-IN, HIDDEN, OUT, BATCH = 6, 10, 3, 8
+BATCH = 8
 STEPS = 30
 TIGHT = TOLERANCES[torch.float32]  # fp32 math against fp32 torch.optim: rtol 1e-5, atol 1e-6
 
@@ -59,32 +65,7 @@ OPTIMIZERS = [
 ]
 
 
-# --- a small model and its torch.optim twin ---------------------------------------------
-
-class Net(nn.Module):
-    """Two linear layers whose dtypes may differ. The math runs in fp32 on weights cast
-    from the layers' dtypes (fp16/bf16 matmuls are slow on CPU); gradients come back in
-    each parameter's dtype."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(IN, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, OUT)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
-        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
-
-
-def make_model(device, dtype=torch.float32, fc2_dtype=None, seed=0):
-    model = Net()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(randn(p.shape, torch.float32, "cpu", seed=seed + i, scale=0.5))
-    model.fc1.to(device=device, dtype=dtype)
-    model.fc2.to(device=device, dtype=fc2_dtype or dtype)
-    return model
-
+# --- helpers.make_model: its loss and its torch.optim twin -------------------------------
 
 def backward(model, step, scale=1.0):
     """Gradients of a regression loss on the batch of `step` (deterministic)."""
@@ -140,16 +121,11 @@ def group_steps(opt):
     return [g["step"].item() if "step" in g else 0.0 for g in opt.param_groups]
 
 
-def named_snapshot(obj):
-    """helpers.snapshot of `obj` as {position:name: clone}."""
-    return {f"{i}:{name}": t for i, (name, t) in enumerate(snapshot(obj))}
-
-
 # --- the constructors ---------------------------------------------------------------------
 
 def test_signatures_follow_apex():
     sgd = {k: v for k, v in inspect.signature(FusedSGD).parameters.items()
-           if v.kind is not v.KEYWORD_ONLY}  # (master, state_dtype: tests/python/test_lean.py)
+           if v.kind is not v.KEYWORD_ONLY}  # (master, state_dtype: optim/test_lean.py)
     assert list(sgd) == ["params", "lr", "momentum", "dampening", "weight_decay", "nesterov",
                          "wd_after_momentum", "materialize_master_grads", "set_grad_none",
                          "master_weights"]
@@ -159,7 +135,7 @@ def test_signatures_follow_apex():
         "wd_after_momentum": False, "materialize_master_grads": True,
         "master_weights": False, "set_grad_none": False}
     adam = inspect.signature(FusedAdam).parameters
-    # (Apex 2019's keyword-only arguments: tests/python/test_apex_legacy.py)
+    # (Apex 2019's keyword-only arguments: tests/python/apex/test_apex_legacy.py)
     assert {k: v.default for k, v in adam.items()
             if k != "params" and v.kind is not v.KEYWORD_ONLY} == {
         "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
@@ -905,3 +881,170 @@ def test_kept_op_call_follows_the_model_to_another_device():
     for p in model.parameters():
         assert opt.state[p]["master_param"].device == p.device
         assert_bitwise_equal(p, opt.state[p]["master_param"].half())
+
+
+# --- strides, memory formats, dtype round trips, foreign state dicts ---------------------
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+def test_a_gradient_with_other_strides_is_accepted(device, cls):
+    """Before: group 1's transposed gradient raised after group 0 had been updated."""
+    a = nn.Parameter(torch.ones(5, 3, device=device))
+    b = nn.Parameter(torch.ones(3, 5, device=device))
+    ref_a, ref_b = (nn.Parameter(t.detach().clone()) for t in (a, b))
+    opt = cls([{"params": [a]}, {"params": [b]}], lr=0.1)
+    torch_cls = torch.optim.SGD if cls is FusedSGD else torch.optim.AdamW
+    kwargs = {} if cls is FusedSGD else dict(weight_decay=0.0)
+    ref = torch_cls([{"params": [ref_a]}, {"params": [ref_b]}], lr=0.1, **kwargs)
+    for p in (a, ref_a):
+        p.grad = torch.arange(15.0, device=device).reshape(5, 3)
+    for p in (b, ref_b):
+        p.grad = torch.arange(15.0, device=device).reshape(5, 3).t()  # strides (1, 3)
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(b, ref_b)
+
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_channels_last_after_the_optimizer_was_built(device, cls, master_weights):
+    """Before: model.to(memory_format=channels_last) after building the optimizer made
+    every step raise (with masters at once, without once exp_avg existed)."""
+    dtype = torch.bfloat16 if master_weights else torch.float32
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Conv2d(3, 4, 3).to(device, dtype)
+
+    kwargs = dict(lr=0.1, momentum=0.9) if cls is FusedSGD else dict(lr=0.01)
+    model, reference = build(), build()
+    opt = cls(model.parameters(), master_weights=master_weights, **kwargs)
+    ref_opt = cls(reference.parameters(), master_weights=master_weights, **kwargs)
+    x = torch.randn(2, 3, 8, 8, device=device, dtype=dtype)
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(x).float().square().mean().backward()
+            o.step()
+        if step == 0:
+            model.to(memory_format=torch.channels_last)
+    assert model.weight.is_contiguous(memory_format=torch.channels_last)
+    state = opt.state[model.weight]
+    for key in ("master_param", "momentum_buffer", "exp_avg"):
+        if key in state:
+            assert state[key].stride() == model.weight.stride(), key
+    torch.testing.assert_close(model.weight, reference.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+def test_a_master_is_rebuilt_after_a_dtype_round_trip(device, cls):
+    """Before: train in bf16, model.float(), train, .bfloat16(): the old fp32 master
+    came back and the weights jumped back to it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(device, torch.bfloat16)
+    opt = cls(model.parameters(), lr=0.1, master_weights=True)
+    x = torch.randn(2, 4, device=device)
+
+    def step():
+        opt.zero_grad()
+        model(x.to(model.weight.dtype)).float().sum().backward()
+        opt.step()
+
+    step()
+    model.float()
+    for _ in range(3):
+        step()
+    trained = model.weight.detach().clone()
+    model.bfloat16()
+    assert opt.state[model.weight].get("master_param") is None  # fp32: its own master
+    opt.zero_grad()
+    model(x.bfloat16()).float().sum().backward()
+    before = model.weight.detach().float().clone()
+    opt.param_groups[0]["lr"] = 0.0  # a step that changes nothing must change nothing
+    opt.step()
+    torch.testing.assert_close(model.weight.float(), before, atol=0, rtol=0)
+    torch.testing.assert_close(before, trained.bfloat16().float(), atol=0, rtol=0)
+
+
+def test_a_master_follows_weights_loaded_into_the_model(device):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(device, torch.float16)
+    opt = FusedSGD(model.parameters(), lr=0.1, master_weights=True)
+    x = torch.randn(2, 4, device=device, dtype=torch.float16)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).float().sum().backward()
+        opt.step()
+    fresh = nn.Linear(4, 3).to(device, torch.float16)
+    model.load_state_dict(fresh.state_dict())  # an in-place copy into the parameters
+    opt.zero_grad()
+    model(x).float().sum().backward()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    torch.testing.assert_close(model.weight, fresh.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("source, target", [
+    (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), lambda ps: FusedAdam(ps, lr=0.1)),
+    (lambda ps: FusedAdam(ps, lr=0.1), lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9)),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1), lambda ps: FusedAdam(ps, lr=0.1)),
+], ids=["sgd-into-adam", "adam-into-sgd", "torch-adamw-into-adam"])
+def test_load_state_dict_of_another_optimizer_is_refused(device, source, target):
+    """Before: the other optimizer's state replaced this one's, then every step raised
+    KeyError."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(device)
+    src = source(list(model.parameters()))
+    model(torch.ones(1, 4, device=device)).sum().backward()
+    src.step()
+    opt = target(list(model.parameters()))
+    opt.step()
+    before = state_dict_snapshot(model, opt)
+    with pytest.raises(ValueError, match="load_state_dict"):
+        opt.load_state_dict(src.state_dict())
+    assert_state_dict_unchanged(model, opt, before)
+    opt.step()  # still usable
+
+
+# --- torch.compile -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+def test_compiled_optimizer_step_matches_eager(cls):
+    """Before: Dynamo raised an internal AssertionError ("Attempted setattr on a
+    user-defined object") at the optimizer's own attribute write in step()."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4).to(torch.bfloat16)
+        opt = cls(model.parameters(), lr=0.01, master_weights=True)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
+def test_optimizer_step_compiles_in_one_graph(cls):
+    """fullgraph=True: the step traces without a graph break (a compiled step skips the
+    eager path's kept op calls and the version check of the masters, which Dynamo
+    cannot trace; see _FusedOptimizer._master)."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4).to(torch.bfloat16)
+        opt = cls(model.parameters(), lr=0.01, master_weights=True)
+        step = (torch.compile(opt.step, backend="eager", fullgraph=True) if compiled
+                else opt.step)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -16,7 +16,7 @@ import pytest
 
 import mixedprec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MARKER = "LEGACY-APEX-SCRIPT-OK"
 
 # Every Python module of Apex's amp, fp16_utils, parallel, optimizers,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.optim.optimizer import required
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "apex-coverage.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "apex-coverage.md"
 ROW = re.compile(r"^\| `([\w.]+)` \| `([^`]*)` \| (✓|◐|✗) \|(.*)\|\s*$")
 STATUSES = ("✓", "◐", "✗")
 

@@ -11,7 +11,9 @@ from helpers import (
     adam_state,
     assert_bitwise_equal,
     assert_same_snapshot,
+    forbid_host_sync,
     full_snapshot,
+    make_model,
     randn,
     scalar,
 )
@@ -133,26 +135,6 @@ def test_found_inf_skips_everything_bit_for_bit(device):
 
 
 # --- the optimizers ------------------------------------------------------------------
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 10)
-        self.fc2 = torch.nn.Linear(10, 3)
-
-    def forward(self, x):
-        h = torch.tanh(torch.nn.functional.linear(x, self.fc1.weight.float(),
-                                                  self.fc1.bias.float()))
-        return torch.nn.functional.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
-
-
-def make_model(device, dtype, seed=0):
-    model = Net()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(randn(p.shape, F32, "cpu", seed + i, scale=0.5))
-    return model.to(device=device, dtype=dtype)
-
 
 def backward(model, step, scale=1.0, scaler=None):
     device = model.fc1.weight.device
@@ -463,7 +445,6 @@ def test_amp_c_lamb_stages_compose_to_lamb(device):
     pytest.param(FusedMixedPrecisionLamb, {}, id="mixed-precision-lamb"),
 ])
 def test_no_host_sync(device, monkeypatch, cls, kwargs):
-    from test_grad_scaler import forbid_host_sync
     model = make_model(device, F16)
     opt = cls(groups(model), lr=1e-2, **kwargs)
     scaler = mixedprec.GradScaler(device, init_scale=2.0**8)

@@ -1,4 +1,4 @@
-"""Legacy-style Apex scripts (tests/python/legacy_scripts/, written for these tests) run
+"""Legacy-style Apex scripts (tests/python/apex/legacy_scripts/, written for these tests) run
 unmodified through `python -m mixedprec.apex` in a subprocess, on the CPU: a
 Megatron-like model on apex.normalization, an NVIDIA-BERT-like prologue (apex_C, amp_C,
 apex.parallel's DDP), BERT-like pretraining with FusedLAMB at O2, Delaunay-like `import
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = Path(__file__).resolve().parent / "legacy_scripts"
 
 # script -> (the line it prints when all its checks passed, whether it needs a scratch dir)

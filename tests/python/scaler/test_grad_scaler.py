@@ -1,8 +1,9 @@
 """mixedprec.GradScaler against torch.amp.GradScaler and a plain Python reference of the
 loss-scale algorithm; both scalers driving FusedSGD/FusedAdam; and no host
-synchronisation in scale/step/update with the fused optimizers."""
+synchronisation in scale/step/update with the fused optimizers; settings checked when
+given, the floor of the scale, float64 gradients and a compiled step (each of these last
+tests failed before its fix)."""
 
-import contextlib
 import copy
 import inspect
 import io
@@ -11,22 +12,27 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    SYNC_METHODS,
     TOLERANCES,
+    HostSyncError,
     assert_bitwise_equal,
     assert_same_snapshot,
+    assert_state_dict_unchanged,
+    forbid_host_sync,
     full_snapshot,
+    make_model,
     randn,
+    state_dict_snapshot,
     torch_optimizer,
 )
 from torch import nn
-from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import FusedAdam, FusedSGD, GradScaler
 from mixedprec.loss_scale import DEFAULT_MIN_SCALE
 from mixedprec.scaler import MissingStateKeys
 
 INF = float("inf")
+NAN = float("nan")
 TIGHT = TOLERANCES[torch.float32]
 TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 EXTRA_KEYS = {"hysteresis", "min_scale", "max_scale", "_hysteresis_tracker"}
@@ -41,29 +47,7 @@ FUSED = [
 ]
 
 
-# --- a small model -----------------------------------------------------------------------
-
-class Net(nn.Module):
-    """Two linear layers; the math runs in fp32 on weights cast from the parameters'
-    dtype (fp16/bf16 matmuls are slow on CPU), gradients come back in that dtype."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 10)
-        self.fc2 = nn.Linear(10, 3)
-
-    def forward(self, x):
-        h = torch.tanh(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
-        return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
-
-
-def make_model(device, dtype=torch.float32):
-    model = Net()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.copy_(randn(p.shape, torch.float32, "cpu", seed=i, scale=0.5))
-    return model.to(device=device, dtype=dtype)
-
+# --- the loss of helpers.make_model, and what a skipped step may leave -------------------
 
 def loss_of(model, step):
     device = model.fc1.weight.device
@@ -599,63 +583,6 @@ def test_fused_optimizers_under_a_scaler_match_torch_optim(request, device, cls,
 
 # --- no host synchronisation ------------------------------------------------------------
 
-SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
-_SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal")
-
-
-class HostSyncError(AssertionError):
-    pass
-
-
-class _ForbidSyncOps(TorchDispatchMode):
-    """Catches the ATen ops that read a tensor on the host, however they are reached
-    (also a `.item()` that bypasses the Python attribute), and device-to-host copies."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in _SYNC_OPS:
-            raise HostSyncError(f"{func} during a sync-free call")
-        if name in ("_to_copy", "copy_"):
-            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
-            if kwargs.get("device") is not None:
-                devices.add(torch.device(kwargs["device"]).type)
-            if "cpu" in devices and len(devices) > 1:
-                raise HostSyncError(f"{func} between the host and the device")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def forbid_host_sync(monkeypatch):
-    """Tensor.item/__bool__/cpu/tolist/__float__/__int__ raise (and are recorded), the
-    ATen ops behind them raise, and on CUDA so does any synchronising CUDA call."""
-    calls = []
-
-    def forbidden(name):
-        def method(self, *args, **kwargs):
-            calls.append(name)
-            raise HostSyncError(f"Tensor.{name} during a sync-free call")
-        return method
-
-    patched = {name: forbidden(name) for name in SYNC_METHODS}
-    with monkeypatch.context() as m:
-        for name, method in patched.items():
-            m.setattr(torch.Tensor, name, method)
-        cuda = torch.cuda.is_available()
-        if cuda:
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            with _ForbidSyncOps():
-                yield calls
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode(previous)
-        # What ran was the patched version, and nothing swallowed a HostSyncError.
-        assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
-        assert calls == [], f"host syncs: {calls}"
-
-
 SYNC_CALLS = [
     pytest.param(lambda t: t.sum().item(), id="item"),
     pytest.param(lambda t: bool(t.sum()), id="bool"),
@@ -741,3 +668,169 @@ def test_no_host_sync(device, monkeypatch, scaler_cls, cls, kwargs, dtype, maste
         assert opt.param_groups[0]["step"].item() == 6
     for p, before in zip(model.parameters(), start):
         assert torch.isfinite(p).all() and not torch.equal(p, before)
+
+
+# --- settings checked when given, and the floor of the scale -----------------------------
+
+@pytest.mark.parametrize("value", [0.0, -1.0, NAN, INF])
+def test_grad_scaler_rejects_an_unusable_init_scale(value):
+    with pytest.raises(ValueError, match="init_scale"):
+        GradScaler("cpu", init_scale=value)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(backoff_factor=-1.0), "backoff_factor"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(hysteresis=0), "hysteresis"),
+    (dict(min_scale=0.0), "min_scale"),
+    (dict(min_scale=4.0, max_scale=2.0), "min_scale <= max_scale"),
+    (dict(max_scale=NAN), "max_scale"),
+    (dict(growth_factor=NAN), "growth_factor"),
+])
+def test_grad_scaler_checks_settings_at_construction(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        GradScaler("cpu", init_scale=2.0, **kwargs)
+
+
+@pytest.mark.parametrize("setter, value", [
+    ("set_backoff_factor", -1.0), ("set_growth_interval", 0), ("set_hysteresis", 0),
+    ("set_min_scale", 0.0), ("set_max_scale", NAN), ("set_growth_factor", NAN),
+])
+def test_grad_scaler_setters_check_and_change_nothing(setter, value):
+    scaler = GradScaler("cpu", init_scale=4.0)
+    before = scaler.state_dict()
+    with pytest.raises((ValueError, TypeError)):
+        getattr(scaler, setter)(value)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("key, value", [
+    ("hysteresis", 0), ("growth_interval", 0), ("backoff_factor", -1.0), ("scale", 0.0),
+    ("scale", NAN), ("min_scale", 8.0), ("max_scale", NAN), ("_growth_tracker", -1),
+])
+def test_grad_scaler_load_state_dict_checks_first(key, value):
+    source = GradScaler("cpu", init_scale=4.0, hysteresis=2, max_scale=64.0)
+    sd = dict(source.state_dict(), **{key: value})
+    target = GradScaler("cpu", init_scale=16.0)
+    target.scale(torch.ones(()))  # placed: the tensors exist
+    before = target.state_dict()
+    with pytest.raises(ValueError):
+        target.load_state_dict(sd)
+    assert target.state_dict() == before
+
+
+def overflowing_step(model, opt, scaler, device):
+    opt.zero_grad()
+    loss = model(torch.ones(1, 4, device=device)).sum() * torch.tensor(INF, device=device)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "torch"])
+def test_the_scale_stops_at_a_floor_above_zero(device, optimizer):
+    """Before: 170 overflows in a row took the scale to 0, after which it never grew
+    back and 1/scale wrote NaN."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(device)
+    opt = (FusedSGD(model.parameters(), lr=0.1) if optimizer == "fused"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = GradScaler(device, init_scale=2.0**16)
+    before = state_dict_snapshot(model, opt)
+    for _ in range(200):
+        overflowing_step(model, opt, scaler, device)
+    assert scaler.get_scale() == DEFAULT_MIN_SCALE > 0
+    assert_state_dict_unchanged(model, opt, before)  # every step at the floor was skipped
+    # A clean step afterwards trains normally, with finite weights.
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(1, 4, device=device)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not torch.equal(model.weight, before[0]["weight"])
+
+
+# --- float64 gradients, what p.grad holds after step, a compiled step --------------------
+
+def test_grad_scaler_takes_float64_gradients_as_torch_does(device):
+    """Before: mixedprec.GradScaler rejected float64 gradients that torch's accepts."""
+    results = []
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(device, torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = scaler_cls(device, init_scale=1024.0)
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.full((1, 4), 0.5, dtype=torch.float64, device=device)
+            loss = model(x).sum() * (INF if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        results.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (theirs, their_scale), (ours, our_scale) = results
+    assert our_scale == their_scale
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, GradScaler])
+@pytest.mark.parametrize("opt_cls", ["mixedprec", "torch-fused"])
+def test_what_p_grad_holds_after_a_scaled_step(device, scaler_cls, opt_cls):
+    """The documented contract: mixedprec's fused optimizers leave p.grad scaled (they
+    read it and write nothing back), torch's fused ones unscale it in place; whichever
+    scaler drives them."""
+    if opt_cls == "torch-fused" and device == "cpu" and not hasattr(torch.optim, "AdamW"):
+        pytest.skip("no fused AdamW")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(device)
+    opt = (FusedAdam(model.parameters(), lr=0.1) if opt_cls == "mixedprec"
+           else torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    scaler = scaler_cls(device, init_scale=256.0)
+    scaler.scale(model(torch.ones(1, 4, device=device)).sum()).backward()
+    scaled = model.weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    expected = scaled if opt_cls == "mixedprec" else scaled / 256.0
+    assert torch.equal(model.weight.grad, expected)
+
+
+def test_grad_scaler_flag_is_one_for_many_float64_overflows():
+    """torch's fused optimizers subtract found_inf from their step counts: it must be 1."""
+    params = [nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((3,), INF, dtype=torch.float64)
+    opt = torch.optim.SGD(params, lr=0.1)
+    scaler = GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    flags = scaler._check_inf_per_device(opt)
+    assert [float(f) for f in flags.values()] == [1.0]
+
+
+def test_compiled_training_step_with_the_scaler_matches_eager():
+    """A whole step compiled: forward, scaled backward, scaler.step, scaler.update."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = FusedAdam(model.parameters(), lr=0.01)
+        scaler = GradScaler("cpu", init_scale=2.0**8)
+
+        def train_step(x):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss
+
+        run = torch.compile(train_step, backend="eager") if compiled else train_step
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            run(torch.randn(4, 8, generator=gen))
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
