@@ -49,13 +49,9 @@ from .lean import (  # noqa: F401
     lean_refused,
 )
 from .plans import Plans, _Plan
+from .state import StateLoading
 
-# State entries shaped like their parameter, with the dtype they must have: masters
-# and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
-# state_dtype (None here); Kahan compensations are bfloat16.
-_PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
-                "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
-                "kahan_comp": torch.bfloat16}
+
 class _Work(NamedTuple):
     """The parameters of one op call, their gradients and their state dicts (None for
     a parameter without state yet)."""
@@ -82,7 +78,7 @@ def _check_nonnegative(name: str, value: Any) -> None:
 
 
 
-class _FusedOptimizer(LeanModes, Plans, Optimizer):
+class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
     """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
 
     # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
@@ -274,19 +270,6 @@ class _FusedOptimizer(LeanModes, Plans, Optimizer):
             step = group["step"] = step.to(device)
         return step
 
-    def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
-        it is; a 1-element tensor becomes a float32 copy on the group's device."""
-        step = new_group.get("step")
-        if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
-                and step >= 0:
-            return
-        if not isinstance(step, Tensor) or step.numel() != 1:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
-                             "must be a number >= 0 or a 1-element tensor")
-        device = group["params"][0].device if group["params"] else step.device
-        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
-
     def _one_device(self, by_device: Dict[torch.device, "_Work"], why: str) -> None:
         if len(by_device) > 1:
             raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
@@ -380,101 +363,3 @@ class _FusedOptimizer(LeanModes, Plans, Optimizer):
                   found_inf) -> None:
         """The op call of ``_step_group`` again, with the lists it returned."""
         raise NotImplementedError
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state dict saved by this optimizer class.
-
-        Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
-        moments, momentum buffers) stays float32 instead of being cast to the dtype of
-        fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
-        a ValueError names it and nothing is changed. The optimizer's load_state_dict
-        pre- and post-hooks run as in torch.
-        """
-        name = type(self).__name__
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        missing = [k for k in ("state", "param_groups") if k not in state_dict]
-        if missing:
-            raise ValueError(f"{name}.load_state_dict: expected a state dict with 'state' and "
-                             f"'param_groups', got one without {missing}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
-                f"the optimizer has {len(self.param_groups)}"
-            )
-        id_to_param: Dict[Any, Tensor] = {}
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
-                    f"params in the state dict and {len(group['params'])} in the optimizer"
-                )
-            id_to_param.update(zip(saved["params"], group["params"]))
-
-        saved_groups = [self._upgrade_group(dict(saved)) for saved in saved_groups]
-        for i, saved in enumerate(saved_groups):
-            missing = sorted(k for k in self.defaults if k not in saved)
-            if missing:
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {i} of the state dict has no "
-                    f"{missing}: it was not saved by a {name}")
-        new_state: Dict[Tensor, Dict[str, Any]] = {}
-        for key, saved_state in state_dict["state"].items():
-            if key not in id_to_param:
-                raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
-            unknown = sorted(k for k in saved_state if k not in self._STATE_KEYS)
-            if unknown:
-                raise ValueError(
-                    f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
-                    f"a {name} does not keep (it keeps {list(self._STATE_KEYS)}): the state "
-                    f"dict was saved by another optimizer")
-            p = id_to_param[key]
-            new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
-
-        new_groups = []
-        for group, saved in zip(self.param_groups, saved_groups):
-            new_group = {k: v for k, v in saved.items() if k != "params"}
-            if "param_names" in group:  # (as torch: kept when the state dict has none)
-                new_group.setdefault("param_names", group["param_names"])
-            if "sr_seed" in group:  # (a state dict saved in another mode has none)
-                new_group.setdefault("sr_seed", group["sr_seed"])
-            self._load_group_state(new_group, group)
-            new_group["params"] = group["params"]
-            new_groups.append(new_group)
-
-        self.state.clear()
-        self.state.update(new_state)
-        self._master_versions.clear()  # loaded masters are in step with the loaded model
-        self.param_groups = new_groups
-        self._invalidate_plans()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
-        if not isinstance(value, Tensor):
-            return value
-        where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
-        if key == "kahan_comp" and self.master != "kahan":
-            raise ValueError(f"{where}: a Kahan compensation, which only master='kahan' keeps "
-                             f"(this optimizer has master={self.master!r})")
-        if key in _PARAM_STATE:
-            if value.shape != p.shape:
-                raise ValueError(f"{where} has shape {tuple(value.shape)}, "
-                                 f"the parameter {tuple(p.shape)}")
-            expected = _PARAM_STATE[key] or self.state_dtype
-            if value.dtype != expected:
-                raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
-                                 "optimizer's setting)")
-        return value.to(p.device, copy=True)
-
-    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """Hook: a saved param group with the keys a newer release added (torch's
-        optimizers give an older state dict their defaults)."""
-        return saved
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        """Hook for group-level state tensors (FusedAdam's step)."""
