@@ -162,7 +162,7 @@ OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edg
 # memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
 # reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
 ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
-L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/apex/test_amp_C.py)
+L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/compat/test_amp_C.py)
 
 HAVE_XDIST=0
 "$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1

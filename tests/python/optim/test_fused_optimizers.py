@@ -135,7 +135,7 @@ def test_signatures_follow_apex():
         "wd_after_momentum": False, "materialize_master_grads": True,
         "master_weights": False, "set_grad_none": False}
     adam = inspect.signature(FusedAdam).parameters
-    # (Apex 2019's keyword-only arguments: tests/python/apex/test_apex_legacy.py)
+    # (Apex 2019's keyword-only arguments: tests/python/compat/test_apex_legacy.py)
     assert {k: v.default for k, v in adam.items()
             if k != "params" and v.kind is not v.KEYWORD_ONLY} == {
         "lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,

@@ -1,4 +1,4 @@
-"""Legacy-style Apex scripts (tests/python/apex/legacy_scripts/, written for these tests) run
+"""Legacy-style Apex scripts (tests/python/compat/legacy_scripts/, written for these tests) run
 unmodified through `python -m mixedprec.apex` in a subprocess, on the CPU: a
 Megatron-like model on apex.normalization, an NVIDIA-BERT-like prologue (apex_C, amp_C,
 apex.parallel's DDP), BERT-like pretraining with FusedLAMB at O2, Delaunay-like `import
