@@ -470,6 +470,15 @@ def case_adam_scaler_mixedprec(inp: Inputs):
     return _scaler_step(scaler, opt, 2.0**8)
 
 
+def case_adam_scaler_mixedprec_optim(inp: Inputs):
+    import mixedprec
+    params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
+    opt = mixedprec.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    scaler = mixedprec.GradScaler(inp.device.type, init_scale=2.0**8, growth_interval=10**9)
+    scaler.scale(torch.ones((), device=inp.device))  # creates the scale, as a forward would
+    return _scaler_step(scaler, opt, 2.0**8)
+
+
 def case_adam_scaler_torch(inp: Inputs):
     params, grads, opt = _torch_adamw(inp, fused=True)
     scaler = torch.amp.GradScaler(inp.device.type, init_scale=2.0**8, growth_interval=10**9)
@@ -526,6 +535,8 @@ CASES: Dict[str, List[Tuple[str, str, Case]]] = {
     "adam+scaler": [
         ("mixedprec FusedAdam + GradScaler step/update", "mixedprec",
          case_adam_scaler_mixedprec),
+        ("mixedprec optim.AdamW + GradScaler step/update", "mixedprec",
+         case_adam_scaler_mixedprec_optim),
         ("torch AdamW fused=True + GradScaler step/update", "torch", case_adam_scaler_torch),
     ],
 }
