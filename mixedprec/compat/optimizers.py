@@ -51,7 +51,6 @@ from ..optim.adam import Adam
 from ..optim.optimizer import (
     _FLOAT_DTYPES,
     _check_nonnegative,
-    _check_state_dtype,
     _FusedOptimizer,
     _master_mode,
     _Work,
@@ -163,7 +162,6 @@ class FusedSGD(_ApexFace, SGD):
                         weight_decay=weight_decay, nesterov=nesterov)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        _check_state_dtype("FusedSGD", "state_dtype", state_dtype)
         TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
             "FusedSGD", master_weights, master), state_dtype=state_dtype, seed=seed,
             unscale_grads=False, set_grad_none=set_grad_none)
@@ -248,7 +246,6 @@ class FusedAdam(_ApexFace, Adam):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
-        _check_state_dtype("FusedAdam", "state_dtype", state_dtype)
         TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
             "FusedAdam", master_weights, master), state_dtype=state_dtype, seed=seed,
             unscale_grads=False, set_grad_none=set_grad_none)

@@ -130,26 +130,17 @@ class Adam(TorchOptimizer):
         return group["decoupled_weight_decay"]
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
-        lr = group["lr"]
         beta1, beta2 = group["betas"]
         for where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, step in calls:
-            extra: Dict[str, Any] = {}
-            if isinstance(lr, Tensor):
-                extra["lr_tensor"] = lr.to(step.device, torch.float32).reshape(())
-            if maxes:
-                extra["max_exp_avg_sqs"] = maxes
-            if group.get("maximize"):  # (Apex's FusedAdam groups have no such key)
-                extra["maximize"] = True
-            if self.unscale_grads and inv_scale is not None:
-                extra["unscale_grads"] = True
-            if comps:
-                extra["kahan_comps"] = comps
-            if salts:
-                extra.update(sr_salts=salts, sr_seed=group["sr_seed"])
+            lr, lr_tensor = self._lr(group, step.device)
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
-                            0.0 if isinstance(lr, Tensor) else lr, beta1, beta2, group["eps"],
-                            group["weight_decay"], self._decoupled(group),
-                            group.get("bias_correction", True), inv_scale, found_inf, **extra)
+                            lr, beta1, beta2, group["eps"], group["weight_decay"],
+                            self._decoupled(group), group.get("bias_correction", True),
+                            inv_scale, found_inf, lr_tensor=lr_tensor, kahan_comps=comps,
+                            sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
+                            maximize=bool(group.get("maximize")),
+                            max_exp_avg_sqs=maxes or None,
+                            unscale_grads=self.unscale_grads and inv_scale is not None)
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if any(p.grad.is_sparse for p in params):

@@ -96,23 +96,14 @@ class SGD(TorchOptimizer):
 
     def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
         _, targets, buffers, model, comps, salts = lists
-        lr = group["lr"]
-        extra: Dict[str, Any] = {}
-        if isinstance(lr, Tensor):
-            extra["lr_tensor"] = lr.to(targets[0].device, torch.float32).reshape(())
-        if group.get("maximize"):  # (Apex's FusedSGD groups have no such key)
-            extra["maximize"] = True
-        if self.wd_after_momentum:
-            extra["wd_after_momentum"] = True
-        if self.unscale_grads and inv_scale is not None:
-            extra["unscale_grads"] = True
-        if comps:
-            extra["kahan_comps"] = comps
-        if salts:
-            extra.update(sr_salts=salts, sr_seed=group["sr_seed"], step=step)
-        ops.fused_sgd_(targets, grads, buffers, model, 0.0 if isinstance(lr, Tensor) else lr,
-                       group["momentum"], group["dampening"], group["weight_decay"],
-                       group["nesterov"], first_run, inv_scale, found_inf, **extra)
+        lr, lr_tensor = self._lr(group, targets[0].device)
+        ops.fused_sgd_(targets, grads, buffers, model, lr, group["momentum"],
+                       group["dampening"], group["weight_decay"], group["nesterov"], first_run,
+                       inv_scale, found_inf, self.wd_after_momentum, kahan_comps=comps,
+                       sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
+                       step=step if salts else None, maximize=bool(group.get("maximize")),
+                       lr_tensor=lr_tensor,
+                       unscale_grads=self.unscale_grads and inv_scale is not None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -77,6 +77,14 @@ class TorchOptimizer(_FusedOptimizer):
             for key, value in self._NEWER_KEYS.items():
                 group.setdefault(key, value)
 
+    @staticmethod
+    def _lr(group: Dict[str, Any], device: torch.device):
+        """(lr, lr_tensor) for a fused op: a tensor ``lr`` is read on the device."""
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            return 0.0, lr.to(device, torch.float32).reshape(())
+        return lr, None
+
     def _fused_dtype(self, p: Tensor) -> bool:
         # (a strided view, such as every other column, is not dense: torch steps it)
         return p.dtype in _FLOAT_DTYPES and ops.is_dense(p)

@@ -275,3 +275,23 @@ def forbid_host_sync(monkeypatch):
         # What ran was the patched version, and nothing swallowed a HostSyncError.
         assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
         assert calls == [], f"host syncs: {calls}"
+
+
+def eager_and_compiled_steps(make_optimizer, steps=3):
+    """The parameters of a small bf16 model after ``steps`` steps of the optimizer
+    ``make_optimizer(params)`` builds, stepped eagerly and through
+    ``torch.compile(fullgraph=True)``: [eager params, compiled params]."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4).to(torch.bfloat16)
+        opt = make_optimizer(model.parameters())
+        step = (torch.compile(opt.step, backend="eager", fullgraph=True) if compiled
+                else opt.step)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+            step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    return results

@@ -18,6 +18,7 @@ from helpers import (
     assert_bitwise_equal,
     assert_same_snapshot,
     assert_state_dict_unchanged,
+    eager_and_compiled_steps,
     full_snapshot,
     make_model,
     named_snapshot,
@@ -1033,18 +1034,6 @@ def test_optimizer_step_compiles_in_one_graph(cls):
     """fullgraph=True: the step traces without a graph break (a compiled step skips the
     eager path's kept op calls and the version check of the masters, which Dynamo
     cannot trace; see _FusedOptimizer._master)."""
-    torch._dynamo.reset()
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = nn.Linear(8, 4).to(torch.bfloat16)
-        opt = cls(model.parameters(), lr=0.01, master_weights=True)
-        step = (torch.compile(opt.step, backend="eager", fullgraph=True) if compiled
-                else opt.step)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
-            step()
-        results.append([p.detach().clone() for p in model.parameters()])
+    results = eager_and_compiled_steps(lambda ps: cls(ps, lr=0.01, master_weights=True))
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers import eager_and_compiled_steps
 
 import mixedprec
 from mixedprec import optim
@@ -321,18 +322,6 @@ def test_strided_view_parameters_step_as_torch(name):
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_step_compiles_in_one_graph(name):
     ours_cls, _ = PAIRS[name]
-    torch._dynamo.reset()
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(8, 4).to(torch.bfloat16)
-        opt = ours_cls(model.parameters(), lr=0.01)
-        step = (torch.compile(opt.step, backend="eager", fullgraph=True) if compiled
-                else opt.step)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
-            step()
-        results.append([p.detach().clone() for p in model.parameters()])
+    results = eager_and_compiled_steps(lambda ps: ours_cls(ps, lr=0.01))
     for a, b in zip(*results):
         assert torch.equal(a, b)
