@@ -41,6 +41,19 @@ def _check_device(device: Any) -> None:
                          f"or 'cpu', got {device!r}") from None
 
 
+def _check_factor(name: str, value: Any) -> None:
+    """torch's GradScaler takes ``growth_factor > 1`` and ``backoff_factor < 1`` (its
+    constructor asserts them); the same holds here at construction and in the setters,
+    as a ValueError naming the argument. (The core also allows 1.0, a constant scale,
+    which Apex's static loss scale uses.)"""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # the core's check names the type
+    if name == "growth_factor" and not value > 1.0:
+        raise ValueError(f"GradScaler: expected growth_factor > 1, got {value}")
+    if name == "backoff_factor" and not value < 1.0:
+        raise ValueError(f"GradScaler: expected backoff_factor < 1, got {value}")
+
+
 def _core_attr(name: str, doc: str) -> property:
     """An attribute of torch's GradScaler kept in the core, so that torch's own methods
     (scale, unscale_, step, get_scale, ...) read and write the core's values."""
@@ -62,7 +75,8 @@ class GradScaler(torch.amp.GradScaler):
     * every setting of an enabled scaler is checked when given (construction, setters,
       ``load_state_dict``): ``init_scale`` 0, inf or NaN, ``backoff_factor`` outside
       (0, 1], ``growth_interval`` < 1, ``hysteresis`` < 1, ``min_scale > max_scale``
-      raise ``ValueError``/``TypeError`` naming the argument, before anything changes
+      (and, at construction and in the setters, torch's ``growth_factor > 1`` and
+      ``backoff_factor < 1``) raise ``ValueError``/``TypeError`` naming the argument, before anything changes
       (a disabled scaler, like torch's, checks none: it never uses them). ``device``
       must name a device torch knows (torch's scaler takes any string and fails at the
       first ``scale()``); a state dict without one of torch's five keys raises
@@ -118,6 +132,9 @@ class GradScaler(torch.amp.GradScaler):
                         growth_interval=growth_interval, hysteresis=hysteresis,
                         min_scale=min_scale, max_scale=max_scale)
         try:
+            if enabled:
+                _check_factor("growth_factor", growth_factor)
+                _check_factor("backoff_factor", backoff_factor)
             self._core = LossScale(init_scale, owner="GradScaler", **settings)
         except (TypeError, ValueError):
             # torch's scaler disables itself for "cuda" without CUDA; a disabled scaler
@@ -203,9 +220,11 @@ class GradScaler(torch.amp.GradScaler):
 
     # -- settings: checked by the core before they apply --------------------------------
     def set_growth_factor(self, new_factor: float) -> None:
+        _check_factor("growth_factor", new_factor)
         self._core.configure(growth_factor=new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        _check_factor("backoff_factor", new_factor)
         self._core.configure(backoff_factor=new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:

@@ -696,6 +696,7 @@ def test_grad_scaler_checks_settings_at_construction(kwargs, name):
 @pytest.mark.parametrize("setter, value", [
     ("set_backoff_factor", -1.0), ("set_growth_interval", 0), ("set_hysteresis", 0),
     ("set_min_scale", 0.0), ("set_max_scale", NAN), ("set_growth_factor", NAN),
+    ("set_growth_factor", 1.0), ("set_backoff_factor", 1.0),
 ])
 def test_grad_scaler_setters_check_and_change_nothing(setter, value):
     scaler = GradScaler("cpu", init_scale=4.0)
@@ -834,3 +835,17 @@ def test_compiled_training_step_with_the_scaler_matches_eager():
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["growth_factor", "backoff_factor"])
+def test_grad_scaler_factor_of_one_is_one_rule(name):
+    """torch asserts growth_factor > 1 and backoff_factor < 1 at construction; the
+    constructor and the setters refuse 1.0 alike, naming the argument; a disabled
+    scaler takes it (it never uses it)."""
+    with pytest.raises(ValueError, match=name):
+        GradScaler("cpu", **{name: 1.0})
+    scaler = GradScaler("cpu")
+    with pytest.raises(ValueError, match=name):
+        getattr(scaler, f"set_{name}")(1.0)
+    assert getattr(scaler, f"get_{name}")() == (2.0 if name == "growth_factor" else 0.5)
+    assert getattr(GradScaler("cpu", enabled=False, **{name: 1.0}), f"get_{name}")() == 1.0
