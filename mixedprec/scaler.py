@@ -76,12 +76,12 @@ class GradScaler(torch.amp.GradScaler):
       ``load_state_dict``): ``init_scale`` 0, inf or NaN, ``backoff_factor`` outside
       (0, 1], ``growth_interval`` < 1, ``hysteresis`` < 1, ``min_scale > max_scale``
       (and, at construction and in the setters, torch's ``growth_factor > 1`` and
-      ``backoff_factor < 1``) raise ``ValueError``/``TypeError`` naming the argument, before anything changes
-      (a disabled scaler, like torch's, checks none: it never uses them). ``device``
-      must name a device torch knows (torch's scaler takes any string and fails at the
-      first ``scale()``); a state dict without one of torch's five keys raises
-      :class:`MissingStateKeys` (a ``KeyError``, as torch raises) naming them, and
-      loads nothing;
+      ``backoff_factor < 1``) raise ``ValueError``/``TypeError`` naming the argument,
+      before anything changes (a disabled scaler, like torch's, checks none: it never
+      uses them). ``device`` must name a device torch knows (torch's scaler takes any
+      string and fails at the first ``scale()``); a state dict without one of torch's
+      five keys raises :class:`MissingStateKeys` (a ``KeyError``, as torch raises)
+      naming them, and loads nothing;
     * no host synchronisation in :meth:`step` and :meth:`update` with optimizers that
       declare ``_step_supports_amp_scaling`` (mixedprec's :class:`FusedSGD` and
       :class:`FusedAdam`, torch's fused optimizers): the overflow check is one

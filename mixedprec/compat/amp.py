@@ -28,6 +28,7 @@ import logging
 import math
 import time
 import types
+import warnings
 import weakref
 from collections import deque
 from typing import Any, Dict, Iterable, Iterator, List, Optional
@@ -805,26 +806,39 @@ def state_dict(destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
 
 def load_state_dict(state_dict: Dict[str, Any]) -> None:
     """Restores what :func:`state_dict` saved, after ``initialize``; every entry is
-    checked first: a bad one raises ValueError naming its key, and nothing changes."""
+    checked first: a bad one raises ValueError naming its key, and nothing changes. As
+    Apex did, a state dict with another number of loss scalers than ``num_losses`` warns
+    and loads its scalers in order into the first ones."""
     if _current is None:
         raise RuntimeError("amp.load_state_dict: amp.initialize has not been called")
     if not isinstance(state_dict, dict):
         raise ValueError("amp.load_state_dict: expected state_dict to be a dict (from "
                          f"amp.state_dict()), got {type(state_dict).__name__}")
-    scalers = [k for k in state_dict if isinstance(k, str) and k.startswith("loss_scaler")]
-    expected = [f"loss_scaler{i}" for i in range(len(_current.loss_scalers))]
-    missing = [k for k in expected if k not in state_dict]
-    if missing:
-        raise ValueError(f"amp.load_state_dict: the state dict has no {missing[0]!r}: it has "
-                         f"{len(scalers)} loss scalers {scalers}, amp was initialized with "
-                         f"{len(expected)} ({', '.join(expected)})")
-    if len(scalers) != len(_current.loss_scalers):
-        raise ValueError(f"amp.load_state_dict: the state dict has {len(scalers)} loss "
-                         f"scalers, amp was initialized with {len(_current.loss_scalers)}")
+
+    def number(key: str) -> int:
+        tail = key[len("loss_scaler"):]
+        return int(tail) if tail.isdigit() else -1
+
+    scalers = sorted((k for k in state_dict if isinstance(k, str)
+                      and k.startswith("loss_scaler")), key=number)
+    unexpected = [k for k in state_dict if k not in scalers and not (
+        isinstance(k, str) and k.startswith("master_params"))]
+    if unexpected:
+        raise ValueError(f"amp.load_state_dict: unexpected keys {unexpected} in state_dict "
+                         "(amp.state_dict() saves 'loss_scaler<i>' and 'master_params<i>')")
+    loss_scalers = _current.loss_scalers
+    if len(scalers) != len(loss_scalers):
+        # Apex warned and loaded the saved scalers in order into the first ones (a
+        # checkpoint of num_losses=1 resumes a run with num_losses=2, say).
+        warnings.warn(f"amp.load_state_dict: state_dict holds {len(scalers)} loss scalers "
+                      f"({', '.join(scalers) or 'none'}), amp was initialized with "
+                      f"{len(loss_scalers)}: loading the first "
+                      f"{min(len(scalers), len(loss_scalers))} "
+                      "in order, the others keep their state", stacklevel=2)
+    pairs = list(zip(scalers, loss_scalers))
     for check_only in (True, False):  # every entry is checked before any is loaded
-        for i, scaler in enumerate(_current.loss_scalers):
-            key = f"loss_scaler{i}"
-            scaler.load_state_dict(state_dict.get(key), key, check_only)
+        for key, scaler in pairs:
+            scaler.load_state_dict(state_dict[key], key, check_only)
         for i, amp in enumerate(_current.optimizers):
             saved, current = state_dict.get(f"master_params{i}"), list(amp.masters.values())
             if saved is None or not current:
