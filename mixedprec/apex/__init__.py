@@ -420,6 +420,10 @@ def _adopt(name: str) -> None:
     ``name`` resolves to (the alias's or a real Apex's) in their place in
     :data:`sys.modules` (the import then returns it)."""
     install(warn=False)
+    if os.environ.get("MIXEDPREC_HALF_DTYPE"):  # the script's --half-dtype
+        from mixedprec.compat.fp16_utils import redirect_half_casts
+
+        redirect_half_casts()
     del sys.modules[name]
     importlib.import_module(name)
 

@@ -5,9 +5,11 @@ resolving to mixedprec (see :mod:`mixedprec.apex`).
 ``--half-dtype bfloat16`` (before the script) runs an fp16 script in bfloat16: it sets
 ``MIXEDPREC_HALF_DTYPE`` for the script and its child processes, so that amp's opt
 levels, ``amp.init``, ``network_to_half`` and ``FP16Model`` cast to bfloat16 where the
-script leaves the dtype to them (loss scaling unchanged; see
-:func:`mixedprec.fp16_utils.half_dtype`). ``--half-dtype float16`` sets it back to
-Apex's float16.
+script leaves the dtype to them, and torch's own ``Tensor.half()`` and ``Module.half()``
+cast to bfloat16 too (loss scaling unchanged; see
+:func:`mixedprec.fp16_utils.half_dtype` and
+:func:`mixedprec.fp16_utils.redirect_half_casts`). ``--half-dtype float16`` sets it
+back to Apex's float16.
 
 The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python
 script.py args...`` would set them. For child Python processes (multiprocessing
@@ -98,6 +100,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not argv or argv == ["-m"]:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
+    from mixedprec.compat.fp16_utils import redirect_half_casts
+
+    redirect_half_casts()
     with tempfile.TemporaryDirectory(prefix="mixedprec-apex-") as shim:
         _write_shim(shim)
         os.environ["MIXEDPREC_APEX_SHIM"] = shim

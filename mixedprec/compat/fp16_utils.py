@@ -63,6 +63,37 @@ def half_dtype() -> torch.dtype:
     return dtype
 
 
+_TORCH_HALF = {}  # torch's own Tensor.half and Module.half, while redirected
+
+
+def redirect_half_casts() -> bool:
+    """Under ``MIXEDPREC_HALF_DTYPE=bfloat16``: makes ``Tensor.half()`` and
+    ``Module.half()`` cast to bfloat16 in this process, for scripts that cast with
+    torch's own ``model.half()`` and ``input.half()`` (FP16_Optimizer's examples do)
+    rather than through Apex. ``python -m mixedprec.apex --half-dtype bfloat16`` calls
+    it in the script's process and its children; casts by dtype (``.to(torch.half)``,
+    ``.type(torch.cuda.HalfTensor)``) are left alone. Under float16 it restores torch's
+    methods. Returns whether the casts are redirected."""
+    redirect = half_dtype() is torch.bfloat16
+    if redirect and not _TORCH_HALF:
+        _TORCH_HALF.update(tensor=torch.Tensor.half, module=torch.nn.Module.half)
+
+        def tensor_half(self, memory_format=torch.preserve_format):
+            return self.to(torch.bfloat16, memory_format=memory_format)
+
+        def module_half(self):
+            return self._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point()
+                               else t)
+
+        tensor_half.__doc__ = "Casts to bfloat16 (MIXEDPREC_HALF_DTYPE=bfloat16)."
+        module_half.__doc__ = tensor_half.__doc__
+        torch.Tensor.half, torch.nn.Module.half = tensor_half, module_half
+    elif not redirect and _TORCH_HALF:
+        torch.Tensor.half, torch.nn.Module.half = _TORCH_HALF.pop("tensor"), \
+            _TORCH_HALF.pop("module")
+    return redirect
+
+
 def _check_dtype(dtype: torch.dtype, name: str = "dtype") -> torch.dtype:
     if dtype not in HALF_DTYPES:
         raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {dtype}")
@@ -562,9 +593,10 @@ class FP16_Optimizer:  # Apex's name
                 for p in g["params"]):
             warnings.warn(
                 f"FP16_Optimizer: {HALF_DTYPE_VAR} asks for bfloat16, but the optimizer holds "
-                "float16 parameters: the model was cast outside mixedprec (model.half() is "
-                "torch's own); the variable reaches amp.initialize, network_to_half and "
-                "FP16Model. They train in float16.", stacklevel=2)
+                "float16 parameters: the model was cast outside mixedprec (by dtype, or by "
+                "model.half() outside `python -m mixedprec.apex --half-dtype bfloat16`, "
+                "which redirects it); the variable reaches amp.initialize, network_to_half "
+                "and FP16Model. They train in float16.", stacklevel=2)
 
         self.verbose = verbose
         self.optimizer = init_optimizer

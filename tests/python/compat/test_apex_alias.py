@@ -466,6 +466,12 @@ optimizer.step()
 print("amp", model[0].weight.dtype, model[1].weight.dtype,
       amp._amp_state.loss_scalers[0].loss_scale())
 print("network_to_half", network_to_half(torch.nn.Linear(4, 4))[1].weight.dtype)
+from apex.fp16_utils import FP16_Optimizer
+net = torch.nn.Linear(4, 2).half()  # torch's own casts, as FP16_Optimizer's examples do
+opt = FP16_Optimizer(torch.optim.SGD(net.parameters(), lr=0.1), dynamic_loss_scale=True)
+opt.backward(net(torch.randn(8, 4).half()).float().pow(2).mean())
+opt.step()
+print("half()", net.weight.dtype, opt.fp32_from_fp16_groups[0][0].dtype)
 code = ("import torch; from apex.fp16_utils import network_to_half; "
         "print(network_to_half(torch.nn.Linear(2, 2))[1].weight.dtype)")
 child = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
@@ -496,6 +502,8 @@ def test_half_dtype_option_runs_an_fp16_script_in_bf16(tmp_path, options):
     out = result.stdout
     assert "amp torch.bfloat16 torch.float32 65536.0" in out, out
     assert "network_to_half torch.bfloat16" in out
+    assert "half() torch.bfloat16 torch.float32" in out
+    assert "FP16_Optimizer" not in result.stderr  # no warning: the model is bf16
     assert f"child torch.bfloat16 {options[-1].rpartition('=')[2]}" in out
     assert "argv ['--half-dtype', 'x']" in out
 
@@ -504,6 +512,7 @@ def test_without_the_half_dtype_option_the_script_stays_fp16(tmp_path):
     result = run_half_dtype_script(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "amp torch.float16 torch.float32 65536.0" in result.stdout
+    assert "half() torch.float16 torch.float32" in result.stdout
     assert "child torch.float16 None" in result.stdout
 
 
@@ -592,3 +601,25 @@ def test_multiproc_launches_one_process_per_rank(tmp_path):
                              "--world-size", "1"], cwd=tmp_path, capture_output=True, text=True,
                             env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert result.returncode == 5, result.stdout + result.stderr
+
+
+def test_redirect_half_casts_follows_the_variable(monkeypatch):
+    """Under MIXEDPREC_HALF_DTYPE=bfloat16, torch's Tensor.half and Module.half cast to
+    bfloat16; back under float16 they are torch's own again."""
+    import torch
+
+    from mixedprec.compat.fp16_utils import redirect_half_casts
+
+    own = torch.Tensor.half, torch.nn.Module.half
+    monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "bfloat16")
+    try:
+        assert redirect_half_casts() and redirect_half_casts()  # twice: idempotent
+        assert torch.ones(2, dtype=torch.float64).half().dtype == torch.bfloat16
+        model = torch.nn.Linear(2, 2).half()
+        assert model.weight.dtype == torch.bfloat16
+        assert torch.arange(3).half().dtype == torch.bfloat16  # as torch's: any dtype
+    finally:
+        monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", "float16")
+        assert not redirect_half_casts()
+    assert (torch.Tensor.half, torch.nn.Module.half) == own
+    assert torch.ones(2).half().dtype == torch.float16
