@@ -32,6 +32,7 @@ from torch.nn import functional as F
 import mixedprec
 
 accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 STEPS, BATCH = 8, 8
 INF_STEPS = (2, 5)  # the loss is inf at these steps: their updates are skipped
@@ -41,7 +42,6 @@ LR = 1e-2
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """Accelerate keeps its state in process-wide singletons; each test builds its own."""
-    from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     yield
@@ -75,10 +75,12 @@ def scaler_for(device):
     return mixedprec.GradScaler(device, init_scale=2.0**10, growth_interval=3)
 
 
-def accelerated_run(device, kind, watch=None):
-    """8 steps through Accelerate; returns the model, its optimizer, the scaler, what
-    ``step_was_skipped`` said after each step and the scheduler's count. ``watch``: a
-    context each step (forward, backward, optimizer and scheduler) runs in."""
+def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None):
+    """Steps through Accelerate, to `stop`; returns the model, its optimizer, the scaler,
+    what ``step_was_skipped`` said after each step and the scheduler's count. ``watch``:
+    a context each step (forward, backward, optimizer and scheduler) runs in; ``save``
+    / ``load``: a directory for ``save_state`` at the end / ``load_state`` at the start
+    (which then continues from the step it was saved at)."""
     mixed = "fp16" if device == "cuda" else "no"
     accelerator = accelerate.Accelerator(mixed_precision=mixed, cpu=device == "cpu")
     accelerator.scaler = scaler_for(device)  # before prepare(): the optimizer wrapper takes it
@@ -87,14 +89,24 @@ def accelerated_run(device, kind, watch=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0)
     model, opt, data, sched = accelerator.prepare(model, opt, batches(), sched)
     assert opt.scaler is accelerator.scaler
+    start = 0
+    if load is not None:
+        accelerator.load_state(load)
+        start = int((load / "step").read_text())
+        data = accelerator.skip_first_batches(data, start)
     skipped = []
-    for step, (x, y) in enumerate(data):
+    for step, (x, y) in enumerate(data, start):
+        if step == stop:
+            break
         with watch() if watch else contextlib.nullcontext():
             opt.zero_grad()
             accelerator.backward(loss_of(model(x), y, step))
             opt.step()
             sched.step()
             skipped.append(opt.step_was_skipped)
+    if save is not None:
+        accelerator.save_state(save)
+        (save / "step").write_text(str(stop))
     return (accelerator.unwrap_model(model), opt.optimizer, accelerator.scaler, skipped,
             sched.scheduler.last_epoch)
 
@@ -171,3 +183,20 @@ def test_accelerated_steps_read_nothing_on_the_host(device, monkeypatch):
     accelerated_run(device, "mixedprec", watch=watch)
     with pytest.raises(HostSyncError):
         accelerated_run(device, "torch-unfused", watch=watch)
+
+
+def test_resume_from_accelerate_save_state_is_exact(device, tmp_path):
+    """save_state/load_state carry mixedprec's optimizer state and GradScaler: stopped
+    after 4 steps (one overflow behind it, one ahead) and resumed, the run ends where an
+    uninterrupted one does."""
+    model, opt, scaler, _, _ = accelerated_run(device, "mixedprec")
+    accelerated_run(device, "mixedprec", stop=4, save=tmp_path / "state")
+    resumed, resumed_opt, resumed_scaler, skipped, _ = accelerated_run(
+        device, "mixedprec", load=tmp_path / "state")
+    assert len(skipped) == STEPS - 4
+    assert_same_params(resumed, model)
+    a, b = opt.state_dict()["state"], resumed_opt.state_dict()["state"]
+    for index in a:
+        for key in a[index]:
+            assert_bitwise_equal(b[index][key], a[index][key], f"state {index} {key}")
+    assert resumed_scaler.state_dict() == scaler.state_dict()
