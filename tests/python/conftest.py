@@ -4,14 +4,14 @@ from pathlib import Path
 import pytest
 import torch
 
-# The tests live in one folder per layer (ops/, optim/, scaler/, compat/, distributed/);
-# helpers.py and references.py stay here. This folder and the layer folders go on
-# sys.path so that `from helpers import ...` and the few imports of another test file
-# (`from test_amp import SyncDetector`) resolve from any folder, whichever file runs
-# first. Test file names stay unique across the folders (pytest's default import mode
-# imports each by its basename).
+# The tests live in one folder per layer (ops/, optim/, scaler/, compat/, distributed/,
+# integrations/); helpers.py and references.py stay here. This folder and the layer
+# folders go on sys.path so that `from helpers import ...` and the few imports of
+# another test file (`from test_amp import SyncDetector`) resolve from any folder,
+# whichever file runs first. Test file names stay unique across the folders (pytest's
+# default import mode imports each by its basename).
 HERE = Path(__file__).resolve().parent
-LAYERS = ("ops", "optim", "scaler", "compat", "distributed")
+LAYERS = ("ops", "optim", "scaler", "compat", "distributed", "integrations")
 for folder in (HERE, *(HERE / layer for layer in LAYERS)):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))

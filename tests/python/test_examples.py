@@ -233,15 +233,17 @@ def losses(log):
 
 
 @needs("tqdm")
-@pytest.mark.parametrize("precision", ["fp16", "bf16-masters"])
+@pytest.mark.parametrize("precision", [["fp16"], ["bf16-masters"],
+                                       ["bf16-lean", "--lean", "stochastic"]],
+                         ids=["fp16", "bf16-masters", "bf16-lean-stochastic"])
 def test_fsdp_example_resumes_from_its_checkpoint(tmp_path, precision):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    straight = torchrun(2, "--steps", "6", "--precision", precision,
-                        "--checkpoint-dir", tmp_path / "a", cwd=tmp_path)
-    torchrun(2, "--steps", "3", "--precision", precision, "--checkpoint-dir", tmp_path / "b",
-             cwd=tmp_path)
-    resumed = torchrun(2, "--steps", "6", "--precision", precision, "--resume",
+    precision = ["--precision", *precision]
+    straight = torchrun(2, "--steps", "6", *precision, "--checkpoint-dir", tmp_path / "a",
+                        cwd=tmp_path)
+    torchrun(2, "--steps", "3", *precision, "--checkpoint-dir", tmp_path / "b", cwd=tmp_path)
+    resumed = torchrun(2, "--steps", "6", *precision, "--resume",
                        "--checkpoint-dir", tmp_path / "b", cwd=tmp_path)
     assert "from step 3" in resumed
     # the interrupted run continues exactly: the same loss, to the printed digits
@@ -249,6 +251,6 @@ def test_fsdp_example_resumes_from_its_checkpoint(tmp_path, precision):
                                 losses(resumed)[-1]]
     assert losses(resumed)[-1].startswith("step 6 loss ")
     # ... and a checkpoint of two processes loads into one (resharded by DCP) and trains on
-    single = torchrun(1, "--steps", "8", "--precision", precision, "--resume",
+    single = torchrun(1, "--steps", "8", *precision, "--resume",
                       "--checkpoint-dir", tmp_path / "a", cwd=tmp_path)
     assert "from step 6" in single and losses(single)[-1].startswith("step 8 loss ")
