@@ -17,8 +17,8 @@ from torch import Tensor
 from . import grads, ops
 from .grads import OP_DTYPES
 
-__all__ = ["HALF_DTYPES", "needs_master", "make_master", "follow_layout", "same_layout",
-           "copy_to_model", "unscale_into_masters"]
+__all__ = ["HALF_DTYPES", "needs_master", "make_master", "retake_master", "follow_layout",
+           "same_layout", "copy_to_model", "unscale_into_masters"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -31,6 +31,22 @@ def needs_master(p: Tensor) -> bool:
 def make_master(p: Tensor) -> Tensor:
     """An fp32 copy of ``p`` with ``p``'s memory layout (channels_last stays so)."""
     return p.detach().to(torch.float32, copy=True, memory_format=torch.preserve_format)
+
+
+@torch.no_grad()
+def retake_master(master: Tensor, p: Tensor) -> bool:
+    """Brings ``master`` up to ``p`` after ``p`` was written outside the optimizer, in
+    place and on the device (no host synchronisation): an element where ``p`` still holds
+    the master's rounding keeps the master's fp32 value (a write of the same values, such
+    as copying a model onto itself, loses no precision), every other element takes
+    ``p``'s value. False, and nothing changed, when ``master`` no longer matches ``p``'s
+    shape or device (a new master is then needed)."""
+    if master.shape != p.shape or master.device != p.device:
+        return False
+    value = p.detach()
+    master.copy_(torch.where(master.to(value.dtype) == value, master,
+                             value.to(torch.float32)))
+    return True
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:

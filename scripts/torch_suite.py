@@ -177,12 +177,26 @@ def pytest_configure(config):
         state["substituted"].update(substitute_optimizers(cfg["optim_classes"]))
 
 
-def _source(item) -> Optional[str]:
-    func = getattr(item, "function", None) or getattr(item, "obj", None)
+_SELF_HELPER = re.compile(r"\bself\.(_\w+)\(")
+
+
+def _function_source(func) -> Optional[str]:
     try:
         return inspect.getsource(inspect.unwrap(func))
     except (TypeError, OSError):
         return None
+
+
+def _source(item) -> Optional[str]:
+    """The test function's source followed by that of the private ``self._helper``
+    methods it calls (a test may be one call to a shared helper that builds the
+    GradScaler)."""
+    source = _function_source(getattr(item, "function", None) or getattr(item, "obj", None))
+    cls = getattr(item, "cls", None)
+    if source is None or cls is None:
+        return source
+    helpers = [getattr(cls, name, None) for name in dict.fromkeys(_SELF_HELPER.findall(source))]
+    return "\n".join([source] + [s for s in map(_function_source, helpers) if s])
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected theirs

@@ -193,11 +193,21 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
             states.append(state)
         work = {device: _Work(*lists)
                 for device, lists in _grads.by_device(params, grads, states).items()}
+        for device, items in work.items():
+            if device.type == "meta":
+                self._refuse_meta(group, items.params)
         self._check_devices(work)
         return work
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
         """Hook: reject a device layout the optimizer cannot step (before any update)."""
+
+    def _refuse_meta(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """Parameters on the meta device hold no values: refused before any update (a
+        step would leave meta state behind for the parameters once materialised)."""
+        raise RuntimeError(f"{type(self).__name__}.step: {len(params)} parameter(s) with "
+                           "gradients are on the meta device, which holds no values; "
+                           "materialise the model first (e.g. model.to_empty(device=...))")
 
     def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
         """p's fp32 master in p's `state`, or None when p needs none.
@@ -205,10 +215,12 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         The master follows the parameter: created when the model was cast to 16 bits
         after the optimizer was built, moved and re-laid-out with it (``.cuda()``,
         ``channels_last``), dropped while the parameter is fp32 (it is then its own
-        master), and taken anew from the parameter when the parameter was written
+        master), and brought up to the parameter when the parameter was written
         outside the optimizer (its version counter moved: ``load_state_dict`` on the
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
-        count, as they bypass the counter). A Kahan compensation is dropped once the
+        count, as they bypass the counter): the elements written take the parameter's
+        value, those the write left as they were keep their fp32 value
+        (:func:`mixedprec.masters.retake_master`). A Kahan compensation is dropped once the
         optimizer left master="kahan" (``master_weights = True`` after construction) or
         the parameter left bf16 (``model.float()``: the dropped part is below bf16's
         resolution)."""
@@ -225,7 +237,9 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         if not torch.compiler.is_compiling() and (
                 self._master_versions.setdefault(id(master), p._version) != p._version):
             del self._master_versions[id(master)]
-            return self._new_master(p, state)
+            if not mst.retake_master(master, p):
+                return self._new_master(p, state)
+            self._master_versions[id(master)] = p._version
         moved = mst.follow_layout(master, p)
         if moved is not master:
             self._master_versions[id(moved)] = self._master_versions.pop(id(master),

@@ -19,6 +19,7 @@ import math
 from typing import Any, Dict, List, Tuple
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from .. import ops
@@ -146,6 +147,13 @@ class TorchOptimizer(_FusedOptimizer):
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         """Hook: errors of torch's implementation raised before any update."""
 
+    def _refuse_meta(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        # fused=True: torch's own check first, so the error is torch.optim's
+        check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
+        if group.get("fused") and check is not None:
+            check(params[0])
+        super()._refuse_meta(group, params)
+
     def _torch_step(self, group: Dict[str, Any], params: List[Tensor],
                     grads: List[Tensor]) -> None:
         """torch's functional step of ``params`` on torch's state layout."""
@@ -156,8 +164,8 @@ class TorchOptimizer(_FusedOptimizer):
         the optimizer (one op call advances it); the state dict gives each its own."""
         state_dict = super().state_dict()
         state_dict["state"] = {
-            key: dict(value, step=value["step"].clone()) if isinstance(
-                value.get("step"), Tensor) else value
+            key: dict(value, step=value["step"].clone()) if isinstance(value, dict) and
+            isinstance(value.get("step"), Tensor) else value  # (other entries as they are)
             for key, value in state_dict["state"].items()}
         return state_dict
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import eager_and_compiled_steps
+from helpers import eager_and_compiled_steps, forbid_host_sync
 
 import mixedprec
 from mixedprec import optim
@@ -325,3 +325,87 @@ def test_step_compiles_in_one_graph(name):
     results = eager_and_compiled_steps(lambda ps: ours_cls(ps, lr=0.01))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_state_dict_keeps_entries_that_are_not_parameter_states(name):
+    # A state_dict pre-hook may put a plain value under a key of its own in
+    # optimizer.state; torch's state_dict passes it through, and so must ours.
+    ours_cls, torch_cls = PAIRS[name]
+    params = model_params()
+    ref = clone(params)
+    dicts = []
+    for cls, ps in ((ours_cls, params), (torch_cls, ref)):
+        opt = cls(ps, lr=0.01)
+        train(opt, ps, 2)
+        opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("note", 1))
+        dicts.append(opt.state_dict())
+    ours, theirs = dicts
+    assert ours["state"]["note"] == theirs["state"]["note"] == 1
+    assert ours["state"].keys() == theirs["state"].keys()
+
+
+@pytest.mark.parametrize("fused", [None, True])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_meta_parameters_are_refused_before_any_update(name, fused):
+    # Parameters on the meta device hold no values: a step used to go through on them
+    # and leave meta moments behind.
+    ours_cls, torch_cls = PAIRS[name]
+    with torch.device("meta"):
+        params = [torch.nn.Parameter(torch.empty(3, 2)), torch.nn.Parameter(torch.empty(3))]
+        for p in params:
+            p.grad = torch.ones_like(p)
+    opt = ours_cls(params, lr=0.01, momentum=0.9, fused=fused) if name == "SGD" else \
+        ours_cls(params, lr=0.01, fused=fused)
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                            for g in opt.param_groups])
+    with pytest.raises(RuntimeError) as ours_error:
+        opt.step()
+    assert len(opt.state) == 0
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    if fused:  # torch.optim refuses them too, and the message is torch's
+        with pytest.raises(RuntimeError) as torch_error:
+            torch_cls(params, lr=0.01, fused=True).step()
+        assert str(ours_error.value) == str(torch_error.value)
+    else:
+        assert "meta device" in str(ours_error.value)
+
+
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_fp16_params_written_with_their_own_values_keep_their_masters(name, monkeypatch):
+    # Writing a parameter outside the optimizer moves its version counter; elements
+    # written with the value they had keep the master's fp32 value (so the steps keep
+    # following torch's fp32 steps), elements written with another value take it.
+    ours_cls, torch_cls = PAIRS[name]
+    params = model_params()
+    half = [p.detach().to(torch.float16).requires_grad_() for p in params]
+    ref = [p.detach().float().requires_grad_() for p in half]
+    ours, theirs = ours_cls(half, lr=0.01), torch_cls(ref, lr=0.01)
+    for step in range(5):
+        for p, r, g in zip(half, ref, grads_for(params, step)):
+            p.grad, r.grad = g.to(torch.float16), g.to(torch.float16).float()
+        with forbid_host_sync(monkeypatch):
+            ours.step()
+        theirs.step()
+        with torch.no_grad():
+            for p in half:
+                p.copy_(p.clone())  # the same values
+    for p, r in zip(half, ref):
+        torch.testing.assert_close(ours.state[p]["master_param"], r, rtol=1e-5, atol=1e-6)
+        assert torch.equal(p, r.to(torch.float16))
+
+    p = half[0]
+    before = ours.state[p]["master_param"].clone()
+    with torch.no_grad():
+        p[0, 0] = 3.0  # another value
+    for q in half:
+        q.grad = torch.zeros_like(q)
+    with forbid_host_sync(monkeypatch):
+        ours.step()  # (lr * 0 gradient: for SGD the master is only brought up to p)
+    master = ours.state[p]["master_param"]
+    if name == "SGD":
+        assert master[0, 0].item() == 3.0
+        assert torch.equal(master.flatten()[1:], before.flatten()[1:])
+    else:  # Adam's moments still move it: the element restarts from 3.0
+        torch.testing.assert_close(master[0, 0], torch.tensor(3.0), rtol=0, atol=0.011)
+        assert torch.equal(p, master.to(torch.float16))
