@@ -102,6 +102,15 @@ class OverflowReport:
             self.counts.index_add_(0, rows, flags.to(self.counts.device, torch.int64))
 
     @torch.no_grad()
+    def keep(self, scale: Tensor) -> Tensor:
+        """A copy of ``scale`` (before an update changes it in place), in a buffer of the
+        report's own: the ``before`` of :meth:`record_step`."""
+        kept = self.__dict__.get("_kept")
+        if kept is None or kept.device != scale.device or kept.shape != scale.shape:
+            kept = self._kept = torch.empty_like(scale, dtype=torch.float32)
+        return kept.copy_(scale)
+
+    @torch.no_grad()
     def record_step(self, found_inf: Tensor, before: Optional[Tensor] = None,
                     after: Optional[Tensor] = None) -> None:
         """One loss-scale update: ``found_inf`` (nonzero: skipped) and, for a dynamic

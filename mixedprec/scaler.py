@@ -216,7 +216,7 @@ class GradScaler(torch.amp.GradScaler):
         found_inf_combined = found_infs[0].clone()
         for found_inf in found_infs[1:]:
             found_inf_combined += found_inf
-        before = _scale.clone() if self.overflow_report is not None else None
+        before = self.overflow_report.keep(_scale) if self.overflow_report is not None else None
         self._core.update(found_inf_combined)
         if self.overflow_report is not None:
             self.overflow_report.record_step(found_inf_combined, before, self._core.scale)
