@@ -972,7 +972,8 @@ class LegacyFP16_Optimizer(FP16_Optimizer):
     unscaled gradients, and :class:`mixedprec.optimizers.FusedAdam` clips them to its
     ``max_grad_norm`` itself, per group as Apex did. Differs from Apex: no flat
     buffers (``fp16_groups_flat``/``fp32_groups_flat``), the state dict is
-    :class:`FP16_Optimizer`'s (a 2019 checkpoint does not load), no overflow printing.
+    :class:`FP16_Optimizer`'s (a 2019 checkpoint does not load), overflows summarised
+    once at exit as by :class:`FP16_Optimizer`.
 
     ``dynamic_loss_scale=True``: the scale starts at 2**16, halves on an overflow (not
     below 1, the step skipped) and doubles after 1000 clean steps, as in Apex;
