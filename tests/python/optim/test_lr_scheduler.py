@@ -223,3 +223,23 @@ def test_compiled_step_and_schedule():
         assert lrs(sched) == pytest.approx(lrs(ref_sched), rel=1e-12)
     for p, q in zip(params, ref_params):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: mixedprec.FusedAdam(p, lr=0.1),
+    lambda p: mixedprec.FusedAdam(p, lr=0.1, max_grad_norm=1.0),  # (the 2019 step path)
+    lambda p: mixedprec.FusedSGD(p, lr=0.1, momentum=0.9),
+    lambda p: mixedprec.FusedLAMB(p, lr=0.1),
+], ids=["FusedAdam", "FusedAdam-max_grad_norm", "FusedSGD", "FusedLAMB"])
+def test_apex_faces_count_applied_steps(make):
+    params = make_params()
+    opt = make(params)
+    sched = ours.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(5):
+        for p, g in zip(params, grads(params, step)):
+            p.grad = g
+        opt.found_inf = torch.full((1,), float(step in (1, 3)))
+        opt.step()
+        sched.step()
+    assert int(opt.applied_steps) == 3
+    assert lrs(sched) == [0.1 * 0.5**3]
