@@ -175,6 +175,8 @@ BYTES = {
     "copy": {"mixedprec": 4 + 2, "torch": 4 + 2},
     # the step through each library's GradScaler (scaler.step + scaler.update), as adam
     "adam+scaler": {"mixedprec": 2 + 14 + 14, "torch": 8 + 16 + 12},
+    # the same without the report (with it: 2 more, the per-tensor norms' read)
+    "adam+scaler report": {"mixedprec": 2 + 14 + 14, "torch": 8 + 16 + 12},
 }
 OP_GROUPS = {
     "unscale": ["unscale fp16", "unscale fp32"],
@@ -184,6 +186,7 @@ OP_GROUPS = {
     "l2norm": ["l2norm fp32", "l2norm fp16", "l2norm bf16"],
     "copy": ["copy"],
     "scaler": ["adam+scaler"],
+    "report": ["adam+scaler report"],
 }
 LISTS_DEFAULT = "resnet50,gpt2-medium,flat-1b"
 # What a CPU measurement runs by default (--device cpu --scale 1).
@@ -470,13 +473,24 @@ def case_adam_scaler_mixedprec(inp: Inputs):
     return _scaler_step(scaler, opt, 2.0**8)
 
 
-def case_adam_scaler_mixedprec_optim(inp: Inputs):
+def _adamw_scaler(inp: Inputs, report: bool):
     import mixedprec
     params = _as_params(inp.randn(torch.float16), inp.randn(torch.float16))
     opt = mixedprec.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    scaler = mixedprec.GradScaler(inp.device.type, init_scale=2.0**8, growth_interval=10**9)
+    scaler = mixedprec.GradScaler(inp.device.type, init_scale=2.0**8, growth_interval=10**9,
+                                  overflow_report=report)
     scaler.scale(torch.ones((), device=inp.device))  # creates the scale, as a forward would
     return _scaler_step(scaler, opt, 2.0**8)
+
+
+def case_adam_scaler_mixedprec_optim(inp: Inputs):
+    return _adamw_scaler(inp, report=False)
+
+
+def case_adam_scaler_mixedprec_report(inp: Inputs):
+    """As above with the overflow report on: per-tensor norms (one more read of the
+    gradients), counts and the scale history, on the device."""
+    return _adamw_scaler(inp, report=True)
 
 
 def case_adam_scaler_torch(inp: Inputs):
@@ -487,6 +501,7 @@ def case_adam_scaler_torch(inp: Inputs):
 
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+REPORT_ON = "mixedprec optim.AdamW + GradScaler(overflow_report=True)"
 # op -> [(implementation label, side, case)]; side "mixedprec" or "torch".
 CASES: Dict[str, List[Tuple[str, str, Case]]] = {
     "unscale fp16": [
@@ -538,6 +553,14 @@ CASES: Dict[str, List[Tuple[str, str, Case]]] = {
         ("mixedprec optim.AdamW + GradScaler step/update", "mixedprec",
          case_adam_scaler_mixedprec_optim),
         ("torch AdamW fused=True + GradScaler step/update", "torch", case_adam_scaler_torch),
+        (REPORT_ON, "mixedprec", case_adam_scaler_mixedprec_report),
+    ],
+    # The overflow report's cost where the gradients' bytes count (not on 161 x 1).
+    "adam+scaler report": [
+        ("mixedprec optim.AdamW + GradScaler step/update", "mixedprec",
+         case_adam_scaler_mixedprec_optim),
+        (REPORT_ON, "mixedprec", case_adam_scaler_mixedprec_report),
+        ("torch AdamW fused=True + GradScaler step/update", "torch", case_adam_scaler_torch),
     ],
 }
 DTYPE_NOTE = {
@@ -548,6 +571,8 @@ DTYPE_NOTE = {
     "l2norm fp32": "fp32 grads", "l2norm fp16": "fp16 grads", "l2norm bf16": "bf16 grads",
     "copy": "fp32 into fp16",
     "adam+scaler": "mixedprec: fp16 params, fp32 masters; torch: fp32",
+    "adam+scaler report": "mixedprec: fp16 params, fp32 masters, the overflow report off "
+                          "and on; torch: fp32",
 }
 
 
@@ -675,6 +700,27 @@ def _check_one(op: str, inp: "Inputs", device: torch.device, add) -> None:
         masters_after = _cat([opt.state[p]["master_param"] for p in ours])
         err = _rel(masters_after - before, _cat([p.detach() for p in theirs]) - before)
         add(op, err, 1e-4)
+    elif op == "adam+scaler report":
+        # The report changes no update (bit for bit) and counts a clean step as clean.
+        import mixedprec
+        masters, grads16 = inp.randn(F32), inp.randn(F16)
+        after, reports = [], []
+        for report in (False, True):
+            params = [torch.nn.Parameter(m.to(F16)) for m in masters]
+            for p, g in zip(params, grads16):
+                p.grad = g.clone()
+            opt = mixedprec.optim.AdamW(params, lr=CHECK_LR, betas=BETAS, eps=EPS,
+                                        weight_decay=WD)
+            scaler = mixedprec.GradScaler(device.type, init_scale=512.0,
+                                          overflow_report=report)
+            scaler.scale(torch.ones((), device=device))
+            scaler.step(opt)
+            scaler.update()
+            after.append(_cat([opt.state[p]["master_param"] for p in params]))
+            reports.append(scaler.report(scale=False) if report else None)
+        clean = reports[1] == {"steps": 1, "skipped": 0, "overflows": {}}
+        add(op, 0.0 if torch.equal(*after) and clean else float("nan"), 0.0,
+            {"report": reports[1]})
 
 
 # --- running ----------------------------------------------------------------------------
@@ -947,6 +993,8 @@ def evaluate_cpu_targets(results, lists, copies) -> List[Dict[str, Any]]:
             continue
         if row["impl"].startswith("mixedprec Fused") and row["op"] != "adam+scaler":
             continue
+        if row["impl"] == REPORT_ON or row["op"] == "adam+scaler report":
+            continue  # (information: the report's cost)
         if (row["list"] == "tiny-161") != (row["op"] == "adam+scaler"):
             continue  # the fixed cost on 161 x 1; bandwidth-bound ops on the others
         for impl, s in row.get("speedup", {}).items():
@@ -961,7 +1009,8 @@ def evaluate_cpu_targets(results, lists, copies) -> List[Dict[str, Any]]:
         copy_ratio = copies[lo]["median_ms"] / copies[hi]["median_ms"]
         for row in results:
             if (row["list"] != big or row["threads"] != hi or row["side"] != "mixedprec"
-                    or "median_ms" not in row or row["impl"].startswith("mixedprec Fused")):
+                    or "median_ms" not in row or row["impl"].startswith("mixedprec Fused")
+                    or row["op"] == "adam+scaler report"):
                 continue
             one = next((r for r in results if r["threads"] == lo and r["list"] == big and
                         r["op"] == row["op"] and r["impl"] == row["impl"] and

@@ -142,7 +142,7 @@ class Runner:
     training step (no host synchronisation)."""
 
     def __init__(self, name: str, mode: str, device: torch.device, dtype: torch.dtype,
-                 image_size: int, seq: Optional[int]):
+                 image_size: int, seq: Optional[int], overflow_report: bool = False):
         import mixedprec
         from mixedprec import amp
 
@@ -177,7 +177,10 @@ class Runner:
             self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         elif mode in ("o1", "o2", "o3"):
             kw = {"cast_model_type": torch.bfloat16} if dtype == torch.bfloat16 else {}
-            model, opt = amp.initialize(model, opt, opt_level=mode.upper(), verbosity=0, **kw)
+            # verbosity 1 counts overflows per layer (a per-tensor norm pass a step); 0
+            # counts steps, skipped steps and the scale only.
+            model, opt = amp.initialize(model, opt, opt_level=mode.upper(),
+                                        verbosity=1 if overflow_report else 0, **kw)
         self.model, self.opt, self.amp = model, opt, amp
         self.x = self.y = None
 
@@ -230,6 +233,13 @@ class Runner:
         if self.mode in ("o1", "o2", "o3"):
             return float(self.amp.state_dict()["loss_scaler0"]["loss_scale"])
         return None
+
+    def overflow(self) -> Optional[Dict[str, Any]]:
+        """amp's overflow report (steps, skipped, overflows by layer, the scale's range;
+        a host read: call after timing); None for the other modes."""
+        if self.mode not in ("o1", "o2", "o3"):
+            return None
+        return self.amp.overflow_report()
 
     def close(self) -> None:
         self.model = self.opt = self.scaler = self.x = self.y = None
@@ -293,14 +303,15 @@ def run_one(name: str, mode: str, batch: int, device: torch.device, dtype: torch
     runner = None
     t0 = time.time()
     try:
-        runner = Runner(name, mode, device, dtype, args.image_size, args.seq_len)
+        runner = Runner(name, mode, device, dtype, args.image_size, args.seq_len,
+                        args.overflow_report)
         runner.set_batch(batch)
         row.update(time_steps(runner, args.warmup, args.steps))
         per_step = batch * (1 if runner.conv else runner.seq)
         row.update(status="ok", unit="img/s" if runner.conv else "tok/s",
                    throughput=per_step / (row["median_step_ms"] / 1e3),
                    optimizer=runner.optimizer_name, channels_last=runner.channels_last,
-                   loss_scale_end=runner.loss_scale(),
+                   loss_scale_end=runner.loss_scale(), overflow=runner.overflow(),
                    seq=None if runner.conv else runner.seq,
                    image_size=args.image_size if runner.conv else None)
         if row["loss_end"] is not None and not math.isfinite(row["loss_end"]):
@@ -356,7 +367,8 @@ def max_batch(name: str, mode: str, device: torch.device, dtype: torch.dtype, ar
     torch.backends.cudnn.benchmark = False
     runner = None
     try:
-        runner = Runner(name, mode, device, dtype, args.image_size, args.seq_len)
+        runner = Runner(name, mode, device, dtype, args.image_size, args.seq_len,
+                        args.overflow_report)
         lo, hi, b = 0, None, start
         while True:
             if hi is not None:
@@ -639,6 +651,9 @@ def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
                    help="search the largest batch at FP32 and O2 (default: on with CUDA)")
     p.add_argument("--no-max-batch", dest="max_batch", action="store_false")
     p.add_argument("--max-batch-model", default="resnet50")
+    p.add_argument("--overflow-report", action="store_true",
+                   help="O1/O2/O3 count overflows per layer (amp verbosity 1: one more read "
+                        "of the gradients a step) and the run line names the top ones")
     p.add_argument("--max-batch-budget", type=float, default=60.0,
                    help="seconds for the largest-batch search, both modes together")
     p.add_argument("--max-batch-cap", type=int, default=16384)
@@ -698,6 +713,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
          torch.backends.cudnn.allow_tf32) = saved_flags
 
 
+def _overflow_note(r: Dict[str, Any]) -> str:
+    """The run line's loss scale, skipped steps and most overflowing layers."""
+    note = f"  scale {r['loss_scale_end']:g}" if r.get("loss_scale_end") is not None else ""
+    report = r.get("overflow")
+    if report and report["steps"]:
+        note += f"  skipped {report['skipped']}/{report['steps']}"
+        top = list(report["overflows"].items())[:3]
+        if top:
+            note += " (" + ", ".join(f"{k} {v}" for k, v in top) + ")"
+    return note
+
+
 def _run(args, argv, device, smoke, models, modes, dtype) -> int:
     env = C.environment(device)
     out = C.out_dir(args.out, smoke)
@@ -720,6 +747,7 @@ def _run(args, argv, device, smoke, models, modes, dtype) -> int:
                        + (f"  peak {r['peak_mem_gib']:6.2f} GiB" if "peak_mem_gib" in r else "")
                        + (f"  syncs {r['host_syncs_per_step']}"
                           if r.get("host_syncs_per_step") is not None else "")
+                       + _overflow_note(r)
                        if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}")
                 print(f"  {row_label(name, mode, dtype):<22} B={batch:<5} {msg}", flush=True)
 

@@ -12,6 +12,8 @@ this module (nowhere else does it).
   each other device gets a flag of its own, folded back into ``found_inf`` on the
   device by a maximum (torch's fused optimizers expect 0 or 1). No host reads.
 * :func:`update_grad`: the fp32 master's ``.grad`` when set, else ``p.grad``.
+* :func:`nonfinite_per_tensor`: which gradients hold inf or NaN, one flag each, on the
+  device (the overflow report's per-parameter attribution).
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,7 +24,7 @@ from torch import Tensor
 from . import ops
 
 __all__ = ["OP_DTYPES", "by_device", "by_device_and_dtype", "update_grad", "check_finite_",
-           "unscale_"]
+           "unscale_", "nonfinite_per_tensor"]
 
 # The dtypes the multi-tensor ops take; others (float64) go through torch's kernels.
 OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -140,3 +142,28 @@ def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Ten
         for (other,) in by_device_and_dtype([g for g in on_device if not _takes(g)]).values():
             torch._amp_foreach_non_finite_check_and_unscale_(other, *on(device))
     return _finish(flags, found_inf, merge)
+
+
+@torch.no_grad()
+def nonfinite_per_tensor(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None
+                         ) -> List[Tuple[List[int], Tensor]]:
+    """Per device: (positions in ``grads``, a bool vector that is True where that
+    gradient's norm is not finite). One ``multi_tensor_l2norm(per_tensor=True)`` per
+    device, of the gradients times ``inv_scale`` (so a scaled gradient's squares do not
+    overflow); torch for the rest (sparse values, float64). Flagged: a gradient holding
+    inf or NaN, or one whose unscaled L2 norm exceeds float32's range. No host reads."""
+    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
+              for g in grads]
+    out = []
+    for device, (on_device, positions) in by_device(values, list(range(len(values)))).items():
+        fast = [i for i, g in zip(positions, on_device) if _takes(g)]
+        flags = []
+        if fast:
+            inv = None if inv_scale is None else _to(inv_scale, device)
+            _, norms = ops.multi_tensor_l2norm([values[i] for i in fast], inv, per_tensor=True)
+            flags.append(~torch.isfinite(norms))
+        rest = [i for i, g in zip(positions, on_device) if not _takes(g)]
+        if rest:
+            flags.append(torch.stack([~torch.isfinite(values[i]).all() for i in rest]))
+        out.append((fast + rest, torch.cat(flags)))
+    return out

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import grads
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
+from .overflow import OverflowReport
 
 __all__ = ["GradScaler", "MissingStateKeys"]
 
@@ -90,7 +91,13 @@ class GradScaler(torch.amp.GradScaler):
       torch's (it reads the overflow flag on the host to decide whether to step);
     * :meth:`unscale_` runs mixedprec's multi-tensor kernel, which also takes bfloat16
       gradients on CUDA (float64 gradients go through torch's kernel, as in torch);
-    * :meth:`found_inf` gives the last update's overflow flag as a device tensor.
+    * :meth:`found_inf` gives the last update's overflow flag as a device tensor;
+    * ``overflow_report`` (keyword-only; False by default): True, an ``nn.Module`` or
+      ``model.named_parameters()`` counts on the device, per parameter, the steps whose
+      gradient overflowed (one per-tensor L2-norm pass over the gradients a step), and
+      the steps, skipped steps and scale history; :meth:`report` reads them (the one
+      host read). The scaler sees every gradient and every scale update, so it keeps
+      the report (docs/schedules.md).
 
     What ``p.grad`` holds after :meth:`step`: the optimizer decides, as with torch's
     scaler. torch's fused optimizers unscale the gradients in place; mixedprec's fused
@@ -126,8 +133,13 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, hysteresis: int = 1,
-                 min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf) -> None:
+                 min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf, *,
+                 overflow_report: Any = False) -> None:
         _check_device(device)
+        report = None
+        if overflow_report is not False and overflow_report is not None:
+            report = OverflowReport(None if overflow_report is True else overflow_report,
+                                    owner="GradScaler: overflow_report")
         settings = dict(growth_factor=growth_factor, backoff_factor=backoff_factor,
                         growth_interval=growth_interval, hysteresis=hysteresis,
                         min_scale=min_scale, max_scale=max_scale)
@@ -150,6 +162,8 @@ class GradScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval,
                          enabled)
         self._found_inf: Optional[Tensor] = None
+        #: The :class:`mixedprec.overflow.OverflowReport` (None unless asked for).
+        self.overflow_report: Optional[OverflowReport] = report
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._core.place(dev)
@@ -172,8 +186,18 @@ class GradScaler(torch.amp.GradScaler):
         return out
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        return grads.unscale_(self._grads(optimizer, allow_fp16), found_inf, inv_scale,
-                              merge=False)
+        flags = grads.unscale_(self._grads(optimizer, allow_fp16), found_inf, inv_scale,
+                               merge=False)
+        self._record(optimizer, None)  # (unscaled now)
+        return flags
+
+    def _record(self, optimizer, inv_scale: Optional[Tensor]) -> None:
+        """The overflow report's per-parameter flags of the optimizer's gradients."""
+        if self.overflow_report is None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        self.overflow_report.record_grads(params, [p.grad for p in params], inv_scale)
 
     def _check_inf_per_device(self, optimizer):
         # For optimizers that unscale inside their own kernel: read the gradients once,
@@ -181,6 +205,7 @@ class GradScaler(torch.amp.GradScaler):
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
         flags = grads.check_finite_(self._grads(optimizer, True), found_inf, merge=False)
+        self._record(optimizer, self._core.inv_scale())
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
         return flags
 
@@ -208,7 +233,10 @@ class GradScaler(torch.amp.GradScaler):
         found_inf_combined = found_infs[0].clone()
         for found_inf in found_infs[1:]:
             found_inf_combined += found_inf
+        before = self.overflow_report.keep(_scale) if self.overflow_report is not None else None
         self._core.update(found_inf_combined)
+        if self.overflow_report is not None:
+            self.overflow_report.record_step(found_inf_combined, before, self._core.scale)
         self._found_inf = found_inf_combined
         self._per_optimizer_states.clear()
 
@@ -217,6 +245,18 @@ class GradScaler(torch.amp.GradScaler):
         float32 device tensor; None before the first update. Reading its value is the
         caller's choice (and a host synchronisation)."""
         return self._found_inf
+
+    def report(self, names: Any = None, scale: bool = True) -> Dict[str, Any]:
+        """The overflow report (``overflow_report=...`` at construction), read now: steps,
+        skipped steps, overflow counts by parameter name (``names``: a module or
+        ``named_parameters()``, if not given at construction) and, with ``scale``, the
+        scale's current, min and max values and its backoffs and growths. See
+        :meth:`mixedprec.overflow.OverflowReport.report`; ``.summary()`` of
+        ``self.overflow_report`` gives it as one line."""
+        if self.overflow_report is None:
+            raise RuntimeError("GradScaler.report: build the scaler with "
+                               "overflow_report=True (or a module) to count overflows")
+        return self.overflow_report.report(names, scale)
 
     # -- settings: checked by the core before they apply --------------------------------
     def set_growth_factor(self, new_factor: float) -> None:

@@ -144,8 +144,10 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
     torch.manual_seed(args.seed)  # the same initial weights for every run
     model = DigitsNet().to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    # verbosity=1: overflows are counted per layer on the device (amp.overflow_report
+    # reads them, below, once a run), and summarised in one log line at exit.
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
-                                      cast_model_type=cast_model_type, verbosity=0)
+                                      cast_model_type=cast_model_type, verbosity=1)
 
     step_loss: List[float] = []
     loss_scale: List[float] = []  # after each step
@@ -184,8 +186,9 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
         epoch_test_loss.append(test_loss)
         epoch_test_acc.append(test_acc)
 
-    # A dynamic scale halves on each overflow, and each overflow skips its step.
-    skipped = sum(1 for a, b in zip([initial_scale] + loss_scale, loss_scale) if b < a)
+    # Skipped steps and the layers whose gradients overflowed, counted on the device.
+    report = amp.overflow_report(scale=False)
+    skipped = report["skipped"]
     steps = len(step_loss)
     return {
         "name": name,
@@ -197,6 +200,7 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
         "loss_scale_initial": initial_scale,
         "loss_scale_final": loss_scale[-1],
         "skipped_steps": skipped,
+        "overflows": report["overflows"],  # {parameter name: steps it overflowed}
         "steps": steps,
         "train_time_s": train_time,
         "ms_per_step": 1000.0 * train_time / steps,
@@ -302,8 +306,10 @@ def main(argv=None) -> int:
     results = []
     for name in args.runs:
         r = train_one(name, args, data, device)
+        top = ", ".join(f"{k} {v}" for k, v in list(r["overflows"].items())[:3]) or "none"
         print(f"  {name:8s} test acc {r['test_accuracy']:6.2f}%  loss {r['test_loss']:.4f}  "
-              f"scale {r['loss_scale_final']:g}  {r['train_time_s']:.1f}s", flush=True)
+              f"scale {r['loss_scale_final']:g}  skipped {r['skipped_steps']}/{r['steps']} "
+              f"(overflows: {top})  {r['train_time_s']:.1f}s", flush=True)
         results.append(r)
 
     failures = check(results, args.tolerance)

@@ -18,9 +18,16 @@ What differs from Apex:
 * ``min_loss_scale`` defaults to ``DEFAULT_MIN_SCALE`` (2**-24, not 0 as in Apex).
 * ``state_dict`` also carries non-fused O2 master weights (a resumed run continues bit
   for bit); ``load_state_dict`` applies all of it or none.
-* Overflow skips are logged (logger ``mixedprec.amp``), rate limited, without a sync.
+* Overflows (logger ``mixedprec.amp``, without a host read in a step), by ``verbosity``:
+  0 nothing; 1 (the default) one summary at exit when steps were skipped (skipped
+  steps, the scale's range, backoffs and growths, the parameters whose gradients
+  overflowed most, by name), where Apex printed a line per skipped step; 2 also a line
+  per skipped step as Apex's ("Gradient overflow: skipping step, loss scaler 0 reducing
+  the loss scale to X"), rate limited. :func:`overflow_report` reads the counts any
+  time (verbosity >= 1 counts per parameter: one per-tensor L2-norm pass a step).
 """
 
+import atexit
 import contextlib
 import functools
 import itertools
@@ -40,13 +47,14 @@ from .. import grads
 from .. import masters as _masters
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
+from ..overflow import OverflowReport, format_report
 from .fp16_utils import convert_network, half_dtype
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "half_function", "float_function", "promote_function", "register_half_function",
     "register_float_function", "register_promote_function", "disable_casts",
-    "init", "AmpHandle", "NoOpHandle",
+    "init", "AmpHandle", "NoOpHandle", "overflow_report",
 ]
 
 logger = logging.getLogger("mixedprec.amp")
@@ -322,11 +330,23 @@ class _OverflowReporter:
 class _AmpState:
     """What one ``initialize`` call set up."""
 
-    def __init__(self, props: Properties, scalers: List[LossScaler]):
+    def __init__(self, props: Properties, scalers: List[LossScaler], verbosity: int = 1,
+                 names: Any = None):
         self.props = self.opt_properties = props  # Apex's name, read by legacy scripts
         self.loss_scalers = scalers
         self.optimizers: List["_OptimizerAmp"] = []
-        self.reporter = _OverflowReporter()
+        self.verbosity = verbosity
+        self.reporter = _OverflowReporter()  # verbosity 2: a line per skipped step
+        self.overflow = OverflowReport(names, owner="amp")
+        if verbosity == 1:
+            ref = weakref.ref(self)
+            atexit.register(lambda: ref() is not None and ref().log_summary())
+
+    def log_summary(self) -> None:
+        """Logs the overflow summary once, if any step was skipped (verbosity 1, at exit)."""
+        report = self.overflow.report()
+        if report["skipped"] and logger.isEnabledFor(logging.WARNING):
+            logger.warning("amp: %s", format_report(report))
 
 
 def _unscale(params: List[Tensor], masters: Dict[Tensor, Tensor], found_inf: Tensor,
@@ -446,6 +466,9 @@ class _OptimizerAmp:
         ``check`` is False: a static scale, which never skips); unscales them (into the
         masters at O2) unless the optimizer is fused (its update does)."""
         params = [p for p in self.model_params() if p.grad is not None]
+        if check and self.state.verbosity >= 1:  # (per parameter, before any unscale)
+            self.state.overflow.record_grads(params, [p.grad for p in params],
+                                             inverse(scale))
         if self.fused:
             if check:  # bf16 at a static scale of 1 reads no gradient here
                 grads.check_finite_([p.grad for p in params], found_inf)
@@ -687,8 +710,13 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     if min_loss_scale is not None and not min_loss_scale <= max_loss_scale:
         raise ValueError("amp.initialize: expected min_loss_scale <= max_loss_scale, got "
                          f"min_loss_scale={min_loss_scale} and max_loss_scale={max_loss_scale}")
+    if not isinstance(verbosity, int) or verbosity < 0:
+        raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 a "
+                         f"summary, 2 a line per skipped step), got {verbosity!r}")
+    names = [(f"{i}.{n}" if len(model_list) > 1 else n, p)
+             for i, m in enumerate(model_list) for n, p in m.named_parameters()]
     state = _AmpState(props, [LossScaler(props.loss_scale, min_loss_scale, float(max_loss_scale))
-                              for _ in range(num_losses)])
+                              for _ in range(num_losses)], verbosity, names)
     if verbosity:
         logger.info("amp: %s", props)
 
@@ -775,7 +803,22 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
         amp.add_flag(found_inf if check else None, scale.device)
     if check:
         scaler.update(found_inf)
-        amps[0].state.reporter.record(loss_id, found_inf, scaler.core.scale)
+        state = amps[0].state
+        state.overflow.record_step(found_inf, scale, scaler.core.scale)
+        if state.verbosity >= 2:
+            state.reporter.record(loss_id, found_inf, scaler.core.scale)
+
+
+def overflow_report(names: Any = None, scale: bool = True) -> Dict[str, Any]:
+    """mixedprec's extra: the overflow counts of the latest ``initialize``, read now (see
+    :meth:`mixedprec.overflow.OverflowReport.report`): the loss-scale updates
+    (``scale_loss`` exits that checked for overflow) as ``steps``, the skipped ones, the
+    overflows by parameter name (verbosity >= 1; names from the models given to
+    ``initialize``, or ``names``) and the scale's history (the scale of the latest
+    loss)."""
+    if _current is None:
+        raise RuntimeError("amp.overflow_report: amp.initialize has not been called")
+    return _current.overflow.report(names, scale)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:

@@ -4,17 +4,22 @@ names, signatures and defaults, on :class:`mixedprec.loss_scale.LossScale` and
 CPU tensors and bfloat16 are accepted; ``backward`` and ``update_master_grads`` never
 read the device, nor does ``step`` when the wrapped optimizer skips overflowed steps on
 the device (``_step_supports_amp_scaling``), else it reads the flag once as Apex did;
-overflows are not printed; ``state_dict()`` loads with ``weights_only=True``.
+``FP16_Optimizer`` does not print a line per overflow: with ``verbose`` it logs one
+summary at exit (see :meth:`FP16_Optimizer.overflow_report`); ``state_dict()`` loads
+with ``weights_only=True``.
 
 ``MIXEDPREC_HALF_DTYPE=bfloat16`` (or ``python -m mixedprec.apex --half-dtype bfloat16``)
 runs an unmodified fp16 script in bfloat16 (on a CPU, several times faster): see
 :func:`half_dtype`.
 """
 
+import atexit
 import contextlib
+import logging
 import math
 import os
 import warnings
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,6 +29,9 @@ from .. import grads as _grads
 from .. import ops
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
 from ..masters import HALF_DTYPES, copy_to_model, make_master, unscale_into_masters
+from ..overflow import OverflowReport, format_report
+
+logger = logging.getLogger("mixedprec.fp16_utils")
 
 __all__ = ["BN_convert_float", "DynamicLossScaler", "FP16Model", "FP16_Optimizer",
            "LossScaler", "clip_grad_norm", "convert_module", "convert_network",
@@ -562,7 +570,10 @@ class FP16_Optimizer:  # Apex's name
     uninitialised momentum); otherwise ``step`` reads the flag and skips, as Apex did.
 
     Differs from Apex: CPU and bfloat16; :class:`DynamicLossScaler`'s defaults (Apex's
-    last version used 2**16 and 2000); no overflow printing; ``clip_master_grads``
+    last version used 2**16 and 2000); no line per overflow: with ``verbose`` (and
+    dynamic scaling) one summary at exit, logged (logger ``mixedprec.fp16_utils``) when
+    steps were skipped, naming the parameters whose gradients overflowed by their place
+    (``param_groups[g][i]``; :meth:`overflow_report` takes a model for names); ``clip_master_grads``
     returns a tensor; ``step(closure)`` raises ``RuntimeError`` instead of looping forever
     at the minimum scale; :meth:`load_state_dict` validates and copies into the model.
     """
@@ -640,6 +651,28 @@ class FP16_Optimizer:  # Apex's name
         self.clip_grad_norm = clip_grad_norm
         # ids of the parameters a fused inner optimizer has stepped (so holds state for).
         self._started: set = set()
+        # Overflows per parameter (dynamic scaling), named by their place in the groups.
+        self._overflow = OverflowReport(
+            [(f"param_groups[{gi}][{pi}]", p) for gi, group in enumerate(self.fp16_groups)
+             for pi, p in enumerate(group)] +
+            [(f"param_groups[{gi}][fp32 {pi}]", p)
+             for gi, group in enumerate(self.fp32_from_fp32_groups)
+             for pi, p in enumerate(group)], owner="FP16_Optimizer")
+        if verbose and self.dynamic_loss_scale:
+            ref = weakref.ref(self)
+            atexit.register(lambda: ref() is not None and ref()._log_summary())
+
+    def overflow_report(self, names: Any = None, scale: bool = True) -> Dict[str, Any]:
+        """mixedprec's extra: steps, skipped steps, overflows by parameter and the scale's
+        history, read now (dynamic scaling; see
+        :meth:`mixedprec.overflow.OverflowReport.report`). ``names``: a model (or its
+        ``named_parameters()``) for names instead of places."""
+        return self._overflow.report(names, scale)
+
+    def _log_summary(self) -> None:
+        report = self._overflow.report()
+        if report["skipped"]:
+            logger.warning("FP16_Optimizer: %s", format_report(report))
 
     def maybe_print(self, msg: str) -> None:
         if self.verbose:
@@ -694,6 +727,10 @@ class FP16_Optimizer:  # Apex's name
         core = self.loss_scaler.core
         inv_scale = core.inv_scale()
         found_inf = self._found_inf.zero_()
+        if self.dynamic_loss_scale:  # (per parameter, before the unscale)
+            params = [p for p in self.all_fp16_params + self.all_fp32_from_fp32_params
+                      if p.grad is not None]
+            self._overflow.record_grads(params, [p.grad for p in params], inv_scale)
         for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params):
             if model.grad is None:
                 master.grad = None
@@ -705,7 +742,9 @@ class FP16_Optimizer:  # Apex's name
         _grads.unscale_([p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None],
                         found_inf, inv_scale)
         if self.dynamic_loss_scale:
+            before = self._overflow.keep(core.scale)
             core.update(found_inf)
+            self._overflow.record_step(found_inf, before, core.scale)
 
     def step(self, closure=None):
         """Runs the wrapped optimizer on the masters and copies them into the model. A
@@ -965,7 +1004,8 @@ class LegacyFP16_Optimizer(FP16_Optimizer):
     unscaled gradients, and :class:`mixedprec.optimizers.FusedAdam` clips them to its
     ``max_grad_norm`` itself, per group as Apex did. Differs from Apex: no flat
     buffers (``fp16_groups_flat``/``fp32_groups_flat``), the state dict is
-    :class:`FP16_Optimizer`'s (a 2019 checkpoint does not load), no overflow printing.
+    :class:`FP16_Optimizer`'s (a 2019 checkpoint does not load), overflows summarised
+    once at exit as by :class:`FP16_Optimizer`.
 
     ``dynamic_loss_scale=True``: the scale starts at 2**16, halves on an overflow (not
     below 1, the step skipped) and doubles after 1000 clean steps, as in Apex;

@@ -308,6 +308,7 @@ class FusedAdam(_ApexFace, Adam):
                 if master is not None:
                     master.grad = None
         self._invalidate_plans()
+        self._count_applied(getattr(self, "found_inf", None))
         return loss
 
     def _legacy_work(self, grads, output_params, scale, grad_norms):

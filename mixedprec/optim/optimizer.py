@@ -108,6 +108,28 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         # in step with it (the update writes the parameter without bumping it).
         self._master_versions: Dict[int, int] = {}
         super().__init__(params, defaults)
+        #: The number of steps applied (not skipped on the device by a scaler's
+        #: ``found_inf``): a 0-dim int64 tensor, advanced in :meth:`step` without a host
+        #: read; ``state_dict()["applied_steps"]``. mixedprec.optim.lr_scheduler reads it.
+        self.applied_steps = torch.zeros((), dtype=torch.int64, device=self._count_device())
+
+    def _count_device(self) -> torch.device:
+        """Where ``applied_steps`` lives: the device of the first parameter."""
+        for group in self.param_groups:
+            if group["params"]:
+                return group["params"][0].device
+        return torch.device("cpu")
+
+    def _count_applied(self, found_inf: Optional[Tensor]) -> None:
+        """``applied_steps += 1`` unless ``found_inf`` is set, on the device (moved first,
+        once, to the flag's or the parameters' device when that changed)."""
+        device = found_inf.device if found_inf is not None else self._count_device()
+        if self.applied_steps.device != device:
+            self.applied_steps = self.applied_steps.to(device)
+        if found_inf is None:
+            self.applied_steps.add_(1)
+        else:
+            self.applied_steps.add_((found_inf.reshape(()) == 0).to(torch.int64))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         params = param_group["params"]
@@ -322,6 +344,7 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
                     for master in plan.masters:
                         if master is not None:
                             master.grad = None
+            self._count_applied(scaling[1])
             return loss
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
@@ -349,14 +372,20 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         self._plans.clear()
         if not torch.compiler.is_compiling():
             self._plans.update(plans)
+        self._count_applied(scaling[1])
         return loss
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's ``state`` and ``param_groups``, and ``applied_steps`` (a tensor, which
+        torch.optim's ``load_state_dict`` ignores)."""
+        return dict(super().state_dict(), applied_steps=self.applied_steps.clone())
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch.optim.Optimizer keeps only defaults, state and param_groups.
         state = super().__getstate__()
         state.update(master=self.master, state_dtype=self.state_dtype,
                      set_grad_none=self.set_grad_none, _sr_seed=self._sr_seed, _plans={},
-                     _master_versions={})
+                     _master_versions={}, applied_steps=self.applied_steps)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -365,6 +394,7 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         state.setdefault("master", "fp32" if master_weights else "none")
         state.setdefault("state_dtype", torch.float32)
         state.setdefault("_sr_seed", None)
+        state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
         super().__setstate__(state)
 
     def _step_group(self, group, device, items: "_Work", inv_scale,

@@ -85,6 +85,7 @@ class StateLoading:
             p = id_to_param[key]
             new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
 
+        applied = self._loaded_applied_steps(state_dict.get("applied_steps", 0))
         new_groups = []
         for group, saved in zip(self.param_groups, saved_groups):
             new_group = {k: v for k, v in saved.items() if k != "params"}
@@ -100,9 +101,22 @@ class StateLoading:
         self.state.update(new_state)
         self._master_versions.clear()  # loaded masters are in step with the loaded model
         self.param_groups = new_groups
+        self.applied_steps.fill_(applied)
         self._invalidate_plans()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _loaded_applied_steps(self, value: Any) -> int:
+        """The saved ``applied_steps`` (0 when absent: a torch.optim state dict) as an
+        int >= 0 (read on the host once, when loading)."""
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+            value = value.detach().reshape(()).cpu().item()  # sync-ok: loading, not a step
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected "
+                             f"'applied_steps' to be an int >= 0, got {value!r}")
+        return value
 
     def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
         if not isinstance(value, Tensor):

@@ -86,6 +86,9 @@ def test_digits_job_writes_table_plot_and_json(tmp_path):
         halvings = sum(1 for a, b in zip([r["loss_scale_initial"]] + r["history"]["loss_scale"],
                                          r["history"]["loss_scale"]) if b < a)
         assert r["skipped_steps"] == halvings
+    for r in results["runs"]:  # amp's overflow report: a skipped step names its layers
+        assert (r["skipped_steps"] == 0) == (r["overflows"] == {})
+        assert all(0 < n <= r["skipped_steps"] for n in r["overflows"].values())
 
 
 @needs("sklearn")

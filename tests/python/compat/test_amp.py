@@ -100,7 +100,8 @@ def make_mlp(seed, device="cpu", **kwargs):
 
 
 def level_kwargs(level, half, **extra):
-    kwargs = dict(opt_level=level, verbosity=0, **extra)
+    kwargs = dict(opt_level=level, verbosity=0)
+    kwargs.update(extra)
     if half is torch.bfloat16:
         kwargs["cast_model_type"] = torch.bfloat16
     return kwargs
@@ -1594,7 +1595,8 @@ def test_enabled_false_after_an_enabled_initialize():
 def test_overflow_is_reported_once(caplog):
     caplog.set_level(logging.WARNING, logger="mixedprec.amp")
     # A small initial scale: no step overflows unless told to.
-    model, opt, _ = setup("O1", torch.float16, "SGD", "cpu", max_loss_scale=2.0**8)
+    model, opt, _ = setup("O1", torch.float16, "SGD", "cpu", max_loss_scale=2.0**8,
+                          verbosity=2)
     for step in range(4):
         train_step(model, opt, step)
     assert [r for r in caplog.records if r.name == "mixedprec.amp"] == []
@@ -1610,7 +1612,7 @@ def test_overflow_is_reported_once(caplog):
 def test_overflow_reports_are_rate_limited(caplog):
     caplog.set_level(logging.WARNING, logger="mixedprec.amp")
     model, opt, _ = setup("O2", torch.float16, "FusedAdam", "cpu", min_loss_scale=1.0,
-                          max_loss_scale=2.0**8)
+                          max_loss_scale=2.0**8, verbosity=2)
     train_step(model, opt, 0)
     assert caplog.records == []
     for step in range(10):
@@ -1626,6 +1628,78 @@ def test_overflow_reports_are_rate_limited(caplog):
     records = [r for r in caplog.records if r.name == "mixedprec.amp"]
     assert len(records) == 1
     assert f"({suppressed} more since the last message)" in records[0].getMessage()
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "FusedAdam"])
+def test_verbosity_1_gives_one_summary(caplog, opt_name):
+    """The default verbosity: no line per skipped step, one summary (at exit) naming the
+    parameters whose gradients overflowed."""
+    caplog.set_level(logging.WARNING, logger="mixedprec.amp")
+    model, opt, _ = setup("O2", torch.float16, opt_name, "cpu", min_loss_scale=1.0,
+                          max_loss_scale=2.0**8, verbosity=1)
+    for step in range(8):
+        train_step(model, opt, step, overflow=step in (2, 3, 6))
+    assert [r for r in caplog.records if r.name == "mixedprec.amp"] == []
+    report = amp.overflow_report()
+    assert (report["steps"], report["skipped"]) == (8, 3)
+    assert report["overflows"] == {"fc1.weight": 3}
+    assert report["scale"] == dict(current=32.0, min=32.0, max=256.0, backoffs=3, growths=0)
+    amp._current.log_summary()  # what runs at exit
+    records = [r.getMessage() for r in caplog.records if r.name == "mixedprec.amp"]
+    assert records == ["amp: 3 of 8 steps skipped (37.5%); scale 32 (min 32, max 256, 3 "
+                       "backoffs, 0 growths); overflows: fc1.weight 3"]
+
+
+def test_verbosity_0_is_silent_and_counts_no_parameter(caplog):
+    caplog.set_level(logging.WARNING, logger="mixedprec.amp")
+    model, opt, _ = setup("O2", torch.float16, "FusedSGD", "cpu", max_loss_scale=2.0**8)
+    for step in range(3):
+        train_step(model, opt, step, overflow=step == 1)
+    assert caplog.records == []
+    report = amp.overflow_report(scale=False)
+    assert report == {"steps": 3, "skipped": 1, "overflows": {}}
+    with pytest.raises(ValueError, match="verbosity"):
+        amp.initialize(make_mlp(0), opt_level="O2", verbosity=-1)
+
+
+def test_the_summary_is_logged_at_exit(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import mixedprec
+        from mixedprec import amp
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        opt = mixedprec.FusedAdam(model.parameters(), lr=1e-3)
+        model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0**8)
+        for step in range(4):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.ones(2, 4)).float().sum(), opt) as scaled:
+                scaled.backward()
+                if step == 1:
+                    model[1].weight.grad.view(-1)[0] = float("inf")
+            opt.step()
+        print("done")
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(Path(mixedprec.__file__).parents[1])),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "done"
+    assert "amp: 1 of 4 steps skipped (25.0%); scale 128 (min 128, max 256, 1 backoffs, " \
+        "0 growths); overflows: 1.weight 1" in out.stderr
+
+
+def test_no_host_read_in_a_step_at_verbosity_1(monkeypatch):
+    from helpers import forbid_host_sync
+    model, opt, _ = setup("O2", torch.float16, "FusedAdam", "cpu", max_loss_scale=2.0**8,
+                          verbosity=1)
+    train_step(model, opt, 0)
+    with forbid_host_sync(monkeypatch):
+        for step in range(1, 4):
+            train_step(model, opt, step, overflow=step == 2)
+    assert amp.overflow_report()["overflows"] == {"fc1.weight": 1}
 
 
 # --- no host synchronisation with fused optimizers --------------------------------------------

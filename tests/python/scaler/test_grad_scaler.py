@@ -203,7 +203,9 @@ def test_constructor_follows_torch():
     for name, param in theirs.items():
         assert ours[name].default == param.default, name
     assert {k: v.default for k, v in ours.items() if k not in theirs} == {
-        "hysteresis": 1, "min_scale": DEFAULT_MIN_SCALE, "max_scale": INF}
+        "hysteresis": 1, "min_scale": DEFAULT_MIN_SCALE, "max_scale": INF,
+        "overflow_report": False}
+    assert ours["overflow_report"].kind is inspect.Parameter.KEYWORD_ONLY
     assert issubclass(GradScaler, torch.amp.GradScaler)
 
 

@@ -1,0 +1,194 @@
+"""The overflow report: which parameters' gradients overflow, how many steps were
+skipped, and how the loss scale moved, counted on the device.
+
+:class:`OverflowReport` is fed by the front ends that see the gradients and the scale:
+``mixedprec.GradScaler(..., overflow_report=True)``, ``mixedprec.amp`` and
+``mixedprec.fp16_utils.FP16_Optimizer``. Each step adds, on the device, a per-parameter
+non-finite flag (:func:`mixedprec.grads.nonfinite_per_tensor`: one per-tensor L2-norm
+pass over the gradients), the step's overflow flag and the scale before and after the
+update. Nothing is read on the host until :meth:`OverflowReport.report` is called.
+"""
+
+import math
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import grads as _grads
+
+__all__ = ["OverflowReport", "format_report"]
+
+
+def _name_map(names: Any, where: str) -> Dict[int, str]:
+    """``id(param) -> name`` from a module, or from ``(name, param)`` pairs
+    (``model.named_parameters()``); None gives none."""
+    if names is None:
+        return {}
+    if isinstance(names, nn.Module):
+        return {id(p): n for n, p in names.named_parameters()}
+    if isinstance(names, (str, Tensor)) or not isinstance(names, Iterable):
+        raise TypeError(f"{where}: expected an nn.Module or (name, parameter) pairs such as "
+                        f"model.named_parameters(), got {type(names).__name__}")
+    out = {}
+    for pair in names:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], Tensor)):
+            raise TypeError(f"{where}: expected (name, parameter) pairs such as "
+                            f"model.named_parameters(), got an item {pair!r:.60}")
+        out[id(pair[1])] = pair[0]
+    return out
+
+
+class OverflowReport:
+    """Per-parameter overflow counts, steps, skipped steps and the loss scale's history,
+    kept as device tensors (see the module docstring). ``names``: an ``nn.Module`` or
+    ``(name, parameter)`` pairs, for :meth:`report` (it may also be given there)."""
+
+    def __init__(self, names: Any = None, owner: str = "OverflowReport"):
+        self.owner = owner
+        self._names = _name_map(names, owner)
+        self._params: List[Tensor] = []  # row -> parameter (kept: its id names the row)
+        self._rows: Dict[int, int] = {}  # id(parameter) -> row
+        self._index: Dict[Tuple[Any, ...], Tensor] = {}  # (device, ids) -> rows on device
+        self.counts: Optional[Tensor] = None  # int64 [rows]: steps each one overflowed
+        self.steps: Optional[Tensor] = None  # int64: steps (loss-scale updates) recorded
+        self.skipped: Optional[Tensor] = None  # int64: of which overflowed
+        self.backoffs: Optional[Tensor] = None
+        self.growths: Optional[Tensor] = None
+        self.scale_min: Optional[Tensor] = None
+        self.scale_max: Optional[Tensor] = None
+        self.scale: Optional[Tensor] = None  # the scale after the last recorded update
+
+    def _place(self, device: torch.device) -> None:
+        if self.steps is None:
+            def zero() -> Tensor:
+                return torch.zeros((), dtype=torch.int64, device=device)
+            self.steps, self.skipped, self.backoffs, self.growths = zero(), zero(), zero(), zero()
+            self.counts = torch.zeros(0, dtype=torch.int64, device=device)
+
+    def _rows_of(self, params: List[Tensor], device: torch.device) -> Tensor:
+        """The rows of ``params`` as a device tensor (made once per parameter list)."""
+        key = (device, *map(id, params))
+        rows = self._index.get(key)
+        if rows is None:
+            for p in params:
+                if id(p) not in self._rows:
+                    self._rows[id(p)] = len(self._params)
+                    self._params.append(p)
+            grow = len(self._params) - self.counts.numel()
+            if grow:
+                self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
+            numbers = [self._rows[id(p)] for p in params]
+            if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+                # (the usual case, made on the device: no copy from the host)
+                rows = torch.arange(numbers[0], numbers[0] + len(numbers), device=device)
+            else:
+                rows = torch.tensor(numbers, dtype=torch.int64).to(device)
+            self._index[key] = rows
+        return rows
+
+    @torch.no_grad()
+    def record_grads(self, params: List[Tensor], grads: List[Tensor],
+                     inv_scale: Optional[Tensor] = None) -> None:
+        """Adds 1 to the count of each parameter whose gradient (times ``inv_scale``) is
+        not finite; ``params[i]`` owns ``grads[i]``. On the device."""
+        if not grads:
+            return
+        device = (inv_scale if inv_scale is not None else grads[0]).device
+        self._place(device if self.counts is None else self.counts.device)
+        for positions, flags in _grads.nonfinite_per_tensor(grads, inv_scale):
+            rows = self._rows_of([params[i] for i in positions], self.counts.device)
+            self.counts.index_add_(0, rows, flags.to(self.counts.device, torch.int64))
+
+    @torch.no_grad()
+    def keep(self, scale: Tensor) -> Tensor:
+        """A copy of ``scale`` (before an update changes it in place), in a buffer of the
+        report's own: the ``before`` of :meth:`record_step`."""
+        kept = self.__dict__.get("_kept")
+        if kept is None or kept.device != scale.device or kept.shape != scale.shape:
+            kept = self._kept = torch.empty_like(scale, dtype=torch.float32)
+        return kept.copy_(scale)
+
+    @torch.no_grad()
+    def record_step(self, found_inf: Tensor, before: Optional[Tensor] = None,
+                    after: Optional[Tensor] = None) -> None:
+        """One loss-scale update: ``found_inf`` (nonzero: skipped) and, for a dynamic
+        scale, the scale ``before`` and ``after`` it (0-dim or 1-element tensors)."""
+        self._place(found_inf.device)
+        flag = found_inf.reshape(()).to(self.steps.device) != 0
+        self.steps.add_(1)
+        self.skipped.add_(flag.to(torch.int64))
+        if before is None or after is None:
+            return
+        before = before.reshape(()).to(self.steps.device, torch.float64)
+        after = after.reshape(()).to(self.steps.device, torch.float64)
+        self.backoffs.add_((after < before).to(torch.int64))
+        self.growths.add_((after > before).to(torch.int64))
+        if self.scale_min is None:
+            self.scale_min, self.scale_max = torch.minimum(before, after), torch.maximum(
+                before, after)
+        else:
+            torch.minimum(self.scale_min, after, out=self.scale_min)
+            torch.maximum(self.scale_max, after, out=self.scale_max)
+        self.scale = after
+
+    def report(self, names: Any = None, scale: bool = True) -> Dict[str, Any]:
+        """Reads the counts (one host read): ``{"steps", "skipped", "overflows": {name:
+        count, most first, only parameters that overflowed}}`` and, with ``scale``,
+        ``"scale": {"current", "min", "max", "backoffs", "growths"}`` (None before any
+        dynamic update). ``names``: as the constructor's, to name the parameters; an
+        unnamed one is ``"<param N, shape (..)>"``."""
+        names_of = {**self._names, **_name_map(names, f"{self.owner}.report")}
+        out: Dict[str, Any] = {"steps": 0, "skipped": 0, "overflows": {}}
+        if self.steps is not None:
+            values = torch.cat([torch.stack([self.steps, self.skipped]), self.counts])
+            steps, skipped, *counts = values.cpu().tolist()  # sync-ok: report() reads
+            overflows = sorted(((c, row) for row, c in enumerate(counts) if c),
+                               key=lambda item: (-item[0], item[1]))
+            out.update(steps=steps, skipped=skipped, overflows={
+                names_of.get(id(self._params[row]),
+                             f"<param {row}, shape {tuple(self._params[row].shape)}>"): c
+                for c, row in overflows})
+        if scale:
+            history = None
+            if self.scale is not None:
+                values = torch.stack([self.scale, self.scale_min, self.scale_max,
+                                      self.backoffs.double(), self.growths.double()])
+                current, low, high, backoffs, growths = values.cpu().tolist()  # sync-ok
+                history = dict(current=current, min=low, max=high, backoffs=int(backoffs),
+                               growths=int(growths))
+            out["scale"] = history
+        return out
+
+    def summary(self, names: Any = None, top: int = 5) -> str:
+        """:meth:`report` as one readable line (see :func:`format_report`)."""
+        return format_report(self.report(names), top)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # Pickled empty: the counts belong to this process's parameters.
+        return {"owner": self.owner}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(owner=state.get("owner", "OverflowReport"))
+
+
+def format_report(report: Dict[str, Any], top: int = 5) -> str:
+    """One line: ``"12 of 1000 steps skipped (1.2%); scale 1024 (min 512, max 65536, 7
+    backoffs, 1 growth); overflows: fc1.weight 9, fc2.bias 3"`` (the ``top`` most)."""
+    steps, skipped = report["steps"], report["skipped"]
+    share = f" ({100.0 * skipped / steps:.1f}%)" if steps else ""
+    parts = [f"{skipped} of {steps} steps skipped{share}"]
+    history = report.get("scale")
+    if history:
+        def number(x: float) -> str:
+            return f"{x:g}" if math.isfinite(x) else str(x)
+        parts.append(f"scale {number(history['current'])} (min {number(history['min'])}, "
+                     f"max {number(history['max'])}, {history['backoffs']} backoffs, "
+                     f"{history['growths']} growths)")
+    overflows = list(report["overflows"].items())
+    if overflows:
+        shown = ", ".join(f"{name} {count}" for name, count in overflows[:top])
+        more = f" and {len(overflows) - top} more" if len(overflows) > top else ""
+        parts.append(f"overflows: {shown}{more}")
+    return "; ".join(parts)
