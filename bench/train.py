@@ -177,10 +177,10 @@ class Runner:
             self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         elif mode in ("o1", "o2", "o3"):
             kw = {"cast_model_type": torch.bfloat16} if dtype == torch.bfloat16 else {}
-            # verbosity 1 counts overflows per layer (a per-tensor norm pass a step); 0
-            # counts steps, skipped steps and the scale only.
-            model, opt = amp.initialize(model, opt, opt_level=mode.upper(),
-                                        verbosity=1 if overflow_report else 0, **kw)
+            # overflow_report counts overflows per layer (a per-tensor norm pass a
+            # step); without it, steps, skipped steps and the scale only.
+            model, opt = amp.initialize(model, opt, opt_level=mode.upper(), verbosity=0,
+                                        overflow_report=overflow_report, **kw)
         self.model, self.opt, self.amp = model, opt, amp
         self.x = self.y = None
 
@@ -652,7 +652,7 @@ def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
     p.add_argument("--no-max-batch", dest="max_batch", action="store_false")
     p.add_argument("--max-batch-model", default="resnet50")
     p.add_argument("--overflow-report", action="store_true",
-                   help="O1/O2/O3 count overflows per layer (amp verbosity 1: one more read "
+                   help="O1/O2/O3 count overflows per layer (amp's overflow_report: one more read "
                         "of the gradients a step) and the run line names the top ones")
     p.add_argument("--max-batch-budget", type=float, default=60.0,
                    help="seconds for the largest-batch search, both modes together")

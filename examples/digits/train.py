@@ -144,10 +144,12 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
     torch.manual_seed(args.seed)  # the same initial weights for every run
     model = DigitsNet().to(device)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    # verbosity=1: overflows are counted per layer on the device (amp.overflow_report
-    # reads them, below, once a run), and summarised in one log line at exit.
+    # overflow_report=True: overflows are counted per layer on the device
+    # (amp.overflow_report reads them, below, once a run), and summarised in one log
+    # line at exit.
     model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
-                                      cast_model_type=cast_model_type, verbosity=1)
+                                      cast_model_type=cast_model_type, verbosity=1,
+                                      overflow_report=True)
 
     step_loss: List[float] = []
     loss_scale: List[float] = []  # after each step

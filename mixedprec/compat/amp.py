@@ -20,11 +20,13 @@ What differs from Apex:
   for bit); ``load_state_dict`` applies all of it or none.
 * Overflows (logger ``mixedprec.amp``, without a host read in a step), by ``verbosity``:
   0 nothing; 1 (the default) one summary at exit when steps were skipped (skipped
-  steps, the scale's range, backoffs and growths, the parameters whose gradients
-  overflowed most, by name), where Apex printed a line per skipped step; 2 also a line
-  per skipped step as Apex's ("Gradient overflow: skipping step, loss scaler 0 reducing
-  the loss scale to X"), rate limited. :func:`overflow_report` reads the counts any
-  time (verbosity >= 1 counts per parameter: one per-tensor L2-norm pass a step).
+  steps, the scale's range, backoffs and growths), where Apex printed a line per
+  skipped step; 2 also a line per skipped step as Apex's ("Gradient overflow: skipping
+  step, loss scaler 0 reducing the loss scale to X"), rate limited. With the
+  keyword-only ``overflow_report=True`` the summary also names the parameters whose
+  gradients overflowed most (counting per parameter costs one per-tensor L2-norm pass
+  over the gradients a step, 8-15% of an optimizer step on the CPU, so it is opt-in).
+  :func:`overflow_report` reads the counts any time.
 """
 
 import atexit
@@ -331,19 +333,21 @@ class _AmpState:
     """What one ``initialize`` call set up."""
 
     def __init__(self, props: Properties, scalers: List[LossScaler], verbosity: int = 1,
-                 names: Any = None):
+                 names: Any = None, per_param: bool = False):
         self.props = self.opt_properties = props  # Apex's name, read by legacy scripts
         self.loss_scalers = scalers
         self.optimizers: List["_OptimizerAmp"] = []
         self.verbosity = verbosity
         self.reporter = _OverflowReporter()  # verbosity 2: a line per skipped step
         self.overflow = OverflowReport(names, owner="amp")
-        if verbosity == 1:
+        self.per_param = per_param  # overflow_report=True: counts per parameter
+        if verbosity >= 1:
             ref = weakref.ref(self)
             atexit.register(lambda: ref() is not None and ref().log_summary())
 
     def log_summary(self) -> None:
-        """Logs the overflow summary once, if any step was skipped (verbosity 1, at exit)."""
+        """Logs the overflow summary once, if any step was skipped (verbosity >= 1, at
+        exit)."""
         report = self.overflow.report()
         if report["skipped"] and logger.isEnabledFor(logging.WARNING):
             logger.warning("amp: %s", format_report(report))
@@ -466,7 +470,7 @@ class _OptimizerAmp:
         ``check`` is False: a static scale, which never skips); unscales them (into the
         masters at O2) unless the optimizer is fused (its update does)."""
         params = [p for p in self.model_params() if p.grad is not None]
-        if check and self.state.verbosity >= 1:  # (per parameter, before any unscale)
+        if check and self.state.per_param:  # (before any unscale)
             self.state.overflow.record_grads(params, [p.grad for p in params],
                                              inverse(scale))
         if self.fused:
@@ -634,7 +638,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                master_weights=None, loss_scale=None, cast_model_outputs=None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale=None,
                max_loss_scale: float = 2.0**24, *, master: Optional[str] = None,
-               state_dtype: Optional[torch.dtype] = None):
+               state_dtype: Optional[torch.dtype] = None, overflow_report: bool = False):
     """Prepares models and optimizers for mixed precision at an Apex opt level.
 
     O0: fp32. O1: autocast around the forward. O2: the model in fp16 (or
@@ -656,6 +660,10 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
       are updated directly.
     * ``state_dtype``: ``torch.bfloat16`` keeps the optimizers' moments and momentum
       buffers in bf16 (any opt level); ``torch.float32`` the default.
+
+    ``overflow_report=True`` (keyword-only, as ``GradScaler``'s) also counts overflows
+    per parameter (one per-tensor norm pass over the gradients a step), so that the
+    summary and :func:`overflow_report` name the parameters that overflowed.
     """
     global _current
     optimizer_list = _as_list(optimizers or [])
@@ -710,13 +718,16 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     if min_loss_scale is not None and not min_loss_scale <= max_loss_scale:
         raise ValueError("amp.initialize: expected min_loss_scale <= max_loss_scale, got "
                          f"min_loss_scale={min_loss_scale} and max_loss_scale={max_loss_scale}")
+    if not isinstance(overflow_report, bool):
+        raise TypeError("amp.initialize: expected overflow_report to be a bool, got "
+                        f"{type(overflow_report).__name__}")
     if not isinstance(verbosity, int) or verbosity < 0:
         raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 a "
                          f"summary, 2 a line per skipped step), got {verbosity!r}")
     names = [(f"{i}.{n}" if len(model_list) > 1 else n, p)
              for i, m in enumerate(model_list) for n, p in m.named_parameters()]
     state = _AmpState(props, [LossScaler(props.loss_scale, min_loss_scale, float(max_loss_scale))
-                              for _ in range(num_losses)], verbosity, names)
+                              for _ in range(num_losses)], verbosity, names, overflow_report)
     if verbosity:
         logger.info("amp: %s", props)
 
@@ -813,7 +824,7 @@ def overflow_report(names: Any = None, scale: bool = True) -> Dict[str, Any]:
     """mixedprec's extra: the overflow counts of the latest ``initialize``, read now (see
     :meth:`mixedprec.overflow.OverflowReport.report`): the loss-scale updates
     (``scale_loss`` exits that checked for overflow) as ``steps``, the skipped ones, the
-    overflows by parameter name (verbosity >= 1; names from the models given to
+    overflows by parameter name (``overflow_report=True``; names from the models given to
     ``initialize``, or ``names``) and the scale's history (the scale of the latest
     loss)."""
     if _current is None:

@@ -572,15 +572,20 @@ class FP16_Optimizer:  # Apex's name
     Differs from Apex: CPU and bfloat16; :class:`DynamicLossScaler`'s defaults (Apex's
     last version used 2**16 and 2000); no line per overflow: with ``verbose`` (and
     dynamic scaling) one summary at exit, logged (logger ``mixedprec.fp16_utils``) when
-    steps were skipped, naming the parameters whose gradients overflowed by their place
-    (``param_groups[g][i]``; :meth:`overflow_report` takes a model for names); ``clip_master_grads``
+    steps were skipped; with the keyword-only ``overflow_report=True`` (mixedprec's extra,
+    as ``GradScaler``'s: one per-tensor norm pass over the gradients a step) it names the
+    parameters whose gradients overflowed by their place (``param_groups[g][i]``;
+    :meth:`overflow_report` takes a model for names); ``clip_master_grads``
     returns a tensor; ``step(closure)`` raises ``RuntimeError`` instead of looping forever
     at the minimum scale; :meth:`load_state_dict` validates and copies into the model.
     """
 
     def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[dict] = None,
-                 verbose: bool = True):
+                 verbose: bool = True, *, overflow_report: bool = False):
+        if not isinstance(overflow_report, bool):
+            raise TypeError("FP16_Optimizer: expected overflow_report to be a bool, got "
+                            f"{type(overflow_report).__name__}")
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError("FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(init_optimizer).__name__}")
@@ -651,7 +656,9 @@ class FP16_Optimizer:  # Apex's name
         self.clip_grad_norm = clip_grad_norm
         # ids of the parameters a fused inner optimizer has stepped (so holds state for).
         self._started: set = set()
-        # Overflows per parameter (dynamic scaling), named by their place in the groups.
+        # Overflows per parameter (dynamic scaling, overflow_report=True: one per-tensor
+        # norm pass over the gradients a step), named by their place in the groups.
+        self._count_per_param = overflow_report
         self._overflow = OverflowReport(
             [(f"param_groups[{gi}][{pi}]", p) for gi, group in enumerate(self.fp16_groups)
              for pi, p in enumerate(group)] +
@@ -727,7 +734,7 @@ class FP16_Optimizer:  # Apex's name
         core = self.loss_scaler.core
         inv_scale = core.inv_scale()
         found_inf = self._found_inf.zero_()
-        if self.dynamic_loss_scale:  # (per parameter, before the unscale)
+        if self.dynamic_loss_scale and self._count_per_param:  # (before the unscale)
             params = [p for p in self.all_fp16_params + self.all_fp32_from_fp32_params
                       if p.grad is not None]
             self._overflow.record_grads(params, [p.grad for p in params], inv_scale)

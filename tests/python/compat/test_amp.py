@@ -1631,23 +1631,26 @@ def test_overflow_reports_are_rate_limited(caplog):
 
 
 @pytest.mark.parametrize("opt_name", ["SGD", "FusedAdam"])
-def test_verbosity_1_gives_one_summary(caplog, opt_name):
-    """The default verbosity: no line per skipped step, one summary (at exit) naming the
-    parameters whose gradients overflowed."""
+@pytest.mark.parametrize("per_param", [False, True])
+def test_verbosity_1_gives_one_summary(caplog, opt_name, per_param):
+    """The default verbosity: no line per skipped step, one summary (at exit) of the
+    skipped steps and the scale; overflow_report=True counts per parameter and names
+    them."""
     caplog.set_level(logging.WARNING, logger="mixedprec.amp")
     model, opt, _ = setup("O2", torch.float16, opt_name, "cpu", min_loss_scale=1.0,
-                          max_loss_scale=2.0**8, verbosity=1)
+                          max_loss_scale=2.0**8, verbosity=1, overflow_report=per_param)
     for step in range(8):
         train_step(model, opt, step, overflow=step in (2, 3, 6))
     assert [r for r in caplog.records if r.name == "mixedprec.amp"] == []
     report = amp.overflow_report()
     assert (report["steps"], report["skipped"]) == (8, 3)
-    assert report["overflows"] == {"fc1.weight": 3}
+    assert report["overflows"] == ({"fc1.weight": 3} if per_param else {})
     assert report["scale"] == dict(current=32.0, min=32.0, max=256.0, backoffs=3, growths=0)
     amp._current.log_summary()  # what runs at exit
     records = [r.getMessage() for r in caplog.records if r.name == "mixedprec.amp"]
+    names = "; overflows: fc1.weight 3" if per_param else ""
     assert records == ["amp: 3 of 8 steps skipped (37.5%); scale 32 (min 32, max 256, 3 "
-                       "backoffs, 0 growths); overflows: fc1.weight 3"]
+                       f"backoffs, 0 growths){names}"]
 
 
 def test_verbosity_0_is_silent_and_counts_no_parameter(caplog):
@@ -1672,7 +1675,8 @@ def test_the_summary_is_logged_at_exit(tmp_path):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
         opt = mixedprec.FusedAdam(model.parameters(), lr=1e-3)
-        model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0**8)
+        model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0**8,
+                                    overflow_report=True)
         for step in range(4):
             opt.zero_grad()
             with amp.scale_loss(model(torch.ones(2, 4)).float().sum(), opt) as scaled:
@@ -1691,15 +1695,18 @@ def test_the_summary_is_logged_at_exit(tmp_path):
         "0 growths); overflows: 1.weight 1" in out.stderr
 
 
-def test_no_host_read_in_a_step_at_verbosity_1(monkeypatch):
+@pytest.mark.parametrize("per_param", [False, True])
+def test_no_host_read_in_a_step_at_verbosity_1(monkeypatch, per_param):
     from helpers import forbid_host_sync
     model, opt, _ = setup("O2", torch.float16, "FusedAdam", "cpu", max_loss_scale=2.0**8,
-                          verbosity=1)
+                          verbosity=1, overflow_report=per_param)
     train_step(model, opt, 0)
     with forbid_host_sync(monkeypatch):
         for step in range(1, 4):
             train_step(model, opt, step, overflow=step == 2)
-    assert amp.overflow_report()["overflows"] == {"fc1.weight": 1}
+    report = amp.overflow_report()
+    assert report["skipped"] == 1
+    assert report["overflows"] == ({"fc1.weight": 1} if per_param else {})
 
 
 # --- no host synchronisation with fused optimizers --------------------------------------------

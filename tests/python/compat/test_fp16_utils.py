@@ -349,16 +349,19 @@ def test_dynamic_scaling_matches_apex_rule_and_skips(device, opt_name):
     assert_model_is_masters(optimizer)
 
 
-def test_overflow_report_and_summary(caplog, monkeypatch):
-    """Overflows counted per parameter without a host read in a step; with ``verbose``
-    one summary (logged at exit) instead of a line per overflow."""
+@pytest.mark.parametrize("per_param", [False, True])
+def test_overflow_report_and_summary(caplog, monkeypatch, per_param):
+    """Overflows counted (per parameter with overflow_report=True) without a host read in
+    a step; with ``verbose`` one summary (logged at exit) instead of a line per
+    overflow."""
     import logging
 
     from helpers import forbid_host_sync
     caplog.set_level(logging.WARNING, logger="mixedprec.fp16_utils")
     model, optimizer = wrapped("cpu", torch.float16, "mixedprec_adam", verbose=True,
                                dynamic_loss_scale=True,
-                               dynamic_loss_args=dict(init_scale=2.0**10, scale_window=3))
+                               dynamic_loss_args=dict(init_scale=2.0**10, scale_window=3),
+                               overflow_report=per_param)
     scales = [optimizer.loss_scale]
     for step in range(8):
         with forbid_host_sync(monkeypatch) if step else contextlib.nullcontext():
@@ -367,16 +370,16 @@ def test_overflow_report_and_summary(caplog, monkeypatch):
     assert caplog.records == []
     first = next(n for n, p in model.named_parameters() if p.dtype != torch.float32)
     assert optimizer.overflow_report(model, scale=False) == {
-        "steps": 8, "skipped": 3, "overflows": {first: 3}}
+        "steps": 8, "skipped": 3, "overflows": {first: 3} if per_param else {}}
     report = optimizer.overflow_report()
-    assert report["overflows"] == {"param_groups[0][0]": 3}
+    assert report["overflows"] == ({"param_groups[0][0]": 3} if per_param else {})
     assert report["scale"] == dict(
         current=scales[-1], min=min(scales), max=max(scales), backoffs=3,
         growths=sum(b > a for a, b in zip(scales, scales[1:])))
     optimizer._log_summary()  # what runs at exit
     assert [r.getMessage() for r in caplog.records] == [
         "FP16_Optimizer: 3 of 8 steps skipped (37.5%); scale 128 (min 128, max 1024, 3 "
-        "backoffs, 0 growths); overflows: param_groups[0][0] 3"]
+        "backoffs, 0 growths)" + ("; overflows: param_groups[0][0] 3" if per_param else "")]
 
 
 @pytest.mark.parametrize("opt_name", SKIPPING_OPTIMIZERS)
