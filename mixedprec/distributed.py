@@ -115,6 +115,12 @@ def _sharded_groups(tensors: Sequence[Any]) -> list:
     return groups
 
 
+def _splits(placement: Any) -> bool:
+    """Whether ``placement`` splits the tensor among the ranks: Shard, and
+    _StridedShard, which torch 2.11 does not count as is_shard()."""
+    return not placement.is_replicate() and not placement.is_partial()
+
+
 def shard_index(t: Any) -> Tuple[int, int]:
     """(this rank's shard of DTensor ``t`` among its shards, how many shards): over the
     mesh dimensions on which ``t`` is sharded, so that replicas share an index; (0, 1)
@@ -125,7 +131,7 @@ def shard_index(t: Any) -> Tuple[int, int]:
     coordinate = mesh.get_coordinate()
     index, count = 0, 1
     for dim, placement in enumerate(t.placements):
-        if placement.is_shard() and mesh.size(dim) > 1:
+        if _splits(placement) and mesh.size(dim) > 1:
             index = index * mesh.size(dim) + coordinate[dim]
             count *= mesh.size(dim)
     return index, count
@@ -154,13 +160,12 @@ def global_layout(t: Any) -> Optional[Tuple[int, int, int]]:
     (a _StridedShard placement, as FSDP2 over tensor parallelism on the same dimension
     gives; shards of two dimensions with a full one between them; a layout other than
     contiguous or channels_last). From the DTensor's metadata: no collective."""
-    if not is_dtensor(t) or not any(p.is_shard() for p in t.placements):
+    if not is_dtensor(t) or not any(_splits(p) for p in t.placements):
         return 0, 0, 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if any(isinstance(p, _StridedShard) for p in t.placements):
-        return None
+    if not all(p.is_shard() or not _splits(p) for p in t.placements):
+        return None  # _StridedShard, or a split torch added since
     order = _memory_order(t.to_local())
     if order is None:
         return None

@@ -2,7 +2,8 @@
 (Shard(0), uneven chunks, an empty one on 4 ranks) and DTensor params sharded along
 columns (Shard(1), and (Shard(0), Shard(1)) on a 2 x 2 mesh) step bit for bit as the
 unsharded model does, on 1, 2 and 4 processes (gloo, CPU), and a checkpoint saved on 2
-ranks (torch.distributed.checkpoint) resumes on 4 and on 1 bit for bit. The gradients
+ranks (torch.distributed.checkpoint) resumes on 4 and on 1 bit for bit; a
+_StridedShard param falls back to salts that count its shard. The gradients
 are set, the same on every world size (a backward's reductions would add in another
 order on each)."""
 
@@ -124,7 +125,27 @@ def sharded(rank, world, checkpoint, mode):
     train(optimizer(columns), columns, range(SAVE_AT + MORE))
     for p in columns:
         check_layout(p)
-    return resumed, whole(params), whole(columns)
+    return resumed, whole(params), whole(columns), strided_shards_differ(mesh)
+
+
+def strided_shards_differ(mesh):
+    """The fallback: a _StridedShard param (interleaved pieces, not runs) has no global
+    layout; its shards count in the salt, so equal values on every rank round with
+    different bits (True on several ranks)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = [_StridedShard(0, split_factor=2)]
+    ones = torch.ones(8 * mesh.size(), 64, dtype=torch.bfloat16, device=device())
+    p = nn.Parameter(distribute_tensor(ones, mesh, placements))
+    assert global_layout(p) is None
+    p.grad = distribute_tensor(torch.full_like(ones, 0.3), mesh, placements)
+    optimizer([p]).step()
+    local = p.to_local()
+    assert not torch.equal(local, ones[:local.shape[0]])  # it moved
+    gathered = [torch.empty_like(local) for _ in range(mesh.size())]
+    dist.all_gather(gathered, local)
+    return mesh.size() > 1 and not any(torch.equal(gathered[0], g) for g in gathered[1:])
 
 
 def unsharded():
@@ -148,11 +169,13 @@ def test_sharded_runs_and_resharded_resumes_match_the_unsharded_run_bit_for_bit(
     params, columns = unsharded()
     start = model_on("cpu")
     assert not torch.equal(params[0], start[0].weight.detach())  # it trained
-    _, straight2, columns2 = run_ranks(sharded, 2, checkpoint, "save")[0]
+    _, straight2, columns2, differ = run_ranks(sharded, 2, checkpoint, "save")[0]
     assert_same(straight2, params, "2 ranks")
     assert_same(columns2, columns, "columns on 2 ranks")
+    assert differ
     for world in (4, 1):
-        resumed, straight, cols = run_ranks(sharded, world, checkpoint, "resume")[0]
+        resumed, straight, cols, differ = run_ranks(sharded, world, checkpoint, "resume")[0]
         assert_same(straight, params, f"{world} ranks")
         assert_same(cols, columns, f"columns on {world} ranks")
         assert_same(resumed, params, f"saved on 2 ranks, resumed on {world}")
+        assert differ == (world > 1)
