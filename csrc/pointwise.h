@@ -122,7 +122,8 @@ MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
 template <typename Op, size_t K>
 constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
 
-// Whether list K of Op, stored as T, is stored as a per-tensor list may be (see above).
+// Whether list K of Op may be stored as T: any type for a list of elements, fp32 or
+// int64 for a per-tensor list (see above).
 template <typename Op, size_t K, typename T>
 constexpr bool kPerTensorStorageOk =
     !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value;
