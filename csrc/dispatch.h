@@ -162,9 +162,10 @@ void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage
 }
 
 // Stochastic rounding (sr_seed given) writes bf16 params directly: no masters, no
-// kahan_comps; its salts are one fp32 value per param (an integer below 2^24, so
-// that the counter word it fills is exact: the caller's to keep, as the values are
-// on the device). Without it, no salts.
+// kahan_comps; its salts are one contiguous int64 tensor of 4 words per param (salt,
+// offset, run, stride: pointwise.h's RoundingWords; the salt below 2^32, offset >= 0,
+// run and stride 0 or > 0: the caller's to keep, as the values are on the device).
+// Without it, no salts.
 inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
                              at::TensorList model_params, at::TensorList kahan_comps,
                              at::TensorList salts, bool stochastic) {
@@ -175,7 +176,7 @@ inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
                       salts.size(), " tensors");
     return;
   }
-  c.per_tensor(salts, "sr_salts", params, "params");
+  c.per_tensor(salts, "sr_salts", params, "params", RoundingWords::kWords);
   TORCH_CHECK_VALUE(kahan_comps.empty() && model_params.empty(), op,
                     ": sr_seed: stochastic rounding writes bf16 params directly, expected no "
                     "model_params and no kahan_comps, got ",

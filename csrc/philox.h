@@ -7,8 +7,11 @@
 //
 // Stochastic rounding keys it as follows: key = the 64-bit seed (low word first);
 // counter = (block low 32 bits, block high 32 bits, tensor salt, step), where block =
-// element index / 8: one call gives the 16 bits of 8 consecutive elements (element
-// index takes 16-bit half index % 8 of the 128 output bits, see rounding_bits).
+// global index / 8: one call gives the 16 bits of 8 consecutive elements (global
+// index g takes 16-bit half g % 8 of the 128 output bits, see rounding_bits). The
+// global index is the element's position in the whole (unsharded) tensor, which the
+// local one maps to (RoundingKey::global): so a shard draws the very bits of its
+// elements in the full tensor, whatever the sharding and the engine's chunks.
 #pragma once
 
 #include <cstdint>
@@ -49,11 +52,23 @@ MP_HD Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
-// The key of stochastic rounding's bits at one step: everything but the element.
+// The key of stochastic rounding's bits at one step: everything but the element,
+// and where the tensor's elements lie in the full tensor. Local element i (its
+// position in the tensor's memory) is element global(i) = offset + (i / run) * stride
+// + i % run of the full tensor (in the same memory order): the local tensor is runs
+// of `run` consecutive elements, `stride` apart; run 0: one run (global = offset + i),
+// as for a whole tensor (offset 0) or a shard along its outermost dimension.
 struct RoundingKey {
   uint64_t seed;
   uint32_t salt;  // the tensor's position in its list (param group)
   uint32_t step;
+  int64_t offset = 0, run = 0, stride = 0;
+
+  MP_HD int64_t global(int64_t i) const {
+    return run == 0 ? offset + i : offset + (i / run) * stride + i % run;
+  }
+  // Whether local elements i .. i + n - 1 are consecutive in the full tensor.
+  MP_HD bool consecutive(int64_t i, int64_t n) const { return run == 0 || i % run + n <= run; }
 };
 
 // The Philox output of block `block` of stochastic rounding: the bits of elements
@@ -67,8 +82,9 @@ MP_HD Philox4x32 rounding_block(const RoundingKey& key, uint64_t block) {
                        static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
 }
 
-// The 16 random bits stochastic rounding adds to element `index` (>= 0): half index % 8
-// of its block's output (see rounding_block).
+// The 16 random bits stochastic rounding adds to the element of global index `index`
+// (>= 0, see RoundingKey::global): half index % 8 of its block's output (see
+// rounding_block).
 MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
   const uint64_t i = static_cast<uint64_t>(index);
   const Philox4x32 out = rounding_block(key, i >> 3);

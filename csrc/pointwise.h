@@ -13,12 +13,18 @@
 // A functor may declare `kPerTensor`, a mask of per-tensor lists: list k in it holds,
 // for tensor i of the other lists, one fp32 value (a one-element tensor), which
 // apply() sees in x[k] for every element of tensor i. Such lists are read, never
-// written (in kReads, not in kWrites). Functors without the member have none.
+// written (in kReads, not in kWrites). Functors without the member have none. A
+// per-tensor list stored as int64 (its Storage type) holds words that x[k] does not
+// carry (it reads 0 there): the functor reads them in at_tensor(ptrs), which, when
+// declared, the engines call on their copy of the functor before it works on any
+// element of tensor i (once per CPU chunk, once per CUDA block), with ptrs[k] the
+// address of tensor i's words for per-tensor list k (null when the list is absent).
 //
 // A functor that declares `kNeedsIndex = true` gets apply(x, index) instead, where
 // index is the element's position within its tensor (for a CPU vector, that of its
 // first lane, a multiple of the vector's width; lane j is index + j): stochastic
-// rounding draws its bits from it (a CPU vector, 8 lanes per Philox call).
+// rounding draws its bits from it (a CPU vector, 8 lanes per Philox call). It does
+// not depend on how an engine splits the tensor into chunks or threads.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -68,6 +74,39 @@ struct NeedsIndex<Op, std::void_t<decltype(Op::kNeedsIndex)>> {
   static constexpr bool value = Op::kNeedsIndex;
 };
 
+// Whether Op declares at_tensor (see above).
+template <typename Op, typename = void>
+struct HasAtTensor {
+  static constexpr bool value = false;
+};
+template <typename Op>
+struct HasAtTensor<Op, std::void_t<decltype(&Op::at_tensor)>> {
+  static constexpr bool value = true;
+};
+
+// op.at_tensor(ptrs) where Op declares it (see above); else nothing.
+template <typename Op>
+MP_HD void at_tensor(Op& op, const void* const* ptrs) {
+  if constexpr (HasAtTensor<Op>::value) {
+    op.at_tensor(ptrs);
+  } else {
+    (void)op;
+    (void)ptrs;
+  }
+}
+
+// The value x[k] holds of per-tensor list k stored as T at p (see above): an fp32
+// list's value; 0 for an int64 list (read by at_tensor) or an absent one.
+template <typename T>
+MP_HD float per_tensor_value(const void* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return p != nullptr ? *static_cast<const float*>(p) : 0.f;
+  } else {
+    (void)p;
+    return 0.f;
+  }
+}
+
 // op.apply on x, the element(s) from `index` on, as the functor asks (see above).
 template <typename Op, typename V>
 MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
@@ -82,6 +121,12 @@ MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
 // Whether list K of Op is a per-tensor list.
 template <typename Op, size_t K>
 constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
+
+// Whether list K of Op may be stored as T: any type for a list of elements, fp32 or
+// int64 for a per-tensor list (see above).
+template <typename Op, size_t K, typename T>
+constexpr bool kPerTensorStorageOk =
+    !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value;
 
 MP_HD bool is_finite(float x) {
 #if defined(__CUDA_ARCH__)
@@ -112,8 +157,8 @@ MP_HD float round_bf16_stochastic(float x, uint32_t bits) {
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
 // condition holds, else b; the condition is a comparison of Vs), round_bf16: the
 // value bf16 storage would hold (round to nearest even, as every bf16 store here),
-// round_bf16_stochastic: each lane j rounded stochastically with the bits of element
-// index + j, and first: lane 0 (a per-tensor value, the same in every lane).
+// round_bf16_stochastic: each lane j rounded stochastically with the bits of local
+// element index + j (rounding_bits of key.global(index + j), philox.h).
 // The CPU engine adds its vector types.
 template <typename V>
 struct Lanes;
@@ -127,9 +172,8 @@ struct Lanes<float> {
   static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
   static MP_HD float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
   static MP_HD float round_bf16_stochastic(float x, const RoundingKey& key, int64_t index) {
-    return mixedprec::round_bf16_stochastic(x, rounding_bits(key, index));
+    return mixedprec::round_bf16_stochastic(x, rounding_bits(key, key.global(index)));
   }
-  static MP_HD float first(float x) { return x; }
 };
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
@@ -173,10 +217,24 @@ struct CheckFiniteOp {
 // cannot hold (Kahan summation); without compensations p is used as it is.
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
-// index (one Philox call per 8 elements: philox.h's rounding_bits) and its tensor's
-// salt, the per-tensor list after the compensations (the tensor's position in its
-// param group, counting its shard for a sharded DTensor: an fp32 value, exact below
-// 2^24).
+// global index (one Philox call per 8 elements: philox.h's rounding_bits) and its
+// tensor's salt. Both come from the per-tensor list after the compensations, one int64
+// tensor of 4 words per tensor (read by at_tensor): (salt, offset, run, stride), the
+// salt being the tensor's position in its param group and the rest the map of its
+// local elements onto the full tensor's (philox.h's RoundingKey::global; 0, 0, 0 for
+// a whole tensor).
+struct RoundingWords {
+  RoundingKey key{};  // seed and step filled by the functor, the rest by read()
+
+  static constexpr int kWords = 4;
+  MP_HD void read(const void* words) {
+    const int64_t* w = static_cast<const int64_t*>(words);
+    key.salt = static_cast<uint32_t>(w[0]);
+    key.offset = w[1];
+    key.run = w[2];
+    key.stride = w[3];
+  }
+};
 
 // torch.maximum: the larger of a and b, NaN where either is (per lane).
 template <typename V>
@@ -206,7 +264,7 @@ struct SgdOp {
   static constexpr int kModelList = 3;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, float, Grad>;
+  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, int64_t, Grad>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
@@ -220,12 +278,18 @@ struct SgdOp {
   const float* inv_scale_ptr = nullptr;
   const float* lr_ptr = nullptr;
   float inv_scale = 1.f;
-  uint32_t step = 0;  // filled by resolve()
+  RoundingWords rounding;  // filled by resolve() and at_tensor()
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
     if (lr_ptr != nullptr) lr = *lr_ptr;
-    if (stochastic) step = static_cast<uint32_t>(*step_ptr);
+    if (stochastic) {
+      rounding.key.seed = seed;
+      rounding.key.step = static_cast<uint32_t>(*step_ptr);
+    }
+  }
+  MP_HD void at_tensor(const void* const* ptrs) {
+    if (stochastic) rounding.read(ptrs[5]);
   }
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
@@ -245,10 +309,7 @@ struct SgdOp {
     x[0] = p;
     x[3] = p;
     if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
-    if (stochastic) {
-      const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[5])), step};
-      x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
-    }
+    if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
     return Lanes<V>::none();
   }
 };
@@ -268,7 +329,7 @@ struct AdamOp {
   static constexpr int kModelList = 4;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, float, State, Grad>;
+  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, int64_t, State, Grad>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
@@ -284,13 +345,14 @@ struct AdamOp {
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
-  uint32_t step_u = 0;
+  RoundingWords rounding;  // filled by resolve() and at_tensor()
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
     const double rate = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : lr;
     const double step = *step_ptr;
-    step_u = static_cast<uint32_t>(step);
+    rounding.key.seed = seed;
+    rounding.key.step = static_cast<uint32_t>(step);
     double bc1 = 1.0, bc2 = 1.0;
     if (bias_correction) {
       bc1 = 1.0 - pow(beta1, step);
@@ -304,6 +366,9 @@ struct AdamOp {
     sq_weight = static_cast<float>(1.0 - beta2);
     eps_f = static_cast<float>(eps);
     wd_f = static_cast<float>(weight_decay);
+  }
+  MP_HD void at_tensor(const void* const* ptrs) {
+    if (stochastic) rounding.read(ptrs[6]);
   }
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
@@ -335,10 +400,7 @@ struct AdamOp {
     x[3] = v;
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
-    if (stochastic) {
-      const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[6])), step_u};
-      x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
-    }
+    if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
     return Lanes<V>::none();
   }
 };

@@ -16,6 +16,7 @@ unsigned bit(at::ScalarType t) {
     case at::kBFloat16: return kBF16;
     case at::kDouble: return kF64;
     case at::kInt: return kI32;
+    case at::kLong: return kI64;
     default: return 0;
   }
 }
@@ -27,13 +28,15 @@ std::string dtype_name(at::ScalarType t) {
     case at::kBFloat16: return "BFloat16";
     case at::kDouble: return "Float64";
     case at::kInt: return "Int32";
+    case at::kLong: return "Int64";
     default: return c10::toString(t);
   }
 }
 
 std::string dtype_names(unsigned set) {
   std::string out;
-  const at::ScalarType all[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kInt};
+  const at::ScalarType all[] = {at::kFloat,  at::kHalf, at::kBFloat16,
+                                at::kDouble, at::kInt,  at::kLong};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
@@ -141,16 +144,22 @@ void Checker::same_dtypes(at::TensorList a, const char* a_name, at::TensorList b
   }
 }
 
-void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of,
-                         const char* of_name) {
+void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
+                         int64_t words) {
   TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
-                    " to hold one value for each of the ", of.size(), " tensors of ", of_name,
+                    " to hold one tensor for each of the ", of.size(), " tensors of ", of_name,
                     ", got ", l.size(), " tensors");
   for (size_t i = 0; i < l.size(); ++i) {
     const ArgName n{name, static_cast<int64_t>(i)};
-    check(l[i], n, kF32, Access::kRead);
-    TORCH_CHECK_VALUE(l[i].numel() == 1, op_, ": expected ", n,
-                      " to have exactly one element, got ", l[i].numel());
+    check(l[i], n, words > 0 ? kI64 : kF32, Access::kRead);
+    if (words == 0) {
+      TORCH_CHECK_VALUE(l[i].numel() == 1, op_, ": expected ", n,
+                        " to have exactly one element, got ", l[i].numel());
+    } else {
+      TORCH_CHECK_VALUE(l[i].numel() == words && l[i].is_contiguous(), op_, ": expected ", n,
+                        " to be a contiguous tensor of ", words, " elements, got ", l[i].numel(),
+                        " elements", l[i].is_contiguous() ? "" : ", not contiguous");
+    }
   }
 }
 

@@ -24,6 +24,7 @@ enum DTypeSet : unsigned {
   kBF16 = 4u,
   kF64 = 8u,
   kI32 = 16u,
+  kI64 = 32u,
   kFloats = kF32 | kF16 | kBF16,
 };
 
@@ -63,9 +64,10 @@ class Checker {
   // b[i] has the dtype of a[i] (lists of equal length: checked before).
   void same_dtypes(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
   const char* op() const { return op_; }
-  // A per-tensor list (pointwise.h), read: one one-element float32 tensor for each
-  // tensor of `of`.
-  void per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name);
+  // A per-tensor list (pointwise.h), read: for each tensor of `of`, one float32
+  // tensor of one element, or with `words`, one contiguous int64 tensor of that many.
+  void per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
+                  int64_t words = 0);
   void value(bool ok, const char* name, const char* expected, double got);
   // Last, before anything is written: no written argument shares a byte with another
   // argument (ValueError naming both). O(n log n) in the number of tensors.

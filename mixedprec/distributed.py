@@ -35,13 +35,14 @@ that rank alone, as with torch's GradScaler: its overflow skips that rank's step
 (the replicas have diverged anyway, through the changed gradient).
 """
 
-from typing import Any, Dict, List, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["is_dtensor", "register_ops", "shard_index"]
+__all__ = ["global_layout", "is_dtensor", "register_ops", "shard_index"]
 
 # Ops that write an overflow flag from their first list: the flag is agreed across ranks.
 _FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
@@ -114,6 +115,12 @@ def _sharded_groups(tensors: Sequence[Any]) -> list:
     return groups
 
 
+def _splits(placement: Any) -> bool:
+    """Whether ``placement`` splits the tensor among the ranks: Shard, and
+    _StridedShard, which torch 2.11 does not count as is_shard()."""
+    return not placement.is_replicate() and not placement.is_partial()
+
+
 def shard_index(t: Any) -> Tuple[int, int]:
     """(this rank's shard of DTensor ``t`` among its shards, how many shards): over the
     mesh dimensions on which ``t`` is sharded, so that replicas share an index; (0, 1)
@@ -124,10 +131,65 @@ def shard_index(t: Any) -> Tuple[int, int]:
     coordinate = mesh.get_coordinate()
     index, count = 0, 1
     for dim, placement in enumerate(t.placements):
-        if placement.is_shard() and mesh.size(dim) > 1:
+        if _splits(placement) and mesh.size(dim) > 1:
             index = index * mesh.size(dim) + coordinate[dim]
             count *= mesh.size(dim)
     return index, count
+
+
+def _memory_order(t: Tensor) -> Optional[Tuple[int, ...]]:
+    """The dimensions of dense tensor ``t`` from outermost to innermost in memory:
+    contiguous, channels_last or channels_last_3d; None for another layout."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return (0, 2, 3, 1)
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return (0, 2, 3, 4, 1)
+    return None
+
+
+def global_layout(t: Any) -> Optional[Tuple[int, int, int]]:
+    """Where the local elements of ``t`` lie in the full tensor, as (offset, run,
+    stride): the local element at position i of the local shard's memory is element
+    ``offset + (i // run) * stride + i % run`` of the full tensor in the same memory
+    format (run 0: ``offset + i``). Sharding along the outermost dimension (FSDP2's
+    Shard(0), even or not, on one or several mesh dimensions) gives one run; along an
+    inner one (tensor parallelism's Shard(1)), runs of the rows' local part. (0, 0, 0)
+    for a plain or replicated tensor. None where the local elements are not such runs
+    (a _StridedShard placement, as FSDP2 over tensor parallelism on the same dimension
+    gives; shards of two dimensions with a full one between them; a layout other than
+    contiguous or channels_last). From the DTensor's metadata: no collective."""
+    if not is_dtensor(t) or not any(_splits(p) for p in t.placements):
+        return 0, 0, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(p.is_shard() or not _splits(p) for p in t.placements):
+        return None  # _StridedShard, or a split torch added since
+    order = _memory_order(t.to_local())
+    if order is None:
+        return None
+    local, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    full = [t.shape[d] for d in order]
+    local = [local[d] for d in order]
+    offsets = [offsets[d] for d in order]
+    partial = [d for d in range(len(full)) if local[d] != full[d]]
+    if not partial or math.prod(local) == 0:
+        return 0, 0, 0
+    last = partial[-1]
+    inner = math.prod(full[last + 1:])
+    # The dimensions before `last` must hold one contiguous range of their flat index:
+    # single entries, then at most one partial dimension, then full ones.
+    first = partial[0]
+    if first < last and (any(local[d] != 1 for d in range(first))
+                         or any(d in partial for d in range(first + 1, last))):
+        return None
+    outer = sum(offsets[d] * math.prod(full[d + 1:last]) for d in range(last))
+    stride = full[last] * inner
+    offset = outer * stride + offsets[last] * inner
+    if math.prod(local[:last]) == 1:
+        return offset, 0, 0
+    return offset, local[last] * inner, stride
 
 
 def agree_found_inf(found_inf: Tensor, tensors: Sequence[Any]) -> None:

@@ -17,7 +17,7 @@ The schemas live in ``csrc/ops.cpp``; CPU and CUDA kernels in ``csrc/cpu`` and
 * No op synchronises with the host.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 
 __all__ = [
     "is_dense",
+    "rounding_words",
     "multi_tensor_unscale_",
     "multi_tensor_unscale_to_",
     "multi_tensor_check_finite_",
@@ -62,6 +63,26 @@ def is_dense(t: Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def rounding_words(rows: Sequence[Sequence[int]], device: Any = None) -> List[Tensor]:
+    """``sr_salts`` of :func:`fused_sgd_` and :func:`fused_adam_`: for each param, a
+    contiguous int64 tensor of 4 words (views of one tensor on ``device``) from its
+    row ``(salt, offset, run, stride)``, or ``(salt,)`` for a whole tensor (0, 0, 0).
+    The local element at position i of the param's memory takes the bits of element
+    ``offset + (i // run) * stride + i % run`` of the full tensor (run 0: ``offset +
+    i``; ``distributed.global_layout``): salt below 2**32, offset >= 0, run and stride
+    0 or > 0, checked here (the op reads them on the device)."""
+    full = [tuple(int(v) for v in row) + (0,) * (4 - len(row)) for row in rows]
+    for i, (salt, offset, run, stride) in enumerate(full):
+        if len(rows[i]) not in (1, 4) or not 0 <= salt < 2**32 or offset < 0 or run < 0 \
+                or stride < 0:
+            raise ValueError("rounding_words: expected rows (salt, offset, run, stride) or "
+                             "(salt,) with 0 <= salt < 2**32 and the rest >= 0, got "
+                             f"{tuple(rows[i])} at rows[{i}]")
+    if not full:
+        return []
+    return list(torch.tensor(full, dtype=torch.int64, device=device).split(1))
 
 
 def _no_meta_among_real(op: str, args: dict) -> None:
@@ -188,9 +209,11 @@ def fused_sgd_(
     ``sr_seed`` (``master="stochastic"``; an int, used as 64 bits): the bf16 params
     (no masters, no ``kahan_comps``) receive the new value rounded stochastically, the
     random bits drawn by Philox4x32-10 keyed by ``sr_seed`` and counted by (element
-    index, ``sr_salts[i]``, ``step``): ``sr_salts`` holds one float32 one-element tensor
-    per param (an integer below 2^24, e.g. its position in the param group) and
-    ``step`` (float32, one element) the step count, read only (docs/lean-precision.md).
+    index in the full tensor, salt, ``step``): ``sr_salts`` holds, per param, a
+    contiguous int64 tensor of 4 words (salt, offset, run, stride), the salt e.g. its
+    position in the param group and the rest where a shard's elements lie in the full
+    tensor (:func:`rounding_words` makes them), and ``step`` (float32, one element) the
+    step count, read only (docs/lean-precision.md).
 
     As ``torch.optim.SGD``'s options: ``maximize`` negates the (unscaled) gradient
     before anything uses it. ``lr_tensor`` (float32, one element), when given,

@@ -177,7 +177,7 @@ def _sgd_stochastic(dev, n, fraction, found_inf=0.0):
     stochastically (master="stochastic"); returns them."""
     params = [torch.ones(k, device=dev, dtype=torch.bfloat16) for k in n]
     grads = [torch.full((k,), -1.0, device=dev, dtype=torch.bfloat16) for k in n]
-    salts = [scalar(float(i), dev) for i in range(len(n))]
+    salts = ops.rounding_words([(i,) for i in range(len(n))], dev)
     ops.fused_sgd_(params, grads, [], [], fraction * 2.0**-7, found_inf=scalar(found_inf, dev),
                    sr_salts=salts, sr_seed=2024, step=scalar(3.0, dev))
     return params

@@ -37,11 +37,8 @@ template <typename Op, typename... Ts, size_t... K>
 __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i,
                                           int64_t end, std::index_sequence<K...>) {
   constexpr int D = sizeof...(K);
-  static_assert(((!kPerTensorList<Op, K> || std::is_same_v<Ts, float>) && ...),
-                "per-tensor lists are fp32");
-  const float per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr
-                             ? static_cast<float>(std::get<K>(p)[0])
-                             : 0.f)...};
+  static_assert((kPerTensorStorageOk<Op, K, Ts> && ...), "per-tensor lists are fp32 or int64");
+  const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(std::get<K>(p)) : 0.f)...};
   int any = 0;
   for (; i < end; ++i) {
     float x[D] = {(kPerTensorList<Op, K> ? per[K]
@@ -57,6 +54,12 @@ __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>
   return any;
 }
 
+// The type the vector passes take list K as: its storage, or float for a per-tensor
+// list, which they never load or store per element (its value is broadcast, or read by
+// at_tensor): an int64 one then needs no vector load.
+template <typename Op, size_t K, typename T>
+using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
+
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
 // the rest one at a time. op comes by value, so that its fields are loop invariants.
 // A per-tensor list is broadcast once, before the loop. `flatten` inlines the calls
@@ -71,22 +74,23 @@ __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>
     constexpr int64_t W = sizeof(Vec) / sizeof(float);                                           \
     constexpr int D = sizeof...(K);                                                              \
     const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                                    \
-    const Vec per[D] = {(kPerTensorList<Op, K> && std::get<K>(p) != nullptr                      \
-                             ? NS::broadcast(static_cast<float>(std::get<K>(p)[0]))              \
-                             : Vec{})...};                                                       \
+    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                               \
+        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                        \
+    const Vec per[D] = {                                                                         \
+        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};      \
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
     int64_t i = begin;                                                                           \
     for (; i + W <= end; i += W) {                                                               \
-      ((!kPerTensorList<Op, K> && std::get<K>(p) != nullptr ? prefetch_ahead(std::get<K>(p) + i) \
+      ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr ? prefetch_ahead(std::get<K>(v) + i) \
                                                             : void()),                           \
        ...);                                                                                     \
       Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
-                   : loaded_list<Op, K>() && std::get<K>(p) != nullptr                           \
-                       ? NS::load(std::get<K>(p) + i)                                            \
+                   : loaded_list<Op, K>() && std::get<K>(v) != nullptr                           \
+                       ? NS::load(std::get<K>(v) + i)                                            \
                        : Vec{})...};                                                             \
       bad |= apply_at(op, x, i);                                                                 \
-      ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr                                   \
-            ? NS::store(std::get<K>(p) + i, x[K])                                                \
+      ((((Op::kWrites >> K) & 1u) && std::get<K>(v) != nullptr                                   \
+            ? NS::store(std::get<K>(v) + i, x[K])                                                \
             : void()),                                                                           \
        ...);                                                                                     \
     }                                                                                            \
@@ -158,7 +162,9 @@ struct CpuEngine {
         const int64_t begin = static_cast<int64_t>(plan.block_chunk[b]) * kChunkSize;
         const int64_t end = std::min(numels[t], begin + kChunkSize);
         void* const data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
-        bad[b] = pass<Op, Ts...>(op, data, begin, end, seq) != 0;
+        Op tensor_op = op;
+        at_tensor(tensor_op, data);
+        bad[b] = pass<Op, Ts...>(tensor_op, data, begin, end, seq) != 0;
       }
     });
     if (found_inf != nullptr && std::any_of(bad.begin(), bad.end(), [](char c) { return c; })) {

@@ -92,11 +92,40 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
   return c;
 }
 
-// rounding_bits of elements index .. index + n - 1, for vectors that start off a
-// multiple of 8 (not the engine's): out of line, to keep the vector path inlined.
+// The bits of local elements index .. index + n - 1 (rounding_bits of each one's
+// global index), for vectors whose lanes are not consecutive in the full tensor (they
+// cross the end of a run, RoundingKey): out of line, to keep the vector path inlined.
+// Lanes that fall in the block of the lane before take its Philox output again
+// (rounding_bits, computed once per block).
 __attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index, int n,
                                                       uint32_t* out) {
-  for (int j = 0; j < n; ++j) out[j] = rounding_bits(key, index + j);
+  uint64_t block = ~uint64_t{0};
+  Philox4x32 bits{};
+  for (int j = 0; j < n; ++j) {
+    const uint64_t g = static_cast<uint64_t>(key.global(index + j));
+    if (g / 8 != block) {
+      block = g / 8;
+      bits = rounding_block(key, block);
+    }
+    const uint32_t h = static_cast<uint32_t>(g % 8);
+    out[j] = (bits.v[h / 2] >> (16 * (h % 2))) & 0xffffu;
+  }
+}
+
+// The bits of N consecutive global elements from g on (N = 8 or 16) as 16-bit halves:
+// Philox blocks g / 8 on, two per rounding_blocks2; when g % 8 != 0 (a shard that
+// starts off a multiple of 8), one call more and the window of N halves from g % 8.
+template <int N>
+__attribute__((target(MP_AVX2_TARGET))) inline void consecutive_bits(const RoundingKey& key,
+                                                                     int64_t g, uint16_t* out) {
+  const uint64_t block = static_cast<uint64_t>(g) / 8;
+  const int shift = static_cast<int>(g % 8);
+  uint16_t halves[32];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves), rounding_blocks2(key, block));
+  if (shift + N > 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves + 16), rounding_blocks2(key, block + 2));
+  }
+  memcpy(out, halves + shift, N * sizeof(uint16_t));
 }
 
 // round_bf16_stochastic (pointwise.h) on every lane, lane j with bits[j] (< 2^16):
@@ -130,15 +159,21 @@ struct Lanes<VecF16> {
     const VecU16 u = (VecU16)x;
     return (VecF16)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
-  // Philox for blocks index / 8 and index / 8 + 1 in vector lanes when index % 8 == 0,
-  // as the engine's vectors start; else the lanes' rounding_bits one by one.
+  // Philox for blocks g / 8 and g / 8 + 1 in vector lanes when the lanes' global
+  // indices are g .. g + 15 with g % 8 == 0 (a whole tensor, as the engine's vectors
+  // start); consecutive_bits for other consecutive ones; else lane by lane.
   __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 round_bf16_stochastic(
       VecF16 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(32)));
     VecU16 bits;
-    if (index % 8 == 0) {
-      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
+    const int64_t g = key.global(index);
+    if (g % 8 == 0 && key.consecutive(index, 16)) {
+      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
       bits = __builtin_convertvector((Halves)out, VecU16);
+    } else if (key.consecutive(index, 16)) {
+      Halves halves;
+      consecutive_bits<16>(key, g, reinterpret_cast<uint16_t*>(&halves));
+      bits = __builtin_convertvector(halves, VecU16);
     } else {
       uint32_t lanes[16];
       lane_bits(key, index, 16, lanes);
@@ -146,7 +181,6 @@ struct Lanes<VecF16> {
     }
     return round_bf16_stochastic_lanes<VecF16>(x, bits);
   }
-  static inline float first(VecF16 x) { return x[0]; }
 };
 
 template <>
@@ -166,15 +200,21 @@ struct Lanes<VecF8> {
     const VecU8 u = (VecU8)x;
     return (VecF8)((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
   }
-  // Philox for block index / 8 in vector lanes when index % 8 == 0, as the engine's
-  // vectors start; else the lanes' rounding_bits one by one.
+  // Philox for block g / 8 in vector lanes when the lanes' global indices are
+  // g .. g + 7 with g % 8 == 0 (a whole tensor, as the engine's vectors start);
+  // consecutive_bits for other consecutive ones; else lane by lane.
   __attribute__((target(MP_AVX2_TARGET))) static inline VecF8 round_bf16_stochastic(
       VecF8 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(16)));
     VecU8 bits;
-    if (index % 8 == 0) {
-      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(index) / 8);
+    const int64_t g = key.global(index);
+    if (g % 8 == 0 && key.consecutive(index, 8)) {
+      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
       bits = __builtin_convertvector((Halves)_mm256_castsi256_si128(out), VecU8);
+    } else if (key.consecutive(index, 8)) {
+      Halves halves;
+      consecutive_bits<8>(key, g, reinterpret_cast<uint16_t*>(&halves));
+      bits = __builtin_convertvector(halves, VecU8);
     } else {
       uint32_t lanes[8];
       lane_bits(key, index, 8, lanes);
@@ -182,7 +222,6 @@ struct Lanes<VecF8> {
     }
     return round_bf16_stochastic_lanes<VecF8>(x, bits);
   }
-  static inline float first(VecF8 x) { return x[0]; }
 };
 
 namespace cpu {

@@ -166,16 +166,11 @@ template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t first,
                            int64_t n, std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
-  static_assert(((!kPerTensorList<Op, K> || std::is_same<Ts, float>::value) && ...),
-                "per-tensor lists are fp32");
   const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? ptrs[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? ptrs[K] : nullptr...};
   // The per-tensor values, loaded once; zeros elsewhere.
-  float per[D] = {};
-  (((kPerTensorList<Op, K> && ptrs[K] != nullptr)
-        ? (void)(per[K] = *static_cast<const float*>(ptrs[K]))
-        : void()),
-   ...);
+  static_assert((kPerTensorStorageOk<Op, K, Ts> && ...), "per-tensor lists are fp32 or int64");
+  const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(ptrs[K]) : 0.f)...};
   bool bad = false;
   int64_t done = 0;
   if (((kPerTensorList<Op, K> || vector_aligned<Ts>(ptrs[K])) && ...)) {
@@ -229,6 +224,7 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   if (c.size == 0) return;
   void* const ptrs[sizeof...(Ts)] = {
       kPerTensorList<Op, K> ? meta.ptrs[K][c.slot] : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
+  at_tensor(op, ptrs);
   const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }

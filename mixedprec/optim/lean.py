@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..distributed import shard_index
+from .. import ops
+from ..distributed import global_layout, shard_index
 
 if TYPE_CHECKING:
     from .optimizer import _Work
@@ -155,21 +156,29 @@ class LeanModes:
 
     def _salts(self, group: Dict[str, Any], params: List[Tensor],
                device: torch.device) -> List[Tensor]:
-        """master='stochastic': each param's salt (a float32 one-element tensor on
-        ``device``, views of one); else none. The salt is the param's position in its
-        group, plus the group's size times the index of this rank's shard for a
-        sharded DTensor param (``distributed.shard_index``): the shards of one tensor
-        draw different bits, and its replicas the same."""
+        """master='stochastic': each param's rounding words (a contiguous int64 tensor
+        of 4 on ``device``, views of one): (salt, offset, run, stride), the salt being
+        the param's position in its group and the rest where its local elements lie in
+        the full tensor (``distributed.global_layout``), so that every element draws the
+        bits of its index in the full tensor, whatever the sharding. A sharded DTensor
+        whose shard is not runs of the full tensor (``global_layout`` None) counts its
+        shard in the salt instead (position + group size * (1 + its shard index), as
+        ``distributed.shard_index``), its elements by their local index: its bits then
+        depend on the sharding. Else none."""
         if self.master != "stochastic":
             return []
         count = len(group["params"])
         position = {id(p): i for i, p in enumerate(group["params"])}
-        values = []
+        rows = []
         for p in params:
+            layout = global_layout(p)
+            if layout is not None:
+                rows.append((position[id(p)], *layout))
+                continue
             shard, shards = shard_index(p)
-            if count * shards > 2**24:  # (salts are exact fp32 integers)
+            if count * (1 + shards) > 2**32:  # (a salt is one 32-bit counter word)
                 raise ValueError(f"{type(self).__name__}: master='stochastic' counts the "
                                  f"{count} params of a group times the {shards} shards of "
-                                 "each in salts below 2**24; split the param group")
-            values.append(float(position[id(p)] + count * shard))
-        return list(torch.tensor(values, dtype=torch.float32, device=device).split(1))
+                                 "each in salts below 2**32; split the param group")
+            rows.append((position[id(p)] + count * (1 + shard), 0, 0, 0))
+        return ops.rounding_words(rows, device)

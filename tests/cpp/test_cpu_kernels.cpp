@@ -65,6 +65,10 @@ using at::Tensor;
 const float kInf = std::numeric_limits<float>::infinity();
 
 Tensor scalar(float v) { return at::full({1}, v, at::kFloat); }
+// Stochastic rounding's words of one tensor (pointwise.h's RoundingWords).
+Tensor words(int64_t salt, int64_t offset = 0, int64_t run = 0, int64_t stride = 0) {
+  return at::tensor({salt, offset, run, stride}, at::kLong);
+}
 Tensor counter(int32_t v) { return at::full({1}, v, at::kInt); }
 float value(const Tensor& t) { return t.item<float>(); }
 
@@ -1165,7 +1169,8 @@ TEST(StochasticRounding, AveragesToTheValueOverAllBits) {
 }
 
 // fused_sgd_ with stochastic rounding (vector lanes and the scalar tail): every element
-// is the scalar rounding of p - lr * g with the bits of its own index, salt and step.
+// is the scalar rounding of p - lr * g with the bits of its own global index (a whole
+// tensor, one at an offset off a multiple of 8, one of runs), salt and step.
 TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
   at::manual_seed(21);
   std::vector<Tensor> params, grads, salts;
@@ -1173,7 +1178,7 @@ TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
     params.push_back(at::randn({n}).to(at::kBFloat16));
     grads.push_back(at::randn({n}));
   }
-  salts = {scalar(4.f), scalar(0.f), scalar(9.f)};
+  salts = {words(4), words(0, 13), words(9, 5, 7, 20)};
   const auto before = clones(params);
   const int64_t seed = -5;  // all 64 bits: 0xffff...fb
   entry::fused_sgd_<cpu::CpuEngine>(params, grads, {}, {}, 0.03, 0.0, 0.0, 0.0, false, false,
@@ -1181,12 +1186,14 @@ TEST(StochasticRounding, SgdElementsUseTheirOwnBits) {
                                     scalar(6.f));
   int up = 0, total = 0;
   for (size_t t = 0; t < params.size(); ++t) {
-    const RoundingKey key{static_cast<uint64_t>(seed),
-                          static_cast<uint32_t>(salts[t].item<float>()), 6u};
+    const auto w = salts[t].data_ptr<int64_t>();
+    const RoundingKey key{
+        static_cast<uint64_t>(seed), static_cast<uint32_t>(w[0]), 6u, w[1], w[2], w[3]};
     for (int64_t i = 0; i < params[t].numel(); ++i) {
       const float p = static_cast<float>(before[t][i].item<at::BFloat16>());
       const float exact = p - 0.03f * grads[t][i].item<float>();
-      const float want = round_bf16_stochastic(exact, rounding_bits(key, i));
+      const int64_t g = w[2] == 0 ? w[1] + i : w[1] + (i / w[2]) * w[3] + i % w[2];
+      const float want = round_bf16_stochastic(exact, rounding_bits(key, g));
       ASSERT_EQ(static_cast<float>(params[t][i].item<at::BFloat16>()), want) << t << " " << i;
       up += want != static_cast<float>(c10::BFloat16(exact));
       ++total;
@@ -1226,8 +1233,9 @@ uint32_t bits_of(float f) {
 }
 
 // rounding_bits is the mapping, the scalar rounding (Lanes<float>) uses it, and the
-// vector rounding (one Philox call per 8 lanes from multiples of 8, lane by lane from
-// other starts) gives every lane the scalar path's bits, NaN and inf lanes included.
+// vector rounding (one Philox call per 8 lanes from global multiples of 8, a window of
+// three blocks from other starts, lane by lane across the end of a run) gives every
+// lane the scalar path's bits, NaN and inf lanes included.
 TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
   const uint64_t far = (uint64_t{1} << 35) - 20;  // block index past 32 bits
   for (const RoundingKey key : {RoundingKey{0, 0, 1}, RoundingKey{0xfedcba9876543210u, 7, 3}}) {
@@ -1251,34 +1259,42 @@ TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
     state = state * 1664525u + 1013904223u;
     values[i] = i % 11 == 3 ? specials[(i / 11) % 8] : from_bits(state & 0xbfffffffu);
   }
-  const RoundingKey key{0x0123456789abcdefu, 5, 9};
+  const RoundingKey keys[] = {RoundingKey{0x0123456789abcdefu, 5, 9},
+                              RoundingKey{0x0123456789abcdefu, 5, 9, 3},
+                              RoundingKey{0x0123456789abcdefu, 5, 9, 2, 5, 11},
+                              RoundingKey{0x0123456789abcdefu, 5, 9, 1000, 37, 100}};
   const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                         __builtin_cpu_supports("f16c");
   const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
   int vector_checks = 0;
-  for (const uint64_t base : {uint64_t{0}, far}) {
-    for (int64_t start = 0; start + 16 <= static_cast<int64_t>(values.size()); ++start) {
-      const int64_t index = static_cast<int64_t>(base) + start;
-      float want[16];
-      for (int j = 0; j < 16; ++j) {
-        want[j] = Lanes<float>::round_bf16_stochastic(values[start + j], key, index + j);
-        const float direct = round_bf16_stochastic(values[start + j], mapped_bits(key, index + j));
-        ASSERT_EQ(bits_of(want[j]), bits_of(direct)) << index + j;
-      }
+  for (const RoundingKey& key : keys) {
+    for (const uint64_t base : {uint64_t{0}, far}) {
+      for (int64_t start = 0; start + 16 <= static_cast<int64_t>(values.size()); ++start) {
+        const int64_t index = static_cast<int64_t>(base) + start;
+        float want[16];
+        for (int j = 0; j < 16; ++j) {
+          want[j] = Lanes<float>::round_bf16_stochastic(values[start + j], key, index + j);
+          const int64_t i = index + j;
+          const int64_t g =
+              key.run == 0 ? key.offset + i : key.offset + (i / key.run) * key.stride + i % key.run;
+          const float direct = round_bf16_stochastic(values[start + j], mapped_bits(key, g));
+          ASSERT_EQ(bits_of(want[j]), bits_of(direct)) << index + j;
+        }
 #if defined(MP_X86_ISA)
-      float x8[8], x16[16];
-      std::memcpy(x8, &values[start], sizeof(x8));
-      std::memcpy(x16, &values[start], sizeof(x16));
-      if (has_avx2) round_vec8(x8, key, index);
-      if (has_avx512) round_vec16(x16, key, index);
-      for (int j = 0; j < 16; ++j) {
-        if (has_avx2 && j < 8) ASSERT_EQ(bits_of(x8[j]), bits_of(want[j])) << index << " " << j;
-        if (has_avx512) ASSERT_EQ(bits_of(x16[j]), bits_of(want[j])) << index << " " << j;
-      }
-      vector_checks += has_avx2;
+        float x8[8], x16[16];
+        std::memcpy(x8, &values[start], sizeof(x8));
+        std::memcpy(x16, &values[start], sizeof(x16));
+        if (has_avx2) round_vec8(x8, key, index);
+        if (has_avx512) round_vec16(x16, key, index);
+        for (int j = 0; j < 16; ++j) {
+          if (has_avx2 && j < 8) ASSERT_EQ(bits_of(x8[j]), bits_of(want[j])) << index << " " << j;
+          if (has_avx512) ASSERT_EQ(bits_of(x16[j]), bits_of(want[j])) << index << " " << j;
+        }
+        vector_checks += has_avx2;
 #endif
+      }
     }
   }
   if (vector_checks == 0) GTEST_SKIP() << "no AVX2: only the scalar path checked";
@@ -1287,7 +1303,14 @@ TEST(StochasticRounding, VectorLanesMatchTheScalarPath) {
 TEST(StochasticRounding, ChecksItsArguments) {
   const std::vector<Tensor> bf16 = {at::zeros({3}, at::kBFloat16)};
   const std::vector<Tensor> grads = {at::zeros({3})};
-  const std::vector<Tensor> salts = {scalar(0.f)};
+  const std::vector<Tensor> salts = {words(0)};
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>(bf16, grads, {}, {}, 0.1, 0.0, 0.0, 0.0, false, false,
+                                          std::nullopt, std::nullopt, false, std::nullopt,
+                                          std::vector<Tensor>{scalar(0.f)}, 1, scalar(1.f));
+      },
+      "sr_salts[0]");
   expect_error_naming(
       [&] {
         entry::fused_sgd_<cpu::CpuEngine>({at::zeros({3})}, grads, {}, {}, 0.1, 0.0, 0.0, 0.0,

@@ -390,12 +390,17 @@ TEST(CudaBlocks, OptimizerOptionsMatchTheCpuEngine) {
 }
 
 // Stochastic rounding (master="stochastic"): the Philox bits are keyed by the element's
-// index within its tensor, which the CPU engine counts per chunk and vector lane and the
+// global index (its index within its tensor mapped by the rounding words: offsets off
+// multiples of 8, runs), which the CPU engine counts per chunk and vector lane and the
 // CUDA blocks per chunk slice, 4-wide access and scalar tail; every element must get
 // the same bits, so the params must be equal bit for bit.
 std::vector<Tensor> salts_of(size_t n) {
   std::vector<Tensor> out;
-  for (size_t i = 0; i < n; ++i) out.push_back(scalar(static_cast<float>(i)));
+  for (size_t i = 0; i < n; ++i) {
+    const auto k = static_cast<int64_t>(i);
+    const int64_t words[3][4] = {{k, 0, 0, 0}, {k, 8 * k + 3, 0, 0}, {k, 5, 13, 40}};
+    out.push_back(at::tensor(at::IntArrayRef(words[i % 3], 4), at::kLong));
+  }
   return out;
 }
 

@@ -340,7 +340,8 @@ def test_fused_optimizers_step_dtensor_parameters(backend, layout):
 
 def stochastic_rounding_bits_per_shard(rank, world):
     """Stochastic rounding on DTensors: the shards of one tensor draw different bits
-    (their salts differ), the replicas of a replicated one the same (they stay equal)."""
+    (their global indices differ), the replicas of a replicated one the same (they stay
+    equal)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

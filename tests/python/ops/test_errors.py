@@ -90,7 +90,7 @@ def adam_kahan_args(d):
 def stochastic_lists(d):
     """bf16 params updated directly, rounded stochastically: a salt each, a seed."""
     params, grads, _ = kahan_lists(d)
-    return params, grads, [scalar(float(i), d) for i in range(len(params))]
+    return params, grads, ops.rounding_words([(i,) for i in range(len(params))], d)
 
 
 def sgd_stochastic_args(d):
@@ -419,6 +419,10 @@ CASES = [
              "sr_salts[1]"),
         Case(op, "sr_salts-float64", set_item("sr_salts", 1, as_dtype(torch.float64)),
              TypeError, "sr_salts[1]"),
+        Case(op, "sr_salts-float32-value", set_item("sr_salts", 1, lambda t: t[:, :1].float()),
+             TypeError, "sr_salts[1]"),
+        Case(op, "sr_salts-strided", set_item("sr_salts", 1, lambda t: t.repeat(1, 2)[:, ::2]),
+             ValueError, "sr_salts[1]"),
         Case(op, "sr_salts-without-seed", set_arg("sr_seed", None), ValueError, "sr_salts"),
         Case(op, "params-fp32", set_item("params", 2, as_dtype(torch.float32)), TypeError,
              "params[2]"),
@@ -668,11 +672,11 @@ OVERLAP_CASES = [
       for op in ("fused_sgd_-kahan", "fused_adam_-kahan")],
     overlap_case("fused_adam_-kahan", "compensation-is-moment",
                  alias("exp_avgs", 2, "kahan_comps", 2), "kahan_comps[2]", "exp_avgs[2]"),
-    overlap_case("fused_adam_-stochastic", "salt-is-step", alias("sr_salts", 0, "step"),
-                 "step", "sr_salts[0]"),
+    overlap_case("fused_adam_-stochastic", "step-in-salt", lambda a, d: a.update(
+        step=a["sr_salts"][0].view(torch.float32).view(-1)[:1]), "step", "sr_salts[0]"),
     overlap_case("fused_sgd_-stochastic", "salt-in-momentum-buffer", lambda a, d: (
         a["momentum_buffers"].__setitem__(1, torch.zeros(a["params"][1].shape, device=d)),
-        a["sr_salts"].__setitem__(1, a["momentum_buffers"][1].view(-1)[:1])),
+        a["sr_salts"].__setitem__(1, a["momentum_buffers"][1].view(-1)[:8].view(torch.int64))),
         "sr_salts[1]", "momentum_buffers[1]"),
     overlap_case("multi_tensor_unscale_", "same-tensor-twice", alias("tensors", 1, "tensors", 0),
                  "tensors[0]", "tensors[1]"),

@@ -352,7 +352,7 @@ def test_amsgrad_with_stochastic_rounding(device):
     params = [randn(s, F32, device, seed=i).to(BF16) for i, s in enumerate(SHAPES)]
     masters = [p.float() for p in params]
     grads = mixed_grads(params, device, seed=10)
-    salts = [scalar(float(i), device) for i in range(len(SHAPES))]
+    salts = ops.rounding_words([(i,) for i in range(len(SHAPES))], device)
     op, kwargs = optimizer_call("adam", device, params, grads, sr_salts=salts, sr_seed=99,
                                 maximize=True)
     _, master_kwargs = optimizer_call("adam", device, masters, grads, maximize=True)

@@ -135,7 +135,7 @@ def sample_inputs(device):
                                             for i, p in enumerate(bf16_params)]}))
 
     # Stochastic rounding of bf16 params: a salt per param, a seed (all 64 bits), the step.
-    salts = [scalar(float(i), d) for i in range(len(bf16_params))]
+    salts = ops.rounding_words([(i, 8 * i + 3, 0, 0) for i in range(len(bf16_params))], d)
     for found in (0.0, 1.0):
         name, args, _ = sgd(bf16_params, mixed(66), 0.9, [], *flags(found=found))
         add((name, (args[0], args[1], like(args[0], [bf16]), *args[3:]),

@@ -1,9 +1,10 @@
 """master="stochastic" of FusedAdam and FusedSGD (issue #11, part 2a): bf16 params
 without masters, the fp32 result rounded to bf16 stochastically with Philox4x32-10 bits
-keyed by (seed, step) and counted by (element index, the param's position in its
-group). The bits and rounding decisions against a Python reference of Philox, a float64
-reference of a step, unbiasedness over many draws, thread counts, skipped steps, and
-bit-for-bit resume from a weights_only state_dict."""
+keyed by (seed, step) and counted by (the element's index in the full tensor, the
+param's position in its group). The bits and rounding decisions against a Python
+reference of Philox, a float64 reference of a step, unbiasedness over many draws,
+thread counts, skipped steps, pieces of a tensor at their offsets, and bit-for-bit
+resume from a weights_only state_dict."""
 
 import copy
 import io
@@ -51,7 +52,7 @@ def sgd_plain_step(device, seed, salts, step, lr=0.05):
     params = [randn(s, torch.float32, device, seed=i).bfloat16() for i, s in enumerate(SHAPES)]
     grads = [randn(s, torch.float32, device, seed=50 + i) for i, s in enumerate(SHAPES)]
     before = [p.clone() for p in params]
-    salt_tensors = [torch.full((1,), float(s), device=device) for s in salts]
+    salt_tensors = ops.rounding_words([(s,) for s in salts], device)
     ops.fused_sgd_(params, grads, [], [], lr, sr_salts=salt_tensors, sr_seed=seed,
                    step=torch.full((1,), float(step), device=device))
     return before, params, grads
@@ -92,7 +93,7 @@ def test_non_finite_values_keep_their_class():
     nan_low = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
     params = [torch.zeros(3, dtype=torch.bfloat16)]
     grads = [torch.cat([nan_low, torch.tensor([float("inf"), 1e-30])])]
-    ops.fused_sgd_(params, grads, [], [], 1.0, sr_salts=[torch.zeros(1)], sr_seed=3,
+    ops.fused_sgd_(params, grads, [], [], 1.0, sr_salts=ops.rounding_words([(0,)]), sr_seed=3,
                    step=torch.ones(1))
     assert params[0][0].isnan() and params[0][1] == -float("inf")
     assert params[0][2].abs() < 1e-29  # finite stays finite
@@ -256,7 +257,11 @@ from mixedprec import ops
 sizes = [1, 7, 8, 37, 1000, 4097, 65536 + 21]
 params = [(torch.arange(n) * 0.37).sin().bfloat16() for n in sizes]
 grads = [(torch.arange(n) * 0.11).cos() for n in sizes]
-salts = [torch.full((1,), float(i)) for i in range(len(sizes))]
+# whole tensors, pieces at offsets off multiples of 8, runs (of rows) shorter and
+# longer than the vectors
+rows = [[(i,), (i, 8 * i + 3, 0, 0), (i, 5, 13 + 40 * (i % 2), 100)][i % 3]
+        for i in range(len(sizes))]
+salts = ops.rounding_words(rows)
 ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**40 + 3,
                step=torch.full((1,), 9.0))
 torch.save(params, sys.argv[1])
@@ -265,8 +270,8 @@ torch.save(params, sys.argv[1])
 
 def test_every_instruction_set_draws_the_same_bits(device, tmp_path):
     """The CPU engine's AVX-512 (two Philox blocks per vector), AVX2 (one) and
-    baseline loops (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails:
-    the same params bit for bit."""
+    baseline loops (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails,
+    shards at offsets off multiples of 8 and runs: the same params bit for bit."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
@@ -291,7 +296,7 @@ def test_a_large_tensor_counts_elements_past_the_first_chunk():
     n = 65536 + 100
     p = torch.full((n,), 1.0, dtype=torch.bfloat16)
     g = torch.full((n,), -0.37 * 2.0 ** -7)
-    ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=[torch.full((1,), 2.0)], sr_seed=77,
+    ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=ops.rounding_words([(2,)]), sr_seed=77,
                    step=torch.full((1,), 4.0))
     exact = torch.full((n,), 1.0) - g
     bits = torch.tensor([(philox4x32_10((i // 8, 0, 2, 4), (77, 0))[i % 8 // 2]
@@ -342,3 +347,56 @@ def test_stochastic_steps_never_read_device_values(device, cls, kwargs, monkeypa
             opt.step()
     assert detector.calls == [], detector.calls
     assert opt.param_groups[0]["step"].item() == 3
+
+
+def sgd_rounded(params, device, rows, lr=0.01, seed=2**40 + 5, step=3.0):
+    """One plain fused_sgd_ step of bf16 ``params`` (grads from their values, so that a
+    piece sees the grads of its elements) with rounding words ``rows``, in place."""
+    grads = [(p.float() * 1.7).cos() for p in params]
+    ops.fused_sgd_(params, grads, [], [], lr, sr_salts=ops.rounding_words(rows, device),
+                   sr_seed=seed, step=torch.full((1,), step, device=device))
+    return params
+
+
+def test_pieces_with_their_offsets_draw_the_whole_tensors_bits(device):
+    """A tensor updated whole, and the same tensor cut into pieces passed with their
+    global offsets (one call): identical bits, whatever the cuts (off multiples of 8,
+    across the CPU engine's chunks and vectors, the CUDA blocks' accesses)."""
+    n = 2 * ops.CHUNK_SIZE + 37
+    whole = (torch.arange(n, device=device) * 0.37).sin().bfloat16()
+    cuts = [0, 3, 13, 40, 1000, ops.CHUNK_SIZE + 7, 2 * ops.CHUNK_SIZE + 1, n]
+    pieces = [whole[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+    sgd_rounded([whole], device, [(4,)])
+    sgd_rounded(pieces, device, [(4, a, 0, 0) for a in cuts[:-1]])
+    assert_bitwise_equal(torch.cat(pieces), whole)
+    # the salt still counts: another salt, other bits
+    other = [(torch.arange(n, device=device) * 0.37).sin().bfloat16()]
+    assert not torch.equal(sgd_rounded(other, device, [(5,)])[0], whole)
+
+
+def test_runs_map_column_blocks_onto_the_whole_tensor(device):
+    """Row-stride words (offset, run, stride): column blocks and a box of rows and
+    columns of a 2-D tensor (tensor parallelism's Shard(1), on a mesh of two
+    dimensions) draw the whole tensor's bits; runs shorter than the CPU vectors cross
+    them (lanes mapped one by one)."""
+    rows, cols = 37, 300
+    whole = (torch.arange(rows * cols, device=device) * 0.11).cos().bfloat16().view(rows, cols)
+    boxes = [(0, rows, 0, 5), (0, rows, 5, 133), (0, rows, 133, cols), (10, 20, 133, cols),
+             (36, 37, 7, 290)]
+    pieces = [whole[r0:r1, c0:c1].clone(memory_format=torch.contiguous_format)
+              for r0, r1, c0, c1 in boxes]
+    words = [(9, r0 * cols + c0, 0 if r1 - r0 == 1 else c1 - c0, cols)
+             for r0, r1, c0, c1 in boxes]
+    sgd_rounded([whole], device, [(9,)])
+    sgd_rounded(pieces, device, words)
+    for piece, (r0, r1, c0, c1) in zip(pieces, boxes):
+        assert_bitwise_equal(piece, whole[r0:r1, c0:c1], msg=str((r0, r1, c0, c1)))
+
+
+def test_rounding_words_refuses_bad_rows():
+    for row in [(-1,), (2**32,), (0, -8, 0, 0), (0, 0, -1, 4), (0, 1)]:
+        with pytest.raises(ValueError, match="rounding_words"):
+            ops.rounding_words([(0,), row])
+    assert ops.rounding_words([]) == []
+    words = ops.rounding_words([(3,), (2**32 - 1, 2**40, 5, 7)])
+    assert [w.tolist() for w in words] == [[[3, 0, 0, 0]], [[2**32 - 1, 2**40, 5, 7]]]
