@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
 from . import grads
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
@@ -97,7 +98,13 @@ class GradScaler(torch.amp.GradScaler):
       gradient overflowed (one per-tensor L2-norm pass over the gradients a step), and
       the steps, skipped steps and scale history; :meth:`report` reads them (the one
       host read). The scaler sees every gradient and every scale update, so it keeps
-      the report (docs/schedules.md).
+      the report (docs/schedules.md);
+    * ``skip_on_host`` (keyword-only; False by default): with an optimizer that skips on
+      the device, :meth:`step` reads the overflow flag once (a host synchronisation)
+      and, on overflow, does not call ``optimizer.step()`` at all, as torch's scaler
+      does for other optimizers. For frameworks that learn of a skipped step only from
+      an uncalled ``step()`` (Accelerate's ``step_was_skipped`` and its scheduler,
+      docs/integrations.md); the parameters and state end as without it.
 
     What ``p.grad`` holds after :meth:`step`: the optimizer decides, as with torch's
     scaler. torch's fused optimizers unscale the gradients in place; mixedprec's fused
@@ -132,10 +139,13 @@ class GradScaler(torch.amp.GradScaler):
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True, hysteresis: int = 1,
-                 min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf, *,
-                 overflow_report: Any = False) -> None:
+                 growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
+                 min_scale: float = DEFAULT_MIN_SCALE, max_scale: float = math.inf,
+                 overflow_report: Any = False, skip_on_host: bool = False) -> None:
         _check_device(device)
+        if not isinstance(skip_on_host, bool):
+            raise TypeError("GradScaler: expected skip_on_host to be a bool, got "
+                            f"{type(skip_on_host).__name__}")
         report = None
         if overflow_report is not False and overflow_report is not None:
             report = OverflowReport(None if overflow_report is True else overflow_report,
@@ -164,6 +174,25 @@ class GradScaler(torch.amp.GradScaler):
         self._found_inf: Optional[Tensor] = None
         #: The :class:`mixedprec.overflow.OverflowReport` (None unless asked for).
         self.overflow_report: Optional[OverflowReport] = report
+        self.skip_on_host = skip_on_host
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``step``; with ``skip_on_host``, an optimizer that skips on the device
+        is not called on an overflowing step (one host read of the flag)."""
+        if self._enabled and getattr(self, "skip_on_host", False) and \
+                getattr(optimizer, "_step_supports_amp_scaling", False) and \
+                "closure" not in kwargs:
+            self._check_scale_growth_tracker("step")
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["stage"] is OptState.READY:
+                self._check_inf_per_device(optimizer)
+                state["checked"] = True  # torch's step would check again: reuse
+            if state["stage"] is not OptState.STEPPED:
+                flags = list(state["found_inf_per_device"].values())
+                if any(bool(f) for f in flags):  # sync-ok: skip_on_host's one read
+                    state["stage"] = OptState.STEPPED
+                    return None
+        return super().step(optimizer, *args, **kwargs)
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._core.place(dev)
@@ -202,6 +231,9 @@ class GradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer):
         # For optimizers that unscale inside their own kernel: read the gradients once,
         # write nothing.
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.pop("checked", False):  # skip_on_host's step checked them already
+            return state["found_inf_per_device"]
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
         flags = grads.check_finite_(self._grads(optimizer, True), found_inf, merge=False)

@@ -71,11 +71,13 @@ def make_optimizer(kind, params):
     return torch.optim.AdamW(params, lr=LR, foreach=False)  # unfused: skipped on the host
 
 
-def scaler_for(device):
-    return mixedprec.GradScaler(device, init_scale=2.0**10, growth_interval=3)
+def scaler_for(device, skip_on_host=False):
+    return mixedprec.GradScaler(device, init_scale=2.0**10, growth_interval=3,
+                                skip_on_host=skip_on_host)
 
 
-def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None):
+def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None,
+                    skip_on_host=False):
     """Steps through Accelerate, to `stop`; returns the model, its optimizer, the scaler,
     what ``step_was_skipped`` said after each step and the scheduler's count. ``watch``:
     a context each step (forward, backward, optimizer and scheduler) runs in; ``save``
@@ -83,7 +85,8 @@ def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None):
     (which then continues from the step it was saved at)."""
     mixed = "fp16" if device == "cuda" else "no"
     accelerator = accelerate.Accelerator(mixed_precision=mixed, cpu=device == "cpu")
-    accelerator.scaler = scaler_for(device)  # before prepare(): the optimizer wrapper takes it
+    # before prepare(): the optimizer wrapper takes it
+    accelerator.scaler = scaler_for(device, skip_on_host)
     model = mlp(device)
     opt = make_optimizer(kind, model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0)
@@ -162,6 +165,19 @@ def test_step_was_skipped_with_mixedprec_optimizer(device):
     _, _, _, skipped, sched_steps = accelerated_run(device, "mixedprec")
     assert skipped == SKIPS
     assert sched_steps == STEPS - len(INF_STEPS)
+
+
+def test_step_was_skipped_with_skip_on_host(device):
+    """GradScaler(skip_on_host=True): one host read of the flag per step, and an
+    overflowing step leaves mixedprec's optimizer uncalled, so Accelerate sees the skips
+    and its scheduler counts the applied steps; the parameters end as without it."""
+    model, _, scaler, skipped, sched_steps = accelerated_run(device, "mixedprec",
+                                                             skip_on_host=True)
+    assert skipped == SKIPS
+    assert sched_steps == STEPS - len(INF_STEPS)
+    expected, expected_scaler = plain_loop(device, "mixedprec")
+    assert_same_params(model, expected)
+    assert scaler.state_dict() == expected_scaler.state_dict()
 
 
 def test_mixedprec_optimizer_counts_only_applied_steps(device):

@@ -7,6 +7,7 @@ tests failed before its fix)."""
 import copy
 import inspect
 import io
+import math
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from helpers import (
 )
 from torch import nn
 
+import mixedprec
 from mixedprec import FusedAdam, FusedSGD, GradScaler
 from mixedprec.loss_scale import DEFAULT_MIN_SCALE
 from mixedprec.scaler import MissingStateKeys
@@ -204,8 +206,8 @@ def test_constructor_follows_torch():
         assert ours[name].default == param.default, name
     assert {k: v.default for k, v in ours.items() if k not in theirs} == {
         "hysteresis": 1, "min_scale": DEFAULT_MIN_SCALE, "max_scale": INF,
-        "overflow_report": False}
-    assert ours["overflow_report"].kind is inspect.Parameter.KEYWORD_ONLY
+        "overflow_report": False, "skip_on_host": False}
+    assert all(ours[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ours if k not in theirs)
     assert issubclass(GradScaler, torch.amp.GradScaler)
 
 
@@ -851,3 +853,44 @@ def test_grad_scaler_factor_of_one_is_one_rule(name):
         getattr(scaler, f"set_{name}")(1.0)
     assert getattr(scaler, f"get_{name}")() == (2.0 if name == "growth_factor" else 0.5)
     assert getattr(GradScaler("cpu", enabled=False, **{name: 1.0}), f"get_{name}")() == 1.0
+
+
+def test_skip_on_host_leaves_an_overflowing_step_uncalled(monkeypatch):
+    """skip_on_host=True: the optimizer (which skips on the device) is not called on an
+    overflowing step, the gradients are checked once per step (not again in torch's
+    step), and parameters, optimizer state and scale end as without it."""
+    from mixedprec import grads as grads_module
+
+    runs = {}
+    for skip_on_host in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = mixedprec.optim.AdamW(model.parameters(), lr=0.1)
+        calls = []
+        original = opt.step
+        monkeypatch.setattr(opt, "step", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+        scaler = GradScaler("cpu", init_scale=2.0**4, skip_on_host=skip_on_host)
+        checks = []
+        check = grads_module.check_finite_
+        monkeypatch.setattr(grads_module, "check_finite_",
+                            lambda *a, **k: (checks.append(1), check(*a, **k))[1])
+        for step in range(5):
+            opt.zero_grad()
+            loss = model(torch.full((2, 4), float(step + 1))).sum()
+            scaler.scale(loss * (math.inf if step in (1, 3) else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+        monkeypatch.undo()
+        assert len(checks) == 5
+        assert len(calls) == (3 if skip_on_host else 5)
+        runs[skip_on_host] = (model.state_dict(), opt.state_dict()["state"],
+                              scaler.state_dict())
+    (m0, s0, c0), (m1, s1, c1) = runs[False], runs[True]
+    assert c0 == c1 and c1["scale"] == 2.0**2
+    for k in m0:
+        assert torch.equal(m0[k], m1[k]), k
+    for i in s0:
+        for k in s0[i]:
+            assert torch.equal(s0[i][k], s1[i][k]), (i, k)
+    with pytest.raises(TypeError, match="skip_on_host"):
+        GradScaler("cpu", skip_on_host=1)
