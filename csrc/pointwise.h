@@ -108,12 +108,44 @@ MP_HD float round_bf16_stochastic(float x, uint32_t bits) {
   return out;
 }
 
+// master="remainder": an fp32 master kept as its bf16 param and an int16 remainder,
+// bits(master) = (bits(param) << 16) + remainder (mod 2^32). The split takes the high
+// half as (bits + 0x8000) >> 16: to nearest, ties away from zero (bits are sign and
+// magnitude), so each bf16 value has exactly 2^16 preimages, the remainder lies in
+// [-0x8000, 0x7fff] and the pair is the master bit for bit. The param differs from
+// round_bf16(master) only at exact ties (low half 0x8000 on an even high half). inf
+// splits into (inf, 0); a finite master past bf16's range into (inf, remainder < 0),
+// exact too; NaN into (NaN, 0), payload and sign not kept. The remainder travels as
+// a float (an exact integer) between the engine's loads and stores.
+MP_HD float join_bf16_remainder(float param, float remainder) {
+  uint32_t u;
+  memcpy(&u, &param, sizeof(u));
+  u += static_cast<uint32_t>(static_cast<int32_t>(remainder));
+  float out;
+  memcpy(&out, &u, sizeof(out));
+  return out;
+}
+MP_HD float split_bf16_remainder(float master, float& remainder) {
+  if (master != master) {
+    remainder = 0.f;
+    return master;
+  }
+  uint32_t u;
+  memcpy(&u, &master, sizeof(u));
+  const uint32_t high = (u + 0x8000u) & 0xffff0000u;
+  remainder = static_cast<float>(static_cast<int32_t>(u - high));
+  float out;
+  memcpy(&out, &high, sizeof(out));
+  return out;
+}
+
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
 // condition holds, else b; the condition is a comparison of Vs), round_bf16: the
 // value bf16 storage would hold (round to nearest even, as every bf16 store here),
 // round_bf16_stochastic: each lane j rounded stochastically with the bits of element
-// index + j, and first: lane 0 (a per-tensor value, the same in every lane).
+// index + j, first: lane 0 (a per-tensor value, the same in every lane), and
+// join_bf16/split_bf16: join_bf16_remainder and split_bf16_remainder per lane.
 // The CPU engine adds its vector types.
 template <typename V>
 struct Lanes;
@@ -130,6 +162,12 @@ struct Lanes<float> {
     return mixedprec::round_bf16_stochastic(x, rounding_bits(key, index));
   }
   static MP_HD float first(float x) { return x; }
+  static MP_HD float join_bf16(float param, float remainder) {
+    return join_bf16_remainder(param, remainder);
+  }
+  static MP_HD float split_bf16(float master, float& remainder) {
+    return split_bf16_remainder(master, remainder);
+  }
 };
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
@@ -170,7 +208,10 @@ struct CheckFiniteOp {
 // copy (absent without masters). Ops with kahan read and write a compensation list
 // (bf16, beside bf16 params, no masters): the update starts from p + comp and
 // leaves comp = new - round_bf16(new), the part of the new value that bf16 params
-// cannot hold (Kahan summation); without compensations p is used as it is.
+// cannot hold (Kahan summation); without compensations p is used as it is. With
+// `remainder`, that list (kCompList) holds int16 remainders instead (bf16 params, no
+// masters): the update starts from the fp32 master joined from p and its remainder
+// and splits the new one back into both (split_bf16_remainder).
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
 // index (one Philox call per 8 elements: philox.h's rounding_bits) and its tensor's
@@ -196,17 +237,19 @@ MP_HD V maximum(V a, V b) {
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
 // momentum update instead of to the gradient before it.
 struct SgdOp {
-  // params, grads, momentum_buffers, model_params, comps, salts (per tensor),
-  // unscaled grads (the grads again, written)
+  // params, grads, momentum_buffers, model_params, comps (or remainders), salts (per
+  // tensor), unscaled grads (the grads again, written)
   static constexpr int kDepth = 7;
   static constexpr unsigned kReads = 0b0110111;
   static constexpr unsigned kWrites = 0b1011101;
   static constexpr unsigned kPerTensor = 0b0100000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
+  static constexpr int kCompList = 4;
   static constexpr bool kLeanState = true;
-  template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, float, Grad>;
+  template <typename Param, typename Grad, typename Model, typename State,
+            typename Comp = c10::BFloat16>
+  using Storage = TypeList<Param, Grad, State, Model, Comp, float, Grad>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
@@ -214,6 +257,7 @@ struct SgdOp {
   bool wd_after_momentum = false;
   bool maximize = false;
   bool kahan = false;
+  bool remainder = false;
   bool stochastic = false;
   uint64_t seed = 0;
   const float* step_ptr = nullptr;  // read with stochastic only
@@ -231,6 +275,7 @@ struct SgdOp {
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[4];
+    if (remainder) p = Lanes<V>::join_bf16(x[0], x[4]);
     V g = x[1] * inv_scale;
     x[6] = g;
     if (maximize) g = -g;
@@ -245,6 +290,7 @@ struct SgdOp {
     x[0] = p;
     x[3] = p;
     if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
+    if (remainder) x[0] = Lanes<V>::split_bf16(p, x[4]);
     if (stochastic) {
       const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[5])), step};
       x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
@@ -258,23 +304,26 @@ struct SgdOp {
 // (max_exp_avg_sqs given), torch's: max_exp_avg_sq = maximum(max_exp_avg_sq,
 // exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's.
 struct AdamOp {
-  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts (per tensor),
-  // max_exp_avg_sqs, unscaled grads (the grads again, written)
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps (or remainders), salts (per
+  // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written)
   static constexpr int kDepth = 9;
   static constexpr unsigned kReads = 0b011101111;
   static constexpr unsigned kWrites = 0b110111101;
   static constexpr unsigned kPerTensor = 0b001000000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
+  static constexpr int kCompList = 5;
   static constexpr bool kLeanState = true;
-  template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, float, State, Grad>;
+  template <typename Param, typename Grad, typename Model, typename State,
+            typename Comp = c10::BFloat16>
+  using Storage = TypeList<Param, Grad, State, State, Model, Comp, float, State, Grad>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
   bool maximize = false;
   bool amsgrad = false;
   bool kahan = false;
+  bool remainder = false;
   bool stochastic = false;
   uint64_t seed = 0;
   const float* step_ptr = nullptr;
@@ -309,6 +358,7 @@ struct AdamOp {
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[5];
+    if (remainder) p = Lanes<V>::join_bf16(x[0], x[5]);
     V g = x[1] * inv_scale;
     x[8] = g;
     if (maximize) g = -g;
@@ -335,6 +385,7 @@ struct AdamOp {
     x[3] = v;
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
+    if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);
     if (stochastic) {
       const RoundingKey key{seed, static_cast<uint32_t>(Lanes<V>::first(x[6])), step_u};
       x[0] = Lanes<V>::round_bf16_stochastic(p, key, index);
