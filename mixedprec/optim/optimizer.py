@@ -208,12 +208,9 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         master), and taken anew from the parameter when the parameter was written
         outside the optimizer (its version counter moved: ``load_state_dict`` on the
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
-        count, as they bypass the counter). A Kahan compensation is dropped once the
-        optimizer left master="kahan" (``master_weights = True`` after construction) or
-        the parameter left bf16 (``model.float()``: the dropped part is below bf16's
-        resolution)."""
-        if "kahan_comp" in state and (self.master != "kahan" or p.dtype != torch.bfloat16):
-            del state["kahan_comp"]
+        count, as they bypass the counter). A Kahan compensation or remainder is dropped
+        as ``_drop_lean_state`` says."""
+        self._drop_lean_state(p, state)
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
                 self._master_versions.pop(id(state.pop("master_param")), None)
