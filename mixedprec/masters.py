@@ -1,6 +1,8 @@
 """The one master-weights helper: fp32 masters of fp16/bf16 parameters, their
 gradients (unscaled into them through :mod:`mixedprec.grads`), and the copy back into
-the model.
+the model; and master="remainder"'s form of a master (a bf16 parameter and an int16
+remainder, :func:`split_remainder`), with the exact conversions of optimizer state
+between the two forms.
 
 Used by the fused optimizers (masters in their state), ``mixedprec.amp`` (O2 with
 other optimizers) and ``mixedprec.fp16_utils`` (``FP16_Optimizer``, Apex's
