@@ -12,6 +12,7 @@ import torch
 from helpers import (
     assert_bitwise_equal,
     assert_unchanged,
+    eager_and_compiled_steps,
     forbid_host_sync,
     make_model,
     randn,
@@ -277,6 +278,14 @@ def test_a_remainder_step_does_not_sync(device, monkeypatch):
             p.grad = g
         with forbid_host_sync(monkeypatch):
             opt.step()
+
+
+@pytest.mark.parametrize("cls, kwargs", [(AdamW, dict(lr=0.01)),
+                                         (SGD, dict(lr=0.01, momentum=0.9))])
+def test_a_remainder_step_compiles_in_one_graph(cls, kwargs):
+    results = eager_and_compiled_steps(lambda ps: cls(ps, master="remainder", **kwargs))
+    for a, b in zip(*results):
+        assert_bitwise_equal(b, a)
 
 
 # --- state: round trips, conversions, bytes ---------------------------------------------
