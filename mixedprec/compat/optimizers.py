@@ -133,8 +133,7 @@ class FusedSGD(_ApexFace, SGD):
             parameter with an int16 remainder (``state["remainder"]``), the low half
             of its fp32 master's bits: the master is kept exactly in 2 more bytes.
             With these three, fp32 parameters are updated directly and fp16 ones are a
-            TypeError. A ``master_weights``
-            that disagrees is a ValueError.
+            TypeError. A ``master_weights`` that disagrees is a ValueError.
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
             momentum buffers' dtype (the math stays fp32).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
@@ -194,8 +193,8 @@ class FusedAdam(_ApexFace, Adam):
         capturable: accepted for Apex compatibility; every step already runs without
             host synchronisation (the step count lives on the device).
         master_weights, master, seed: fp32 masters, none, Kahan compensations,
-            stochastic rounding or remainders (see FusedSGD; the step count keying the bits is the
-            group's ``step``).
+            stochastic rounding or remainders (see FusedSGD; the step count keying the
+            bits is the group's ``step``).
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
             of both moments (the math stays fp32; docs/lean-precision.md).
 
