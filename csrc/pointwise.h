@@ -209,9 +209,8 @@ struct CheckFiniteOp {
 // (bf16, beside bf16 params, no masters): the update starts from p + comp and
 // leaves comp = new - round_bf16(new), the part of the new value that bf16 params
 // cannot hold (Kahan summation); without compensations p is used as it is. With
-// `remainder`, that list (kCompList) holds int16 remainders instead (bf16 params, no
-// masters): the update starts from the fp32 master joined from p and its remainder
-// and splits the new one back into both (split_bf16_remainder).
+// `remainder`, that list (kCompList) holds int16 remainders (bf16 params, no masters):
+// the update starts from the master joined from both and splits the new one back.
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
 // index (one Philox call per 8 elements: philox.h's rounding_bits) and its tensor's
