@@ -20,6 +20,10 @@ fp32-bf16mom         fp32 params, ``state_dtype=torch.bfloat16``
 bf16-kahan           bf16 params, ``master="kahan"``, fp32 moments
 bf16-stochastic      bf16 params, ``master="stochastic"``, fp32 moments
 bf16-none            bf16 params, ``master="none"``, fp32 moments (the baseline)
+bf16-remainder       bf16 params, ``master="remainder"`` (exact fp32 masters in 2
+                     bytes), fp32 moments
+bf16-remainder-      the same with ``state_dtype=torch.bfloat16`` (8 bytes per
+bf16mom              parameter)
 ===================  ==========================================================
 
 bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
@@ -83,6 +87,8 @@ MODES: Dict[str, tuple] = {
     "bf16-kahan": (torch.bfloat16, "kahan", torch.float32),
     "bf16-stochastic": (torch.bfloat16, "stochastic", torch.float32),
     "bf16-none": (torch.bfloat16, "none", torch.float32),
+    "bf16-remainder": (torch.bfloat16, "remainder", torch.float32),
+    "bf16-remainder-bf16mom": (torch.bfloat16, "remainder", torch.bfloat16),
 }
 REFERENCE = "bf16-master"  # the bar's reference: fp32 masters
 CONTENDERS = ("bf16-kahan", "bf16-stochastic")

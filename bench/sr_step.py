@@ -1,6 +1,7 @@
-"""One FusedAdam step on bf16 params with master='none', 'stochastic' and 'kahan', on
+"""One FusedAdam step on bf16 params with master='none', 'stochastic', 'kahan', 'fp32'
+and 'remainder', beside torch.optim.AdamW(fused=True) on fp32 and on bf16 params, on
 the CPU, interleaved in one process (issue #11: what stochastic rounding's Philox bits
-cost the CPU engine).
+cost the CPU engine; issue #20: what exact masters in 2 bytes cost).
 
 Cases: 4M bf16 elements as one tensor and as 100 tensors (the same total). Each
 repetition runs every (case, mode) once, in a fresh order, and times one step with
@@ -29,18 +30,23 @@ import common  # noqa: E402
 common.ensure_importable()
 from mixedprec.optimizers import FusedAdam  # noqa: E402
 
-MODES = ("none", "stochastic", "kahan")
+MODES = ("none", "stochastic", "kahan", "fp32", "remainder", "torch-fused-fp32",
+         "torch-fused-bf16")
 
 
 def make_case(numel: int, tensors: int, mode: str, seed: int = 0):
     """An optimizer over `tensors` bf16 params of `numel` elements in all, with grads."""
     gen = torch.Generator().manual_seed(seed)
     sizes = [numel // tensors + (1 if i < numel % tensors else 0) for i in range(tensors)]
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16()) for n in sizes]
+    dtype = torch.float32 if mode == "torch-fused-fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16()
-    kwargs = {"seed": 1} if mode == "stochastic" else {}
-    opt = FusedAdam(params, lr=1e-3, weight_decay=0.01, master=mode, **kwargs)
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(dtype)
+    if mode.startswith("torch-fused"):
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    else:
+        kwargs = {"seed": 1} if mode == "stochastic" else {}
+        opt = FusedAdam(params, lr=1e-3, weight_decay=0.01, master=mode, **kwargs)
     opt.step()  # state creation outside the timing
     return opt
 

@@ -90,7 +90,8 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
 // Optimizers: params and grads in any float type; the state lists in fp32, or all
 // in bf16 where Op::kLeanState (validated before; list 2 tells which); the model copy,
 // when present (list Op::kModelList), in any float type, and params are then fp32
-// masters (validated before).
+// masters (validated before). Where Op::kLeanState, list Op::kCompList holds bf16
+// Kahan compensations or int16 remainders (bf16 params, no model copy: validated).
 template <class Engine, typename Op>
 void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op& op,
                    const float* skip) {
@@ -116,6 +117,19 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
               });
         };
         if constexpr (Op::kLeanState) {
+          const auto& comps = g[Op::kCompList];
+          if (!comps.empty() && comps[0].scalar_type() == at::kShort) {
+            if constexpr (std::is_same_v<param_t, c10::BFloat16>) {
+              auto run_remainders = [&](auto state_tag) {
+                using Types = typename Op::template Storage<param_t, grad_t, float,
+                                                            decltype(state_tag), int16_t>;
+                run_types<Engine>(Types{}, g, op, skip);
+              };
+              if (bf16_state) return run_remainders(c10::BFloat16{});
+              run_remainders(float{});
+            }
+            return;
+          }
           if (bf16_state) return run(c10::BFloat16{});
         }
         run(float{});

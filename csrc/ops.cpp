@@ -26,7 +26,8 @@ TORCH_LIBRARY(mixedprec, m) {
       "bool first_run, Tensor? inv_scale, Tensor? found_inf, "
       "bool wd_after_momentum=False, Tensor(d!)[]? kahan_comps=None, "
       "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None, "
-      "bool maximize=False, Tensor? lr_tensor=None, bool unscale_grads=False) -> ()");
+      "bool maximize=False, Tensor? lr_tensor=None, bool unscale_grads=False, "
+      "Tensor(f!)[]? remainders=None) -> ()");
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
@@ -35,7 +36,8 @@ TORCH_LIBRARY(mixedprec, m) {
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
       "Tensor? lr_tensor=None, Tensor(f!)[]? kahan_comps=None, "
       "Tensor[]? sr_salts=None, int? sr_seed=None, bool maximize=False, "
-      "Tensor(h!)[]? max_exp_avg_sqs=None, bool unscale_grads=False) -> ()");
+      "Tensor(h!)[]? max_exp_avg_sqs=None, bool unscale_grads=False, "
+      "Tensor(i!)[]? remainders=None) -> ()");
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "

@@ -1,7 +1,7 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011), a
 // counter-based generator: the bits are a pure function of a 128-bit counter and a
 // 64-bit key, so any element can draw its own, on the host or the device, in any
-// order and at any thread count. Written for MP_HD (pointwise.h) and plain integers
+// order and at any thread count. Written for MP_HD (lanes.h) and plain integers
 // only, so the CPU engine, the CUDA kernels and the host build of the block code
 // compute the same bits. tests/python/references.py holds a Python reference.
 //

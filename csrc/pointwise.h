@@ -27,22 +27,13 @@
 // not depend on how an engine splits the tensor into chunks or threads.
 #pragma once
 
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
-#if defined(__CUDACC__)
-#define MP_HD __host__ __device__ __forceinline__
-#else
-#define MP_HD inline
-#endif
-
-#include "philox.h"
+#include "lanes.h"
 
 namespace mixedprec {
 
@@ -128,54 +119,6 @@ template <typename Op, size_t K, typename T>
 constexpr bool kPerTensorStorageOk =
     !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value;
 
-MP_HD bool is_finite(float x) {
-#if defined(__CUDA_ARCH__)
-  return isfinite(x);
-#else
-  return std::isfinite(x);
-#endif
-}
-
-// Stochastic rounding of a float to bf16 (the value, as a float, that bf16 holds
-// exactly): `bits`, 16 uniform random bits, are added to the low half of x's bits,
-// which are then cut off. x rounds away from zero (in magnitude, up one bf16 unit)
-// with probability (low half of x) / 2^16, so E[result] = x (unbiased). inf and NaN
-// are rounded to nearest instead (inf stays inf, NaN stays NaN: adding bits could
-// turn a NaN whose payload lies in the low half into inf). A finite x beyond bf16's
-// largest finite value rounds to it or to inf, as the same construction gives.
-MP_HD float round_bf16_stochastic(float x, uint32_t bits) {
-  if (!is_finite(x)) return static_cast<float>(c10::BFloat16(x));
-  uint32_t u;
-  memcpy(&u, &x, sizeof(u));
-  u = (u + (bits & 0xffffu)) & 0xffff0000u;
-  float out;
-  memcpy(&out, &u, sizeof(out));
-  return out;
-}
-
-// What the functors need of their value type V beyond + - * /: a square root, a
-// flag (per lane) for non-finite values, a choice per lane (select: a where the
-// condition holds, else b; the condition is a comparison of Vs), round_bf16: the
-// value bf16 storage would hold (round to nearest even, as every bf16 store here),
-// round_bf16_stochastic: each lane j rounded stochastically with the bits of local
-// element index + j (rounding_bits of key.global(index + j), philox.h).
-// The CPU engine adds its vector types.
-template <typename V>
-struct Lanes;
-
-template <>
-struct Lanes<float> {
-  using Flag = bool;
-  static MP_HD float sqrt(float x) { return sqrtf(x); }
-  static MP_HD bool not_finite(float x) { return !is_finite(x); }
-  static MP_HD bool none() { return false; }
-  static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
-  static MP_HD float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
-  static MP_HD float round_bf16_stochastic(float x, const RoundingKey& key, int64_t index) {
-    return mixedprec::round_bf16_stochastic(x, rounding_bits(key, key.global(index)));
-  }
-};
-
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
 // non-finite inputs when the engine is given a found_inf.
 struct ScaleOp {
@@ -214,7 +157,9 @@ struct CheckFiniteOp {
 // copy (absent without masters). Ops with kahan read and write a compensation list
 // (bf16, beside bf16 params, no masters): the update starts from p + comp and
 // leaves comp = new - round_bf16(new), the part of the new value that bf16 params
-// cannot hold (Kahan summation); without compensations p is used as it is.
+// cannot hold (Kahan summation); without compensations p is used as it is. With
+// `remainder`, that list (kCompList) holds int16 remainders (bf16 params, no masters):
+// the update starts from the master joined from both and splits the new one back.
 // With `stochastic` (bf16 params, no masters), the new value is rounded to bf16
 // stochastically, with Philox bits keyed by (seed, step) and counted by the element's
 // global index (one Philox call per 8 elements: philox.h's rounding_bits) and its
@@ -254,17 +199,19 @@ MP_HD V maximum(V a, V b) {
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
 // momentum update instead of to the gradient before it.
 struct SgdOp {
-  // params, grads, momentum_buffers, model_params, comps, salts (per tensor),
-  // unscaled grads (the grads again, written)
+  // params, grads, momentum_buffers, model_params, comps (or remainders), salts (per
+  // tensor), unscaled grads (the grads again, written)
   static constexpr int kDepth = 7;
   static constexpr unsigned kReads = 0b0110111;
   static constexpr unsigned kWrites = 0b1011101;
   static constexpr unsigned kPerTensor = 0b0100000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
+  static constexpr int kCompList = 4;
   static constexpr bool kLeanState = true;
-  template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, Model, c10::BFloat16, int64_t, Grad>;
+  template <typename Param, typename Grad, typename Model, typename State,
+            typename Comp = c10::BFloat16>
+  using Storage = TypeList<Param, Grad, State, Model, Comp, int64_t, Grad>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
@@ -272,6 +219,7 @@ struct SgdOp {
   bool wd_after_momentum = false;
   bool maximize = false;
   bool kahan = false;
+  bool remainder = false;
   bool stochastic = false;
   uint64_t seed = 0;
   const float* step_ptr = nullptr;  // read with stochastic only
@@ -295,6 +243,7 @@ struct SgdOp {
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[4];
+    if (remainder) p = Lanes<V>::join_bf16(x[0], x[4]);
     V g = x[1] * inv_scale;
     x[6] = g;
     if (maximize) g = -g;
@@ -309,6 +258,7 @@ struct SgdOp {
     x[0] = p;
     x[3] = p;
     if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
+    if (remainder) x[0] = Lanes<V>::split_bf16(p, x[4]);
     if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
     return Lanes<V>::none();
   }
@@ -319,23 +269,26 @@ struct SgdOp {
 // (max_exp_avg_sqs given), torch's: max_exp_avg_sq = maximum(max_exp_avg_sq,
 // exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's.
 struct AdamOp {
-  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts (per tensor),
-  // max_exp_avg_sqs, unscaled grads (the grads again, written)
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps (or remainders), salts (per
+  // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written)
   static constexpr int kDepth = 9;
   static constexpr unsigned kReads = 0b011101111;
   static constexpr unsigned kWrites = 0b110111101;
   static constexpr unsigned kPerTensor = 0b001000000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
+  static constexpr int kCompList = 5;
   static constexpr bool kLeanState = true;
-  template <typename Param, typename Grad, typename Model, typename State>
-  using Storage = TypeList<Param, Grad, State, State, Model, c10::BFloat16, int64_t, State, Grad>;
+  template <typename Param, typename Grad, typename Model, typename State,
+            typename Comp = c10::BFloat16>
+  using Storage = TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
   bool maximize = false;
   bool amsgrad = false;
   bool kahan = false;
+  bool remainder = false;
   bool stochastic = false;
   uint64_t seed = 0;
   const float* step_ptr = nullptr;
@@ -374,6 +327,7 @@ struct AdamOp {
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
     V p = x[0];
     if (kahan) p = p + x[5];
+    if (remainder) p = Lanes<V>::join_bf16(x[0], x[5]);
     V g = x[1] * inv_scale;
     x[8] = g;
     if (maximize) g = -g;
@@ -400,6 +354,7 @@ struct AdamOp {
     x[3] = v;
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
+    if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);
     if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
     return Lanes<V>::none();
   }

@@ -17,6 +17,7 @@ unsigned bit(at::ScalarType t) {
     case at::kDouble: return kF64;
     case at::kInt: return kI32;
     case at::kLong: return kI64;
+    case at::kShort: return kI16;
     default: return 0;
   }
 }
@@ -29,6 +30,7 @@ std::string dtype_name(at::ScalarType t) {
     case at::kDouble: return "Float64";
     case at::kInt: return "Int32";
     case at::kLong: return "Int64";
+    case at::kShort: return "Int16";
     default: return c10::toString(t);
   }
 }
@@ -36,7 +38,7 @@ std::string dtype_name(at::ScalarType t) {
 std::string dtype_names(unsigned set) {
   std::string out;
   const at::ScalarType all[] = {at::kFloat,  at::kHalf, at::kBFloat16,
-                                at::kDouble, at::kInt,  at::kLong};
+                                at::kDouble, at::kInt,  at::kLong, at::kShort};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
@@ -227,6 +229,24 @@ void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_p
   c.list(kahan_comps, "kahan_comps", kBF16, Access::kWrite);
   c.paired(params, "params", kahan_comps, "kahan_comps");
   c.same_dtypes(kahan_comps, "kahan_comps", params, "params");
+}
+
+void check_remainders(Checker& c, at::TensorList params, at::TensorList model_params,
+                      at::TensorList kahan_comps, at::TensorList remainders, bool stochastic) {
+  if (remainders.empty()) return;
+  TORCH_CHECK_VALUE(model_params.empty() && kahan_comps.empty() && !stochastic, c.op(),
+                    ": remainders (master='remainder': bf16 params with the low halves of "
+                    "their fp32 masters) expected no model_params, no kahan_comps and no "
+                    "sr_seed, got ",
+                    model_params.size(), " and ", kahan_comps.size(), " tensors and ",
+                    stochastic ? "an sr_seed" : "no sr_seed");
+  c.list(remainders, "remainders", kI16, Access::kWrite);
+  c.paired(params, "params", remainders, "remainders");
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, c.op(),
+                     ": remainders expected bfloat16 params, got ", params[i].scalar_type(),
+                     " at params[", i, "]");
+  }
 }
 
 }  // namespace mixedprec

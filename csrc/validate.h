@@ -25,6 +25,7 @@ enum DTypeSet : unsigned {
   kF64 = 8u,
   kI32 = 16u,
   kI64 = 32u,
+  kI16 = 64u,
   kFloats = kF32 | kF16 | kBF16,
 };
 
@@ -104,6 +105,12 @@ void check_adam_hyperparameters(Checker& c, double lr, double beta1, double beta
 // tensor per param, the params then bf16 and without masters (model_params empty).
 void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_params,
                        at::TensorList kahan_comps);
+
+// The remainders of master="remainder" (pointwise.h): none, or one int16 tensor per
+// param, the params then bf16, without masters, Kahan compensations or stochastic
+// rounding.
+void check_remainders(Checker& c, at::TensorList params, at::TensorList model_params,
+                      at::TensorList kahan_comps, at::TensorList remainders, bool stochastic);
 
 // The value of an optional 1-element float32 tensor's storage, or nullptr.
 inline const float* optional_ptr(const std::optional<at::Tensor>& t) {

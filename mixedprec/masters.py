@@ -1,6 +1,8 @@
 """The one master-weights helper: fp32 masters of fp16/bf16 parameters, their
 gradients (unscaled into them through :mod:`mixedprec.grads`), and the copy back into
-the model.
+the model; and master="remainder"'s form of a master (a bf16 parameter and an int16
+remainder, :func:`split_remainder`), with the exact conversions of optimizer state
+between the two forms.
 
 Used by the fused optimizers (masters in their state), ``mixedprec.amp`` (O2 with
 other optimizers) and ``mixedprec.fp16_utils`` (``FP16_Optimizer``, Apex's
@@ -9,7 +11,7 @@ works through the multi-tensor ops, one call per device for the pairs they take
 (same device, dense, same memory order), and falls back to ``copy_`` for the rest.
 """
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,7 +20,8 @@ from . import grads, ops
 from .grads import OP_DTYPES
 
 __all__ = ["HALF_DTYPES", "needs_master", "make_master", "retake_master", "follow_layout",
-           "same_layout", "copy_to_model", "unscale_into_masters"]
+           "same_layout", "copy_to_model", "unscale_into_masters", "split_remainder",
+           "join_remainder", "masters_to_remainders", "remainders_to_masters"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -124,3 +127,97 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
             m.grad.add_(g)
         else:
             m.grad = g
+
+
+# master="remainder" (docs/lean-precision.md): an fp32 master kept as a bf16 parameter,
+# the high half of its bits, and an int16 remainder, the low half: bits(master) =
+# (bits(param) << 16) + remainder (mod 2^32). The same rule as the fused ops' kernels
+# (csrc/pointwise.h, split_bf16_remainder), in torch ops (int64 math: no overflow).
+
+
+def split_remainder(master: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(param, remainder)`` of fp32 ``master``: the bf16 parameter, ``master`` rounded
+    to nearest with ties away from zero (in magnitude; high half
+    ``(bits + 0x8000) >> 16``), and the int16 remainder ``bits - (high << 16)``, in
+    [-2^15, 2^15). The pair joins back to ``master`` bit for bit, for every fp32 value
+    but NaN (a NaN master splits into bf16's NaN and 0). The parameter differs from
+    ``master.bfloat16()`` (to nearest, ties to even) only at exact ties on an even
+    high half (low half 0x8000), by one unit away from zero."""
+    if master.dtype != torch.float32:
+        raise TypeError(f"split_remainder: expected a float32 master, got {master.dtype}")
+    bits = master.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((bits + 0x8000) >> 16) & 0xFFFF
+    remainder = ((bits - (high << 16) + 0x8000) & 0xFFFF) - 0x8000
+    nan = master.detach().isnan()
+    high = torch.where(nan, 0x7FC0, high)
+    remainder = torch.where(nan, 0, remainder)
+    param = (((high + 0x8000) & 0xFFFF) - 0x8000).to(torch.int16).view(torch.bfloat16)
+    return param.reshape(master.shape), remainder.to(torch.int16).reshape(master.shape)
+
+
+def join_remainder(param: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master of bf16 ``param`` and its int16 ``remainder``:
+    ``(bits(param) << 16) + remainder``, as the bits of a float32 tensor."""
+    if param.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise TypeError("join_remainder: expected a bfloat16 param and an int16 remainder, "
+                        f"got {param.dtype} and {remainder.dtype}")
+    high = (param.detach().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    bits = (high + remainder.to(torch.int64) + 2**31) % 2**32 - 2**31
+    return bits.to(torch.int32).view(torch.float32).reshape(param.shape)
+
+
+def _state_params(state_dict: Dict[str, Any], params: Sequence[Tensor],
+                  where: str) -> Dict[Any, Tensor]:
+    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    if len(ids) != len(params):
+        raise ValueError(f"{where}: expected params to be the optimizer's {len(ids)} "
+                         f"parameters in state-dict order, got {len(params)}")
+    return dict(zip(ids, params))
+
+
+@torch.no_grad()
+def masters_to_remainders(state_dict: Dict[str, Any], params: Sequence[Tensor]) -> Dict[str, Any]:
+    """An optimizer state dict of ``master="fp32"`` as ``master="remainder"`` keeps it
+    (for an optimizer of the same class built with ``master="remainder"``): each
+    ``master_param`` of a bf16 parameter becomes its ``remainder``, and the parameter
+    (``params``: the optimizer's, in state-dict order, ``[p for g in
+    opt.param_groups for p in g["params"]]``) receives the master's high half, which
+    differs from what the fp32 mode wrote only at ties. Exact: the new pairs are the
+    masters bit for bit. Everything is checked before anything is written."""
+    where = "masters_to_remainders"
+    by_id = _state_params(state_dict, params, where)
+    for key, state in state_dict["state"].items():
+        if "master_param" in state and by_id[key].dtype != torch.bfloat16:
+            raise TypeError(f"{where}: master='remainder' keeps bfloat16 parameters, got "
+                            f"one of dtype {by_id[key].dtype} (param {key})")
+    out = dict(state_dict, state={})
+    for key, state in state_dict["state"].items():
+        state = dict(state)
+        master = state.pop("master_param", None)
+        if master is not None:
+            p = by_id[key]
+            high, state["remainder"] = split_remainder(master.to(p.device).reshape(p.shape))
+            p.copy_(high)
+        out["state"][key] = state
+    return out
+
+
+@torch.no_grad()
+def remainders_to_masters(state_dict: Dict[str, Any], params: Sequence[Tensor]) -> Dict[str, Any]:
+    """The inverse of :func:`masters_to_remainders`: each ``remainder`` becomes the
+    ``master_param`` it and its parameter hold, and the parameter receives the master
+    rounded to nearest even, as ``master="fp32"`` writes it. Exact."""
+    by_id = _state_params(state_dict, params, "remainders_to_masters")
+    out = dict(state_dict, state={})
+    masters = {}
+    for key, state in state_dict["state"].items():
+        state = dict(state)
+        remainder = state.pop("remainder", None)
+        if remainder is not None:
+            p = by_id[key]
+            masters[key] = state["master_param"] = join_remainder(
+                p, remainder.to(p.device).reshape(p.shape))
+        out["state"][key] = state
+    for key, master in masters.items():
+        by_id[key].copy_(master)
+    return out

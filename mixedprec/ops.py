@@ -189,6 +189,7 @@ def fused_sgd_(
     maximize: bool = False,
     lr_tensor: Optional[Tensor] = None,
     unscale_grads: bool = False,
+    remainders: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -205,6 +206,12 @@ def fused_sgd_(
     ``kahan_comps`` (Kahan summation, ``master="kahan"``): empty, or one bf16 tensor
     per param, the params then bf16 and ``model_params`` empty; each update starts from
     ``p + comp`` (fp32) and leaves ``p = bf16(new)``, ``comp = bf16(new - p)``.
+
+    ``remainders`` (``master="remainder"``): empty, or one int16 tensor per param, the
+    params then bf16, without ``model_params``, ``kahan_comps`` or ``sr_seed``; each
+    update starts from the fp32 master ``(bits(p) << 16) + remainder`` and splits the
+    new master back into both, ``p`` its high half rounded to nearest with ties away
+    from zero (:func:`mixedprec.masters.split_remainder`), exactly.
 
     ``sr_seed`` (``master="stochastic"``; an int, used as 64 bits): the bf16 params
     (no masters, no ``kahan_comps``) receive the new value rounded stochastically, the
@@ -231,6 +238,7 @@ def fused_sgd_(
         inv_scale=inv_scale, found_inf=found_inf, wd_after_momentum=wd_after_momentum,
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         step=step, maximize=maximize, lr_tensor=lr_tensor, unscale_grads=unscale_grads,
+        remainders=remainders or None,
     )
 
 
@@ -257,6 +265,7 @@ def fused_adam_(
     maximize: bool = False,
     max_exp_avg_sqs: Optional[List[Tensor]] = None,
     unscale_grads: bool = False,
+    remainders: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
@@ -264,7 +273,7 @@ def fused_adam_(
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32 or bf16 (the two
     moments of a param of one dtype; the math stays fp32). Masters, model copy,
-    unscale, skip and ``kahan_comps`` behave as in :func:`fused_sgd_`. ``lr_tensor``
+    unscale, skip, ``kahan_comps`` and ``remainders`` behave as in :func:`fused_sgd_`. ``lr_tensor``
     (float32, one element), when given, replaces ``lr``: the learning rate is then read
     on the device, so that a captured CUDA graph follows a scheduler that writes it.
     ``sr_seed`` and ``sr_salts``: stochastic rounding as in :func:`fused_sgd_`, keyed by
@@ -283,6 +292,7 @@ def fused_adam_(
         inv_scale=inv_scale, found_inf=found_inf, lr_tensor=lr_tensor,
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs, unscale_grads=unscale_grads,
+        remainders=remainders or None,
     )
 
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import mixedprec
-from mixedprec import ops
+from mixedprec import masters, ops
 
 # Relative tolerance by storage dtype: a few roundings of that dtype.
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -294,6 +294,19 @@ def _check_adam_lean(dev, r):
         r.close(params[i], want, RTOL[torch.bfloat16], f"kahan params[{i}] (bf16)")
         r.close(exp_avgs[i], m, RTOL[torch.bfloat16], f"bf16 exp_avgs[{i}]")
         r.close(exp_avg_sqs[i], v, RTOL[torch.bfloat16], f"bf16 exp_avg_sqs[{i}]")
+    # master="remainder": (bf16 param, int16 remainder) pairs step as their fp32 masters,
+    # bit for bit, and split back by the tie rule (masters.split_remainder).
+    fp32 = [torch.randn(k, device=dev) + 1 for k in n]
+    halves = [masters.split_remainder(x) for x in fp32]
+    state = [[torch.zeros(k, device=dev) for k in n] for _ in range(2)]
+    ops.fused_adam_(fp32, grads, *state, [], scalar(0.0, dev), lr, beta1, beta2, eps)
+    state = [[torch.zeros(k, device=dev) for k in n] for _ in range(2)]
+    ops.fused_adam_([h[0] for h in halves], grads, *state, [], scalar(0.0, dev), lr, beta1,
+                    beta2, eps, remainders=[h[1] for h in halves])
+    for i, (x, (p, rem)) in enumerate(zip(fp32, halves)):
+        want_p, want_rem = masters.split_remainder(x)
+        r.expect(torch.equal(p.view(torch.int16), want_p.view(torch.int16)) and
+                 torch.equal(rem, want_rem), f"remainder params[{i}]: the fp32 step, split")
 
 
 def check_lamb(dev, r):

@@ -1,5 +1,6 @@
-// Vectors of floats for the CPU engine, their loads from and stores to fp32, fp16 and
-// bf16 storage, the broadcast of one float, and the choice of instruction set at run time.
+// Vectors of floats for the CPU engine, their loads from and stores to fp32, fp16,
+// bf16 and int16 storage, the broadcast of one float, and the choice of instruction
+// set at run time.
 //
 // The engine's loops are compiled for AVX-512 (16 floats), AVX2 (8) and baseline
 // x86-64 (one float at a time, through c10's scalar conversions; the only version
@@ -139,6 +140,21 @@ inline F round_bf16_stochastic_lanes(F x, U bits) {
   return (F)(finite ? (u + bits) & 0xffff0000u : other);
 }
 
+// join_bf16_remainder and split_bf16_remainder (pointwise.h) on every lane, in the
+// bits (F: the float vector; I, U: the int32 and uint32 vectors of its width).
+template <typename F, typename I, typename U>
+inline F join_bf16_lanes(F param, F remainder) {
+  return (F)((U)param + (U) __builtin_convertvector(remainder, I));
+}
+template <typename F, typename I, typename U>
+inline F split_bf16_lanes(F master, F& remainder) {
+  const U u = (U)master;
+  const U high = (u + 0x8000u) & 0xffff0000u;
+  const I nan = master != master;
+  remainder = nan ? F{} : __builtin_convertvector((I)(u - high), F);
+  return nan ? master : (F)high;
+}
+
 // |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
 // the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
 // then reports as maybe uninitialized.)
@@ -181,6 +197,12 @@ struct Lanes<VecF16> {
     }
     return round_bf16_stochastic_lanes<VecF16>(x, bits);
   }
+  static inline VecF16 join_bf16(VecF16 param, VecF16 remainder) {
+    return join_bf16_lanes<VecF16, VecI16, VecU16>(param, remainder);
+  }
+  static inline VecF16 split_bf16(VecF16 master, VecF16& remainder) {
+    return split_bf16_lanes<VecF16, VecI16, VecU16>(master, remainder);
+  }
 };
 
 template <>
@@ -222,6 +244,12 @@ struct Lanes<VecF8> {
     }
     return round_bf16_stochastic_lanes<VecF8>(x, bits);
   }
+  static inline VecF8 join_bf16(VecF8 param, VecF8 remainder) {
+    return join_bf16_lanes<VecF8, VecI8, VecU8>(param, remainder);
+  }
+  static inline VecF8 split_bf16(VecF8 master, VecF8& remainder) {
+    return split_bf16_lanes<VecF8, VecI8, VecU8>(master, remainder);
+  }
 };
 
 namespace cpu {
@@ -262,6 +290,17 @@ MP_AVX512 void store(c10::BFloat16* p, Vec x) {
   const __m512i bits = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(kAll16, bits));
 }
+// int16 (master="remainder"'s remainders): exact integers as floats, both ways.
+typedef int16_t Shorts __attribute__((vector_size(32)));
+MP_AVX512 Vec load(const int16_t* p) {
+  Shorts s;
+  memcpy(&s, p, sizeof(s));
+  return __builtin_convertvector(__builtin_convertvector(s, VecI16), Vec);
+}
+MP_AVX512 void store(int16_t* p, Vec x) {
+  const Shorts s = __builtin_convertvector(__builtin_convertvector(x, VecI16), Shorts);
+  memcpy(p, &s, sizeof(s));
+}
 MP_AVX512 bool any(VecI16 flags) {
   return _mm512_test_epi32_mask((__m512i)flags, (__m512i)flags) != 0;
 }
@@ -294,6 +333,16 @@ MP_AVX2 void store(c10::BFloat16* p, Vec x) {
   // 128-bit half, hence the permute).
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b11011000);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+typedef int16_t Shorts __attribute__((vector_size(16)));
+MP_AVX2 Vec load(const int16_t* p) {
+  Shorts s;
+  memcpy(&s, p, sizeof(s));
+  return __builtin_convertvector(__builtin_convertvector(s, VecI8), Vec);
+}
+MP_AVX2 void store(int16_t* p, Vec x) {
+  const Shorts s = __builtin_convertvector(__builtin_convertvector(x, VecI8), Shorts);
+  memcpy(p, &s, sizeof(s));
 }
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 }  // namespace avx2

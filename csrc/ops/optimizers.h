@@ -23,6 +23,8 @@ namespace entry {
 // maximize negates the unscaled gradient; lr_tensor, when given, holds the learning
 // rate on the device and replaces `lr`; unscale_grads writes grad * inv_scale back
 // into the grads (nothing without an inv_scale: they are unscaled already).
+// remainders (int16, one per bf16 param) hold the low halves of fp32 masters
+// (master="remainder", pointwise.h), in the list slot of kahan_comps, which they exclude.
 template <class Engine>
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList model_params, double lr, double momentum, double dampening,
@@ -34,9 +36,11 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 std::optional<int64_t> sr_seed = std::nullopt,
                 const std::optional<at::Tensor>& step = std::nullopt, bool maximize = false,
                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
-                bool unscale_grads = false) {
+                bool unscale_grads = false,
+                std::optional<at::TensorList> remainders = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
+  const at::TensorList rems = remainders.value_or(at::TensorList{});
   Checker c("fused_sgd_");
   c.optional_scalar(step, "step");
   c.optional_scalar(found_inf, "found_inf");
@@ -45,6 +49,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
   check_stochastic(c, "fused_sgd_", params, model_params, comps, salts, sr_seed.has_value());
+  check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
   TORCH_CHECK_VALUE(!sr_seed.has_value() || step.has_value(),
                     "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
                     "keys its bits by the step), got None");
@@ -80,6 +85,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.wd_after_momentum = wd_after_momentum;
   op.maximize = maximize;
   op.kahan = !comps.empty();
+  op.remainder = !rems.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   op.step_ptr = optional_ptr(step);
@@ -87,8 +93,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.lr_ptr = optional_ptr(lr_tensor);
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, SgdOp>(
-      {params, grads, momentum_buffers, model_params, comps, salts, unscaled}, op,
-      optional_ptr(found_inf));
+      {params, grads, momentum_buffers, model_params, op.remainder ? rems : comps, salts, unscaled},
+      op, optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
@@ -98,7 +104,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 // (pointwise.h), keyed by the seed and the step, with one salt per param (sr_salts).
 // maximize negates the unscaled gradient; max_exp_avg_sqs, when given, turns on
 // amsgrad (one per param, of its exp_avg_sq's dtype); unscale_grads writes
-// grad * inv_scale back into the grads (nothing without an inv_scale).
+// grad * inv_scale back into the grads (nothing without an inv_scale); remainders as
+// in fused_sgd_.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -110,9 +117,11 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  std::optional<at::TensorList> sr_salts = std::nullopt,
                  std::optional<int64_t> sr_seed = std::nullopt, bool maximize = false,
                  std::optional<at::TensorList> max_exp_avg_sqs = std::nullopt,
-                 bool unscale_grads = false) {
+                 bool unscale_grads = false,
+                 std::optional<at::TensorList> remainders = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
+  const at::TensorList rems = remainders.value_or(at::TensorList{});
   const at::TensorList max_sqs = max_exp_avg_sqs.value_or(at::TensorList{});
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
@@ -122,6 +131,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
   check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value());
+  check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
   c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
   c.paired(params, "params", exp_avgs, "exp_avgs");
   c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
@@ -152,12 +162,13 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
   op.kahan = !comps.empty();
+  op.remainder = !rems.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, AdamOp>(
-      {params, grads, exp_avgs, exp_avg_sqs, model_params, comps, salts, max_sqs, unscaled}, op,
-      optional_ptr(found_inf));
+  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params,
+                                 op.remainder ? rems : comps, salts, max_sqs, unscaled},
+                                op, optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each

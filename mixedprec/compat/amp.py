@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from .. import grads
 from .. import masters as _masters
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
+from ..optim.lean import _BF16_MODES
 from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
 from ..overflow import OverflowReport, format_report
 from .fp16_utils import convert_network, half_dtype
@@ -105,8 +106,8 @@ class Properties:
         """mixedprec's ``master`` (what is kept of each 16-bit weight's value, see
         docs/lean-precision.md) and ``state_dtype`` (of the optimizer's moments and
         momentum), beside Apex's options. ``master`` applies to the cast weights of O2
-        and O3 and decides ``master_weights`` ("fp32": True; "none", "kahan",
-        "stochastic": False); "kahan" and "stochastic" need them in bfloat16."""
+        and O3 and decides ``master_weights`` ("fp32": True; the others False);
+        "kahan", "stochastic" and "remainder" need them in bfloat16."""
         if state_dtype is not None and state_dtype not in _STATE_DTYPES:
             raise ValueError("amp.initialize: state_dtype must be torch.float32 or "
                              f"torch.bfloat16, got {state_dtype!r}")
@@ -120,8 +121,7 @@ class Properties:
             raise ValueError(f"amp.initialize: master={master!r} is for the 16-bit weights of "
                              f"opt_level O2 or O3; with {self.opt_level} the weights stay "
                              "fp32 (their own masters)")
-        if master in ("kahan", "stochastic") and \
-                self.options["cast_model_type"] is not torch.bfloat16:
+        if master in _BF16_MODES and self.options["cast_model_type"] is not torch.bfloat16:
             raise ValueError(f"amp.initialize: master={master!r} keeps bfloat16 weights; "
                              "expected cast_model_type=torch.bfloat16, got "
                              f"{self.options['cast_model_type']}")
@@ -655,8 +655,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
 
     * ``master``: what is kept of each cast weight's value at O2/O3: ``"fp32"`` (fp32
       masters, O2's default), ``"none"``, ``"kahan"`` (a bf16 compensation per bf16
-      weight) or ``"stochastic"`` (bf16 weights rounded stochastically); the last two
-      with ``cast_model_type=torch.bfloat16``. Parameters left fp32 (batchnorm at O2)
+      weight), ``"stochastic"`` (bf16 weights rounded stochastically) or
+      ``"remainder"`` (an int16 remainder per bf16 weight: exact fp32 masters); the last
+      three with ``cast_model_type=torch.bfloat16``. Parameters left fp32 (batchnorm at O2)
       are updated directly.
     * ``state_dtype``: ``torch.bfloat16`` keeps the optimizers' moments and momentum
       buffers in bf16 (any opt level); ``torch.float32`` the default.
@@ -707,7 +708,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     for o in optimizer_list:
         if isinstance(o, _FusedOptimizer):
             o._check_precision("amp.initialize", props.master, props.state_dtype)
-        elif props.master in ("kahan", "stochastic") or props.state_dtype is not None:
+        elif props.master in _BF16_MODES or props.state_dtype is not None:
             raise lean_refused("amp.initialize", props.master, props.state_dtype, o)
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")

@@ -22,8 +22,9 @@ state it loads a checkpoint into.
 Optimizer state (moments, momentum buffers, masters) is float32 by default; FusedAdam
 and FusedSGD can keep their moments or momentum buffers in bfloat16 and, with
 ``master="kahan"``, a bfloat16 compensation per bf16 parameter instead of an fp32 master,
-or with ``master="stochastic"``, no master and bf16 parameters rounded stochastically
-(docs/lean-precision.md). State follows
+with ``master="stochastic"``, no master and bf16 parameters rounded stochastically, or
+with ``master="remainder"``, an int16 remainder that makes each bf16 parameter an exact
+fp32 master (docs/lean-precision.md). State follows
 its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
 was built works), and a master is taken anew from its parameter when the parameter
 was written outside the optimizer (see ``_FusedOptimizer._master``).
@@ -48,6 +49,7 @@ from .. import ops
 from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
 from ..optim.adam import Adam
+from ..optim.lean import _BF16_MODES
 from ..optim.optimizer import (
     _FLOAT_DTYPES,
     _check_nonnegative,
@@ -127,9 +129,11 @@ class FusedSGD(_ApexFace, SGD):
             ``"stochastic"`` bf16 parameters, no master: the fp32 result is
             rounded stochastically into the bf16 parameter (unbiased), with
             reproducible Philox bits keyed by the group's ``sr_seed`` and a device step
-            count ``group["step"]`` that this mode adds. With both, fp32 parameters
-            are updated directly and fp16 ones are a TypeError. A ``master_weights``
-            that disagrees is a ValueError.
+            count ``group["step"]`` that this mode adds; ``"remainder"`` each bf16
+            parameter with an int16 remainder (``state["remainder"]``), the low half
+            of its fp32 master's bits: the master is kept exactly in 2 more bytes.
+            With these three, fp32 parameters are updated directly and fp16 ones are a
+            TypeError. A ``master_weights`` that disagrees is a ValueError.
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
             momentum buffers' dtype (the math stays fp32).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
@@ -188,9 +192,9 @@ class FusedAdam(_ApexFace, Adam):
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         capturable: accepted for Apex compatibility; every step already runs without
             host synchronisation (the step count lives on the device).
-        master_weights, master, seed: fp32 masters, none, Kahan compensations or
-            stochastic rounding (see FusedSGD; the step count keying the bits is the
-            group's ``step``).
+        master_weights, master, seed: fp32 masters, none, Kahan compensations,
+            stochastic rounding or remainders (see FusedSGD; the step count keying the
+            bits is the group's ``step``).
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
             of both moments (the math stays fp32; docs/lean-precision.md).
 
@@ -216,7 +220,7 @@ class FusedAdam(_ApexFace, Adam):
     keeps as a Python int is accepted by this class's step and ``load_state_dict``.
     """
 
-    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp")
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp", "remainder")
     _LEAN = True
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
@@ -362,7 +366,7 @@ class FusedAdam(_ApexFace, Adam):
                     if self.master_weights and mst.needs_master(p):
                         raise ValueError(f"{where}: output_params with master_weights=True "
                                          "(the masters' model copies are the parameters)")
-                    if self.master in ("kahan", "stochastic"):
+                    if self.master in _BF16_MODES:
                         raise ValueError(f"{where}: output_params with master="
                                          f"{self.master!r} (the bf16 parameters are updated, "
                                          "no copies)")

@@ -27,7 +27,9 @@ class Adam(TorchOptimizer):
       fp32 masters in the state (``master_param``), the parameters receive them cast;
       ``"none"`` the parameters are updated directly (torch.optim's behaviour);
       ``"kahan"``/``"stochastic"``: bf16 parameters with a bf16 compensation, or
-      rounded stochastically (docs/lean-precision.md).
+      rounded stochastically; ``"remainder"``: bf16 parameters with an int16
+      ``remainder`` each, the low half of an exact fp32 master
+      (docs/lean-precision.md).
     * ``state_dtype``: ``torch.float32`` (default) or ``torch.bfloat16``, the moments'
       dtype (the math stays fp32).
     * ``seed``: master="stochastic"'s base seed.
@@ -42,7 +44,7 @@ class Adam(TorchOptimizer):
 
     _TORCH_CLASS = torch.optim.Adam
     _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
-                   "kahan_comp")
+                   "kahan_comp", "remainder")
     _LEAN = True
     _NEWER_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                        differentiable=False, fused=None, decoupled_weight_decay=False)
@@ -136,7 +138,9 @@ class Adam(TorchOptimizer):
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
                             lr, beta1, beta2, group["eps"], group["weight_decay"],
                             self._decoupled(group), group.get("bias_correction", True),
-                            inv_scale, found_inf, lr_tensor=lr_tensor, kahan_comps=comps,
+                            inv_scale, found_inf, lr_tensor=lr_tensor,
+                            kahan_comps=comps if self.master == "kahan" else None,
+                            remainders=comps if self.master == "remainder" else None,
                             sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
                             maximize=bool(group.get("maximize")),
                             max_exp_avg_sqs=maxes or None,

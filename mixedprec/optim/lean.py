@@ -1,7 +1,7 @@
 """The lean modes of mixedprec's optimizers (docs/lean-precision.md): what is kept of
-each parameter's value (``master``: fp32 masters, none, a bf16 Kahan compensation, or
-stochastic rounding), the dtype of moments and momentum buffers (``state_dtype``), and
-the seeds of stochastic rounding."""
+each parameter's value (``master``: fp32 masters, none, a bf16 Kahan compensation,
+stochastic rounding, or the fp32 master's low half as an int16 remainder), the dtype of
+moments and momentum buffers (``state_dtype``), and the seeds of stochastic rounding."""
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from .. import ops
 from ..distributed import global_layout, shard_index
+from ..masters import join_remainder
 
 if TYPE_CHECKING:
     from .optimizer import _Work
@@ -18,9 +19,12 @@ if TYPE_CHECKING:
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # What FusedAdam and FusedSGD keep of each parameter's value ("master", see
-# _master_mode); "kahan" and "stochastic" take bf16 parameters (and fp32 ones, updated
+# _master_mode); the _BF16_MODES take bf16 parameters (and fp32 ones, updated
 # directly: _FusedOptimizer._lean_calls).
-_MASTER_MODES = ("fp32", "none", "kahan", "stochastic")
+_MASTER_MODES = ("fp32", "none", "kahan", "stochastic", "remainder")
+_BF16_MODES = ("kahan", "stochastic", "remainder")
+# The state entry of each bf16 parameter in the modes that keep one.
+_LEAN_STATE = {"kahan": ("kahan_comp", torch.bfloat16), "remainder": ("remainder", torch.int16)}
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -90,22 +94,23 @@ class LeanModes:
             self.master = "none"
 
     def _check_kahan(self, p: Tensor) -> None:
-        """master='kahan' and master='stochastic' take bfloat16 parameters, and fp32 ones
-        (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
-        if self.master in ("kahan", "stochastic") and p.dtype == torch.float16:
-            what = "compensates" if self.master == "kahan" else "rounds stochastically into"
+        """master='kahan', 'stochastic' and 'remainder' take bfloat16 parameters, and fp32
+        ones (updated directly, see ``_lean_calls``); fp16 parameters are an error."""
+        if self.master in _BF16_MODES and p.dtype == torch.float16:
+            what = {"kahan": "compensates", "stochastic": "rounds stochastically into",
+                    "remainder": "keeps exact fp32 masters in"}[self.master]
             raise TypeError(f"{type(self).__name__}: master={self.master!r} {what} bfloat16 "
                             "parameters (fp32 ones are updated directly), got one of dtype "
                             "torch.float16 (use master='fp32' for fp16 parameters)")
 
     def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
         """The op calls of one group's parameters: (their _Work, their positions in
-        ``items`` or None for all, whether the call is lean). With master='kahan' or
-        'stochastic' the bf16 parameters go in a lean call (compensated, or rounded
-        stochastically) and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain
-        call that updates them directly, as master='none' does: fp32 holds their
-        updates. Otherwise one plain call."""
-        if self.master not in ("kahan", "stochastic"):
+        ``items`` or None for all, whether the call is lean). With master='kahan',
+        'stochastic' or 'remainder' the bf16 parameters go in a lean call (compensated,
+        rounded stochastically, or with their remainders) and fp32 ones (the norms amp
+        O2 keeps in fp32, say) in a plain call that updates them directly, as
+        master='none' does: fp32 holds their updates. Otherwise one plain call."""
+        if self.master not in _BF16_MODES:
             return [(items, None, False)]
         bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
         if len(bf16) == len(items.params):
@@ -122,7 +127,7 @@ class LeanModes:
             _master_mode(where, None, master)
         if state_dtype is not None:
             _check_state_dtype(where, "state_dtype", state_dtype)
-        if (master in ("kahan", "stochastic") or state_dtype == torch.bfloat16) and \
+        if (master in _BF16_MODES or state_dtype == torch.bfloat16) and \
                 not self._LEAN:
             raise lean_refused(where, master, state_dtype, self)
         if self.state and ((master is not None and master != self.master) or
@@ -148,11 +153,33 @@ class LeanModes:
 
     def _compensations(self, states: List[Dict[str, Any]], params: List[Tensor]):
         """The bf16 Kahan compensation (``kahan_comp``) of each parameter with
-        master='kahan', created as zeros where absent; else none."""
-        if self.master != "kahan":
+        master='kahan', or its int16 remainder (``remainder``: the low half of its fp32
+        master's bits) with master='remainder', created as zeros where absent (the
+        master is then the parameter); else none."""
+        if self.master not in _LEAN_STATE:
             return []
-        return [self._state_tensor(state, "kahan_comp", p, torch.bfloat16)
-                for state, p in zip(states, params)]
+        key, dtype = _LEAN_STATE[self.master]
+        return [self._state_tensor(state, key, p, dtype) for state, p in zip(states, params)]
+
+    def _drop_lean_state(self, p: Tensor, state: Dict[str, Any]) -> None:
+        """Drops a Kahan compensation or remainder once the optimizer left its mode
+        (``master_weights = True`` after construction) or the parameter left bf16. A
+        remainder is not lost: the whole fp32 master (the parameter's bits and the
+        remainder) becomes the new fp32 master of a bf16 parameter, or the value of a
+        parameter cast to fp32 (``model.float()``). A compensation's part is below
+        bf16's resolution and is dropped."""
+        for mode, (key, _) in _LEAN_STATE.items():
+            if key not in state or (self.master == mode and p.dtype == torch.bfloat16):
+                continue
+            value = state.pop(key)
+            if key != "remainder" or type(p.data) is not Tensor or value.shape != p.shape:
+                continue  # (a DTensor's remainder is dropped)
+            whole = join_remainder(p.detach().to(torch.bfloat16), value.to(p.device))
+            if p.dtype == torch.float32:
+                with torch.no_grad():
+                    p.copy_(whole)
+            elif self.master == "fp32" and p.dtype == torch.bfloat16:
+                state.setdefault("master_param", whole)
 
     def _salts(self, group: Dict[str, Any], params: List[Tensor],
                device: torch.device) -> List[Tensor]:

@@ -242,12 +242,9 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         model, an in-place edit under ``no_grad``; edits through ``.data`` do not
         count, as they bypass the counter): the elements written take the parameter's
         value, those the write left as they were keep their fp32 value
-        (:func:`mixedprec.masters.retake_master`). A Kahan compensation is dropped once the
-        optimizer left master="kahan" (``master_weights = True`` after construction) or
-        the parameter left bf16 (``model.float()``: the dropped part is below bf16's
-        resolution)."""
-        if "kahan_comp" in state and (self.master != "kahan" or p.dtype != torch.bfloat16):
-            del state["kahan_comp"]
+        (:func:`mixedprec.masters.retake_master`). A Kahan compensation or remainder is
+        dropped as ``_drop_lean_state`` says."""
+        self._drop_lean_state(p, state)
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
                 self._master_versions.pop(id(state.pop("master_param")), None)

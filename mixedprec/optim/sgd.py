@@ -33,7 +33,7 @@ class SGD(TorchOptimizer):
     """
 
     _TORCH_CLASS = torch.optim.SGD
-    _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp")
+    _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp", "remainder")
     _LEAN = True
     _NEWER_KEYS = dict(nesterov=False, maximize=False, foreach=None, differentiable=False,
                        fused=False)
@@ -99,7 +99,9 @@ class SGD(TorchOptimizer):
         lr, lr_tensor = self._lr(group, targets[0].device)
         ops.fused_sgd_(targets, grads, buffers, model, lr, group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], first_run,
-                       inv_scale, found_inf, self.wd_after_momentum, kahan_comps=comps,
+                       inv_scale, found_inf, self.wd_after_momentum,
+                       kahan_comps=comps if self.master == "kahan" else None,
+                       remainders=comps if self.master == "remainder" else None,
                        sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
                        step=step if salts else None, maximize=bool(group.get("maximize")),
                        lr_tensor=lr_tensor,

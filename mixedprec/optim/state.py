@@ -9,10 +9,13 @@ from torch import Tensor
 
 # State entries shaped like their parameter, with the dtype they must have: masters
 # and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
-# state_dtype (None here); Kahan compensations are bfloat16.
+# state_dtype (None here); Kahan compensations are bfloat16, remainders int16.
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
-                "kahan_comp": torch.bfloat16}
+                "kahan_comp": torch.bfloat16, "remainder": torch.int16}
+# Entries only one master mode keeps.
+_MODE_STATE = {"kahan_comp": ("kahan", "a Kahan compensation"),
+               "remainder": ("remainder", "a remainder (the low half of an fp32 master)")}
 
 
 class StateLoading:
@@ -122,9 +125,10 @@ class StateLoading:
         if not isinstance(value, Tensor):
             return value
         where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
-        if key == "kahan_comp" and self.master != "kahan":
-            raise ValueError(f"{where}: a Kahan compensation, which only master='kahan' keeps "
-                             f"(this optimizer has master={self.master!r})")
+        if key in _MODE_STATE and self.master != _MODE_STATE[key][0]:
+            mode, what = _MODE_STATE[key]
+            raise ValueError(f"{where}: {what}, which only master={mode!r} keeps (this "
+                             f"optimizer has master={self.master!r})")
         if key in _PARAM_STATE:
             if value.shape != p.shape:
                 raise ValueError(f"{where} has shape {tuple(value.shape)}, "

@@ -455,6 +455,61 @@ TEST(CudaBlocks, StochasticRoundingMatchesTheCpuEngine) {
                        "skipped params");
 }
 
+// master="remainder": bf16 params with int16 remainders (aligned and misaligned starts,
+// every remainder value), SGD and Adam: the same bits as the CPU engine, for params and
+// remainders; a skipped step writes neither.
+TEST(CudaBlocks, RemaindersMatchTheCpuEngine) {
+  at::manual_seed(14);
+  const auto params = make_list(edge_sizes(), {at::kBFloat16});
+  const auto grads = like(params, at::kBFloat16);
+  std::vector<Tensor> rems;
+  for (const auto& p : params) {
+    const int64_t offset = (p.storage_offset() + 1) % 3;
+    rems.push_back(
+        at::randint(-32768, 32768, {p.numel() + offset}, at::kShort).narrow(0, offset, p.numel()));
+  }
+  auto sgd = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> r,
+                 const Tensor& found_inf) {
+    using Engine = decltype(engine);
+    std::vector<Tensor> bufs;
+    for (const auto& q : p) bufs.push_back(at::zeros({q.numel()}, at::kBFloat16));
+    for (const bool first_run : {true, false, false}) {
+      entry::fused_sgd_<Engine>(p, grads, bufs, {}, 0.01, 0.9, 0.0, 1e-4, true, first_run,
+                                scalar(0.5f), found_inf, false, std::nullopt, std::nullopt,
+                                std::nullopt, std::nullopt, true, std::nullopt, false, r);
+    }
+    return std::vector<std::vector<Tensor>>{p, r};
+  };
+  auto adam = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> r,
+                  const Tensor& found_inf) {
+    using Engine = decltype(engine);
+    std::vector<Tensor> m1, m2;
+    for (const auto& q : p) {
+      m1.push_back(at::zeros({q.numel()}, at::kFloat));
+      m2.push_back(at::zeros({q.numel()}, at::kFloat));
+    }
+    const Tensor step = scalar(0.f);
+    for (int i = 0; i < 3; ++i) {
+      entry::fused_adam_<Engine>(p, grads, m1, m2, {}, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true,
+                                 true, scalar(0.5f), found_inf, std::nullopt, std::nullopt,
+                                 std::nullopt, std::nullopt, false, std::nullopt, false, r);
+    }
+    return std::vector<std::vector<Tensor>>{p, r};
+  };
+  const auto cpu_sgd = sgd(CpuEngine{}, clones(params), clones(rems), scalar(0.f));
+  const auto emulated_sgd = sgd(EmulatedCudaEngine{}, clones(params), clones(rems), scalar(0.f));
+  expect_bitwise_equal(emulated_sgd[0], cpu_sgd[0], "sgd params");
+  expect_bitwise_equal(emulated_sgd[1], cpu_sgd[1], "sgd remainders");
+  EXPECT_FALSE(at::equal(cpu_sgd[1].back(), rems.back())) << "no step was taken";
+  const auto cpu_adam = adam(CpuEngine{}, clones(params), clones(rems), scalar(0.f));
+  const auto emulated_adam = adam(EmulatedCudaEngine{}, clones(params), clones(rems), scalar(0.f));
+  expect_bitwise_equal(emulated_adam[0], cpu_adam[0], "adam params");
+  expect_bitwise_equal(emulated_adam[1], cpu_adam[1], "adam remainders");
+  const auto skipped = adam(EmulatedCudaEngine{}, clones(params), clones(rems), scalar(1.f));
+  expect_bitwise_equal(skipped[0], params, "skipped params");
+  expect_bitwise_equal(skipped[1], rems, "skipped remainders");
+}
+
 TEST(CudaBlocks, FusedLambMatchesTheCpuEngine) {
   at::manual_seed(9);
   struct Case {

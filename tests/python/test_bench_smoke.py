@@ -300,7 +300,8 @@ def test_lean_quick(bench_lean, tmp_path):
     assert list(data["results"]) == models.split(",")
     stochastic = _stochastic_available()
     per_param = {"fp32": 12, "bf16-master": 14, "fp32-bf16mom": 8, "bf16-kahan": 12,
-                 "bf16-stochastic": 10, "bf16-none": 10}  # Adam, fp32 moments unless named
+                 "bf16-stochastic": 10, "bf16-none": 10, "bf16-remainder": 12,
+                 "bf16-remainder-bf16mom": 8}  # Adam, fp32 moments unless named
     for model, res in data["results"].items():
         assert set(res) == set(bench_lean.MODES)
         for mode, r in res.items():
@@ -356,7 +357,8 @@ def test_sr_step_measures_every_mode(tmp_path, capsys):
         torch.set_num_threads(threads)
     data = json.loads((tmp_path / "sr.json").read_text())
     assert [(r["tensors"], r["mode"]) for r in data["rows"]] == [
-        (t, m) for t in (1, 3) for m in ("none", "stochastic", "kahan")]
+        (t, m) for t in (1, 3) for m in ("none", "stochastic", "kahan", "fp32", "remainder",
+                                         "torch-fused-fp32", "torch-fused-bf16")]
     assert all(r["median_ms"] > 0 for r in data["rows"])
     assert [r["ratio"] for r in data["rows"] if r["mode"] == "none"] == [1.0, 1.0]
     assert "| 1003 x 3 | stochastic |" in capsys.readouterr().out

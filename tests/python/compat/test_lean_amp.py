@@ -1,5 +1,5 @@
 """amp.initialize's lean precision keywords (issue #11): ``master`` ("fp32", "none",
-"kahan", "stochastic") for the cast weights of O2/O3, and ``state_dtype`` for the fused
+"kahan", "stochastic", "remainder") for the cast weights of O2/O3, and ``state_dtype`` for the fused
 optimizers' moments and momentum. amp is a face on the optimizers: a run through amp
 must equal, bit for bit, the same model cast by hand (batchnorm kept fp32) and stepped
 by the optimizer built with the same mode. Apex's opt levels without the keywords are
@@ -89,6 +89,10 @@ LEAN = [
                  id="sgd-kahan-bf16-momentum"),
     pytest.param(mixedprec.FusedSGD, SGD, "stochastic", torch.float32, "state_dtype",
                  id="sgd-stochastic"),
+    pytest.param(mixedprec.FusedAdam, ADAM, "remainder", torch.bfloat16, "state_dtype",
+                 id="adam-remainder-bf16-moments"),
+    pytest.param(mixedprec.FusedSGD, SGD, "remainder", torch.float32, "state_dtype",
+                 id="sgd-remainder"),
 ]
 
 
@@ -107,8 +111,8 @@ def test_amp_lean_mode_is_the_optimizer_mode(device, cls, kwargs, master, state_
         for key, value in opt.state[p].items():
             assert_bitwise_equal(value, ref_opt.state[q][key], msg=f"{name} {key}")
         assert "master_param" not in opt.state[p]
-        assert ("kahan_comp" in opt.state[p]) == (master == "kahan" and
-                                                 p.dtype == torch.bfloat16), name
+        for mode, key in (("kahan", "kahan_comp"), ("remainder", "remainder")):
+            assert (key in opt.state[p]) == (master == mode and p.dtype == torch.bfloat16), name
     for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
         assert group.get("sr_seed") == ref_group.get("sr_seed")
 
@@ -187,6 +191,10 @@ ERRORS = [
     (adam, dict(opt_level="O2", master="kahan"), ValueError,
      "master='kahan' keeps bfloat16 weights; expected cast_model_type=torch.bfloat16, "
      "got torch.float16"),
+    (adam, dict(opt_level="O2", master="remainder"), ValueError,
+     "master='remainder' keeps bfloat16 weights; expected cast_model_type=torch.bfloat16"),
+    (lambda m: torch.optim.AdamW(m.parameters()), dict(BF16_O2, master="remainder"),
+     TypeError, "master='remainder' and state_dtype=None take mixedprec.FusedAdam"),
     (adam, dict(BF16_O2, master="stochastic", master_weights=True), ValueError,
      "master_weights=True conflicts with master='stochastic'"),
     (adam, dict(BF16_O2, master="fp32", master_weights=False), ValueError,

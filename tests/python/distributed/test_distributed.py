@@ -406,8 +406,9 @@ def test_zero_redundancy_optimizer_with_fused_adam_masters(backend):
 SAVE_AT, MORE = 2, 2
 
 
-def dcp_run(rank, world, checkpoint, mode):
-    """bf16 sharded params, fp32 masters in FusedAdam, a GradScaler whose scale moves
+def dcp_run(rank, world, checkpoint, mode, master="fp32"):
+    """bf16 sharded params, fp32 masters in FusedAdam (or with master="remainder" their
+    low halves, int16 remainders beside the params), a GradScaler whose scale moves
     every step. ``mode``: "save" trains SAVE_AT steps, saves, trains MORE; "load" loads
     the checkpoint and trains MORE. Returns the final whole params and masters, and the
     scale."""
@@ -415,7 +416,7 @@ def dcp_run(rank, world, checkpoint, mode):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = fsdp(mlp(torch.bfloat16))
-    opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+    opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2, master=master)
     scaler = mixedprec.GradScaler(device().type, init_scale=2.0**8, growth_interval=1)
 
     def train(steps):
@@ -439,7 +440,12 @@ def dcp_run(rank, world, checkpoint, mode):
                        optim_state_dict=state["optim"])
         scaler.load_state_dict(state["scaler"])
     train(range(SAVE_AT, SAVE_AT + MORE))
-    masters = full(opt.state[p]["master_param"] for p in model.parameters())
+    if master == "remainder":  # (whole int16 tensors travel as int32)
+        masters = [mixedprec.masters.join_remainder(p, r.to(torch.int16)) for p, r in zip(
+            full(model.parameters()),
+            full(opt.state[p]["remainder"].to(torch.int32) for p in model.parameters()))]
+    else:
+        masters = full(opt.state[p]["master_param"] for p in model.parameters())
     return (full(model.parameters()), masters, scaler.get_scale(),
             opt.param_groups[0]["step"].item())
 
@@ -456,6 +462,23 @@ def test_distributed_checkpoint_resumes_across_world_sizes(backend, tmp_path, sa
         for a, b in zip(params + masters, straight[0] + straight[1]):
             assert torch.equal(a, b)
     else:  # gradients averaged over other shards: equal to rounding (see recipes)
+        for a, b in zip(masters, straight[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("saved_on,loaded_on", [(2, 2), (2, 4)])
+def test_distributed_checkpoint_keeps_remainders(backend, tmp_path, saved_on, loaded_on):
+    """master="remainder": the int16 remainders are saved and loaded (resharded) with
+    their params; an interrupted run is the straight run bit for bit, masters included."""
+    checkpoint = str(tmp_path / "ckpt")
+    straight = run_ranks(dcp_run, saved_on, checkpoint, "save", "remainder", device=backend)[0]
+    params, masters, scale, step = run_ranks(dcp_run, loaded_on, checkpoint, "load",
+                                             "remainder", device=backend)[0]
+    assert scale == straight[2] and step == straight[3] == SAVE_AT + MORE
+    if saved_on == loaded_on:
+        for a, b in zip(params + masters, straight[0] + straight[1]):
+            assert torch.equal(a, b)
+    else:
         for a, b in zip(masters, straight[1]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-3)
 

@@ -164,6 +164,25 @@ def sample_inputs(device):
     name, args, _ = adam(fp32(116), mixed(117), [], None, None)
     add((name, args, {"max_exp_avg_sqs": [v.clone() for v in args[3]], "unscale_grads": True}))
 
+    # master="remainder": an int16 remainder per bf16 param (every value of the range,
+    # and skipped with found_inf), with fp32 and bf16 state, amsgrad and the options.
+    def remainders(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(-2**15, 2**15, p.shape, generator=gen, dtype=torch.int16).to(d)
+                for p in bf16_params]
+
+    for found in (0.0, 1.0):
+        name, args, _ = sgd(bf16_params, mixed(130), 0.9, [], *flags(found=found))
+        add((name, (args[0], args[1], like(args[0], [bf16, f32]), *args[3:]),
+             {"remainders": remainders(131), "maximize": True, "unscale_grads": True}))
+        name, args, _ = adam(bf16_params, mixed(132), [], *flags(found=found))
+        add((name, args, {"remainders": remainders(133)}))
+    name, args, _ = adam(bf16_params, mixed(134), [], None, None, adamw=False)
+    m, v = ([t.to(bf16) for t in ts] for ts in (args[2], args[3]))
+    add((name, (args[0], args[1], m, v, *args[4:]),
+         {"max_exp_avg_sqs": [t.abs() for t in v], "remainders": remainders(135),
+          "lr_tensor": scalar(1e-3, d)}))
+
     def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
         m, v = adam_state(params, d, seed=98)
         return ("fused_lamb_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
