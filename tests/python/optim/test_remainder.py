@@ -468,7 +468,7 @@ def test_the_op_refuses_bad_remainders_before_writing(device):
          "remainders"),
         (dict(remainders=rems, kahan_comps=[torch.zeros_like(params[0])]), ValueError,
          "remainders .*expected no model_params, no kahan_comps and no sr_seed"),
-        (dict(remainders=rems, sr_salts=[scalar(0.0, device)], sr_seed=1,
+        (dict(remainders=rems, sr_salts=ops.rounding_words([(0,)], device), sr_seed=1,
               step=scalar(1.0, device)), ValueError, "sr_seed"),
     ]
     for kwargs, error, match in cases:
