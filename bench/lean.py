@@ -24,6 +24,11 @@ bf16-remainder       bf16 params, ``master="remainder"`` (exact fp32 masters in 
                      bytes), fp32 moments
 bf16-remainder-      the same with ``state_dtype=torch.bfloat16`` (8 bytes per
 bf16mom              parameter)
+bf16-master-bf16mom  bf16 params, ``master="fp32"``, bf16 moments (10 bytes)
+bf16-kahan-bf16mom   bf16 params, ``master="kahan"``, bf16 moments (8 bytes: optimi's
+                     recipe)
+bf16-stochastic-     bf16 params, ``master="stochastic"``, bf16 moments (6 bytes)
+bf16mom
 ===================  ==========================================================
 
 bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
@@ -92,6 +97,9 @@ MODES: Dict[str, tuple] = {
     "bf16-none": (torch.bfloat16, "none", torch.float32),
     "bf16-remainder": (torch.bfloat16, "remainder", torch.float32),
     "bf16-remainder-bf16mom": (torch.bfloat16, "remainder", torch.bfloat16),
+    "bf16-master-bf16mom": (torch.bfloat16, "fp32", torch.bfloat16),
+    "bf16-kahan-bf16mom": (torch.bfloat16, "kahan", torch.bfloat16),
+    "bf16-stochastic-bf16mom": (torch.bfloat16, "stochastic", torch.bfloat16),
 }
 REFERENCE = "bf16-master"  # the bar's reference: fp32 masters
 CONTENDERS = ("bf16-kahan", "bf16-stochastic")
@@ -464,7 +472,7 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
             out.append(sum(acc) / len(acc))
         return out
 
-    colors = {m: f"C{i}" for i, m in enumerate(MODES)}
+    colors = {m: _color(m) for m in MODES}
     for mode in MODES:
         for ax, model, key in ((axes[0][0], "digits", "losses"), (axes[0][1], "lm", "losses")):
             r = res.get(model, {}).get(mode, {})
@@ -472,13 +480,15 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
                 continue
             curves = [s[key] for s in r["seeds"]]
             mean = [statistics.mean(v) for v in zip(*curves)]
-            ax.plot(smooth(mean, 20), label=mode, lw=1, color=colors[mode])
+            ax.plot(smooth(mean, 20), label=mode, lw=1, color=colors[mode],
+                    ls=_style(mode))
         r = res.get("lm", {}).get(mode, {})
         if r.get("status") == "ok" and r["seeds"][0]["evals"]:
             xs = [e[0] for e in r["seeds"][0]["evals"]]
             ys = [statistics.mean(v) for v in zip(*[[e[1] for e in s["evals"]]
                                                      for s in r["seeds"]])]
-            axes[0][2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1, color=colors[mode])
+            axes[0][2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1, color=colors[mode],
+                            ls=_style(mode))
     axes[0][0].set(title="digits: training loss (20-step mean)", xlabel="step", yscale="log")
     axes[0][1].set(title="byte LM: training loss (20-step mean)", xlabel="step")
     axes[0][2].set(title="byte LM: held-out loss", xlabel="step")
@@ -531,8 +541,21 @@ def _bytes_panel(ax, model: str, res: Dict[str, Any], colors: Dict[str, str],
         k = at.get(b, 0)
         at[b] = k + 1
         marker = "s" if MODES[mode][0] == torch.float32 else "o"
+        face = colors[mode] if MODES[mode][2] == torch.float32 else "white"
         ax.errorbar(b + 0.15 * k, mean, yerr=[[mean - min(vals)], [max(vals) - mean]],
-                    fmt=marker, color=colors[mode], capsize=3, ms=6, label=mode)
+                    fmt=marker, color=colors[mode], mfc=face, capsize=3, ms=6, label=mode)
+
+
+def _color(mode: str) -> str:
+    """One color per (param dtype, master); bf16 moments share their master's color
+    (dashed curves, hollow markers)."""
+    keys = sorted({MODES[m][:2] for m in MODES}, key=lambda k: list(MODES).index(
+        next(m for m in MODES if MODES[m][:2] == k)))
+    return f"C{keys.index(MODES[mode][:2]) % 10}"
+
+
+def _style(mode: str) -> str:
+    return "-" if MODES[mode][2] == torch.float32 else "--"
 
 
 def parse_args(argv):
