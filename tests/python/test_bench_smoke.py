@@ -330,6 +330,12 @@ def test_lean_quick(bench_lean, tmp_path):
     assert ("not available in this build" in md) == (not stochastic)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "lean-cpu.png").stat().st_size > 0
+    # --replot: the same markdown again from the JSON, without training.
+    again = tmp_path / "replot"
+    assert bench_lean.main(["--replot", str(tmp_path / "lean-cpu.json"), "--out", str(again)]) == 0
+    assert (again / "lean-cpu.md").read_text() == md
+    if HAS_MATPLOTLIB:
+        assert (again / "lean-cpu.png").stat().st_size > 0
 
 
 def test_lean_bar_on_made_up_numbers(bench_lean):
