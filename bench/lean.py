@@ -24,6 +24,11 @@ bf16-remainder       bf16 params, ``master="remainder"`` (exact fp32 masters in 
                      bytes), fp32 moments
 bf16-remainder-      the same with ``state_dtype=torch.bfloat16`` (8 bytes per
 bf16mom              parameter)
+bf16-master-bf16mom  bf16 params, ``master="fp32"``, bf16 moments (10 bytes)
+bf16-kahan-bf16mom   bf16 params, ``master="kahan"``, bf16 moments (8 bytes: optimi's
+                     recipe)
+bf16-stochastic-     bf16 params, ``master="stochastic"``, bf16 moments (6 bytes)
+bf16mom
 ===================  ==========================================================
 
 bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
@@ -48,7 +53,10 @@ held-out loss on the LM and within 0.5 points of its accuracy on digits; bf16-no
 visibly worse (beyond the same margins).
 
 Writes ``lean-<device>.md``, ``.json``, ``.png`` to bench/results (or ``--out``;
-``--quick``, a smoke run of under a minute, writes to bench/results/cpu-smoke).
+``--quick``, a smoke run of under a minute, writes to bench/results/cpu-smoke). The
+chart: the loss curves, and each mode's final LM loss and digits accuracy against its
+bytes per parameter. ``--replot lean-<device>.json`` writes the markdown and the chart
+of a saved run again without training.
 """
 
 import argparse
@@ -89,6 +97,9 @@ MODES: Dict[str, tuple] = {
     "bf16-none": (torch.bfloat16, "none", torch.float32),
     "bf16-remainder": (torch.bfloat16, "remainder", torch.float32),
     "bf16-remainder-bf16mom": (torch.bfloat16, "remainder", torch.bfloat16),
+    "bf16-master-bf16mom": (torch.bfloat16, "fp32", torch.bfloat16),
+    "bf16-kahan-bf16mom": (torch.bfloat16, "kahan", torch.bfloat16),
+    "bf16-stochastic-bf16mom": (torch.bfloat16, "stochastic", torch.bfloat16),
 }
 REFERENCE = "bf16-master"  # the bar's reference: fp32 masters
 CONTENDERS = ("bf16-kahan", "bf16-stochastic")
@@ -97,7 +108,7 @@ BAR_LM_REL = 0.01  # relative held-out loss
 BAR_DIGITS_POINTS = 0.5  # accuracy, percentage points
 UNAVAILABLE = "not available in this build"
 
-# Sizes: full run (measured 223 s on 1 thread of a shared Xeon) and --quick (~10 s).
+# Sizes: full run (eleven modes: 686 s on 1 thread of a shared AMD EPYC) and --quick (~10 s).
 FULL = dict(seeds=3, digits_steps=1200, digits_batch=32, digits_lr=3e-4,
             lm_steps=400, lm_batch=16, lm_seq=64, lm_d=96, lm_layers=2, lm_heads=4,
             lm_lr=2e-3, lm_eval_every=50, lm_eval_batches=16, lm_corpus_mb=4.0,
@@ -416,7 +427,7 @@ def markdown(data: Dict[str, Any]) -> str:
                       f"(±{r['metric_spread'] / 2:.{2 if model == 'digits' else 4}f})")
             rows.append([mode, metric + (" non-finite!" if r["nonfinite"] else ""),
                          f"{r['total_bytes'] / 1e6:.3f}",
-                         f"{r['total_bytes'] / (r['param_bytes'] / MODES[mode][0].itemsize):.1f}",
+                         f"{bytes_per_param(mode, r):.1f}",
                          C.fmt(r["median_step_ms"], 1),
                          f"{r['median_step_ms'] / res['fp32']['median_step_ms']:.2f}"
                          if res.get("fp32", {}).get("status") == "ok" else ""])
@@ -439,7 +450,11 @@ def markdown(data: Dict[str, Any]) -> str:
 
 
 def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
-    """Loss curves, mean over seeds per mode. Returns why not, or None."""
+    """Top row: loss curves, mean over seeds per mode. Bottom row: each mode's final
+    metric against its bytes per parameter (params + optimizer state, measured): LM
+    loss and digits accuracy paired per seed with the fp32-master run (REFERENCE), and
+    the LM loss itself (means over the seeds, bars: the seeds' range). Returns why not,
+    or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -447,7 +462,7 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
     except ImportError as e:
         return f"matplotlib missing: {e}"
     res = data["results"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
 
     def smooth(xs, k):
         out, acc = [], []
@@ -457,24 +472,38 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
             out.append(sum(acc) / len(acc))
         return out
 
+    colors = {m: _color(m) for m in MODES}
     for mode in MODES:
-        for ax, model, key in ((axes[0], "digits", "losses"), (axes[1], "lm", "losses")):
+        for ax, model, key in ((axes[0][0], "digits", "losses"), (axes[0][1], "lm", "losses")):
             r = res.get(model, {}).get(mode, {})
             if r.get("status") != "ok":
                 continue
             curves = [s[key] for s in r["seeds"]]
             mean = [statistics.mean(v) for v in zip(*curves)]
-            ax.plot(smooth(mean, 20), label=mode, lw=1)
+            ax.plot(smooth(mean, 20), label=mode, lw=1, color=colors[mode],
+                    ls=_style(mode))
         r = res.get("lm", {}).get(mode, {})
         if r.get("status") == "ok" and r["seeds"][0]["evals"]:
             xs = [e[0] for e in r["seeds"][0]["evals"]]
             ys = [statistics.mean(v) for v in zip(*[[e[1] for e in s["evals"]]
                                                      for s in r["seeds"]])]
-            axes[2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1)
-    axes[0].set(title="digits: training loss (20-step mean)", xlabel="step", yscale="log")
-    axes[1].set(title="byte LM: training loss (20-step mean)", xlabel="step")
-    axes[2].set(title="byte LM: held-out loss", xlabel="step")
-    for ax in axes:
+            axes[0][2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1, color=colors[mode],
+                            ls=_style(mode))
+    axes[0][0].set(title="digits: training loss (20-step mean)", xlabel="step", yscale="log")
+    axes[0][1].set(title="byte LM: training loss (20-step mean)", xlabel="step")
+    axes[0][2].set(title="byte LM: held-out loss", xlabel="step")
+    xlabel = "bytes per parameter (params + optimizer state, measured)"
+    panels = ((axes[1][0], "lm", "paired", f"byte LM: final held-out loss vs {REFERENCE}, "
+               "same seed (%)"),
+              (axes[1][1], "digits", "paired", f"digits: final test accuracy - {REFERENCE}'s, "
+               "same seed (points)"),
+              (axes[1][2], "lm", "absolute", "byte LM: final held-out loss (nats/byte)"))
+    for ax, model, kind, title in panels:
+        _bytes_panel(ax, model, res.get(model, {}), colors, paired=kind == "paired")
+        ax.set(title=title, xlabel=xlabel)
+        if kind == "paired":
+            ax.axhline(0, color="grey", lw=0.8)
+    for ax in axes.flat[:5]:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(f"FusedAdam lean modes, mean over {data['config']['seeds']} seeds "
@@ -483,6 +512,50 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def bytes_per_param(mode: str, r: Dict[str, Any]) -> float:
+    """Params + optimizer state bytes over the number of parameters (measured)."""
+    return r["total_bytes"] / (r["param_bytes"] / MODES[mode][0].itemsize)
+
+
+def _bytes_panel(ax, model: str, res: Dict[str, Any], colors: Dict[str, str],
+                 paired: bool) -> None:
+    """One point per mode at its bytes per parameter: the mean final metric over the
+    seeds (``paired``: each seed's difference to the same seed's REFERENCE run, as the
+    bar measures it: relative % on the LM, points on digits), the seeds' range as an
+    error bar; modes at the same bytes are spread a little sideways."""
+    ref = res.get(REFERENCE, {})
+    if paired and ref.get("status") != "ok":
+        return
+    at: Dict[float, int] = {}
+    for mode, r in res.items():
+        if r.get("status") != "ok" or r.get("metric_mean") is None:
+            continue
+        vals = [s["metric"] for s in r["seeds"]]
+        if paired:
+            refs = [s["metric"] for s in ref["seeds"]]
+            vals = [100 * (v - w) / w if model == "lm" else v - w for v, w in zip(vals, refs)]
+        mean = statistics.mean(vals)
+        b = bytes_per_param(mode, r)
+        k = at.get(b, 0)
+        at[b] = k + 1
+        marker = "s" if MODES[mode][0] == torch.float32 else "o"
+        face = colors[mode] if MODES[mode][2] == torch.float32 else "white"
+        ax.errorbar(b + 0.15 * k, mean, yerr=[[mean - min(vals)], [max(vals) - mean]],
+                    fmt=marker, color=colors[mode], mfc=face, capsize=3, ms=6, label=mode)
+
+
+def _color(mode: str) -> str:
+    """One color per (param dtype, master); bf16 moments share their master's color
+    (dashed curves, hollow markers)."""
+    keys = sorted({MODES[m][:2] for m in MODES}, key=lambda k: list(MODES).index(
+        next(m for m in MODES if MODES[m][:2] == k)))
+    return f"C{keys.index(MODES[mode][:2]) % 10}"
+
+
+def _style(mode: str) -> str:
+    return "-" if MODES[mode][2] == torch.float32 else "--"
 
 
 def parse_args(argv):
@@ -497,11 +570,16 @@ def parse_args(argv):
     p.add_argument("--seeds", type=int, help="default 3 (1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--note", help="a sentence added to the report (e.g. what else ran)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="train nothing: rewrite the markdown and the chart of a saved "
+                        "lean-<device>.json (next to it, or into --out)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot), args.out)
     C.ensure_importable()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -509,6 +587,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _run(args)
     finally:
         torch.set_num_threads(threads)
+
+
+def replot(path: Path, out: Optional[str]) -> int:
+    """The markdown and the PNG of a saved run, written again by this script."""
+    import json
+    data = json.loads(path.read_text())
+    folder = Path(out) if out else path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = path.stem
+    (folder / f"{stem}.md").write_text(markdown(data))
+    why = chart(data, folder / f"{stem}.png")
+    print(f"wrote {folder}/{stem}.md" + (f" (no chart: {why})" if why else ", .png"))
+    return 0
 
 
 def _run(args) -> int:
