@@ -21,6 +21,7 @@
 #include "../dispatch.h"
 #include "../multi_tensor_plan.h"
 #include "vec.h"
+#include "vec_pair.h"
 
 namespace mixedprec::cpu {
 
@@ -84,6 +85,12 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
       ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr ? prefetch_ahead(std::get<K>(v) + i) \
                                                             : void()),                           \
        ...);                                                                                     \
+      if constexpr (W > 16) { /* a line per 16 fp32 lanes */                                     \
+        ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr                                    \
+              ? prefetch_ahead(std::get<K>(v) + i + 16)                                          \
+              : void()),                                                                         \
+         ...);                                                                                   \
+      }                                                                                          \
       Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
                    : loaded_list<Op, K>() && std::get<K>(v) != nullptr                           \
                        ? NS::load(std::get<K>(v) + i)                                            \
@@ -100,6 +107,7 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 #if defined(MP_X86_ISA)
 MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
 MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
+MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512x2)
 #endif
 #undef MP_PASS
 
@@ -108,7 +116,12 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
          std::index_sequence<K...> seq) {
 #if defined(MP_X86_ISA)
   switch (cpu_isa()) {
-    case Isa::kAvx512: return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
+    case Isa::kAvx512:
+      // Stochastic rounding: 32 lanes a step, for 4 Philox blocks per call (vec_pair.h).
+      if constexpr (NeedsIndex<Op>::value) {
+        if (op.stochastic) return pass_avx512x2<Op, Ts...>(op, data, begin, end, seq);
+      }
+      return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
     case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
     default: break;
   }

@@ -60,7 +60,7 @@ typedef uint32_t VecU8 __attribute__((vector_size(32)));
 // of elements 8 * block .. 8 * block + 15 (x86 is little-endian). Each round is one
 // vpmuludq for all four products (the scalar form takes four 64-bit multiplies, which
 // share one port). The AVX2 path uses the first block only: half the width costs the
-// same instructions.
+// same instructions. (AVX-512 machines take philox_avx512 below.)
 __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const RoundingKey& key,
                                                                         uint64_t block) {
   constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
@@ -92,6 +92,61 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
   }
   return c;
 }
+
+// The same rounds for AVX-512 machines, 4 blocks (`block` .. `block + 3`) in 512-bit
+// vectors or 2 in 256-bit ones (as rounding_blocks2), in the same output layout. V:
+// __m512i or __m256i, through the helpers below. Per round one vpmuludq, one vpshufd
+// (the products in the new word order), one vpsrlq (v[1] and v[3] onto words 0 and 2,
+// zeros between) and one vpternlogd for both xors, against rounding_blocks2's
+// vpshufb and two vpxor; the round keys are each the first key plus a constant (no
+// chain of adds), the counters one masked broadcast of the block and one 64-bit add.
+namespace philox_avx512 {
+#define MP_AVX512_FN __attribute__((target(MP_AVX512_TARGET))) inline
+// 64-bit lanes: the block (in the even lanes) plus (j, salt | step << 32) per block j.
+MP_AVX512_FN __m512i counters(const RoundingKey& key, uint64_t block, __m512i) {
+  const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
+  return _mm512_add_epi64(_mm512_maskz_set1_epi64(0x55, static_cast<long long>(block)),
+                          _mm512_setr_epi64(0, tail, 1, tail, 2, tail, 3, tail));
+}
+MP_AVX512_FN __m256i counters(const RoundingKey& key, uint64_t block, __m256i) {
+  const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
+  return _mm256_add_epi64(_mm256_maskz_set1_epi64(0x5, static_cast<long long>(block)),
+                          _mm256_setr_epi64x(0, tail, 1, tail));
+}
+// Words (a, 0, b, 0) in every 128-bit lane.
+MP_AVX512_FN __m512i pairs(uint32_t a, uint32_t b, __m512i) {
+  return _mm512_set4_epi32(0, static_cast<int>(b), 0, static_cast<int>(a));
+}
+MP_AVX512_FN __m256i pairs(uint32_t a, uint32_t b, __m256i) {
+  return _mm256_setr_epi32(static_cast<int>(a), 0, static_cast<int>(b), 0, static_cast<int>(a), 0,
+                           static_cast<int>(b), 0);
+}
+MP_AVX512_FN __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+MP_AVX512_FN __m256i add(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+MP_AVX512_FN __m512i mul(__m512i a, __m512i b) { return _mm512_maskz_mul_epu32(0xff, a, b); }
+MP_AVX512_FN __m256i mul(__m256i a, __m256i b) { return _mm256_mul_epu32(a, b); }
+// (hi1 ^ v1 ^ k0, lo1, hi0 ^ v3 ^ k1, lo0) per block, from the products p = (lo0, hi0,
+// lo1, hi1), the state c = (v0, v1, v2, v3) and k = (k0, 0, k1, 0).
+MP_AVX512_FN __m512i mix(__m512i p, __m512i c, __m512i k) {
+  return _mm512_ternarylogic_epi32(_mm512_maskz_shuffle_epi32(0xffff, p, _MM_PERM_ABCD),
+                                   _mm512_maskz_srli_epi64(0xff, c, 32), k, 0x96);
+}
+MP_AVX512_FN __m256i mix(__m256i p, __m256i c, __m256i k) {
+  return _mm256_ternarylogic_epi32(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
+                                   _mm256_srli_epi64(c, 32), k, 0x96);
+}
+template <typename V>
+MP_AVX512_FN V rounding_blocks(const RoundingKey& key, uint64_t block) {
+  const V k = pairs(static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32), V{});
+  const V m = pairs(kPhiloxM0, kPhiloxM1, V{});
+  V c = counters(key, block, V{});
+  for (uint32_t r = 0; r < 10; ++r) {
+    c = mix(mul(c, m), c, add(k, pairs(r * kPhiloxW0, r * kPhiloxW1, V{})));
+  }
+  return c;
+}
+#undef MP_AVX512_FN
+}  // namespace philox_avx512
 
 // The bits of local elements index .. index + n - 1 (rounding_bits of each one's
 // global index), for vectors whose lanes are not consecutive in the full tensor (they
@@ -177,19 +232,27 @@ struct Lanes<VecF16> {
   }
   // Philox for blocks g / 8 and g / 8 + 1 in vector lanes when the lanes' global
   // indices are g .. g + 15 with g % 8 == 0 (a whole tensor, as the engine's vectors
-  // start); consecutive_bits for other consecutive ones; else lane by lane.
+  // start); for other consecutive ones, blocks g / 8 .. g / 8 + 3 in one 512-bit
+  // vector and a permutation of its halves; else lane by lane.
   __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 round_bf16_stochastic(
       VecF16 x, const RoundingKey& key, int64_t index) {
     typedef uint16_t Halves __attribute__((vector_size(32)));
     VecU16 bits;
     const int64_t g = key.global(index);
     if (g % 8 == 0 && key.consecutive(index, 16)) {
-      const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
+      const __m256i out =
+          philox_avx512::rounding_blocks<__m256i>(key, static_cast<uint64_t>(g) / 8);
       bits = __builtin_convertvector((Halves)out, VecU16);
     } else if (key.consecutive(index, 16)) {
-      Halves halves;
-      consecutive_bits<16>(key, g, reinterpret_cast<uint16_t*>(&halves));
-      bits = __builtin_convertvector(halves, VecU16);
+      // Blocks g / 8 .. g / 8 + 3 (the 16 halves from g % 8 on lie in the first 3):
+      // 32-bit lane j takes half g % 8 + j, zero-extended (16-bit lanes 2j + 1 zero).
+      typedef int16_t Shorts32 __attribute__((vector_size(64)));
+      const Shorts32 first = {0, 0, 1, 1, 2,  2,  3,  3,  4,  4,  5,  5,  6,  6,  7,  7,
+                              8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+      const __m512i out =
+          philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
+      bits = (VecU16)_mm512_maskz_permutexvar_epi16(
+          0x55555555u, (__m512i)(first + static_cast<int16_t>(g % 8)), out);
     } else {
       uint32_t lanes[16];
       lane_bits(key, index, 16, lanes);

@@ -290,6 +290,47 @@ def test_every_instruction_set_draws_the_same_bits(device, tmp_path):
             assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
 
 
+# The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
+# call): tensors around multiples of 32, shards at offsets that are multiples of 8
+# (4 blocks at once) or not, runs that end inside a 32-lane step but not a 16-lane one.
+ISA_SCRIPT_32 = """
+import sys
+import torch
+from mixedprec import ops
+sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40]
+params = [(torch.arange(n) * 0.29).sin().bfloat16() for n in sizes]
+grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
+rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 48, 64),
+         (i, 8, 40, 40)][i % 6] for i in range(len(sizes))]
+salts = ops.rounding_words(rows)
+ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**33 + 11,
+               step=torch.full((1,), 3.0))
+torch.save(params, sys.argv[1])
+"""
+
+
+def test_every_instruction_set_draws_the_same_bits_in_32_lane_steps(device, tmp_path):
+    """The AVX-512 pass's 32-lane steps (4 Philox blocks per call, vec_pair.h) and
+    their fallbacks (shards off multiples of 8, runs ending inside a step) give the
+    baseline loop's params bit for bit, and so does AVX2."""
+    if device == "cuda":
+        pytest.skip("the CPU engine's instruction sets")
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "isa32.py"
+    script.write_text(ISA_SCRIPT_32)
+    results = {}
+    for capability in ("default", "avx2", "avx512"):
+        path = tmp_path / f"{capability}.pt"
+        subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=120,
+                       env=dict(os.environ, ATEN_CPU_CAPABILITY=capability))
+        results[capability] = torch.load(path)
+    for capability in ("avx2", "avx512"):
+        for i, (a, b) in enumerate(zip(results["default"], results[capability])):
+            assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
+
+
 def test_a_large_tensor_counts_elements_past_the_first_chunk():
     """Elements past the CPU engine's first chunk and vector lanes are keyed by their
     own index: the reference bits of a slice far into the tensor."""

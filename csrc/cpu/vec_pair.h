@@ -1,0 +1,104 @@
+// Two AVX-512 vectors as one value of 32 floats, for the optimizers' passes with
+// stochastic rounding (engine.h): their Philox bits then come from one 512-bit
+// Philox4x32-10 call per 32 elements (four blocks, philox_avx512 in vec.h) instead of
+// one 256-bit call per 16. The ten rounds are a chain of dependent instructions
+// (about 5 cycles each), so a call's cost is its latency more than its instruction
+// count: four blocks per chain give twice the bits per cycle of two. Everything else
+// is the 16-float vector's code on each half, so the bits and values are those of
+// the 16-float (and AVX2, and baseline) passes.
+#pragma once
+
+#include "vec.h"
+
+#if defined(MP_X86_ISA)
+namespace mixedprec {
+
+#define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
+
+// Lanes 0..15 in a, 16..31 in b.
+struct VecF32 {
+  VecF16 a, b;
+};
+struct FlagF32 {  // per-lane flags (Lanes<VecF32>::Flag), as two VecI16
+  VecI16 a, b;
+  MP_AVX512 FlagF32& operator|=(FlagF32 o) {
+    a |= o.a;
+    b |= o.b;
+    return *this;
+  }
+};
+
+#define MP_PAIR_OP(OP)                                                                  \
+  MP_AVX512 VecF32 operator OP(VecF32 x, VecF32 y) { return {x.a OP y.a, x.b OP y.b}; } \
+  MP_AVX512 VecF32 operator OP(VecF32 x, float y) { return {x.a OP y, x.b OP y}; }      \
+  MP_AVX512 VecF32 operator OP(float x, VecF32 y) { return {x OP y.a, x OP y.b}; }
+MP_PAIR_OP(+)
+MP_PAIR_OP(-)
+MP_PAIR_OP(*)
+MP_PAIR_OP(/)
+#undef MP_PAIR_OP
+#define MP_PAIR_CMP(OP) \
+  MP_AVX512 FlagF32 operator OP(VecF32 x, VecF32 y) { return {x.a OP y.a, x.b OP y.b}; }
+MP_PAIR_CMP(==)
+MP_PAIR_CMP(!=)
+MP_PAIR_CMP(<)
+MP_PAIR_CMP(<=)
+MP_PAIR_CMP(>)
+MP_PAIR_CMP(>=)
+#undef MP_PAIR_CMP
+MP_AVX512 VecF32 operator-(VecF32 x) { return {-x.a, -x.b}; }
+
+template <>
+struct Lanes<VecF32> {
+  using Flag = FlagF32;
+  using H = Lanes<VecF16>;
+  MP_AVX512 static VecF32 sqrt(VecF32 x) { return {H::sqrt(x.a), H::sqrt(x.b)}; }
+  MP_AVX512 static FlagF32 not_finite(VecF32 x) { return {H::not_finite(x.a), H::not_finite(x.b)}; }
+  MP_AVX512 static FlagF32 none() { return {VecI16{}, VecI16{}}; }
+  MP_AVX512 static VecF32 select(FlagF32 c, VecF32 x, VecF32 y) {
+    return {H::select(c.a, x.a, y.a), H::select(c.b, x.b, y.b)};
+  }
+  MP_AVX512 static VecF32 round_bf16(VecF32 x) { return {H::round_bf16(x.a), H::round_bf16(x.b)}; }
+  // Blocks g / 8 .. g / 8 + 3 in one call when the 32 lanes' global indices are
+  // g .. g + 31 with g % 8 == 0 (a whole tensor, as the passes' vectors start); else
+  // each half as the 16-float vector does.
+  MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey& key, int64_t index) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 32)) {
+      return {H::round_bf16_stochastic(x.a, key, index),
+              H::round_bf16_stochastic(x.b, key, index + 16)};
+    }
+    const __m512i out = philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
+    const __m256i low = _mm512_maskz_extracti64x4_epi64(0xf, out, 0);
+    const __m256i high = _mm512_maskz_extracti64x4_epi64(0xf, out, 1);
+    return {round_bf16_stochastic_lanes<VecF16>(
+                x.a, (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, low)),
+            round_bf16_stochastic_lanes<VecF16>(
+                x.b, (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, high))};
+  }
+  MP_AVX512 static VecF32 join_bf16(VecF32 param, VecF32 remainder) {
+    return {H::join_bf16(param.a, remainder.a), H::join_bf16(param.b, remainder.b)};
+  }
+  MP_AVX512 static VecF32 split_bf16(VecF32 master, VecF32& remainder) {
+    return {H::split_bf16(master.a, remainder.a), H::split_bf16(master.b, remainder.b)};
+  }
+};
+
+namespace cpu::avx512x2 {
+using Vec = VecF32;
+MP_AVX512 Vec broadcast(float v) { return {avx512::broadcast(v), avx512::broadcast(v)}; }
+template <typename T>
+MP_AVX512 Vec load(const T* p) {
+  return {avx512::load(p), avx512::load(p + 16)};
+}
+template <typename T>
+MP_AVX512 void store(T* p, Vec x) {
+  avx512::store(p, x.a);
+  avx512::store(p + 16, x.b);
+}
+MP_AVX512 bool any(FlagF32 flags) { return avx512::any(flags.a | flags.b); }
+}  // namespace cpu::avx512x2
+
+#undef MP_AVX512
+}  // namespace mixedprec
+#endif
