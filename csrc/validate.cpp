@@ -37,8 +37,8 @@ std::string dtype_name(at::ScalarType t) {
 
 std::string dtype_names(unsigned set) {
   std::string out;
-  const at::ScalarType all[] = {at::kFloat,  at::kHalf, at::kBFloat16,
-                                at::kDouble, at::kInt,  at::kLong, at::kShort};
+  const at::ScalarType all[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble,
+                                at::kInt,   at::kLong, at::kShort};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
