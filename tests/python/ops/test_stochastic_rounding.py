@@ -268,28 +268,6 @@ torch.save(params, sys.argv[1])
 """
 
 
-def test_every_instruction_set_draws_the_same_bits(device, tmp_path):
-    """The CPU engine's AVX-512 (two Philox blocks per vector), AVX2 (one) and
-    baseline loops (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails,
-    shards at offsets off multiples of 8 and runs: the same params bit for bit."""
-    if device == "cuda":
-        pytest.skip("the CPU engine's instruction sets")
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "isa.py"
-    script.write_text(ISA_SCRIPT)
-    results = {}
-    for capability in ("default", "avx2", "avx512"):
-        path = tmp_path / f"{capability}.pt"
-        subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=120,
-                       env=dict(os.environ, ATEN_CPU_CAPABILITY=capability))
-        results[capability] = torch.load(path)
-    for capability in ("avx2", "avx512"):
-        for i, (a, b) in enumerate(zip(results["default"], results[capability])):
-            assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
-
-
 # The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
 # call): tensors around multiples of 32, shards at offsets that are multiples of 8
 # (4 blocks at once) or not, runs that end inside a 32-lane step but not a 16-lane one.
@@ -309,23 +287,26 @@ torch.save(params, sys.argv[1])
 """
 
 
-def test_every_instruction_set_draws_the_same_bits_in_32_lane_steps(device, tmp_path):
-    """The AVX-512 pass's 32-lane steps (4 Philox blocks per call, vec_pair.h) and
-    their fallbacks (shards off multiples of 8, runs ending inside a step) give the
-    baseline loop's params bit for bit, and so does AVX2."""
+@pytest.mark.parametrize("script", [ISA_SCRIPT, ISA_SCRIPT_32], ids=["16_lanes", "32_lanes"])
+def test_every_instruction_set_draws_the_same_bits(device, tmp_path, script):
+    """The CPU engine's AVX-512 (Philox blocks per vector; for stochastic rounding 32
+    lanes a step, 4 blocks per call, vec_pair.h), AVX2 and baseline loops
+    (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails, shards at offsets
+    off multiples of 8 and runs (ending inside a 16- or 32-lane step): the same params
+    bit for bit."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
     import subprocess
     import sys
-    script = tmp_path / "isa32.py"
-    script.write_text(ISA_SCRIPT_32)
+    path = tmp_path / "isa.py"
+    path.write_text(script)
     results = {}
     for capability in ("default", "avx2", "avx512"):
-        path = tmp_path / f"{capability}.pt"
-        subprocess.run([sys.executable, str(script), str(path)], check=True, timeout=120,
+        out = tmp_path / f"{capability}.pt"
+        subprocess.run([sys.executable, str(path), str(out)], check=True, timeout=120,
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability))
-        results[capability] = torch.load(path)
+        results[capability] = torch.load(out)
     for capability in ("avx2", "avx512"):
         for i, (a, b) in enumerate(zip(results["default"], results[capability])):
             assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
