@@ -574,10 +574,11 @@ def test_fused_adagrad_rejects_float64_and_sparse():
 
 # --- state_dict -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
-def test_fused_adagrad_state_dict_round_trip_resumes_bit_for_bit(device, dtype, master_weights):
+def resume_through_torch_save(cls, dtype, device, **config):
+    """``cls(params, **config)`` after 3 steps, and another built on other values that
+    loads the first's parameters and state dict through torch.save/torch.load."""
     params = make_params(dtype, device)
-    opt = FusedAdagrad(params, lr=0.05, weight_decay=1e-2, master_weights=master_weights)
+    opt = cls(params, **config)
     for step in range(3):
         set_grads(params, step)
         opt.step()
@@ -585,16 +586,17 @@ def test_fused_adagrad_state_dict_round_trip_resumes_bit_for_bit(device, dtype, 
     torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-
     resumed_params = make_params(dtype, device, seed=77)
     with torch.no_grad():
         for p, s in zip(resumed_params, saved["model"]):
             p.copy_(s)
-    resumed = FusedAdagrad(resumed_params, lr=0.05, weight_decay=1e-2,
-                           master_weights=master_weights)
+    resumed = cls(resumed_params, **config)
     resumed.load_state_dict(saved["opt"])
-    for p in resumed_params:
-        assert resumed.state[p]["sum"].dtype == torch.float32
+    return params, opt, resumed_params, resumed
+
+
+def assert_resumes_like_uninterrupted(params, opt, resumed_params, resumed):
+    """Steps 3-5 on both: the resumed run ends bit for bit where the first one does."""
     for step in range(3, 6):
         set_grads(params, step)
         set_grads(resumed_params, step)
@@ -602,6 +604,15 @@ def test_fused_adagrad_state_dict_round_trip_resumes_bit_for_bit(device, dtype, 
         resumed.step()
     assert_same_snapshot(full_snapshot(resumed_params, resumed), full_snapshot(params, opt),
                          "resumed vs uninterrupted")
+
+
+@pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
+def test_fused_adagrad_state_dict_round_trip_resumes_bit_for_bit(device, dtype, master_weights):
+    params, opt, resumed_params, resumed = resume_through_torch_save(
+        FusedAdagrad, dtype, device, lr=0.05, weight_decay=1e-2, master_weights=master_weights)
+    for p in resumed_params:
+        assert resumed.state[p]["sum"].dtype == torch.float32
+    assert_resumes_like_uninterrupted(params, opt, resumed_params, resumed)
 
 
 def test_fused_adagrad_load_state_dict_errors_change_nothing():
@@ -872,29 +883,10 @@ def test_fused_novograd_bad_constructor_arguments(kwargs):
 @pytest.mark.parametrize("dtype, master_weights", MODEL_DTYPES)
 def test_fused_novograd_state_dict_round_trip_resumes_bit_for_bit(device, dtype,
                                                                   master_weights):
-    config = dict(lr=1e-2, weight_decay=1e-2, norm_type=0)
-    params = make_params(dtype, device)
-    opt = FusedNovoGrad(params, master_weights=master_weights, **config)
-    for step in range(3):
-        set_grads(params, step)
-        opt.step()
-    buffer = io.BytesIO()
-    torch.save({"model": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-    resumed_params = make_params(dtype, device, seed=77)
-    with torch.no_grad():
-        for p, s in zip(resumed_params, saved["model"]):
-            p.copy_(s)
-    resumed = FusedNovoGrad(resumed_params, master_weights=master_weights, **config)
-    resumed.load_state_dict(saved["opt"])
-    for step in range(3, 6):
-        set_grads(params, step)
-        set_grads(resumed_params, step)
-        opt.step()
-        resumed.step()
-    assert_same_snapshot(full_snapshot(resumed_params, resumed), full_snapshot(params, opt),
-                         "resumed vs uninterrupted")
+    params, opt, resumed_params, resumed = resume_through_torch_save(
+        FusedNovoGrad, dtype, device, lr=1e-2, weight_decay=1e-2, norm_type=0,
+        master_weights=master_weights)
+    assert_resumes_like_uninterrupted(params, opt, resumed_params, resumed)
     bad = copy.deepcopy(opt.state_dict())
     bad["param_groups"][0]["exp_avg_sq"] = torch.zeros(2)
     before = full_snapshot(params, opt)
