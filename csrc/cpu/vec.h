@@ -416,7 +416,12 @@ MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k)
     const VecU16 a = (VecU16)x[j][k] & 0x7fffffffu;
     m = a > m ? a : m;
   }
-  const uint32_t bits = e8m0_scale_bits(bits_float(_mm512_reduce_max_epu32((__m512i)m)));
+  const __m256i half = _mm256_max_epu32(_mm512_castsi512_si256((__m512i)m),
+                                        _mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 1));
+  __m128i q = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));
+  q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
+  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(q))));
   const float inv = e8m0_inverse(bits);
   for (int j = 0; j < J; ++j) store(p + 16 * j, x[j][k] * inv);
   *scale = static_cast<uint8_t>(bits);

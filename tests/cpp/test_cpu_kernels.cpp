@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -1120,6 +1121,142 @@ TEST(Validation, OptimizerOptions) {
 }
 
 // Philox4x32-10's published known answers (Random123's kat_vectors).
+// 8-bit state's codec (lanes.h) against c10's float8 types: every code decodes to
+// c10's value, and values within e4m3's range encode as c10's cast (to nearest even),
+// subnormal codes, ties and both signs included; a block's scale byte brings its
+// largest magnitude into (224, 448].
+TEST(EightBitState, CodecMatchesC10sFloat8) {
+  for (uint32_t code = 0; code < 256; ++code) {
+    const float want = static_cast<float>(
+        c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
+    const float got = e4m3_value(code);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << code;
+    } else {
+      EXPECT_EQ(got, want) << code;
+    }
+  }
+  std::vector<float> values = {0.f,           -0.f,           448.f,     -448.f,
+                               0.0009765625f, 0.00146484375f, 0.015625f, 0.0146484375f,
+                               1.0625f,       1.1875f,        3.f};
+  const at::Tensor random = at::randn({20000}, at::kDouble) * at::exp(at::randn({20000}) * 4);
+  for (int64_t i = 0; i < random.numel(); ++i) {
+    const float v = static_cast<float>(random[i].item<double>());
+    if (std::abs(v) <= 448.f) values.push_back(v);
+  }
+  for (const float v : values) {
+    const uint8_t want = c10::Float8_e4m3fn(v).x;
+    EXPECT_EQ(e4m3_code(v), want) << v;
+  }
+  for (const float a : {1e-30f, 3e-5f, 0.5f, 1.f, 1.75f, 1.7500001f, 224.f, 448.f, 449.f, 3e30f}) {
+    const uint32_t bits = e8m0_scale_bits(a);
+    const float y = a * e8m0_inverse(bits);
+    EXPECT_GT(y, 224.f) << a;
+    EXPECT_LE(y, 448.f) << a;
+    EXPECT_EQ(e8m0_value(bits) * e8m0_inverse(bits), 1.f) << a;
+  }
+  EXPECT_EQ(e8m0_scale_bits(0.f), 127u);
+  EXPECT_EQ(e8m0_scale_bits(NAN), 127u);
+}
+
+// Every instruction set gives the scalar path's bytes (the engine's block passes).
+TEST(EightBitState, VectorPassesMatchTheScalarPass) {
+  at::manual_seed(21);
+  const int64_t n = 3 * 4096 + 64;
+  const at::Tensor p32 = at::randn({n}), g32 = at::randn({n}) * at::exp(at::randn({n}) * 3);
+  const at::Tensor m0 = (at::randn({n}) * 50).clamp(-448, 448).to(at::kFloat8_e4m3fn);
+  const at::Tensor s0 = at::randint(110, 125, {n / kQuantBlock}, at::kByte);
+  AdamOp op;
+  op.lr = 1e-3;
+  op.beta1 = 0.9;
+  op.beta2 = 0.999;
+  op.eps = 1e-8;
+  op.weight_decay = 0.0;
+  op.adamw = true;
+  op.bias_correction = true;
+  op.root = true;
+  const at::Tensor step = at::full({1}, 3.f);
+  op.step_ptr = step.data_ptr<float>();
+  op.resolve();
+  auto check = [&](auto param_tag) {
+    using P = decltype(param_tag);
+    const at::ScalarType dtype = std::is_same_v<P, float> ? at::kFloat : at::kBFloat16;
+    const at::Tensor p0 = p32.to(dtype), g = g32.to(dtype);
+    auto run = [&](auto pass_fn) {
+      at::Tensor p = p0.clone(), m = m0.clone(), v = m0.clone(), sm = s0.clone(), sv = s0.clone();
+      void* data[11] = {p.data_ptr(), g.data_ptr(),  m.data_ptr(), v.data_ptr(),
+                        nullptr,      nullptr,       nullptr,      nullptr,
+                        nullptr,      sm.data_ptr(), sv.data_ptr()};
+      pass_fn(data);
+      return std::vector<at::Tensor>{p, m.view(at::kByte), v.view(at::kByte), sm, sv};
+    };
+    const auto seq = std::make_index_sequence<11>{};
+    const auto want = run([&](void* const* data) {
+      cpu::block_pass_scalar<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
+                             uint8_t>(op, data, 0, n, seq);
+    });
+#if defined(MP_X86_ISA)
+    const auto avx2 = run([&](void* const* data) {
+      cpu::block_pass_avx2<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
+                           uint8_t>(op, data, 0, n, seq);
+    });
+    for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx2[k], want[k])) << k;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+      const auto avx512 = run([&](void* const* data) {
+        cpu::block_pass_avx512<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
+                               uint8_t>(op, data, 0, n, seq);
+      });
+      for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx512[k], want[k])) << k;
+    }
+#endif
+    EXPECT_FALSE(at::equal(want[1], m0.view(at::kByte)));
+  };
+  check(float{});
+  check(c10::BFloat16{});
+}
+
+// 8-bit moments: scales come with 8-bit states only, both of Adam's together, one
+// per block; amsgrad is refused with them; nothing is written by a refused call.
+TEST(EightBitState, ChecksItsArguments) {
+  const Tensor p = at::randn({64}), g = at::randn({64});
+  const Tensor codes = at::zeros({64}, at::kFloat8_e4m3fn);
+  const Tensor fp32 = at::zeros({64});
+  const Tensor sc = at::full({2}, 127, at::kByte).view(at::kFloat8_e8m0fnu);
+  const Tensor bad_sc = at::full({3}, 127, at::kByte).view(at::kFloat8_e8m0fnu);
+  const Tensor step = at::zeros({1});
+  auto adam = [&](const Tensor& m, const Tensor& v, std::optional<at::TensorList> sm,
+                  std::optional<at::TensorList> sv, std::optional<at::TensorList> maxes) {
+    entry::fused_adam_<cpu::CpuEngine>({p}, {g}, {m}, {v}, {}, step, 1e-3, 0.9, 0.999, 1e-8, 0.0,
+                                       true, true, std::nullopt, std::nullopt, std::nullopt,
+                                       std::nullopt, std::nullopt, std::nullopt, false, maxes,
+                                       false, std::nullopt, sm, sv);
+  };
+  const Tensor before = p.clone();
+  expect_error_naming([&] { adam(codes, codes, std::nullopt, std::nullopt, std::nullopt); },
+                      "exp_avgs");
+  expect_error_naming(
+      [&] { adam(fp32, fp32, at::TensorList{sc}, at::TensorList{sc}, std::nullopt); }, "exp_avgs");
+  expect_error_naming([&] { adam(codes, codes, at::TensorList{sc}, std::nullopt, std::nullopt); },
+                      "exp_avg_sq_scales");
+  expect_error_naming(
+      [&] { adam(codes, codes, at::TensorList{sc}, at::TensorList{bad_sc}, std::nullopt); },
+      "exp_avg_sq_scales[0]");
+  expect_error_naming(
+      [&] { adam(codes, codes, at::TensorList{sc}, at::TensorList{sc}, at::TensorList{fp32}); },
+      "max_exp_avg_sqs");
+  const Tensor odd = at::zeros({48}, at::kFloat8_e4m3fn);
+  expect_error_naming(
+      [&] {
+        entry::fused_sgd_<cpu::CpuEngine>(
+            {at::randn({48})}, {at::randn({48})}, {odd}, {}, 0.1, 0.9, 0.0, 0.0, false, false,
+            std::nullopt, std::nullopt, false, std::nullopt, std::nullopt, std::nullopt,
+            std::nullopt, false, std::nullopt, false, std::nullopt, at::TensorList{sc});
+      },
+      "momentum_buffers[0]");
+  EXPECT_TRUE(at::equal(p, before));
+  EXPECT_EQ(step.item<float>(), 0.f);
+}
+
 TEST(Philox, KnownAnswers) {
   const Philox4x32 zero = philox4x32_10(Philox4x32{{0, 0, 0, 0}}, 0, 0);
   const uint32_t zero_want[4] = {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u};

@@ -103,7 +103,15 @@ void expect_bitwise_equal(const std::vector<Tensor>& got, const std::vector<Tens
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_EQ(got[i].scalar_type(), want[i].scalar_type()) << what << "[" << i << "]";
-    EXPECT_TRUE(at::equal(got[i], want[i])) << what << "[" << i << "] differs";
+    EXPECT_TRUE(at::equal(got[i], want[i])) << what << "[" << i << "] differs" << [&] {
+      if (got[i].numel() != want[i].numel() || got[i].numel() == 0) return std::string();
+      const auto d = at::nonzero(got[i].to(at::kFloat) != want[i].to(at::kFloat)).flatten();
+      if (d.numel() == 0) return std::string(" (NaN)");
+      const int64_t k = d[0].item<int64_t>();
+      return " at " + std::to_string(d.numel()) + " elements, first " + std::to_string(k) + ": " +
+             std::to_string(got[i].to(at::kFloat)[k].item<float>()) + " vs " +
+             std::to_string(want[i].to(at::kFloat)[k].item<float>());
+    }();
   }
 }
 
@@ -508,6 +516,112 @@ TEST(CudaBlocks, RemaindersMatchTheCpuEngine) {
   const auto skipped = adam(EmulatedCudaEngine{}, clones(params), clones(rems), scalar(1.f));
   expect_bitwise_equal(skipped[0], params, "skipped params");
   expect_bitwise_equal(skipped[1], rems, "skipped remainders");
+}
+
+// 8-bit state (lanes.h): float8_e4m3fn moments and momentum with float8_e8m0fnu
+// block scales, beside fp32 masters with an fp16 model copy, bf16 params with
+// remainders and bf16 params rounded stochastically; the emulated CUDA blocks give
+// the CPU engine's bytes, and a skipped step writes nothing.
+TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
+  at::manual_seed(15);
+  const std::vector<std::pair<int64_t, int64_t>> sizes = {
+      {0, 0}, {32, 1}, {4096, 0}, {kChunkSize, 2}, {kChunkSize + 96, 0}, {3 * kChunkSize, 1}};
+  auto bytes = [](const std::vector<Tensor>& ts) {
+    std::vector<Tensor> out;
+    for (const auto& t : ts) out.push_back(t.view(at::kByte));
+    return out;
+  };
+  auto codes = [&](const std::vector<Tensor>& like_these) {
+    std::vector<Tensor> out;
+    for (const auto& t : like_these) {
+      out.push_back(
+          (at::randn({t.numel()}, at::kFloat) * 100).clamp(-448, 448).to(at::kFloat8_e4m3fn));
+    }
+    return out;
+  };
+  auto scales = [&](const std::vector<Tensor>& like_these) {
+    std::vector<Tensor> out;
+    for (const auto& t : like_these) {
+      out.push_back(
+          at::randint(100, 130, {t.numel() / kQuantBlock}, at::kByte).view(at::kFloat8_e8m0fnu));
+    }
+    return out;
+  };
+  enum class Mode { kMasters, kRemainders, kStochastic };
+  for (const Mode mode : {Mode::kMasters, Mode::kRemainders, Mode::kStochastic}) {
+    const at::ScalarType dtype = mode == Mode::kMasters ? at::kFloat : at::kBFloat16;
+    const auto params = make_list(sizes, {dtype});
+    const auto grads = like(params, at::kBFloat16);
+    const auto model = mode == Mode::kMasters ? like(params, at::kHalf) : std::vector<Tensor>{};
+    std::vector<Tensor> rems, salts;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (mode == Mode::kRemainders) {
+        rems.push_back(at::randint(-32768, 32768, {params[i].numel()}, at::kShort));
+      }
+      if (mode == Mode::kStochastic) {
+        salts.push_back(
+            at::tensor({static_cast<int64_t>(i), int64_t{0}, int64_t{0}, int64_t{0}}, at::kLong));
+      }
+    }
+    const auto m1 = codes(params), m2 = codes(params), s1 = scales(params), s2 = scales(params);
+    auto adam = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> m,
+                    std::vector<Tensor> r, std::vector<Tensor> a, std::vector<Tensor> b,
+                    std::vector<Tensor> sa, std::vector<Tensor> sb, const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      const Tensor step = scalar(0.f);
+      for (int i = 0; i < 3; ++i) {
+        entry::fused_adam_<Engine>(
+            p, grads, a, b, m, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true, true, scalar(0.5f),
+            found_inf, std::nullopt, std::nullopt,
+            salts.empty() ? std::nullopt : std::optional<at::TensorList>(salts),
+            salts.empty() ? std::nullopt : std::optional<int64_t>(11), false, std::nullopt, false,
+            r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
+            std::optional<at::TensorList>(sa), std::optional<at::TensorList>(sb));
+      }
+      return std::vector<std::vector<Tensor>>{p, m, r, bytes(a), bytes(b), bytes(sa), bytes(sb)};
+    };
+    auto sgd = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> m, std::vector<Tensor> r,
+                   std::vector<Tensor> a, std::vector<Tensor> sa, const Tensor& found_inf) {
+      using Engine = decltype(engine);
+      const Tensor step = scalar(0.f);
+      for (const bool first_run : {true, false, false}) {
+        step.add_(1.f);
+        entry::fused_sgd_<Engine>(
+            p, grads, a, m, 0.01, 0.9, 0.0, 1e-4, false, first_run, scalar(0.5f), found_inf, false,
+            std::nullopt, salts.empty() ? std::nullopt : std::optional<at::TensorList>(salts),
+            salts.empty() ? std::nullopt : std::optional<int64_t>(12),
+            salts.empty() ? std::nullopt : std::optional<Tensor>(step), false, std::nullopt, false,
+            r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
+            std::optional<at::TensorList>(sa));
+      }
+      return std::vector<std::vector<Tensor>>{p, m, r, bytes(a), bytes(sa)};
+    };
+    const auto cpu = adam(CpuEngine{}, clones(params), clones(model), clones(rems), clones(m1),
+                          clones(m2), clones(s1), clones(s2), scalar(0.f));
+    const auto emulated = adam(EmulatedCudaEngine{}, clones(params), clones(model), clones(rems),
+                               clones(m1), clones(m2), clones(s1), clones(s2), scalar(0.f));
+    const char* names[] = {"params",      "model",          "remainders",       "exp_avgs",
+                           "exp_avg_sqs", "exp_avg_scales", "exp_avg_sq_scales"};
+    for (int k = 0; k < 7; ++k) {
+      expect_bitwise_equal(emulated[k], cpu[k], names[k] + std::to_string(static_cast<int>(mode)));
+    }
+    EXPECT_FALSE(at::equal(cpu[0].back(), params.back())) << "no step was taken";
+    EXPECT_FALSE(at::equal(cpu[5].back(), s1.back().view(at::kByte))) << "no scale was written";
+    const auto skipped = adam(EmulatedCudaEngine{}, clones(params), clones(model), clones(rems),
+                              clones(m1), clones(m2), clones(s1), clones(s2), scalar(1.f));
+    expect_bitwise_equal(skipped[0], params, "skipped params");
+    expect_bitwise_equal(skipped[3], bytes(m1), "skipped exp_avgs");
+    expect_bitwise_equal(skipped[5], bytes(s1), "skipped exp_avg_scales");
+
+    const auto cpu_sgd = sgd(CpuEngine{}, clones(params), clones(model), clones(rems), clones(m1),
+                             clones(s1), scalar(0.f));
+    const auto emulated_sgd = sgd(EmulatedCudaEngine{}, clones(params), clones(model), clones(rems),
+                                  clones(m1), clones(s1), scalar(0.f));
+    for (int k = 0; k < 5; ++k) {
+      expect_bitwise_equal(emulated_sgd[k], cpu_sgd[k],
+                           std::string("sgd ") + names[k == 4 ? 5 : k]);
+    }
+  }
 }
 
 TEST(CudaBlocks, FusedLambMatchesTheCpuEngine) {
