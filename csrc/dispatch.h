@@ -88,7 +88,8 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
 }
 
 // Optimizers: params and grads in any float type; the state lists in fp32, or all
-// in bf16 where Op::kLeanState (validated before; list 2 tells which); the model copy,
+// in bf16 or all 8-bit (E4m3 codes with block scales from list Op::kScaleList on,
+// lanes.h) where Op::kLeanState (validated before; list 2 tells which); the model copy,
 // when present (list Op::kModelList), in any float type, and params are then fp32
 // masters (validated before). Where Op::kLeanState, list Op::kCompList holds bf16
 // Kahan compensations or int16 remainders (bf16 params, no model copy: validated).
@@ -99,6 +100,7 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
   for (const auto& g : group_by_dtype<D>(lists)) {
     const bool has_model = !g[Op::kModelList].empty();
     const bool bf16_state = !g[2].empty() && g[2][0].scalar_type() == at::kBFloat16;
+    const bool fp8_state = !g[2].empty() && g[2][0].scalar_type() == at::kFloat8_e4m3fn;
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "mixedprec optimizer", param_t, [&] {
       MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "mixedprec optimizer", grad_t, [&] {
         auto run = [&](auto state_tag) {
@@ -125,11 +127,13 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
                                                             decltype(state_tag), int16_t>;
                 run_types<Engine>(Types{}, g, op, skip);
               };
+              if (fp8_state) return run_remainders(E4m3{});
               if (bf16_state) return run_remainders(c10::BFloat16{});
               run_remainders(float{});
             }
             return;
           }
+          if (fp8_state) return run(E4m3{});
           if (bf16_state) return run(c10::BFloat16{});
         }
         run(float{});

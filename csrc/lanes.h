@@ -77,6 +77,80 @@ MP_HD float split_bf16_remainder(float master, float& remainder) {
   return out;
 }
 
+// 8-bit optimizer state (state_dtype=float8_e4m3fn): each list element is an fp8
+// e4m3fn code (E4m3, the storage tag), and each block of kQuantBlock consecutive
+// elements has one power-of-two scale, stored as an e8m0 byte (the biased exponent:
+// 127 is 1.0), in a list of its own. value = e4m3_value(code) * 2^(byte - 127). The
+// engines decode a block on load, and on store pick the block's scale from its new
+// largest magnitude A (e8m0_scale_bits: the smallest 2^e with A / 2^e <= 448, e4m3's
+// largest finite value) and encode value / 2^e, rounded to nearest even (e4m3_code),
+// as torch's cast to float8_e4m3fn rounds. Power-of-two scales keep the values exact
+// through a decode and an encode with the same blocks.
+struct E4m3 {
+  uint8_t bits;
+};
+constexpr int kQuantBlock = 32;
+
+// The scale byte of a block whose largest magnitude is absmax (127, 1.0, for 0 and
+// NaN); bytes stay in [1, 253], so that both 2^e and 2^-e are normal floats.
+MP_HD uint32_t e8m0_scale_bits(float absmax) {
+  if (!(absmax > 0.f)) return 127u;
+  uint32_t u;
+  memcpy(&u, &absmax, sizeof(u));
+  // absmax = m * 2^(E - 127), m in [1, 2): A / 2^e lands in [256, 448] for m <= 1.75
+  // (e = E - 127 - 8), in (224, 256) above (e = E - 127 - 7).
+  const int e = static_cast<int>(u >> 23) - ((u & 0x7fffffu) <= 0x600000u ? 8 : 7);
+  return static_cast<uint32_t>(e < 1 ? 1 : e > 253 ? 253 : e);
+}
+// The float whose bits are u.
+MP_HD float bits_float(uint32_t u) {
+  float out;
+  memcpy(&out, &u, sizeof(out));
+  return out;
+}
+// 2^(bits - 127) and 2^(127 - bits), for scale bytes in [1, 253].
+MP_HD float e8m0_value(uint32_t bits) { return bits_float(bits << 23); }
+MP_HD float e8m0_inverse(uint32_t bits) { return e8m0_value(254u - bits); }
+
+// An e4m3fn code's value: codes with exponent field 0 are multiples of 2^-9; the
+// others are fp32 bits (code + (120 << 3)) << 20 (bias 7 against fp32's 127); 0x7f and
+// 0xff are NaN.
+MP_HD float e4m3_value(uint32_t code) {
+  const uint32_t mag = code & 0x7fu;
+  float v;
+  if (mag >= 8u) {
+    const uint32_t u = (mag + 960u) << 20;
+    memcpy(&v, &u, sizeof(v));
+  } else {
+    v = static_cast<float>(mag) * 0.001953125f;
+  }
+  if (mag == 0x7fu) v = NAN;
+  return (code & 0x80u) != 0 ? -v : v;
+}
+// The e4m3fn code of y, |y| <= 448 (or NaN: 0x7f with y's sign), to nearest even:
+// below 2^-6 (subnormal codes) y * 2^9 rounded to an integer (adding 1.5 * 2^23 rounds
+// it), else fp32's mantissa rounded to 3 bits. Past 448 it saturates (never reached:
+// the scale keeps |y| <= 448).
+MP_HD uint32_t e4m3_code(float y) {
+  uint32_t u;
+  memcpy(&u, &y, sizeof(u));
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t abs_bits = u & 0x7fffffffu;
+  float a;
+  memcpy(&a, &abs_bits, sizeof(a));
+  if (a != a) return sign | 0x7fu;
+  uint32_t code;
+  if (a < 0.015625f) {
+    const float t = a * 512.f + 12582912.f;
+    uint32_t tb;
+    memcpy(&tb, &t, sizeof(tb));
+    code = tb - 0x4b400000u;
+  } else {
+    code = ((abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u)) >> 20) - 960u;
+  }
+  return sign | (code > 0x7eu ? 0x7eu : code);
+}
+
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
 // condition holds, else b; the condition is a comparison of Vs), round_bf16: the

@@ -200,18 +200,20 @@ MP_HD V maximum(V a, V b) {
 // momentum update instead of to the gradient before it.
 struct SgdOp {
   // params, grads, momentum_buffers, model_params, comps (or remainders), salts (per
-  // tensor), unscaled grads (the grads again, written)
-  static constexpr int kDepth = 7;
-  static constexpr unsigned kReads = 0b0110111;
-  static constexpr unsigned kWrites = 0b1011101;
-  static constexpr unsigned kPerTensor = 0b0100000;
+  // tensor), unscaled grads (the grads again, written), the momentum buffers' block
+  // scales (8-bit buffers: the engines read and write them, lanes.h)
+  static constexpr int kDepth = 8;
+  static constexpr unsigned kReads = 0b00110111;
+  static constexpr unsigned kWrites = 0b01011101;
+  static constexpr unsigned kPerTensor = 0b00100000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
   static constexpr int kCompList = 4;
+  static constexpr int kScaleList = 7;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State,
             typename Comp = c10::BFloat16>
-  using Storage = TypeList<Param, Grad, State, Model, Comp, int64_t, Grad>;
+  using Storage = TypeList<Param, Grad, State, Model, Comp, int64_t, Grad, uint8_t>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
@@ -267,21 +269,27 @@ struct SgdOp {
 // torch.optim.Adam (adamw false) and AdamW (adamw true) on fp32 math. `step`
 // has already been incremented on the device when resolve() reads it. With amsgrad
 // (max_exp_avg_sqs given), torch's: max_exp_avg_sq = maximum(max_exp_avg_sq,
-// exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's.
+// exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's. With
+// `root` (8-bit state, amsgrad refused), list 3 holds sqrt(exp_avg_sq): it is squared
+// when read (exactly: an e4m3 value times a power of two) and the new root, which the
+// denominator takes anyway, is what is stored.
 struct AdamOp {
   // params, grads, exp_avgs, exp_avg_sqs, model_params, comps (or remainders), salts (per
-  // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written)
-  static constexpr int kDepth = 9;
-  static constexpr unsigned kReads = 0b011101111;
-  static constexpr unsigned kWrites = 0b110111101;
-  static constexpr unsigned kPerTensor = 0b001000000;
+  // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written), the block
+  // scales of 8-bit exp_avgs and exp_avg_sqs (the engines read and write them, lanes.h)
+  static constexpr int kDepth = 11;
+  static constexpr unsigned kReads = 0b00011101111;
+  static constexpr unsigned kWrites = 0b00110111101;
+  static constexpr unsigned kPerTensor = 0b00001000000;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
   static constexpr int kCompList = 5;
+  static constexpr int kScaleList = 9;
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State,
             typename Comp = c10::BFloat16>
-  using Storage = TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad>;
+  using Storage =
+      TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad, uint8_t, uint8_t>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool adamw, bias_correction;
@@ -290,6 +298,7 @@ struct AdamOp {
   bool kahan = false;
   bool remainder = false;
   bool stochastic = false;
+  bool root = false;  // exp_avg_sqs hold the second moments' square roots (8-bit state)
   uint64_t seed = 0;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
@@ -341,17 +350,19 @@ struct AdamOp {
     // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
     const float w = avg_weight;
     const V m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
-    const V v = x[3] * beta2_f + sq_weight * (g * g);
+    const V v_old = root ? x[3] * x[3] : x[3];
+    const V v = v_old * beta2_f + sq_weight * (g * g);
     V v_denom = v;
     if (amsgrad) {
       v_denom = maximum(x[7], v);
       x[7] = v_denom;
     }
-    const V denom = Lanes<V>::sqrt(v_denom) / bias_correction2_sqrt + eps_f;
+    const V root_v = Lanes<V>::sqrt(v_denom);
+    const V denom = root_v / bias_correction2_sqrt + eps_f;
     p = p - step_size * (m / denom);
     x[0] = p;
     x[2] = m;
-    x[3] = v;
+    x[3] = root ? root_v : v;
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
     if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <string>
 
+#include "lanes.h"
+
 namespace mixedprec {
 namespace {
 
@@ -18,6 +20,8 @@ unsigned bit(at::ScalarType t) {
     case at::kInt: return kI32;
     case at::kLong: return kI64;
     case at::kShort: return kI16;
+    case at::kFloat8_e4m3fn: return kF8E4M3;
+    case at::kFloat8_e8m0fnu: return kE8M0;
     default: return 0;
   }
 }
@@ -37,8 +41,9 @@ std::string dtype_name(at::ScalarType t) {
 
 std::string dtype_names(unsigned set) {
   std::string out;
-  const at::ScalarType all[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble,
-                                at::kInt,   at::kLong, at::kShort};
+  const at::ScalarType all[] = {at::kFloat,  at::kHalf,          at::kBFloat16,
+                                at::kDouble, at::kInt,           at::kLong,
+                                at::kShort,  at::kFloat8_e4m3fn, at::kFloat8_e8m0fnu};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
@@ -246,6 +251,31 @@ void check_remainders(Checker& c, at::TensorList params, at::TensorList model_pa
     TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, c.op(),
                      ": remainders expected bfloat16 params, got ", params[i].scalar_type(),
                      " at params[", i, "]");
+  }
+}
+
+void check_state_scales(Checker& c, at::TensorList states, const char* states_name,
+                        const std::optional<at::TensorList>& scales, const char* scales_name) {
+  if (!scales.has_value()) {
+    c.list(states, states_name, kF32 | kBF16, Access::kWrite);
+    return;
+  }
+  c.list(states, states_name, kF8E4M3, Access::kWrite);
+  c.list(*scales, scales_name, kE8M0, Access::kWrite);
+  TORCH_CHECK_VALUE(scales->size() == states.size(), c.op(), ": expected ", states.size(), " ",
+                    scales_name, " (one per tensor of ", states_name, "), got ", scales->size());
+  for (size_t i = 0; i < states.size(); ++i) {
+    const int64_t n = states[i].numel();
+    TORCH_CHECK_VALUE(states[i].is_contiguous() && n % kQuantBlock == 0, c.op(), ": expected ",
+                      ArgName{states_name, static_cast<int64_t>(i)}, " (8-bit, in blocks of ",
+                      kQuantBlock, " elements) to be contiguous with a multiple of ", kQuantBlock,
+                      " elements, got ", n, states[i].is_contiguous() ? "" : ", not contiguous");
+    const at::Tensor& s = (*scales)[i];
+    TORCH_CHECK_VALUE(s.is_contiguous() && s.numel() == n / kQuantBlock, c.op(), ": expected ",
+                      ArgName{scales_name, static_cast<int64_t>(i)},
+                      " to be contiguous with one scale per block of ", kQuantBlock, " elements (",
+                      n / kQuantBlock, "), got ", s.numel(),
+                      s.is_contiguous() ? "" : ", not contiguous");
   }
 }
 

@@ -26,6 +26,8 @@ enum DTypeSet : unsigned {
   kI32 = 16u,
   kI64 = 32u,
   kI16 = 64u,
+  kF8E4M3 = 128u,  // float8_e4m3fn: 8-bit optimizer state's codes (lanes.h)
+  kE8M0 = 256u,    // float8_e8m0fnu: their block scales
   kFloats = kF32 | kF16 | kBF16,
 };
 
@@ -111,6 +113,14 @@ void check_kahan_comps(Checker& c, at::TensorList params, at::TensorList model_p
 // rounding.
 void check_remainders(Checker& c, at::TensorList params, at::TensorList model_params,
                       at::TensorList kahan_comps, at::TensorList remainders, bool stochastic);
+
+// The dtype of an optimizer's state lists (moments, momentum buffers): fp32 or bf16
+// (states, named states_name), or 8-bit (float8_e4m3fn codes, lanes.h) when `scales`
+// are given, one float8_e8m0fnu tensor per state tensor (block scales, named
+// scales_name); 8-bit states and their scales are contiguous, the states of a number
+// of elements divisible by kQuantBlock, their scales of one element per block.
+void check_state_scales(Checker& c, at::TensorList states, const char* states_name,
+                        const std::optional<at::TensorList>& scales, const char* scales_name);
 
 // The value of an optional 1-element float32 tensor's storage, or nullptr.
 inline const float* optional_ptr(const std::optional<at::Tensor>& t) {

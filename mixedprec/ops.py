@@ -190,6 +190,7 @@ def fused_sgd_(
     lr_tensor: Optional[Tensor] = None,
     unscale_grads: bool = False,
     remainders: Optional[List[Tensor]] = None,
+    momentum_scales: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -230,6 +231,14 @@ def fused_sgd_(
     negated by ``maximize``) back into ``grads``, as torch's fused optimizers leave
     ``p.grad`` after a ``GradScaler`` step; nothing is written when the step is skipped
     (``found_inf`` set) or without ``inv_scale``.
+
+    ``momentum_scales``: 8-bit momentum buffers (``state_dtype=torch.float8_e4m3fn``):
+    each buffer is float8_e4m3fn codes, contiguous, of a number of elements divisible
+    by 32, and its scales one contiguous float8_e8m0fnu tensor of one power-of-two
+    scale per block of 32 consecutive elements: value = code * scale. The op reads each
+    block, updates it in fp32, and writes the block's new scale (the smallest power of
+    two that brings its largest magnitude within 448) and codes (rounded to nearest
+    even, as torch's cast to float8_e4m3fn).
     """
     torch.ops.mixedprec.fused_sgd_.default(
         params=params, grads=grads, momentum_buffers=momentum_buffers,
@@ -238,7 +247,7 @@ def fused_sgd_(
         inv_scale=inv_scale, found_inf=found_inf, wd_after_momentum=wd_after_momentum,
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         step=step, maximize=maximize, lr_tensor=lr_tensor, unscale_grads=unscale_grads,
-        remainders=remainders or None,
+        remainders=remainders or None, momentum_scales=momentum_scales,
     )
 
 
@@ -266,6 +275,8 @@ def fused_adam_(
     max_exp_avg_sqs: Optional[List[Tensor]] = None,
     unscale_grads: bool = False,
     remainders: Optional[List[Tensor]] = None,
+    exp_avg_scales: Optional[List[Tensor]] = None,
+    exp_avg_sq_scales: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
@@ -284,7 +295,12 @@ def fused_adam_(
     ``maximum(max_exp_avg_sq, exp_avg_sq)`` (NaN where either is) and the denominator
     ``sqrt(max_exp_avg_sq) / sqrt(1 - beta2**step) + eps``. Works with masters, bf16
     moments, ``kahan_comps`` and stochastic rounding alike. ``maximize`` and
-    ``unscale_grads`` behave as in :func:`fused_sgd_`."""
+    ``unscale_grads`` behave as in :func:`fused_sgd_`.
+
+    ``exp_avg_scales`` and ``exp_avg_sq_scales`` (given together): 8-bit moments, as
+    ``momentum_scales`` in :func:`fused_sgd_`; ``exp_avg_sqs`` then hold the square
+    roots of the second moments (the denominator's ``sqrt(exp_avg_sq)``, stored),
+    ``exp_avgs`` the first moments. Not with ``max_exp_avg_sqs``."""
     torch.ops.mixedprec.fused_adam_.default(
         params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
         model_params=model_params, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -292,7 +308,8 @@ def fused_adam_(
         inv_scale=inv_scale, found_inf=found_inf, lr_tensor=lr_tensor,
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs, unscale_grads=unscale_grads,
-        remainders=remainders or None,
+        remainders=remainders or None, exp_avg_scales=exp_avg_scales,
+        exp_avg_sq_scales=exp_avg_sq_scales,
     )
 
 

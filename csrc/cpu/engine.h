@@ -111,23 +111,106 @@ MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET), flatten)), avx51
 #endif
 #undef MP_PASS
 
+// Whether list storage T holds 8-bit codes with one scale per block (lanes.h's E4m3).
+template <typename T>
+constexpr bool kBlocked = std::is_same_v<T, E4m3>;
+
+// The list that holds the block scales of list K (8-bit, stored as Ts[K]):
+// Op::kScaleList plus the number of 8-bit lists before K.
+template <typename Op, size_t K, typename... Ts>
+constexpr size_t scale_list() {
+  constexpr bool blocked[] = {kBlocked<Ts>...};
+  size_t rank = 0;
+  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
+  return Op::kScaleList + rank;
+}
+
+// fn(op, data, begin, end) for functors with 8-bit lists: a block of kQuantBlock
+// elements at a time (begin and end are multiples of it: validated), J vectors
+// of W lanes each. An 8-bit list is loaded as its codes' values times the block's
+// scale; the functor runs on each vector; the other lists it writes are stored at
+// once, the 8-bit ones once the whole block is known: its largest magnitude gives the
+// new scale, then the codes (NS::store_block). The scale lists are not offset by the
+// element index: block i / kQuantBlock of each is read and written.
+#define MP_BLOCK_PASS(NAME, TARGET, NS)                                                          \
+  template <typename Op, typename... Ts, size_t... K>                                            \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                    \
+                  std::index_sequence<K...>) {                                                   \
+    using Vec = NS::Vec;                                                                         \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                           \
+    constexpr int J = static_cast<int>(kQuantBlock / W);                                         \
+    constexpr int D = sizeof...(K);                                                              \
+    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                               \
+        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                        \
+    const Vec per[D] = {                                                                         \
+        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};      \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
+    for (int64_t i = begin; i < end; i += kQuantBlock) {                                         \
+      const int64_t b = i / kQuantBlock;                                                         \
+      const float scale[D] = {                                                                   \
+          (kBlocked<Ts> && std::get<K>(v) != nullptr                                             \
+               ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])    \
+               : 1.f)...};                                                                       \
+      Vec x[J][D];                                                                               \
+      for (int j = 0; j < J; ++j) {                                                              \
+        const int64_t at = i + j * W;                                                            \
+        ((x[j][K] = kPerTensorList<Op, K> ? per[K]                                               \
+                    : loaded_list<Op, K>() && std::get<K>(v) != nullptr                          \
+                        ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]               \
+                                        : NS::load(std::get<K>(v) + at))                         \
+                        : Vec{}),                                                                \
+         ...);                                                                                   \
+        bad |= apply_at(op, x[j], at);                                                           \
+        ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && std::get<K>(v) != nullptr                \
+              ? NS::store(std::get<K>(v) + at, x[j][K])                                          \
+              : void()),                                                                         \
+         ...);                                                                                   \
+      }                                                                                          \
+      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && std::get<K>(v) != nullptr                   \
+            ? NS::store_block<J, D>(std::get<K>(v) + i,                                          \
+                                    static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
+                                    x, K)                                                        \
+            : void()),                                                                           \
+       ...);                                                                                     \
+    }                                                                                            \
+    return NS::any(bad) ? 1 : 0;                                                                 \
+  }
+
+#if defined(MP_X86_ISA)
+MP_BLOCK_PASS(block_pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
+MP_BLOCK_PASS(block_pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
+#endif
+MP_BLOCK_PASS(block_pass_scalar, , scalar)
+#undef MP_BLOCK_PASS
+
 template <typename Op, typename... Ts, size_t... K>
 int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
          std::index_sequence<K...> seq) {
+  if constexpr ((kBlocked<Ts> || ...)) {
 #if defined(MP_X86_ISA)
-  switch (cpu_isa()) {
-    case Isa::kAvx512:
-      // Stochastic rounding: 32 lanes a step, for 4 Philox blocks per call (vec_pair.h).
-      if constexpr (NeedsIndex<Op>::value) {
-        if (op.stochastic) return pass_avx512x2<Op, Ts...>(op, data, begin, end, seq);
-      }
-      return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
-    case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
-    default: break;
-  }
+    switch (cpu_isa()) {
+      case Isa::kAvx512: return block_pass_avx512<Op, Ts...>(op, data, begin, end, seq);
+      case Isa::kAvx2: return block_pass_avx2<Op, Ts...>(op, data, begin, end, seq);
+      default: break;
+    }
 #endif
-  const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
-  return elementwise(op, p, begin, end, seq);
+    return block_pass_scalar<Op, Ts...>(op, data, begin, end, seq);
+  } else {
+#if defined(MP_X86_ISA)
+    switch (cpu_isa()) {
+      case Isa::kAvx512:
+        // Stochastic rounding: 32 lanes a step, for 4 Philox blocks per call (vec_pair.h).
+        if constexpr (NeedsIndex<Op>::value) {
+          if (op.stochastic) return pass_avx512x2<Op, Ts...>(op, data, begin, end, seq);
+        }
+        return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
+      case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
+      default: break;
+    }
+#endif
+    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
+    return elementwise(op, p, begin, end, seq);
+  }
 }
 
 struct CpuEngine {

@@ -210,6 +210,30 @@ inline F split_bf16_lanes(F master, F& remainder) {
   return nan ? master : (F)high;
 }
 
+// e4m3_value and e4m3_code (lanes.h) on every lane, codes in 32-bit lanes (F: the
+// float vector; I, U: the int32 and uint32 vectors of its width).
+template <typename F, typename I, typename U>
+inline F e4m3_value_lanes(U code) {
+  const U mag = code & 0x7fu;
+  const F normal = (F)((mag + 960u) << 20);
+  const F sub = __builtin_convertvector((I)mag, F) * 0.001953125f;
+  F v = mag >= 8u ? normal : sub;
+  v = mag == 0x7fu ? F{} + NAN : v;
+  return (F)((U)v | ((code & 0x80u) << 24));
+}
+template <typename F, typename I, typename U>
+inline U e4m3_code_lanes(F y) {
+  const U u = (U)y;
+  const U abs_bits = u & 0x7fffffffu;
+  const F a = (F)abs_bits;
+  const U sub = (U)(a * 512.f + 12582912.f) - 0x4b400000u;
+  const U normal = ((abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u)) >> 20) - 960u;
+  U code = a < 0.015625f ? sub : normal;
+  code = code > 0x7eu ? U{} + 0x7eu : code;
+  code = a != a ? U{} + 0x7fu : code;
+  return ((u >> 24) & 0x80u) | code;
+}
+
 // |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
 // the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
 // then reports as maybe uninitialized.)
@@ -367,6 +391,36 @@ MP_AVX512 void store(int16_t* p, Vec x) {
 MP_AVX512 bool any(VecI16 flags) {
   return _mm512_test_epi32_mask((__m512i)flags, (__m512i)flags) != 0;
 }
+// Block scales' lists (uint8, read and written by the block pass only): never loaded
+// or stored element by element; these overloads only let the passes compile.
+MP_AVX512 Vec load(const uint8_t*) { return Vec{}; }
+MP_AVX512 void store(uint8_t*, Vec) {}
+// 8-bit state (lanes.h): 16 e4m3 codes, decoded; the codes of 16 values (|y| <= 448);
+// a block of J vectors of list k stored with its scale (the engine's block pass).
+MP_AVX512 Vec load(const E4m3* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return e4m3_value_lanes<Vec, VecI16, VecU16>((VecU16)_mm512_maskz_cvtepu8_epi32(kAll16, b));
+}
+MP_AVX512 void store(E4m3* p, Vec y) {
+  const VecU16 c = e4m3_code_lanes<Vec, VecI16, VecU16>(y);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_maskz_cvtepi32_epi8(kAll16, (__m512i)c));
+}
+// The block's largest |value| as bits (integer order: NaN above inf above the finite
+// values, in every version), its scale, and its codes.
+template <int J, int D, typename T>
+MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int) {}
+template <int J, int D>
+MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k) {
+  VecU16 m = (VecU16)x[0][k] & 0x7fffffffu;
+  for (int j = 1; j < J; ++j) {
+    const VecU16 a = (VecU16)x[j][k] & 0x7fffffffu;
+    m = a > m ? a : m;
+  }
+  const uint32_t bits = e8m0_scale_bits(bits_float(_mm512_reduce_max_epu32((__m512i)m)));
+  const float inv = e8m0_inverse(bits);
+  for (int j = 0; j < J; ++j) store(p + 16 * j, x[j][k] * inv);
+  *scale = static_cast<uint8_t>(bits);
+}
 }  // namespace avx512
 
 namespace avx2 {
@@ -408,6 +462,43 @@ MP_AVX2 void store(int16_t* p, Vec x) {
   memcpy(p, &s, sizeof(s));
 }
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
+MP_AVX2 Vec load(const uint8_t*) { return Vec{}; }
+MP_AVX2 void store(uint8_t*, Vec) {}
+// 8-bit state (lanes.h), as avx512's.
+MP_AVX2 Vec load(const E4m3* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return e4m3_value_lanes<Vec, VecI8, VecU8>((VecU8)_mm256_cvtepu8_epi32(b));
+}
+MP_AVX2 void store(E4m3* p, Vec y) {
+  const __m256i c = (__m256i)e4m3_code_lanes<Vec, VecI8, VecU8>(y);
+  // Byte 0 of each 32-bit lane to the low 4 bytes of its 128-bit half.
+  const __m256i low = _mm256_shuffle_epi8(
+      c, _mm256_setr_epi8(0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128,
+                          -128, -128, 0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128,
+                          -128, -128, -128, -128));
+  const int32_t lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(low));
+  const int32_t hi = _mm_cvtsi128_si32(_mm256_extracti128_si256(low, 1));
+  memcpy(p, &lo, 4);
+  memcpy(reinterpret_cast<char*>(p) + 4, &hi, 4);
+}
+template <int J, int D, typename T>
+MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int) {}
+template <int J, int D>
+MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k) {
+  VecU8 m8 = (VecU8)x[0][k] & 0x7fffffffu;
+  for (int j = 1; j < J; ++j) {
+    const VecU8 a = (VecU8)x[j][k] & 0x7fffffffu;
+    m8 = a > m8 ? a : m8;
+  }
+  __m128i m =
+      _mm_max_epu32(_mm256_castsi256_si128((__m256i)m8), _mm256_extracti128_si256((__m256i)m8, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m))));
+  const float inv = e8m0_inverse(bits);
+  for (int j = 0; j < J; ++j) store(p + 8 * j, x[j][k] * inv);
+  *scale = static_cast<uint8_t>(bits);
+}
 }  // namespace avx2
 
 #undef MP_AVX512
@@ -416,3 +507,39 @@ MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m2
 }  // namespace cpu
 }  // namespace mixedprec
 #endif
+
+namespace mixedprec::cpu::scalar {
+
+// One float at a time, as the block pass of the baseline build runs (engine.h):
+// c10's conversions, and the 8-bit state's codes as lanes.h gives them.
+using Vec = float;
+inline float broadcast(float v) { return v; }
+template <typename T>
+inline float load(const T* p) {
+  return static_cast<float>(*p);
+}
+inline float load(const E4m3* p) { return e4m3_value(p->bits); }
+template <typename T>
+inline void store(T* p, float x) {
+  *p = static_cast<T>(x);
+}
+inline void store(E4m3* p, float y) { p->bits = static_cast<uint8_t>(e4m3_code(y)); }
+inline bool any(bool flag) { return flag; }
+template <int J, int D, typename T>
+inline void store_block(T*, uint8_t*, const float (&)[J][D], int) {}
+template <int J, int D>
+inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k) {
+  uint32_t m = 0;
+  for (int j = 0; j < J; ++j) {
+    uint32_t a;
+    memcpy(&a, &x[j][k], sizeof(a));
+    a &= 0x7fffffffu;
+    m = a > m ? a : m;
+  }
+  const uint32_t bits = e8m0_scale_bits(bits_float(m));
+  const float inv = e8m0_inverse(bits);
+  for (int j = 0; j < J; ++j) store(p + j, x[j][k] * inv);
+  *scale = static_cast<uint8_t>(bits);
+}
+
+}  // namespace mixedprec::cpu::scalar

@@ -212,6 +212,91 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
   return bad;
 }
 
+// Functors with 8-bit lists (E4m3 storage, lanes.h; their block scales in the lists
+// from Op::kScaleList on, one per 8-bit list in order): each thread takes whole
+// blocks of kQuantBlock elements, elements first + b * kQuantBlock on (first is a
+// multiple of it, and so is n: validated and planned), one element at a time: an
+// 8-bit list is read as its code's value times the block's scale; the other lists the
+// functor writes are stored at once, the 8-bit ones when the block is done: its
+// largest magnitude (as bits, NaN above all) picks the scale, then the codes. base
+// holds the tensors' own pointers (not offset by first).
+template <typename T>
+constexpr bool kBlocked = std::is_same<T, E4m3>::value;
+
+template <typename Op, size_t K, typename... Ts>
+constexpr int blocked_rank() {
+  constexpr bool blocked[] = {kBlocked<Ts>...};
+  int rank = 0;
+  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
+  return rank;
+}
+
+template <typename T>
+MP_DEVICE void load_scaled(const void* p, int64_t i, float scale, float& out) {
+  if (p == nullptr) return;
+  if constexpr (kBlocked<T>) {
+    out = e4m3_value(static_cast<const E4m3*>(p)[i].bits) * scale;
+  } else {
+    out = static_cast<float>(static_cast<const T*>(p)[i]);
+  }
+}
+
+// The codes and scale of one block of list r of q (apply_blocks).
+template <int Q>
+MP_DEVICE void store_block(E4m3* p, uint8_t* scale, const float (&q)[kQuantBlock][Q], int r) {
+  uint32_t m = 0;
+  for (int j = 0; j < kQuantBlock; ++j) {
+    uint32_t a;
+    memcpy(&a, &q[j][r], sizeof(a));
+    a &= 0x7fffffffu;
+    m = a > m ? a : m;
+  }
+  const uint32_t bits = e8m0_scale_bits(bits_float(m));
+  const float inv = e8m0_inverse(bits);
+  for (int j = 0; j < kQuantBlock; ++j) p[j].bits = static_cast<uint8_t>(e4m3_code(q[j][r] * inv));
+  *scale = static_cast<uint8_t>(bits);
+}
+
+template <typename Op, typename... Ts, size_t... K>
+MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], int64_t first,
+                            int64_t n, std::index_sequence<K...>) {
+  constexpr int D = sizeof...(Ts);
+  constexpr int Q = (0 + ... + (kBlocked<Ts> ? 1 : 0));
+  const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? base[K] : nullptr...};
+  void* out[D] = {((Op::kWrites >> K) & 1u) ? base[K] : nullptr...};
+  const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(base[K]) : 0.f)...};
+  bool bad = false;
+  for (int64_t start = static_cast<int64_t>(threadIdx.x) * kQuantBlock; start < n;
+       start += static_cast<int64_t>(blockDim.x) * kQuantBlock) {
+    const int64_t i0 = first + start;
+    const int64_t b = i0 / kQuantBlock;
+    const float scale[D] = {(kBlocked<Ts> && base[K] != nullptr
+                                 ? e8m0_value(static_cast<const uint8_t*>(
+                                       base[Op::kScaleList + blocked_rank<Op, K, Ts...>()])[b])
+                                 : 1.f)...};
+    float q[kQuantBlock][Q];
+    for (int j = 0; j < kQuantBlock; ++j) {
+      float x[D];
+#pragma unroll
+      for (int k = 0; k < D; ++k) x[k] = per[k];
+      (load_scaled<Ts>(in[K], i0 + j, scale[K], x[K]), ...);
+      bad |= apply_at(op, x, i0 + j);
+      ((kBlocked<Ts>
+            ? (void)(q[j][kBlocked<Ts> ? blocked_rank<Op, K, Ts...>() : 0] = x[K])
+            : store_element<std::conditional_t<kBlocked<Ts>, float, Ts>>(out[K], i0 + j, x[K])),
+       ...);
+    }
+    ((kBlocked<Ts> && out[K] != nullptr
+          ? store_block(
+                static_cast<E4m3*>(out[K]) + i0,
+                static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]) + b, q,
+                blocked_rank<Op, K, Ts...>())
+          : void()),
+     ...);
+  }
+  return bad;
+}
+
 // One thread's part of a pointwise launch over lists stored as Ts: nothing when
 // *skip != 0, else `op` over its share of the block's chunk; a non-finite input
 // that op reports sets *found_inf. Per-tensor lists are not offset by the chunk.
@@ -222,10 +307,18 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   op.resolve();
   const Chunk c = block_chunk<kBlocksPerChunk>(meta);
   if (c.size == 0) return;
-  void* const ptrs[sizeof...(Ts)] = {
-      kPerTensorList<Op, K> ? meta.ptrs[K][c.slot] : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
-  at_tensor(op, ptrs);
-  const bool bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
+  bool bad = false;
+  if constexpr ((kBlocked<Ts> || ...)) {
+    void* const base[sizeof...(Ts)] = {meta.ptrs[K][c.slot]...};
+    at_tensor(op, base);
+    bad = apply_blocks<Op, Ts...>(op, base, c.start, c.size, seq);
+  } else {
+    void* const ptrs[sizeof...(Ts)] = {kPerTensorList<Op, K>
+                                           ? meta.ptrs[K][c.slot]
+                                           : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
+    at_tensor(op, ptrs);
+    bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
+  }
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }
 

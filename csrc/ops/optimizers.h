@@ -25,6 +25,8 @@ namespace entry {
 // into the grads (nothing without an inv_scale: they are unscaled already).
 // remainders (int16, one per bf16 param) hold the low halves of fp32 masters
 // (master="remainder", pointwise.h), in the list slot of kahan_comps, which they exclude.
+// momentum_scales, when given, make the momentum buffers 8-bit: float8_e4m3fn codes
+// with one float8_e8m0fnu scale per block of 32 elements (lanes.h).
 template <class Engine>
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList model_params, double lr, double momentum, double dampening,
@@ -36,9 +38,10 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 std::optional<int64_t> sr_seed = std::nullopt,
                 const std::optional<at::Tensor>& step = std::nullopt, bool maximize = false,
                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
-                bool unscale_grads = false,
-                std::optional<at::TensorList> remainders = std::nullopt) {
+                bool unscale_grads = false, std::optional<at::TensorList> remainders = std::nullopt,
+                std::optional<at::TensorList> momentum_scales = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
+  const at::TensorList scales = momentum_scales.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   const at::TensorList rems = remainders.value_or(at::TensorList{});
   Checker c("fused_sgd_");
@@ -54,13 +57,13 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                     "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
                     "keys its bits by the step), got None");
   if (momentum != 0) {
-    c.list(momentum_buffers, "momentum_buffers", kF32 | kBF16, Access::kWrite);
+    check_state_scales(c, momentum_buffers, "momentum_buffers", momentum_scales, "momentum_scales");
     c.paired(params, "params", momentum_buffers, "momentum_buffers");
   } else {
-    TORCH_CHECK_VALUE(momentum_buffers.empty(),
-                      "fused_sgd_: expected momentum_buffers to be empty when momentum is 0, "
-                      "got ",
-                      momentum_buffers.size(), " tensors");
+    TORCH_CHECK_VALUE(momentum_buffers.empty() && scales.empty(),
+                      "fused_sgd_: expected momentum_buffers and momentum_scales to be empty "
+                      "when momentum is 0, got ",
+                      momentum_buffers.size(), " and ", scales.size(), " tensors");
   }
   c.value(lr >= 0 && std::isfinite(lr), "lr", "a finite number >= 0", lr);
   c.value(momentum >= 0 && std::isfinite(momentum), "momentum", "a finite number >= 0", momentum);
@@ -92,9 +95,9 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, SgdOp>(
-      {params, grads, momentum_buffers, model_params, op.remainder ? rems : comps, salts, unscaled},
-      op, optional_ptr(found_inf));
+  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params,
+                                op.remainder ? rems : comps, salts, unscaled, scales},
+                               op, optional_ptr(found_inf));
 }
 
 // The step counter is incremented (on the device, unless found_inf is set) before
@@ -105,7 +108,9 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 // maximize negates the unscaled gradient; max_exp_avg_sqs, when given, turns on
 // amsgrad (one per param, of its exp_avg_sq's dtype); unscale_grads writes
 // grad * inv_scale back into the grads (nothing without an inv_scale); remainders as
-// in fused_sgd_.
+// in fused_sgd_. exp_avg_scales and exp_avg_sq_scales, given together, make the
+// moments 8-bit (as momentum_scales in fused_sgd_), exp_avg_sqs then holding the
+// square roots of the second moments (AdamOp's `root`); amsgrad is refused with them.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -118,7 +123,9 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  std::optional<int64_t> sr_seed = std::nullopt, bool maximize = false,
                  std::optional<at::TensorList> max_exp_avg_sqs = std::nullopt,
                  bool unscale_grads = false,
-                 std::optional<at::TensorList> remainders = std::nullopt) {
+                 std::optional<at::TensorList> remainders = std::nullopt,
+                 std::optional<at::TensorList> exp_avg_scales = std::nullopt,
+                 std::optional<at::TensorList> exp_avg_sq_scales = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   const at::TensorList rems = remainders.value_or(at::TensorList{});
@@ -132,9 +139,16 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   check_kahan_comps(c, params, model_params, comps);
   check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value());
   check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
-  c.list(exp_avgs, "exp_avgs", kF32 | kBF16, Access::kWrite);
+  TORCH_CHECK_VALUE(exp_avg_scales.has_value() == exp_avg_sq_scales.has_value(),
+                    "fused_adam_: expected exp_avg_scales and exp_avg_sq_scales together (8-bit "
+                    "moments) or neither, got only ",
+                    exp_avg_scales.has_value() ? "exp_avg_scales" : "exp_avg_sq_scales");
+  TORCH_CHECK_VALUE(!exp_avg_scales.has_value() || !max_exp_avg_sqs.has_value(),
+                    "fused_adam_: max_exp_avg_sqs (amsgrad) is not supported with 8-bit moments "
+                    "(exp_avg_scales); keep fp32 or bf16 moments with amsgrad");
+  check_state_scales(c, exp_avgs, "exp_avgs", exp_avg_scales, "exp_avg_scales");
   c.paired(params, "params", exp_avgs, "exp_avgs");
-  c.list(exp_avg_sqs, "exp_avg_sqs", kF32 | kBF16, Access::kWrite);
+  check_state_scales(c, exp_avg_sqs, "exp_avg_sqs", exp_avg_sq_scales, "exp_avg_sq_scales");
   c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
   c.same_dtypes(exp_avgs, "exp_avgs", exp_avg_sqs, "exp_avg_sqs");
   if (max_exp_avg_sqs.has_value()) {
@@ -165,10 +179,13 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.remainder = !rems.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
+  op.root = exp_avg_scales.has_value();
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, AdamOp>({params, grads, exp_avgs, exp_avg_sqs, model_params,
-                                 op.remainder ? rems : comps, salts, max_sqs, unscaled},
-                                op, optional_ptr(found_inf));
+  run_optimizer<Engine, AdamOp>(
+      {params, grads, exp_avgs, exp_avg_sqs, model_params, op.remainder ? rems : comps, salts,
+       max_sqs, unscaled, exp_avg_scales.value_or(at::TensorList{}),
+       exp_avg_sq_scales.value_or(at::TensorList{})},
+      op, optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each
