@@ -465,3 +465,22 @@ def test_loading_checks_8bit_state_per_param(cls, kwargs):
     extra["state"][len(ELIGIBLE)].update({k: v for k, v in sd8["state"][0].items()
                                           if k in state8.ONLY_8BIT})
     refused(opt8, extra, "not eligible")
+
+
+def test_channels_last_after_8bit_state_is_refused_before_writing():
+    conv = nn.Conv2d(32, 64, 3, bias=False)  # rows of 288 = 9 blocks
+    opt = AdamW(conv.parameters(), state_dtype=E4M3)
+    conv.weight.grad = torch.ones_like(conv.weight)
+    opt.step()
+    assert opt.state[conv.weight]["exp_avg"].dtype == E4M3
+    conv.to(memory_format=torch.channels_last)
+    conv.weight.grad = torch.ones_like(conv.weight)
+    before = snapshot([conv.weight, opt.state[conv.weight]])
+    with pytest.raises(RuntimeError, match="8-bit moments need a contiguous parameter"):
+        opt.step()
+    assert_unchanged([conv.weight, opt.state[conv.weight]], before)
+    fresh = nn.Conv2d(32, 64, 3, bias=False).to(memory_format=torch.channels_last)
+    opt = AdamW(fresh.parameters(), state_dtype=E4M3)
+    fresh.weight.grad = torch.ones_like(fresh.weight)
+    opt.step()  # (made channels_last: fp32 moments)
+    assert opt.state[fresh.weight]["exp_avg"].dtype == torch.float32
