@@ -345,16 +345,24 @@ def test_skipped_steps_leave_codes_and_scales_untouched(device, cls, kwargs):
             if key in state:
                 assert not state[key].view(torch.uint8).any()
                 assert (state[scale].view(torch.uint8) == 127).all()
-    opt.found_inf = scalar(0.0, device)
+    del opt.grad_scale, opt.found_inf
+    scaler = mixedprec.GradScaler(device, init_scale=2.0**10)
+
+    def scaled_step(step, inf):
+        feed(params, step, scale=10.0 * 2**10)
+        scaler.scale(torch.ones((), device=device))  # (makes the scale)
+        if inf:
+            params[step % len(params)].grad.view(-1)[step] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+
     for step in range(1, 4):
-        feed(params, step, scale=10.0)
-        opt.step()
+        scaled_step(step, False)
     before = snapshot([params, opt.state_dict()["state"]])
-    opt.found_inf = scalar(1.0, device)
-    for step in range(4, 6):  # the full path, then the plan's
-        feed(params, step, scale=10.0)
-        opt.step()
+    for step in range(4, 6):  # overflows: the full path, then the plan's
+        scaled_step(step, True)
         assert_unchanged([params, opt.state_dict()["state"]], before)
+    assert scaler.get_scale() == 2.0**8
 
 
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
