@@ -26,9 +26,8 @@ class SGD(TorchOptimizer):
     Keyword-only extras as :class:`mixedprec.optim.Adam`: ``master``, ``state_dtype``
     (the momentum buffers' dtype; with ``torch.float8_e4m3fn`` eligible parameters keep
     ``momentum_buffer`` as 8-bit codes and ``momentum_buffer_scale``), ``seed``,
-    ``unscale_grads``. With
-    master="stochastic" the group keeps a device step count (``group["step"]``) that
-    keys the rounding bits.
+    ``unscale_grads``. With master="stochastic" the group keeps a device step count
+    (``group["step"]``) that keys the rounding bits.
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros (torch's own

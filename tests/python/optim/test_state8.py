@@ -492,3 +492,23 @@ def test_channels_last_after_8bit_state_is_refused_before_writing():
     fresh.weight.grad = torch.ones_like(fresh.weight)
     opt.step()  # (made channels_last: fp32 moments)
     assert opt.state[fresh.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_an_8bit_step_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) of the step gives the eager steps' params."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(128, 64).to(BF16)  # (a 64 x 128 weight: 8-bit moments)
+        opt = AdamW(model.parameters(), master="remainder", state_dtype=E4M3)
+        step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled \
+            else opt.step
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 128, dtype=BF16)).float().sum().backward()
+            step()
+        assert opt.state[model.weight]["exp_avg"].dtype == E4M3
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert_bitwise_equal(b, a)
