@@ -109,8 +109,8 @@ class Properties:
         and O3 and decides ``master_weights`` ("fp32": True; the others False);
         "kahan", "stochastic" and "remainder" need them in bfloat16."""
         if state_dtype is not None and state_dtype not in _STATE_DTYPES:
-            raise ValueError("amp.initialize: state_dtype must be torch.float32 or "
-                             f"torch.bfloat16, got {state_dtype!r}")
+            raise ValueError("amp.initialize: state_dtype must be torch.float32, "
+                             f"torch.bfloat16 or torch.float8_e4m3fn, got {state_dtype!r}")
         self.options["state_dtype"] = state_dtype
         if master is None:
             return
@@ -660,7 +660,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
       three with ``cast_model_type=torch.bfloat16``. Parameters left fp32 (batchnorm at O2)
       are updated directly.
     * ``state_dtype``: ``torch.bfloat16`` keeps the optimizers' moments and momentum
-      buffers in bf16 (any opt level); ``torch.float32`` the default.
+      buffers in bf16 (any opt level), ``torch.float8_e4m3fn`` in 8 bits with a scale
+      per block of 32 for eligible parameters (docs/lean-precision.md);
+      ``torch.float32`` the default.
 
     ``overflow_report=True`` (keyword-only, as ``GradScaler``'s) also counts overflows
     per parameter (one per-tensor norm pass over the gradients a step), so that the

@@ -135,7 +135,10 @@ class FusedSGD(_ApexFace, SGD):
             With these three, fp32 parameters are updated directly and fp16 ones are a
             TypeError. A ``master_weights`` that disagrees is a ValueError.
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the
-            momentum buffers' dtype (the math stays fp32).
+            momentum buffers' dtype (the math stays fp32), or torch.float8_e4m3fn:
+            8-bit buffers with a power-of-two scale per block of 32
+            (``momentum_buffer_scale``) for eligible parameters, fp32 for the others
+            (:mod:`mixedprec.optim.state8`, docs/lean-precision.md).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
             ``sr_seed`` is ``seed + i`` of; default: drawn once, at construction, from
             torch's default CPU generator (``torch.manual_seed`` repeats it). The
@@ -196,7 +199,9 @@ class FusedAdam(_ApexFace, Adam):
             stochastic rounding or remainders (see FusedSGD; the step count keying the
             bits is the group's ``step``).
         state_dtype: (keyword) torch.float32 (default) or torch.bfloat16, the dtype
-            of both moments (the math stays fp32; docs/lean-precision.md).
+            of both moments (the math stays fp32; docs/lean-precision.md), or
+            torch.float8_e4m3fn: 8-bit moments for eligible parameters (see
+            :class:`mixedprec.optim.Adam`).
 
     As in Apex, the step count belongs to the param group (``group["step"]``, a float32
     device tensor) rather than to each parameter: every parameter of a group is
@@ -220,7 +225,8 @@ class FusedAdam(_ApexFace, Adam):
     keeps as a Python int is accepted by this class's step and ``load_state_dict``.
     """
 
-    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp", "remainder")
+    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp", "remainder",
+                   "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
     _LEAN = True
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 

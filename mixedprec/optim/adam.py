@@ -9,6 +9,7 @@ import torch.optim.adam as torch_adam
 from torch import Tensor
 
 from .. import ops
+from . import state8
 from .optimizer import _pick, _Work
 from .torch_optimizer import TorchOptimizer, torch_defaults
 
@@ -31,7 +32,11 @@ class Adam(TorchOptimizer):
       ``remainder`` each, the low half of an exact fp32 master
       (docs/lean-precision.md).
     * ``state_dtype``: ``torch.float32`` (default) or ``torch.bfloat16``, the moments'
-      dtype (the math stays fp32).
+      dtype (the math stays fp32), or ``torch.float8_e4m3fn``: 8-bit moments with a
+      power-of-two scale per block of 32 (``exp_avg`` and ``exp_avg_scale``, the
+      second moment's root ``exp_avg_sq_root`` and ``exp_avg_sq_root_scale``) for the
+      parameters :mod:`mixedprec.optim.state8` deems eligible, fp32 moments for the
+      others; not with ``amsgrad``.
     * ``seed``: master="stochastic"'s base seed.
     * ``unscale_grads``: after a step with a GradScaler, ``p.grad`` holds the unscaled
       gradient, as with torch's fused optimizers (default True); False skips that write.
@@ -44,8 +49,10 @@ class Adam(TorchOptimizer):
 
     _TORCH_CLASS = torch.optim.Adam
     _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
-                   "kahan_comp", "remainder")
+                   "kahan_comp", "remainder", "exp_avg_scale", "exp_avg_sq_root",
+                   "exp_avg_sq_root_scale")
     _LEAN = True
+    _8BIT_KEYS = state8.ADAM_KEYS
     _NEWER_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
                        differentiable=False, fused=None, decoupled_weight_decay=False)
     _SCALAR_KEYS = ("betas", "weight_decay", "eps")
@@ -66,6 +73,18 @@ class Adam(TorchOptimizer):
     def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
         return {"decoupled_weight_decay": value}
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self._check_8bit(type(self).__name__, self.state_dtype, [param_group])
+        super().add_param_group(param_group)
+
+    def _check_8bit(self, where: str, state_dtype, groups=None) -> None:
+        if state_dtype == state8.E4M3 and any(
+                group.get("amsgrad", self.defaults.get("amsgrad"))
+                for group in (self.param_groups if groups is None else groups)):
+            raise ValueError(f"{where}: amsgrad=True is not supported with "
+                             "state_dtype=torch.float8_e4m3fn (8-bit moments); use "
+                             "amsgrad=False or another state_dtype")
+
     def _check_devices(self, by_device) -> None:
         pass  # (each parameter's step count is its own)
 
@@ -81,19 +100,27 @@ class Adam(TorchOptimizer):
                           if state and "step" in state)
         used: List[Tensor] = []  # the counts this step's calls advance
         calls = []
-        for call, positions, lean in self._lean_calls(items):
+        for call, positions, lean, eight in self._lean_calls(items):
             for picked, step in self._steps(group, call, device, holders, used):
                 part = call.pick(picked)
                 where = picked if positions is None else [positions[i] for i in picked]
                 targets, model = self._update_lists(part.params, part.states)
-                exp_avgs, exp_avg_sqs = self._moments(part.states, targets)
-                maxes = [self._state_tensor(state, "max_exp_avg_sq", t, self.state_dtype)
+                scales = None
+                if eight:
+                    exp_avgs, avg_scales = state8.entries(part.states, targets, "exp_avg")
+                    exp_avg_sqs, sq_scales = state8.entries(part.states, targets,
+                                                            "exp_avg_sq_root")
+                    scales = (avg_scales, sq_scales)
+                else:
+                    exp_avgs, exp_avg_sqs = self._moments(part.states, targets)
+                maxes = [self._state_tensor(state, "max_exp_avg_sq", t,
+                                            self._moment_dtype())
                          for state, t in zip(part.states, targets)] if group.get("amsgrad") \
                     else []
                 comps = self._compensations(part.states, targets) if lean else []
                 salts = self._salts(group, part.params, device) if lean else []
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
-                               salts, step))
+                               salts, scales, step))
         return tuple(calls)
 
     def _steps(self, group, call: _Work, device: torch.device, holders: Counter,
@@ -133,7 +160,8 @@ class Adam(TorchOptimizer):
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
-        for where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, step in calls:
+        for (where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, scales,
+             step) in calls:
             lr, lr_tensor = self._lr(group, step.device)
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
                             lr, beta1, beta2, group["eps"], group["weight_decay"],
@@ -144,7 +172,9 @@ class Adam(TorchOptimizer):
                             sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
                             maximize=bool(group.get("maximize")),
                             max_exp_avg_sqs=maxes or None,
-                            unscale_grads=self.unscale_grads and inv_scale is not None)
+                            unscale_grads=self.unscale_grads and inv_scale is not None,
+                            exp_avg_scales=scales[0] if scales else None,
+                            exp_avg_sq_scales=scales[1] if scales else None)
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if any(p.grad.is_sparse for p in params):

@@ -1,7 +1,8 @@
 """The lean modes of mixedprec's optimizers (docs/lean-precision.md): what is kept of
 each parameter's value (``master``: fp32 masters, none, a bf16 Kahan compensation,
 stochastic rounding, or the fp32 master's low half as an int16 remainder), the dtype of
-moments and momentum buffers (``state_dtype``), and the seeds of stochastic rounding."""
+moments and momentum buffers (``state_dtype``: fp32, bf16, or 8-bit, see
+:mod:`mixedprec.optim.state8`), and the seeds of stochastic rounding."""
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -12,6 +13,7 @@ from torch.optim import Optimizer
 from .. import ops
 from ..distributed import global_layout, shard_index
 from ..masters import join_remainder
+from . import state8
 
 if TYPE_CHECKING:
     from .optimizer import _Work
@@ -25,7 +27,7 @@ _MASTER_MODES = ("fp32", "none", "kahan", "stochastic", "remainder")
 _BF16_MODES = ("kahan", "stochastic", "remainder")
 # The state entry of each bf16 parameter in the modes that keep one.
 _LEAN_STATE = {"kahan": ("kahan_comp", torch.bfloat16), "remainder": ("remainder", torch.int16)}
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, state8.E4M3)
 
 
 def _master_mode(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
@@ -70,8 +72,8 @@ def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
 
 def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
     if dtype not in _STATE_DTYPES:
-        raise TypeError(f"{where}: expected {name} to be torch.float32 or torch.bfloat16, "
-                        f"got {dtype!r}")
+        raise TypeError(f"{where}: expected {name} to be torch.float32, torch.bfloat16 or "
+                        f"torch.float8_e4m3fn, got {dtype!r}")
     return dtype
 
 
@@ -79,6 +81,10 @@ def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
 class LeanModes:
     """The optimizer base's methods for the lean modes (a mixin of _FusedOptimizer, which
     sets ``master``, ``state_dtype`` and ``_sr_seed``)."""
+
+    # The entries of a parameter's 8-bit moments (codes; state8.SCALE_OF has their
+    # scales), the first telling whether it has them; () for a class without.
+    _8BIT_KEYS: Tuple[str, ...] = ()
 
     @property
     def master_weights(self) -> bool:
@@ -103,21 +109,33 @@ class LeanModes:
                             "parameters (fp32 ones are updated directly), got one of dtype "
                             "torch.float16 (use master='fp32' for fp16 parameters)")
 
-    def _lean_calls(self, items: "_Work") -> List[Tuple["_Work", Optional[List[int]], bool]]:
+    def _lean_calls(self, items: "_Work", moments: bool = True
+                    ) -> List[Tuple["_Work", Optional[List[int]], bool, bool]]:
         """The op calls of one group's parameters: (their _Work, their positions in
-        ``items`` or None for all, whether the call is lean). With master='kahan',
-        'stochastic' or 'remainder' the bf16 parameters go in a lean call (compensated,
-        rounded stochastically, or with their remainders) and fp32 ones (the norms amp
-        O2 keeps in fp32, say) in a plain call that updates them directly, as
-        master='none' does: fp32 holds their updates. Otherwise one plain call."""
-        if self.master not in _BF16_MODES:
-            return [(items, None, False)]
-        bf16 = [i for i, p in enumerate(items.params) if p.dtype == torch.bfloat16]
-        if len(bf16) == len(items.params):
-            return [(items, None, True)]
-        other = [i for i, p in enumerate(items.params) if p.dtype != torch.bfloat16]
-        return [(items.pick(positions), positions, lean)
-                for positions, lean in ((bf16, True), (other, False)) if positions]
+        ``items`` or None for all, whether the call is lean, whether its moments are
+        8-bit). With master='kahan', 'stochastic' or 'remainder' the bf16 parameters go
+        in a lean call (compensated, rounded stochastically, or with their remainders)
+        and fp32 ones (the norms amp O2 keeps in fp32, say) in a plain call that updates
+        them directly, as master='none' does: fp32 holds their updates. With
+        state_dtype=torch.float8_e4m3fn (and ``moments``: the call keeps some), the
+        parameters with 8-bit moments (``state8.uses_8bit``) go in calls of their own,
+        the others keep fp32 moments. Otherwise one plain call."""
+        lean = self.master in _BF16_MODES
+        eight = moments and self.state_dtype == state8.E4M3 and bool(self._8BIT_KEYS)
+        if not lean and not eight:
+            return [(items, None, False, False)]
+        key = self._8BIT_KEYS[0] if eight else ""
+        kinds = [(lean and p.dtype == torch.bfloat16,
+                  eight and state8.uses_8bit(p, state or {}, key))
+                 for p, state in zip(items.params, items.states)]
+        order = sorted(set(kinds), reverse=True)  # (lean calls first, 8-bit first)
+        if len(order) == 1:
+            return [(items, None, *order[0])]
+        calls = []
+        for kind in order:
+            positions = [i for i, k in enumerate(kinds) if k == kind]
+            calls.append((items.pick(positions), positions, *kind))
+        return calls
 
     def _check_precision(self, where: str, master: Optional[str],
                          state_dtype: Optional[torch.dtype]) -> None:
@@ -127,13 +145,24 @@ class LeanModes:
             _master_mode(where, None, master)
         if state_dtype is not None:
             _check_state_dtype(where, "state_dtype", state_dtype)
-        if (master in _BF16_MODES or state_dtype == torch.bfloat16) and \
+        if (master in _BF16_MODES or state_dtype in _STATE_DTYPES[1:]) and \
                 not self._LEAN:
             raise lean_refused(where, master, state_dtype, self)
+        if state_dtype is not None:
+            self._check_8bit(where, state_dtype)
         if self.state and ((master is not None and master != self.master) or
                            (state_dtype is not None and state_dtype != self.state_dtype)):
             raise ValueError(f"{where}: master and state_dtype set what the optimizer keeps; "
                              "pass an optimizer that has not stepped yet")
+
+    def _moment_dtype(self) -> torch.dtype:
+        """The dtype of moments and momentum buffers that are not 8-bit: state_dtype, or
+        float32 beside 8-bit ones (parameters ``state8.eligible`` refuses)."""
+        return torch.float32 if self.state_dtype == state8.E4M3 else self.state_dtype
+
+    def _check_8bit(self, where: str, state_dtype: torch.dtype) -> None:
+        """Hook: raises where the optimizer's settings exclude 8-bit moments (Adam's
+        amsgrad)."""
 
     def _set_precision(self, where: str, master: Optional[str],
                        state_dtype: Optional[torch.dtype]) -> None:

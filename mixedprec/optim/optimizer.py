@@ -18,7 +18,7 @@ is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
 state it loads a checkpoint into. State follows its parameter: moved with it, laid out
 like it (``channels_last`` after the optimizer was built works), and a master is taken
 anew from its parameter when the parameter was written outside the optimizer (see
-``_FusedOptimizer._master``). Moments and momentum buffers are float32 or bfloat16
+``_FusedOptimizer._master``). Moments and momentum buffers are float32, bfloat16 or 8-bit
 (``state_dtype``); docs/lean-precision.md has the lean modes.
 
 The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
@@ -100,7 +100,7 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         self.master = _master_mode(where, master_weights, master)
         # master='stochastic': group i's seed is this + i (see add_param_group).
         self._sr_seed = _rounding_seed(where, self.master, seed)
-        # The dtype of moments and momentum buffers (float32 or bfloat16).
+        # The dtype of moments and momentum buffers (float32, bfloat16 or float8_e4m3fn).
         self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
         self.set_grad_none = bool(set_grad_none)
         self._plans: Dict[int, _Plan] = {}
@@ -283,7 +283,7 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
     def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
         """Adam's two moments (``exp_avg``, ``exp_avg_sq``, of ``state_dtype``) of each
         target, created as zeros where absent (FusedAdam, FusedLAMB)."""
-        dtype = self.state_dtype
+        dtype = self._moment_dtype()
         return ([self._state_tensor(state, "exp_avg", t, dtype)
                  for state, t in zip(states, targets)],
                 [self._state_tensor(state, "exp_avg_sq", t, dtype)

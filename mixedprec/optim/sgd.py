@@ -9,6 +9,7 @@ import torch.optim.sgd as torch_sgd
 from torch import Tensor
 
 from .. import ops
+from . import state8
 from .optimizer import _pick, _Work
 from .torch_optimizer import TorchOptimizer, torch_defaults
 
@@ -23,9 +24,10 @@ class SGD(TorchOptimizer):
     parameters and a tensor ``weight_decay`` go through torch's own implementation.
 
     Keyword-only extras as :class:`mixedprec.optim.Adam`: ``master``, ``state_dtype``
-    (the momentum buffers' dtype), ``seed``, ``unscale_grads``. With
-    master="stochastic" the group keeps a device step count (``group["step"]``) that
-    keys the rounding bits.
+    (the momentum buffers' dtype; with ``torch.float8_e4m3fn`` eligible parameters keep
+    ``momentum_buffer`` as 8-bit codes and ``momentum_buffer_scale``), ``seed``,
+    ``unscale_grads``. With master="stochastic" the group keeps a device step count
+    (``group["step"]``) that keys the rounding bits.
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros (torch's own
@@ -33,8 +35,10 @@ class SGD(TorchOptimizer):
     """
 
     _TORCH_CLASS = torch.optim.SGD
-    _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp", "remainder")
+    _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp", "remainder",
+                   "momentum_buffer_scale")
     _LEAN = True
+    _8BIT_KEYS = state8.SGD_KEYS
     _NEWER_KEYS = dict(nesterov=False, maximize=False, foreach=None, differentiable=False,
                        fused=False)
     _SCALAR_KEYS = ("weight_decay", "momentum", "dampening")
@@ -56,7 +60,7 @@ class SGD(TorchOptimizer):
         momentum = group["momentum"]
         step = self._rounding_step(group, device, found_inf)
         calls, starting = [], False
-        for call, positions, lean in self._lean_calls(items):
+        for call, positions, lean, eight in self._lean_calls(items, momentum != 0):
             # Params whose momentum buffer starts now (first_run) go in a call of their own.
             starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
             for first_run in sorted(set(starts)):
@@ -64,11 +68,15 @@ class SGD(TorchOptimizer):
                 part = call.pick(picked)
                 where = picked if positions is None else [positions[i] for i in picked]
                 targets, model = self._update_lists(part.params, part.states)
-                buffers = [self._state_tensor(state, "momentum_buffer", t, self.state_dtype)
-                           for state, t in zip(part.states, targets)] if momentum != 0 else []
+                scales = None
+                if eight:
+                    buffers, scales = state8.entries(part.states, targets, "momentum_buffer")
+                else:
+                    buffers = [self._state_tensor(state, "momentum_buffer", t, self._moment_dtype())
+                               for state, t in zip(part.states, targets)] if momentum else []
                 comps = self._compensations(part.states, targets) if lean else []
                 salts = self._salts(group, part.params, device) if lean else []
-                lists = (where, targets, buffers, model, comps, salts)
+                lists = (where, targets, buffers, model, comps, salts, scales)
                 self._sgd(group, lists, _pick(items.grads, where), first_run, inv_scale,
                           found_inf, step)
                 calls.append(lists)
@@ -95,7 +103,7 @@ class SGD(TorchOptimizer):
             self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
 
     def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
-        _, targets, buffers, model, comps, salts = lists
+        _, targets, buffers, model, comps, salts, scales = lists
         lr, lr_tensor = self._lr(group, targets[0].device)
         ops.fused_sgd_(targets, grads, buffers, model, lr, group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], first_run,
@@ -105,7 +113,8 @@ class SGD(TorchOptimizer):
                        sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
                        step=step if salts else None, maximize=bool(group.get("maximize")),
                        lr_tensor=lr_tensor,
-                       unscale_grads=self.unscale_grads and inv_scale is not None)
+                       unscale_grads=self.unscale_grads and inv_scale is not None,
+                       momentum_scales=scales)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -7,9 +7,12 @@ from typing import Any, Dict
 import torch
 from torch import Tensor
 
+from . import state8
+
 # State entries shaped like their parameter, with the dtype they must have: masters
 # and Adagrad's sums are float32; moments and momentum buffers have the optimizer's
-# state_dtype (None here); Kahan compensations are bfloat16, remainders int16.
+# state_dtype (None here; with 8-bit moments, state8.expected says); Kahan
+# compensations are bfloat16, remainders int16.
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
                 "kahan_comp": torch.bfloat16, "remainder": torch.int16}
@@ -87,6 +90,7 @@ class StateLoading:
                     f"dict was saved by another optimizer")
             p = id_to_param[key]
             new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+            state8.check_pairs(f"{name}.load_state_dict: state[{key}]", new_state[p])
 
         applied = self._loaded_applied_steps(state_dict.get("applied_steps", 0))
         new_groups = []
@@ -129,14 +133,15 @@ class StateLoading:
             mode, what = _MODE_STATE[key]
             raise ValueError(f"{where}: {what}, which only master={mode!r} keeps (this "
                              f"optimizer has master={self.master!r})")
-        if key in _PARAM_STATE:
-            if value.shape != p.shape:
-                raise ValueError(f"{where} has shape {tuple(value.shape)}, "
-                                 f"the parameter {tuple(p.shape)}")
-            expected = _PARAM_STATE[key] or self.state_dtype
+        if key in _PARAM_STATE or key in state8.ONLY_8BIT:
+            shape, expected = state8.expected(p, key, self.state_dtype, where) or (
+                tuple(p.shape), _PARAM_STATE[key])
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"{where} has shape {tuple(value.shape)}, expected "
+                                 f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
             if value.dtype != expected:
                 raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
-                                 "optimizer's setting)")
+                                 f"optimizer's setting: state_dtype={self.state_dtype})")
         return value.to(p.device, copy=True)
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:

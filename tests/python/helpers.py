@@ -30,6 +30,8 @@ _INT_VIEW = {
     torch.float32: torch.int32,
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e8m0fnu: torch.uint8,
 }
 
 

@@ -294,3 +294,61 @@ def ref_round_bf16_stochastic(x, bits):
     u = x.view(torch.int32).to(torch.int64) & _MASK32
     rounded = ((u + bits) & 0xFFFF0000).to(torch.int32).view(torch.float32)  # wraps as C++
     return torch.where(torch.isfinite(x), rounded, x.bfloat16().float())
+
+
+# --- 8-bit moments (state_dtype=torch.float8_e4m3fn) -----------------------------------
+
+_E4M3_MAX = 448.0
+_BLOCK = 32
+
+
+def ref_dequantize8(codes, scales):
+    """float64 values of 8-bit state: decode(code) * 2^e per block of 32 consecutive
+    elements of the flat tensor, e the scale byte (float8_e8m0fnu) minus 127."""
+    e = scales.view(torch.uint8).to(torch.float64).reshape(-1, 1) - 127
+    values = codes.to(torch.float64).reshape(-1, _BLOCK) * torch.exp2(e)
+    return values.reshape(codes.shape)
+
+
+def ref_quantize8(values):
+    """(e4m3 codes, e8m0 scales of shape (rows, row / 32)) of float64 ``values`` as the
+    op stores them: each value rounded to float32 first; per block of 32 the absmax A
+    of those, the scale exponent the smallest e with A * 2^-e <= 448 (0 when A == 0),
+    in [-127, 127]; the codes torch's cast (nearest even) of value * 2^-e (exact in
+    float32)."""
+    v32 = values.to(torch.float32).reshape(-1, _BLOCK)
+    absmax = v32.abs().amax(1).double()
+    e = torch.ceil(torch.log2(absmax / _E4M3_MAX))  # (fixed up below: log2 rounds)
+    e = torch.where(absmax > _E4M3_MAX * torch.exp2(e), e + 1, e)
+    e = torch.where(absmax <= _E4M3_MAX * torch.exp2(e - 1), e - 1, e)
+    e = torch.where(absmax > 0, e, torch.zeros_like(e)).clamp(-127, 127)
+    codes = (v32 * torch.exp2(-e).float().reshape(-1, 1)).to(torch.float8_e4m3fn)
+    scales = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return codes.reshape(values.shape), scales.reshape(values.shape[0], -1)
+
+
+def ref_adam8(params, grads, exp_avgs, exp_avg_scales, roots, root_scales, step, lr,
+              **kwargs):
+    """One Adam/AdamW step (``ref_adam``'s keywords) with 8-bit moments: the moments
+    dequantized (the second as the square of its stored root), updated in float64, the
+    parameter updated from the unquantized new moments (denominator
+    sqrt(v) / sqrt(bc2) + eps), then the first moment and sqrt(v) requantized
+    (``ref_quantize8``). Returns (params float64, exp_avgs, exp_avg_scales, roots,
+    root_scales, step)."""
+    m = [ref_dequantize8(c, s) for c, s in zip(exp_avgs, exp_avg_scales)]
+    v = [ref_dequantize8(c, s) ** 2 for c, s in zip(roots, root_scales)]
+    new_p, new_m, new_v, step = ref_adam(params, grads, m, v, step, lr, **kwargs)
+    q_m = [ref_quantize8(x) for x in new_m]
+    q_r = [ref_quantize8(x.sqrt()) for x in new_v]
+    return (new_p, [c for c, _ in q_m], [s for _, s in q_m], [c for c, _ in q_r],
+            [s for _, s in q_r], step)
+
+
+def ref_sgd8(params, grads, buffers, buffer_scales, lr, **kwargs):
+    """One SGD step (``ref_sgd``'s keywords) with 8-bit momentum buffers: dequantized,
+    updated in float64, the parameter updated from the unquantized new buffer, which is
+    then requantized. Returns (params float64, buffer codes, buffer scales)."""
+    old = [ref_dequantize8(c, s) for c, s in zip(buffers, buffer_scales)]
+    new_p, new_b = ref_sgd(params, grads, old, lr, **kwargs)
+    q = [ref_quantize8(b) for b in new_b]
+    return new_p, [c for c, _ in q], [s for _, s in q]

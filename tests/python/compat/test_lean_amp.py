@@ -200,7 +200,8 @@ ERRORS = [
     (adam, dict(BF16_O2, master="fp32", master_weights=False), ValueError,
      "master_weights=False conflicts with master='fp32'"),
     (adam, dict(BF16_O2, state_dtype=torch.float16), ValueError,
-     "state_dtype must be torch.float32 or torch.bfloat16, got torch.float16"),
+     "state_dtype must be torch.float32, torch.bfloat16 or torch.float8_e4m3fn, got "
+     "torch.float16"),
     (lambda m: torch.optim.AdamW(m.parameters()), dict(BF16_O2, master="kahan"), TypeError,
      "master='kahan' and state_dtype=None take mixedprec.FusedAdam or FusedSGD, got AdamW"),
     (lambda m: mixedprec.FusedLAMB(m.parameters()), dict(BF16_O2, state_dtype=torch.bfloat16),

@@ -368,8 +368,9 @@ def test_lean_argument_errors(cls, dtype_arg):
     with pytest.raises(ValueError, match="master_weights=True conflicts with "
                                          "master='stochastic'"):
         cls(bf16, master_weights=True, master="stochastic")
-    with pytest.raises(TypeError, match=f"expected {dtype_arg} to be torch.float32 or "
-                                        "torch.bfloat16, got torch.float16"):
+    with pytest.raises(TypeError, match=f"expected {dtype_arg} to be torch.float32, "
+                                        "torch.bfloat16 or torch.float8_e4m3fn, got "
+                                        "torch.float16"):
         cls(bf16, **{dtype_arg: torch.float16})
     for master in ("kahan", "stochastic"):
         with pytest.raises(TypeError, match=f"master='{master}'.*dtype torch.float16"):
