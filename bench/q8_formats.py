@@ -1,0 +1,646 @@
+"""8-bit Adam moments: which format, block size, scale, root and rounding (issue #20).
+
+A bench-only study in pure PyTorch emulation: the numbers say why the 8-bit state of
+``FusedAdam`` is what it is (fp8 e4m3 codes, blocks of 32, a power-of-two scale per
+block, the second moment stored as its square root, round to nearest even). Nothing here
+calls the 8-bit op: an AdamW written in plain torch (fp32 parameters, weight decay 0.01)
+keeps its moments in fp32 buffers and, after every step, passes them through a
+quantize -> dequantize function, so each moment holds exactly the values the 8-bit codes
+and scales would decode to. The step itself uses the fresh (unrounded) moments, as the
+fused kernel does in registers; only what is stored is rounded.
+
+A variant is ``FORMAT-bBLOCK-SCALE-ROOT-ROUNDING``:
+
+=========  ===================================================================
+FORMAT     ``e4m3`` (torch.float8_e4m3fn casts: max 448), ``e5m2`` (float8_e5m2:
+           max 57344), ``int8`` (linear codes -127..127, the block's absmax maps to
+           127), ``dyn`` (a dynamic "tree" map, written from the idea in Dettmers et
+           al., "8-bit Optimizers via Block-wise Quantization", 2021: a sign bit, then
+           the number of leading zero bits E picks the decade 10^-E, the bits after
+           the first one are a linear fraction in (0.1, 1]; unsigned (no sign bit)
+           for the second moment; values are normalised by the block's absmax)
+BLOCK      consecutive elements of each flattened tensor sharing one scale (32, 128,
+           2048); a tensor's last block is padded with zeros
+SCALE      ``pow2``: the smallest power of two 2^e with absmax * 2^-e <= the format's
+           max (an e8m0 byte: dequantize -> requantize is exact); ``absmax``: the
+           exact scale absmax / max (an fp32 per block)
+ROOT       ``sqrt``: the second moment is stored as s = sqrt(v) (v_old = s^2 next
+           step); ``v``: stored as v
+ROUNDING   ``rn``: to nearest (even); ``sr``: stochastic (torch.rand, unbiased)
+=========  ===================================================================
+
+``fp32`` is the baseline (no quantization). The first moment is stored as itself
+(signed codes) in every variant. By default every parameter's moments are quantized
+(``--eligible all``: a harder test than the op, which keeps fp32 moments for small
+tensors); ``--eligible spec`` quantizes only what the op would (dim >= 2, numel >= 4096,
+rows of whole 32-blocks), which leaves the digits CNN with no 8-bit state at all.
+
+Models and data are bench/lean.py's (imported, not copied): the digits CNN (test loss
+and accuracy), the byte-level LM on the standard library's sources (held-out loss and
+next-byte accuracy), ResNet-18 on lean.py's fixed synthetic batch (memorisation: the
+final training loss and accuracy on that batch). lean.py's learning-rate schedule
+(warm-up, cosine to lr/20). Per seed every variant starts from the same weights and sees
+the same batches; variants run one after another (the results do not depend on timing).
+
+Reported per model and variant: final loss and accuracy, mean and sample standard
+deviation over the seeds, and the gap to fp32 moments paired per seed (mean and std of
+the per-seed differences); issue #20's bar (within 0.5% of the fp32-moment loss and 0.3
+points of accuracy) per variant; and each axis of the chosen variant against its
+alternatives. Writes ``q8-formats-<device>.json`` and ``.md`` to bench/results (or
+``--out``; ``--quick``, a few seconds, to bench/results/cpu-smoke). ``--replot JSON``
+rewrites the markdown of a saved run (with ``--note`` for the conclusions), training
+nothing.
+"""
+
+import argparse
+import importlib.util
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def _load(name: str):
+    module_name = f"mixedprec_bench_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            module_name, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+lean = _load("lean")
+C = lean.C
+
+# --- the element formats --------------------------------------------------------------------
+
+# name -> (largest code value, torch dtype of the cast, mantissa bits, smallest normal exponent)
+FLOATS = {"e4m3": (448.0, torch.float8_e4m3fn, 3, -6),
+          "e5m2": (57344.0, torch.float8_e5m2, 2, -14)}
+INT8_MAX = 127.0
+FORMATS = ("e4m3", "e5m2", "int8", "dyn")
+CHOSEN = "e4m3-b32-pow2-sqrt-rn"  # docs: the lead's format (q8spec)
+BASELINE = "fp32"
+BAR_LOSS_REL = 0.005  # issue #20: within 0.5% of the fp32-moment loss
+BAR_ACC_POINTS = 0.3  # and 0.3 points of accuracy
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The sorted code values of the dynamic tree map on [-1, 1] ([0, 1] unsigned):
+    after the sign bit (if any), E leading zero bits pick the decade 10^-E, the first
+    one bit ends them, and the F bits after it split (0.1, 1] into 2^F equal steps
+    (the upper end of each: 1.0 is a code). All-zero is 0. 255 values signed, 256
+    unsigned."""
+    bits = 7 if signed else 8
+    mags = [0.0]
+    for e in range(bits):
+        f = bits - e - 1
+        mags += [10.0 ** -e * (0.1 + 0.9 * (k + 1) / 2 ** f) for k in range(2 ** f)]
+    vals = sorted(set(mags + ([-m for m in mags] if signed else [])))
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+_DYN: Dict[bool, torch.Tensor] = {}
+
+
+def _dyn_nearest(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Each element of y (in [-1, 1]) to the nearest value of the dynamic map."""
+    if signed not in _DYN:
+        _DYN[signed] = dynamic_map(signed)
+    table = _DYN[signed].to(y.device)
+    hi = torch.searchsorted(table, y.contiguous()).clamp_(1, len(table) - 1)
+    up, down = table[hi], table[hi - 1]
+    return torch.where((up - y) < (y - down), up, down)
+
+
+@dataclass(frozen=True)
+class Variant:
+    fmt: str  # e4m3 | e5m2 | int8 | dyn
+    block: int
+    scale: str  # pow2 | absmax
+    root: bool  # second moment stored as sqrt(v)
+    stochastic: bool
+
+    @property
+    def name(self) -> str:
+        return (f"{self.fmt}-b{self.block}-{self.scale}-{'sqrt' if self.root else 'v'}-"
+                f"{'sr' if self.stochastic else 'rn'}")
+
+    @staticmethod
+    def parse(name: str) -> Optional["Variant"]:
+        """None for ``fp32``; raises ValueError naming what is wrong otherwise."""
+        if name == BASELINE:
+            return None
+        parts = name.split("-")
+        if (len(parts) != 5 or parts[0] not in FORMATS or not parts[1].startswith("b")
+                or not parts[1][1:].isdigit() or parts[2] not in ("pow2", "absmax")
+                or parts[3] not in ("sqrt", "v") or parts[4] not in ("rn", "sr")):
+            raise ValueError(f"variant {name!r}: expected fp32 or FORMAT-bBLOCK-SCALE-ROOT-"
+                             f"ROUNDING with FORMAT in {FORMATS}, SCALE pow2|absmax, ROOT "
+                             "sqrt|v, ROUNDING rn|sr (e.g. e4m3-b32-pow2-sqrt-rn)")
+        v = Variant(parts[0], int(parts[1][1:]), parts[2], parts[3] == "sqrt", parts[4] == "sr")
+        if v.block < 1:
+            raise ValueError(f"variant {name!r}: block must be >= 1")
+        if v.fmt == "dyn" and v.stochastic:
+            raise ValueError(f"variant {name!r}: the dynamic map rounds to nearest only")
+        return v
+
+
+def _pow2_exponent(a: torch.Tensor, fmax: float) -> torch.Tensor:
+    """The smallest integer e with a * 2^-e <= fmax (a > 0), clamped to e8m0's
+    [-127, 127]; 0 where a == 0."""
+    pos = a > 0
+    a_ = torch.where(pos, a, torch.ones_like(a))
+    e = torch.ceil(torch.log2(a_ / fmax))
+    e = torch.where(torch.ldexp(a_, -e) > fmax, e + 1, e)  # log2 rounded down
+    e = torch.where(torch.ldexp(a_, -(e - 1)) <= fmax, e - 1, e)  # log2 rounded up
+    return torch.where(pos, e, torch.zeros_like(e)).clamp_(-127, 127)
+
+
+def qdq(blocks: torch.Tensor, v: Variant, signed: bool = True,
+        generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Quantize the rows of ``blocks`` (n_blocks x block, fp32) to ``v``'s 8-bit codes
+    with one scale per row and decode them again: the values the 8-bit state holds.
+    ``signed=False`` (only read by the dynamic map): the values are >= 0 and all 8
+    bits are magnitude."""
+    a = blocks.abs().amax(1, keepdim=True)
+    fmax = 1.0 if v.fmt == "dyn" else FLOATS[v.fmt][0] if v.fmt in FLOATS else INT8_MAX
+    if v.scale == "pow2":
+        scale = torch.ldexp(torch.ones_like(a), _pow2_exponent(a, fmax))
+    else:
+        scale = torch.where(a > 0, a / fmax, torch.ones_like(a))
+    y = (blocks / scale).clamp_(-fmax, fmax)
+    rand = (lambda: torch.rand(y.shape, generator=generator, device=y.device)) \
+        if v.stochastic else None
+    if v.fmt in FLOATS:
+        _, dtype, mbits, emin = FLOATS[v.fmt]
+        if rand is None:
+            q = y.to(dtype).float()
+        else:  # floor(|y| / ulp + u) * ulp, ulp of |y|'s binade (subnormals: emin's)
+            _, ex = torch.frexp(y)
+            ulp = torch.ldexp(torch.ones_like(y), (ex - 1).clamp_(min=emin) - mbits)
+            q = torch.floor(y.abs() / ulp + rand()) * ulp * torch.sign(y)
+    elif v.fmt == "int8":
+        q = torch.round(y) if rand is None else torch.floor(y + rand())
+    else:
+        q = _dyn_nearest(y, signed)
+    return q * scale
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+def spec_eligible(p: torch.Tensor) -> bool:
+    """The op's rule (q8spec): dim >= 2, numel >= 4096, each dim-0 row whole 32-blocks."""
+    return p.dim() >= 2 and p.numel() >= 4096 and (p.numel() // p.shape[0]) % 32 == 0
+
+
+class EmulatedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias correction) on fp32 parameters whose stored
+    moments pass through ``qdq`` after every step (``variant=None``: fp32 moments).
+    The state lives in flat buffers in which every tensor starts on a block boundary
+    (zero padding between them), so that blocks never span two tensors; tensors that
+    are not quantized (``eligible="spec"``) keep their exact values."""
+
+    def __init__(self, params, lr: float, variant: Optional[Variant], betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, eligible: str = "all",
+                 generator: Optional[torch.Generator] = None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if len(self.param_groups) != 1:
+            raise ValueError("EmulatedAdamW takes one parameter group")
+        if eligible not in ("all", "spec"):
+            raise ValueError(f"eligible must be 'all' or 'spec', got {eligible!r}")
+        self.variant, self.generator = variant, generator
+        self.params: List[torch.Tensor] = list(self.param_groups[0]["params"])
+        block = variant.block if variant else 1
+        p0 = self.params[0]
+        starts, pos, quantized = [], 0, []
+        for p in self.params:
+            starts.append(pos)
+            n = -(-p.numel() // block) * block
+            quantized.append(variant is not None and (eligible == "all" or spec_eligible(p)))
+            pos += n
+        kw = dict(dtype=torch.float32, device=p0.device)
+        self.m, self.s, self.g = (torch.zeros(pos, **kw) for _ in range(3))
+        self.g_views = [self.g[s:s + p.numel()] for s, p in zip(starts, self.params)]
+        self.starts = starts
+        self.mask = None
+        if variant is not None and not all(quantized):
+            self.mask = torch.zeros(pos, dtype=torch.bool, device=p0.device)
+            for s, p, q in zip(starts, self.params, quantized):
+                if q:
+                    self.mask[s:s + -(-p.numel() // block) * block] = True
+        self.quantized_elems = sum(p.numel() for p, q in zip(self.params, quantized) if q)
+        self.t = 0
+
+    def _store(self, x: torch.Tensor, signed: bool) -> torch.Tensor:
+        v = self.variant
+        if v is None:
+            return x
+        q = qdq(x.view(-1, v.block), v, signed, self.generator).view(-1)
+        return q if self.mask is None else torch.where(self.mask, q, x)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        group = self.param_groups[0]
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        self.t += 1
+        for p, gv in zip(self.params, self.g_views):
+            if p.grad is None:
+                gv.zero_()
+            else:
+                gv.copy_(p.grad.reshape(-1))
+        root = self.variant is not None and self.variant.root
+        m = self.m.mul(b1).add_(self.g, alpha=1 - b1)
+        v = (self.s.square() if root else self.s.clone()).mul_(b2).addcmul_(
+            self.g, self.g, value=1 - b2)
+        s = v.sqrt()
+        denom = (s / math.sqrt(1 - b2 ** self.t)).add_(eps)
+        upd = (m / denom).mul_(-lr / (1 - b1 ** self.t))
+        torch._foreach_mul_(self.params, 1 - lr * wd)
+        torch._foreach_add_(self.params, [upd[st:st + p.numel()].view_as(p)
+                                          for st, p in zip(self.starts, self.params)])
+        self.m = self._store(m, signed=True)
+        self.s = self._store(s if root else v, signed=False)
+        return None
+
+
+# --- the runs --------------------------------------------------------------------------------
+
+VARIANTS = [
+    BASELINE,
+    CHOSEN,
+    "e4m3-b32-pow2-sqrt-sr",     # rounding
+    "e4m3-b32-pow2-v-rn",        # root
+    "e4m3-b32-absmax-sqrt-rn",   # scale
+    "e4m3-b128-pow2-sqrt-rn",    # block
+    "e4m3-b2048-pow2-sqrt-rn",
+    "e5m2-b32-pow2-sqrt-rn",     # format
+    "e5m2-b32-pow2-v-rn",
+    "int8-b32-absmax-sqrt-rn",
+    "int8-b32-absmax-v-rn",
+    "int8-b32-absmax-sqrt-sr",
+    "int8-b2048-absmax-sqrt-rn",
+    "dyn-b2048-absmax-v-rn",     # the bitsandbytes-like recipe (v, blocks of 2048)
+    "dyn-b32-absmax-sqrt-rn",
+]
+# ResNet-18's 11.2M parameters make each emulated step 2-6x fp32's (stochastic rounding
+# and the dynamic map's table search the slowest): by default it runs the baseline, the
+# chosen variant and one alternative per axis that needs no random numbers or search.
+RESNET_VARIANTS = [BASELINE, CHOSEN, "e4m3-b32-pow2-v-rn", "e4m3-b2048-pow2-sqrt-rn",
+                   "e5m2-b32-pow2-sqrt-rn", "int8-b32-absmax-sqrt-rn"]
+
+# Full run (15 variants x 3 seeds on 1 thread of a shared AMD EPYC: see the README) and
+# --quick (a few seconds).
+FULL = dict(lean.FULL, seeds=3, digits_steps=1200, lm_steps=300, rn_steps=20, rn_warmup=0,
+            rn_batch=8, rn_lr=1e-3)
+QUICK = dict(lean.QUICK, seeds=1, digits_steps=20, lm_steps=10, rn_steps=2, rn_warmup=0,
+             rn_batch=2, rn_lr=1e-3)
+MODELS = ("digits", "lm", "resnet18")
+
+
+def _with_emulated_adam(cls):
+    """A lean.py task whose optimizer is EmulatedAdamW: the task is built in its fp32
+    mode (fp32 params; the FusedAdam it makes is replaced before any step)."""
+
+    class Emulated(cls):
+        def __init__(self, variant_name, seed, cfg, data, device, eligible):
+            super().__init__("fp32", seed, cfg, data, device)
+            gen = torch.Generator(device=device).manual_seed(1000 + seed)
+            self.opt = EmulatedAdamW(self.model.parameters(), lr=self.lr,
+                                     variant=Variant.parse(variant_name), eligible=eligible,
+                                     generator=gen)
+
+    Emulated.__name__ = f"Emulated{cls.__name__}"
+    return Emulated
+
+
+class DigitsRun(_with_emulated_adam(lean.DigitsTask)):
+    @torch.no_grad()
+    def evaluate(self):
+        """Test loss and accuracy (%) on the held-out split."""
+        self.model.eval()
+        out = self.model(self.x_test)
+        self.model.train()
+        return (F.cross_entropy(out, self.y_test).item(),  # sync-ok: evaluation
+                100.0 * (out.argmax(1) == self.y_test).float().mean().item())
+
+
+class LMRun(_with_emulated_adam(lean.LMTask)):
+    @torch.no_grad()
+    def evaluate(self):
+        """Held-out loss (nats/byte) and next-byte accuracy (%) on lean.py's fixed
+        held-out windows."""
+        loss = torch.zeros((), device=self.device)
+        hits = torch.zeros((), device=self.device)
+        n = 0
+        for s in range(0, len(self.eval_x), self.eval_b):
+            x, y = self.eval_x[s:s + self.eval_b], self.eval_y[s:s + self.eval_b]
+            out = self.model(x).float().reshape(-1, 256)
+            loss += F.cross_entropy(out, y.reshape(-1), reduction="sum")
+            hits += (out.argmax(1) == y.reshape(-1)).sum()
+            n += y.numel()
+        return (loss / n).item(), 100.0 * (hits / n).item()  # sync-ok: evaluation
+
+
+class ResNetRun(_with_emulated_adam(lean.ResNetTask)):
+    def __init__(self, variant_name, seed, cfg, data, device, eligible):
+        super().__init__(variant_name, seed, cfg, data, device, eligible)
+        for g in self.opt.param_groups:  # lean.py's ResNet learning rate is fixed
+            g["lr"] = cfg["rn_lr"]
+        self.lr = cfg["rn_lr"]
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Loss and accuracy (%) on the training batch itself (train-mode batchnorm, as
+        in training): how far the batch is memorised."""
+        out = self.model(self.x).float()
+        return (F.cross_entropy(out, self.y).item(),  # sync-ok: evaluation
+                100.0 * (out.argmax(1) == self.y).float().mean().item())
+
+
+RUNS = {"digits": DigitsRun, "lm": LMRun, "resnet18": ResNetRun}
+STEPS = {"digits": "digits_steps", "lm": "lm_steps", "resnet18": "rn_steps"}
+
+
+def run_model(name, cfg, variants, data, device, eligible, log) -> Dict[str, Any]:
+    out: Dict[str, Any] = {v: {"seeds": []} for v in variants}
+    steps = cfg[STEPS[name]]
+    for seed in range(cfg["seeds"]):
+        for vname in variants:
+            t0 = time.perf_counter()
+            task = RUNS[name](vname, seed, cfg, data, device, eligible)
+            losses = [task.step(i) for i in range(steps)]
+            loss, acc = task.evaluate()
+            train = torch.stack(losses).float()
+            r = dict(seed=seed, loss=loss, acc=acc,
+                     train_loss_last=train[-max(1, steps // 20):].mean().item(),  # sync-ok
+                     nonfinite=not bool(torch.isfinite(train).all()),  # sync-ok: after training
+                     wall_s=time.perf_counter() - t0,
+                     quantized_elems=task.opt.quantized_elems,
+                     elems=sum(p.numel() for p in task.opt.params))
+            out[vname]["seeds"].append(r)
+            log(f"  {name} seed {seed} {vname}: loss {loss:.4f} acc {acc:.2f} "
+                f"({r['wall_s']:.1f} s)")
+    return out
+
+
+def _stats(xs: Sequence[float]):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None, None
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def summarise(results: Dict[str, Dict[str, Any]]) -> None:
+    """Means, stds and the paired gaps to fp32 (per seed) into each variant's entry."""
+    for res in results.values():
+        base = res.get(BASELINE, {}).get("seeds", [])
+        for r in res.values():
+            seeds = r["seeds"]
+            r["loss_mean"], r["loss_std"] = _stats([s["loss"] for s in seeds])
+            r["acc_mean"], r["acc_std"] = _stats([s["acc"] for s in seeds])
+            r["nonfinite"] = any(s["nonfinite"] or not math.isfinite(s["loss"]) for s in seeds)
+            if base:
+                rel = [100 * (s["loss"] - b["loss"]) / b["loss"] for s, b in zip(seeds, base)]
+                pts = [s["acc"] - b["acc"] for s, b in zip(seeds, base)]
+                r["loss_gap_pct_mean"], r["loss_gap_pct_std"] = _stats(rel)
+                r["acc_gap_mean"], r["acc_gap_std"] = _stats(pts)
+                r["bar"] = (None if r["loss_gap_pct_mean"] is None else
+                            r["loss_gap_pct_mean"] <= 100 * BAR_LOSS_REL
+                            and r["acc_gap_mean"] >= -BAR_ACC_POINTS)
+
+
+# --- the report ------------------------------------------------------------------------------
+
+LABELS = {"digits": ("Digits CNN (3,866 params): test set", "test loss", "test acc %"),
+          "lm": ("Byte LM: held-out windows", "held-out loss (nats/byte)", "next-byte acc %"),
+          "resnet18": ("ResNet-18 (11.2M params): lean.py's fixed synthetic batch, "
+                       "memorised", "final loss on the batch", "acc % on the batch")}
+
+
+def _pm(mean, std, digits, sign=False):
+    if mean is None:
+        return ""
+    f = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f.format(mean) + " ± " + f"{std:.{digits}f}"
+
+
+def state_bits(name: str) -> str:
+    """Bits per element of one moment: 8 for the code plus the scale's share."""
+    v = Variant.parse(name)
+    if v is None:
+        return "32"
+    return f"{8 + (8 if v.scale == 'pow2' else 32) / v.block:.2f}"
+
+
+def axes(variants: Sequence[str]) -> List[tuple]:
+    """(axis, alternative) for every run variant that differs from CHOSEN in one field
+    (the format counts as one with the absmax scale that int8 and dyn use)."""
+    base = Variant.parse(CHOSEN)
+    out = []
+    for name in variants:
+        v = Variant.parse(name)
+        if v is None or v == base:
+            continue
+        diff = [f for f in ("fmt", "block", "scale", "root", "stochastic")
+                if getattr(v, f) != getattr(base, f)]
+        if diff == ["fmt", "scale"]:  # int8 and the dynamic map: absmax scales
+            diff = ["fmt"]
+        if len(diff) == 1:
+            out.append(({"fmt": "format", "block": "block", "scale": "scale", "root": "root",
+                         "stochastic": "rounding"}[diff[0]], name))
+    return out
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    env, cfg, results = data["env"], data["config"], data["results"]
+    lines = ["# 8-bit Adam moments: formats, blocks, scales, roots, rounding (emulated)", ""]
+    lines += C.env_lines(env, data["smoke"])
+    lines += [f"- CPU: {env.get('cpu_model')}, torch threads {env.get('cpu_threads')}, "
+              f"{env.get('cpu_count')} cores, capability {env.get('cpu_capability')}",
+              f"- seeds: {cfg['seeds']}; steps: digits {cfg['digits_steps']} (batch "
+              f"{cfg['digits_batch']}, lr {cfg['digits_lr']}), LM {cfg['lm_steps']} (batch "
+              f"{cfg['lm_batch']}, seq {cfg['lm_seq']}, d {cfg['lm_d']}, lr {cfg['lm_lr']}), "
+              f"ResNet-18 {cfg['rn_steps']} (batch {cfg['rn_batch']}, "
+              f"{cfg['rn_image']}x{cfg['rn_image']}, lr {cfg['rn_lr']}); AdamW betas (0.9, "
+              f"0.999), eps 1e-8, weight decay 0.01; total {data['wall_s']:.0f} s",
+              f"- quantized tensors: {cfg['eligible']} ("
+              + ", ".join(f"{m}: {_qfrac(res)}" for m, res in results.items()) + ")",
+              f"- corpus: {data.get('corpus')}", "",
+              f"Chosen format (the op's): `{CHOSEN}`. Variant names: "
+              "FORMAT-bBLOCK-SCALE-ROOT-ROUNDING (the script's docstring). Loss and "
+              "accuracy: mean ± sample std over the seeds; gaps: to fp32 moments, paired "
+              "per seed (same initial weights and batches), mean ± std of the per-seed "
+              f"differences. Bar (issue #20): loss gap <= +{100 * BAR_LOSS_REL:.1f}% and "
+              f"accuracy gap >= -{BAR_ACC_POINTS} points.", ""]
+    if data.get("note"):
+        lines += ["## Conclusions", "", data["note"], ""]
+    for model, res in results.items():
+        title, lname, aname = LABELS[model]
+        lines += [f"## {title}", ""]
+        rows = []
+        for name, r in res.items():
+            d = 2 if model == "digits" else 4
+            rows.append([f"`{name}`" + (" (chosen)" if name == CHOSEN else ""),
+                         state_bits(name),
+                         _pm(r["loss_mean"], r["loss_std"], d) + (" non-finite!"
+                                                                 if r["nonfinite"] else ""),
+                         "" if name == BASELINE else _pm(r.get("loss_gap_pct_mean"),
+                                                         r.get("loss_gap_pct_std"), 2, True),
+                         _pm(r["acc_mean"], r["acc_std"], 2),
+                         "" if name == BASELINE else _pm(r.get("acc_gap_mean"),
+                                                         r.get("acc_gap_std"), 2, True),
+                         "" if name == BASELINE else C.verdict(r.get("bar"))])
+        lines += C.md_table(["variant", "bits/elem", lname, "gap %", aname, "gap pts", "bar"],
+                            rows)
+        lines.append("")
+    pairs = axes(list(dict.fromkeys(v for res in results.values() for v in res)))
+    if pairs:
+        lines += ["## Each choice against its alternatives", "",
+                  f"Each row changes one field of `{CHOSEN}`. Per model: the alternative's "
+                  "loss gap to fp32 minus the chosen one's (percentage points of relative "
+                  "loss, mean ± std over the paired seeds; > 0: the alternative is worse) "
+                  "and the same for accuracy (points; < 0: worse).", ""]
+        rows = []
+        for axis, name in pairs:
+            row = [axis, f"`{name}`"]
+            for model, res in results.items():
+                if CHOSEN not in res or name not in res:
+                    row += ["not run", ""]
+                    continue
+                ch = res[CHOSEN]["seeds"]
+                al = res[name]["seeds"]
+                rel = [100 * (a["loss"] - c["loss"]) / c["loss"] for a, c in zip(al, ch)]
+                pts = [a["acc"] - c["acc"] for a, c in zip(al, ch)]
+                row += [_pm(*_stats(rel), 2, True), _pm(*_stats(pts), 2, True)]
+            rows.append(row)
+        head = ["axis", "alternative"]
+        for model in results:
+            head += [f"{model} loss", f"{model} acc"]
+        lines += C.md_table(head, rows, align="ll" + "r" * (len(head) - 2))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _qfrac(res: Dict[str, Any]) -> str:
+    for r in res.values():
+        for s in r["seeds"]:
+            if s["quantized_elems"]:
+                return f"{s['quantized_elems']:,} of {s['elems']:,} elements"
+    return "none"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run, a few seconds")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--out", help="output directory (default bench/results, "
+                                 "bench/results/cpu-smoke with --quick)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated: fp32 and FORMAT-bBLOCK-SCALE-ROOT-ROUNDING names")
+    p.add_argument("--resnet-variants", default=",".join(RESNET_VARIANTS),
+                   help="the variants run on resnet18 (default: a subset, see the docstring)")
+    p.add_argument("--eligible", choices=("all", "spec"), default="all",
+                   help="which tensors get 8-bit moments: every one (default) or the op's "
+                        "rule (dim >= 2, numel >= 4096, rows of whole 32-blocks)")
+    p.add_argument("--seeds", type=int, help="default 3 (1 with --quick)")
+    p.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply every model's step count (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--note", help="text of the report's Conclusions section")
+    p.add_argument("--replot", metavar="JSON",
+                   help="train nothing: rewrite the markdown of a saved q8-formats-<device>"
+                        ".json (next to it, or into --out); --note replaces its conclusions")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot), args.out, args.note)
+    C.ensure_importable()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def replot(path: Path, out: Optional[str], note: Optional[str]) -> int:
+    import json
+    data = json.loads(path.read_text())
+    if note is not None:
+        data["note"] = note
+        C.write_json(path, data)
+    folder = Path(out) if out else path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{path.stem}.md").write_text(markdown(data))
+    print(f"wrote {folder}/{path.stem}.md")
+    return 0
+
+
+def _run(args) -> int:
+    device = C.pick_device(args.device)
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.seeds:
+        cfg["seeds"] = args.seeds
+    for k in STEPS.values():
+        cfg[k] = max(1, round(cfg[k] * args.steps_scale))
+    models = [m for m in args.models.split(",") if m]
+    for m in models:
+        if m not in RUNS:
+            raise SystemExit(f"--models: unknown model {m!r}, expected some of {list(RUNS)}")
+    per_model = {}
+    for m in models:
+        arg, text = (("--resnet-variants", args.resnet_variants) if m == "resnet18"
+                     else ("--variants", args.variants))
+        names = [v for v in text.split(",") if v]
+        for v in names:
+            try:
+                Variant.parse(v)
+            except ValueError as e:
+                raise SystemExit(f"{arg}: {e}")
+        per_model[m] = [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
+    cfg.update(models=models, variants=per_model, eligible=args.eligible)
+    env = C.environment(device)
+    t_start = time.time()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    corpus, results = None, {}
+    for model in models:
+        if model == "digits":
+            data = lean._load_digits_example().load_data(0, device)
+        elif model == "lm":
+            data, corpus = lean.stdlib_corpus(cfg["lm_corpus_mb"])
+        else:
+            data = None
+        log(f"{model}: {cfg['seeds']} seeds x {len(per_model[model])} variants")
+        results[model] = run_model(model, cfg, per_model[model], data, device, args.eligible,
+                                   log)
+    summarise(results)
+    data = dict(env=env, smoke=args.quick, config=cfg, corpus=corpus, results=results,
+                wall_s=time.time() - t_start, note=args.note)
+    out = C.out_dir(args.out, args.quick)
+    slug = C.device_slug(env)
+    C.write_json(out / f"q8-formats-{slug}.json", data)
+    md = markdown(data)
+    (out / f"q8-formats-{slug}.md").write_text(md)
+    print(md)
+    print(f"wrote {out}/q8-formats-{slug}.{{md,json}}")
+    C.copy_out([out / f"q8-formats-{slug}.{e}" for e in ("md", "json")], bool(args.out),
+               args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
