@@ -29,7 +29,11 @@ ROOT       ``sqrt``: the second moment is stored as s = sqrt(v) (v_old = s^2 nex
 ROUNDING   ``rn``: to nearest (even); ``sr``: stochastic (torch.rand, unbiased)
 =========  ===================================================================
 
-``fp32`` is the baseline (no quantization). The first moment is stored as itself
+``fp32`` is the baseline (no quantization). ``fp32-jitter`` is the noise floor: fp32
+moments multiplied by (1 + d), d uniform in +-2^-20 (a few fp32 units in the last place),
+after every step; its gap to ``fp32`` is how far two runs drift apart from a perturbation
+that carries no information (training amplifies any difference), the yardstick for every
+other gap. The first moment is stored as itself
 (signed codes) in every variant. By default every parameter's moments are quantized
 (``--eligible all``: a harder test than the op, which keeps fp32 moments for small
 tensors); ``--eligible spec`` quantizes only what the op would (dim >= 2, numel >= 4096,
@@ -89,6 +93,8 @@ INT8_MAX = 127.0
 FORMATS = ("e4m3", "e5m2", "int8", "dyn")
 CHOSEN = "e4m3-b32-pow2-sqrt-rn"  # docs: the lead's format (q8spec)
 BASELINE = "fp32"
+JITTER = "fp32-jitter"  # the noise floor
+JITTER_REL = 2.0 ** -20
 BAR_LOSS_REL = 0.005  # issue #20: within 0.5% of the fp32-moment loss
 BAR_ACC_POINTS = 0.3  # and 0.3 points of accuracy
 
@@ -136,16 +142,17 @@ class Variant:
 
     @staticmethod
     def parse(name: str) -> Optional["Variant"]:
-        """None for ``fp32``; raises ValueError naming what is wrong otherwise."""
-        if name == BASELINE:
+        """None for ``fp32`` and ``fp32-jitter``; raises ValueError naming what is wrong
+        otherwise."""
+        if name in (BASELINE, JITTER):
             return None
         parts = name.split("-")
         if (len(parts) != 5 or parts[0] not in FORMATS or not parts[1].startswith("b")
                 or not parts[1][1:].isdigit() or parts[2] not in ("pow2", "absmax")
                 or parts[3] not in ("sqrt", "v") or parts[4] not in ("rn", "sr")):
-            raise ValueError(f"variant {name!r}: expected fp32 or FORMAT-bBLOCK-SCALE-ROOT-"
-                             f"ROUNDING with FORMAT in {FORMATS}, SCALE pow2|absmax, ROOT "
-                             "sqrt|v, ROUNDING rn|sr (e.g. e4m3-b32-pow2-sqrt-rn)")
+            raise ValueError(f"variant {name!r}: expected fp32, fp32-jitter or FORMAT-bBLOCK-"
+                             f"SCALE-ROOT-ROUNDING with FORMAT in {FORMATS}, SCALE pow2|absmax, "
+                             "ROOT sqrt|v, ROUNDING rn|sr (e.g. e4m3-b32-pow2-sqrt-rn)")
         v = Variant(parts[0], int(parts[1][1:]), parts[2], parts[3] == "sqrt", parts[4] == "sr")
         if v.block < 1:
             raise ValueError(f"variant {name!r}: block must be >= 1")
@@ -207,17 +214,21 @@ class EmulatedAdamW(torch.optim.Optimizer):
     moments pass through ``qdq`` after every step (``variant=None``: fp32 moments).
     The state lives in flat buffers in which every tensor starts on a block boundary
     (zero padding between them), so that blocks never span two tensors; tensors that
-    are not quantized (``eligible="spec"``) keep their exact values."""
+    are not quantized (``eligible="spec"``) keep their exact values. ``jitter``
+    (variant None only): the fp32 moments are multiplied by 1 + U(-2^-20, 2^-20) after
+    every step instead (the noise floor)."""
 
     def __init__(self, params, lr: float, variant: Optional[Variant], betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, eligible: str = "all",
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, jitter: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if len(self.param_groups) != 1:
             raise ValueError("EmulatedAdamW takes one parameter group")
         if eligible not in ("all", "spec"):
             raise ValueError(f"eligible must be 'all' or 'spec', got {eligible!r}")
-        self.variant, self.generator = variant, generator
+        if jitter and variant is not None:
+            raise ValueError("jitter is the fp32 noise floor: it needs variant=None")
+        self.variant, self.generator, self.jitter = variant, generator, jitter
         self.params: List[torch.Tensor] = list(self.param_groups[0]["params"])
         block = variant.block if variant else 1
         p0 = self.params[0]
@@ -239,10 +250,30 @@ class EmulatedAdamW(torch.optim.Optimizer):
                     self.mask[s:s + -(-p.numel() // block) * block] = True
         self.quantized_elems = sum(p.numel() for p, q in zip(self.params, quantized) if q)
         self.t = 0
+        # Sums over the steps (device tensors, read once after training): the relative L2
+        # error of what is stored, and the fraction of nonzero values stored as zero.
+        self.diag = torch.zeros(4, dtype=torch.float64, device=p0.device)
+
+    def diagnostics(self) -> Dict[str, float]:
+        """Means over the steps: ``m_rel_err`` = |m_stored - m| / |m|, ``v_rel_err`` the
+        same for the second moment as v (squared where the root is stored), and
+        ``m_flushed`` / ``v_flushed``, the fraction of the nonzero values stored as 0."""
+        d = (self.diag / max(1, self.t)).tolist()  # sync-ok: after training
+        return dict(m_rel_err=d[0], m_flushed=d[1], v_rel_err=d[2], v_flushed=d[3])
+
+    def _measure(self, stored: torch.Tensor, exact: torch.Tensor, at: int, square: bool):
+        if square:
+            stored, exact = stored.square(), exact.square()
+        nz = exact != 0
+        self.diag[at] += ((stored - exact).norm() / exact.norm().clamp_min(1e-30)).double()
+        self.diag[at + 1] += ((nz & (stored == 0)).sum() / nz.sum().clamp_min(1)).double()
 
     def _store(self, x: torch.Tensor, signed: bool) -> torch.Tensor:
         v = self.variant
         if v is None:
+            if self.jitter:
+                u = torch.rand(x.shape, generator=self.generator, device=x.device)
+                return x * (1 + JITTER_REL * (2 * u - 1))
             return x
         q = qdq(x.view(-1, v.block), v, signed, self.generator).view(-1)
         return q if self.mask is None else torch.where(self.mask, q, x)
@@ -269,6 +300,9 @@ class EmulatedAdamW(torch.optim.Optimizer):
                                           for st, p in zip(self.starts, self.params)])
         self.m = self._store(m, signed=True)
         self.s = self._store(s if root else v, signed=False)
+        if self.variant is not None:
+            self._measure(self.m, m, 0, False)
+            self._measure(self.s, s if root else v, 2, root)
         return None
 
 
@@ -276,6 +310,7 @@ class EmulatedAdamW(torch.optim.Optimizer):
 
 VARIANTS = [
     BASELINE,
+    JITTER,
     CHOSEN,
     "e4m3-b32-pow2-sqrt-sr",     # rounding
     "e4m3-b32-pow2-v-rn",        # root
@@ -294,7 +329,7 @@ VARIANTS = [
 # ResNet-18's 11.2M parameters make each emulated step 2-6x fp32's (stochastic rounding
 # and the dynamic map's table search the slowest): by default it runs the baseline, the
 # chosen variant and one alternative per axis that needs no random numbers or search.
-RESNET_VARIANTS = [BASELINE, CHOSEN, "e4m3-b32-pow2-v-rn", "e4m3-b2048-pow2-sqrt-rn",
+RESNET_VARIANTS = [BASELINE, JITTER, CHOSEN, "e4m3-b32-pow2-v-rn", "e4m3-b2048-pow2-sqrt-rn",
                    "e5m2-b32-pow2-sqrt-rn", "int8-b32-absmax-sqrt-rn"]
 
 # Full run (15 variants x 3 seeds on 1 thread of a shared AMD EPYC: see the README) and
@@ -316,7 +351,7 @@ def _with_emulated_adam(cls):
             gen = torch.Generator(device=device).manual_seed(1000 + seed)
             self.opt = EmulatedAdamW(self.model.parameters(), lr=self.lr,
                                      variant=Variant.parse(variant_name), eligible=eligible,
-                                     generator=gen)
+                                     generator=gen, jitter=variant_name == JITTER)
 
     Emulated.__name__ = f"Emulated{cls.__name__}"
     return Emulated
@@ -384,12 +419,23 @@ def run_model(name, cfg, variants, data, device, eligible, log) -> Dict[str, Any
                      train_loss_last=train[-max(1, steps // 20):].mean().item(),  # sync-ok
                      nonfinite=not bool(torch.isfinite(train).all()),  # sync-ok: after training
                      wall_s=time.perf_counter() - t0,
-                     quantized_elems=task.opt.quantized_elems,
+                     quantized_elems=task.opt.quantized_elems, **task.opt.diagnostics(),
                      elems=sum(p.numel() for p in task.opt.params))
             out[vname]["seeds"].append(r)
             log(f"  {name} seed {seed} {vname}: loss {loss:.4f} acc {acc:.2f} "
                 f"({r['wall_s']:.1f} s)")
     return out
+
+
+def _paired(runs: Sequence[Dict[str, Any]], refs: Sequence[Dict[str, Any]]):
+    """Per seed: the relative loss difference (%) and the accuracy difference (points)
+    of ``runs`` to ``refs``; None where a loss is not finite."""
+    def ok(x):
+        return x is not None and math.isfinite(x)
+    rel = [100 * (s["loss"] - b["loss"]) / b["loss"] if ok(s["loss"]) and ok(b["loss"])
+           else None for s, b in zip(runs, refs)]
+    pts = [s["acc"] - b["acc"] for s, b in zip(runs, refs)]
+    return rel, pts
 
 
 def _stats(xs: Sequence[float]):
@@ -407,14 +453,14 @@ def summarise(results: Dict[str, Dict[str, Any]]) -> None:
             seeds = r["seeds"]
             r["loss_mean"], r["loss_std"] = _stats([s["loss"] for s in seeds])
             r["acc_mean"], r["acc_std"] = _stats([s["acc"] for s in seeds])
-            r["nonfinite"] = any(s["nonfinite"] or not math.isfinite(s["loss"]) for s in seeds)
+            r["nonfinite"] = any(s["nonfinite"] or s["loss"] is None
+                                 or not math.isfinite(s["loss"]) for s in seeds)
             if base:
-                rel = [100 * (s["loss"] - b["loss"]) / b["loss"] for s, b in zip(seeds, base)]
-                pts = [s["acc"] - b["acc"] for s, b in zip(seeds, base)]
+                rel, pts = _paired(seeds, base)
                 r["loss_gap_pct_mean"], r["loss_gap_pct_std"] = _stats(rel)
                 r["acc_gap_mean"], r["acc_gap_std"] = _stats(pts)
-                r["bar"] = (None if r["loss_gap_pct_mean"] is None else
-                            r["loss_gap_pct_mean"] <= 100 * BAR_LOSS_REL
+                r["bar"] = (False if r["nonfinite"] else None if r["loss_gap_pct_mean"] is None
+                            else r["loss_gap_pct_mean"] <= 100 * BAR_LOSS_REL
                             and r["acc_gap_mean"] >= -BAR_ACC_POINTS)
 
 
@@ -480,7 +526,10 @@ def markdown(data: Dict[str, Any]) -> str:
               "accuracy: mean ± sample std over the seeds; gaps: to fp32 moments, paired "
               "per seed (same initial weights and batches), mean ± std of the per-seed "
               f"differences. Bar (issue #20): loss gap <= +{100 * BAR_LOSS_REL:.1f}% and "
-              f"accuracy gap >= -{BAR_ACC_POINTS} points.", ""]
+              f"accuracy gap >= -{BAR_ACC_POINTS} points. What is stored, averaged over the "
+              "steps (and seeds): m err, v err: |stored - exact| / |exact| (L2 over all "
+              "elements; v as v, squared where its root is stored); m→0, v→0: the share of "
+              "nonzero values stored as 0 (flushed below the block's smallest code).", ""]
     if data.get("note"):
         lines += ["## Conclusions", "", data["note"], ""]
     for model, res in results.items():
@@ -498,9 +547,10 @@ def markdown(data: Dict[str, Any]) -> str:
                          _pm(r["acc_mean"], r["acc_std"], 2),
                          "" if name == BASELINE else _pm(r.get("acc_gap_mean"),
                                                          r.get("acc_gap_std"), 2, True),
-                         "" if name == BASELINE else C.verdict(r.get("bar"))])
-        lines += C.md_table(["variant", "bits/elem", lname, "gap %", aname, "gap pts", "bar"],
-                            rows)
+                         "" if name == BASELINE else C.verdict(r.get("bar"))]
+                        + _diag_cells(r))
+        lines += C.md_table(["variant", "bits/elem", lname, "gap %", aname, "gap pts", "bar",
+                             "m err %", "m→0 %", "v err %", "v→0 %"], rows)
         lines.append("")
     pairs = axes(list(dict.fromkeys(v for res in results.values() for v in res)))
     if pairs:
@@ -516,10 +566,7 @@ def markdown(data: Dict[str, Any]) -> str:
                 if CHOSEN not in res or name not in res:
                     row += ["not run", ""]
                     continue
-                ch = res[CHOSEN]["seeds"]
-                al = res[name]["seeds"]
-                rel = [100 * (a["loss"] - c["loss"]) / c["loss"] for a, c in zip(al, ch)]
-                pts = [a["acc"] - c["acc"] for a, c in zip(al, ch)]
+                rel, pts = _paired(res[name]["seeds"], res[CHOSEN]["seeds"])
                 row += [_pm(*_stats(rel), 2, True), _pm(*_stats(pts), 2, True)]
             rows.append(row)
         head = ["axis", "alternative"]
@@ -528,6 +575,15 @@ def markdown(data: Dict[str, Any]) -> str:
         lines += C.md_table(head, rows, align="ll" + "r" * (len(head) - 2))
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _diag_cells(r: Dict[str, Any]) -> List[str]:
+    """The stored moments' error, means over the seeds' step means (percent)."""
+    cells = []
+    for key in ("m_rel_err", "m_flushed", "v_rel_err", "v_flushed"):
+        vals = [s.get(key) for s in r["seeds"] if s.get(key) is not None]
+        cells.append(f"{100 * statistics.mean(vals):.3g}" if vals else "")
+    return cells
 
 
 def _qfrac(res: Dict[str, Any]) -> str:
