@@ -384,7 +384,8 @@ def test_q8_formats_quick(bench_q8, tmp_path):
     the per-axis comparison) and JSON are written; --replot adds the conclusions."""
     pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
     models = "digits,lm,resnet18" if importlib.util.find_spec("torchvision") else "digits,lm"
-    variants = ["e4m3-b32-pow2-sqrt-rn", "e4m3-b32-pow2-sqrt-sr", "e5m2-b32-pow2-v-rn",
+    variants = ["fp32-jitter", "e4m3-b32-pow2-sqrt-rn", "e4m3-b32-pow2-sqrt-sr",
+                "e5m2-b32-pow2-v-rn",
                 "int8-b128-absmax-sqrt-rn", "dyn-b32-absmax-v-rn"]
     threads = torch.get_num_threads()
     assert bench_q8.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--models",
@@ -400,7 +401,10 @@ def test_q8_formats_quick(bench_q8, tmp_path):
         for name, r in res.items():
             assert len(r["seeds"]) == 1 and not r["nonfinite"], (model, name)
             seed = r["seeds"][0]
-            assert seed["quantized_elems"] == (0 if name == "fp32" else seed["elems"])
+            assert seed["quantized_elems"] == (0 if name.startswith("fp32") else seed["elems"])
+            stored_exactly = name.startswith("fp32")
+            assert (seed["m_rel_err"] == 0) == stored_exactly, (model, name)
+            assert (seed["v_rel_err"] == 0) == stored_exactly, (model, name)
             if name == "fp32":
                 assert "loss_gap_pct_mean" not in r or r["loss_gap_pct_mean"] == 0
             else:
@@ -487,3 +491,30 @@ def test_q8_formats_adamw_without_quantization_is_torch_adamw(bench_q8):
         topt.step()
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p.double(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_q8_formats_spec_rule_keeps_other_tensors_exact(bench_q8):
+    """``eligible="spec"``: only tensors with dim >= 2, numel >= 4096 and rows of whole
+    32-blocks get 8-bit moments; the others' moments equal an fp32-moment run's."""
+    shapes = [(128, 32), (64, 96), (4096,), (100, 50), (8, 8)]
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    runs = []
+    for variant in (None, bench_q8.Variant.parse(bench_q8.CHOSEN)):
+        params = [p.clone().requires_grad_() for p in init]
+        opt = bench_q8.EmulatedAdamW(params, lr=1e-2, variant=variant, eligible="spec")
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_p), (q8, q8_p) = runs
+    assert q8.quantized_elems == 128 * 32 + 64 * 96
+    for i, (a, b) in enumerate(zip(ref_p, q8_p)):
+        m, m_ref = (o.m[o.starts[i]:o.starts[i] + a.numel()] for o in (q8, ref))
+        if i < 2:  # quantized: e4m3 codes are 2^-4 apart at best
+            assert (m - m_ref).abs().max() > 1e-3 * m_ref.abs().max(), i
+        else:  # the same fp32 arithmetic (vectorised differently: a few ulps)
+            torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
