@@ -253,13 +253,39 @@ class EmulatedAdamW(torch.optim.Optimizer):
         # Sums over the steps (device tensors, read once after training): the relative L2
         # error of what is stored, and the fraction of nonzero values stored as zero.
         self.diag = torch.zeros(4, dtype=torch.float64, device=p0.device)
+        # The exact (fp32) moments of the same gradients, beside the stored ones: how far
+        # what is stored drifts from what Adam means over the run (no effect on training).
+        self.shadow = None if variant is None else (self.m.clone(), self.s.clone())
 
     def diagnostics(self) -> Dict[str, float]:
         """Means over the steps: ``m_rel_err`` = |m_stored - m| / |m|, ``v_rel_err`` the
         same for the second moment as v (squared where the root is stored), and
         ``m_flushed`` / ``v_flushed``, the fraction of the nonzero values stored as 0."""
         d = (self.diag / max(1, self.t)).tolist()  # sync-ok: after training
-        return dict(m_rel_err=d[0], m_flushed=d[1], v_rel_err=d[2], v_flushed=d[3])
+        out = dict(m_rel_err=d[0], m_flushed=d[1], v_rel_err=d[2], v_flushed=d[3])
+        if self.shadow is not None:
+            out.update(self.drift())
+        return out
+
+    def drift(self) -> Dict[str, float]:
+        """The stored moments against the exact ones of the same gradients (the shadow),
+        over the quantized elements: ``m_drift`` = |m - m_exact| / |m_exact|;
+        ``denom_ratio`` = the median of sqrt(v) / sqrt(v_exact) (the Adam denominator's
+        factor; 1: faithful) over the elements with v_exact > 0, and ``denom_off``, the
+        share of them off by more than 25% (below 0.8 or above 1.25)."""
+        m_ex, v_ex = self.shadow
+        v = self.s.square() if self.variant.root else self.s
+        sel = v_ex > 0
+        if self.mask is not None:
+            sel &= self.mask
+        ratio = (v[sel] / v_ex[sel]).sqrt()
+        keep = slice(None) if self.mask is None else self.mask
+        if not ratio.numel():
+            return {}
+        return dict(  # sync-ok: after training
+            m_drift=((self.m[keep] - m_ex[keep]).norm() / m_ex[keep].norm()).item(),
+            denom_ratio=ratio.median().item(),
+            denom_off=((ratio < 0.8) | (ratio > 1.25)).float().mean().item())
 
     def _measure(self, stored: torch.Tensor, exact: torch.Tensor, at: int, square: bool):
         if square:
@@ -289,6 +315,9 @@ class EmulatedAdamW(torch.optim.Optimizer):
             else:
                 gv.copy_(p.grad.reshape(-1))
         root = self.variant is not None and self.variant.root
+        if self.shadow is not None:
+            self.shadow[0].mul_(b1).add_(self.g, alpha=1 - b1)
+            self.shadow[1].mul_(b2).addcmul_(self.g, self.g, value=1 - b2)
         m = self.m.mul(b1).add_(self.g, alpha=1 - b1)
         v = (self.s.square() if root else self.s.clone()).mul_(b2).addcmul_(
             self.g, self.g, value=1 - b2)
@@ -313,6 +342,7 @@ VARIANTS = [
     JITTER,
     CHOSEN,
     "e4m3-b32-pow2-sqrt-sr",     # rounding
+    "e4m3-b32-pow2-v-sr",
     "e4m3-b32-pow2-v-rn",        # root
     "e4m3-b32-absmax-sqrt-rn",   # scale
     "e4m3-b128-pow2-sqrt-rn",    # block
@@ -327,17 +357,18 @@ VARIANTS = [
     "dyn-b32-absmax-sqrt-rn",
 ]
 # ResNet-18's 11.2M parameters make each emulated step 2-6x fp32's (stochastic rounding
-# and the dynamic map's table search the slowest): by default it runs the baseline, the
-# chosen variant and one alternative per axis that needs no random numbers or search.
-RESNET_VARIANTS = [BASELINE, JITTER, CHOSEN, "e4m3-b32-pow2-v-rn", "e4m3-b2048-pow2-sqrt-rn",
-                   "e5m2-b32-pow2-sqrt-rn", "int8-b32-absmax-sqrt-rn"]
+# and the dynamic map's table search the slowest): by default it runs the baselines, the
+# chosen variant and one alternative per axis (scale and the dynamic map left out).
+RESNET_VARIANTS = [BASELINE, JITTER, CHOSEN, "e4m3-b32-pow2-sqrt-sr", "e4m3-b32-pow2-v-rn",
+                   "e4m3-b2048-pow2-sqrt-rn", "e5m2-b32-pow2-sqrt-rn", "int8-b32-absmax-sqrt-rn"]
 
 # Full run (15 variants x 3 seeds on 1 thread of a shared AMD EPYC: see the README) and
 # --quick (a few seconds).
 FULL = dict(lean.FULL, seeds=3, digits_steps=1200, lm_steps=300, rn_steps=20, rn_warmup=0,
-            rn_batch=8, rn_lr=1e-3)
+            rn_batch=8, rn_lr=1e-3, probe_rise=500, probe_steps=3000,
+            probe_at=[10, 100, 500, 1000, 2000, 3000])
 QUICK = dict(lean.QUICK, seeds=1, digits_steps=20, lm_steps=10, rn_steps=2, rn_warmup=0,
-             rn_batch=2, rn_lr=1e-3)
+             rn_batch=2, rn_lr=1e-3, probe_rise=20, probe_steps=60, probe_at=[10, 20, 60])
 MODELS = ("digits", "lm", "resnet18")
 
 
@@ -399,6 +430,31 @@ class ResNetRun(_with_emulated_adam(lean.ResNetTask)):
         out = self.model(self.x).float()
         return (F.cross_entropy(out, self.y).item(),  # sync-ok: evaluation
                 100.0 * (out.argmax(1) == self.y).float().mean().item())
+
+
+def decay_probe(names: Sequence[str], cfg: Dict[str, Any]) -> Dict[str, List[float]]:
+    """The stored sqrt(v) of one element whose gradient is 1 for ``probe_rise`` steps,
+    then 0.01 (another element of its block keeps gradient 1, holding the block's
+    scale), read at the steps ``probe_at``; lr 0, so only the state moves. fp32's row is
+    the exact EMA: sqrt(1 - 0.999^t) while rising, then decaying towards 0.01."""
+    out = {}
+    for name in names:
+        v = Variant.parse(name)
+        n = max(32, v.block if v else 32)
+        p = torch.zeros(n, requires_grad=True)
+        opt = EmulatedAdamW([p], lr=0.0, variant=v, weight_decay=0.0, jitter=name == JITTER,
+                            generator=torch.Generator().manual_seed(0))
+        g, low = torch.ones(n), torch.full((n,), 0.01)
+        low[0] = 1.0
+        vals = []
+        for t in range(1, cfg["probe_steps"] + 1):
+            p.grad = g if t <= cfg["probe_rise"] else low
+            opt.step()
+            if t in cfg["probe_at"]:
+                x = opt.s[1]
+                vals.append((x if v is not None and v.root else x.sqrt()).item())  # sync-ok
+        out[name] = vals
+    return out
 
 
 RUNS = {"digits": DigitsRun, "lm": LMRun, "resnet18": ResNetRun}
@@ -547,10 +603,27 @@ def markdown(data: Dict[str, Any]) -> str:
                          _pm(r["acc_mean"], r["acc_std"], 2),
                          "" if name == BASELINE else _pm(r.get("acc_gap_mean"),
                                                          r.get("acc_gap_std"), 2, True),
-                         "" if name == BASELINE else C.verdict(r.get("bar"))]
-                        + _diag_cells(r))
-        lines += C.md_table(["variant", "bits/elem", lname, "gap %", aname, "gap pts", "bar",
-                             "m err %", "m→0 %", "v err %", "v→0 %"], rows)
+                         "" if name == BASELINE else C.verdict(r.get("bar"))])
+        lines += C.md_table(["variant", "bits/elem", lname, "gap %", aname, "gap pts", "bar"],
+                            rows)
+        lines += ["", "What is stored (means over the seeds):", ""]
+        lines += C.md_table(["variant", "m err %/step", "v err %/step", "m→0 %", "v→0 %",
+                             "m drift % (end)", "sqrt(v) / exact (end, median)",
+                             "off > 25 % (end)"],
+                            [[f"`{name}`"] + _diag_cells(r) for name, r in res.items()
+                             if Variant.parse(name) is not None])
+        lines.append("")
+    probe = data.get("probe")
+    if probe:
+        lines += ["## The second moment of a gradient that rises, then shrinks", "",
+                  f"`decay_probe`: one element's gradient is 1 for {cfg['probe_rise']} steps, "
+                  "then 0.01 (another element of its block stays at 1, holding the scale); "
+                  "the stored sqrt(v) (no bias correction) at each step below. `fp32` is "
+                  "exact. A value that stops moving is the stored moment stagnating: an "
+                  "update smaller than half a code step rounds back to the same code.", ""]
+        lines += C.md_table(["variant"] + [f"step {t}" for t in cfg["probe_at"]],
+                            [[f"`{n}`"] + [f"{x:.4g}" for x in vals]
+                             for n, vals in probe.items()])
         lines.append("")
     pairs = axes(list(dict.fromkeys(v for res in results.values() for v in res)))
     if pairs:
@@ -578,11 +651,15 @@ def markdown(data: Dict[str, Any]) -> str:
 
 
 def _diag_cells(r: Dict[str, Any]) -> List[str]:
-    """The stored moments' error, means over the seeds' step means (percent)."""
+    """The stored moments' error per step and their drift from the exact moments of the
+    same gradients at the end, means over the seeds (percent, but the ratio)."""
     cells = []
-    for key in ("m_rel_err", "m_flushed", "v_rel_err", "v_flushed"):
+    for key in ("m_rel_err", "v_rel_err", "m_flushed", "v_flushed", "m_drift", "denom_ratio",
+                "denom_off"):
         vals = [s.get(key) for s in r["seeds"] if s.get(key) is not None]
-        cells.append(f"{100 * statistics.mean(vals):.3g}" if vals else "")
+        vals = [x for x in vals if math.isfinite(x)]
+        scale = 1 if key == "denom_ratio" else 100
+        cells.append(f"{scale * statistics.mean(vals):.3g}" if vals else "")
     return cells
 
 
@@ -684,8 +761,11 @@ def _run(args) -> int:
         results[model] = run_model(model, cfg, per_model[model], data, device, args.eligible,
                                    log)
     summarise(results)
+    names = list(dict.fromkeys(v for m in models for v in per_model[m]))
+    log(f"decay probe: {len(names)} variants")
+    probe = decay_probe(names, cfg)
     data = dict(env=env, smoke=args.quick, config=cfg, corpus=corpus, results=results,
-                wall_s=time.time() - t_start, note=args.note)
+                probe=probe, wall_s=time.time() - t_start, note=args.note)
     out = C.out_dir(args.out, args.quick)
     slug = C.device_slug(env)
     C.write_json(out / f"q8-formats-{slug}.json", data)

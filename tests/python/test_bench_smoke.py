@@ -405,6 +405,9 @@ def test_q8_formats_quick(bench_q8, tmp_path):
             stored_exactly = name.startswith("fp32")
             assert (seed["m_rel_err"] == 0) == stored_exactly, (model, name)
             assert (seed["v_rel_err"] == 0) == stored_exactly, (model, name)
+            if not stored_exactly:  # the drift from the exact moments of the same grads
+                assert seed["m_drift"] > 0 and 0 < seed["denom_ratio"] < 10
+                assert 0 <= seed["denom_off"] <= 1
             if name == "fp32":
                 assert "loss_gap_pct_mean" not in r or r["loss_gap_pct_mean"] == 0
             else:
@@ -418,6 +421,19 @@ def test_q8_formats_quick(bench_q8, tmp_path):
     assert "| `e4m3-b32-pow2-sqrt-rn` (chosen) | 8.25 |" in md
     assert "| rounding | `e4m3-b32-pow2-sqrt-sr` |" in md
     assert "| block |" not in md  # no variant differs from the chosen one in block only
+    # The probe: fp32 is the exact EMA of g^2 = 1 (then 0.01^2), a rounded-to-nearest
+    # e4m3 root stops rising at a code (0.125: the step is below half a code), stochastic
+    # rounding keeps moving.
+    cfg, probe = data["config"], data["probe"]
+    assert set(probe) == {"fp32", *variants, bench_q8.CHOSEN}
+    rise = cfg["probe_rise"]
+    for t, x in zip(cfg["probe_at"], probe["fp32"]):
+        exact = (1 - 0.999 ** min(t, rise)) * 0.999 ** max(0, t - rise) + (
+            0.0001 * (1 - 0.999 ** max(0, t - rise)))
+        assert x == pytest.approx(exact ** 0.5, rel=1e-5), t
+    assert probe[bench_q8.CHOSEN][1:] == [0.125] * (len(cfg["probe_at"]) - 1)
+    assert len(set(probe["e4m3-b32-pow2-sqrt-sr"])) > 1
+    assert "## The second moment of a gradient that rises, then shrinks" in md
     again = tmp_path / "replot"
     assert bench_q8.main(["--replot", str(tmp_path / "q8-formats-cpu.json"), "--out",
                           str(again), "--note", "The data say X."]) == 0
