@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py) on the CPU.
+"""Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py,
+bench/q8_formats.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -48,7 +49,7 @@ def _needs_torchvision():
 ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn", "mixedprec"}
 
 
-@pytest.mark.parametrize("name", ["ops", "train", "common", "lean"])
+@pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -370,3 +371,166 @@ def test_sr_step_measures_every_mode(tmp_path, capsys):
     assert all(r["median_ms"] > 0 for r in data["rows"])
     assert [r["ratio"] for r in data["rows"] if r["mode"] == "none"] == [1.0, 1.0]
     assert "| 1003 x 3 | stochastic |" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def bench_q8():
+    return _load("q8_formats")
+
+
+def test_q8_formats_quick(bench_q8, tmp_path):
+    """``bench/q8_formats.py --quick`` on a few variants: every model and variant trains
+    to a finite loss, the gaps to fp32 are paired per seed, and the markdown (tables,
+    the per-axis comparison) and JSON are written; --replot adds the conclusions."""
+    pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
+    models = "digits,lm,resnet18" if importlib.util.find_spec("torchvision") else "digits,lm"
+    variants = ["fp32-jitter", "e4m3-b32-pow2-sqrt-rn", "e4m3-b32-pow2-sqrt-sr",
+                "e5m2-b32-pow2-v-rn",
+                "int8-b128-absmax-sqrt-rn", "dyn-b32-absmax-v-rn"]
+    threads = torch.get_num_threads()
+    assert bench_q8.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--models",
+                          models, "--variants", ",".join(variants), "--resnet-variants",
+                          "e4m3-b32-pow2-sqrt-rn"]) == 0
+    assert torch.get_num_threads() == threads  # restored
+    data = json.loads((tmp_path / "q8-formats-cpu.json").read_text())
+    assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
+    assert list(data["results"]) == models.split(",")
+    for model, res in data["results"].items():
+        expected = ["fp32"] + (variants if model != "resnet18" else [bench_q8.CHOSEN])
+        assert list(res) == expected
+        for name, r in res.items():
+            assert len(r["seeds"]) == 1 and not r["nonfinite"], (model, name)
+            seed = r["seeds"][0]
+            assert seed["quantized_elems"] == (0 if name.startswith("fp32") else seed["elems"])
+            stored_exactly = name.startswith("fp32")
+            assert (seed["m_rel_err"] == 0) == stored_exactly, (model, name)
+            assert (seed["v_rel_err"] == 0) == stored_exactly, (model, name)
+            if not stored_exactly:  # the drift from the exact moments of the same grads
+                assert seed["m_drift"] > 0 and 0 < seed["denom_ratio"] < 10
+                assert 0 <= seed["denom_off"] <= 1
+            if name == "fp32":
+                assert "loss_gap_pct_mean" not in r or r["loss_gap_pct_mean"] == 0
+            else:
+                base = res["fp32"]["seeds"][0]
+                assert r["loss_gap_pct_mean"] == pytest.approx(
+                    100 * (seed["loss"] - base["loss"]) / base["loss"])
+                assert r["acc_gap_mean"] == pytest.approx(seed["acc"] - base["acc"])
+            assert 0 <= r["acc_mean"] <= 100
+    md = (tmp_path / "q8-formats-cpu.md").read_text()
+    assert "CPU smoke run" in md and "## Each choice against its alternatives" in md
+    assert "| `e4m3-b32-pow2-sqrt-rn` (chosen) | 8.25 |" in md
+    assert "| rounding | `e4m3-b32-pow2-sqrt-sr` |" in md
+    assert "| block |" not in md  # no variant differs from the chosen one in block only
+    # The probe: fp32 is the exact EMA of g^2 = 1 (then 0.01^2), a rounded-to-nearest
+    # e4m3 root stops rising at a code (0.125: the step is below half a code), stochastic
+    # rounding keeps moving.
+    cfg, probe = data["config"], data["probe"]
+    assert set(probe) == {"fp32", *variants, bench_q8.CHOSEN}
+    rise = cfg["probe_rise"]
+    for t, x in zip(cfg["probe_at"], probe["fp32"]):
+        exact = (1 - 0.999 ** min(t, rise)) * 0.999 ** max(0, t - rise) + (
+            0.0001 * (1 - 0.999 ** max(0, t - rise)))
+        assert x == pytest.approx(exact ** 0.5, rel=1e-5), t
+    assert probe[bench_q8.CHOSEN][1:] == [0.125] * (len(cfg["probe_at"]) - 1)
+    assert len(set(probe["e4m3-b32-pow2-sqrt-sr"])) > 1
+    assert "## The second moment of a gradient that rises, then shrinks" in md
+    again = tmp_path / "replot"
+    assert bench_q8.main(["--replot", str(tmp_path / "q8-formats-cpu.json"), "--out",
+                          str(again), "--note", "The data say X."]) == 0
+    assert "## Conclusions\n\nThe data say X." in (again / "q8-formats-cpu.md").read_text()
+
+
+def test_q8_formats_chosen_codes_follow_the_spec(bench_q8):
+    """The emulation of the chosen format: per block of 32, absmax * 2^-e in (224, 448]
+    with e the scale exponent, every stored value an e4m3fn code times 2^e, dequantize
+    -> requantize exact, an all-zero block stays zero; the other formats' codes."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 32, generator=g) * torch.logspace(-20, 6, 40)[:, None]
+    x[3] = 0
+    chosen = bench_q8.Variant.parse(bench_q8.CHOSEN)
+    assert chosen == bench_q8.Variant("e4m3", 32, "pow2", True, False)
+    q = bench_q8.qdq(x, chosen)
+    a = x.abs().amax(1, keepdim=True)
+    e = bench_q8._pow2_exponent(a, 448.0)
+    live = a.squeeze(1) > 0
+    ratio = (a * torch.pow(2.0, -e)).squeeze(1)[live]
+    assert bool(((ratio > 224) & (ratio <= 448)).all()), ratio
+    codes = q / torch.pow(2.0, e)
+    assert torch.equal(codes.to(torch.float8_e4m3fn).float(), codes)
+    assert torch.equal(codes, (x / torch.pow(2.0, e)).to(torch.float8_e4m3fn).float())
+    assert torch.equal(bench_q8.qdq(q, chosen), q) and not q[3].any()
+    int8 = bench_q8.qdq(x, bench_q8.Variant.parse("int8-b32-absmax-v-rn"))
+    steps = int8 / (a / 127)
+    torch.testing.assert_close(steps[live], steps[live].round(), rtol=0, atol=1e-4)
+    assert steps.abs().amax(1)[live].round().eq(127).all()
+    assert len(bench_q8.dynamic_map(True)) == 255 and len(bench_q8.dynamic_map(False)) == 256
+    dyn = bench_q8.qdq(x, bench_q8.Variant.parse("dyn-b32-absmax-sqrt-rn"))
+    table = bench_q8.dynamic_map(True).double()
+    rel = (dyn[live] / a[live]).double().reshape(-1, 1)
+    assert bool(((rel - table).abs().min(1).values < 1e-6).all())
+
+
+@pytest.mark.parametrize("name", ["e4m3-b32-pow2-sqrt-sr", "int8-b32-absmax-v-sr"])
+def test_q8_formats_stochastic_rounding_is_unbiased(bench_q8, name):
+    """Stochastic rounding returns one of the two neighbouring codes, each as often as
+    its distance says: the mean of 20,000 roundings of 0.3 (in a block whose absmax
+    sets the scale) lies within 4 standard errors of 0.3."""
+    x = torch.full((20000, 32), 0.3)
+    x[:, 0] = 300.0
+    q = bench_q8.qdq(x, bench_q8.Variant.parse(name), generator=torch.Generator().manual_seed(1))
+    rest = q[:, 1:]
+    lo, hi = rest.min().item(), rest.max().item()
+    assert set(rest.unique().tolist()) == {lo, hi} and lo < 0.3 < hi
+    p = (0.3 - lo) / (hi - lo)
+    stderr = (hi - lo) * (p * (1 - p) / rest.numel()) ** 0.5
+    assert abs(rest.mean().item() - 0.3) < 4 * stderr
+
+
+def test_q8_formats_adamw_without_quantization_is_torch_adamw(bench_q8):
+    """variant None (fp32 moments) follows torch.optim.AdamW(weight_decay=0.01) over
+    steps with changing learning rates, on tensors of different sizes (the flat state
+    buffers' padding included)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (33,), (3, 4, 4)]
+    ours = [torch.randn(s, generator=g, dtype=torch.float64).float().requires_grad_()
+            for s in shapes]
+    ref = [p.detach().double().requires_grad_() for p in ours]
+    opt = bench_q8.EmulatedAdamW(ours, lr=1e-2, variant=None)
+    topt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.01)
+    for step in range(5):
+        for o in (opt, topt):
+            o.param_groups[0]["lr"] = 1e-2 / (step + 1)
+        for p, r in zip(ours, ref):
+            grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.grad, r.grad = grad.float(), grad
+        opt.step()
+        topt.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_q8_formats_spec_rule_keeps_other_tensors_exact(bench_q8):
+    """``eligible="spec"``: only tensors with dim >= 2, numel >= 4096 and rows of whole
+    32-blocks get 8-bit moments; the others' moments equal an fp32-moment run's."""
+    shapes = [(128, 32), (64, 96), (4096,), (100, 50), (8, 8)]
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    runs = []
+    for variant in (None, bench_q8.Variant.parse(bench_q8.CHOSEN)):
+        params = [p.clone().requires_grad_() for p in init]
+        opt = bench_q8.EmulatedAdamW(params, lr=1e-2, variant=variant, eligible="spec")
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr
+            opt.step()
+        runs.append((opt, params))
+    (ref, ref_p), (q8, q8_p) = runs
+    assert q8.quantized_elems == 128 * 32 + 64 * 96
+    for i, (a, b) in enumerate(zip(ref_p, q8_p)):
+        m, m_ref = (o.m[o.starts[i]:o.starts[i] + a.numel()] for o in (q8, ref))
+        if i < 2:  # quantized: e4m3 codes are 2^-4 apart at best
+            assert (m - m_ref).abs().max() > 1e-3 * m_ref.abs().max(), i
+        else:  # the same fp32 arithmetic (vectorised differently: a few ulps)
+            torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
