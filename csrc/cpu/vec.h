@@ -102,19 +102,24 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
 // (the products in the new word order), one vpsrlq (v[1] and v[3] onto words 0 and 2,
 // zeros between) and one vpternlogd for both xors, against rounding_blocks2's
 // vpshufb and two vpxor; the round keys are each the first key plus a constant (no
-// chain of adds), the counters one masked broadcast of the block and one 64-bit add.
+// chain of adds), the counters two masked broadcasts and one masked 64-bit add.
 namespace philox_avx512 {
 #define MP_AVX512_FN __attribute__((target(MP_AVX512_TARGET))) inline
 // 64-bit lanes: the block (in the even lanes) plus (j, salt | step << 32) per block j.
 MP_AVX512_FN __m512i counters(const RoundingKey& key, uint64_t block, __m512i) {
   const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
-  return _mm512_add_epi64(_mm512_maskz_set1_epi64(0x55, static_cast<long long>(block)),
-                          _mm512_setr_epi64(0, tail, 1, tail, 2, tail, 3, tail));
+  // (j, tail) per block from a constant and one masked broadcast (a vector of runtime
+  // lanes would be built lane by lane), then the block added to the even lanes.
+  const __m512i lanes =
+      _mm512_mask_set1_epi64(_mm512_setr_epi64(0, 0, 1, 0, 2, 0, 3, 0), 0xaa, tail);
+  return _mm512_mask_add_epi64(lanes, 0x55, lanes,
+                               _mm512_set1_epi64(static_cast<long long>(block)));
 }
 MP_AVX512_FN __m256i counters(const RoundingKey& key, uint64_t block, __m256i) {
   const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
-  return _mm256_add_epi64(_mm256_maskz_set1_epi64(0x5, static_cast<long long>(block)),
-                          _mm256_setr_epi64x(0, tail, 1, tail));
+  const __m256i lanes = _mm256_mask_set1_epi64(_mm256_setr_epi64x(0, 0, 1, 0), 0xa, tail);
+  return _mm256_mask_add_epi64(lanes, 0x5, lanes,
+                               _mm256_set1_epi64x(static_cast<long long>(block)));
 }
 // Words (a, 0, b, 0) in every 128-bit lane.
 MP_AVX512_FN __m512i pairs(uint32_t a, uint32_t b, __m512i) {
