@@ -125,8 +125,9 @@ class Case:
         self.spec = spec
         n = sum(p.numel() for p in self.params)
         param_b = sum(_tensor_bytes(p) for p in self.params)
-        state_b = sum(_tensor_bytes(v) for st in self.opt.state.values() for v in st.values()
-                      if isinstance(v, torch.Tensor) and v.numel() > 1)
+        # The state tensors shaped like their parameter (not the step counts).
+        state_b = sum(_tensor_bytes(v) for p, st in self.opt.state.items() for v in st.values()
+                      if isinstance(v, torch.Tensor) and v.shape == p.shape)
         grad_b = sum(_tensor_bytes(g) for g in grads)
         self.bytes_per_param = (param_b + state_b) / n
         # A step reads and writes the parameters and the state and reads the gradient;
