@@ -227,6 +227,13 @@ def markdown(data: Dict[str, Any]) -> str:
                         (C.fmt(ratio) + "x" + mark) if ratio else "", C.fmt(r["gbs"], 1)]
             rows.append(row)
         lines += C.md_table(header, rows) + [""]
+        ref = {t: res["threads"][t].get(REFERENCE, {}).get("median_ms") for t in threads}
+        for t in threads[1:]:
+            if ref[t] and ref[threads[0]] and ref[t] > ref[threads[0]]:
+                lines += [f"**{t} threads: torch's step ({C.fmt(ref[t])} ms) was slower than "
+                          f"at {threads[0]} ({C.fmt(ref[threads[0]])} ms)**: the reference was "
+                          "disturbed (another process on the cores), so this column's ratios "
+                          "do not compare the kernels.", ""]
     lines += ["Modes: MASTER[+STATE] on bf16 parameters (mixedprec.optim.AdamW, master= and "
               "state_dtype=, fp32 moments unless +STATE); `torch`: torch.optim.AdamW("
               "fused=True) on fp32 parameters. vs torch: torch's median / the mode's median "
@@ -286,11 +293,22 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny lists, 2 reps")
     ap.add_argument("--note", default="", help="a line for the report")
     ap.add_argument("--out")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="rewrite a saved run's markdown and chart next to it, timing nothing")
     return ap.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        import json
+        path = Path(args.replot)
+        data = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(markdown(data))
+        why = chart(data, path.with_suffix(".png"))
+        if why:
+            print(f"no chart: {why}")
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         parse_mode(m)

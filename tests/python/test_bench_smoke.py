@@ -408,6 +408,18 @@ def test_lean_speed_quick(tmp_path):
     assert "| remainder+bf16 | 8.0 | 18.0 |" in md
     if HAS_MATPLOTLIB:
         assert (tmp_path / "lean-speed-cpu.png").stat().st_size > 0
+    # A 2-thread torch step slower than the 1-thread one is flagged (--replot rewrites
+    # the markdown from the JSON).
+    rows = data["results"]["resnet50"]["threads"]
+    rows["2"]["torch"]["median_ms"] = rows["1"]["torch"]["median_ms"] * 10
+    other = data["results"]["gpt2-medium"]["threads"]
+    other["2"]["torch"]["median_ms"] = other["1"]["torch"]["median_ms"]  # not flagged
+    saved = tmp_path / "saved" / "lean-speed-cpu.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(data))
+    assert mod.main(["--replot", str(saved)]) == 0
+    md = saved.with_suffix(".md").read_text()
+    assert md.count("the reference was disturbed") == 1 and "**2 threads: torch's step" in md
 
 
 def test_lean_speed_mode_names(tmp_path, monkeypatch):
