@@ -85,8 +85,9 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
       ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr ? prefetch_ahead(std::get<K>(v) + i) \
                                                             : void()),                           \
        ...);                                                                                     \
-      if constexpr (W > 16) { /* a line per 16 fp32 lanes */                                     \
-        ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr                                    \
+      if constexpr (W > 16) { /* a line per 64 bytes of a stream: 16 fp32 lanes */               \
+        ((!kPerTensorList<Op, K> && sizeof(VecStorage<Op, K, Ts>) * W > 64 &&                    \
+                  std::get<K>(v) != nullptr                                                      \
               ? prefetch_ahead(std::get<K>(v) + i + 16)                                          \
               : void()),                                                                         \
          ...);                                                                                   \
@@ -107,7 +108,7 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 #if defined(MP_X86_ISA)
 MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
 MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
-MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512x2)
+MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2)
 #endif
 #undef MP_PASS
 
@@ -199,9 +200,15 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
 #if defined(MP_X86_ISA)
     switch (cpu_isa()) {
       case Isa::kAvx512:
-        // Stochastic rounding: 32 lanes a step, for 4 Philox blocks per call (vec_pair.h).
+        // The optimizers: 32 lanes a step (vec_pair.h), which halves the loop's fixed
+        // work per element (its tests of absent lists and of the modes, the prefetches,
+        // the pointer steps) and gives stochastic rounding 4 Philox blocks per call; the
+        // last (fewer than 32) elements 16 lanes a step. Same bits: every lane sees the
+        // same operations, and the rounding bits depend on the element index only.
         if constexpr (NeedsIndex<Op>::value) {
-          if (op.stochastic) return pass_avx512x2<Op, Ts...>(op, data, begin, end, seq);
+          const int64_t mid = begin + (end - begin) / 32 * 32;
+          const int bad = pass_avx512x2<Op, Ts...>(op, data, begin, mid, seq);
+          return bad | pass_avx512<Op, Ts...>(op, data, mid, end, seq);
         }
         return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
       case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);

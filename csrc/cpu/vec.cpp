@@ -32,4 +32,10 @@ Isa cpu_isa() {
   return isa;
 }
 
+#if defined(MP_X86_ISA)
+const bool avx512_bf16_stores = cpu_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+#else
+const bool avx512_bf16_stores = false;
+#endif
+
 }  // namespace mixedprec::cpu

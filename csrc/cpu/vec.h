@@ -22,6 +22,9 @@ namespace mixedprec::cpu {
 
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 Isa cpu_isa();
+// Whether the AVX-512 passes may round fp32 to bf16 with AVX512_BF16's vcvtne2ps2bf16
+// (cpu_isa() is kAvx512 and the CPU has it; vec_pair.h), set once at load.
+extern const bool avx512_bf16_stores;
 
 }  // namespace mixedprec::cpu
 
@@ -99,19 +102,24 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
 // (the products in the new word order), one vpsrlq (v[1] and v[3] onto words 0 and 2,
 // zeros between) and one vpternlogd for both xors, against rounding_blocks2's
 // vpshufb and two vpxor; the round keys are each the first key plus a constant (no
-// chain of adds), the counters one masked broadcast of the block and one 64-bit add.
+// chain of adds), the counters two masked broadcasts and one masked 64-bit add.
 namespace philox_avx512 {
 #define MP_AVX512_FN __attribute__((target(MP_AVX512_TARGET))) inline
 // 64-bit lanes: the block (in the even lanes) plus (j, salt | step << 32) per block j.
 MP_AVX512_FN __m512i counters(const RoundingKey& key, uint64_t block, __m512i) {
   const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
-  return _mm512_add_epi64(_mm512_maskz_set1_epi64(0x55, static_cast<long long>(block)),
-                          _mm512_setr_epi64(0, tail, 1, tail, 2, tail, 3, tail));
+  // (j, tail) per block from a constant and one masked broadcast (a vector of runtime
+  // lanes would be built lane by lane), then the block added to the even lanes.
+  const __m512i lanes =
+      _mm512_mask_set1_epi64(_mm512_setr_epi64(0, 0, 1, 0, 2, 0, 3, 0), 0xaa, tail);
+  return _mm512_mask_add_epi64(lanes, 0x55, lanes,
+                               _mm512_set1_epi64(static_cast<long long>(block)));
 }
 MP_AVX512_FN __m256i counters(const RoundingKey& key, uint64_t block, __m256i) {
   const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
-  return _mm256_add_epi64(_mm256_maskz_set1_epi64(0x5, static_cast<long long>(block)),
-                          _mm256_setr_epi64x(0, tail, 1, tail));
+  const __m256i lanes = _mm256_mask_set1_epi64(_mm256_setr_epi64x(0, 0, 1, 0), 0xa, tail);
+  return _mm256_mask_add_epi64(lanes, 0x5, lanes,
+                               _mm256_set1_epi64x(static_cast<long long>(block)));
 }
 // Words (a, 0, b, 0) in every 128-bit lane.
 MP_AVX512_FN __m512i pairs(uint32_t a, uint32_t b, __m512i) {
@@ -292,6 +300,16 @@ struct Lanes<VecF16> {
   }
 };
 
+// maximum (pointwise.h, AdamOp's amsgrad) on the vectors: a where a >= b or a is NaN,
+// else b, in one mask and one blend (GCC lowers the generic form's `a >= b` on these
+// vectors to a scalar compare per lane).
+template <>
+__attribute__((target(MP_AVX512_TARGET))) inline VecF16 maximum<VecF16>(VecF16 a, VecF16 b) {
+  const __mmask16 keep = _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GE_OQ) |
+                         _mm512_cmp_ps_mask((__m512)a, (__m512)a, _CMP_UNORD_Q);
+  return (VecF16)_mm512_mask_blend_ps(keep, (__m512)b, (__m512)a);
+}
+
 template <>
 struct Lanes<VecF8> {
   using Flag = VecI8;
@@ -339,6 +357,13 @@ struct Lanes<VecF8> {
   }
 };
 
+template <>
+__attribute__((target(MP_AVX2_TARGET))) inline VecF8 maximum<VecF8>(VecF8 a, VecF8 b) {
+  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GE_OQ),
+                                   _mm256_cmp_ps((__m256)a, (__m256)a, _CMP_UNORD_Q));
+  return (VecF8)_mm256_blendv_ps((__m256)b, (__m256)a, keep);
+}
+
 namespace cpu {
 
 #define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
@@ -379,10 +404,9 @@ MP_AVX512 void store(c10::BFloat16* p, Vec x) {
 }
 // int16 (master="remainder"'s remainders): exact integers as floats, both ways.
 typedef int16_t Shorts __attribute__((vector_size(32)));
-MP_AVX512 Vec load(const int16_t* p) {
-  Shorts s;
-  memcpy(&s, p, sizeof(s));
-  return __builtin_convertvector(__builtin_convertvector(s, VecI16), Vec);
+MP_AVX512 Vec load(const int16_t* p) {  // one vpmovsxwd from memory, one vcvtdq2ps
+  const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return __builtin_convertvector((VecI16)_mm512_maskz_cvtepi16_epi32(kAll16, s), Vec);
 }
 MP_AVX512 void store(int16_t* p, Vec x) {
   const Shorts s = __builtin_convertvector(__builtin_convertvector(x, VecI16), Shorts);
@@ -457,10 +481,9 @@ MP_AVX2 void store(c10::BFloat16* p, Vec x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 typedef int16_t Shorts __attribute__((vector_size(16)));
-MP_AVX2 Vec load(const int16_t* p) {
-  Shorts s;
-  memcpy(&s, p, sizeof(s));
-  return __builtin_convertvector(__builtin_convertvector(s, VecI8), Vec);
+MP_AVX2 Vec load(const int16_t* p) {  // one vpmovsxwd from memory, one vcvtdq2ps
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return __builtin_convertvector((VecI8)_mm256_cvtepi16_epi32(s), Vec);
 }
 MP_AVX2 void store(int16_t* p, Vec x) {
   const Shorts s = __builtin_convertvector(__builtin_convertvector(x, VecI8), Shorts);

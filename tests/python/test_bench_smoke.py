@@ -1,5 +1,5 @@
 """Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py,
-bench/q8_formats.py) on the CPU.
+bench/q8_formats.py, bench/lean_speed.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -49,7 +49,8 @@ def _needs_torchvision():
 ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn", "mixedprec"}
 
 
-@pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats"])
+@pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats",
+                                  "lean_speed"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -534,3 +535,71 @@ def test_q8_formats_spec_rule_keeps_other_tensors_exact(bench_q8):
         else:  # the same fp32 arithmetic (vectorised differently: a few ulps)
             torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+# Parameters + optimizer state per parameter in each of bench/lean_speed.py's modes.
+LEAN_SPEED_BYTES = {"torch": 12, "fp32": 14, "fp32+bf16": 10, "none": 10, "none+bf16": 6,
+                    "kahan": 12, "kahan+bf16": 8, "stochastic": 10, "stochastic+bf16": 6,
+                    "remainder": 12, "remainder+bf16": 8}
+
+
+def test_lean_speed_quick(tmp_path):
+    """``bench/lean_speed.py --quick``: every mode steps on both lists at 1 and 2 threads
+    (stochastic rounding reported unavailable exactly when the build lacks it), bytes per
+    parameter are what the tensors hold, torch's row is the 1.00x reference, and the
+    markdown, JSON and PNG are written."""
+    mod = _load("lean_speed")
+    threads = torch.get_num_threads()
+    assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # restored
+    data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
+    assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
+    assert list(data["results"]) == ["resnet50", "gpt2-medium"]
+    stochastic = _stochastic_available()
+    for name, res in data["results"].items():
+        assert list(res["threads"]) == ["1", "2"]
+        for rows in res["threads"].values():
+            assert set(rows) == set(LEAN_SPEED_BYTES)
+            for mode, row in rows.items():
+                if mode.startswith("stochastic") and not stochastic:
+                    assert row["status"].startswith(mod.UNAVAILABLE)
+                    continue
+                assert row["status"] == "ok", (name, mode, row)
+                assert row["bytes_per_param"] == LEAN_SPEED_BYTES[mode], (name, mode)
+                assert row["median_ms"] > 0 and row["ratio"] > 0
+            assert rows["torch"]["ratio"] == 1.0
+    md = (tmp_path / "lean-speed-cpu.md").read_text()
+    assert "| remainder+bf16 | 8.0 | 18.0 |" in md
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "lean-speed-cpu.png").stat().st_size > 0
+    # A 2-thread torch step slower than the 1-thread one is flagged (--replot rewrites
+    # the markdown from the JSON).
+    rows = data["results"]["resnet50"]["threads"]
+    rows["2"]["torch"]["median_ms"] = rows["1"]["torch"]["median_ms"] * 10
+    other = data["results"]["gpt2-medium"]["threads"]
+    other["2"]["torch"]["median_ms"] = other["1"]["torch"]["median_ms"]  # not flagged
+    saved = tmp_path / "saved" / "lean-speed-cpu.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps(data))
+    assert mod.main(["--replot", str(saved)]) == 0
+    md = saved.with_suffix(".md").read_text()
+    assert md.count("the reference was disturbed") == 1 and "**2 threads: torch's step" in md
+
+
+def test_lean_speed_mode_names(tmp_path, monkeypatch):
+    """Modes are named MASTER[+STATE]: an unknown name is refused naming what is
+    accepted; a state dtype added to STATE_DTYPES (the hook for 8-bit moments) makes its
+    modes runnable by name, reported "not available" while the optimizer refuses it."""
+    mod = _load("lean_speed")
+    assert mod.parse_mode("remainder+bf16")["state_dtype"] == torch.bfloat16
+    assert mod.parse_mode("kahan")["state_dtype"] == torch.float32
+    with pytest.raises(ValueError, match="STATE in"):
+        mod.parse_mode("remainder+fp8")
+    with pytest.raises(ValueError, match="MASTER in"):
+        mod.parse_mode("fp16")
+    monkeypatch.setitem(mod.STATE_DTYPES, "fp8", torch.float8_e4m3fn)
+    assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50",
+                     "--threads", "1", "--modes", "remainder+fp8"]) == 0
+    data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
+    assert data["config"]["modes"] == ["torch", "remainder+fp8"]
+    row = data["results"]["resnet50"]["threads"]["1"]["remainder+fp8"]
+    assert row["status"] == "ok" or row["status"].startswith(mod.UNAVAILABLE)
