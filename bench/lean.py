@@ -29,7 +29,20 @@ bf16-kahan-bf16mom   bf16 params, ``master="kahan"``, bf16 moments (8 bytes: opt
                      recipe)
 bf16-stochastic-     bf16 params, ``master="stochastic"``, bf16 moments (6 bytes)
 bf16mom
+fp32-fp8mom          fp32 params, ``state_dtype=torch.float8_e4m3fn`` (8-bit moments:
+                     e4m3 codes, a power-of-two scale per block of 32)
+bf16-master-fp8mom   bf16 params, ``master="fp32"``, 8-bit moments
+bf16-remainder-      bf16 params, ``master="remainder"``, 8-bit moments (issue #20's
+fp8mom               leanest exact mode)
+bf16-kahan-fp8mom    bf16 params, ``master="kahan"``, 8-bit moments
+bf16-stochastic-     bf16 params, ``master="stochastic"``, 8-bit moments
+fp8mom
 ===================  ==========================================================
+
+Only parameters with at least 2 dimensions, 4096 elements and rows of whole blocks of
+32 take 8-bit moments (mixedprec/optim/state8.py); the others keep fp32 moments. The
+report gives, per model, the share of the elements that did (none of the digits CNN's:
+there the fp8 modes train exactly as their fp32-moment counterparts).
 
 bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
 logits; bf16 needs no loss scale. A mode whose construction raises
@@ -51,6 +64,12 @@ updates are smaller than half a bf16 unit of many weights, where ``"none"`` stal
 The bar (issue #11): kahan and stochastic end within 1% relative of bf16-master's
 held-out loss on the LM and within 0.5 points of its accuracy on digits; bf16-none is
 visibly worse (beyond the same margins).
+The 8-bit bar (issue #20): each fp8 mode within 0.5% relative of its fp32-moment
+counterpart's held-out LM loss and within 0.3 points of its digits accuracy (means over
+the seeds).
+
+``--merge`` keeps the modes of the saved ``lean-<device>.json`` in the output directory
+that are not run now (same sizes and seeds required) and replaces those that are.
 
 Writes ``lean-<device>.md``, ``.json``, ``.png`` to bench/results (or ``--out``;
 ``--quick``, a smoke run of under a minute, writes to bench/results/cpu-smoke). The
@@ -100,13 +119,30 @@ MODES: Dict[str, tuple] = {
     "bf16-master-bf16mom": (torch.bfloat16, "fp32", torch.bfloat16),
     "bf16-kahan-bf16mom": (torch.bfloat16, "kahan", torch.bfloat16),
     "bf16-stochastic-bf16mom": (torch.bfloat16, "stochastic", torch.bfloat16),
+    "fp32-fp8mom": (torch.float32, "none", torch.float8_e4m3fn),
+    "bf16-master-fp8mom": (torch.bfloat16, "fp32", torch.float8_e4m3fn),
+    "bf16-remainder-fp8mom": (torch.bfloat16, "remainder", torch.float8_e4m3fn),
+    "bf16-kahan-fp8mom": (torch.bfloat16, "kahan", torch.float8_e4m3fn),
+    "bf16-stochastic-fp8mom": (torch.bfloat16, "stochastic", torch.float8_e4m3fn),
 }
+FP8 = torch.float8_e4m3fn
 REFERENCE = "bf16-master"  # the bar's reference: fp32 masters
 CONTENDERS = ("bf16-kahan", "bf16-stochastic")
 BASELINE = "bf16-none"
 BAR_LM_REL = 0.01  # relative held-out loss
 BAR_DIGITS_POINTS = 0.5  # accuracy, percentage points
 UNAVAILABLE = "not available in this build"
+# Issue #20: each 8-bit-moment mode against its fp32-moment counterpart (same params and
+# master): within 0.5% relative held-out loss and 0.3 points of accuracy.
+BAR8_LM_REL = 0.005
+BAR8_DIGITS_POINTS = 0.3
+
+
+def counterpart(mode: str) -> Optional[str]:
+    """The fp32-moment mode of an 8-bit-moment mode (None for the others)."""
+    if MODES[mode][2] != FP8:
+        return None
+    return mode[:-len("-fp8mom")]
 
 # Sizes: full run (eleven modes: 686 s on 1 thread of a shared AMD EPYC) and --quick (~10 s).
 FULL = dict(seeds=3, digits_steps=1200, digits_batch=32, digits_lr=3e-4,
@@ -129,14 +165,19 @@ def lr_at(step: int, total: int, lr: float) -> float:
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> Dict[str, int]:
-    """Bytes of the parameters and of every tensor in the optimizer state."""
+    """Bytes of the parameters and of every tensor in the optimizer state, and how many
+    parameter elements hold 8-bit moments (``q8_numel``, of ``numel``)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = 0
-    for s in opt.state.values():
+    numel = sum(p.numel() for p in model.parameters())
+    state = q8 = 0
+    for p, s in opt.state.items():
         for v in s.values():
             if torch.is_tensor(v):
                 state += v.numel() * v.element_size()
-    return {"param_bytes": params, "state_bytes": state, "total_bytes": params + state}
+        if torch.is_tensor(s.get("exp_avg")) and s["exp_avg"].dtype == FP8:
+            q8 += p.numel()
+    return {"param_bytes": params, "state_bytes": state, "total_bytes": params + state,
+            "numel": numel, "q8_numel": q8}
 
 
 def make_optimizer(mode: str, model: nn.Module, lr: float):
@@ -349,6 +390,7 @@ def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, 
             median_step_ms=statistics.median(r["median_step_ms"] for r in seeds_),
             total_bytes=seeds_[0]["total_bytes"], param_bytes=seeds_[0]["param_bytes"],
             state_bytes=seeds_[0]["state_bytes"],
+            numel=seeds_[0]["numel"], q8_numel=seeds_[0]["q8_numel"],
             nonfinite=any(not math.isfinite(v) for r in seeds_ for v in r["losses"]))
     return out
 
@@ -393,6 +435,43 @@ def evaluate_bar(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     return bars
 
 
+def evaluate_bar8(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Issue #20: each 8-bit-moment mode against its fp32-moment counterpart, mean over
+    the seeds: LM held-out loss within 0.5% relative, digits accuracy within 0.3 points
+    (lower is worse; better always passes). passed None: one of the two not run."""
+    bars = []
+    for model, what in (("lm", "held-out loss"), ("digits", "test accuracy")):
+        res = results.get(model, {})
+        for mode in res:
+            ref_mode = counterpart(mode)
+            if ref_mode is None:
+                continue
+            r, ref = res.get(mode, {}), res.get(ref_mode, {})
+            ok = r.get("status") == "ok" and ref.get("status") == "ok"
+            v = r.get("metric_mean") if ok else None
+            w = ref.get("metric_mean") if ok else None
+            if model == "lm":
+                gap = None if v is None or w is None else (v - w) / w
+                passed = None if gap is None else gap <= BAR8_LM_REL
+                shown = None if gap is None else f"{100 * gap:+.2f}%"
+                margin = "0.5% relative"
+            else:
+                gap = None if v is None or w is None else w - v
+                passed = None if gap is None else gap <= BAR8_DIGITS_POINTS
+                shown = None if gap is None else f"{-gap:+.2f} pts"
+                margin = "0.3 points"
+            paired = [_gap(model, a["metric"], b["metric"]) for a, b in zip(
+                r.get("seeds", []), ref.get("seeds", []))] if ok else []
+            if shown and paired:
+                shown += " (per seed: " + ", ".join(paired) + ")"
+            bars.append(dict(model=model, mode=mode, reference=ref_mode,
+                             target=f"{mode} within {margin} of {ref_mode} ({what})",
+                             value=shown, passed=passed,
+                             status=r.get("status") if r.get("status") != "ok"
+                             else ref.get("status", "not run")))
+    return bars
+
+
 def _gap(model: str, value: float, ref: float) -> str:
     """One seed's difference to the reference, as the bar measures it."""
     if model == "lm":
@@ -417,7 +496,7 @@ def markdown(data: Dict[str, Any]) -> str:
         lines += [data["note"], ""]
     for model, res in data["results"].items():
         lines += [f"## {LABELS[model]}", ""]
-        rows = []
+        rows, q8_rows = [], []
         for mode, r in res.items():
             if r.get("status") != "ok":
                 rows.append([mode, r.get("status", "not run"), "", "", "", ""])
@@ -425,6 +504,10 @@ def markdown(data: Dict[str, Any]) -> str:
             metric = ("" if r["metric_mean"] is None else
                       f"{r['metric_mean']:.{2 if model == 'digits' else 4}f} "
                       f"(±{r['metric_spread'] / 2:.{2 if model == 'digits' else 4}f})")
+            if MODES[mode][2] == FP8 and "q8_numel" in r:
+                q8_rows.append(f"{mode}: 8-bit moments on {r['q8_numel']:,} of "
+                               f"{r['numel']:,} parameter elements "
+                               f"({100 * r['q8_numel'] / r['numel']:.1f}%)")
             rows.append([mode, metric + (" non-finite!" if r["nonfinite"] else ""),
                          f"{r['total_bytes'] / 1e6:.3f}",
                          f"{bytes_per_param(mode, r):.1f}",
@@ -436,10 +519,21 @@ def markdown(data: Dict[str, Any]) -> str:
         lines += C.md_table(["mode", head, "params+state MB", "B/param", "step ms",
                              "vs fp32"], rows)
         lines.append("")
+        if q8_rows:
+            shares = sorted({row.split(": ", 1)[1] for row in q8_rows})
+            lines += [("8-bit-moment modes: " + shares[0] + "; the other parameters (dim < 2, "
+                       "fewer than 4096 elements, or rows not whole blocks of 32) keep "
+                       "fp32 moments.") if len(shares) == 1 else
+                      "8-bit moments: " + "; ".join(q8_rows) + ".", ""]
     lines += ["## The bar (issue #11)", ""]
     lines += C.md_table(["target", "measured", "verdict"],
                         [[b["target"], b["value"] or b["status"] or "",
                           C.verdict(b["passed"])] for b in data["bar"]], align="lll")
+    if data.get("bar8"):
+        lines += ["", "## The 8-bit moment bar (issue #20)", ""]
+        lines += C.md_table(["target", "measured (mean over seeds)", "verdict"],
+                            [[b["target"], b["value"] or b["status"] or "",
+                              C.verdict(b["passed"])] for b in data["bar8"]], align="lll")
     lines += ["", "Spread: max - min over the seeds (shown as ± half of it). Memory: "
               "numel * element_size summed over the parameters and every optimizer state "
               "tensor after training (gradients and activations not counted). Step time: "
@@ -540,22 +634,23 @@ def _bytes_panel(ax, model: str, res: Dict[str, Any], colors: Dict[str, str],
         b = bytes_per_param(mode, r)
         k = at.get(b, 0)
         at[b] = k + 1
-        marker = "s" if MODES[mode][0] == torch.float32 else "o"
+        marker = ("s" if MODES[mode][0] == torch.float32 else "o") if MODES[mode][2] != FP8 \
+            else ("D" if MODES[mode][0] == torch.float32 else "^")
         face = colors[mode] if MODES[mode][2] == torch.float32 else "white"
         ax.errorbar(b + 0.15 * k, mean, yerr=[[mean - min(vals)], [max(vals) - mean]],
                     fmt=marker, color=colors[mode], mfc=face, capsize=3, ms=6, label=mode)
 
 
 def _color(mode: str) -> str:
-    """One color per (param dtype, master); bf16 moments share their master's color
-    (dashed curves, hollow markers)."""
+    """One color per (param dtype, master); bf16 and 8-bit moments share their
+    master's color (dashed and dotted curves, hollow markers)."""
     keys = sorted({MODES[m][:2] for m in MODES}, key=lambda k: list(MODES).index(
         next(m for m in MODES if MODES[m][:2] == k)))
     return f"C{keys.index(MODES[mode][:2]) % 10}"
 
 
 def _style(mode: str) -> str:
-    return "-" if MODES[mode][2] == torch.float32 else "--"
+    return {torch.float32: "-", torch.bfloat16: "--"}.get(MODES[mode][2], ":")
 
 
 def parse_args(argv):
@@ -570,6 +665,10 @@ def parse_args(argv):
     p.add_argument("--seeds", type=int, help="default 3 (1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     p.add_argument("--note", help="a sentence added to the report (e.g. what else ran)")
+    p.add_argument("--merge", action="store_true",
+                   help="merge into the saved lean-<device>.json of the output directory: "
+                        "its results of the modes not run now are kept (same sizes and "
+                        "seeds required), those run now are replaced")
     p.add_argument("--replot", metavar="JSON",
                    help="train nothing: rewrite the markdown and the chart of a saved "
                         "lean-<device>.json (next to it, or into --out)")
@@ -602,6 +701,44 @@ def replot(path: Path, out: Optional[str]) -> int:
     return 0
 
 
+SIZE_KEYS = ("seeds", "digits_steps", "digits_batch", "digits_lr", "lm_steps", "lm_batch",
+             "lm_seq", "lm_d", "lm_layers", "lm_heads", "lm_lr", "lm_eval_every",
+             "lm_eval_batches", "lm_corpus_mb", "rn_steps", "rn_warmup", "rn_batch",
+             "rn_image")
+
+
+def merge(path: Path, new: Dict[str, Any]):
+    """``new``'s results over those saved in ``path``: the modes run now replace the
+    saved ones, the others are kept. Returns (merged data, a sentence for the report).
+    Refused when the sizes or seeds differ (the runs would not be comparable)."""
+    import json
+    if not path.exists():
+        raise SystemExit(f"--merge: no saved run at {path}")
+    old = json.loads(path.read_text())
+    differ = [k for k in SIZE_KEYS if old["config"].get(k) != new["config"].get(k)]
+    if differ:
+        raise SystemExit(f"--merge: {path} was run with other sizes ({', '.join(differ)})")
+    run_now = list(new["config"]["modes"])
+    results: Dict[str, Any] = {}
+    kept = set()
+    for model in list(old["results"]) + [m for m in new["results"] if m not in old["results"]]:
+        got = dict(old["results"].get(model, {}))
+        kept |= {m for m in got if m not in run_now}
+        got.update(new["results"].get(model, {}))
+        results[model] = {m: got[m] for m in sorted(got, key=lambda m: (
+            list(MODES).index(m) if m in MODES else len(MODES)))}
+    modes = [m for m in MODES if any(m in r for r in results.values())]
+    data = dict(new, results=results,
+                config=dict(new["config"], models=list(results), modes=modes),
+                merged=dict(earlier_date=old["env"].get("date"), kept=sorted(kept),
+                            run_now=run_now, earlier_wall_s=old.get("wall_s")))
+    sentence = (f"Merged: {', '.join(run_now)} run now ({new['wall_s']:.0f} s); "
+                f"{', '.join(m for m in MODES if m in kept)} kept from the run of "
+                f"{old['env'].get('date')} (same sizes and seeds; the step times of the "
+                "two runs are not comparable, the machine's load differs).")
+    return data, sentence
+
+
 def _run(args) -> int:
     device = C.pick_device(args.device)
     cfg = dict(QUICK if args.quick else FULL)
@@ -629,13 +766,18 @@ def _run(args) -> int:
         results[model] = run_model(model, cfg, modes, cfg["seeds"], data, device, log)
     data = dict(env=env, smoke=args.quick, config=dict(cfg, models=models, modes=modes),
                 corpus=corpus_desc, results=results, wall_s=time.time() - t_start)
-    data["bar"] = evaluate_bar(results)
+    note = args.note or ""
+    out = C.out_dir(args.out, args.quick)
+    slug = C.device_slug(env)
+    if args.merge:
+        data, merged_note = merge(out / f"lean-{slug}.json", data)
+        note = (note + " " + merged_note).strip()
+    data["bar"] = evaluate_bar(data["results"])
+    data["bar8"] = evaluate_bar8(data["results"])
     if device.type == "cpu":
         data["note"] = ("Timings are wall clock on the CPU, noisy where the machine is "
                         "shared; the modes are interleaved so that noise falls on all of "
-                        "them alike. " + (args.note or "")).strip()
-    out = C.out_dir(args.out, args.quick)
-    slug = C.device_slug(env)
+                        "them alike. " + note).strip()
     md = markdown(data)
     C.write_json(out / f"lean-{slug}.json", data)
     (out / f"lean-{slug}.md").write_text(md)

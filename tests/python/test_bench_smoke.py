@@ -315,7 +315,17 @@ def test_lean_quick(bench_lean, tmp_path):
             assert r["status"] == "ok", (model, mode, r)
             assert not r["nonfinite"] and r["median_step_ms"] > 0
             numel = r["param_bytes"] // bench_lean.MODES[mode][0].itemsize
-            assert r["total_bytes"] == per_param[mode] * numel, (model, mode)
+            assert r["numel"] == numel
+            ref = bench_lean.counterpart(mode)
+            if ref is None:
+                assert r["q8_numel"] == 0
+                assert r["total_bytes"] == per_param[mode] * numel, (model, mode)
+            else:
+                # 8-bit moments (e4m3 codes + an e8m0 scale per 32) in place of the two
+                # fp32 moments, on the eligible parameters only (none of the digits CNN).
+                q8 = r["q8_numel"]
+                assert q8 % 32 == 0 and (q8 == 0) == (model == "digits"), (model, q8)
+                assert r["total_bytes"] == per_param[ref] * numel - 8 * q8 + 2 * q8 + q8 // 16
             seed = r["seeds"][0]
             assert len(seed["losses"]) == {"digits": data["config"]["digits_steps"],
                                            "lm": data["config"]["lm_steps"]}.get(
@@ -327,8 +337,12 @@ def test_lean_quick(bench_lean, tmp_path):
             else:
                 assert r["metric_mean"] is None
     assert len(data["bar"]) == 6
+    assert len(data["bar8"]) == 10  # 5 modes x (LM, digits)
+    assert {b["reference"] for b in data["bar8"]} == {
+        "fp32", "bf16-master", "bf16-remainder", "bf16-kahan", "bf16-stochastic"}
     md = (tmp_path / "lean-cpu.md").read_text()
     assert "CPU smoke run" in md and "## The bar (issue #11)" in md
+    assert "## The 8-bit moment bar (issue #20)" in md and "8-bit-moment modes:" in md
     assert ("not available in this build" in md) == (not stochastic)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "lean-cpu.png").stat().st_size > 0
@@ -338,6 +352,29 @@ def test_lean_quick(bench_lean, tmp_path):
     assert (again / "lean-cpu.md").read_text() == md
     if HAS_MATPLOTLIB:
         assert (again / "lean-cpu.png").stat().st_size > 0
+
+
+def test_lean_merge(bench_lean, tmp_path):
+    """``--merge``: the modes run now replace the saved ones, the others (and the
+    models not run now) are kept; a saved run of other sizes is refused."""
+    pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
+    base = ["--quick", "--device", "cpu", "--out", str(tmp_path)]
+    assert bench_lean.main(base + ["--models", "digits,lm", "--modes", "fp32,bf16-master"]) == 0
+    before = json.loads((tmp_path / "lean-cpu.json").read_text())
+    assert bench_lean.main(base + ["--models", "digits", "--modes", "bf16-master,fp32-fp8mom",
+                                   "--merge"]) == 0
+    after = json.loads((tmp_path / "lean-cpu.json").read_text())
+    assert list(after["results"]) == ["digits", "lm"]
+    assert list(after["results"]["digits"]) == ["fp32", "bf16-master", "fp32-fp8mom"]
+    assert after["results"]["lm"] == before["results"]["lm"]
+    assert after["results"]["digits"]["fp32"] == before["results"]["digits"]["fp32"]
+    assert after["results"]["digits"]["fp32-fp8mom"]["status"] == "ok"
+    assert after["merged"]["kept"] == ["fp32"]  # (modes not run now)
+    assert after["config"]["modes"] == ["fp32", "bf16-master", "fp32-fp8mom"]
+    assert "Merged:" in (tmp_path / "lean-cpu.md").read_text()
+    with pytest.raises(SystemExit, match="other sizes"):
+        bench_lean.main(base + ["--models", "digits", "--modes", "fp32", "--seeds", "2",
+                                "--merge"])
 
 
 def test_lean_bar_on_made_up_numbers(bench_lean):
