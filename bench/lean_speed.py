@@ -4,7 +4,7 @@
 Modes are named ``MASTER[+STATE]``: MASTER is mixedprec's ``master`` option on bf16
 parameters (``fp32``, ``none``, ``kahan``, ``stochastic``, ``remainder``), STATE the
 moments' dtype, a key of ``STATE_DTYPES`` (``fp32`` when left out, ``bf16``). A dtype
-added to ``STATE_DTYPES`` (e.g. ``"fp8": torch.float8_e4m3fn``) makes modes such as
+added to ``STATE_DTYPES`` (``"fp8": torch.float8_e4m3fn`` is) makes modes such as
 ``remainder+fp8`` available by name with ``--modes``; a mode the build or the
 optimizer refuses is reported "not available" and the run goes on. ``torch`` is the
 reference: torch's fused AdamW on fp32 parameters.
@@ -63,8 +63,9 @@ C.ensure_importable()
 REFERENCE = "torch"
 MASTERS = ("fp32", "none", "kahan", "stochastic", "remainder")
 # Moment dtypes by the name a mode gives after "+". The hook for 8-bit moments:
-# STATE_DTYPES["fp8"] = torch.float8_e4m3fn makes "remainder+fp8" a mode.
-STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# "fp8": 8-bit moments (state_dtype=torch.float8_e4m3fn), e.g. "remainder+fp8".
+STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                        "fp8": torch.float8_e4m3fn}
 DEFAULT_MODES = ("torch", "fp32", "fp32+bf16", "none", "none+bf16", "kahan", "kahan+bf16",
                  "stochastic", "stochastic+bf16", "remainder", "remainder+bf16")
 UNAVAILABLE = "not available"

@@ -624,19 +624,18 @@ def test_lean_speed_quick(tmp_path):
 
 def test_lean_speed_mode_names(tmp_path, monkeypatch):
     """Modes are named MASTER[+STATE]: an unknown name is refused naming what is
-    accepted; a state dtype added to STATE_DTYPES (the hook for 8-bit moments) makes its
-    modes runnable by name, reported "not available" while the optimizer refuses it."""
+    accepted; the 8-bit moments (STATE fp8) are a mode by name and run."""
     mod = _load("lean_speed")
     assert mod.parse_mode("remainder+bf16")["state_dtype"] == torch.bfloat16
     assert mod.parse_mode("kahan")["state_dtype"] == torch.float32
+    assert mod.parse_mode("remainder+fp8")["state_dtype"] == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="STATE in"):
-        mod.parse_mode("remainder+fp8")
+        mod.parse_mode("remainder+fp4")
     with pytest.raises(ValueError, match="MASTER in"):
         mod.parse_mode("fp16")
-    monkeypatch.setitem(mod.STATE_DTYPES, "fp8", torch.float8_e4m3fn)
     assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50",
                      "--threads", "1", "--modes", "remainder+fp8"]) == 0
     data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
     assert data["config"]["modes"] == ["torch", "remainder+fp8"]
     row = data["results"]["resnet50"]["threads"]["1"]["remainder+fp8"]
-    assert row["status"] == "ok" or row["status"].startswith(mod.UNAVAILABLE)
+    assert row["status"] == "ok"
