@@ -183,18 +183,20 @@ void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage
 // kahan_comps; its salts are one contiguous int64 tensor of 4 words per param (salt,
 // offset, run, stride: pointwise.h's RoundingWords; the salt below 2^32, offset >= 0,
 // run and stride 0 or > 0: the caller's to keep, as the values are on the device).
-// Without it, no salts.
+// Without it, no salts. Stochastic rounding of 8-bit state (state_seed given:
+// state_stochastic) takes the same salts, with any params.
 inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
                              at::TensorList model_params, at::TensorList kahan_comps,
-                             at::TensorList salts, bool stochastic) {
-  if (!stochastic) {
+                             at::TensorList salts, bool stochastic, bool state_stochastic = false) {
+  if (!stochastic && !state_stochastic) {
     TORCH_CHECK_VALUE(salts.empty(), op,
-                      ": expected sr_salts to be empty without sr_seed, "
+                      ": expected sr_salts to be empty without sr_seed (or state_seed), "
                       "got ",
                       salts.size(), " tensors");
     return;
   }
   c.per_tensor(salts, "sr_salts", params, "params", RoundingWords::kWords);
+  if (!stochastic) return;
   TORCH_CHECK_VALUE(kahan_comps.empty() && model_params.empty(), op,
                     ": sr_seed: stochastic rounding writes bf16 params directly, expected no "
                     "model_params and no kahan_comps, got ",

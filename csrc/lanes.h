@@ -151,6 +151,51 @@ MP_HD uint32_t e4m3_code(float y) {
   return sign | (code > 0x7eu ? 0x7eu : code);
 }
 
+// e4m3_code rounded stochastically: r's low 16 bits (uniform) plus one half are added
+// below the kept bits (in units of 2^-16 of a code step) before they are cut, so that
+// the code rounds away from zero with the probability of the dropped fraction (to
+// 2^-17 of a step): the stored value is y on average. Round to nearest freezes a
+// state whose per-step change is below half a code step (Adam's second moment with
+// beta2 = 0.999: bench/results/q8-formats-cpu.md); 8 random bits were measured to
+// leave a drift of ~1% over 200 such steps (tests/python/optim/test_state8.py).
+MP_HD uint32_t e4m3_code_stochastic(float y, uint32_t r) {
+  uint32_t u;
+  memcpy(&u, &y, sizeof(u));
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t abs_bits = u & 0x7fffffffu;
+  float a;
+  memcpy(&a, &abs_bits, sizeof(a));
+  if (a != a) return sign | 0x7fu;
+  r &= 0xffffu;
+  uint32_t code;
+  if (a < 0.015625f) {
+    code = static_cast<uint32_t>(a * 512.f + (static_cast<float>(r) + 0.5f) * 1.52587890625e-5f);
+  } else {
+    code = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
+  }
+  return sign | (code > 0x7eu ? 0x7eu : code);
+}
+
+// The 16 random bits of each element of the block from local element `index` on
+// (rounding_bits of its global index, philox.h): one Philox call per 8 consecutive
+// elements. The 8-bit state's codes round with them: the first 8-bit list of an op
+// with these bits, the second with their bytes swapped (rotate_bytes), so that the
+// high bits, which decide most roundings, are independent between the two.
+MP_HD uint32_t rotate_bytes(uint32_t r) { return ((r << 8) | (r >> 8)) & 0xffffu; }
+MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+  uint64_t block = ~uint64_t{0};
+  Philox4x32 bits{};
+  for (int j = 0; j < kQuantBlock; ++j) {
+    const uint64_t g = static_cast<uint64_t>(key.global(index + j));
+    if (g >> 3 != block) {
+      block = g >> 3;
+      bits = rounding_block(key, block);
+    }
+    const uint32_t h = static_cast<uint32_t>(g & 7);
+    out[j] = (bits.v[h >> 1] >> (16 * (h & 1))) & 0xffffu;
+  }
+}
+
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
 // condition holds, else b; the condition is a comparison of Vs), round_bf16: the

@@ -223,23 +223,27 @@ struct SgdOp {
   bool kahan = false;
   bool remainder = false;
   bool stochastic = false;
-  uint64_t seed = 0;
-  const float* step_ptr = nullptr;  // read with stochastic only
+  bool state_stochastic = false;  // 8-bit buffers rounded stochastically (lanes.h)
+  uint64_t seed = 0, state_seed = 0;
+  const float* step_ptr = nullptr;  // read with stochastic or state_stochastic only
   const float* inv_scale_ptr = nullptr;
   const float* lr_ptr = nullptr;
   float inv_scale = 1.f;
-  RoundingWords rounding;  // filled by resolve() and at_tensor()
+  RoundingWords rounding;   // filled by resolve() and at_tensor()
+  RoundingKey state_key{};  // the 8-bit buffers' bits: rounding's, with state_seed
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
     if (lr_ptr != nullptr) lr = *lr_ptr;
-    if (stochastic) {
+    if (stochastic || state_stochastic) {
       rounding.key.seed = seed;
       rounding.key.step = static_cast<uint32_t>(*step_ptr);
     }
   }
   MP_HD void at_tensor(const void* const* ptrs) {
-    if (stochastic) rounding.read(ptrs[5]);
+    if (stochastic || state_stochastic) rounding.read(ptrs[5]);
+    state_key = rounding.key;
+    state_key.seed = state_seed;
   }
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
@@ -298,8 +302,9 @@ struct AdamOp {
   bool kahan = false;
   bool remainder = false;
   bool stochastic = false;
-  bool root = false;  // exp_avg_sqs hold the second moments' square roots (8-bit state)
-  uint64_t seed = 0;
+  bool root = false;              // exp_avg_sqs hold the second moments' square roots (8-bit state)
+  bool state_stochastic = false;  // 8-bit moments rounded stochastically (lanes.h)
+  uint64_t seed = 0, state_seed = 0;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
   const float* lr_ptr = nullptr;
@@ -307,7 +312,8 @@ struct AdamOp {
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
-  RoundingWords rounding;  // filled by resolve() and at_tensor()
+  RoundingWords rounding;   // filled by resolve() and at_tensor()
+  RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
@@ -330,7 +336,9 @@ struct AdamOp {
     wd_f = static_cast<float>(weight_decay);
   }
   MP_HD void at_tensor(const void* const* ptrs) {
-    if (stochastic) rounding.read(ptrs[6]);
+    if (stochastic || state_stochastic) rounding.read(ptrs[6]);
+    state_key = rounding.key;
+    state_key.seed = state_seed;
   }
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {

@@ -191,6 +191,7 @@ def fused_sgd_(
     unscale_grads: bool = False,
     remainders: Optional[List[Tensor]] = None,
     momentum_scales: Optional[List[Tensor]] = None,
+    state_seed: Optional[int] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -238,7 +239,11 @@ def fused_sgd_(
     scale per block of 32 consecutive elements: value = code * scale. The op reads each
     block, updates it in fp32, and writes the block's new scale (the smallest power of
     two that brings its largest magnitude within 448) and codes (rounded to nearest
-    even, as torch's cast to float8_e4m3fn).
+    even, as torch's cast to float8_e4m3fn), or with ``state_seed`` stochastically:
+    Philox bits keyed as ``sr_seed``'s (``sr_salts``, one per param, and ``step``, then
+    required) but by ``state_seed``; the low byte of an element's 16 bits rounds its
+    code up with the probability of the dropped fraction (to 1/256), so that the stored
+    state is unbiased (round to nearest freezes a slowly moving state).
     """
     torch.ops.mixedprec.fused_sgd_.default(
         params=params, grads=grads, momentum_buffers=momentum_buffers,
@@ -248,6 +253,7 @@ def fused_sgd_(
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         step=step, maximize=maximize, lr_tensor=lr_tensor, unscale_grads=unscale_grads,
         remainders=remainders or None, momentum_scales=momentum_scales,
+        state_seed=state_seed,
     )
 
 
@@ -277,6 +283,7 @@ def fused_adam_(
     remainders: Optional[List[Tensor]] = None,
     exp_avg_scales: Optional[List[Tensor]] = None,
     exp_avg_sq_scales: Optional[List[Tensor]] = None,
+    state_seed: Optional[int] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
     or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
@@ -300,7 +307,9 @@ def fused_adam_(
     ``exp_avg_scales`` and ``exp_avg_sq_scales`` (given together): 8-bit moments, as
     ``momentum_scales`` in :func:`fused_sgd_`; ``exp_avg_sqs`` then hold the square
     roots of the second moments (the denominator's ``sqrt(exp_avg_sq)``, stored),
-    ``exp_avgs`` the first moments. Not with ``max_exp_avg_sqs``."""
+    ``exp_avgs`` the first moments. Not with ``max_exp_avg_sqs``. ``state_seed``
+    rounds their codes stochastically as in :func:`fused_sgd_` (the first moment with
+    the low byte of each element's bits, the root with the high byte)."""
     torch.ops.mixedprec.fused_adam_.default(
         params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
         model_params=model_params, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -309,7 +318,7 @@ def fused_adam_(
         kahan_comps=kahan_comps or None, sr_salts=sr_salts or None, sr_seed=sr_seed,
         maximize=maximize, max_exp_avg_sqs=max_exp_avg_sqs, unscale_grads=unscale_grads,
         remainders=remainders or None, exp_avg_scales=exp_avg_scales,
-        exp_avg_sq_scales=exp_avg_sq_scales,
+        exp_avg_sq_scales=exp_avg_sq_scales, state_seed=state_seed,
     )
 
 

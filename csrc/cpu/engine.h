@@ -146,8 +146,10 @@ constexpr size_t scale_list() {
     const Vec per[D] = {                                                                         \
         (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};      \
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
+    uint32_t random[kQuantBlock];                                                                \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                         \
       const int64_t b = i / kQuantBlock;                                                         \
+      if (op.state_stochastic) block_bits(op.state_key, i, random);                              \
       const float scale[D] = {                                                                   \
           (kBlocked<Ts> && std::get<K>(v) != nullptr                                             \
                ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])    \
@@ -170,7 +172,8 @@ constexpr size_t scale_list() {
       ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && std::get<K>(v) != nullptr                   \
             ? NS::store_block<J, D>(std::get<K>(v) + i,                                          \
                                     static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
-                                    x, K)                                                        \
+                                    x, K, op.state_stochastic ? random : nullptr,                \
+                                    scale_list<Op, K, Ts...>() != Op::kScaleList)                \
             : void()),                                                                           \
        ...);                                                                                     \
     }                                                                                            \

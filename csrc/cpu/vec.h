@@ -242,6 +242,22 @@ inline U e4m3_code_lanes(F y) {
   return ((u >> 24) & 0x80u) | code;
 }
 
+// e4m3_code_stochastic on every lane, with r's low 16 bits per lane.
+template <typename F, typename I, typename U>
+inline U e4m3_code_stochastic_lanes(F y, U r) {
+  const U u = (U)y;
+  const U abs_bits = u & 0x7fffffffu;
+  const F a = (F)abs_bits;
+  r &= 0xffffu;
+  const U sub = (U) __builtin_convertvector(
+      a * 512.f + (__builtin_convertvector((I)r, F) + 0.5f) * 1.52587890625e-5f, I);
+  const U normal = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
+  U code = a < 0.015625f ? sub : normal;
+  code = code > 0x7eu ? U{} + 0x7eu : code;
+  code = a != a ? U{} + 0x7fu : code;
+  return ((u >> 24) & 0x80u) | code;
+}
+
 // |x| <= FLT_MAX is false for inf and NaN, as std::isfinite. (The masked forms of
 // the AVX-512 intrinsics: the plain ones pass GCC 12 an "undefined" operand that it
 // then reports as maybe uninitialized.)
@@ -432,9 +448,10 @@ MP_AVX512 void store(E4m3* p, Vec y) {
 // The block's largest |value| as bits (integer order: NaN above inf above the finite
 // values, in every version), its scale, and its codes.
 template <int J, int D, typename T>
-MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int) {}
+MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
 template <int J, int D>
-MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k) {
+MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
+                           const uint32_t* random, bool rotate) {
   VecU16 m = (VecU16)x[0][k] & 0x7fffffffu;
   for (int j = 1; j < J; ++j) {
     const VecU16 a = (VecU16)x[j][k] & 0x7fffffffu;
@@ -447,7 +464,18 @@ MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k)
   q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
   const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(q))));
   const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) store(p + 16 * j, x[j][k] * inv);
+  for (int j = 0; j < J; ++j) {
+    if (random == nullptr) {
+      store(p + 16 * j, x[j][k] * inv);
+      continue;
+    }
+    VecU16 r;
+    memcpy(&r, random + 16 * j, sizeof(r));
+    if (rotate) r = ((r << 8) | (r >> 8)) & 0xffffu;
+    const VecU16 c = e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(x[j][k] * inv, r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * j),
+                     _mm512_maskz_cvtepi32_epi8(kAll16, (__m512i)c));
+  }
   *scale = static_cast<uint8_t>(bits);
 }
 }  // namespace avx512
@@ -497,8 +525,8 @@ MP_AVX2 Vec load(const E4m3* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return e4m3_value_lanes<Vec, VecI8, VecU8>((VecU8)_mm256_cvtepu8_epi32(b));
 }
-MP_AVX2 void store(E4m3* p, Vec y) {
-  const __m256i c = (__m256i)e4m3_code_lanes<Vec, VecI8, VecU8>(y);
+MP_AVX2 void store_codes(E4m3* p, VecU8 codes) {
+  const __m256i c = (__m256i)codes;
   // Byte 0 of each 32-bit lane to the low 4 bytes of its 128-bit half.
   const __m256i low = _mm256_shuffle_epi8(
       c, _mm256_setr_epi8(0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128,
@@ -509,10 +537,12 @@ MP_AVX2 void store(E4m3* p, Vec y) {
   memcpy(p, &lo, 4);
   memcpy(reinterpret_cast<char*>(p) + 4, &hi, 4);
 }
+MP_AVX2 void store(E4m3* p, Vec y) { store_codes(p, e4m3_code_lanes<Vec, VecI8, VecU8>(y)); }
 template <int J, int D, typename T>
-MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int) {}
+MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
 template <int J, int D>
-MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k) {
+MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
+                         const uint32_t* random, bool rotate) {
   VecU8 m8 = (VecU8)x[0][k] & 0x7fffffffu;
   for (int j = 1; j < J; ++j) {
     const VecU8 a = (VecU8)x[j][k] & 0x7fffffffu;
@@ -524,7 +554,16 @@ MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k) {
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
   const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m))));
   const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) store(p + 8 * j, x[j][k] * inv);
+  for (int j = 0; j < J; ++j) {
+    if (random == nullptr) {
+      store(p + 8 * j, x[j][k] * inv);
+      continue;
+    }
+    VecU8 r;
+    memcpy(&r, random + 8 * j, sizeof(r));
+    if (rotate) r = ((r << 8) | (r >> 8)) & 0xffffu;
+    store_codes(p + 8 * j, e4m3_code_stochastic_lanes<Vec, VecI8, VecU8>(x[j][k] * inv, r));
+  }
   *scale = static_cast<uint8_t>(bits);
 }
 }  // namespace avx2
@@ -554,9 +593,10 @@ inline void store(T* p, float x) {
 inline void store(E4m3* p, float y) { p->bits = static_cast<uint8_t>(e4m3_code(y)); }
 inline bool any(bool flag) { return flag; }
 template <int J, int D, typename T>
-inline void store_block(T*, uint8_t*, const float (&)[J][D], int) {}
+inline void store_block(T*, uint8_t*, const float (&)[J][D], int, const uint32_t*, bool) {}
 template <int J, int D>
-inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k) {
+inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k,
+                        const uint32_t* random, bool rotate) {
   uint32_t m = 0;
   for (int j = 0; j < J; ++j) {
     uint32_t a;
@@ -566,7 +606,12 @@ inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k) 
   }
   const uint32_t bits = e8m0_scale_bits(bits_float(m));
   const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) store(p + j, x[j][k] * inv);
+  for (int j = 0; j < J; ++j) {
+    p[j].bits = static_cast<uint8_t>(
+        random == nullptr
+            ? e4m3_code(x[j][k] * inv)
+            : e4m3_code_stochastic(x[j][k] * inv, rotate ? rotate_bytes(random[j]) : random[j]));
+  }
   *scale = static_cast<uint8_t>(bits);
 }
 

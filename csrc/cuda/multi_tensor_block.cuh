@@ -243,7 +243,8 @@ MP_DEVICE void load_scaled(const void* p, int64_t i, float scale, float& out) {
 
 // The codes and scale of one block of list r of q (apply_blocks).
 template <int Q>
-MP_DEVICE void store_block(E4m3* p, uint8_t* scale, const float (&q)[kQuantBlock][Q], int r) {
+MP_DEVICE void store_block(E4m3* p, uint8_t* scale, const float (&q)[kQuantBlock][Q], int r,
+                           const uint32_t* random) {
   uint32_t m = 0;
   for (int j = 0; j < kQuantBlock; ++j) {
     uint32_t a;
@@ -253,7 +254,12 @@ MP_DEVICE void store_block(E4m3* p, uint8_t* scale, const float (&q)[kQuantBlock
   }
   const uint32_t bits = e8m0_scale_bits(bits_float(m));
   const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < kQuantBlock; ++j) p[j].bits = static_cast<uint8_t>(e4m3_code(q[j][r] * inv));
+  for (int j = 0; j < kQuantBlock; ++j) {
+    p[j].bits = static_cast<uint8_t>(
+        random == nullptr
+            ? e4m3_code(q[j][r] * inv)
+            : e4m3_code_stochastic(q[j][r] * inv, r != 0 ? rotate_bytes(random[j]) : random[j]));
+  }
   *scale = static_cast<uint8_t>(bits);
 }
 
@@ -274,6 +280,8 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
                                  ? e8m0_value(static_cast<const uint8_t*>(
                                        base[Op::kScaleList + blocked_rank<Op, K, Ts...>()])[b])
                                  : 1.f)...};
+    uint32_t random[kQuantBlock];
+    if (op.state_stochastic) block_bits(op.state_key, i0, random);
     float q[kQuantBlock][Q];
     for (int j = 0; j < kQuantBlock; ++j) {
       float x[D];
@@ -290,7 +298,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
           ? store_block(
                 static_cast<E4m3*>(out[K]) + i0,
                 static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]) + b, q,
-                blocked_rank<Op, K, Ts...>())
+                blocked_rank<Op, K, Ts...>(), op.state_stochastic ? random : nullptr)
           : void()),
      ...);
   }

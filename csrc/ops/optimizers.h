@@ -39,7 +39,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 const std::optional<at::Tensor>& step = std::nullopt, bool maximize = false,
                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
                 bool unscale_grads = false, std::optional<at::TensorList> remainders = std::nullopt,
-                std::optional<at::TensorList> momentum_scales = std::nullopt) {
+                std::optional<at::TensorList> momentum_scales = std::nullopt,
+                std::optional<int64_t> state_seed = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList scales = momentum_scales.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
@@ -51,7 +52,11 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
-  check_stochastic(c, "fused_sgd_", params, model_params, comps, salts, sr_seed.has_value());
+  check_stochastic(c, "fused_sgd_", params, model_params, comps, salts, sr_seed.has_value(),
+                   state_seed.has_value());
+  TORCH_CHECK_VALUE(!state_seed.has_value() || (momentum_scales.has_value() && step.has_value()),
+                    "fused_sgd_: state_seed (stochastic rounding of 8-bit momentum buffers) "
+                    "expected momentum_scales and a step tensor");
   check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
   TORCH_CHECK_VALUE(!sr_seed.has_value() || step.has_value(),
                     "fused_sgd_: expected a step tensor with sr_seed (stochastic rounding "
@@ -91,6 +96,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.remainder = !rems.empty();
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
+  op.state_stochastic = state_seed.has_value();
+  op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
   op.step_ptr = optional_ptr(step);
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
@@ -111,6 +118,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 // in fused_sgd_. exp_avg_scales and exp_avg_sq_scales, given together, make the
 // moments 8-bit (as momentum_scales in fused_sgd_), exp_avg_sqs then holding the
 // square roots of the second moments (AdamOp's `root`); amsgrad is refused with them.
+// state_seed, with 8-bit state, rounds its codes stochastically (lanes.h) with Philox
+// bits keyed as sr_seed's (the same sr_salts, the step) but by state_seed.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -125,7 +134,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  bool unscale_grads = false,
                  std::optional<at::TensorList> remainders = std::nullopt,
                  std::optional<at::TensorList> exp_avg_scales = std::nullopt,
-                 std::optional<at::TensorList> exp_avg_sq_scales = std::nullopt) {
+                 std::optional<at::TensorList> exp_avg_sq_scales = std::nullopt,
+                 std::optional<int64_t> state_seed = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   const at::TensorList rems = remainders.value_or(at::TensorList{});
@@ -137,7 +147,11 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   c.optional_scalar(lr_tensor, "lr_tensor");
   check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
   check_kahan_comps(c, params, model_params, comps);
-  check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value());
+  check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value(),
+                   state_seed.has_value());
+  TORCH_CHECK_VALUE(!state_seed.has_value() || exp_avg_scales.has_value(),
+                    "fused_adam_: state_seed (stochastic rounding of 8-bit moments) expected "
+                    "exp_avg_scales and exp_avg_sq_scales");
   check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
   TORCH_CHECK_VALUE(exp_avg_scales.has_value() == exp_avg_sq_scales.has_value(),
                     "fused_adam_: expected exp_avg_scales and exp_avg_sq_scales together (8-bit "
@@ -180,6 +194,8 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.stochastic = sr_seed.has_value();
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   op.root = exp_avg_scales.has_value();
+  op.state_stochastic = state_seed.has_value();
+  op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, AdamOp>(
       {params, grads, exp_avgs, exp_avg_sqs, model_params, op.remainder ? rems : comps, salts,

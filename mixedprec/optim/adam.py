@@ -118,7 +118,7 @@ class Adam(TorchOptimizer):
                          for state, t in zip(part.states, targets)] if group.get("amsgrad") \
                     else []
                 comps = self._compensations(part.states, targets) if lean else []
-                salts = self._salts(group, part.params, device) if lean else []
+                salts = self._salts(group, part.params, device, eight) if lean or eight else []
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
                                salts, scales, step))
         return tuple(calls)
@@ -169,12 +169,14 @@ class Adam(TorchOptimizer):
                             inv_scale, found_inf, lr_tensor=lr_tensor,
                             kahan_comps=comps if self.master == "kahan" else None,
                             remainders=comps if self.master == "remainder" else None,
-                            sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
+                            sr_salts=salts,
+                            sr_seed=group.get("sr_seed") if self._rounds_params(targets) else None,
                             maximize=bool(group.get("maximize")),
                             max_exp_avg_sqs=maxes or None,
                             unscale_grads=self.unscale_grads and inv_scale is not None,
                             exp_avg_scales=scales[0] if scales else None,
-                            exp_avg_sq_scales=scales[1] if scales else None)
+                            exp_avg_sq_scales=scales[1] if scales else None,
+                            state_seed=self._state_seed(group) if scales else None)
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if any(p.grad.is_sparse for p in params):

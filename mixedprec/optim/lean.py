@@ -53,13 +53,17 @@ def lean_refused(where: str, master: Optional[str], state_dtype: Optional[torch.
                      f"mixedprec.FusedAdam or FusedSGD, got {type(optimizer).__name__}")
 
 
-def _rounding_seed(where: str, master: str, seed: Any) -> Optional[int]:
-    """The base seed of master='stochastic': ``seed``, or drawn once from torch's default
-    (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat; None in
-    the other modes (where a seed is an error)."""
-    if master != "stochastic":
+def _rounding_seed(where: str, master: str, seed: Any,
+                   state_dtype: Optional[torch.dtype] = None) -> Optional[int]:
+    """The base seed of stochastic rounding (master='stochastic', and the codes of 8-bit
+    moments: state_dtype=torch.float8_e4m3fn): ``seed``, or drawn once from torch's
+    default (CPU) generator when None, so that ``torch.manual_seed`` makes runs repeat;
+    None otherwise (where a seed is an error)."""
+    if master != "stochastic" and state_dtype != state8.E4M3:
         if seed is not None:
-            raise ValueError(f"{where}: seed is for master='stochastic', got master={master!r}")
+            raise ValueError(f"{where}: seed is for master='stochastic' or "
+                             f"state_dtype=torch.float8_e4m3fn, got master={master!r} and "
+                             f"state_dtype={state_dtype}")
         return None
     if seed is None:
         return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
@@ -170,8 +174,8 @@ class LeanModes:
         unchanged), checked by ``_check_precision`` first. master='stochastic' draws
         the seeds as the constructor does."""
         self._check_precision(where, master, state_dtype)
-        if master == "stochastic" and self._sr_seed is None:
-            self._sr_seed = _rounding_seed(where, master, None)
+        if (master == "stochastic" or state_dtype == state8.E4M3) and self._sr_seed is None:
+            self._sr_seed = _rounding_seed(where, "stochastic", None)
             for i, group in enumerate(self.param_groups):
                 group.setdefault("sr_seed", (self._sr_seed + i) % 2**63)
         if master is not None:
@@ -210,8 +214,20 @@ class LeanModes:
             elif self.master == "fp32" and p.dtype == torch.bfloat16:
                 state.setdefault("master_param", whole)
 
+    def _rounds_params(self, params: List[Tensor]) -> bool:
+        """Whether an op call over ``params`` rounds them stochastically (master=
+        'stochastic': its bf16 call; ``_lean_calls``)."""
+        return self.master == "stochastic" and bool(params) and params[0].dtype == torch.bfloat16
+
+    @staticmethod
+    def _state_seed(group: Dict[str, Any]) -> Optional[int]:
+        """The seed of the stochastic rounding of a group's 8-bit moments: its
+        ``sr_seed`` moved by 2**62 (another stream than the parameters' bits)."""
+        seed = group.get("sr_seed")
+        return None if seed is None else (seed + 2**62) % 2**63
+
     def _salts(self, group: Dict[str, Any], params: List[Tensor],
-               device: torch.device) -> List[Tensor]:
+               device: torch.device, eight: bool = False) -> List[Tensor]:
         """master='stochastic': each param's rounding words (a contiguous int64 tensor
         of 4 on ``device``, views of one): (salt, offset, run, stride), the salt being
         the param's position in its group and the rest where its local elements lie in
@@ -220,8 +236,9 @@ class LeanModes:
         whose shard is not runs of the full tensor (``global_layout`` None) counts its
         shard in the salt instead (position + group size * (1 + its shard index), as
         ``distributed.shard_index``), its elements by their local index: its bits then
-        depend on the sharding. Else none."""
-        if self.master != "stochastic":
+        depend on the sharding. The same words key the rounding of 8-bit moments
+        (``eight``). Else none."""
+        if self.master != "stochastic" and not eight:
             return []
         count = len(group["params"])
         position = {id(p): i for i, p in enumerate(group["params"])}

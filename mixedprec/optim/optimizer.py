@@ -98,10 +98,11 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         # "kahan" (bf16 params with a bf16 compensation each, "kahan_comp") or
         # "stochastic" (bf16 params rounded stochastically, group["sr_seed"]).
         self.master = _master_mode(where, master_weights, master)
-        # master='stochastic': group i's seed is this + i (see add_param_group).
-        self._sr_seed = _rounding_seed(where, self.master, seed)
         # The dtype of moments and momentum buffers (float32, bfloat16 or float8_e4m3fn).
         self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
+        # master='stochastic' or 8-bit moments: group i's seed is this + i (see
+        # add_param_group).
+        self._sr_seed = _rounding_seed(where, self.master, seed, self.state_dtype)
         self.set_grad_none = bool(set_grad_none)
         self._plans: Dict[int, _Plan] = {}
         # id(master) -> the version counter of its parameter when the master was last

@@ -75,7 +75,7 @@ class SGD(TorchOptimizer):
                     buffers = [self._state_tensor(state, "momentum_buffer", t, self._moment_dtype())
                                for state, t in zip(part.states, targets)] if momentum else []
                 comps = self._compensations(part.states, targets) if lean else []
-                salts = self._salts(group, part.params, device) if lean else []
+                salts = self._salts(group, part.params, device, eight) if lean or eight else []
                 lists = (where, targets, buffers, model, comps, salts, scales)
                 self._sgd(group, lists, _pick(items.grads, where), first_run, inv_scale,
                           found_inf, step)
@@ -85,17 +85,21 @@ class SGD(TorchOptimizer):
         return None if starting else tuple(calls)
 
     def _rounding_step(self, group, device, found_inf) -> Optional[Tensor]:
-        """master='stochastic': ``group["step"]`` advanced on the device unless found_inf
-        is set (it keys the rounding bits); else None."""
-        if self.master != "stochastic":
+        """master='stochastic' or 8-bit buffers: ``group["step"]`` advanced on the device
+        unless found_inf is set (it keys the rounding bits); else None."""
+        if not self._stochastic():
             return None
         step = self._group_step(group, device)
         step.add_(1.0 if found_inf is None else (found_inf.reshape(1) == 0).to(torch.float32))
         return step
 
+    def _stochastic(self) -> bool:
+        """Whether steps draw rounding bits (master='stochastic', 8-bit buffers)."""
+        return self.master == "stochastic" or self.state_dtype == state8.E4M3
+
     def _plan_holds(self, group, plan) -> bool:
         return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
-            self.master != "stochastic" or self._step_on(group, plan))
+            not self._stochastic() or self._step_on(group, plan))
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         step = self._rounding_step(group, calls[0][1][0].device, found_inf)
@@ -110,11 +114,13 @@ class SGD(TorchOptimizer):
                        inv_scale, found_inf, self.wd_after_momentum,
                        kahan_comps=comps if self.master == "kahan" else None,
                        remainders=comps if self.master == "remainder" else None,
-                       sr_salts=salts, sr_seed=group.get("sr_seed") if salts else None,
+                       sr_salts=salts,
+                       sr_seed=group.get("sr_seed") if self._rounds_params(targets) else None,
                        step=step if salts else None, maximize=bool(group.get("maximize")),
                        lr_tensor=lr_tensor,
                        unscale_grads=self.unscale_grads and inv_scale is not None,
-                       momentum_scales=scales)
+                       momentum_scales=scales,
+                       state_seed=self._state_seed(group) if scales else None)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -1213,6 +1213,12 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   };
   check(float{});
   check(c10::BFloat16{});
+  // Stochastic rounding of the codes (lanes.h), keyed by a RoundingKey.
+  op.state_stochastic = true;
+  op.state_key.seed = 99;
+  op.state_key.salt = 3;
+  op.state_key.step = 7;
+  check(float{});
 }
 
 // 8-bit moments: scales come with 8-bit states only, both of Adam's together, one

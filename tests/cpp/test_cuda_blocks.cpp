@@ -576,7 +576,8 @@ TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
             salts.empty() ? std::nullopt : std::optional<at::TensorList>(salts),
             salts.empty() ? std::nullopt : std::optional<int64_t>(11), false, std::nullopt, false,
             r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
-            std::optional<at::TensorList>(sa), std::optional<at::TensorList>(sb));
+            std::optional<at::TensorList>(sa), std::optional<at::TensorList>(sb),
+            salts.empty() ? std::nullopt : std::optional<int64_t>(21));
       }
       return std::vector<std::vector<Tensor>>{p, m, r, bytes(a), bytes(b), bytes(sa), bytes(sb)};
     };
@@ -592,7 +593,8 @@ TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
             salts.empty() ? std::nullopt : std::optional<int64_t>(12),
             salts.empty() ? std::nullopt : std::optional<Tensor>(step), false, std::nullopt, false,
             r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
-            std::optional<at::TensorList>(sa));
+            std::optional<at::TensorList>(sa),
+            salts.empty() ? std::nullopt : std::optional<int64_t>(22));
       }
       return std::vector<std::vector<Tensor>>{p, m, r, bytes(a), bytes(sa)};
     };

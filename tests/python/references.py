@@ -310,45 +310,71 @@ def ref_dequantize8(codes, scales):
     return values.reshape(codes.shape)
 
 
-def ref_quantize8(values):
+def ref_e4m3_stochastic(y, r):
+    """e4m3 codes (float8_e4m3fn) of float32 ``y`` (|y| <= 448) rounded stochastically
+    with ``r`` (int64, 0..65535 per element): up (away from zero) to the next e4m3
+    value when the dropped fraction of a code step plus (r + 1/2) / 2^16 reaches 1;
+    below 2^-6 (steps of 2^-9) the float32 sum y * 512 + (r + 1/2) / 2^16 is
+    truncated, as the kernels compute it."""
+    y = y.float().contiguous()
+    a = y.abs()
+    bits = a.view(torch.int32).to(torch.int64)
+    normal = ((bits + (r << 4) + 0x8) >> 20) - 960
+    sub = (a * 512 + (r.float() + 0.5) * (1.0 / 65536)).to(torch.int64)
+    code = torch.where(a < 2.0 ** -6, sub, normal).clamp(max=0x7E)
+    code = torch.where(torch.isnan(a), torch.full_like(code, 0x7F), code)
+    code = code | torch.where(y.view(torch.int32) < 0, 0x80, 0)
+    return code.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def ref_quantize8(values, random=None):
     """(e4m3 codes, e8m0 scales of shape (rows, row / 32)) of float64 ``values`` as the
     op stores them: each value rounded to float32 first; per block of 32 the absmax A
     of those, the scale exponent the smallest e with A * 2^-e <= 448 (0 when A == 0),
     in [-127, 127]; the codes torch's cast (nearest even) of value * 2^-e (exact in
-    float32)."""
+    float32), or with ``random`` (int64, 0..65535 per element) ref_e4m3_stochastic's."""
     v32 = values.to(torch.float32).reshape(-1, _BLOCK)
     absmax = v32.abs().amax(1).double()
     e = torch.ceil(torch.log2(absmax / _E4M3_MAX))  # (fixed up below: log2 rounds)
     e = torch.where(absmax > _E4M3_MAX * torch.exp2(e), e + 1, e)
     e = torch.where(absmax <= _E4M3_MAX * torch.exp2(e - 1), e - 1, e)
     e = torch.where(absmax > 0, e, torch.zeros_like(e)).clamp(-127, 127)
-    codes = (v32 * torch.exp2(-e).float().reshape(-1, 1)).to(torch.float8_e4m3fn)
+    y = v32 * torch.exp2(-e).float().reshape(-1, 1)
+    codes = y.to(torch.float8_e4m3fn) if random is None else ref_e4m3_stochastic(
+        y, random.reshape(y.shape))
     scales = (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     return codes.reshape(values.shape), scales.reshape(values.shape[0], -1)
 
 
 def ref_adam8(params, grads, exp_avgs, exp_avg_scales, roots, root_scales, step, lr,
-              **kwargs):
+              random=None, **kwargs):
     """One Adam/AdamW step (``ref_adam``'s keywords) with 8-bit moments: the moments
     dequantized (the second as the square of its stored root), updated in float64, the
     parameter updated from the unquantized new moments (denominator
     sqrt(v) / sqrt(bc2) + eps), then the first moment and sqrt(v) requantized
-    (``ref_quantize8``). Returns (params float64, exp_avgs, exp_avg_scales, roots,
-    root_scales, step)."""
+    (``ref_quantize8``; with ``random``, one int64 tensor of 16 bits per element for
+    each param, stochastically: the first moment with them, the root with their two
+    bytes swapped). Returns (params float64, exp_avgs, exp_avg_scales, roots, root_scales,
+    step)."""
     m = [ref_dequantize8(c, s) for c, s in zip(exp_avgs, exp_avg_scales)]
     v = [ref_dequantize8(c, s) ** 2 for c, s in zip(roots, root_scales)]
     new_p, new_m, new_v, step = ref_adam(params, grads, m, v, step, lr, **kwargs)
-    q_m = [ref_quantize8(x) for x in new_m]
-    q_r = [ref_quantize8(x.sqrt()) for x in new_v]
+    low = [None] * len(new_m) if random is None else list(random)
+    high = [None] * len(new_m) if random is None else [
+        ((r << 8) | (r >> 8)) & 0xFFFF for r in random]
+    q_m = [ref_quantize8(x, r) for x, r in zip(new_m, low)]
+    q_r = [ref_quantize8(x.sqrt(), r) for x, r in zip(new_v, high)]
     return (new_p, [c for c, _ in q_m], [s for _, s in q_m], [c for c, _ in q_r],
             [s for _, s in q_r], step)
 
 
-def ref_sgd8(params, grads, buffers, buffer_scales, lr, **kwargs):
+def ref_sgd8(params, grads, buffers, buffer_scales, lr, random=None, **kwargs):
     """One SGD step (``ref_sgd``'s keywords) with 8-bit momentum buffers: dequantized,
     updated in float64, the parameter updated from the unquantized new buffer, which is
-    then requantized. Returns (params float64, buffer codes, buffer scales)."""
+    then requantized (stochastically with ``random``'s 16 bits per element, as
+    ``ref_adam8``). Returns (params float64, buffer codes, buffer scales)."""
     old = [ref_dequantize8(c, s) for c, s in zip(buffers, buffer_scales)]
     new_p, new_b = ref_sgd(params, grads, old, lr, **kwargs)
-    q = [ref_quantize8(b) for b in new_b]
+    q = [ref_quantize8(b, r)
+         for b, r in zip(new_b, random or [None] * len(new_b))]
     return new_p, [c for c, _ in q], [s for _, s in q]

@@ -19,7 +19,14 @@ from helpers import (
     snapshot,
     state_dict_snapshot,
 )
-from references import ref_adam, ref_adam8, ref_quantize8, ref_sgd8
+from references import (
+    ref_adam,
+    ref_adam8,
+    ref_e4m3_stochastic,
+    ref_quantize8,
+    ref_rounding_bits,
+    ref_sgd8,
+)
 from torch import nn
 
 import mixedprec
@@ -74,10 +81,16 @@ def quantized(values, device):
 
 # --- one step against the float64 reference ------------------------------------------------
 
+def bits_of(seed, step, params):
+    """The 16 random bits of each element of each param (salt: its position) at `step`."""
+    return [ref_rounding_bits(seed, i, step, p.numel()) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("adamw, weight_decay, bias_correction",
                          [(True, 0.01, True), (False, 0.01, True), (True, 0.0, False)])
 def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
-                                                  bias_correction):
+                                                  bias_correction, stochastic):
     params = [randn(s, torch.float32, device, seed=i) for i, s in enumerate(ELIGIBLE)]
     grads = [spread(s, 10 + i, 0.01, device).float() for i, s in enumerate(ELIGIBLE)]
     m = [spread(s, 20 + i, 0.01) for i, s in enumerate(ELIGIBLE)]
@@ -92,11 +105,13 @@ def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
     expected = ref_adam8([p.cpu() for p in params], [g.cpu() for g in grads],
                          [c.cpu() for c in codes_m], [s.cpu() for s in scales_m],
                          [c.cpu() for c in codes_r], [s.cpu() for s in scales_r], 4, 1e-3,
-                         **kwargs)
+                         random=bits_of(77, 5, params) if stochastic else None, **kwargs)
     step = scalar(4.0, device)
+    seeded = dict(state_seed=77, sr_salts=ops.rounding_words(
+        [(i,) for i in range(len(params))], device)) if stochastic else {}
     ops.fused_adam_(params, grads, codes_m, codes_r, [], step, 1e-3, 0.9, 0.99, 1e-8,
                     weight_decay, adamw, bias_correction, scalar(0.5, device), None,
-                    exp_avg_scales=scales_m, exp_avg_sq_scales=scales_r)
+                    exp_avg_scales=scales_m, exp_avg_sq_scales=scales_r, **seeded)
     assert step.item() == 5
     for i in range(len(params)):
         torch.testing.assert_close(params[i].cpu().double(), expected[0][i], rtol=1e-5,
@@ -109,27 +124,54 @@ def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
             assert (scales_m[i].view(torch.uint8).view(-1)[0] == 127).item()
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("kwargs", [dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
                                     dict(momentum=0.9, nesterov=True),
                                     dict(momentum=0.5, first_run=True)])
-def test_sgd8_step_matches_the_float64_reference(device, kwargs):
+def test_sgd8_step_matches_the_float64_reference(device, kwargs, stochastic):
     params = [randn(s, torch.float32, device, seed=i) for i, s in enumerate(ELIGIBLE)]
     grads = [spread(s, 10 + i, 0.01, device).float() for i, s in enumerate(ELIGIBLE)]
     q = [quantized(spread(s, 20 + i, 0.01), device) for i, s in enumerate(ELIGIBLE)]
     codes, scales = [c for c, _ in q], [s for _, s in q]
     expected = ref_sgd8([p.cpu() for p in params], [g.cpu() for g in grads],
                         [c.cpu() for c in codes], [s.cpu() for s in scales], 0.1,
+                        random=bits_of(78, 3, params) if stochastic else None,
                         inv_scale=0.5, **kwargs)
     kw = dict(kwargs)
+    seeded = dict(state_seed=78, step=scalar(3.0, device), sr_salts=ops.rounding_words(
+        [(i,) for i in range(len(params))], device)) if stochastic else {}
     ops.fused_sgd_(params, grads, codes, [], 0.1, kw.pop("momentum"), kw.pop("dampening", 0.0),
                    kw.pop("weight_decay", 0.0), kw.pop("nesterov", False),
                    kw.pop("first_run", False), scalar(0.5, device), None,
-                   momentum_scales=scales)
+                   momentum_scales=scales, **seeded)
     for i in range(len(params)):
         torch.testing.assert_close(params[i].cpu().double(), expected[0][i], rtol=1e-5,
                                    atol=1e-6)
         assert_scales_equal(scales[i], expected[2][i], f"scales {i}")
         assert_codes_close(codes[i], expected[1][i], f"buffer {i}")
+
+
+def test_stochastic_codes_are_unbiased_and_keep_a_slow_decay():
+    """Over the 2^16 values of the random bits, the codes of a value average to it (to
+    2^-16 of a code step), where round to nearest is off by up to half a step; and a
+    root decaying by 0.9995 a step (beta2 = 0.999, no gradient) keeps decaying on
+    average, where round to nearest freezes it (bench/results/q8-formats-cpu.md)."""
+    y = torch.tensor([0.3, 1.1, 3.3, 17.7, 300.1, 0.0101, 0.0013], dtype=torch.float32)
+    r = torch.arange(2**16, dtype=torch.int64)
+    for v in y:
+        codes = ref_e4m3_stochastic(v.expand(2**16), r).float()
+        lo, hi = codes.min(), codes.max()
+        assert codes.unique().numel() <= 2 and (hi - lo) <= max(float(v) / 4, 2.0 ** -9)
+        assert abs(codes.double().mean().item() - float(v)) <= (hi - lo).item() / 2**16 + 1e-12
+    gen = torch.Generator().manual_seed(0)
+    nearest = stochastic = torch.full((4096,), 100.0)
+    for _ in range(200):
+        nearest = (nearest * 0.9995).to(torch.float8_e4m3fn).float()
+        bits = torch.randint(0, 2**16, (4096,), generator=gen)
+        stochastic = ref_e4m3_stochastic(stochastic * 0.9995, bits).float()
+    exact = 100.0 * 0.9995 ** 200
+    assert nearest.eq(96.0).all()  # (100 is not an e4m3 value; it froze at its code)
+    assert abs(stochastic.mean().item() - exact) < 0.002 * exact
 
 
 def make_params(device, dtype=torch.float32, seed=0):
@@ -167,7 +209,9 @@ def test_the_optimizers_steps_match_the_reference(device):
                     s = states[i]
                     old = (s["exp_avg"], s["exp_avg_scale"], s["exp_avg_sq_root"],
                            s["exp_avg_sq_root_scale"])
+                seed = (opt.param_groups[0]["sr_seed"] + 2**62) % 2**63
                 exp = ref_adam8([before[i]], [grads[i]], *[[t] for t in old], step, 1e-3,
+                                random=[ref_rounding_bits(seed, i, step + 1, p.numel())],
                                 **kwargs)
                 state = opt.state[p]
                 assert sorted(state) == ["exp_avg", "exp_avg_scale", "exp_avg_sq_root",
@@ -241,8 +285,8 @@ def test_remainder_with_8bit_moments_is_fp32_masters_bit_for_bit(device, cls, kw
     (8-bit ones included) are those of master="fp32" bit for bit, and its params too
     except at exact ties (which the remainder rounds away from zero, test_remainder)."""
     a, b = make_params(device, BF16), make_params(device, BF16)
-    opt_a = cls(a, master="fp32", state_dtype=E4M3, **kwargs)
-    opt_b = cls(b, master="remainder", state_dtype=E4M3, **kwargs)
+    opt_a = cls(a, master="fp32", state_dtype=E4M3, seed=3, **kwargs)
+    opt_b = cls(b, master="remainder", state_dtype=E4M3, seed=3, **kwargs)
     for step in range(20):
         feed(a, step)
         feed(b, step)
@@ -377,10 +421,11 @@ def test_an_8bit_step_does_not_sync(device, monkeypatch, cls, kwargs):
 
 
 @pytest.mark.parametrize("face, named", [
-    (lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, state_dtype=E4M3),
-     lambda ps: AdamW(ps, lr=1e-3, weight_decay=0.01, master="none", state_dtype=E4M3)),
-    (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, state_dtype=E4M3),
-     lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="none", state_dtype=E4M3))])
+    (lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, state_dtype=E4M3, seed=5),
+     lambda ps: AdamW(ps, lr=1e-3, weight_decay=0.01, master="none", state_dtype=E4M3,
+                      seed=5)),
+    (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, state_dtype=E4M3, seed=5),
+     lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="none", state_dtype=E4M3, seed=5))])
 def test_the_apex_faces_take_8bit_moments(device, face, named):
     a, b = make_params(device), make_params(device)
     opt_a, opt_b = face(a), named(b)
