@@ -196,6 +196,32 @@ MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQu
   }
 }
 
+// The scale byte and codes of one block whose values are x[j][k], j < kQuantBlock (the
+// CPU's scalar block pass and the CUDA block path; the vector passes do the same in
+// lanes): the largest magnitude as bits (integer order: NaN above inf above the
+// finite values, the same in every version), its scale, then the codes, rounded to
+// nearest even, or stochastically with `random` (byte-swapped when `rotate`).
+template <int N>
+MP_HD void store_block_of(E4m3* p, uint8_t* scale, const float (&x)[kQuantBlock][N], int k,
+                          const uint32_t* random, bool rotate) {
+  uint32_t m = 0;
+  for (int j = 0; j < kQuantBlock; ++j) {
+    uint32_t a;
+    memcpy(&a, &x[j][k], sizeof(a));
+    a &= 0x7fffffffu;
+    m = a > m ? a : m;
+  }
+  const uint32_t bits = e8m0_scale_bits(bits_float(m));
+  const float inv = e8m0_inverse(bits);
+  for (int j = 0; j < kQuantBlock; ++j) {
+    p[j].bits = static_cast<uint8_t>(
+        random == nullptr
+            ? e4m3_code(x[j][k] * inv)
+            : e4m3_code_stochastic(x[j][k] * inv, rotate ? rotate_bytes(random[j]) : random[j]));
+  }
+  *scale = static_cast<uint8_t>(bits);
+}
+
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
 // condition holds, else b; the condition is a comparison of Vs), round_bf16: the

@@ -149,7 +149,7 @@ constexpr size_t scale_list() {
     uint32_t random[kQuantBlock];                                                                \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                         \
       const int64_t b = i / kQuantBlock;                                                         \
-      if (op.state_stochastic) block_bits(op.state_key, i, random);                              \
+      if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                          \
       const float scale[D] = {                                                                   \
           (kBlocked<Ts> && std::get<K>(v) != nullptr                                             \
                ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])    \

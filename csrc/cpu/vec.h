@@ -435,6 +435,18 @@ MP_AVX512 bool any(VecI16 flags) {
 // or stored element by element; these overloads only let the passes compile.
 MP_AVX512 Vec load(const uint8_t*) { return Vec{}; }
 MP_AVX512 void store(uint8_t*, Vec) {}
+// The 16 random bits of each element of a block (lanes.h's block_bits): 4 Philox
+// blocks in one call when the block's elements are consecutive from a multiple of 8 in
+// the whole tensor (as a whole tensor's and a Shard(0) shard's are), else lanes.h's.
+MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+  const int64_t g = key.global(index);
+  if (g % 8 != 0 || !key.consecutive(index, kQuantBlock))
+    return mixedprec::block_bits(key, index, out);
+  const __m512i v = philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
+  _mm512_storeu_si512(out, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_castsi512_si256(v)));
+  _mm512_storeu_si512(
+      out + 16, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 1)));
+}
 // 8-bit state (lanes.h): 16 e4m3 codes, decoded; the codes of 16 values (|y| <= 448);
 // a block of J vectors of list k stored with its scale (the engine's block pass).
 MP_AVX512 Vec load(const E4m3* p) {
@@ -520,6 +532,19 @@ MP_AVX2 void store(int16_t* p, Vec x) {
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 MP_AVX2 Vec load(const uint8_t*) { return Vec{}; }
 MP_AVX2 void store(uint8_t*, Vec) {}
+// As avx512's, 2 Philox blocks a call.
+MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+  const int64_t g = key.global(index);
+  if (g % 8 != 0 || !key.consecutive(index, kQuantBlock))
+    return mixedprec::block_bits(key, index, out);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i v = rounding_blocks2(key, static_cast<uint64_t>(g) / 8 + 2 * half);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
+                        _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half + 8),
+                        _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)));
+  }
+}
 // 8-bit state (lanes.h), as avx512's.
 MP_AVX2 Vec load(const E4m3* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -592,27 +617,16 @@ inline void store(T* p, float x) {
 }
 inline void store(E4m3* p, float y) { p->bits = static_cast<uint8_t>(e4m3_code(y)); }
 inline bool any(bool flag) { return flag; }
+inline void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+  mixedprec::block_bits(key, index, out);
+}
 template <int J, int D, typename T>
 inline void store_block(T*, uint8_t*, const float (&)[J][D], int, const uint32_t*, bool) {}
 template <int J, int D>
 inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k,
                         const uint32_t* random, bool rotate) {
-  uint32_t m = 0;
-  for (int j = 0; j < J; ++j) {
-    uint32_t a;
-    memcpy(&a, &x[j][k], sizeof(a));
-    a &= 0x7fffffffu;
-    m = a > m ? a : m;
-  }
-  const uint32_t bits = e8m0_scale_bits(bits_float(m));
-  const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) {
-    p[j].bits = static_cast<uint8_t>(
-        random == nullptr
-            ? e4m3_code(x[j][k] * inv)
-            : e4m3_code_stochastic(x[j][k] * inv, rotate ? rotate_bytes(random[j]) : random[j]));
-  }
-  *scale = static_cast<uint8_t>(bits);
+  static_assert(J == kQuantBlock, "one float a time: a block is kQuantBlock steps");
+  store_block_of<D>(p, scale, x, k, random, rotate);
 }
 
 }  // namespace mixedprec::cpu::scalar

@@ -241,28 +241,6 @@ MP_DEVICE void load_scaled(const void* p, int64_t i, float scale, float& out) {
   }
 }
 
-// The codes and scale of one block of list r of q (apply_blocks).
-template <int Q>
-MP_DEVICE void store_block(E4m3* p, uint8_t* scale, const float (&q)[kQuantBlock][Q], int r,
-                           const uint32_t* random) {
-  uint32_t m = 0;
-  for (int j = 0; j < kQuantBlock; ++j) {
-    uint32_t a;
-    memcpy(&a, &q[j][r], sizeof(a));
-    a &= 0x7fffffffu;
-    m = a > m ? a : m;
-  }
-  const uint32_t bits = e8m0_scale_bits(bits_float(m));
-  const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < kQuantBlock; ++j) {
-    p[j].bits = static_cast<uint8_t>(
-        random == nullptr
-            ? e4m3_code(q[j][r] * inv)
-            : e4m3_code_stochastic(q[j][r] * inv, r != 0 ? rotate_bytes(random[j]) : random[j]));
-  }
-  *scale = static_cast<uint8_t>(bits);
-}
-
 template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], int64_t first,
                             int64_t n, std::index_sequence<K...>) {
@@ -295,10 +273,11 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
        ...);
     }
     ((kBlocked<Ts> && out[K] != nullptr
-          ? store_block(
+          ? store_block_of<Q>(
                 static_cast<E4m3*>(out[K]) + i0,
                 static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]) + b, q,
-                blocked_rank<Op, K, Ts...>(), op.state_stochastic ? random : nullptr)
+                blocked_rank<Op, K, Ts...>(), op.state_stochastic ? random : nullptr,
+                blocked_rank<Op, K, Ts...>() != 0)
           : void()),
      ...);
   }
