@@ -444,8 +444,9 @@ def test_bad_combinations_name_both_arguments():
     with pytest.raises(ValueError, match="master_weights=True conflicts with "
                                          "master='remainder'"):
         FusedAdam([p], master_weights=True, master="remainder")
-    with pytest.raises(ValueError, match="seed is for master='stochastic', got "
-                                         "master='remainder'"):
+    with pytest.raises(ValueError, match="seed is for master='stochastic' or "
+                                         r"state_dtype=torch.float8_e4m3fn, got "
+                                         "master='remainder' and state_dtype=torch.float32"):
         Adam([p], master="remainder", seed=3)
     opt = Adam([p], lr=1e-3, master="remainder")
     p.grad = torch.ones_like(p)
