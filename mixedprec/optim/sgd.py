@@ -87,19 +87,21 @@ class SGD(TorchOptimizer):
     def _rounding_step(self, group, device, found_inf) -> Optional[Tensor]:
         """master='stochastic' or 8-bit buffers: ``group["step"]`` advanced on the device
         unless found_inf is set (it keys the rounding bits); else None."""
-        if not self._stochastic():
+        if not self._stochastic(group):
             return None
         step = self._group_step(group, device)
         step.add_(1.0 if found_inf is None else (found_inf.reshape(1) == 0).to(torch.float32))
         return step
 
-    def _stochastic(self) -> bool:
-        """Whether steps draw rounding bits (master='stochastic', 8-bit buffers)."""
-        return self.master == "stochastic" or self.state_dtype == state8.E4M3
+    def _stochastic(self, group) -> bool:
+        """Whether the group's steps draw rounding bits: master='stochastic', or 8-bit
+        momentum buffers (none without momentum: no step count to advance then)."""
+        return self.master == "stochastic" or (
+            self.state_dtype == state8.E4M3 and group["momentum"] != 0)
 
     def _plan_holds(self, group, plan) -> bool:
         return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
-            not self._stochastic() or self._step_on(group, plan))
+            not self._stochastic(group) or self._step_on(group, plan))
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         step = self._rounding_step(group, calls[0][1][0].device, found_inf)
