@@ -11,13 +11,15 @@ reference: torch's fused AdamW on fp32 parameters.
 
 Method: per list (ResNet-50 and GPT-2-medium, bench/ops.py's builders) and thread
 count, every mode's optimizer is built over its own parameters (random, N(0, 1)) with
-one shared gradient list per dtype (N(0, 1e-2); nothing writes it), stepped once
-(state creation) and warmed up; then each repetition steps every mode once, in a
-fresh random order, timed with the wall clock. Reported: the median per mode, p20-p80,
-the ratio torch median / mode median (> 1: faster than torch), bytes per parameter
-(parameters + optimizer state, numel * element_size summed over the tensors) and the
-bytes one step must move per element (reads and writes of parameters, state and the
-gradient), with the effective GB/s.
+one shared gradient list per dtype (N(0, 1e-2); nothing writes it), stepped once (state
+creation) and warmed up; then each repetition steps every mode once, in a fresh random
+order, timed with the wall clock. A mode whose own steps have taken ``--mode-budget``
+seconds (per list and thread count) leaves the later repetitions once it has
+``MIN_REPS``, so a slow mode keeps the run bounded. Reported: the median per mode,
+p20-p80, the ratio torch median / mode median (> 1: faster than torch), bytes per
+parameter (parameters + optimizer state: the bytes their storages hold, see
+``_storage_bytes``) and the bytes one step must move per element (reads and writes of
+parameters, state and the gradient), with the effective GB/s.
 
 GPT-2-medium (355M elements) needs ~16 bytes per element per mode; every mode at once
 would not fit the 24 GB CPU machines, so by default its list is cut to its first
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def _load(name: str):
@@ -70,6 +73,7 @@ DEFAULT_MODES = ("torch", "fp32", "fp32+bf16", "none", "none+bf16", "kahan", "ka
                  "stochastic", "stochastic+bf16", "remainder", "remainder+bf16")
 UNAVAILABLE = "not available"
 LR, WD = 1e-3, 1e-2
+MIN_REPS = 5
 
 
 def parse_mode(mode: str) -> Dict[str, Any]:
@@ -100,8 +104,21 @@ def list_shapes(name: str, gpt2_layers: int, quick: bool):
     return shapes, source
 
 
-def _tensor_bytes(t: Any) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+def _storage_bytes(t: Any, seen: set) -> int:
+    """The bytes ``t`` really holds. A wrapper subclass (whose dtype is only its
+    appearance) by its inner tensors (``__tensor_flatten__``); a plain tensor by
+    ``untyped_storage().nbytes()``, each storage once (``seen``: a tensor shared by
+    several parameters' state counts once)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_storage_bytes(getattr(t, n), seen) for n in names)
+    storage = t.untyped_storage()
+    if storage.data_ptr() in seen:
+        return 0
+    seen.add(storage.data_ptr())
+    return storage.nbytes()
 
 
 class Case:
@@ -122,14 +139,17 @@ class Case:
             self.opt = mixedprec.optim.AdamW(self.params, lr=LR, weight_decay=WD,
                                              master=spec["master"],
                                              state_dtype=spec["state_dtype"], **kw)
+        t0 = time.perf_counter()
         self.opt.step()  # state creation, outside the timing
+        self.first_step_s = time.perf_counter() - t0
         self.spec = spec
         n = sum(p.numel() for p in self.params)
-        param_b = sum(_tensor_bytes(p) for p in self.params)
-        # The state tensors shaped like their parameter (not the step counts).
-        state_b = sum(_tensor_bytes(v) for p, st in self.opt.state.items() for v in st.values()
-                      if isinstance(v, torch.Tensor) and v.shape == p.shape)
-        grad_b = sum(_tensor_bytes(g) for g in grads)
+        param_b = sum(_storage_bytes(p, set()) for p in self.params)
+        # Every state tensor but the step counts (0-dim), 8-bit state's scales included.
+        seen: set = set()
+        state_b = sum(_storage_bytes(v, seen) for st in self.opt.state.values()
+                      for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        grad_b = sum(_storage_bytes(g, set()) for g in grads)
         self.bytes_per_param = (param_b + state_b) / n
         # A step reads and writes the parameters and the state and reads the gradient;
         # with fp32 masters (in the state) the bf16 parameters are only written.
@@ -142,8 +162,10 @@ class Case:
 
 
 def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, warmup: int,
-            seed: int, log) -> Dict[str, Any]:
-    """Builds every mode over ``shapes`` and times them interleaved, per thread count."""
+            seed: int, log, mode_budget: float = float("inf")) -> Dict[str, Any]:
+    """Builds every mode over ``shapes`` and times them interleaved, per thread count; a
+    mode leaves the repetitions once its steps have taken ``mode_budget`` seconds and it
+    has ``MIN_REPS``."""
     gen = torch.Generator().manual_seed(seed + 1)
     grads32 = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
     grads = {torch.float32: grads32, torch.bfloat16: [g.to(torch.bfloat16) for g in grads32]}
@@ -169,8 +191,12 @@ def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, war
                 for k in keys:
                     cases[k].step()
             for _ in range(reps):
-                rng.shuffle(keys)
-                for k in keys:
+                active = [k for k in keys
+                          if len(times[k]) < MIN_REPS or sum(times[k]) < mode_budget * 1e3]
+                if not active:
+                    break
+                rng.shuffle(active)
+                for k in active:
                     t0 = time.perf_counter()
                     cases[k].step()
                     times[k].append((time.perf_counter() - t0) * 1e3)
@@ -184,7 +210,8 @@ def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, war
                 rows[mode] = dict(
                     status="ok", **s, ratio=(ref / s["median_ms"]) if ref else None,
                     bytes_per_param=c.bytes_per_param, moved_per_elem=c.moved_per_elem,
-                    gbs=c.moved_per_elem * c.numel / (s["median_ms"] * 1e-3) / 1e9)
+                    gbs=c.moved_per_elem * c.numel / (s["median_ms"] * 1e-3) / 1e9,
+                    first_step_s=c.first_step_s)
             out[str(t)] = rows
             log(f"  {t} thread(s): " + ", ".join(
                 f"{m} {r['median_ms']:.1f} ms ({r['ratio']:.2f}x)" if r.get("ratio")
@@ -203,7 +230,11 @@ def markdown(data: Dict[str, Any]) -> str:
               f"flags {' '.join(env.get('cpu_flags') or [])}; torch's CPU capability "
               f"{env.get('cpu_capability')}",
               f"- {data['config']['reps']} repetitions after {data['config']['warmup']} "
-              "warm-ups, every mode once per repetition in a fresh order; medians", ""]
+              "warm-ups, every mode once per repetition in a fresh order; medians"
+              + (f"; a mode stops after {C.fmt(data['config']['mode_budget'], 0)} s of its "
+                 f"own steps (at least {MIN_REPS} repetitions; its count in brackets)"
+                 if data["config"].get("mode_budget") not in (None, float("inf")) else ""),
+              ""]
     if data.get("note"):
         lines += [data["note"], ""]
     for name, res in data["results"].items():
@@ -224,7 +255,10 @@ def markdown(data: Dict[str, Any]) -> str:
                 r = res["threads"][t][mode]
                 ratio = r["ratio"]
                 mark = "" if ratio is None or ratio >= 1.0 or mode == REFERENCE else " (miss)"
-                row += [C.fmt(r["median_ms"]), f"{C.fmt(r['p20_ms'])}-{C.fmt(r['p80_ms'])}",
+                cut = (f" ({r['reps']})" if r.get("reps", data["config"]["reps"])
+                       < data["config"]["reps"] else "")
+                row += [C.fmt(r["median_ms"]) + cut,
+                        f"{C.fmt(r['p20_ms'])}-{C.fmt(r['p80_ms'])}",
                         (C.fmt(ratio) + "x" + mark) if ratio else "", C.fmt(r["gbs"], 1)]
             rows.append(row)
         lines += C.md_table(header, rows) + [""]
@@ -288,6 +322,9 @@ def parse_args(argv):
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--mode-budget", type=float, default=60.0,
+                    help="seconds of one mode's steps per list and thread count after which "
+                         f"it stops repeating (at least {MIN_REPS} repetitions)")
     ap.add_argument("--gpt2-layers", type=int, default=2,
                     help="GPT-2-medium blocks kept (24: the whole list, ~16 B/elem/mode)")
     ap.add_argument("--seed", type=int, default=0)
@@ -312,7 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        parse_mode(m)
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if REFERENCE not in modes:
         modes.insert(0, REFERENCE)
     threads = [int(t) for t in args.threads.split(",") if t]
@@ -325,13 +365,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shapes, source = list_shapes(name, args.gpt2_layers, args.quick)
         numel = sum(B.numel(s) for s in shapes)
         print(f"{name}: {len(shapes)} tensors, {numel:,} elements ({source})", flush=True)
-        res = measure(shapes, modes, threads, args.reps, args.warmup, args.seed, print)
+        res = measure(shapes, modes, threads, args.reps, args.warmup, args.seed, print,
+                      args.mode_budget)
         results[name] = dict(label=B.LIST_LABELS[name], source=source, tensors=len(shapes),
                              numel=numel, threads=res)
         gc.collect()
     data = dict(env=C.environment(device), smoke=args.quick, note=args.note,
                 config=dict(modes=modes, threads=threads, reps=args.reps, warmup=args.warmup,
-                            gpt2_layers=args.gpt2_layers, lr=LR, weight_decay=WD),
+                            mode_budget=args.mode_budget, gpt2_layers=args.gpt2_layers,
+                            lr=LR, weight_decay=WD),
                 results=results)
     stem = out / "lean-speed-cpu"
     C.write_json(stem.with_suffix(".json"), data)

@@ -633,9 +633,31 @@ def test_lean_speed_mode_names(tmp_path, monkeypatch):
         mod.parse_mode("remainder+fp4")
     with pytest.raises(ValueError, match="MASTER in"):
         mod.parse_mode("fp16")
+    with pytest.raises(SystemExit, match="unknown mode 'fp16'"):  # main: a message, no trace
+        mod.main(["--quick", "--modes", "torch,fp16"])
     assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50",
                      "--threads", "1", "--modes", "remainder+fp8"]) == 0
     data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
     assert data["config"]["modes"] == ["torch", "remainder+fp8"]
     row = data["results"]["resnet50"]["threads"]["1"]["remainder+fp8"]
     assert row["status"] == "ok"
+
+
+
+# Two tensors: one 8-bit state takes (>= 4096 elements, whole blocks of 256), one small.
+PEER_SHAPES = [(64, 256), (10,)]
+
+
+def test_lean_speed_mode_budget(tmp_path, monkeypatch):
+    """--mode-budget bounds a slow mode's repetitions: with a budget of 0 s every mode
+    stops at MIN_REPS, and the markdown gives that count beside the median."""
+    mod = _load("lean_speed")
+    monkeypatch.setattr(mod, "list_shapes",
+                        lambda name, layers, quick: (PEER_SHAPES, "two tensors (test)"))
+    assert mod.main(["--out", str(tmp_path), "--lists", "resnet50", "--threads", "1",
+                     "--modes", "torch,remainder+bf16", "--reps", str(mod.MIN_REPS + 3),
+                     "--warmup", "0", "--mode-budget", "0"]) == 0
+    data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
+    rows = data["results"]["resnet50"]["threads"]["1"]
+    assert [rows[m]["reps"] for m in ("torch", "remainder+bf16")] == [mod.MIN_REPS] * 2
+    assert f" ({mod.MIN_REPS}) |" in (tmp_path / "lean-speed-cpu.md").read_text()
