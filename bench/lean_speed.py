@@ -9,17 +9,32 @@ added to ``STATE_DTYPES`` (``"fp8": torch.float8_e4m3fn`` is) makes modes such a
 optimizer refuses is reported "not available" and the run goes on. ``torch`` is the
 reference: torch's fused AdamW on fp32 parameters.
 
+Peers, bench-only extras (the mixedprec package never imports them; nothing installs
+them): ``optimi-kahan`` (optimi's AdamW, ``kahan_sum=True``), ``torchao-sr`` (torchao's
+AdamW with ``bf16_stochastic_round=True``), ``torchao-8bit`` (``torchao.optim.AdamW8bit``)
+and ``bnb-8bit`` (``bitsandbytes.optim.AdamW8bit``), all on bf16 parameters, by name in
+``--modes`` or all of them with ``--peers``. Each is imported when its mode is built; a
+library not installed is reported "not available (not installed)" and the run goes on.
+Installed into the venv without touching torch (what was measured with torch 2.11.0):
+
+    pip install --no-deps torch-optimi==0.3.3 torchao==0.18.0 bitsandbytes==0.50.2
+
+(their other requirements, numpy and packaging, are already there). torchao compiles its
+step per tensor shape (``torch.compile``, a C++ compiler needed) in the first step,
+outside the timing: 2-6 minutes per torchao mode for the ResNet-50 list on a busy
+2-core machine with an empty compile cache.
+
 Method: per list (ResNet-50 and GPT-2-medium, bench/ops.py's builders) and thread
 count, every mode's optimizer is built over its own parameters (random, N(0, 1)) with
-one shared gradient list per dtype (N(0, 1e-2); nothing writes it), stepped once (state
-creation) and warmed up; then each repetition steps every mode once, in a fresh random
-order, timed with the wall clock. A mode whose own steps have taken ``--mode-budget``
-seconds (per list and thread count) leaves the later repetitions once it has
-``MIN_REPS``, so a slow mode keeps the run bounded. Reported: the median per mode,
-p20-p80, the ratio torch median / mode median (> 1: faster than torch), bytes per
-parameter (parameters + optimizer state: the bytes their storages hold, see
-``_storage_bytes``) and the bytes one step must move per element (reads and writes of
-parameters, state and the gradient), with the effective GB/s.
+one shared gradient list per dtype (N(0, 1e-2); nothing writes it; a peer gets its own
+copy), stepped once (state creation) and warmed up; then each repetition steps every
+mode once, in a fresh random order, timed with the wall clock. A mode whose own steps
+have taken ``--mode-budget`` seconds (per list and thread count) leaves the later
+repetitions once it has ``MIN_REPS``, so a slow mode (a peer at a second a step) keeps
+the run bounded. Reported: the median per mode, p20-p80, the ratio torch median / mode
+median (> 1: faster than torch), bytes per parameter (parameters + optimizer state: the
+bytes their storages hold, see ``_storage_bytes``) and the bytes one step must move per
+element (reads and writes of parameters, state and the gradient), with the effective GB/s.
 
 GPT-2-medium (355M elements) needs ~16 bytes per element per mode; every mode at once
 would not fit the 24 GB CPU machines, so by default its list is cut to its first
@@ -28,6 +43,7 @@ which. ``--gpt2-layers 24`` is the whole list.
 
     python bench/lean_speed.py                       # both lists, 1 and 2 threads
     python bench/lean_speed.py --modes torch,remainder,remainder+bf16 --reps 60
+    python bench/lean_speed.py --lists resnet50 --modes torch,remainder+bf16 --peers
     python bench/lean_speed.py --quick               # smoke run (tiny lists)
 
 Outputs ``lean-speed-cpu.{json,md,png}`` in bench/results (or ``--out``; the smoke run
@@ -71,19 +87,29 @@ STATE_DTYPES: Dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfl
                                         "fp8": torch.float8_e4m3fn}
 DEFAULT_MODES = ("torch", "fp32", "fp32+bf16", "none", "none+bf16", "kahan", "kahan+bf16",
                  "stochastic", "stochastic+bf16", "remainder", "remainder+bf16")
+# Peers by mode name -> the pip package that brings them (bench extras, see above).
+PEER_MODES: Dict[str, str] = {"optimi-kahan": "torch-optimi", "torchao-sr": "torchao",
+                              "torchao-8bit": "torchao", "bnb-8bit": "bitsandbytes"}
 UNAVAILABLE = "not available"
+# What a mixedprec mode may raise when the build or the optimizer refuses it; a peer's
+# library may raise anything (a failed torch.compile, say), all of it reported.
+REFUSED = (NotImplementedError, ValueError, TypeError, RuntimeError)
 LR, WD = 1e-3, 1e-2
+BETAS, EPS = (0.9, 0.999), 1e-8  # torch's defaults; optimi's own are (0.9, 0.99), 1e-6
 MIN_REPS = 5
 
 
 def parse_mode(mode: str) -> Dict[str, Any]:
-    """``torch`` or ``MASTER[+STATE]`` -> what builds it; ValueError when unknown."""
+    """``torch``, a peer or ``MASTER[+STATE]`` -> what builds it; ValueError when unknown."""
     if mode == REFERENCE:
         return dict(kind="torch", param_dtype=torch.float32)
+    if mode in PEER_MODES:
+        return dict(kind="peer", param_dtype=torch.bfloat16, package=PEER_MODES[mode])
     master, _, state = mode.partition("+")
     state = state or "fp32"
     if master not in MASTERS or state not in STATE_DTYPES:
-        raise ValueError(f"unknown mode {mode!r}: expected 'torch' or MASTER[+STATE] with "
+        raise ValueError(f"unknown mode {mode!r}: expected 'torch', a peer "
+                         f"({', '.join(PEER_MODES)}) or MASTER[+STATE] with "
                          f"MASTER in {list(MASTERS)} and STATE in {list(STATE_DTYPES)}")
     return dict(kind="mixedprec", param_dtype=torch.bfloat16, master=master,
                 state_dtype=STATE_DTYPES[state])
@@ -105,10 +131,11 @@ def list_shapes(name: str, gpt2_layers: int, quick: bool):
 
 
 def _storage_bytes(t: Any, seen: set) -> int:
-    """The bytes ``t`` really holds. A wrapper subclass (whose dtype is only its
-    appearance) by its inner tensors (``__tensor_flatten__``); a plain tensor by
-    ``untyped_storage().nbytes()``, each storage once (``seen``: a tensor shared by
-    several parameters' state counts once)."""
+    """The bytes ``t`` really holds. A wrapper subclass (torchao's 8-bit state: uint8
+    codes, fp32 block scales and a 256-entry code map behind a tensor that shows the
+    parameter's dtype) by its inner tensors (``__tensor_flatten__``); a plain tensor by
+    ``untyped_storage().nbytes()``, each storage once (``seen``: bitsandbytes' code maps
+    are one tensor shared by every parameter's state)."""
     if not isinstance(t, torch.Tensor):
         return 0
     if is_traceable_wrapper_subclass(t):
@@ -121,6 +148,40 @@ def _storage_bytes(t: Any, seen: set) -> int:
     return storage.nbytes()
 
 
+def _peer_optimizer(mode: str, params: List[torch.nn.Parameter]):
+    """A peer's optimizer; its library is imported here only (ImportError: not installed)."""
+    if mode == "optimi-kahan":
+        import optimi  # foreach left to optimi (None: its per-tensor loop on the CPU)
+        return optimi.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS,
+                            kahan_sum=True)
+    if mode in ("torchao-sr", "torchao-8bit"):
+        import torch._inductor.config
+        import torchao.optim
+        # torch.compile bakes the thread count of the first step into its CPU kernels
+        # unless told otherwise: follow torch.set_num_threads like every other mode.
+        torch._inductor.config.cpp.dynamic_threads = True
+        if mode == "torchao-8bit":
+            return torchao.optim.AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS)
+        # torchao 0.18 exports no AdamW: its plain (unquantized-state) one is _AdamW.
+        adamw = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW
+        return adamw(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS,
+                     bf16_stochastic_round=True)
+    import bitsandbytes
+    return bitsandbytes.optim.AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WD, eps=EPS)
+
+
+def peer_versions(modes: Sequence[str]) -> Dict[str, str]:
+    """The installed version of each peer package ``modes`` name (missing ones left out)."""
+    from importlib import metadata
+    out = {}
+    for package in sorted({PEER_MODES[m] for m in modes if m in PEER_MODES}):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 class Case:
     """One mode's optimizer over its own parameters, the gradients shared."""
 
@@ -129,10 +190,16 @@ class Case:
         gen = torch.Generator().manual_seed(seed)
         self.params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(spec["param_dtype"]))
                        for s in shapes]
+        if spec["kind"] == "peer":
+            # Foreign code gets its own gradients: optimi's Kahan step writes its scratch
+            # into the gradient, which the other modes share.
+            grads = [g.clone() for g in grads]
         for p, g in zip(self.params, grads):
             p.grad = g
         if spec["kind"] == "torch":
             self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, fused=True)
+        elif spec["kind"] == "peer":
+            self.opt = _peer_optimizer(mode, self.params)
         else:
             import mixedprec.optim
             kw = {"seed": 1} if spec["master"] == "stochastic" else {}
@@ -140,12 +207,13 @@ class Case:
                                              master=spec["master"],
                                              state_dtype=spec["state_dtype"], **kw)
         t0 = time.perf_counter()
-        self.opt.step()  # state creation, outside the timing
+        self.opt.step()  # state creation (torchao: its compilation), outside the timing
         self.first_step_s = time.perf_counter() - t0
         self.spec = spec
         n = sum(p.numel() for p in self.params)
         param_b = sum(_storage_bytes(p, set()) for p in self.params)
-        # Every state tensor but the step counts (0-dim), 8-bit state's scales included.
+        # Every state tensor but the step counts (0-dim; bitsandbytes' are ints), with
+        # 8-bit state's scales and code maps.
         seen: set = set()
         state_b = sum(_storage_bytes(v, seen) for st in self.opt.state.values()
                       for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -172,12 +240,18 @@ def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, war
     cases: Dict[str, Case] = {}
     status: Dict[str, str] = {}
     for i, mode in enumerate(modes):
+        spec = parse_mode(mode)
         try:
-            spec = parse_mode(mode)
             cases[mode] = Case(mode, shapes, grads[spec["param_dtype"]], seed + 10 + i)
             status[mode] = "ok"
-        except (NotImplementedError, ValueError, TypeError, RuntimeError) as e:
-            status[mode] = f"{UNAVAILABLE}: {type(e).__name__}: {e}"
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            if spec["kind"] == "peer" and isinstance(e, ImportError):
+                status[mode] = f"{UNAVAILABLE} (not installed): {first}"
+            elif spec["kind"] == "peer" or isinstance(e, REFUSED):
+                status[mode] = f"{UNAVAILABLE}: {type(e).__name__}: {first}"
+            else:
+                raise
             log(f"  {mode}: {status[mode]}")
     out: Dict[str, Any] = {}
     rng = random.Random(seed)
@@ -233,8 +307,11 @@ def markdown(data: Dict[str, Any]) -> str:
               "warm-ups, every mode once per repetition in a fresh order; medians"
               + (f"; a mode stops after {C.fmt(data['config']['mode_budget'], 0)} s of its "
                  f"own steps (at least {MIN_REPS} repetitions; its count in brackets)"
-                 if data["config"].get("mode_budget") not in (None, float("inf")) else ""),
-              ""]
+                 if data["config"].get("mode_budget") not in (None, float("inf")) else "")]
+    if data.get("peer_versions"):
+        lines += ["- peers: " + ", ".join(f"{k} {v}" for k, v in
+                                          data["peer_versions"].items())]
+    lines += [""]
     if data.get("note"):
         lines += [data["note"], ""]
     for name, res in data["results"].items():
@@ -275,6 +352,20 @@ def markdown(data: Dict[str, Any]) -> str:
               "(> 1: faster). B/param: parameters + optimizer state, from the tensors. "
               "B moved/elem: what one step reads and writes (parameters, state, the "
               "gradient read); GB/s: that over the median time."]
+    if any(m in PEER_MODES for m in data["config"]["modes"]):
+        lines += ["", "Peers, on bf16 parameters: `optimi-kahan` optimi.AdamW(kahan_sum=True) "
+                  "(bf16 moments and compensation); `torchao-sr` torchao's AdamW("
+                  "bf16_stochastic_round=True) (bf16 moments); `torchao-8bit` "
+                  "torchao.optim.AdamW8bit and `bnb-8bit` bitsandbytes.optim.AdamW8bit "
+                  "(8-bit moments in blocks of 256 with fp32 scales for tensors of 4096 "
+                  "elements or more; torchao keeps the others' moments in bf16, "
+                  "bitsandbytes in fp32; parameters rounded to nearest). Their B/param "
+                  "counts the bytes the state's storages hold (scales and code maps "
+                  "included); B moved/elem is the "
+                  "same lower bound as the others' (their CPU steps go through fp32 "
+                  "temporaries, and optimi's also writes the gradient, its scratch). "
+                  "torchao's step is compiled (torch.compile) in the first step, outside "
+                  "the timing."]
     return "\n".join(lines) + "\n"
 
 
@@ -319,6 +410,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lists", default="resnet50,gpt2-medium")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    ap.add_argument("--peers", action="store_true",
+                    help=f"add the peers ({', '.join(PEER_MODES)}) to --modes")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)
@@ -348,6 +441,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"no chart: {why}")
         return 0
     modes = [m for m in args.modes.split(",") if m]
+    modes += [m for m in PEER_MODES if args.peers and m not in modes]
     for m in modes:
         try:
             parse_mode(m)
@@ -374,7 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 config=dict(modes=modes, threads=threads, reps=args.reps, warmup=args.warmup,
                             mode_budget=args.mode_budget, gpt2_layers=args.gpt2_layers,
                             lr=LR, weight_decay=WD),
-                results=results)
+                peer_versions=peer_versions(modes), results=results)
     stem = out / "lean-speed-cpu"
     C.write_json(stem.with_suffix(".json"), data)
     md = markdown(data)

@@ -643,9 +643,59 @@ def test_lean_speed_mode_names(tmp_path, monkeypatch):
     assert row["status"] == "ok"
 
 
-
-# Two tensors: one 8-bit state takes (>= 4096 elements, whole blocks of 256), one small.
+# bench/lean_speed.py's peers on two tensors: one the 8-bit peers quantize (>= 4096
+# elements, whole blocks of 256), one they leave in bf16 (torchao) or fp32 (bitsandbytes).
 PEER_SHAPES = [(64, 256), (10,)]
+
+
+def _peer_bytes(mode: str) -> float:
+    """Parameters + state per parameter over PEER_SHAPES: what the storages hold."""
+    big, small = 64 * 256, 10
+    n = big + small
+    eight = 2 * (big + big // 256 * 4 + 256 * 4)  # codes, fp32 scales, a code map each
+    state = {"optimi-kahan": 6 * n, "torchao-sr": 4 * n,
+             "torchao-8bit": eight + 4 * small, "bnb-8bit": eight + 8 * small}[mode]
+    return (2 * n + state) / n
+
+
+def test_lean_speed_peers(tmp_path, monkeypatch):
+    """The peers (optimi, torchao, bitsandbytes) are modes by name and by --peers: each
+    steps where its library is installed, with its bytes per parameter read from what its
+    state's storages hold (torchao's 8-bit subclass by its inner tensors), and is reported
+    "not available (not installed)" where it is not; a library made unimportable is
+    reported so and the run goes on."""
+    mod = _load("lean_speed")
+    for mode in mod.PEER_MODES:
+        assert mod.parse_mode(mode)["kind"] == "peer"
+    with pytest.raises(SystemExit, match="a peer"):
+        mod.main(["--quick", "--modes", "torch,optimi"])
+    monkeypatch.setattr(mod, "list_shapes",
+                        lambda name, layers, quick: (PEER_SHAPES, "two tensors (test)"))
+    assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50",
+                     "--threads", "1", "--modes", "torch", "--peers"]) == 0
+    data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
+    assert data["config"]["modes"] == ["torch", *mod.PEER_MODES]
+    rows = data["results"]["resnet50"]["threads"]["1"]
+    assert rows["torch"]["status"] == "ok"
+    modules = {"torch-optimi": "optimi", "torchao": "torchao", "bitsandbytes": "bitsandbytes"}
+    for mode, package in mod.PEER_MODES.items():
+        if importlib.util.find_spec(modules[package]) is None:
+            assert rows[mode]["status"].startswith(f"{mod.UNAVAILABLE} (not installed)")
+            assert package not in data["peer_versions"]
+            continue
+        assert rows[mode]["status"] == "ok", (mode, rows[mode])
+        assert rows[mode]["bytes_per_param"] == pytest.approx(_peer_bytes(mode)), mode
+        assert rows[mode]["median_ms"] > 0 and package in data["peer_versions"]
+    # Not installed (None in sys.modules makes the import fail): reported, the run goes on.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    assert mod.main(["--quick", "--out", str(tmp_path / "missing"), "--lists", "resnet50",
+                     "--threads", "1", "--modes", "torch,bnb-8bit"]) == 0
+    data = json.loads((tmp_path / "missing" / "lean-speed-cpu.json").read_text())
+    rows = data["results"]["resnet50"]["threads"]["1"]
+    assert rows["torch"]["status"] == "ok"
+    assert rows["bnb-8bit"]["status"].startswith(f"{mod.UNAVAILABLE} (not installed)")
+    assert "| bnb-8bit | not available (not installed)" in (
+        tmp_path / "missing" / "lean-speed-cpu.md").read_text()
 
 
 def test_lean_speed_mode_budget(tmp_path, monkeypatch):
