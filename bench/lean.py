@@ -567,6 +567,22 @@ COLUMNS = {"digits": [("metric", "accuracy % (± half spread)", 2)],
 NOT_MEASURED = "not measured"
 
 
+def run_date(data: Dict[str, Any], model: str, mode: str) -> Optional[str]:
+    """The date of the run that measured ``model`` in ``mode``: the result's own
+    ``run_date``, or, for results saved before it existed, followed through the merge
+    records (``merged``: the modes run now on ``models_now`` are of the file's date,
+    the others of the earlier file's, and so on)."""
+    got = data.get("results", {}).get(model, {}).get(mode, {}).get("run_date")
+    if got:
+        return got
+    date, m = data["env"].get("date"), data.get("merged")
+    while m:
+        if mode in m["run_now"] and model in m.get("models_now", [model]):
+            return date
+        date, m = m.get("earlier_date"), m.get("earlier_merged")
+    return date
+
+
 def markdown(data: Dict[str, Any]) -> str:
     env, cfg = data["env"], data["config"]
     lines = ["# Lean precision modes: FusedAdam configurations side by side", ""]
@@ -600,15 +616,25 @@ def markdown(data: Dict[str, Any]) -> str:
                 q8_rows.append(f"{mode}: 8-bit moments on {r['q8_numel']:,} of "
                                f"{r['numel']:,} parameter elements "
                                f"({100 * r['q8_numel'] / r['numel']:.1f}%)")
+            # Step time ratios only within one run (a merged file's runs had other loads).
+            same_run = run_date(data, model, mode) == run_date(data, model, "fp32")
             rows.append([mode] + metrics + [
                          f"{r['total_bytes'] / 1e6:.3f}",
                          f"{bytes_per_param(mode, r):.1f}",
                          C.fmt(r["median_step_ms"], 1),
                          f"{r['median_step_ms'] / res['fp32']['median_step_ms']:.2f}"
-                         if res.get("fp32", {}).get("status") == "ok" else ""])
+                         if res.get("fp32", {}).get("status") == "ok" and same_run else ""])
         lines += C.md_table(["mode"] + [c[1] for c in columns] +
                             ["params+state MB", "B/param", "step ms", "vs fp32"], rows)
         lines.append("")
+        dates: Dict[str, List[str]] = {}
+        for mode in res:
+            dates.setdefault(run_date(data, model, mode) or "?", []).append(mode)
+        if len(dates) > 1:
+            lines += ["Runs merged here: " + "; ".join(
+                f"{d[:16].replace('T', ' ')} UTC: {', '.join(ms)}"
+                for d, ms in sorted(dates.items())) +
+                ". Step times are compared with fp32's (vs fp32) only within one run.", ""]
         if unmeasured:
             lines += [f"{NOT_MEASURED.capitalize()}: a mode kept from a merged run that "
                       "did not report this metric yet.", ""]
@@ -689,7 +715,7 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
     axes[0][2].set(title="byte LM: training loss (20-step mean)", xlabel="step")
     axes[1][0].set(title="byte LM: held-out loss", xlabel="step")
     xlabel = "bytes per parameter (params + optimizer state, measured)"
-    same = f"vs {REFERENCE}, same seed"
+    same = "vs {ref}, same seed"  # (the reference _bytes_panel used)
     panels = ((axes[1][1], "lm", "metric", None, "byte LM: final held-out loss (nats/byte)"),
               (axes[1][2], "lm", "metric", "relative", f"byte LM: final held-out loss {same} (%)"),
               (axes[2][0], "lm", "accuracy", "points",
@@ -699,8 +725,8 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
               (axes[2][2], "digits-mlp", "metric", "points",
                f"digits MLP: final test accuracy {same} (points)"))
     for ax, model, key, paired, title in panels:
-        _bytes_panel(ax, res.get(model, {}), colors, key, paired)
-        ax.set(title=title, xlabel=xlabel)
+        ref = _bytes_panel(ax, res.get(model, {}), colors, key, paired)
+        ax.set(title=title.format(ref=ref or REFERENCE), xlabel=xlabel)
         if paired:
             ax.axhline(0, color="grey", lw=0.8)
     for ax in axes.flat:
@@ -722,14 +748,18 @@ def bytes_per_param(mode: str, r: Dict[str, Any]) -> float:
 
 
 def _bytes_panel(ax, res: Dict[str, Any], colors: Dict[str, str], key: str = "metric",
-                 paired: Optional[str] = None) -> None:
+                 paired: Optional[str] = None) -> Optional[str]:
     """One point per mode at its bytes per parameter: the mean final ``key`` metric over
     the seeds (``paired``: each seed's difference to the same seed's REFERENCE run,
-    ``"relative"`` in % or ``"points"``), the seeds' range as an error bar; modes at the
-    same bytes are spread a little sideways. Modes without the metric are left out."""
-    ref = res.get(REFERENCE, {})
-    if paired and (ref.get("status") != "ok" or ref.get(f"{key}_mean") is None):
-        return
+    ``"relative"`` in % or ``"points"``; fp32's where REFERENCE's lacks the metric, as in
+    a merged run), the seeds' range as an error bar; modes at the same bytes are spread a
+    little sideways. Modes without the metric are left out. Returns the reference used
+    (None: nothing drawn, or not paired)."""
+    ref_mode = next((m for m in (REFERENCE, "fp32") if res.get(m, {}).get("status") == "ok"
+                     and res[m].get(f"{key}_mean") is not None), None)
+    if paired and ref_mode is None:
+        return None
+    ref = res.get(ref_mode, {})
     at: Dict[float, int] = {}
     for mode, r in res.items():
         if r.get("status") != "ok" or r.get(f"{key}_mean") is None:
@@ -748,6 +778,7 @@ def _bytes_panel(ax, res: Dict[str, Any], colors: Dict[str, str], key: str = "me
         face = colors[mode] if MODES[mode][2] == torch.float32 else "white"
         ax.errorbar(b + 0.15 * k, mean, yerr=[[mean - min(vals)], [max(vals) - mean]],
                     fmt=marker, color=colors[mode], mfc=face, capsize=3, ms=6, label=mode)
+    return ref_mode if paired else None
 
 
 def _color(mode: str) -> str:
@@ -846,7 +877,7 @@ def merge(path: Path, new: Dict[str, Any]):
         results[model] = {m: got[m] for m in sorted(got, key=lambda m: (
             list(MODES).index(m) if m in MODES else len(MODES)))}
     modes = [m for m in MODES if any(m in r for r in results.values())]
-    data = dict(new, results=results,
+    data = dict(new, results=results, corpus=new.get("corpus") or old.get("corpus"),
                 config=dict(new["config"], models=list(results), modes=modes),
                 merged=dict(earlier_date=old["env"].get("date"), kept=sorted(kept),
                             run_now=run_now, models_now=list(new["results"]),
@@ -892,6 +923,9 @@ def _run(args) -> int:
             data = None
         log(f"{model}: {cfg['seeds']} seeds x {len(modes)} modes")
         results[model] = run_model(model, cfg, modes, cfg["seeds"], data, device, log)
+    for res in results.values():
+        for r in res.values():
+            r["run_date"] = env["date"]
     data = dict(env=env, smoke=args.quick, config=dict(cfg, models=models, modes=modes),
                 corpus=corpus_desc, results=results, wall_s=time.time() - t_start)
     note = args.note or ""

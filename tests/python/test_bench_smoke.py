@@ -394,6 +394,10 @@ def test_lean_merge(bench_lean, tmp_path):
     assert after["results"]["digits"]["fp32"] == before["results"]["digits"]["fp32"]
     assert after["results"]["digits"]["fp32-fp8mom"]["status"] == "ok"
     assert after["merged"]["kept"] == ["fp32"]  # (modes not run now)
+    # Each result knows its run; step time ratios only within one run.
+    assert after["results"]["digits"]["fp32"]["run_date"] == before["env"]["date"]
+    assert after["results"]["digits"]["bf16-master"]["run_date"] == after["env"]["date"]
+    assert "Runs merged here: " in (tmp_path / "lean-cpu.md").read_text()
     assert after["config"]["modes"] == ["fp32", "bf16-master", "fp32-fp8mom"]
     assert "Merged:" in (tmp_path / "lean-cpu.md").read_text()
     with pytest.raises(SystemExit, match="other sizes"):
@@ -495,6 +499,19 @@ def test_lean_bar8_on_made_up_numbers(bench_lean):
     assert by["digits", "metric", "fp32-fp8mom"]["status"] == (
         "no eligible tensor (8-bit moments on 0 of 2,048 elements: trains as fp32)")
     assert by["digits", "metric", "fp32-fp8mom"]["value"] is None
+
+
+def test_lean_run_date_through_merges(bench_lean):
+    """Results saved before ``run_date`` existed: their run is found through the chain
+    of merge records (modes run now on the models run now: the file's date)."""
+    data = {"env": {"date": "C"}, "results": {"lm": {"x": {}, "y": {}, "z": {"run_date": "Z"}}},
+            "merged": {"run_now": ["x"], "models_now": ["lm"], "earlier_date": "B",
+                       "earlier_merged": {"run_now": ["y"], "earlier_date": "A"}}}
+    date = bench_lean.run_date
+    assert [date(data, "lm", m) for m in ("x", "y", "z", "w")] == ["C", "B", "Z", "A"]
+    assert date(data, "digits", "x") == "A"  # x was run on the LM only, then
+    assert date(data, "digits", "y") == "B"  # (an old record without models_now: all)
+    assert date({"env": {"date": "D"}}, "lm", "x") == "D"
 
 
 def test_lean_digits_mlp_is_eligible(bench_lean):
