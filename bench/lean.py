@@ -1,13 +1,18 @@
 """The lean precision modes of FusedAdam side by side (issue #11, docs/lean-precision.md).
 
-Three models, trained in one run:
+Four models, trained in one run:
 
 * ``digits``: the small CNN of examples/digits on scikit-learn's digits (shipped with
   scikit-learn, offline); reports test accuracy.
+* ``digits-mlp``: an MLP on the same digits and split (64 -> 416 -> 416 -> 10, ReLU):
+  every weight matrix is eligible for 8-bit moments (416 = 13 blocks of 32, and the
+  10 x 416 head has at least 4096 elements), 99.6% of the elements; only the biases keep
+  fp32 moments. Reports test accuracy: the accuracy model that 8-bit moments touch.
 * ``lm``: a byte-level causal transformer (bench/train.py's ``CausalLM``) on a real
   offline corpus: the Python standard library's own top-level ``*.py`` files
   (``sysconfig.get_paths()["stdlib"]``); every tenth file is held out. Reports the final
-  held-out loss (nats per byte).
+  held-out loss (nats per byte) and, beside it, the held-out next-byte top-1 accuracy
+  (%) on the same windows.
 * ``resnet18``: torchvision's ResNet-18 on synthetic 32x32 images, for step time and
   memory only.
 
@@ -42,7 +47,8 @@ fp8mom
 Only parameters with at least 2 dimensions, 4096 elements and rows of whole blocks of
 32 take 8-bit moments (mixedprec/optim/state8.py); the others keep fp32 moments. The
 report gives, per model, the share of the elements that did (none of the digits CNN's:
-there the fp8 modes train exactly as their fp32-moment counterparts).
+there the fp8 modes train exactly as their fp32-moment counterparts; 99.6% of the digits
+MLP's, 98.9% of the LM's).
 
 bf16 modes cast the whole model (norms included) to bf16 and take the loss on fp32
 logits; bf16 needs no loss scale. A mode whose construction raises
@@ -65,17 +71,20 @@ The bar (issue #11): kahan and stochastic end within 1% relative of bf16-master'
 held-out loss on the LM and within 0.5 points of its accuracy on digits; bf16-none is
 visibly worse (beyond the same margins).
 The 8-bit bar (issue #20): each fp8 mode within 0.5% relative of its fp32-moment
-counterpart's held-out LM loss and within 0.3 points of its digits accuracy (means over
-the seeds).
+counterpart's held-out LM loss and within 0.3 points of its accuracy (the LM's next-byte
+accuracy, the digits MLP's test accuracy; means over the seeds). A model with no
+eligible tensor (the digits CNN) gets no verdict ("no eligible tensor"): its fp8 modes
+are its fp32-moment modes.
 
 ``--merge`` keeps the modes of the saved ``lean-<device>.json`` in the output directory
-that are not run now (same sizes and seeds required) and replaces those that are.
+that are not run now (same sizes and seeds required) and replaces those that are; a
+model the saved run lacks is added (its sizes are new keys of the config).
 
 Writes ``lean-<device>.md``, ``.json``, ``.png`` to bench/results (or ``--out``;
 ``--quick``, a smoke run of under a minute, writes to bench/results/cpu-smoke). The
-chart: the loss curves, and each mode's final LM loss and digits accuracy against its
-bytes per parameter. ``--replot lean-<device>.json`` writes the markdown and the chart
-of a saved run again without training.
+chart: the loss curves, and each mode's final LM loss and accuracy and digits
+accuracies against its bytes per parameter. ``--replot lean-<device>.json`` writes the
+markdown and the chart of a saved run again without training.
 """
 
 import argparse
@@ -146,10 +155,12 @@ def counterpart(mode: str) -> Optional[str]:
 
 # Sizes: full run (eleven modes: 686 s on 1 thread of a shared AMD EPYC) and --quick (~10 s).
 FULL = dict(seeds=3, digits_steps=1200, digits_batch=32, digits_lr=3e-4,
+            mlp_steps=1200, mlp_batch=32, mlp_lr=1e-3, mlp_hidden=416,
             lm_steps=400, lm_batch=16, lm_seq=64, lm_d=96, lm_layers=2, lm_heads=4,
             lm_lr=2e-3, lm_eval_every=50, lm_eval_batches=16, lm_corpus_mb=4.0,
             rn_steps=6, rn_warmup=1, rn_batch=8, rn_image=32)
 QUICK = dict(seeds=1, digits_steps=30, digits_batch=32, digits_lr=3e-4,
+             mlp_steps=30, mlp_batch=32, mlp_lr=1e-3, mlp_hidden=128,
              lm_steps=20, lm_batch=4, lm_seq=32, lm_d=32, lm_layers=1, lm_heads=2,
              lm_lr=2e-3, lm_eval_every=10, lm_eval_batches=2, lm_corpus_mb=0.3,
              rn_steps=2, rn_warmup=1, rn_batch=2, rn_image=32)
@@ -196,7 +207,10 @@ def sync(device: torch.device) -> None:
 
 class Task:
     """One model in one mode and seed: ``step(i)`` trains on batch ``i`` (returns the
-    loss tensor), ``metric()`` evaluates (a host read: outside the timed steps)."""
+    loss tensor), ``evaluate()`` gives the metrics (``{"metric": the model's metric}``,
+    the LM's with its ``"accuracy"`` too; host reads: outside the timed steps)."""
+
+    extra_metrics: tuple = ()  # keys evaluate() gives beside "metric"
 
     def __init__(self, model: nn.Module, mode: str, lr: float, total: int,
                  device: torch.device):
@@ -214,17 +228,25 @@ class Task:
         self.opt.step()
         return loss.detach()
 
+    def evaluate(self) -> Dict[str, Optional[float]]:
+        return {"metric": self.metric()}
+
 
 class DigitsTask(Task):
+    prefix = "digits"  # of the sizes in the config
+
+    def make_model(self, cfg) -> nn.Module:
+        return _load_digits_example().DigitsNet()
+
     def __init__(self, mode, seed, cfg, data, device):
-        ex = _load_digits_example()
+        p = self.prefix
         torch.manual_seed(seed)
-        super().__init__(ex.DigitsNet(), mode, cfg["digits_lr"], cfg["digits_steps"], device)
+        super().__init__(self.make_model(cfg), mode, cfg[f"{p}_lr"], cfg[f"{p}_steps"], device)
         self.x_train, self.y_train, self.x_test, self.y_test = data
         g = torch.Generator().manual_seed(seed)
-        n, b = len(self.y_train), cfg["digits_batch"]
+        n, b = len(self.y_train), cfg[f"{p}_batch"]
         per_epoch = n // b
-        epochs = -(-cfg["digits_steps"] // per_epoch)
+        epochs = -(-cfg[f"{p}_steps"] // per_epoch)
         order = torch.cat([torch.randperm(n, generator=g)[:per_epoch * b] for _ in range(epochs)])
         self.batches = order.view(-1, b).to(device)
 
@@ -241,7 +263,25 @@ class DigitsTask(Task):
         return 100.0 * (pred == self.y_test).float().mean().item()  # sync-ok: evaluation
 
 
+def digits_mlp(hidden: int) -> nn.Module:
+    """64 -> hidden -> hidden -> 10 with ReLUs on the flattened 8x8 digits. With hidden a
+    multiple of 32 and 10 * hidden >= 4096 every weight matrix takes 8-bit moments."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(),
+                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+class DigitsMLPTask(DigitsTask):
+    """The digits CNN's data, split, batches and schedule, an MLP in its place (its
+    own sizes: ``mlp_*``)."""
+    prefix = "mlp"
+
+    def make_model(self, cfg) -> nn.Module:
+        return digits_mlp(cfg["mlp_hidden"])
+
+
 class LMTask(Task):
+    extra_metrics = ("accuracy",)
+
     def __init__(self, mode, seed, cfg, data, device):
         train_mod = _load("train")
         torch.manual_seed(seed)
@@ -271,16 +311,27 @@ class LMTask(Task):
         out = self.model(x)
         return F.cross_entropy(out.float().reshape(-1, 256), y.reshape(-1))
 
-    @torch.no_grad()
+    def evaluate(self) -> Dict[str, Optional[float]]:
+        return self._held_out()
+
     def metric(self) -> float:
+        return self._held_out()["metric"]
+
+    @torch.no_grad()
+    def _held_out(self) -> Dict[str, float]:
+        """Held-out loss (nats per byte) and next-byte top-1 accuracy (%), one pass over
+        the fixed held-out windows."""
         total = torch.zeros((), device=self.device)
+        hits = torch.zeros((), device=self.device, dtype=torch.int64)
         n = 0
         for s in range(0, len(self.eval_x), self.eval_b):
             x, y = self.eval_x[s:s + self.eval_b], self.eval_y[s:s + self.eval_b]
-            out = self.model(x).float()
-            total += F.cross_entropy(out.reshape(-1, 256), y.reshape(-1), reduction="sum")
+            out = self.model(x).float().reshape(-1, 256)
+            total += F.cross_entropy(out, y.reshape(-1), reduction="sum")
+            hits += (out.argmax(1) == y.reshape(-1)).sum()
             n += y.numel()
-        return (total / n).item()  # sync-ok: evaluation
+        loss, acc = torch.stack([total / n, 100.0 * hits / n]).tolist()  # sync-ok: evaluation
+        return {"metric": loss, "accuracy": acc}
 
 
 class ResNetTask(Task):
@@ -332,15 +383,16 @@ def stdlib_corpus(max_mb: float):
     return (to_t(train), to_t(held)), desc
 
 
-TASKS = {"digits": DigitsTask, "lm": LMTask, "resnet18": ResNetTask}
+TASKS = {"digits": DigitsTask, "digits-mlp": DigitsMLPTask, "lm": LMTask,
+         "resnet18": ResNetTask}
 
 
 def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, data,
               device: torch.device, log) -> Dict[str, Any]:
     """Every mode and seed of one model; modes interleaved step by step."""
     cls = TASKS[name]
-    steps = {"digits": cfg["digits_steps"], "lm": cfg["lm_steps"],
-             "resnet18": cfg["rn_steps"] + cfg["rn_warmup"]}[name]
+    steps = {"digits": cfg["digits_steps"], "digits-mlp": cfg["mlp_steps"],
+             "lm": cfg["lm_steps"], "resnet18": cfg["rn_steps"] + cfg["rn_warmup"]}[name]
     warmup = cfg["rn_warmup"] if name == "resnet18" else 1
     every = cfg["lm_eval_every"] if name == "lm" else None
     out: Dict[str, Any] = {m: {"seeds": []} for m in modes}
@@ -365,28 +417,32 @@ def run_model(name: str, cfg: Dict[str, Any], modes: Sequence[str], seeds: int, 
                     runs[m]["step_ms"].append((time.perf_counter() - t0) * 1e3)
                 runs[m]["losses"].append(loss)
             if every and ((i + 1) % every == 0 or i + 1 == steps):
-                for m in live:
-                    runs[m]["evals"].append([i + 1, tasks[m].metric()])
+                for m in live:  # [step, metric, then the extra metrics (the LM's accuracy)]
+                    got = tasks[m].evaluate()
+                    runs[m]["evals"].append([i + 1, got["metric"]] +
+                                            [got[k] for k in cls.extra_metrics])
         for m, task in tasks.items():
             r = runs[m]
             losses = torch.stack(r.pop("losses")).float().tolist()  # sync-ok: after training
             losses = [round(v, 5) for v in losses]
-            r.update(seed=seed, losses=losses, metric=task.metric(),
+            r.update(seed=seed, losses=losses, **task.evaluate(),
                      median_step_ms=statistics.median(r["step_ms"]),
                      step_ms=C.summary(r["step_ms"]),
                      **state_bytes(task.model, task.opt))
             out[m]["status"] = "ok"
             out[m]["seeds"].append(r)
-            log(f"  {name} seed {seed} {m}: metric {r['metric']}, "
-                f"step {r['median_step_ms']:.1f} ms")
+            log(f"  {name} seed {seed} {m}: metric {r['metric']}"
+                + "".join(f", {k} {r[k]}" for k in cls.extra_metrics)
+                + f", step {r['median_step_ms']:.1f} ms")
     for m in modes:
         seeds_ = out[m]["seeds"]
         if not seeds_:
             continue
-        vals = [s["metric"] for s in seeds_ if s["metric"] is not None]
+        for key in ("metric",) + cls.extra_metrics:  # metric_mean, accuracy_mean, ...
+            vals = [s[key] for s in seeds_ if s.get(key) is not None]
+            out[m][f"{key}_mean"] = statistics.mean(vals) if vals else None
+            out[m][f"{key}_spread"] = (max(vals) - min(vals)) if vals else None
         out[m].update(
-            metric_mean=statistics.mean(vals) if vals else None,
-            metric_spread=(max(vals) - min(vals)) if vals else None,
             median_step_ms=statistics.median(r["median_step_ms"] for r in seeds_),
             total_bytes=seeds_[0]["total_bytes"], param_bytes=seeds_[0]["param_bytes"],
             state_bytes=seeds_[0]["state_bytes"],
@@ -425,7 +481,7 @@ def evaluate_bar(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
                           f" of {REFERENCE} ({what})")
                 passed = None if gap is None else gap <= margin
             status = results.get(model, {}).get(mode, {}).get("status")
-            paired = [_gap(model, a["metric"], b["metric"]) for a, b in zip(
+            paired = [_gap(model == "lm", a["metric"], b["metric"]) for a, b in zip(
                 results.get(model, {}).get(mode, {}).get("seeds", []),
                 results.get(model, {}).get(REFERENCE, {}).get("seeds", []))]
             if shown and paired:
@@ -435,12 +491,25 @@ def evaluate_bar(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     return bars
 
 
+# Issue #20's bar, row by row: (model, metric key, what, relative). The LM's loss is
+# compared relatively (0.5%), the accuracies in points (0.3).
+BAR8_METRICS = (("lm", "metric", "held-out loss", True),
+                ("lm", "accuracy", "LM next-byte accuracy", False),
+                ("digits-mlp", "metric", "digits MLP test accuracy", False),
+                ("digits", "metric", "digits CNN test accuracy", False))
+NO_ELIGIBLE = "no eligible tensor"
+
+
 def evaluate_bar8(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Issue #20: each 8-bit-moment mode against its fp32-moment counterpart, mean over
-    the seeds: LM held-out loss within 0.5% relative, digits accuracy within 0.3 points
-    (lower is worse; better always passes). passed None: one of the two not run."""
+    the seeds: LM held-out loss within 0.5% relative, accuracies (the LM's next-byte, the
+    digits models') within 0.3 points (lower accuracy or higher loss is worse; better
+    always passes). passed None: one of the two not run, the metric not measured (a
+    merged run from before it existed), or the model has no tensor eligible for 8-bit
+    moments (status "no eligible tensor ...": its fp8 modes are its fp32-moment modes,
+    nothing to measure)."""
     bars = []
-    for model, what in (("lm", "held-out loss"), ("digits", "test accuracy")):
+    for model, key, what, relative in BAR8_METRICS:
         res = results.get(model, {})
         for mode in res:
             ref_mode = counterpart(mode)
@@ -448,39 +517,70 @@ def evaluate_bar8(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
                 continue
             r, ref = res.get(mode, {}), res.get(ref_mode, {})
             ok = r.get("status") == "ok" and ref.get("status") == "ok"
-            v = r.get("metric_mean") if ok else None
-            w = ref.get("metric_mean") if ok else None
-            if model == "lm":
-                gap = None if v is None or w is None else (v - w) / w
-                passed = None if gap is None else gap <= BAR8_LM_REL
-                shown = None if gap is None else f"{100 * gap:+.2f}%"
-                margin = "0.5% relative"
-            else:
-                gap = None if v is None or w is None else w - v
-                passed = None if gap is None else gap <= BAR8_DIGITS_POINTS
-                shown = None if gap is None else f"{-gap:+.2f} pts"
-                margin = "0.3 points"
-            paired = [_gap(model, a["metric"], b["metric"]) for a, b in zip(
-                r.get("seeds", []), ref.get("seeds", []))] if ok else []
-            if shown and paired:
+            status = (r.get("status") if r.get("status") != "ok"
+                      else ref.get("status", "not run"))
+            v = r.get(f"{key}_mean") if ok else None
+            w = ref.get(f"{key}_mean") if ok else None
+            gap = shown = None
+            if ok and r.get("q8_numel") == 0:
+                status = (f"{NO_ELIGIBLE} (8-bit moments on 0 of {r['numel']:,} elements: "
+                          f"trains as {ref_mode})")
+            elif ok and (v is None or w is None):
+                status = "not measured in the run kept"
+            elif ok and relative:
+                gap = (v - w) / w
+                shown = f"{100 * gap:+.2f}%"
+            elif ok:
+                gap = w - v
+                shown = f"{v - w:+.2f} pts"  # (not -gap: no "-0.00")
+            passed = None if gap is None else gap <= (BAR8_LM_REL if relative
+                                                      else BAR8_DIGITS_POINTS)
+            paired = [_gap(relative, a[key], b[key]) for a, b in zip(
+                r.get("seeds", []), ref.get("seeds", []))] if shown else []
+            if paired:
                 shown += " (per seed: " + ", ".join(paired) + ")"
-            bars.append(dict(model=model, mode=mode, reference=ref_mode,
+            margin = "0.5% relative" if relative else "0.3 points"
+            bars.append(dict(model=model, metric=key, mode=mode, reference=ref_mode,
                              target=f"{mode} within {margin} of {ref_mode} ({what})",
-                             value=shown, passed=passed,
-                             status=r.get("status") if r.get("status") != "ok"
-                             else ref.get("status", "not run")))
+                             value=shown, passed=passed, status=status))
     return bars
 
 
-def _gap(model: str, value: float, ref: float) -> str:
-    """One seed's difference to the reference, as the bar measures it."""
-    if model == "lm":
+def _gap(relative: bool, value: float, ref: float) -> str:
+    """One seed's difference to the reference, as the bar measures it: relative % (the
+    LM's loss) or points (accuracies)."""
+    if relative:
         return f"{100 * (value - ref) / ref:+.2f}%"
     return f"{value - ref:+.2f}"
 
 
-LABELS = {"digits": "Digits CNN, test accuracy (%)", "lm": "Byte LM, held-out loss (nats/byte)",
+LABELS = {"digits": "Digits CNN, test accuracy (%)",
+          "digits-mlp": "Digits MLP, test accuracy (%)",
+          "lm": "Byte LM, held-out loss (nats/byte) and next-byte accuracy (%)",
           "resnet18": "ResNet-18 (synthetic), step time only"}
+# The metric columns of each model's table: (key, header, decimals).
+COLUMNS = {"digits": [("metric", "accuracy % (± half spread)", 2)],
+           "digits-mlp": [("metric", "accuracy % (± half spread)", 2)],
+           "lm": [("metric", "held-out loss (± half spread)", 4),
+                  ("accuracy", "next-byte accuracy % (± half spread)", 2)],
+           "resnet18": [("metric", "metric", 4)]}
+NOT_MEASURED = "not measured"
+
+
+def run_date(data: Dict[str, Any], model: str, mode: str) -> Optional[str]:
+    """The date of the run that measured ``model`` in ``mode``: the result's own
+    ``run_date``, or, for results saved before it existed, followed through the merge
+    records (``merged``: the modes run now on ``models_now`` are of the file's date,
+    the others of the earlier file's, and so on)."""
+    got = data.get("results", {}).get(model, {}).get(mode, {}).get("run_date")
+    if got:
+        return got
+    date, m = data["env"].get("date"), data.get("merged")
+    while m:
+        if mode in m["run_now"] and model in m.get("models_now", [model]):
+            return date
+        date, m = m.get("earlier_date"), m.get("earlier_merged")
+    return date
 
 
 def markdown(data: Dict[str, Any]) -> str:
@@ -496,29 +596,48 @@ def markdown(data: Dict[str, Any]) -> str:
         lines += [data["note"], ""]
     for model, res in data["results"].items():
         lines += [f"## {LABELS[model]}", ""]
-        rows, q8_rows = [], []
+        rows, q8_rows, unmeasured = [], [], False
+        columns = COLUMNS[model]
         for mode, r in res.items():
             if r.get("status") != "ok":
-                rows.append([mode, r.get("status", "not run"), "", "", "", ""])
+                rows.append([mode, r.get("status", "not run")] + [""] * (len(columns) + 3))
                 continue
-            metric = ("" if r["metric_mean"] is None else
-                      f"{r['metric_mean']:.{2 if model == 'digits' else 4}f} "
-                      f"(±{r['metric_spread'] / 2:.{2 if model == 'digits' else 4}f})")
+            metrics = []
+            for key, _, digits in columns:
+                if r.get(f"{key}_mean") is not None:
+                    metrics.append(f"{r[f'{key}_mean']:.{digits}f} "
+                                   f"(±{r[f'{key}_spread'] / 2:.{digits}f})")
+                else:  # (resnet18's metric; the LM's accuracy in a run kept from before it)
+                    metrics.append("" if key == "metric" else NOT_MEASURED)
+                    unmeasured |= key != "metric"
+            if r["nonfinite"]:
+                metrics[0] += " non-finite!"
             if MODES[mode][2] == FP8 and "q8_numel" in r:
                 q8_rows.append(f"{mode}: 8-bit moments on {r['q8_numel']:,} of "
                                f"{r['numel']:,} parameter elements "
                                f"({100 * r['q8_numel'] / r['numel']:.1f}%)")
-            rows.append([mode, metric + (" non-finite!" if r["nonfinite"] else ""),
+            # Step time ratios only within one run (a merged file's runs had other loads).
+            same_run = run_date(data, model, mode) == run_date(data, model, "fp32")
+            rows.append([mode] + metrics + [
                          f"{r['total_bytes'] / 1e6:.3f}",
                          f"{bytes_per_param(mode, r):.1f}",
                          C.fmt(r["median_step_ms"], 1),
                          f"{r['median_step_ms'] / res['fp32']['median_step_ms']:.2f}"
-                         if res.get("fp32", {}).get("status") == "ok" else ""])
-        head = {"digits": "accuracy % (± half spread)", "lm": "held-out loss (± half spread)",
-                "resnet18": "metric"}[model]
-        lines += C.md_table(["mode", head, "params+state MB", "B/param", "step ms",
-                             "vs fp32"], rows)
+                         if res.get("fp32", {}).get("status") == "ok" and same_run else ""])
+        lines += C.md_table(["mode"] + [c[1] for c in columns] +
+                            ["params+state MB", "B/param", "step ms", "vs fp32"], rows)
         lines.append("")
+        dates: Dict[str, List[str]] = {}
+        for mode in res:
+            dates.setdefault(run_date(data, model, mode) or "?", []).append(mode)
+        if len(dates) > 1:
+            lines += ["Runs merged here: " + "; ".join(
+                f"{d[:16].replace('T', ' ')} UTC: {', '.join(ms)}"
+                for d, ms in sorted(dates.items())) +
+                ". Step times are compared with fp32's (vs fp32) only within one run.", ""]
+        if unmeasured:
+            lines += [f"{NOT_MEASURED.capitalize()}: a mode kept from a merged run that "
+                      "did not report this metric yet.", ""]
         if q8_rows:
             shares = sorted({row.split(": ", 1)[1] for row in q8_rows})
             lines += [("8-bit-moment modes: " + shares[0] + "; the other parameters (dim < 2, "
@@ -539,16 +658,21 @@ def markdown(data: Dict[str, Any]) -> str:
               "tensor after training (gradients and activations not counted). Step time: "
               "wall clock of zero_grad + forward + backward + step, the median of the "
               "seeds' medians. Bar: per seed, the same seed's bf16-master run is the "
-              "reference (same initial weights and batches)."]
+              "reference (same initial weights and batches); the 8-bit bar's reference is "
+              "each fp8 mode's fp32-moment counterpart, paired the same way. A digits test "
+              "sample is 0.28 points of accuracy."]
     return "\n".join(lines) + "\n"
 
 
 def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
-    """Top row: loss curves, mean over seeds per mode. Bottom row: each mode's final
-    metric against its bytes per parameter (params + optimizer state, measured): LM
-    loss and digits accuracy paired per seed with the fp32-master run (REFERENCE), and
-    the LM loss itself (means over the seeds, bars: the seeds' range). Returns why not,
-    or None."""
+    """Top row: training loss curves, mean over seeds per mode (digits CNN, digits MLP,
+    LM). Middle: the LM's held-out loss over training, its final held-out loss against
+    the bytes per parameter (params + optimizer state, measured), and the same paired per
+    seed with the fp32-master run (REFERENCE, relative %). Bottom: the final accuracies
+    against the bytes per parameter, paired per seed with REFERENCE (points): the LM's
+    next-byte accuracy, the digits CNN's and the digits MLP's test accuracy. Points are
+    means over the seeds, bars the seeds' range. Models not run leave their panels empty.
+    Returns why not, or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -556,7 +680,7 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
     except ImportError as e:
         return f"matplotlib missing: {e}"
     res = data["results"]
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    fig, axes = plt.subplots(3, 3, figsize=(16, 13))
 
     def smooth(xs, k):
         out, acc = [], []
@@ -568,11 +692,12 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
 
     colors = {m: _color(m) for m in MODES}
     for mode in MODES:
-        for ax, model, key in ((axes[0][0], "digits", "losses"), (axes[0][1], "lm", "losses")):
+        for ax, model in ((axes[0][0], "digits"), (axes[0][1], "digits-mlp"),
+                          (axes[0][2], "lm")):
             r = res.get(model, {}).get(mode, {})
             if r.get("status") != "ok":
                 continue
-            curves = [s[key] for s in r["seeds"]]
+            curves = [s["losses"] for s in r["seeds"]]
             mean = [statistics.mean(v) for v in zip(*curves)]
             ax.plot(smooth(mean, 20), label=mode, lw=1, color=colors[mode],
                     ls=_style(mode))
@@ -581,29 +706,38 @@ def chart(data: Dict[str, Any], path: Path) -> Optional[str]:
             xs = [e[0] for e in r["seeds"][0]["evals"]]
             ys = [statistics.mean(v) for v in zip(*[[e[1] for e in s["evals"]]
                                                      for s in r["seeds"]])]
-            axes[0][2].plot(xs, ys, marker="o", ms=3, label=mode, lw=1, color=colors[mode],
+            axes[1][0].plot(xs, ys, marker="o", ms=3, label=mode, lw=1, color=colors[mode],
                             ls=_style(mode))
-    axes[0][0].set(title="digits: training loss (20-step mean)", xlabel="step", yscale="log")
-    axes[0][1].set(title="byte LM: training loss (20-step mean)", xlabel="step")
-    axes[0][2].set(title="byte LM: held-out loss", xlabel="step")
+    axes[0][0].set(title="digits CNN: training loss (20-step mean)", xlabel="step",
+                   yscale="log")
+    axes[0][1].set(title="digits MLP: training loss (20-step mean)", xlabel="step",
+                   yscale="log")
+    axes[0][2].set(title="byte LM: training loss (20-step mean)", xlabel="step")
+    axes[1][0].set(title="byte LM: held-out loss", xlabel="step")
     xlabel = "bytes per parameter (params + optimizer state, measured)"
-    panels = ((axes[1][0], "lm", "paired", f"byte LM: final held-out loss vs {REFERENCE}, "
-               "same seed (%)"),
-              (axes[1][1], "digits", "paired", f"digits: final test accuracy - {REFERENCE}'s, "
-               "same seed (points)"),
-              (axes[1][2], "lm", "absolute", "byte LM: final held-out loss (nats/byte)"))
-    for ax, model, kind, title in panels:
-        _bytes_panel(ax, model, res.get(model, {}), colors, paired=kind == "paired")
-        ax.set(title=title, xlabel=xlabel)
-        if kind == "paired":
+    same = "vs {ref}, same seed"  # (the reference _bytes_panel used)
+    panels = ((axes[1][1], "lm", "metric", None, "byte LM: final held-out loss (nats/byte)"),
+              (axes[1][2], "lm", "metric", "relative", f"byte LM: final held-out loss {same} (%)"),
+              (axes[2][0], "lm", "accuracy", "points",
+               f"byte LM: final next-byte accuracy {same} (points)"),
+              (axes[2][1], "digits", "metric", "points",
+               f"digits CNN: final test accuracy {same} (points)"),
+              (axes[2][2], "digits-mlp", "metric", "points",
+               f"digits MLP: final test accuracy {same} (points)"))
+    for ax, model, key, paired, title in panels:
+        ref = _bytes_panel(ax, res.get(model, {}), colors, key, paired)
+        ax.set(title=title.format(ref=ref or REFERENCE), xlabel=xlabel)
+        if paired:
             ax.axhline(0, color="grey", lw=0.8)
-    for ax in axes.flat[:5]:
-        ax.legend(fontsize=7)
+    for ax in axes.flat:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
+        ax.title.set_fontsize(9)
     fig.suptitle(f"FusedAdam lean modes, mean over {data['config']['seeds']} seeds "
                  f"({data['env']['device']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 
@@ -613,23 +747,28 @@ def bytes_per_param(mode: str, r: Dict[str, Any]) -> float:
     return r["total_bytes"] / (r["param_bytes"] / MODES[mode][0].itemsize)
 
 
-def _bytes_panel(ax, model: str, res: Dict[str, Any], colors: Dict[str, str],
-                 paired: bool) -> None:
-    """One point per mode at its bytes per parameter: the mean final metric over the
-    seeds (``paired``: each seed's difference to the same seed's REFERENCE run, as the
-    bar measures it: relative % on the LM, points on digits), the seeds' range as an
-    error bar; modes at the same bytes are spread a little sideways."""
-    ref = res.get(REFERENCE, {})
-    if paired and ref.get("status") != "ok":
-        return
+def _bytes_panel(ax, res: Dict[str, Any], colors: Dict[str, str], key: str = "metric",
+                 paired: Optional[str] = None) -> Optional[str]:
+    """One point per mode at its bytes per parameter: the mean final ``key`` metric over
+    the seeds (``paired``: each seed's difference to the same seed's REFERENCE run,
+    ``"relative"`` in % or ``"points"``; fp32's where REFERENCE's lacks the metric, as in
+    a merged run), the seeds' range as an error bar; modes at the same bytes are spread a
+    little sideways. Modes without the metric are left out. Returns the reference used
+    (None: nothing drawn, or not paired)."""
+    ref_mode = next((m for m in (REFERENCE, "fp32") if res.get(m, {}).get("status") == "ok"
+                     and res[m].get(f"{key}_mean") is not None), None)
+    if paired and ref_mode is None:
+        return None
+    ref = res.get(ref_mode, {})
     at: Dict[float, int] = {}
     for mode, r in res.items():
-        if r.get("status") != "ok" or r.get("metric_mean") is None:
+        if r.get("status") != "ok" or r.get(f"{key}_mean") is None:
             continue
-        vals = [s["metric"] for s in r["seeds"]]
+        vals = [s[key] for s in r["seeds"]]
         if paired:
-            refs = [s["metric"] for s in ref["seeds"]]
-            vals = [100 * (v - w) / w if model == "lm" else v - w for v, w in zip(vals, refs)]
+            refs = [s[key] for s in ref["seeds"]]
+            vals = [100 * (v - w) / w if paired == "relative" else v - w
+                    for v, w in zip(vals, refs)]
         mean = statistics.mean(vals)
         b = bytes_per_param(mode, r)
         k = at.get(b, 0)
@@ -639,6 +778,7 @@ def _bytes_panel(ax, model: str, res: Dict[str, Any], colors: Dict[str, str],
         face = colors[mode] if MODES[mode][2] == torch.float32 else "white"
         ax.errorbar(b + 0.15 * k, mean, yerr=[[mean - min(vals)], [max(vals) - mean]],
                     fmt=marker, color=colors[mode], mfc=face, capsize=3, ms=6, label=mode)
+    return ref_mode if paired else None
 
 
 def _color(mode: str) -> str:
@@ -660,7 +800,7 @@ def parse_args(argv):
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", help="output directory (default bench/results, "
                                  "bench/results/cpu-smoke with --quick)")
-    p.add_argument("--models", default="digits,lm,resnet18")
+    p.add_argument("--models", default=",".join(TASKS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seeds", type=int, help="default 3 (1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
@@ -701,41 +841,60 @@ def replot(path: Path, out: Optional[str]) -> int:
     return 0
 
 
-SIZE_KEYS = ("seeds", "digits_steps", "digits_batch", "digits_lr", "lm_steps", "lm_batch",
-             "lm_seq", "lm_d", "lm_layers", "lm_heads", "lm_lr", "lm_eval_every",
-             "lm_eval_batches", "lm_corpus_mb", "rn_steps", "rn_warmup", "rn_batch",
-             "rn_image")
+SIZE_KEYS = ("seeds", "digits_steps", "digits_batch", "digits_lr", "mlp_steps", "mlp_batch",
+             "mlp_lr", "mlp_hidden", "lm_steps", "lm_batch", "lm_seq", "lm_d", "lm_layers",
+             "lm_heads", "lm_lr", "lm_eval_every", "lm_eval_batches", "lm_corpus_mb",
+             "rn_steps", "rn_warmup", "rn_batch", "rn_image")
 
 
 def merge(path: Path, new: Dict[str, Any]):
     """``new``'s results over those saved in ``path``: the modes run now replace the
     saved ones, the others are kept. Returns (merged data, a sentence for the report).
-    Refused when the sizes or seeds differ (the runs would not be comparable)."""
+    Refused when the sizes or seeds differ (the runs would not be comparable); a size
+    the saved run lacks (a model added since, e.g. ``mlp_*``) is not compared. The saved
+    run's note and merge record are kept in ``merged`` (``earlier_note``,
+    ``earlier_merged``)."""
     import json
     if not path.exists():
         raise SystemExit(f"--merge: no saved run at {path}")
     old = json.loads(path.read_text())
-    differ = [k for k in SIZE_KEYS if old["config"].get(k) != new["config"].get(k)]
+    differ = [k for k in SIZE_KEYS
+              if k in old["config"] and old["config"][k] != new["config"].get(k)]
     if differ:
         raise SystemExit(f"--merge: {path} was run with other sizes ({', '.join(differ)})")
     run_now = list(new["config"]["modes"])
     results: Dict[str, Any] = {}
     kept = set()
-    for model in list(old["results"]) + [m for m in new["results"] if m not in old["results"]]:
+    kept_of: Dict[str, List[str]] = {}  # model -> its modes kept from the saved run
+    models = list(old["results"]) + [m for m in new["results"] if m not in old["results"]]
+    for model in sorted(models, key=lambda m: list(TASKS).index(m) if m in TASKS else len(TASKS)):
         got = dict(old["results"].get(model, {}))
         kept |= {m for m in got if m not in run_now}
-        got.update(new["results"].get(model, {}))
+        now = new["results"].get(model, {})
+        if any(m not in now for m in got):
+            kept_of[model] = [m for m in got if m not in now]
+        got.update(now)
         results[model] = {m: got[m] for m in sorted(got, key=lambda m: (
             list(MODES).index(m) if m in MODES else len(MODES)))}
     modes = [m for m in MODES if any(m in r for r in results.values())]
-    data = dict(new, results=results,
+    data = dict(new, results=results, corpus=new.get("corpus") or old.get("corpus"),
                 config=dict(new["config"], models=list(results), modes=modes),
                 merged=dict(earlier_date=old["env"].get("date"), kept=sorted(kept),
-                            run_now=run_now, earlier_wall_s=old.get("wall_s")))
-    sentence = (f"Merged: {', '.join(run_now)} run now ({new['wall_s']:.0f} s); "
-                f"{', '.join(m for m in MODES if m in kept)} kept from the run of "
-                f"{old['env'].get('date')} (same sizes and seeds; the step times of the "
-                "two runs are not comparable, the machine's load differs).")
+                            run_now=run_now, models_now=list(new["results"]),
+                            earlier_wall_s=old.get("wall_s"), earlier_note=old.get("note"),
+                            earlier_merged=old.get("merged"), earlier_env=old["env"]))
+    machine = [k for k in ("device", "cpu_model", "cpu_capability", "torch", "python")
+               if old["env"].get(k) != new["env"].get(k)]
+    kept_text = "; ".join(
+        f"{model} ({'all its modes' if not new['results'].get(model) else ', '.join(ms)})"
+        for model, ms in kept_of.items())
+    sentence = (f"Merged: {', '.join(run_now)} run now on {', '.join(new['results'])} "
+                f"({new['wall_s']:.0f} s); kept from the run of {old['env'].get('date')}: "
+                f"{kept_text} (same sizes and seeds; the step times of the "
+                "two runs are not comparable, the machine's load differs)." + (
+                    " The kept run had another " + ", ".join(
+                        f"{k} ({old['env'].get(k)}; now {new['env'].get(k)})" for k in machine)
+                    + ": its losses need not repeat here to the last digit." if machine else ""))
     return data, sentence
 
 
@@ -756,7 +915,7 @@ def _run(args) -> int:
     corpus_desc = None
     results: Dict[str, Any] = {}
     for model in models:
-        if model == "digits":
+        if model in ("digits", "digits-mlp"):  # (the same split for both)
             data = _load_digits_example().load_data(0, device)
         elif model == "lm":
             data, corpus_desc = stdlib_corpus(cfg["lm_corpus_mb"])
@@ -764,6 +923,9 @@ def _run(args) -> int:
             data = None
         log(f"{model}: {cfg['seeds']} seeds x {len(modes)} modes")
         results[model] = run_model(model, cfg, modes, cfg["seeds"], data, device, log)
+    for res in results.values():
+        for r in res.values():
+            r["run_date"] = env["date"]
     data = dict(env=env, smoke=args.quick, config=dict(cfg, models=models, modes=modes),
                 corpus=corpus_desc, results=results, wall_s=time.time() - t_start)
     note = args.note or ""

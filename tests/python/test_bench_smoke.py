@@ -292,7 +292,8 @@ def test_lean_quick(bench_lean, tmp_path):
     the tensors (bytes per parameter as docs/lean-precision.md counts them), and the
     markdown, JSON and PNG are written and parse."""
     pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
-    models = "digits,lm,resnet18" if importlib.util.find_spec("torchvision") else "digits,lm"
+    models = ("digits,digits-mlp,lm,resnet18" if importlib.util.find_spec("torchvision")
+              else "digits,digits-mlp,lm")
     threads = torch.get_num_threads()
     assert bench_lean.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
                             "--models", models]) == 0
@@ -322,27 +323,50 @@ def test_lean_quick(bench_lean, tmp_path):
                 assert r["total_bytes"] == per_param[mode] * numel, (model, mode)
             else:
                 # 8-bit moments (e4m3 codes + an e8m0 scale per 32) in place of the two
-                # fp32 moments, on the eligible parameters only (none of the digits CNN).
+                # fp32 moments, on the eligible parameters only (none of the digits CNN;
+                # the digits MLP's two hidden weights: its quick head, 10 x 128, is small).
                 q8 = r["q8_numel"]
                 assert q8 % 32 == 0 and (q8 == 0) == (model == "digits"), (model, q8)
+                if model == "digits-mlp":
+                    h = data["config"]["mlp_hidden"]
+                    assert q8 == 64 * h + h * h
                 assert r["total_bytes"] == per_param[ref] * numel - 8 * q8 + 2 * q8 + q8 // 16
             seed = r["seeds"][0]
             assert len(seed["losses"]) == {"digits": data["config"]["digits_steps"],
+                                           "digits-mlp": data["config"]["mlp_steps"],
                                            "lm": data["config"]["lm_steps"]}.get(
                 model, data["config"]["rn_steps"] + data["config"]["rn_warmup"])
-            if model == "digits":
-                assert 0 <= r["metric_mean"] <= 100
+            if model in ("digits", "digits-mlp"):
+                assert 0 <= r["metric_mean"] <= 100 and "accuracy_mean" not in r
             elif model == "lm":
+                # Held-out loss, and next-byte accuracy beside it (per seed and per eval).
                 assert 0 < r["metric_mean"] < 10 and seed["evals"]
+                assert 0 <= r["accuracy_mean"] <= 100 and r["accuracy_spread"] == 0
+                assert 0 <= seed["accuracy"] <= 100
+                assert all(len(e) == 3 and 0 <= e[2] <= 100 for e in seed["evals"])
+                assert seed["evals"][-1][1:] == [seed["metric"], seed["accuracy"]]
             else:
                 assert r["metric_mean"] is None
     assert len(data["bar"]) == 6
-    assert len(data["bar8"]) == 10  # 5 modes x (LM, digits)
+    # 5 modes x (LM loss, LM accuracy, digits MLP, digits CNN)
+    assert len(data["bar8"]) == 20
     assert {b["reference"] for b in data["bar8"]} == {
         "fp32", "bf16-master", "bf16-remainder", "bf16-kahan", "bf16-stochastic"}
+    for b in data["bar8"]:
+        assert (b["model"], b["metric"]) in {("lm", "metric"), ("lm", "accuracy"),
+                                             ("digits-mlp", "metric"), ("digits", "metric")}
+        if b["model"] == "digits":  # no eligible tensor: no verdict, not a pass
+            assert b["passed"] is None and b["value"] is None
+            assert b["status"].startswith(bench_lean.NO_ELIGIBLE)
+        elif stochastic or "stochastic" not in b["mode"]:
+            assert b["passed"] is not None and b["value"], b
     md = (tmp_path / "lean-cpu.md").read_text()
     assert "CPU smoke run" in md and "## The bar (issue #11)" in md
     assert "## The 8-bit moment bar (issue #20)" in md and "8-bit-moment modes:" in md
+    assert "## Digits MLP, test accuracy (%)" in md
+    assert "| mode | held-out loss (± half spread) | next-byte accuracy % (± half spread) |" in md
+    assert "(LM next-byte accuracy)" in md and "(digits MLP test accuracy)" in md
+    assert "no eligible tensor (8-bit moments on 0 of 3,866 elements" in md
     assert ("not available in this build" in md) == (not stochastic)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "lean-cpu.png").stat().st_size > 0
@@ -370,11 +394,43 @@ def test_lean_merge(bench_lean, tmp_path):
     assert after["results"]["digits"]["fp32"] == before["results"]["digits"]["fp32"]
     assert after["results"]["digits"]["fp32-fp8mom"]["status"] == "ok"
     assert after["merged"]["kept"] == ["fp32"]  # (modes not run now)
+    # Each result knows its run; step time ratios only within one run.
+    assert after["results"]["digits"]["fp32"]["run_date"] == before["env"]["date"]
+    assert after["results"]["digits"]["bf16-master"]["run_date"] == after["env"]["date"]
+    assert "Runs merged here: " in (tmp_path / "lean-cpu.md").read_text()
     assert after["config"]["modes"] == ["fp32", "bf16-master", "fp32-fp8mom"]
     assert "Merged:" in (tmp_path / "lean-cpu.md").read_text()
     with pytest.raises(SystemExit, match="other sizes"):
         bench_lean.main(base + ["--models", "digits", "--modes", "fp32", "--seeds", "2",
                                 "--merge"])
+    # A saved run from before the digits MLP (no mlp_* sizes) and the LM's accuracy, on
+    # another CPU: the new model is added in the models' order, the rest kept.
+    saved = json.loads((tmp_path / "lean-cpu.json").read_text())
+    for k in [k for k in saved["config"] if k.startswith("mlp_")]:
+        del saved["config"][k]
+    saved["env"]["cpu_capability"] = "AVX512"
+    lm_fp32 = saved["results"]["lm"]["fp32"]
+    del lm_fp32["accuracy_mean"], lm_fp32["accuracy_spread"]
+    for s in lm_fp32["seeds"]:
+        del s["accuracy"]
+    (tmp_path / "lean-cpu.json").write_text(json.dumps(saved))
+    assert bench_lean.main(base + ["--models", "digits-mlp", "--modes", "fp32,fp32-fp8mom",
+                                   "--merge"]) == 0
+    last = json.loads((tmp_path / "lean-cpu.json").read_text())
+    assert list(last["results"]) == ["digits", "digits-mlp", "lm"]
+    assert list(last["results"]["digits-mlp"]) == ["fp32", "fp32-fp8mom"]
+    assert last["results"]["digits"] == after["results"]["digits"]
+    assert last["results"]["lm"]["fp32"] == lm_fp32
+    assert last["merged"]["earlier_env"]["cpu_capability"] == "AVX512"
+    assert last["merged"]["earlier_note"] == saved["note"]
+    md = (tmp_path / "lean-cpu.md").read_text()
+    assert "kept from the run of" in md and "digits (all its modes)" in md
+    assert "The kept run had another cpu_capability (AVX512; now" in md
+    assert "| fp32 | " in md and "| not measured |" in md  # the LM's fp32, kept
+    bar8 = {(b["model"], b["metric"]): b for b in last["bar8"]}
+    assert set(bar8) == {("digits-mlp", "metric"), ("digits", "metric")}  # (no LM fp8 mode)
+    assert bar8["digits-mlp", "metric"]["passed"] is not None
+    assert bar8["digits", "metric"]["passed"] is None
 
 
 def test_lean_bar_on_made_up_numbers(bench_lean):
@@ -392,6 +448,83 @@ def test_lean_bar_on_made_up_numbers(bench_lean):
     assert got == {("lm", "bf16-kahan"): True, ("lm", "bf16-stochastic"): None,
                    ("lm", "bf16-none"): True, ("digits", "bf16-kahan"): False,
                    ("digits", "bf16-stochastic"): True, ("digits", "bf16-none"): False}
+
+
+def test_lean_bar8_on_made_up_numbers(bench_lean):
+    """Issue #20's bar: each fp8 mode against its fp32-moment counterpart, 0.5% relative
+    on the LM's loss, 0.3 points on the accuracies (the LM's next-byte accuracy, the
+    digits MLP's); better always passes; a model with no eligible tensor gets no verdict
+    (not a pass), nor does a metric the kept run did not measure."""
+    def ok(value, acc=None, q8=1024):
+        seed = {"metric": value} if acc is None else {"metric": value, "accuracy": acc}
+        r = {"status": "ok", "metric_mean": value, "numel": 2048, "q8_numel": q8,
+             "seeds": [seed]}
+        if acc is not None:
+            r["accuracy_mean"] = acc
+        return r
+    results = {
+        "lm": {"fp32": ok(2.0, 50.0), "fp32-fp8mom": ok(2.0098, 49.75),
+               "bf16-master": ok(2.0, 50.0), "bf16-master-fp8mom": ok(2.0102, 49.65),
+               "bf16-kahan": ok(2.0, 50.0), "bf16-kahan-fp8mom": ok(1.9, 51.0),
+               "bf16-remainder": ok(2.0), "bf16-remainder-fp8mom": ok(2.0, 50.0),
+               "bf16-stochastic": {"status": bench_lean.UNAVAILABLE},
+               "bf16-stochastic-fp8mom": {"status": bench_lean.UNAVAILABLE}},
+        "digits-mlp": {"fp32": ok(97.5), "fp32-fp8mom": ok(97.25),
+                       "bf16-master": ok(97.5), "bf16-master-fp8mom": ok(97.1)},
+        "digits": {"fp32": ok(97.3, q8=0), "fp32-fp8mom": ok(97.3, q8=0)},
+    }
+    bars = bench_lean.evaluate_bar8(results)
+    got = {(b["model"], b["metric"], b["mode"]): b["passed"] for b in bars}
+    assert got == {
+        ("lm", "metric", "fp32-fp8mom"): True,  # +0.49%
+        ("lm", "metric", "bf16-master-fp8mom"): False,  # +0.51%
+        ("lm", "metric", "bf16-kahan-fp8mom"): True,  # better
+        ("lm", "metric", "bf16-remainder-fp8mom"): True,
+        ("lm", "metric", "bf16-stochastic-fp8mom"): None,  # not run
+        ("lm", "accuracy", "fp32-fp8mom"): True,  # -0.25 points
+        ("lm", "accuracy", "bf16-master-fp8mom"): False,  # -0.35 points
+        ("lm", "accuracy", "bf16-kahan-fp8mom"): True,
+        ("lm", "accuracy", "bf16-remainder-fp8mom"): None,  # not measured in the kept run
+        ("lm", "accuracy", "bf16-stochastic-fp8mom"): None,
+        ("digits-mlp", "metric", "fp32-fp8mom"): True,  # -0.25 points
+        ("digits-mlp", "metric", "bf16-master-fp8mom"): False,  # -0.4 points
+        ("digits", "metric", "fp32-fp8mom"): None,  # no eligible tensor
+    }
+    by = {(b["model"], b["metric"], b["mode"]): b for b in bars}
+    assert by["lm", "metric", "fp32-fp8mom"]["value"] == "+0.49% (per seed: +0.49%)"
+    assert by["lm", "accuracy", "bf16-master-fp8mom"]["value"] == "-0.35 pts (per seed: -0.35)"
+    assert by["lm", "accuracy", "bf16-remainder-fp8mom"]["status"] == \
+        "not measured in the run kept"
+    assert by["lm", "metric", "bf16-stochastic-fp8mom"]["status"] == bench_lean.UNAVAILABLE
+    assert by["digits", "metric", "fp32-fp8mom"]["status"] == (
+        "no eligible tensor (8-bit moments on 0 of 2,048 elements: trains as fp32)")
+    assert by["digits", "metric", "fp32-fp8mom"]["value"] is None
+
+
+def test_lean_run_date_through_merges(bench_lean):
+    """Results saved before ``run_date`` existed: their run is found through the chain
+    of merge records (modes run now on the models run now: the file's date)."""
+    data = {"env": {"date": "C"}, "results": {"lm": {"x": {}, "y": {}, "z": {"run_date": "Z"}}},
+            "merged": {"run_now": ["x"], "models_now": ["lm"], "earlier_date": "B",
+                       "earlier_merged": {"run_now": ["y"], "earlier_date": "A"}}}
+    date = bench_lean.run_date
+    assert [date(data, "lm", m) for m in ("x", "y", "z", "w")] == ["C", "B", "Z", "A"]
+    assert date(data, "digits", "x") == "A"  # x was run on the LM only, then
+    assert date(data, "digits", "y") == "B"  # (an old record without models_now: all)
+    assert date({"env": {"date": "D"}}, "lm", "x") == "D"
+
+
+def test_lean_digits_mlp_is_eligible(bench_lean):
+    """The full-size digits MLP: every weight matrix takes 8-bit moments, only the
+    biases keep fp32 moments (99.6% of the elements are eligible)."""
+    from mixedprec.optim import state8
+    model = bench_lean.digits_mlp(bench_lean.FULL["mlp_hidden"])
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    assert len(weights) == 3 and all(state8.eligible(p) for p in weights)
+    assert not any(state8.eligible(p) for p in biases)
+    share = sum(p.numel() for p in weights) / sum(p.numel() for p in model.parameters())
+    assert share > 0.99
 
 
 def test_sr_step_measures_every_mode(tmp_path, capsys):
