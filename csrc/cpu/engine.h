@@ -109,6 +109,7 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
 MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
 MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2)
+MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
 #endif
 #undef MP_PASS
 
@@ -126,62 +127,74 @@ constexpr size_t scale_list() {
   return Op::kScaleList + rank;
 }
 
+// The rank of list K among the 8-bit lists of Ts (0 for the others).
+template <size_t K, typename... Ts>
+constexpr size_t block_rank() {
+  constexpr bool blocked[] = {kBlocked<Ts>...};
+  size_t rank = 0;
+  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
+  return blocked[K] ? rank : 0;
+}
+
 // fn(op, data, begin, end) for functors with 8-bit lists: a block of kQuantBlock
 // elements at a time (begin and end are multiples of it: validated), J vectors
 // of W lanes each. An 8-bit list is loaded as its codes' values times the block's
-// scale; the functor runs on each vector; the other lists it writes are stored at
-// once, the 8-bit ones once the whole block is known: its largest magnitude gives the
-// new scale, then the codes (NS::store_block). The scale lists are not offset by the
-// element index: block i / kQuantBlock of each is read and written.
-#define MP_BLOCK_PASS(NAME, TARGET, NS)                                                          \
-  template <typename Op, typename... Ts, size_t... K>                                            \
-  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                    \
-                  std::index_sequence<K...>) {                                                   \
-    using Vec = NS::Vec;                                                                         \
-    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                           \
-    constexpr int J = static_cast<int>(kQuantBlock / W);                                         \
-    constexpr int D = sizeof...(K);                                                              \
-    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                               \
-        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                        \
-    const Vec per[D] = {                                                                         \
-        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};      \
-    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
-    uint32_t random[kQuantBlock];                                                                \
-    for (int64_t i = begin; i < end; i += kQuantBlock) {                                         \
-      const int64_t b = i / kQuantBlock;                                                         \
-      if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                          \
-      const float scale[D] = {                                                                   \
-          (kBlocked<Ts> && std::get<K>(v) != nullptr                                             \
-               ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])    \
-               : 1.f)...};                                                                       \
-      Vec x[J][D];                                                                               \
-      for (int j = 0; j < J; ++j) {                                                              \
-        const int64_t at = i + j * W;                                                            \
-        ((x[j][K] = kPerTensorList<Op, K> ? per[K]                                               \
-                    : loaded_list<Op, K>() && std::get<K>(v) != nullptr                          \
-                        ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]               \
-                                        : NS::load(std::get<K>(v) + at))                         \
-                        : Vec{}),                                                                \
-         ...);                                                                                   \
-        bad |= apply_at(op, x[j], at);                                                           \
-        ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && std::get<K>(v) != nullptr                \
-              ? NS::store(std::get<K>(v) + at, x[j][K])                                          \
-              : void()),                                                                         \
-         ...);                                                                                   \
-      }                                                                                          \
-      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && std::get<K>(v) != nullptr                   \
-            ? NS::store_block<J, D>(std::get<K>(v) + i,                                          \
-                                    static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
-                                    x, K, op.state_stochastic ? random : nullptr,                \
-                                    scale_list<Op, K, Ts...>() != Op::kScaleList)                \
-            : void()),                                                                           \
-       ...);                                                                                     \
-    }                                                                                            \
-    return NS::any(bad) ? 1 : 0;                                                                 \
+// scale; the functor runs on each vector (its lists in registers, as in MP_PASS); the
+// other lists it writes are stored at once, the 8-bit ones kept until the whole block
+// is known: its largest magnitude gives the new scale, then the codes
+// (NS::store_block). The scale lists are not offset by the element index: block
+// i / kQuantBlock of each is read and written. NS::BlockBits holds a block's rounding
+// bits in the form NS::store_block takes them.
+#define MP_BLOCK_PASS(NAME, TARGET, NS)                                                            \
+  template <typename Op, typename... Ts, size_t... K>                                              \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                      \
+                  std::index_sequence<K...>) {                                                     \
+    using Vec = NS::Vec;                                                                           \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                             \
+    constexpr int J = static_cast<int>(kQuantBlock / W);                                           \
+    constexpr int D = sizeof...(K);                                                                \
+    constexpr int NB = (static_cast<int>(kBlocked<Ts>) + ...);                                     \
+    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                                 \
+        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                          \
+    const Vec per[D] = {                                                                           \
+        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};        \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                            \
+    NS::BlockBits random;                                                                          \
+    for (int64_t i = begin; i < end; i += kQuantBlock) {                                           \
+      const int64_t b = i / kQuantBlock;                                                           \
+      if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                            \
+      const float scale[D] = {                                                                     \
+          (kBlocked<Ts> && std::get<K>(v) != nullptr                                               \
+               ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])      \
+               : 1.f)...};                                                                         \
+      Vec kept[J][NB];                                                                             \
+      for (int j = 0; j < J; ++j) {                                                                \
+        const int64_t at = i + j * W;                                                              \
+        Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
+                     : loaded_list<Op, K>() && std::get<K>(v) != nullptr                           \
+                         ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]                \
+                                         : NS::load(std::get<K>(v) + at))                          \
+                         : Vec{})...};                                                             \
+        bad |= apply_at(op, x, at);                                                                \
+        ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && std::get<K>(v) != nullptr                  \
+              ? NS::store(std::get<K>(v) + at, x[K])                                               \
+              : void()),                                                                           \
+         ...);                                                                                     \
+        ((kBlocked<Ts> ? (void)(kept[j][block_rank<K, Ts...>()] = x[K]) : void()), ...);           \
+      }                                                                                            \
+      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && std::get<K>(v) != nullptr                     \
+            ? NS::store_block<J, NB>(                                                              \
+                  std::get<K>(v) + i, static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
+                  kept, static_cast<int>(block_rank<K, Ts...>()),                                  \
+                  op.state_stochastic ? random : nullptr, block_rank<K, Ts...>() != 0)             \
+            : void()),                                                                             \
+       ...);                                                                                       \
+    }                                                                                              \
+    return NS::any(bad) ? 1 : 0;                                                                   \
   }
 
 #if defined(MP_X86_ISA)
-MP_BLOCK_PASS(block_pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
+MP_BLOCK_PASS(block_pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
 MP_BLOCK_PASS(block_pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
 #endif
 MP_BLOCK_PASS(block_pass_scalar, , scalar)
@@ -194,7 +207,7 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
 #if defined(MP_X86_ISA)
     switch (cpu_isa()) {
       case Isa::kAvx512: return block_pass_avx512<Op, Ts...>(op, data, begin, end, seq);
-      case Isa::kAvx2: return block_pass_avx2<Op, Ts...>(op, data, begin, end, seq);
+      case Isa::kAvx2: return block_pass_avx2x2<Op, Ts...>(op, data, begin, end, seq);
       default: break;
     }
 #endif
@@ -214,7 +227,15 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
           return bad | pass_avx512<Op, Ts...>(op, data, mid, end, seq);
         }
         return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
-      case Isa::kAvx2: return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
+      case Isa::kAvx2:
+        // The same for AVX2: 16 lanes a step (two 8-float vectors), and 2 Philox
+        // blocks per call; the last (fewer than 16) elements 8 at a time.
+        if constexpr (NeedsIndex<Op>::value) {
+          const int64_t mid = begin + (end - begin) / 16 * 16;
+          const int bad = pass_avx2x2<Op, Ts...>(op, data, begin, mid, seq);
+          return bad | pass_avx2<Op, Ts...>(op, data, mid, end, seq);
+        }
+        return pass_avx2<Op, Ts...>(op, data, begin, end, seq);
       default: break;
     }
 #endif

@@ -57,21 +57,27 @@ typedef float VecF8 __attribute__((vector_size(32)));
 typedef int32_t VecI8 __attribute__((vector_size(32)));
 typedef uint32_t VecU8 __attribute__((vector_size(32)));
 
-// Philox4x32-10 (philox.h) of stochastic rounding's blocks `block` and `block + 1`
-// at once, in vector lanes: the result's 32-bit lanes are rounding_block(key, block)'s
-// v[0..3], then block + 1's; as 16-bit lanes, half h of each block in order, the bits
-// of elements 8 * block .. 8 * block + 15 (x86 is little-endian). Each round is one
-// vpmuludq for all four products (the scalar form takes four 64-bit multiplies, which
-// share one port). The AVX2 path uses the first block only: half the width costs the
-// same instructions. (AVX-512 machines take philox_avx512 below.)
-__attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const RoundingKey& key,
-                                                                        uint64_t block) {
+// Philox4x32-10 (philox.h) of stochastic rounding's blocks `block` .. `block` + 2N - 1
+// in N vectors, block + 2j and block + 2j + 1 in out[j]: its 32-bit lanes are
+// rounding_block(key, block + 2j)'s v[0..3], then the next block's; as 16-bit lanes,
+// half h of each block in order, the bits of elements 8 * (block + 2j) on (x86 is
+// little-endian). Each round is one vpmuludq for all four products of a vector (the
+// scalar form takes four 64-bit multiplies, which share one port); the N chains of
+// dependent rounds run interleaved, sharing the round keys and constants, and the
+// counters are one 64-bit add to a constant each. (AVX-512 machines take
+// philox_avx512 below.)
+template <int N>
+__attribute__((target(MP_AVX2_TARGET))) inline void rounding_blocks_avx2(const RoundingKey& key,
+                                                                         uint64_t block,
+                                                                         __m256i (&out)[N]) {
   constexpr uint32_t kM0 = kPhiloxM0, kM1 = kPhiloxM1, kW0 = kPhiloxW0, kW1 = kPhiloxW1;
-  const uint64_t next = block + 1;
-  __m256i c = _mm256_setr_epi32(static_cast<int>(block), static_cast<int>(block >> 32),
-                                static_cast<int>(key.salt), static_cast<int>(key.step),
-                                static_cast<int>(next), static_cast<int>(next >> 32),
-                                static_cast<int>(key.salt), static_cast<int>(key.step));
+  const long long tail = static_cast<long long>(uint64_t{key.salt} | uint64_t{key.step} << 32);
+  const __m256i first =
+      _mm256_add_epi64(_mm256_setr_epi64x(0, tail, 1, tail),
+                       _mm256_and_si256(_mm256_set1_epi64x(static_cast<long long>(block)),
+                                        _mm256_setr_epi64x(-1, 0, -1, 0)));
+  for (int j = 0; j < N; ++j)
+    out[j] = _mm256_add_epi64(first, _mm256_setr_epi64x(2 * j, 0, 2 * j, 0));
   const uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
   __m256i k = _mm256_setr_epi32(static_cast<int>(k0), 0, static_cast<int>(k1), 0,
                                 static_cast<int>(k0), 0, static_cast<int>(k1), 0);
@@ -88,12 +94,21 @@ __attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const Ro
     if (r > 0) k = _mm256_add_epi32(k, w);
     // Per block: products (lo0, hi0, lo1, hi1) of M0 * v[0] and M1 * v[2]; the new
     // words are (hi1 ^ v[1] ^ k0, lo1, hi0 ^ v[3] ^ k1, lo0).
-    const __m256i p = _mm256_mul_epu32(c, m);
-    const __m256i odd = _mm256_shuffle_epi8(c, odd_words);  // (v[1], 0, v[3], 0)
-    c = _mm256_xor_si256(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
-                         _mm256_xor_si256(odd, k));
+    for (int j = 0; j < N; ++j) {
+      const __m256i p = _mm256_mul_epu32(out[j], m);
+      const __m256i odd = _mm256_shuffle_epi8(out[j], odd_words);  // (v[1], 0, v[3], 0)
+      out[j] = _mm256_xor_si256(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
+                                _mm256_xor_si256(odd, k));
+    }
   }
-  return c;
+}
+// Blocks `block` and `block + 1` (rounding_blocks_avx2's first vector). The 8-float
+// AVX2 vector uses the first block only: half the width costs the same instructions.
+__attribute__((target(MP_AVX2_TARGET))) inline __m256i rounding_blocks2(const RoundingKey& key,
+                                                                        uint64_t block) {
+  __m256i out[1];
+  rounding_blocks_avx2<1>(key, block, out);
+  return out[0];
 }
 
 // The same rounds for AVX-512 machines, 4 blocks (`block` .. `block + 3`) in 512-bit
@@ -438,6 +453,7 @@ MP_AVX512 void store(uint8_t*, Vec) {}
 // The 16 random bits of each element of a block (lanes.h's block_bits): 4 Philox
 // blocks in one call when the block's elements are consecutive from a multiple of 8 in
 // the whole tensor (as a whole tensor's and a Shard(0) shard's are), else lanes.h's.
+using BlockBits = uint32_t[kQuantBlock];
 MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
   const int64_t g = key.global(index);
   if (g % 8 != 0 || !key.consecutive(index, kQuantBlock))
@@ -508,17 +524,24 @@ MP_AVX2 void store(c10::Half* p, Vec x) {
   const __m128i h = _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
-MP_AVX2 void store(c10::BFloat16* p, Vec x) {
+// x's bf16 bits, rounded to nearest even, NaN as 0x7fc0, in the low half of each
+// 32-bit lane.
+MP_AVX2 __m256i bf16_words(Vec x) {
   const __m256i u = _mm256_castps_si256((__m256)x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i rounded =
       _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)x, (__m256)x, _CMP_UNORD_Q));
-  const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
-  // Eight 32-bit values (< 2^16) to eight 16-bit ones, in order (packus works per
-  // 128-bit half, hence the permute).
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b11011000);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+// The 16-bit words of a's and b's 32-bit lanes (each < 2^16), in order: packus works
+// per 128-bit half, hence the permute.
+MP_AVX2 __m256i words(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0b11011000);
+}
+MP_AVX2 void store(c10::BFloat16* p, Vec x) {
+  const __m256i bits = bf16_words(x);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words(bits, bits)));
 }
 typedef int16_t Shorts __attribute__((vector_size(16)));
 MP_AVX2 Vec load(const int16_t* p) {  // one vpmovsxwd from memory, one vcvtdq2ps
@@ -532,65 +555,6 @@ MP_AVX2 void store(int16_t* p, Vec x) {
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 MP_AVX2 Vec load(const uint8_t*) { return Vec{}; }
 MP_AVX2 void store(uint8_t*, Vec) {}
-// As avx512's, 2 Philox blocks a call.
-MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
-  const int64_t g = key.global(index);
-  if (g % 8 != 0 || !key.consecutive(index, kQuantBlock))
-    return mixedprec::block_bits(key, index, out);
-  for (int half = 0; half < 2; ++half) {
-    const __m256i v = rounding_blocks2(key, static_cast<uint64_t>(g) / 8 + 2 * half);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
-                        _mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half + 8),
-                        _mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)));
-  }
-}
-// 8-bit state (lanes.h), as avx512's.
-MP_AVX2 Vec load(const E4m3* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return e4m3_value_lanes<Vec, VecI8, VecU8>((VecU8)_mm256_cvtepu8_epi32(b));
-}
-MP_AVX2 void store_codes(E4m3* p, VecU8 codes) {
-  const __m256i c = (__m256i)codes;
-  // Byte 0 of each 32-bit lane to the low 4 bytes of its 128-bit half.
-  const __m256i low = _mm256_shuffle_epi8(
-      c, _mm256_setr_epi8(0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128, -128, -128,
-                          -128, -128, 0, 4, 8, 12, -128, -128, -128, -128, -128, -128, -128, -128,
-                          -128, -128, -128, -128));
-  const int32_t lo = _mm_cvtsi128_si32(_mm256_castsi256_si128(low));
-  const int32_t hi = _mm_cvtsi128_si32(_mm256_extracti128_si256(low, 1));
-  memcpy(p, &lo, 4);
-  memcpy(reinterpret_cast<char*>(p) + 4, &hi, 4);
-}
-MP_AVX2 void store(E4m3* p, Vec y) { store_codes(p, e4m3_code_lanes<Vec, VecI8, VecU8>(y)); }
-template <int J, int D, typename T>
-MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
-template <int J, int D>
-MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
-                         const uint32_t* random, bool rotate) {
-  VecU8 m8 = (VecU8)x[0][k] & 0x7fffffffu;
-  for (int j = 1; j < J; ++j) {
-    const VecU8 a = (VecU8)x[j][k] & 0x7fffffffu;
-    m8 = a > m8 ? a : m8;
-  }
-  __m128i m =
-      _mm_max_epu32(_mm256_castsi256_si128((__m256i)m8), _mm256_extracti128_si256((__m256i)m8, 1));
-  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
-  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
-  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m))));
-  const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) {
-    if (random == nullptr) {
-      store(p + 8 * j, x[j][k] * inv);
-      continue;
-    }
-    VecU8 r;
-    memcpy(&r, random + 8 * j, sizeof(r));
-    if (rotate) r = ((r << 8) | (r >> 8)) & 0xffffu;
-    store_codes(p + 8 * j, e4m3_code_stochastic_lanes<Vec, VecI8, VecU8>(x[j][k] * inv, r));
-  }
-  *scale = static_cast<uint8_t>(bits);
-}
 }  // namespace avx2
 
 #undef MP_AVX512
@@ -617,6 +581,7 @@ inline void store(T* p, float x) {
 }
 inline void store(E4m3* p, float y) { p->bits = static_cast<uint8_t>(e4m3_code(y)); }
 inline bool any(bool flag) { return flag; }
+using BlockBits = uint32_t[kQuantBlock];
 inline void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
   mixedprec::block_bits(key, index, out);
 }

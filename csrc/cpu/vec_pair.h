@@ -15,30 +15,48 @@ namespace mixedprec {
 
 #define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
 
-// Lanes 0..15 in a, 16..31 in b.
-struct VecF32 {
-  VecF16 a, b;
+// A pair of vectors, lanes 0..W-1 in a and W..2W-1 in b, with the operations of
+// pointwise.h's functors done on each half (Pair<VecF16>: 32 floats on AVX-512;
+// Pair<VecF8>: 16 on AVX2).
+template <typename H>
+struct Pair {
+  H a, b;
 };
-struct FlagF32 {  // per-lane flags (Lanes<VecF32>::Flag), as two VecI16
-  VecI16 a, b;
-  MP_AVX512 FlagF32& operator|=(FlagF32 o) {
+template <typename H>
+struct PairFlag {  // per-lane flags (Lanes<Pair<H>>::Flag), one per half
+  typename Lanes<H>::Flag a, b;
+  inline PairFlag& operator|=(PairFlag o) {
     a |= o.a;
     b |= o.b;
     return *this;
   }
 };
+using VecF32 = Pair<VecF16>;
+using VecF8x2 = Pair<VecF8>;
 
-#define MP_PAIR_OP(OP)                                                                  \
-  MP_AVX512 VecF32 operator OP(VecF32 x, VecF32 y) { return {x.a OP y.a, x.b OP y.b}; } \
-  MP_AVX512 VecF32 operator OP(VecF32 x, float y) { return {x.a OP y, x.b OP y}; }      \
-  MP_AVX512 VecF32 operator OP(float x, VecF32 y) { return {x OP y.a, x OP y.b}; }
+#define MP_PAIR_OP(OP)                               \
+  template <typename H>                              \
+  inline Pair<H> operator OP(Pair<H> x, Pair<H> y) { \
+    return {x.a OP y.a, x.b OP y.b};                 \
+  }                                                  \
+  template <typename H>                              \
+  inline Pair<H> operator OP(Pair<H> x, float y) {   \
+    return {x.a OP y, x.b OP y};                     \
+  }                                                  \
+  template <typename H>                              \
+  inline Pair<H> operator OP(float x, Pair<H> y) {   \
+    return {x OP y.a, x OP y.b};                     \
+  }
 MP_PAIR_OP(+)
 MP_PAIR_OP(-)
 MP_PAIR_OP(*)
 MP_PAIR_OP(/)
 #undef MP_PAIR_OP
-#define MP_PAIR_CMP(OP) \
-  MP_AVX512 FlagF32 operator OP(VecF32 x, VecF32 y) { return {x.a OP y.a, x.b OP y.b}; }
+#define MP_PAIR_CMP(OP)                                  \
+  template <typename H>                                  \
+  inline PairFlag<H> operator OP(Pair<H> x, Pair<H> y) { \
+    return {x.a OP y.a, x.b OP y.b};                     \
+  }
 MP_PAIR_CMP(==)
 MP_PAIR_CMP(!=)
 MP_PAIR_CMP(<)
@@ -46,27 +64,42 @@ MP_PAIR_CMP(<=)
 MP_PAIR_CMP(>)
 MP_PAIR_CMP(>=)
 #undef MP_PAIR_CMP
-MP_AVX512 VecF32 operator-(VecF32 x) { return {-x.a, -x.b}; }
+template <typename H>
+inline Pair<H> operator-(Pair<H> x) {
+  return {-x.a, -x.b};
+}
+
+// Lanes<Pair<H>>: each half as Lanes<H> does, but for the stochastic rounding's bits
+// (below, per instruction set).
+template <typename H>
+struct PairLanes {
+  using Flag = PairFlag<H>;
+  using L = Lanes<H>;
+  static inline Pair<H> sqrt(Pair<H> x) { return {L::sqrt(x.a), L::sqrt(x.b)}; }
+  static inline Flag not_finite(Pair<H> x) { return {L::not_finite(x.a), L::not_finite(x.b)}; }
+  static inline Flag none() { return {L::none(), L::none()}; }
+  static inline Pair<H> select(Flag c, Pair<H> x, Pair<H> y) {
+    return {L::select(c.a, x.a, y.a), L::select(c.b, x.b, y.b)};
+  }
+  static inline Pair<H> round_bf16(Pair<H> x) { return {L::round_bf16(x.a), L::round_bf16(x.b)}; }
+  static inline Pair<H> join_bf16(Pair<H> param, Pair<H> remainder) {
+    return {L::join_bf16(param.a, remainder.a), L::join_bf16(param.b, remainder.b)};
+  }
+  static inline Pair<H> split_bf16(Pair<H> master, Pair<H>& remainder) {
+    return {L::split_bf16(master.a, remainder.a), L::split_bf16(master.b, remainder.b)};
+  }
+};
 
 template <>
-struct Lanes<VecF32> {
-  using Flag = FlagF32;
-  using H = Lanes<VecF16>;
-  MP_AVX512 static VecF32 sqrt(VecF32 x) { return {H::sqrt(x.a), H::sqrt(x.b)}; }
-  MP_AVX512 static FlagF32 not_finite(VecF32 x) { return {H::not_finite(x.a), H::not_finite(x.b)}; }
-  MP_AVX512 static FlagF32 none() { return {VecI16{}, VecI16{}}; }
-  MP_AVX512 static VecF32 select(FlagF32 c, VecF32 x, VecF32 y) {
-    return {H::select(c.a, x.a, y.a), H::select(c.b, x.b, y.b)};
-  }
-  MP_AVX512 static VecF32 round_bf16(VecF32 x) { return {H::round_bf16(x.a), H::round_bf16(x.b)}; }
+struct Lanes<VecF32> : PairLanes<VecF16> {
   // Blocks g / 8 .. g / 8 + 3 in one call when the 32 lanes' global indices are
   // g .. g + 31 with g % 8 == 0 (a whole tensor, as the passes' vectors start); else
   // each half as the 16-float vector does.
   MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey& key, int64_t index) {
     const int64_t g = key.global(index);
     if (g % 8 != 0 || !key.consecutive(index, 32)) {
-      return {H::round_bf16_stochastic(x.a, key, index),
-              H::round_bf16_stochastic(x.b, key, index + 16)};
+      return {L::round_bf16_stochastic(x.a, key, index),
+              L::round_bf16_stochastic(x.b, key, index + 16)};
     }
     const __m512i out = philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
     const __m256i low = _mm512_maskz_extracti64x4_epi64(0xf, out, 0);
@@ -76,16 +109,34 @@ struct Lanes<VecF32> {
             round_bf16_stochastic_lanes<VecF16>(
                 x.b, (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, high))};
   }
-  MP_AVX512 static VecF32 join_bf16(VecF32 param, VecF32 remainder) {
-    return {H::join_bf16(param.a, remainder.a), H::join_bf16(param.b, remainder.b)};
-  }
-  MP_AVX512 static VecF32 split_bf16(VecF32 master, VecF32& remainder) {
-    return {H::split_bf16(master.a, remainder.a), H::split_bf16(master.b, remainder.b)};
+};
+
+#define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
+template <>
+struct Lanes<VecF8x2> : PairLanes<VecF8> {
+  // Blocks g / 8 and g / 8 + 1 from one rounding_blocks2 call (the single AVX2 vector
+  // uses only its first) when the 16 lanes' global indices are g .. g + 15 with
+  // g % 8 == 0; else each half as the 8-float vector does.
+  MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey& key, int64_t index) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 16)) {
+      return {L::round_bf16_stochastic(x.a, key, index),
+              L::round_bf16_stochastic(x.b, key, index + 8)};
+    }
+    const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
+    return {round_bf16_stochastic_lanes<VecF8>(
+                x.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out))),
+            round_bf16_stochastic_lanes<VecF8>(
+                x.b, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(out, 1)))};
   }
 };
 
 template <>
 MP_AVX512 VecF32 maximum<VecF32>(VecF32 a, VecF32 b) {
+  return {maximum(a.a, b.a), maximum(a.b, b.b)};
+}
+template <>
+MP_AVX2 VecF8x2 maximum<VecF8x2>(VecF8x2 a, VecF8x2 b) {
   return {maximum(a.a, b.a), maximum(a.b, b.b)};
 }
 
@@ -145,9 +196,153 @@ MP_AVX512 void store(int16_t* p, Vec x) {  // as avx512::store(int16_t*): trunca
   const __m512i b = (__m512i) __builtin_convertvector(x.b, VecI16);
   _mm512_storeu_si512(p, words(a, b, 0));
 }
-MP_AVX512 bool any(FlagF32 flags) { return avx512::any(flags.a | flags.b); }
+MP_AVX512 bool any(PairFlag<VecF16> flags) { return avx512::any(flags.a | flags.b); }
 }  // namespace cpu::avx512x2
 
+namespace cpu::avx2x2 {
+using Vec = VecF8x2;
+MP_AVX2 Vec broadcast(float v) { return {avx2::broadcast(v), avx2::broadcast(v)}; }
+template <typename T>
+MP_AVX2 Vec load(const T* p) {
+  return {avx2::load(p), avx2::load(p + 8)};
+}
+template <typename T>
+MP_AVX2 void store(T* p, Vec x) {
+  avx2::store(p, x.a);
+  avx2::store(p + 8, x.b);
+}
+// bf16 and int16: both halves' words by one pack and one permute, in one 32-byte store.
+MP_AVX2 void store(c10::BFloat16* p, Vec x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      avx2::words(avx2::bf16_words(x.a), avx2::bf16_words(x.b)));
+}
+MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2::store(int16_t*): truncated, low words
+  const __m256i low = _mm256_set1_epi32(0xffff);
+  const __m256i a = _mm256_and_si256(_mm256_cvttps_epi32((__m256)x.a), low);
+  const __m256i b = _mm256_and_si256(_mm256_cvttps_epi32((__m256)x.b), low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), avx2::words(a, b));
+}
+MP_AVX2 bool any(PairFlag<VecF8> flags) { return avx2::any(flags.a | flags.b); }
+// A block's rounding bits as 16-bit halves (lanes.h's block_bits' values): 4 Philox
+// blocks in two interleaved chains (rounding_blocks_avx2), whose output is already the halves in
+// element order, when the block's elements are consecutive from a multiple of 8 in the whole tensor
+// (as a whole tensor's and a Shard(0) shard's are), else lanes.h's.
+using BlockBits = uint16_t[kQuantBlock];
+MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint16_t (&out)[kQuantBlock]) {
+  const int64_t g = key.global(index);
+  if (g % 8 != 0 || !key.consecutive(index, kQuantBlock)) {
+    uint32_t wide[kQuantBlock];
+    mixedprec::block_bits(key, index, wide);
+    for (int j = 0; j < kQuantBlock; ++j) out[j] = static_cast<uint16_t>(wide[j]);
+    return;
+  }
+  __m256i bits[2];
+  rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, bits);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bits[0]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), bits[1]);
+}
+// 8-bit state (lanes.h) through fp16: an e4m3fn code's sign and magnitude bits,
+// shifted, are the fp16 bits of its value / 2^8 (fp16's subnormals are e4m3's; the
+// NaN codes made fp16 NaNs), and a value rounded to the e4m3 grid, / 2^8, converts to
+// fp16 exactly. So a decode is one widening, three word operations and F16C's
+// conversion; an encode rounds to the e4m3 grid in fp32 (to nearest even: adding and
+// subtracting 2^20 ulps of the value's exponent, at least 2^14, the subnormal codes'
+// step 2^-9 in those units), converts, and takes the codes from the fp16 words, the
+// same codes as e4m3_code in every case (tested over all floats).
+// 16 codes decoded.
+MP_AVX2 Vec load(const E4m3* p) {
+  const __m256i sign_extended =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h = _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
+                               _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+  const __m256i nan =
+      _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
+  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+  return {(VecF8)_mm256_cvtph_ps(_mm256_castsi256_si128(h)) * 256.f,
+          (VecF8)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)) * 256.f};
+}
+// The fp16 words of y / 2^8 rounded to the e4m3 grid (|y| above 448, inf included,
+// taken as 448; NaN stays NaN), sign kept.
+MP_AVX2 __m128i e4m3_half_words(VecF8 y) {
+  const __m256i u = _mm256_castps_si256((__m256)y);
+  const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)));
+  const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(448.f), a);  // (NaN: the second operand)
+  const __m256i exponent =
+      _mm256_and_si256(_mm256_castps_si256(clamped), _mm256_set1_epi32(0x7f800000));
+  const __m256 step =
+      _mm256_max_ps(_mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(20 << 23))),
+                    _mm256_set1_ps(16384.f));
+  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(clamped, step), step);
+  const __m256 with_sign = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_castps_si256(rounded), _mm256_and_si256(u, _mm256_set1_epi32(0x80000000))));
+  return _mm256_cvtps_ph(_mm256_mul_ps(with_sign, _mm256_set1_ps(0.00390625f)),
+                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// The codes (in 16-bit lanes) of 16 such words: magnitude (NaN: 0x7f) and sign.
+MP_AVX2 __m256i e4m3_codes_of_words(__m256i h) {
+  const __m256i magnitude =
+      _mm256_min_epu16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
+  return _mm256_or_si256(_mm256_srli_epi16(magnitude, 7),
+                         _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
+}
+MP_AVX2 __m256i e4m3_codes(Vec y) {
+  return e4m3_codes_of_words(_mm256_inserti128_si256(_mm256_castsi128_si256(e4m3_half_words(y.a)),
+                                                     e4m3_half_words(y.b), 1));
+}
+// 16 values' codes (|y| <= 448), rounded to nearest even.
+MP_AVX2 void store(E4m3* p, Vec y) {
+  const __m256i codes = _mm256_permute4x64_epi64(
+      _mm256_packus_epi16(e4m3_codes(y), _mm256_setzero_si256()), 0b11011000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(codes));
+}
+// A block (J = 2 pairs, 32 elements) of list k: the largest |value| as bits (integer
+// order: NaN above inf above the finite values, in every version), its scale, and its
+// codes in one 32-byte store; rounded to nearest even, or stochastically (as avx2's
+// lanes, then packed).
+template <int J, int D, typename T>
+MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint16_t*, bool) {}
+template <int J, int D>
+MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
+                         const uint16_t* random, bool rotate) {
+  static_assert(J == 2, "a block is two pairs");
+  const VecU8 a0 = (VecU8)x[0][k].a & 0x7fffffffu, a1 = (VecU8)x[0][k].b & 0x7fffffffu;
+  const VecU8 a2 = (VecU8)x[1][k].a & 0x7fffffffu, a3 = (VecU8)x[1][k].b & 0x7fffffffu;
+  const __m256i m8 = _mm256_max_epu32(_mm256_max_epu32((__m256i)a0, (__m256i)a1),
+                                      _mm256_max_epu32((__m256i)a2, (__m256i)a3));
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m))));
+  const float inv = e8m0_inverse(bits);
+  __m256i codes;
+  if (random == nullptr) {
+    // Words of elements 0..15 and 16..31; packus interleaves the 128-bit halves.
+    codes = _mm256_packus_epi16(e4m3_codes(x[0][k] * inv), e4m3_codes(x[1][k] * inv));
+    codes = _mm256_permute4x64_epi64(codes, 0b11011000);
+  } else {
+    // The second 8-bit list's bits byte-swapped (rotate_bytes), one vpshufb per 16.
+    const __m256i swap = _mm256_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14, 1,
+                                          0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    __m256i c[4];
+    for (int j = 0; j < 2; ++j) {
+      __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(random + 16 * j));
+      if (rotate) r = _mm256_shuffle_epi8(r, swap);
+      c[2 * j] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
+          x[j][k].a * inv, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)));
+      c[2 * j + 1] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
+          x[j][k].b * inv, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)));
+    }
+    // Dwords to bytes; per 128-bit half the 4-byte groups come as q = 0..3 of that
+    // half's elements, put in order by one dword permutation.
+    codes = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    codes = _mm256_permutevar8x32_epi32(codes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes);
+  *scale = static_cast<uint8_t>(bits);
+}
+}  // namespace cpu::avx2x2
+
+#undef MP_AVX2
 #undef MP_AVX512
 }  // namespace mixedprec
 #endif

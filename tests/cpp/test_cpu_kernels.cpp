@@ -1159,6 +1159,50 @@ TEST(EightBitState, CodecMatchesC10sFloat8) {
   EXPECT_EQ(e8m0_scale_bits(NAN), 127u);
 }
 
+#if defined(MP_X86_ISA)
+// The AVX2 codec (through fp16, vec_pair.h) against lanes.h's: every code decoded, and
+// the codes of every 251st float bit pattern (with 16 neighbours each) whose magnitude
+// is at most 448, of inf and of NaN.
+__attribute__((target(MP_AVX2_TARGET))) void avx2_decode(const E4m3* p, float* out) {
+  const VecF8x2 v = cpu::avx2x2::load(p);
+  memcpy(out, &v, sizeof(v));
+}
+__attribute__((target(MP_AVX2_TARGET))) void avx2_encode(const float* y, E4m3* out) {
+  VecF8x2 v;
+  memcpy(&v, y, sizeof(v));
+  cpu::avx2x2::store(out, v);
+}
+TEST(EightBitState, Avx2CodecMatchesTheScalarOne) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) GTEST_SKIP();
+  E4m3 codes[256];
+  float values[256];
+  for (int i = 0; i < 256; ++i) codes[i].bits = static_cast<uint8_t>(i);
+  for (int i = 0; i < 256; i += 16) avx2_decode(codes + i, values + i);
+  for (int i = 0; i < 256; ++i) {
+    const float want = e4m3_value(static_cast<uint32_t>(i));
+    if (want != want) {
+      EXPECT_NE(values[i], values[i]) << i;
+    } else {
+      EXPECT_EQ(values[i], want) << i;
+      EXPECT_EQ(std::signbit(values[i]), std::signbit(want)) << i;
+    }
+  }
+  int64_t checked = 0;
+  float y[16];
+  E4m3 out[16];
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 251 * 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float f = bits_float(static_cast<uint32_t>(b + 251 * j));
+      y[j] = std::abs(f) <= 448.f || f != f || std::isinf(f) ? f : std::copysign(448.f, f);
+    }
+    avx2_encode(y, out);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(out[j].bits, e4m3_code(y[j])) << y[j];
+    checked += 16;
+  }
+  EXPECT_GT(checked, 1000000);
+}
+#endif
+
 // Every instruction set gives the scalar path's bytes (the engine's block passes).
 TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   at::manual_seed(21);
@@ -1197,8 +1241,8 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
     });
 #if defined(MP_X86_ISA)
     const auto avx2 = run([&](void* const* data) {
-      cpu::block_pass_avx2<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
-                           uint8_t>(op, data, 0, n, seq);
+      cpu::block_pass_avx2x2<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
+                             uint8_t>(op, data, 0, n, seq);
     });
     for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx2[k], want[k])) << k;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
