@@ -117,23 +117,21 @@ MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
 template <typename T>
 constexpr bool kBlocked = std::is_same_v<T, E4m3>;
 
-// The list that holds the block scales of list K (8-bit, stored as Ts[K]):
-// Op::kScaleList plus the number of 8-bit lists before K.
-template <typename Op, size_t K, typename... Ts>
-constexpr size_t scale_list() {
-  constexpr bool blocked[] = {kBlocked<Ts>...};
-  size_t rank = 0;
-  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
-  return Op::kScaleList + rank;
-}
-
-// The rank of list K among the 8-bit lists of Ts (0 for the others).
+// The rank of list K among the 8-bit lists of Ts (0 for the others): where its values
+// wait in the block pass, and which scale list is its.
 template <size_t K, typename... Ts>
 constexpr size_t block_rank() {
   constexpr bool blocked[] = {kBlocked<Ts>...};
   size_t rank = 0;
   for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
   return blocked[K] ? rank : 0;
+}
+
+// The list that holds the block scales of list K (8-bit, stored as Ts[K]):
+// Op::kScaleList plus its rank among the 8-bit lists.
+template <typename Op, size_t K, typename... Ts>
+constexpr size_t scale_list() {
+  return Op::kScaleList + block_rank<K, Ts...>();
 }
 
 // fn(op, data, begin, end) for functors with 8-bit lists: a block of kQuantBlock
