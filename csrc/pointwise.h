@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 #include "lanes.h"
@@ -314,6 +315,47 @@ struct AdamOp {
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
   RoundingWords rounding;   // filled by resolve() and at_tensor()
   RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
+
+  // The common modes, which the CPU engine compiles once each with their flags as
+  // constants, the lists kLists known present and the others absent but for kMaybe
+  // (engine.h's Fixed): no master (Model false) or fp32 masters with a model copy
+  // (Model true); kahan, remainder or stochastic; fp32 or bf16 moments, or 8-bit ones
+  // (Eight: root and state_stochastic, as the optimizers give them) with their
+  // scales; the unscaled grads written back or not; all without maximize or amsgrad.
+  // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode.
+  template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
+  struct Mode {
+    static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) |
+                                       (Kahan || Remainder ? 1u << kCompList : 0u) |
+                                       (Eight ? 0b11u << kScaleList : 0u);
+    static constexpr unsigned kMaybe = 1u << 8;
+    template <typename... Ts>
+    static constexpr bool fits() {
+      using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+      using State = std::tuple_element_t<2, std::tuple<Ts...>>;
+      using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>;
+      return (!Model || std::is_same_v<Param, float>) &&
+             (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
+             (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
+    }
+    static bool holds(const AdamOp& op) {
+      return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&
+             op.root == Eight && op.state_stochastic == Eight && !op.maximize && !op.amsgrad;
+    }
+    static void fix(AdamOp& op) {
+      op.kahan = Kahan;
+      op.remainder = Remainder;
+      op.stochastic = Stochastic;
+      op.root = op.state_stochastic = Eight;
+      op.maximize = op.amsgrad = false;
+    }
+  };
+  using FixedModes =
+      TypeList<Mode<false, false, false, false, false>, Mode<true, false, false, false, false>,
+               Mode<false, true, false, false, false>, Mode<false, false, true, false, false>,
+               Mode<false, false, false, true, false>, Mode<false, false, false, false, true>,
+               Mode<true, false, false, false, true>, Mode<false, true, false, false, true>,
+               Mode<false, false, true, false, true>, Mode<false, false, false, true, true>>;
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;

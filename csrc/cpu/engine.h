@@ -32,6 +32,13 @@ constexpr bool loaded_list() {
   return ((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>;
 }
 
+// Whether list k of Op is streamed by the vector passes (read or written element by
+// element): those are prefetched.
+template <typename Op, size_t K>
+constexpr bool streamed_list() {
+  return (((Op::kReads | Op::kWrites) >> K) & 1u) && !kPerTensorList<Op, K>;
+}
+
 // op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
 // absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
 template <typename Op, typename... Ts, size_t... K>
@@ -55,6 +62,79 @@ __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>
   return any;
 }
 
+// Op::kPresent, the lists known present (not null), or 0 when Op does not declare it.
+template <typename Op, typename = void>
+struct KnownPresent {
+  static constexpr unsigned value = 0;
+};
+template <typename Op>
+struct KnownPresent<Op, std::void_t<decltype(Op::kPresent)>> {
+  static constexpr unsigned value = Op::kPresent;
+};
+
+// Whether list K of Op, at p, is present: known so, or not null.
+template <typename Op, size_t K, typename T>
+inline bool present(const T* p) {
+  return ((KnownPresent<Op>::value >> K) & 1u) != 0 || p != nullptr;
+}
+
+// Op in mode M, one of Op::FixedModes (pointwise.h): M's flags are constants in
+// apply, so that the compiler drops what the other modes do; the vector passes
+// neither load nor store the lists outside M::kLists and M::kMaybe, nor test those
+// in M::kLists for null.
+template <typename Op, typename M>
+struct Fixed : Op {
+  static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
+  static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
+  static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
+  explicit Fixed(const Op& op) : Op(op) {}
+  template <typename V>
+  auto apply(V* x, int64_t index) const {
+    Op op = *this;
+    M::fix(op);
+    return op.apply(x, index);
+  }
+};
+
+// Whether Op declares FixedModes.
+template <typename Op, typename = void>
+struct HasFixedModes : std::false_type {};
+template <typename Op>
+struct HasFixedModes<Op, std::void_t<typename Op::FixedModes>> : std::true_type {};
+
+// bad = f(Fixed<Op, M>(op)) when storage Ts fit mode M, op holds it and the lists
+// present (mask `lists`) are M's, M::kMaybe aside; whether it did.
+template <typename M, typename... Ts, typename Op, typename F>
+bool try_mode(const Op& op, unsigned lists, F& f, int& bad) {
+  if constexpr (M::template fits<Ts...>()) {
+    if (M::holds(op) && (lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {
+      bad = f(Fixed<Op, M>(op));
+      return true;
+    }
+  }
+  return false;
+}
+
+template <typename... Ts, typename Op, typename F, typename... M>
+int first_mode(const Op& op, void* const* data, F& f, TypeList<M...>) {
+  unsigned lists = 0;
+  for (int k = 0; k < Op::kDepth; ++k) lists |= data[k] != nullptr ? 1u << k : 0u;
+  lists &= ~per_tensor_mask<Op>();
+  int bad = 0;
+  return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);
+}
+
+// f(op) as a Fixed in the first of Op's FixedModes that it is in (lists and storage
+// included), else f(op): one loop per common mode, without the tests of the others.
+template <typename... Ts, typename Op, typename F>
+int in_fixed_mode(const Op& op, void* const* data, F&& f) {
+  if constexpr (HasFixedModes<Op>::value) {
+    return first_mode<Ts...>(op, data, f, typename Op::FixedModes{});
+  } else {
+    return f(op);
+  }
+}
+
 // The type the vector passes take list K as: its storage, or float for a per-tensor
 // list, which they never load or store per element (its value is broadcast, or read by
 // at_tensor): an int64 one then needs no vector load.
@@ -67,42 +147,43 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 // of the loop (op.apply and, through it, the Lanes functions that carry a target
 // attribute, such as sqrt, which GCC would not inline into apply, a function without
 // one: they were calls through the PLT, per vector); elementwise stays a call.
-#define MP_PASS(NAME, TARGET, NS)                                                                \
-  template <typename Op, typename... Ts, size_t... K>                                            \
-  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                    \
-                  std::index_sequence<K...> seq) {                                               \
-    using Vec = NS::Vec;                                                                         \
-    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                           \
-    constexpr int D = sizeof...(K);                                                              \
-    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                                    \
-    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                               \
-        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                        \
-    const Vec per[D] = {                                                                         \
-        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};      \
-    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                          \
-    int64_t i = begin;                                                                           \
-    for (; i + W <= end; i += W) {                                                               \
-      ((!kPerTensorList<Op, K> && std::get<K>(v) != nullptr ? prefetch_ahead(std::get<K>(v) + i) \
-                                                            : void()),                           \
-       ...);                                                                                     \
-      if constexpr (W > 16) { /* a line per 64 bytes of a stream: 16 fp32 lanes */               \
-        ((!kPerTensorList<Op, K> && sizeof(VecStorage<Op, K, Ts>) * W > 64 &&                    \
-                  std::get<K>(v) != nullptr                                                      \
-              ? prefetch_ahead(std::get<K>(v) + i + 16)                                          \
-              : void()),                                                                         \
-         ...);                                                                                   \
-      }                                                                                          \
-      Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
-                   : loaded_list<Op, K>() && std::get<K>(v) != nullptr                           \
-                       ? NS::load(std::get<K>(v) + i)                                            \
-                       : Vec{})...};                                                             \
-      bad |= apply_at(op, x, i);                                                                 \
-      ((((Op::kWrites >> K) & 1u) && std::get<K>(v) != nullptr                                   \
-            ? NS::store(std::get<K>(v) + i, x[K])                                                \
-            : void()),                                                                           \
-       ...);                                                                                     \
-    }                                                                                            \
-    return NS::any(bad) | elementwise(op, p, i, end, seq);                                       \
+#define MP_PASS(NAME, TARGET, NS)                                                           \
+  template <typename Op, typename... Ts, size_t... K>                                       \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,               \
+                  std::index_sequence<K...> seq) {                                          \
+    using Vec = NS::Vec;                                                                    \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                      \
+    constexpr int D = sizeof...(K);                                                         \
+    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};                               \
+    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                          \
+        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                   \
+    const Vec per[D] = {                                                                    \
+        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...}; \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                     \
+    int64_t i = begin;                                                                      \
+    for (; i + W <= end; i += W) {                                                          \
+      ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
+            ? prefetch_ahead(std::get<K>(v) + i)                                            \
+            : void()),                                                                      \
+       ...);                                                                                \
+      if constexpr (W > 16) { /* a line per 64 bytes of a stream: 16 fp32 lanes */          \
+        ((streamed_list<Op, K>() && sizeof(VecStorage<Op, K, Ts>) * W > 64 &&               \
+                  present<Op, K>(std::get<K>(v))                                            \
+              ? prefetch_ahead(std::get<K>(v) + i + 16)                                     \
+              : void()),                                                                    \
+         ...);                                                                              \
+      }                                                                                     \
+      Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                           \
+                   : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                 \
+                       ? NS::load(std::get<K>(v) + i)                                       \
+                       : Vec{})...};                                                        \
+      bad |= apply_at(op, x, i);                                                            \
+      ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
+            ? NS::store(std::get<K>(v) + i, x[K])                                           \
+            : void()),                                                                      \
+       ...);                                                                                \
+    }                                                                                       \
+    return NS::any(bad) | elementwise(op, p, i, end, seq);                                  \
   }
 
 #if defined(MP_X86_ISA)
@@ -162,25 +243,25 @@ constexpr size_t scale_list() {
       const int64_t b = i / kQuantBlock;                                                           \
       if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                            \
       const float scale[D] = {                                                                     \
-          (kBlocked<Ts> && std::get<K>(v) != nullptr                                               \
+          (kBlocked<Ts> && present<Op, K>(std::get<K>(v))                                          \
                ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])      \
                : 1.f)...};                                                                         \
       Vec kept[J][NB];                                                                             \
       for (int j = 0; j < J; ++j) {                                                                \
         const int64_t at = i + j * W;                                                              \
         Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                                \
-                     : loaded_list<Op, K>() && std::get<K>(v) != nullptr                           \
+                     : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                      \
                          ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]                \
                                          : NS::load(std::get<K>(v) + at))                          \
                          : Vec{})...};                                                             \
         bad |= apply_at(op, x, at);                                                                \
-        ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && std::get<K>(v) != nullptr                  \
+        ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))             \
               ? NS::store(std::get<K>(v) + at, x[K])                                               \
               : void()),                                                                           \
          ...);                                                                                     \
         ((kBlocked<Ts> ? (void)(kept[j][block_rank<K, Ts...>()] = x[K]) : void()), ...);           \
       }                                                                                            \
-      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && std::get<K>(v) != nullptr                     \
+      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))                \
             ? NS::store_block<J, NB>(                                                              \
                   std::get<K>(v) + i, static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
                   kept, static_cast<int>(block_rank<K, Ts...>()),                                  \
@@ -204,8 +285,14 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
   if constexpr ((kBlocked<Ts> || ...)) {
 #if defined(MP_X86_ISA)
     switch (cpu_isa()) {
-      case Isa::kAvx512: return block_pass_avx512<Op, Ts...>(op, data, begin, end, seq);
-      case Isa::kAvx2: return block_pass_avx2x2<Op, Ts...>(op, data, begin, end, seq);
+      case Isa::kAvx512:
+        return in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+          return block_pass_avx512<std::decay_t<decltype(o)>, Ts...>(o, data, begin, end, seq);
+        });
+      case Isa::kAvx2:
+        return in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+          return block_pass_avx2x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, end, seq);
+        });
       default: break;
     }
 #endif
@@ -221,7 +308,9 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         // same operations, and the rounding bits depend on the element index only.
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 32 * 32;
-          const int bad = pass_avx512x2<Op, Ts...>(op, data, begin, mid, seq);
+          const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+            return pass_avx512x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, mid, seq);
+          });
           return bad | pass_avx512<Op, Ts...>(op, data, mid, end, seq);
         }
         return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
@@ -230,7 +319,9 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         // blocks per call; the last (fewer than 16) elements 8 at a time.
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 16 * 16;
-          const int bad = pass_avx2x2<Op, Ts...>(op, data, begin, mid, seq);
+          const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+            return pass_avx2x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, mid, seq);
+          });
           return bad | pass_avx2<Op, Ts...>(op, data, mid, end, seq);
         }
         return pass_avx2<Op, Ts...>(op, data, begin, end, seq);

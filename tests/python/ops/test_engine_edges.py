@@ -603,3 +603,80 @@ def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
             for i, (base, other) in enumerate(zip(lists, results[capability][dtype])):
                 for j, (a, b) in enumerate(zip(base, other)):
                     assert_bitwise_equal(b, a, msg=f"{capability} {dtype} list {i}[{j}]")
+
+
+# AdamW in every master mode and moment dtype, through the optimizer: the CPU engine
+# compiles its common modes once each (engine.h's Fixed: flags as constants, lists
+# known present or absent) and runs the others (maximize, amsgrad), like the baseline
+# build, through its generic loops. Shapes: 8-bit eligible matrices, vector tails, and
+# a tensor past the first chunk (65536 elements). The last step has an inv_scale, as
+# under a GradScaler, so the unscaled grads are written back (a list the fixed modes
+# may have or not).
+LEAN_ISA_SCRIPT = """
+import sys, torch
+from mixedprec.optim import AdamW
+inputs = torch.load(sys.argv[1])
+out = {}
+modes = [(m, s, {}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
+         for s in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)]
+modes += [("fp32", torch.float32, {"amsgrad": True}),
+          ("remainder", torch.float32, {"maximize": True}),
+          ("none", torch.float32, {"fp32_params": True})]
+for master, state_dtype, extra in modes:
+    extra = dict(extra)
+    dtype = torch.float32 if extra.pop("fp32_params", False) else torch.bfloat16
+    params = [torch.nn.Parameter(x.to(dtype)) for x in inputs["params"]]
+    if master == "stochastic" or state_dtype == torch.float8_e4m3fn:
+        extra["seed"] = 7
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, master=master, state_dtype=state_dtype,
+                **extra)
+    for k, grads in enumerate(inputs["grads"]):
+        for p, g in zip(params, grads):
+            p.grad = g.to(dtype)
+        if k == len(inputs["grads"]) - 1:  # as torch.amp.GradScaler sets them
+            opt.grad_scale, opt.found_inf = torch.full((1,), 4.0), torch.zeros(1)
+        opt.step()
+    grads = [p.grad for p in params]
+    key = f"{master} {state_dtype} {sorted(extra)} {dtype}"  # (seed included)
+    out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"]]
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tmp_path):
+    """The fixed-mode loops of the CPU engine (AVX2, AVX-512) against the baseline
+    build's scalar loop: the same params and state, bit for bit, in every mode."""
+    if device == "cuda":
+        pytest.skip("the CPU engine's instruction sets")
+    import os
+    import subprocess
+    import sys
+    shapes = [(64, 96), (128, 32), (37,), (300, 7), (65536 + 77,)]
+    inputs = {"params": [randn(s, torch.float32, "cpu", seed=40 + i)
+                         for i, s in enumerate(shapes)],
+              "grads": [[randn(s, torch.float32, "cpu", seed=100 * k + i, scale=1e-2)
+                         for i, s in enumerate(shapes)] for k in range(3)]}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = tmp_path / "lean_isa.py"
+    script.write_text(LEAN_ISA_SCRIPT)
+    # (torch's own kernels follow ATEN_CPU_CAPABILITY=avx512 even on a CPU without it)
+    vector = ["avx2"] + (["avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512"
+                         else [])
+    results = {}
+    for capability in ["default", *vector]:
+        path = tmp_path / f"{capability}.pt"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(path)],
+                       env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
+                       timeout=300)
+        results[capability] = torch.load(path)
+    assert len(results["default"]) == 18
+    for capability in vector:
+        for key, (params, state) in results["default"].items():
+            other_params, other_state = results[capability][key]
+            for j, (a, b) in enumerate(zip(params, other_params)):
+                assert_bitwise_equal(b, a, msg=f"{capability} {key} param {j}")
+            for j, entry in state.items():
+                for name, value in entry.items():
+                    if torch.is_tensor(value):
+                        assert_bitwise_equal(other_state[j][name], value,
+                                             msg=f"{capability} {key} state {j} {name}")
