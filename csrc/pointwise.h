@@ -25,6 +25,11 @@
 // first lane, a multiple of the vector's width; lane j is index + j): stochastic
 // rounding draws its bits from it (a CPU vector, 8 lanes per Philox call). It does
 // not depend on how an engine splits the tensor into chunks or threads.
+//
+// Such a functor may also declare `FixedModes`, a TypeList of its common modes (see
+// AdamOp::Mode): the CPU engine compiles its vector loops once per mode, with the
+// mode's flags as constants and its lists known present or absent (cpu/engine.h's
+// Fixed), and keeps the generic loop for the other modes. The bits are the same.
 #pragma once
 
 #include <c10/util/Half.h>
