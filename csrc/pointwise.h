@@ -334,6 +334,9 @@ struct AdamOp {
                                        (Kahan || Remainder ? 1u << kCompList : 0u) |
                                        (Eight ? 0b11u << kScaleList : 0u);
     static constexpr unsigned kMaybe = 1u << 8;
+    // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
+    // (engine.h, kWideRounding), for two Philox chains at once.
+    static constexpr bool kWideRounding = Stochastic && !Eight;
     template <typename... Ts>
     static constexpr bool fits() {
       using Param = std::tuple_element_t<0, std::tuple<Ts...>>;

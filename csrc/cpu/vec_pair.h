@@ -131,6 +131,31 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
   }
 };
 
+// Four AVX2 vectors (32 floats) for the optimizers' stochastic rounding of params
+// (engine.h's kWideRounding): blocks g / 8 .. g / 8 + 3 from one rounding_blocks_avx2<2>
+// call, two interleaved chains, when the lanes' global indices are g .. g + 31 with
+// g % 8 == 0; else each 16-lane half as VecF8x2 does. The same bits as the 16-lane pass.
+using VecF8x4 = Pair<VecF8x2>;
+template <>
+struct Lanes<VecF8x4> : PairLanes<VecF8x2> {
+  MP_AVX2 static VecF8x4 round_bf16_stochastic(VecF8x4 x, const RoundingKey& key, int64_t index) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 32)) {
+      return {L::round_bf16_stochastic(x.a, key, index),
+              L::round_bf16_stochastic(x.b, key, index + 16)};
+    }
+    __m256i out[2];
+    rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, out);
+    return {half(x.a, out[0]), half(x.b, out[1])};
+  }
+  MP_AVX2 static VecF8x2 half(VecF8x2 v, __m256i bits) {
+    return {round_bf16_stochastic_lanes<VecF8>(
+                v.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits))),
+            round_bf16_stochastic_lanes<VecF8>(
+                v.b, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)))};
+  }
+};
+
 template <>
 MP_AVX512 VecF32 maximum<VecF32>(VecF32 a, VecF32 b) {
   return {maximum(a.a, b.a), maximum(a.b, b.b)};
@@ -341,6 +366,21 @@ MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
   *scale = static_cast<uint8_t>(bits);
 }
 }  // namespace cpu::avx2x2
+
+namespace cpu::avx2x4 {
+using Vec = VecF8x4;
+MP_AVX2 Vec broadcast(float v) { return {avx2x2::broadcast(v), avx2x2::broadcast(v)}; }
+template <typename T>
+MP_AVX2 Vec load(const T* p) {
+  return {avx2x2::load(p), avx2x2::load(p + 16)};
+}
+template <typename T>
+MP_AVX2 void store(T* p, Vec x) {
+  avx2x2::store(p, x.a);
+  avx2x2::store(p + 16, x.b);
+}
+MP_AVX2 bool any(PairFlag<VecF8x2> flags) { return avx2x2::any(flags.a) || avx2x2::any(flags.b); }
+}  // namespace cpu::avx2x4
 
 #undef MP_AVX2
 #undef MP_AVX512

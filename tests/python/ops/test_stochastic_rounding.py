@@ -287,7 +287,27 @@ torch.save(params, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("script", [ISA_SCRIPT, ISA_SCRIPT_32], ids=["16_lanes", "32_lanes"])
+# AdamW's stochastic mode: its AVX2 loop takes 32 lanes a step (two Philox chains per
+# call, engine.h's kWideRounding), as its AVX-512 one does: the shards and runs above.
+ISA_SCRIPT_ADAM = """
+import sys
+import torch
+from mixedprec import ops
+sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40]
+params = [(torch.arange(n) * 0.29).sin().bfloat16() for n in sizes]
+grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
+rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 48, 64),
+         (i, 8, 40, 40)][i % 6] for i in range(len(sizes))]
+salts = ops.rounding_words(rows)
+m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+ops.fused_adam_(params, grads, m, v, [], torch.full((1,), 2.0), 0.01, 0.9, 0.999, 1e-8, 0.0,
+                True, True, None, None, sr_salts=salts, sr_seed=2**33 + 11)
+torch.save(params + m + v, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("script", [ISA_SCRIPT, ISA_SCRIPT_32, ISA_SCRIPT_ADAM],
+                         ids=["16_lanes", "32_lanes", "adam_32_lanes"])
 def test_every_instruction_set_draws_the_same_bits(device, tmp_path, script):
     """The CPU engine's AVX-512 (Philox blocks per vector; for stochastic rounding 32
     lanes a step, 4 blocks per call, vec_pair.h), AVX2 and baseline loops
