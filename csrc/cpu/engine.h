@@ -9,8 +9,8 @@
 // FMA contraction: -ffp-contract=off), so every version gives the same bits.
 // Functors with FixedModes (pointwise.h; AdamW's common modes) get one vector loop
 // per mode that they are in (Fixed, in_fixed_mode): without the tests of absent lists
-// and of the other modes' flags in every step (up to a third of an AdamW step's time
-// on AVX2: bench/README.md, "Fixed modes").
+// and of the other modes' flags in every step (a fifth to a half of an AdamW step's
+// time on AVX2: bench/README.md, "Fixed modes").
 #pragma once
 
 #include <ATen/Parallel.h>
