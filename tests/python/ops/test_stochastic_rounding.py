@@ -269,9 +269,11 @@ torch.save(params, sys.argv[1])
 
 
 # The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
-# call): tensors around multiples of 32, shards at offsets that are multiples of 8
-# (4 blocks at once) or not, runs that end inside a 32-lane step but not a 16-lane one.
-ISA_SCRIPT_32 = """
+# call), and so does AdamW's stochastic mode on AVX2 (two chains per call, engine.h's
+# kWideRounding): tensors around multiples of 32, shards at offsets that are multiples
+# of 8 (4 blocks at once) or not, runs that end inside a 32-lane step but not a 16-lane
+# one; through SGD's pass and through AdamW's.
+SHARDS_32 = """
 import sys
 import torch
 from mixedprec import ops
@@ -281,24 +283,13 @@ grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
 rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 48, 64),
          (i, 8, 40, 40)][i % 6] for i in range(len(sizes))]
 salts = ops.rounding_words(rows)
+"""
+ISA_SCRIPT_32 = SHARDS_32 + """
 ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**33 + 11,
                step=torch.full((1,), 3.0))
 torch.save(params, sys.argv[1])
 """
-
-
-# AdamW's stochastic mode: its AVX2 loop takes 32 lanes a step (two Philox chains per
-# call, engine.h's kWideRounding), as its AVX-512 one does: the shards and runs above.
-ISA_SCRIPT_ADAM = """
-import sys
-import torch
-from mixedprec import ops
-sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40]
-params = [(torch.arange(n) * 0.29).sin().bfloat16() for n in sizes]
-grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
-rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 48, 64),
-         (i, 8, 40, 40)][i % 6] for i in range(len(sizes))]
-salts = ops.rounding_words(rows)
+ISA_SCRIPT_ADAM = SHARDS_32 + """
 m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
 ops.fused_adam_(params, grads, m, v, [], torch.full((1,), 2.0), 0.01, 0.9, 0.999, 1e-8, 0.0,
                 True, True, None, None, sr_salts=salts, sr_seed=2**33 + 11)
