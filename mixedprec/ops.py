@@ -33,6 +33,7 @@ MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 
 __all__ = [
     "is_dense",
+    "int64_tensor",
     "rounding_words",
     "multi_tensor_unscale_",
     "multi_tensor_unscale_to_",
@@ -72,7 +73,11 @@ def rounding_words(rows: Sequence[Sequence[int]], device: Any = None) -> List[Te
     The local element at position i of the param's memory takes the bits of element
     ``offset + (i // run) * stride + i % run`` of the full tensor (run 0: ``offset +
     i``; ``distributed.global_layout``): salt below 2**32, offset >= 0, run and stride
-    0 or > 0, checked here (the op reads them on the device)."""
+    0 or > 0, checked here (the op reads them on the device).
+
+    The words are made on the device from the rows' numbers as kernel arguments
+    (:func:`int64_tensor`), never copied from host memory: building them neither waits
+    for the device nor breaks a CUDA graph's capture (a plan made in a captured step)."""
     full = [tuple(int(v) for v in row) + (0,) * (4 - len(row)) for row in rows]
     for i, (salt, offset, run, stride) in enumerate(full):
         if len(rows[i]) not in (1, 4) or not 0 <= salt < 2**32 or offset < 0 or run < 0 \
@@ -82,7 +87,36 @@ def rounding_words(rows: Sequence[Sequence[int]], device: Any = None) -> List[Te
                              f"{tuple(rows[i])} at rows[{i}]")
     if not full:
         return []
-    return list(torch.tensor(full, dtype=torch.int64, device=device).split(1))
+    columns = [int64_tensor(list(column), device) for column in zip(*full)]
+    return list(torch.stack(columns, dim=1).split(1))
+
+
+def int64_tensor(values: Sequence[int], device: Any = None) -> Tensor:
+    """``values`` (ints) as an int64 tensor on ``device``, made there from numbers passed
+    as kernel arguments, never copied from host memory (which ``torch.tensor(values,
+    device=...)`` does: on CUDA it waits for the host and breaks a graph capture): one
+    ``arange * step + start`` or ``full`` per run of equal differences, so a column of
+    positions or of zeros is one piece."""
+    values = [int(v) for v in values]
+    if not values:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    pieces = []
+    start = 0
+    while start < len(values):
+        end = start + 1
+        step = values[end] - values[start] if end < len(values) else 0
+        while end < len(values) and values[end] - values[end - 1] == step and \
+                abs(step) < 2**62:  # (steps * count stay within int64)
+            end += 1
+        count = end - start
+        if step == 0 or count == 1:
+            piece = torch.full((count,), values[start], dtype=torch.int64, device=device)
+        else:
+            piece = torch.arange(count, dtype=torch.int64, device=device).mul_(step)
+            piece.add_(values[start])
+        pieces.append(piece)
+        start = end
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _no_meta_among_real(op: str, args: dict) -> None:

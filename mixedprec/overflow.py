@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from . import grads as _grads
+from . import ops
 
 __all__ = ["OverflowReport", "format_report"]
 
@@ -79,12 +80,7 @@ class OverflowReport:
             grow = len(self._params) - self.counts.numel()
             if grow:
                 self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
-            numbers = [self._rows[id(p)] for p in params]
-            if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
-                # (the usual case, made on the device: no copy from the host)
-                rows = torch.arange(numbers[0], numbers[0] + len(numbers), device=device)
-            else:
-                rows = torch.tensor(numbers, dtype=torch.int64).to(device)
+            rows = ops.int64_tensor([self._rows[id(p)] for p in params], device)
             self._index[key] = rows
         return rows
 

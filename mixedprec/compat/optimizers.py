@@ -579,7 +579,7 @@ class FusedNovoGrad(_FusedOptimizer):
         index = None  # the positions in exp_avg_sq of the params stepped, when not all are
         if len(items.params) != len(group["params"]):
             position = {id(p): i for i, p in enumerate(group["params"])}
-            index = torch.tensor([position[id(p)] for p in items.params], device=device)
+            index = ops.int64_tensor([position[id(p)] for p in items.params], device)
         lists = (targets, exp_avgs, model, index)
         self._run_plan(group, lists, items.grads, inv_scale, found_inf)
         return lists

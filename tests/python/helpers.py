@@ -3,6 +3,7 @@ every layer (ops/, optim/, scaler/, apex/, distributed/)."""
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -224,6 +225,10 @@ def make_model(device, dtype=torch.float32, fc2_dtype=None, seed=0):
 
 SYNC_METHODS = ("item", "__bool__", "cpu", "tolist", "__float__", "__int__")
 _SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "equal")
+# A tensor made from host data (torch.tensor, as_tensor, from_numpy, new_tensor all end
+# in lift_fresh): on CUDA a copy from host memory, which waits for the host and cannot
+# be captured in a CUDA graph, even where it is on the CPU's device.
+_HOST_DATA_OPS = ("lift_fresh", "lift_fresh_copy")
 
 
 class HostSyncError(AssertionError):
@@ -232,13 +237,18 @@ class HostSyncError(AssertionError):
 
 class _ForbidSyncOps(TorchDispatchMode):
     """Catches the ATen ops that read a tensor on the host, however they are reached
-    (also a `.item()` that bypasses the Python attribute), and device-to-host copies."""
+    (also a `.item()` that bypasses the Python attribute), tensors made from host data,
+    and copies between the host and a device (seen on the CPU machines under
+    :func:`fake_cuda`)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in _SYNC_OPS:
             raise HostSyncError(f"{func} during a sync-free call")
+        if name in _HOST_DATA_OPS:
+            raise HostSyncError(f"{func}: a tensor made from host data during a sync-free "
+                                "call (on CUDA, a copy from host memory)")
         if name in ("_to_copy", "copy_"):
             devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
             if kwargs.get("device") is not None:
@@ -277,6 +287,21 @@ def forbid_host_sync(monkeypatch):
         # What ran was the patched version, and nothing swallowed a HostSyncError.
         assert all(getattr(torch.Tensor, n) is patched[n] for n in SYNC_METHODS)
         assert calls == [], f"host syncs: {calls}"
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """A FakeTensorMode in which tensors made on "cuda" are fake CUDA tensors: metadata
+    only, no GPU needed, mixedprec's ops running their fake kernels. A step run in it
+    on CUDA parameters takes the CUDA path of the Python code, so that a copy from
+    the host to the device (``.to("cuda")`` of a host tensor) shows as one to
+    :func:`forbid_host_sync`, as only a GPU run showed it before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with warnings.catch_warnings():
+        # (plans key parameters by data_ptr(), which a fake tensor answers with 0)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with FakeTensorMode():
+            yield
 
 
 def eager_and_compiled_steps(make_optimizer, steps=3):
