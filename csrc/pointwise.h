@@ -71,6 +71,44 @@ struct NeedsIndex<Op, std::void_t<decltype(Op::kNeedsIndex)>> {
   static constexpr bool value = Op::kNeedsIndex;
 };
 
+// beta^step for the bias corrections, in double: the same bits on the CPU and on CUDA.
+// A step count (a whole number below 2^53) is raised by squaring in double-double
+// arithmetic (Dekker's exact products: plain IEEE adds and multiplies, never
+// contracted into FMAs: -ffp-contract=off and nvcc -fmad=false), then rounded once:
+// within about 2^-97 of the exact power, so it rounds as a correctly rounded pow does
+// but in vanishingly rare cases. The libraries' pow differ (CUDA's is within 2 ulps,
+// glibc's 1), and torch.optim uses glibc's: with 16 betas in (0.1, 0.99999) and every
+// step up to 10^6, the float bias corrections and step sizes made from this and from
+// glibc's pow are all equal (tests/cpp/test_pow_step.cpp checks a part). Other
+// exponents take pow.
+MP_HD void two_product(double a, double b, double& product, double& error) {
+  constexpr double kSplit = 134217729.0;  // 2^27 + 1: Veltkamp's split into 26-bit halves
+  product = a * b;
+  double t = kSplit * a;
+  const double a_hi = t - (t - a), a_lo = a - a_hi;
+  t = kSplit * b;
+  const double b_hi = t - (t - b), b_lo = b - b_hi;
+  error = ((a_hi * b_hi - product) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo;
+}
+MP_HD void mul_double_double(double& hi, double& lo, double other_hi, double other_lo) {
+  double product, error;
+  two_product(hi, other_hi, product, error);
+  error += hi * other_lo + lo * other_hi;
+  hi = product + error;
+  lo = error - (hi - product);
+}
+MP_HD double pow_step(double base, double step) {
+  if (!(step >= 0.0 && step < 9007199254740992.0) || step != floor(step)) return pow(base, step);
+  double hi = 1.0, lo = 0.0, square_hi = base, square_lo = 0.0;
+  for (uint64_t n = static_cast<uint64_t>(step); n != 0;) {
+    if (n & 1) mul_double_double(hi, lo, square_hi, square_lo);
+    n >>= 1;
+    if (n != 0) mul_double_double(square_hi, square_lo, square_hi, square_lo);
+  }
+  const double power = hi + lo;
+  return power - power == 0.0 ? power : pow(base, step);  // (not finite: pow's inf or 0)
+}
+
 // Whether Op declares at_tensor (see above).
 template <typename Op, typename = void>
 struct HasAtTensor {
@@ -373,8 +411,8 @@ struct AdamOp {
     rounding.key.step = static_cast<uint32_t>(step);
     double bc1 = 1.0, bc2 = 1.0;
     if (bias_correction) {
-      bc1 = 1.0 - pow(beta1, step);
-      bc2 = 1.0 - pow(beta2, step);
+      bc1 = 1.0 - pow_step(beta1, step);
+      bc2 = 1.0 - pow_step(beta2, step);
     }
     step_size = static_cast<float>(rate / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
@@ -457,8 +495,8 @@ struct LambStage1Op {
     }
     if (bias_correction) {
       const double step = *step_ptr;
-      bias_correction1 = static_cast<float>(1.0 - pow(beta1, step));
-      bias_correction2 = static_cast<float>(1.0 - pow(beta2, step));
+      bias_correction1 = static_cast<float>(1.0 - pow_step(beta1, step));
+      bias_correction2 = static_cast<float>(1.0 - pow_step(beta2, step));
     }
     beta1_f = static_cast<float>(beta1);
     avg_weight = static_cast<float>(grad_averaging ? 1.0 - beta1 : 1.0);
@@ -575,8 +613,8 @@ struct NovoGradOp {
     beta1_f = static_cast<float>(beta1);
     if (bias_correction) {
       const double step = *step_ptr;
-      bias_correction1 = static_cast<float>(1.0 - pow(beta1, step));
-      bias_correction2 = static_cast<float>(sqrt(1.0 - pow(beta2, step)));
+      bias_correction1 = static_cast<float>(1.0 - pow_step(beta1, step));
+      bias_correction2 = static_cast<float>(sqrt(1.0 - pow_step(beta2, step)));
     }
   }
   template <typename V>
