@@ -6,6 +6,7 @@ from typing import Any, Dict, List
 
 import torch
 import torch.optim.adam as torch_adam
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from .. import ops
@@ -160,9 +161,9 @@ class Adam(TorchOptimizer):
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
+        lr, lr_tensor, found_inf = self._lr(group, calls[0][-1].device, found_inf)
         for (where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, scales,
              step) in calls:
-            lr, lr_tensor = self._lr(group, step.device)
             ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step,
                             lr, beta1, beta2, group["eps"], group["weight_decay"],
                             self._decoupled(group), group.get("bias_correction", True),
@@ -187,8 +188,8 @@ class Adam(TorchOptimizer):
         exp_avgs, exp_avg_sqs, maxes, steps = [], [], [], []
         for p in params:
             state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0)
+            if "step" not in state:  # (torch's: float32, or float64 by default dtype)
+                state["step"] = torch.tensor(0.0, dtype=torch_optimizer._get_scalar_dtype())
                 for key in ("exp_avg", "exp_avg_sq") + (
                         ("max_exp_avg_sq",) if group["amsgrad"] else ()):
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -227,4 +228,14 @@ class AdamW(Adam):
     @staticmethod
     def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
         return {}  # (torch.optim.AdamW sets it, and takes no such argument)
+
+    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        # As torch.optim.AdamW: its weight decay is decoupled, whatever a state dict says
+        # (an Adam's, loaded into an AdamW, has decoupled_weight_decay=False).
+        return dict(super()._upgrade_group(saved), decoupled_weight_decay=True)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
 

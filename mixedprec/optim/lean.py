@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 
 from .. import ops
 from ..distributed import global_layout, shard_index
-from ..masters import join_remainder
+from ..masters import join_remainder, split_remainder
 from . import state8
 
 if TYPE_CHECKING:
@@ -80,6 +80,15 @@ def _check_state_dtype(where: str, name: str, dtype: Any) -> torch.dtype:
                         f"torch.float8_e4m3fn, got {dtype!r}")
     return dtype
 
+
+
+def _whole_value(p: Tensor, key: str, value: Tensor) -> Tensor:
+    """The fp32 value that ``p`` and its lean state entry ``key`` ("remainder" or
+    "kahan_comp") hold together: the remainder joined to p's bf16 bits, or p plus its
+    compensation in fp32 (the sum Kahan's update starts from)."""
+    if key == "remainder":
+        return join_remainder(p.detach().to(torch.bfloat16), value)
+    return p.detach().float() + value.float()
 
 
 class LeanModes:
@@ -164,9 +173,10 @@ class LeanModes:
         float32 beside 8-bit ones (parameters ``state8.eligible`` refuses)."""
         return torch.float32 if self.state_dtype == state8.E4M3 else self.state_dtype
 
-    def _check_8bit(self, where: str, state_dtype: torch.dtype) -> None:
-        """Hook: raises where the optimizer's settings exclude 8-bit moments (Adam's
-        amsgrad)."""
+    def _check_8bit(self, where: str, state_dtype: torch.dtype,
+                    groups: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Hook: raises where the optimizer's settings (those of ``groups``, default its
+        param groups) exclude 8-bit moments (Adam's amsgrad)."""
 
     def _set_precision(self, where: str, master: Optional[str],
                        state_dtype: Optional[torch.dtype]) -> None:
@@ -194,25 +204,43 @@ class LeanModes:
         key, dtype = _LEAN_STATE[self.master]
         return [self._state_tensor(state, key, p, dtype) for state, p in zip(states, params)]
 
-    def _drop_lean_state(self, p: Tensor, state: Dict[str, Any]) -> None:
-        """Drops a Kahan compensation or remainder once the optimizer left its mode
-        (``master_weights = True`` after construction) or the parameter left bf16. A
-        remainder is not lost: the whole fp32 master (the parameter's bits and the
-        remainder) becomes the new fp32 master of a bf16 parameter, or the value of a
-        parameter cast to fp32 (``model.float()``). A compensation's part is below
-        bf16's resolution and is dropped."""
+    @torch.no_grad()
+    def _convert_lean_state(self, p: Tensor, state: Dict[str, Any]) -> None:
+        """Brings what ``state`` keeps of ``p``'s value into the optimizer's master mode,
+        exactly, before p's first update in it: after ``load_state_dict`` of a state
+        saved in another mode (``_check_loaded_modes`` refused what no exact conversion
+        keeps), ``master_weights = True`` after construction, or a parameter cast to
+        fp32 (``model.float()``). The whole fp32 value that a state holds: its
+        ``master_param``; its remainder joined to p's bits; p plus its Kahan compensation
+        in fp32 (where Kahan's next update would start).
+
+        * master='remainder', bf16 p: a master or a Kahan pair is split into p (its
+          high half) and a remainder, which join back to it bit for bit;
+        * master='fp32', bf16 p: a remainder or a Kahan pair becomes p's fp32 master;
+        * an fp32 p takes the whole value of a remainder or a Kahan pair;
+        * otherwise a compensation or remainder that the mode does not keep is dropped
+          (a DTensor's too). A master that the mode does not keep is ``_master``'s."""
+        bf16 = p.dtype == torch.bfloat16
+        whole = None
         for mode, (key, _) in _LEAN_STATE.items():
-            if key not in state or (self.master == mode and p.dtype == torch.bfloat16):
+            if key not in state or (self.master == mode and bf16):
                 continue
             value = state.pop(key)
-            if key != "remainder" or type(p.data) is not Tensor or value.shape != p.shape:
-                continue  # (a DTensor's remainder is dropped)
-            whole = join_remainder(p.detach().to(torch.bfloat16), value.to(p.device))
-            if p.dtype == torch.float32:
-                with torch.no_grad():
-                    p.copy_(whole)
-            elif self.master == "fp32" and p.dtype == torch.bfloat16:
-                state.setdefault("master_param", whole)
+            if whole is None and type(p.data) is Tensor and value.shape == p.shape:
+                whole = _whole_value(p, key, value.to(p.device))
+        if self.master == "remainder" and bf16 and "remainder" not in state:
+            master = state.pop("master_param", None)
+            if master is not None:
+                self._master_versions.pop(id(master), None)
+            if whole is None and master is not None and type(p.data) is Tensor:
+                whole = master.to(p.device).reshape(p.shape)
+            if whole is not None:
+                high, state["remainder"] = split_remainder(whole)
+                p.copy_(high)
+        elif whole is not None and p.dtype == torch.float32:
+            p.copy_(whole)
+        elif whole is not None and self.master == "fp32" and bf16:
+            state.setdefault("master_param", whole)
 
     def _rounds_params(self, params: List[Tensor]) -> bool:
         """Whether an op call over ``params`` rounds them stochastically (master=

@@ -244,8 +244,8 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         count, as they bypass the counter): the elements written take the parameter's
         value, those the write left as they were keep their fp32 value
         (:func:`mixedprec.masters.retake_master`). A Kahan compensation or remainder is
-        dropped as ``_drop_lean_state`` says."""
-        self._drop_lean_state(p, state)
+        converted as ``_convert_lean_state`` says."""
+        self._convert_lean_state(p, state)
         if not self.master_weights or not mst.needs_master(p):
             if state.get("master_param") is not None:
                 self._master_versions.pop(id(state.pop("master_param")), None)

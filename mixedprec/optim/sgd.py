@@ -58,7 +58,8 @@ class SGD(TorchOptimizer):
 
     def _step_group(self, group, device, items: _Work, inv_scale, found_inf):
         momentum = group["momentum"]
-        step = self._rounding_step(group, device, found_inf)
+        lr = self._lr(group, device, found_inf)
+        step = self._rounding_step(group, device, lr[2])
         calls, starting = [], False
         for call, positions, lean, eight in self._lean_calls(items, momentum != 0):
             # Params whose momentum buffer starts now (first_run) go in a call of their own.
@@ -78,7 +79,7 @@ class SGD(TorchOptimizer):
                 salts = self._salts(group, part.params, device, eight) if lean or eight else []
                 lists = (where, targets, buffers, model, comps, salts, scales)
                 self._sgd(group, lists, _pick(items.grads, where), first_run, inv_scale,
-                          found_inf, step)
+                          lr, step)
                 calls.append(lists)
                 starting |= first_run
         # The next step reuses the calls unless buffers started in this one.
@@ -104,13 +105,15 @@ class SGD(TorchOptimizer):
             not self._stochastic(group) or self._step_on(group, plan))
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
-        step = self._rounding_step(group, calls[0][1][0].device, found_inf)
+        lr = self._lr(group, calls[0][1][0].device, found_inf)
+        step = self._rounding_step(group, calls[0][1][0].device, lr[2])
         for lists in calls:
-            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, found_inf, step)
+            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, lr, step)
 
-    def _sgd(self, group, lists, grads, first_run, inv_scale, found_inf, step) -> None:
+    def _sgd(self, group, lists, grads, first_run, inv_scale, lr_and_skip, step) -> None:
+        """One fused_sgd_ call; ``lr_and_skip``: ``_lr``'s (lr, lr_tensor, found_inf)."""
         _, targets, buffers, model, comps, salts, scales = lists
-        lr, lr_tensor = self._lr(group, targets[0].device)
+        lr, lr_tensor, found_inf = lr_and_skip
         ops.fused_sgd_(targets, grads, buffers, model, lr, group["momentum"],
                        group["dampening"], group["weight_decay"], group["nesterov"], first_run,
                        inv_scale, found_inf, self.wd_after_momentum,

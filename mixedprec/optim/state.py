@@ -16,9 +16,13 @@ from . import state8
 _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_buffer": None,
                 "exp_avg": None, "exp_avg_sq": None, "max_exp_avg_sq": None,
                 "kahan_comp": torch.bfloat16, "remainder": torch.int16}
-# Entries only one master mode keeps.
-_MODE_STATE = {"kahan_comp": ("kahan", "a Kahan compensation"),
+# The entries that hold part of a 16-bit parameter's value, the master mode that keeps
+# each, and the modes that take it exactly from another mode's state dict (converted at
+# the parameter's next step: LeanModes._convert_lean_state); the other modes refuse it.
+_MODE_STATE = {"master_param": ("fp32", "an fp32 master"),
+               "kahan_comp": ("kahan", "a Kahan compensation"),
                "remainder": ("remainder", "a remainder (the low half of an fp32 master)")}
+_EXACT_FROM = {"fp32": ("kahan_comp", "remainder"), "remainder": ("master_param", "kahan_comp")}
 
 
 class StateLoading:
@@ -90,6 +94,7 @@ class StateLoading:
                     f"dict was saved by another optimizer")
             p = id_to_param[key]
             new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+            self._check_loaded_modes(p, key, saved_state)
             state8.check_pairs(f"{name}.load_state_dict: state[{key}]", new_state[p])
 
         applied = self._loaded_applied_steps(state_dict.get("applied_steps", 0))
@@ -103,7 +108,9 @@ class StateLoading:
             self._load_group_state(new_group, group)
             new_group["params"] = group["params"]
             new_groups.append(new_group)
+        self._check_8bit(f"{name}.load_state_dict", self.state_dtype, new_groups)
 
+        # (everything checked: from here on nothing raises)
         self.state.clear()
         self.state.update(new_state)
         self._master_versions.clear()  # loaded masters are in step with the loaded model
@@ -129,10 +136,6 @@ class StateLoading:
         if not isinstance(value, Tensor):
             return value
         where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
-        if key in _MODE_STATE and self.master != _MODE_STATE[key][0]:
-            mode, what = _MODE_STATE[key]
-            raise ValueError(f"{where}: {what}, which only master={mode!r} keeps (this "
-                             f"optimizer has master={self.master!r})")
         if key in _PARAM_STATE or key in state8.ONLY_8BIT:
             shape, expected = state8.expected(p, key, self.state_dtype, where) or (
                 tuple(p.shape), _PARAM_STATE[key])
@@ -143,6 +146,22 @@ class StateLoading:
                 raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
                                  f"optimizer's setting: state_dtype={self.state_dtype})")
         return value.to(p.device, copy=True)
+
+    def _check_loaded_modes(self, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:
+        """Refuses state entries of another master mode that this optimizer's mode cannot
+        take exactly (``_EXACT_FROM``): a master or remainder into master='none', 'kahan'
+        or 'stochastic', a Kahan compensation into 'none' or 'stochastic'. (An fp32
+        parameter is its own master: its entries say nothing more.)"""
+        if p.dtype not in (torch.float16, torch.bfloat16):
+            return
+        for key, (mode, what) in _MODE_STATE.items():
+            if key in saved and mode != self.master and \
+                    key not in _EXACT_FROM.get(self.master, ()):
+                exact = [m for m, keys in _EXACT_FROM.items() if key in keys]
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}] is "
+                    f"{what}, which master={self.master!r} cannot keep exactly; load it "
+                    f"into an optimizer with master in {sorted({mode, *exact})}")
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
         """Hook: a saved param group with the keys a newer release added (torch's

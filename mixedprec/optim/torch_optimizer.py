@@ -15,8 +15,10 @@ surface and torch's results where the fused ops do not go.
   ours loads into torch.optim), older state dicts get the newer group keys' defaults.
 """
 
+import functools
+import inspect
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from .. import ops
 from ..loss_scale import inverse
-from .optimizer import _FLOAT_DTYPES, _FusedOptimizer, _Work
+from .optimizer import _FLOAT_DTYPES, _MASTER_MODES, _FusedOptimizer, _Work
 
 
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -43,6 +45,13 @@ def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str,
     return defaults
 
 
+@functools.lru_cache(maxsize=None)
+def _hyperparameter_names(torch_class) -> frozenset:
+    """The arguments of ``torch_class``'s constructor but ``params`` and ``lr``."""
+    names = inspect.signature(torch_class.__init__).parameters
+    return frozenset(names) - {"self", "params", "lr"}
+
+
 class TorchOptimizer(_FusedOptimizer):
     """The base of mixedprec.optim's torch-named optimizers (see the module docstring)."""
 
@@ -59,6 +68,11 @@ class TorchOptimizer(_FusedOptimizer):
         if not isinstance(unscale_grads, bool):
             raise TypeError(f"{type(self).__name__}: expected unscale_grads to be a bool, got "
                             f"{unscale_grads!r}")
+        if not isinstance(master, str):  # (None is not "none": the default is "fp32")
+            raise ValueError(f"{type(self).__name__}: expected master to be one of "
+                             f"{list(_MASTER_MODES)}, got {master!r}")
+        # group index -> its hyperparameters (but lr) as torch's checks last passed them
+        self._checked: Dict[int, Tuple[Any, ...]] = {}
         #: After a scaled step, p.grad holds the unscaled gradient (torch's fused
         #: optimizers do the same); False skips that write (a pass over the gradients).
         self.unscale_grads = unscale_grads
@@ -73,18 +87,27 @@ class TorchOptimizer(_FusedOptimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         state.setdefault("unscale_grads", True)
         state["_pending"] = []
+        state["_checked"] = {}
         super().__setstate__(state)
         for group in self.param_groups:
             for key, value in self._NEWER_KEYS.items():
                 group.setdefault(key, value)
 
     @staticmethod
-    def _lr(group: Dict[str, Any], device: torch.device):
-        """(lr, lr_tensor) for a fused op: a tensor ``lr`` is read on the device."""
+    def _lr(group: Dict[str, Any], device: torch.device, found_inf: Optional[Tensor]):
+        """(lr, lr_tensor, found_inf) for a group's fused op calls. A tensor ``lr`` is
+        read on the device, never on the host: one that is not a finite number >= 0
+        (a NaN written by hand, say) skips the group's update there, as an overflow does
+        (nothing written, no step counted), through the ``found_inf`` returned: the
+        scaler's plus a flag that is nonzero (or NaN) for such an lr. A number ``lr`` is
+        checked by the op itself, before it writes anything."""
         lr = group["lr"]
-        if isinstance(lr, Tensor):
-            return 0.0, lr.to(device, torch.float32).reshape(())
-        return lr, None
+        if not isinstance(lr, Tensor):
+            return lr, None, found_inf
+        lr = lr.to(device, torch.float32).reshape(())
+        # 0 for a finite lr >= 0; NaN for an infinite or NaN one (lr * 0), negative else
+        flag = lr.clamp(max=0).add_(lr, alpha=0).reshape(1)
+        return 0.0, lr, flag if found_inf is None else flag.add_(found_inf.reshape(1))
 
     def _fused_dtype(self, p: Tensor) -> bool:
         # (a strided view, such as every other column, is not dense: torch steps it)
@@ -129,6 +152,8 @@ class TorchOptimizer(_FusedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._pending.clear()
+        if not torch.compiler.is_compiling():  # (a compiled step guards on the values)
+            self._check_hyperparameters()
         super().step()
         pending = list(self._pending)
         self._pending.clear()
@@ -143,6 +168,36 @@ class TorchOptimizer(_FusedOptimizer):
                         grad.mul_(inverse(grad_scale.to(grad.device)).to(grad.dtype))
                 self._torch_step(group, params, grads)
         return loss
+
+    def _check_hyperparameters(self) -> None:
+        """Every group's hyperparameters before any group is updated, so that a bad one
+        (set on a group by hand, loaded, added) raises with nothing changed: ``lr`` a
+        number or a one-element floating tensor, each step; the others through torch's
+        own constructor checks (``torch_defaults``), again only when they changed."""
+        where = f"{type(self).__name__}.step"
+        accepted = _hyperparameter_names(self._TORCH_CLASS)
+        for index, group in enumerate(self.param_groups):
+            lr = group.get("lr")
+            if isinstance(lr, Tensor):
+                if lr.numel() != 1 or not lr.is_floating_point():
+                    raise ValueError(f"{where}: param group {index}: expected a tensor lr to "
+                                     f"hold one floating-point value, got {lr.dtype} of "
+                                     f"shape {tuple(lr.shape)}")
+            elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or \
+                    not 0 <= lr < float("inf"):
+                raise ValueError(f"{where}: param group {index}: expected lr to be a finite "
+                                 f"number >= 0 or a tensor, got {lr!r}")
+            kwargs = {k: v for k, v in group.items() if k in accepted}
+            key = tuple((k, ("tensor", id(v)) if isinstance(v, Tensor) else v)
+                        for k, v in sorted(kwargs.items(), key=lambda item: item[0]))
+            if self._checked.get(index) != key:
+                try:
+                    torch_defaults(self._TORCH_CLASS, f"{where}: param group {index}", kwargs)
+                except (ValueError, TypeError) as error:
+                    if str(error).startswith(where):
+                        raise
+                    raise type(error)(f"{where}: param group {index}: {error}") from error
+                self._checked[index] = key
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         """Hook: errors of torch's implementation raised before any update."""
@@ -175,6 +230,8 @@ class TorchOptimizer(_FusedOptimizer):
         return saved
 
     def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if key == "step":
+            self._check_step_count(param_id, value)
         if not self._fused_dtype(p) and isinstance(value, Tensor):
             if key == "step":  # torch's layout: a float32 CPU scalar
                 return value.to("cpu", torch.float32, copy=True)
@@ -199,21 +256,32 @@ class TorchOptimizer(_FusedOptimizer):
                     del self.state[p]
         self._share_steps()
 
+    def _check_step_count(self, param_id: Any, value: Any) -> None:
+        """A loaded step count: a whole number >= 0, or a one-element real tensor holding
+        one (read on the host here, once, when loading)."""
+        number = value
+        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+            number = float(value)  # sync-ok: loading a state dict, not a step
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or \
+                not 0 <= number < float("inf") or number != int(number):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: state[{param_id}]"
+                             f"['step'] must be a whole number >= 0, got {value!r}")
+
     def _share_steps(self) -> None:
         """Loaded step counts: a float32 tensor on the parameter's device, one per
-        group and value, shared by the parameters that have it (read on the host here,
-        once, when loading)."""
+        group and value, shared by the parameters that the fused op steps together
+        (read on the host here, once, when loading; checked by ``_check_step_count``).
+        A group that torch's implementation steps (tensor betas, say) keeps one count
+        per parameter, as torch does: that implementation advances each."""
         for group in self.param_groups:
+            if not self._fused_group(group):
+                continue
             shared: Dict[Tuple[torch.device, float], Tensor] = {}
             for p in group["params"]:
                 state = self.state.get(p)
                 if not state or "step" not in state or not self._fused_dtype(p):
                     continue
-                step = state["step"]
-                value = float(step)  # sync-ok: loading a state dict, not a step
-                if not value >= 0 or value != int(value):
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: a step count "
-                                     f"must be a whole number >= 0, got {value}")
+                value = float(state["step"])  # sync-ok: loading a state dict, not a step
                 key = (p.device, value)
                 if key not in shared:
                     shared[key] = torch.tensor(value, dtype=torch.float32, device=p.device)

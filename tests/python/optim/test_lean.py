@@ -260,7 +260,8 @@ def test_load_state_dict_checks_the_lean_dtypes():
     for state in fp32_moments["state"].values():
         state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].float(), \
             state["exp_avg_sq"].float()
-    with pytest.raises(ValueError, match="kahan_comp.*only master='kahan'"):
+    with pytest.raises(ValueError, match="'kahan_comp'.* Kahan compensation, which "
+                       "master='none' cannot keep exactly"):
         plain.load_state_dict(fp32_moments)
     assert not plain.state  # nothing loaded
     bad_comp = copy.deepcopy(saved)

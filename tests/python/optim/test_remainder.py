@@ -452,8 +452,9 @@ def test_bad_combinations_name_both_arguments():
     p.grad = torch.ones_like(p)
     opt.step()
     kahan = Adam([p], lr=1e-3, master="kahan")
-    with pytest.raises(ValueError, match=r"'remainder'\]: a remainder .* only "
-                                         "master='remainder' keeps .*master='kahan'"):
+    with pytest.raises(ValueError, match=r"'remainder'\] is a remainder .*which "
+                                         "master='kahan' cannot keep exactly; load it into "
+                                         r"an optimizer with master in \['fp32', 'remainder'\]"):
         kahan.load_state_dict(opt.state_dict())
     assert kahan.state == {}
 

@@ -1,0 +1,346 @@
+"""Bad inputs to mixedprec.optim's torch-named optimizers raise an error that names them
+and change nothing (load_state_dict and step check everything before they write);
+checkpoints of one master mode load into another exactly, or are refused; and the
+state-dict behaviours of torch.optim that PyTorch's own tests found missing (an Adam state
+dict in AdamW, a torch-implemented group's step counts, the step's dtype)."""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal
+
+from mixedprec import optim
+from mixedprec.masters import join_remainder, split_remainder
+
+BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+MODES = ("fp32", "none", "kahan", "stochastic", "remainder")
+
+
+def new_params(device="cpu", dtype=BF16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+            for shape in ((64, 64), (7,), (3, 5))]
+
+
+def feed(params, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+
+
+def snapshot(opt, params):
+    """Everything a bad input must leave as it was: params, state, groups, counts."""
+    return copy.deepcopy(([p.detach() for p in params], opt.state_dict()))
+
+
+def assert_same(before, after):
+    (params_a, sd_a), (params_b, sd_b) = before, after
+    for a, b in zip(params_a, params_b):
+        assert_bitwise_equal(a, b, "param")
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for key, state in sd_a["state"].items():
+        assert state.keys() == sd_b["state"][key].keys()
+        for name, value in state.items():
+            other = sd_b["state"][key][name]
+            if isinstance(value, torch.Tensor):
+                assert_bitwise_equal(value, other, f"state[{key}][{name}]")
+            else:
+                assert value == other
+    assert_bitwise_equal(sd_a["applied_steps"], sd_b["applied_steps"], "applied_steps")
+
+
+# --- load_state_dict: checked first, then written --------------------------------------
+
+@pytest.mark.parametrize("value", [1.5, float("nan"), -1.0, "x", torch.tensor(2.5),
+                                   torch.tensor([1.0, 2.0])])
+@pytest.mark.parametrize("cls", [optim.Adam, optim.AdamW])
+def test_a_bad_step_count_is_refused_with_nothing_loaded(cls, value):
+    params = new_params()
+    opt = cls(params, lr=1e-3)
+    for step in range(2):
+        feed(params, step)
+        opt.step()
+    saved = opt.state_dict()
+    other = cls(params, lr=1e-2)  # another lr: a partial load would show in the groups
+    feed(params, 5)
+    other.step()
+    before = snapshot(other, params)
+    bad = copy.deepcopy(saved)
+    bad["state"][2]["step"] = value  # the last param: the others would load first
+    with pytest.raises(ValueError, match=r"load_state_dict: state\[2\]\['step'\] must be a "
+                                         "whole number >= 0"):
+        other.load_state_dict(bad)
+    assert_same(before, snapshot(other, params))
+    other.load_state_dict(saved)  # and a good one still loads
+    assert other.param_groups[0]["lr"] == 1e-3
+
+
+def test_8bit_moments_with_amsgrad_are_refused_by_load_state_dict():
+    params = new_params()
+    opt = optim.Adam(params, lr=1e-3, state_dtype=E4M3, seed=1)
+    feed(params, 0)
+    opt.step()
+    before = snapshot(opt, params)
+    bad = opt.state_dict()
+    bad["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"load_state_dict: amsgrad=True is not supported "
+                                         "with state_dtype=torch.float8_e4m3fn"):
+        opt.load_state_dict(bad)
+    assert_same(before, snapshot(opt, params))
+    assert opt.param_groups[0]["amsgrad"] is False
+
+
+def test_adamw_keeps_decoupled_weight_decay_when_loading_an_adam_state_dict():
+    """As torch.optim.AdamW (PyTorch's test_adamw_serialization): the loaded groups stay
+    AdamW's, and the steps after are torch.optim.AdamW's after the same load."""
+    params = new_params(dtype=F32)
+    adam = optim.Adam(params, lr=1e-2, weight_decay=0.1)
+    feed(params, 0)
+    adam.step()
+    saved = adam.state_dict()
+    assert saved["param_groups"][0]["decoupled_weight_decay"] is False
+    ours, theirs = new_params(dtype=F32, seed=3), new_params(dtype=F32, seed=3)
+    mine, torchs = optim.AdamW(ours, lr=1e-2), torch.optim.AdamW(theirs, lr=1e-2)
+    mine.load_state_dict(copy.deepcopy(saved))
+    torchs.load_state_dict(copy.deepcopy(saved))
+    assert mine.param_groups[0]["decoupled_weight_decay"] is True
+    assert torchs.param_groups[0]["decoupled_weight_decay"] is True
+    for step in range(3):
+        feed(ours, step)
+        feed(theirs, step)
+        mine.step()
+        torchs.step()
+    for a, b in zip(ours, theirs):  # (torch's vector kernels may contract FMAs: not bitwise)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+    old = copy.deepcopy(saved)  # an AdamW state dict older than the key
+    del old["param_groups"][0]["decoupled_weight_decay"]
+    mine.load_state_dict(old)
+    assert mine.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_master_none_is_refused_not_taken_for_none():
+    with pytest.raises(ValueError, match=r"Adam: expected master to be one of \['fp32', "
+                                         r"'none', .*got None"):
+        optim.Adam(new_params(), master=None)
+
+
+# --- step: every group checked before any is updated ---------------------------------
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lr=torch.tensor([1e-3, 1e-3])), r"param group 1: expected a tensor lr to hold one "
+                                          "floating-point value, got torch.float32 of shape "
+                                          r"\(2,\)"),
+    (dict(lr=torch.tensor(1, dtype=torch.int64)), "param group 1: expected a tensor lr to "
+                                                  "hold one floating-point value"),
+    (dict(lr=float("nan")), "param group 1: expected lr to be a finite number >= 0 or a "
+                            "tensor, got nan"),
+    (dict(lr="0.1"), "param group 1: expected lr to be a finite number >= 0 or a tensor, "
+                       "got '0.1'"),
+    (dict(eps=-1.0), "param group 1: .*Invalid epsilon value: -1.0"),
+    (dict(betas=(0.9, 1.5)), r"param group 1: .*Invalid beta parameter at index 1: 1.5"),
+    (dict(weight_decay=-0.1), "param group 1: .*Invalid weight_decay value: -0.1"),
+    (dict(differentiable=True), "param group 1: differentiable=True is not supported")])
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_bad_group_is_refused_before_any_group_is_updated(bad, match, planned):
+    params = new_params()
+    opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)
+    if planned:  # (the planned path, which reuses the op calls, checks the same)
+        feed(params, 0)
+        opt.step()
+    before = snapshot(opt, params)
+    opt.param_groups[1].update(bad)
+    feed(params, 1)
+    with pytest.raises(ValueError, match=f"AdamW.step: {match}"):
+        opt.step()
+    after = snapshot(opt, params)
+    for a, b in zip(before[0], after[0]):
+        assert_bitwise_equal(a, b, "param")
+    for key, state in before[1]["state"].items():
+        for name, value in state.items():
+            assert_bitwise_equal(value, after[1]["state"][key][name], f"state {key} {name}")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
+@pytest.mark.parametrize("cls, kwargs", [(optim.AdamW, {}), (optim.SGD, dict(momentum=0.9)),
+                                         (optim.AdamW, dict(master="stochastic", seed=1))])
+def test_a_bad_tensor_lr_skips_the_update_on_the_device(device, cls, kwargs, value):
+    """A tensor lr is read on the device only: one that is not a finite number >= 0
+    (written by hand) skips that group's update there, as an overflow does, instead of
+    writing NaN into the weights; a good one in the next step steps again."""
+    params = new_params(device)
+    lr = torch.tensor(1e-3, device=device)
+    opt = cls(params, lr=lr, **kwargs)
+    feed(params, 0)
+    opt.step()
+    before = snapshot(opt, params)
+    lr.fill_(value)
+    feed(params, 1)
+    opt.step()
+    after = snapshot(opt, params)
+    for a, b in zip(before[0], after[0]):
+        assert_bitwise_equal(a, b, "param")
+    for key, state in before[1]["state"].items():
+        for name, old in state.items():
+            assert_bitwise_equal(old, after[1]["state"][key][name], f"state {key} {name}")
+    lr.fill_(1e-3)
+    opt.step()
+    assert not torch.equal(params[0].detach(), before[0][0])
+
+
+# --- master modes: a checkpoint of one mode in another ----------------------------------
+
+def _trained(cls, kwargs, master, steps=3):
+    params = new_params()
+    opt = cls(params, lr=1e-2, master=master, **kwargs)
+    for step in range(steps):
+        feed(params, step)
+        opt.step()
+    return params, opt
+
+
+def _whole(opt, p, master):
+    """The fp32 value the optimizer keeps of bf16 ``p``."""
+    state = opt.state[p]
+    if master == "fp32":
+        return state["master_param"]
+    if master == "remainder":
+        return join_remainder(p.detach(), state["remainder"])
+    return p.detach().float() + state["kahan_comp"].float()
+
+
+OPTIMIZERS = [pytest.param(optim.AdamW, dict(weight_decay=0.01), id="AdamW"),
+              pytest.param(optim.SGD, dict(momentum=0.9), id="SGD")]
+
+
+@pytest.mark.parametrize("source, target", [("fp32", "remainder"), ("remainder", "fp32"),
+                                            ("kahan", "fp32"), ("kahan", "remainder")])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_a_checkpoint_loads_into_another_master_mode_exactly(cls, kwargs, source, target):
+    """The loaded optimizer continues from the checkpoint's own fp32 values, bit for bit:
+    its fp32 values after each step are those of the original optimizer continued
+    (fp32 and remainder keep the same update of the same value), and its moments
+    too. Kahan continues another way, so a Kahan checkpoint is compared through an
+    fp32 optimizer that loaded it."""
+    params, opt = _trained(cls, kwargs, source)
+    start = [_whole(opt, p, source).clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict())
+    model = [p.detach().clone() for p in params]
+    reference = "fp32" if source == "kahan" else source
+    runs = {}
+    for master in {target, reference}:
+        ps = [m.clone().requires_grad_() for m in model]
+        other = cls(ps, lr=1e-2, master=master, **kwargs)
+        other.load_state_dict(copy.deepcopy(saved))
+        runs[master] = (ps, other)
+    # the first value each run starts its update from is the checkpoint's
+    for master, (ps, other) in runs.items():
+        feed(ps, 10)
+        other.step()
+    for step in range(11, 14):
+        for master, (ps, other) in runs.items():
+            feed(ps, step)
+            other.step()
+    (ps_t, opt_t), (ps_r, opt_r) = runs[target], runs[reference]
+    for p_t, p_r, first in zip(ps_t, ps_r, start):
+        assert_bitwise_equal(_whole(opt_t, p_t, target), _whole(opt_r, p_r, reference), "value")
+        state_t, state_r = opt_t.state[p_t], opt_r.state[p_r]
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "step"):
+            if key in state_r:
+                assert_bitwise_equal(state_t[key], state_r[key], key)
+        assert not torch.equal(_whole(opt_t, p_t, target), first)  # (it stepped)
+
+
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_an_fp32_checkpoint_in_remainder_mode_splits_the_masters_at_the_first_step(cls,
+                                                                                     kwargs):
+    """Before the first step the masters stay in the state (the model may be loaded
+    after the optimizer); at it, each parameter takes its master's high half and the
+    remainder the rest: they join to the master bit for bit."""
+    params, opt = _trained(cls, kwargs, "fp32")
+    masters = [opt.state[p]["master_param"].clone() for p in params]
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    other = cls(ps, lr=1e-2, master="remainder", **kwargs)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    other.param_groups[0]["lr"] = 0.0  # (the values stay)
+    assert all("master_param" in other.state[p] for p in ps)
+    feed(ps, 0)
+    other.step()
+    for p, master in zip(ps, masters):
+        high, remainder = split_remainder(master)
+        assert "master_param" not in other.state[p]
+        assert_bitwise_equal(p.detach(), high, "param")
+        assert_bitwise_equal(other.state[p]["remainder"], remainder, "remainder")
+
+
+@pytest.mark.parametrize("source, target", [
+    (source, target) for source in ("fp32", "remainder", "kahan") for target in MODES
+    if target != source and target in {"fp32": ("none", "kahan", "stochastic"),
+                                       "remainder": ("none", "kahan", "stochastic"),
+                                       "kahan": ("none", "stochastic")}[source]])
+def test_a_checkpoint_that_a_mode_cannot_keep_exactly_is_refused(source, target):
+    params, opt = _trained(optim.AdamW, {}, source, steps=1)
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    other = optim.AdamW(ps, lr=1e-2, master=target, seed=2 if target == "stochastic" else None)
+    feed(ps, 0)
+    other.step()
+    before = snapshot(other, ps)
+    with pytest.raises(ValueError, match=f"which master='{target}' cannot keep exactly; load "
+                                         "it into an optimizer with master in"):
+        other.load_state_dict(opt.state_dict())
+    assert_same(before, snapshot(other, ps))
+
+
+# --- what PyTorch's test_optim found on CUDA, reproduced on the CPU ---------------------
+
+@pytest.mark.parametrize("cls", [optim.Adam, optim.AdamW])
+def test_a_torch_stepped_group_continues_identically_after_a_state_dict_round_trip(cls,
+                                                                                   device):
+    """Tensor betas send a group to torch's implementation, which advances each
+    parameter's own step count: a loaded state must not share one count between
+    parameters there (it was advanced once per parameter: PyTorch's
+    test_state_dict_deterministic on CUDA, whose optim inputs have tensor betas)."""
+    kwargs = dict(lr=torch.tensor(1e-3), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    weight = torch.randn(2, 3, device=device, requires_grad=True)
+    bias = torch.randn(2, device=device, requires_grad=True)
+    x = torch.randn(3, device=device)
+
+    def closure(opt, w, b):
+        opt.zero_grad()
+        loss = (w.mv(x) + b).pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt = cls([weight, bias], **kwargs)
+    for _ in range(5):
+        opt.step(lambda: closure(opt, weight, bias))
+    weight_c = weight.detach().clone().requires_grad_()
+    bias_c = bias.detach().clone().requires_grad_()
+    opt_c = cls([weight_c, bias_c], **kwargs)
+    opt_c.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for _ in range(5):
+        opt.step(lambda: closure(opt, weight, bias))
+        opt_c.step(lambda: closure(opt_c, weight_c, bias_c))
+        assert_bitwise_equal(weight_c.detach(), weight.detach(), "weight")
+        assert_bitwise_equal(bias_c.detach(), bias.detach(), "bias")
+    steps = [opt_c.state[p]["step"] for p in (weight_c, bias_c)]
+    assert steps[0] is not steps[1] and all(float(s) == 10 for s in steps)
+
+
+@pytest.mark.parametrize("default, expected", [(torch.float16, torch.float32),
+                                               (torch.float64, torch.float64)])
+def test_torch_implemented_steps_count_in_torchs_dtype(default, expected):
+    """float64 parameters go to torch's implementation, whose step count is float32
+    unless the default dtype is float64 (PyTorch's
+    test_set_default_dtype_works_with_foreach)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        p = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        opt = optim.Adam([p])
+        p.grad = torch.ones_like(p)
+        opt.step()
+    finally:
+        torch.set_default_dtype(previous)
+    assert opt.state[p]["step"].dtype == expected
