@@ -11,6 +11,11 @@ this module (nowhere else does it).
   (their values) and gradients on several devices: ``found_inf`` lives on one device,
   each other device gets a flag of its own, folded back into ``found_inf`` on the
   device by a maximum (torch's fused optimizers expect 0 or 1). No host reads.
+* Every float32, float16 and bfloat16 gradient goes through mixedprec's multi-tensor
+  ops, a strided view that is not dense (a slice of a transpose, say) as a dense copy
+  (written back after an in-place unscale): the same math, bit for bit, on every
+  device. torch's kernels only take what the ops do not (float64): torch's unscale
+  kernel has no bfloat16 CUDA implementation.
 * :func:`update_grad`: the fp32 master's ``.grad`` when set, else ``p.grad``.
 * :func:`nonfinite_per_tensor`: which gradients hold inf or NaN, one flag each, on the
   device (the overflow report's per-parameter attribution).
@@ -63,9 +68,15 @@ def update_grad(p: Tensor, master: Optional[Tensor]) -> Optional[Tensor]:
     return p.grad
 
 
-def _takes(t: Tensor) -> bool:
-    """Whether the multi-tensor ops take ``t`` as it is."""
-    return t.dtype in OP_DTYPES and ops.is_dense(t)
+def _ours(t: Tensor) -> bool:
+    """Whether the multi-tensor ops take ``t``: as it is when it is dense, else as a
+    dense copy (:func:`_dense`). The rest (float64) goes through torch's kernels."""
+    return t.dtype in OP_DTYPES and t.layout == torch.strided
+
+
+def _dense(t: Tensor) -> Tensor:
+    """``t`` when the multi-tensor ops take it as it is, else a contiguous copy."""
+    return t if ops.is_dense(t) else t.contiguous()
 
 
 def _flag(flags: Flags, found_inf: Tensor, device: torch.device) -> Tensor:
@@ -94,8 +105,9 @@ def _finish(flags: Flags, found_inf: Tensor, merge: bool) -> Flags:
 @torch.no_grad()
 def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, merge: bool = True) -> Flags:
     """Sets ``found_inf`` (a float32 flag; never cleared) when any gradient holds inf or
-    NaN, writing nothing else: one ``multi_tensor_check_finite_`` per device, torch for
-    the rest (a sparse gradient: its coalesced values; float64). Returns each device's
+    NaN, writing nothing else: one ``multi_tensor_check_finite_`` per device over the
+    float32, float16 and bfloat16 gradients (a sparse gradient: its coalesced values; one
+    that is not dense: a dense copy), torch for the rest (float64). Returns each device's
     flag (``found_inf`` on its own); ``merge=False`` leaves the others out of
     ``found_inf`` (torch's GradScaler keeps them per device)."""
     flags = {found_inf.device: found_inf}
@@ -103,10 +115,10 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, merge: bool = True
               for g in grads]  # (a sparse gradient: the values its update sums)
     for device, (on_device,) in by_device(values).items():
         flag = _flag(flags, found_inf, device)
-        fast = [g for g in on_device if _takes(g)]
-        if fast:
-            ops.multi_tensor_check_finite_(fast, flag)
-        for g in (g for g in on_device if not _takes(g)):
+        ours = [_dense(g) for g in on_device if _ours(g)]
+        if ours:
+            ops.multi_tensor_check_finite_(ours, flag)
+        for g in (g for g in on_device if not _ours(g)):
             torch.maximum(flag, (~torch.isfinite(g)).any().to(flag.dtype), out=flag)
     return _finish(flags, found_inf, merge)
 
@@ -117,10 +129,11 @@ def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Ten
     """``grads[i] *= inv_scale`` in place, or ``out[i] = grads[i] * inv_scale`` (cast to
     ``out[i]``'s dtype: fp16/bf16 gradients into fp32 master gradients), and
     ``found_inf`` set as by :func:`check_finite_` (its flags returned). In place, one
-    ``multi_tensor_unscale_`` per device and torch's kernel for the rest (a sparse
-    gradient's values, float64, overlapping layouts); ``out`` takes pairs that the
-    multi-tensor ops take (dense, one device and layout), one ``multi_tensor_unscale_to_``
-    per device. ``inv_scale`` None means 1."""
+    ``multi_tensor_unscale_`` per device over the float32, float16 and bfloat16
+    gradients (a sparse gradient's values included; one that is not dense as a dense
+    copy, unscaled there and copied back), torch's kernel for the rest (float64);
+    ``out`` takes pairs that the multi-tensor ops take (dense, one device and layout),
+    one ``multi_tensor_unscale_to_`` per device. ``inv_scale`` None means 1."""
     flags = {found_inf.device: found_inf}
     inv_on = {} if inv_scale is None else {inv_scale.device: inv_scale}
 
@@ -136,10 +149,14 @@ def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Ten
         return _finish(flags, found_inf, merge)
     values = [g._values() if g.is_sparse else g for g in grads]  # written in place
     for device, (on_device,) in by_device(values).items():
-        fast = [g for g in on_device if _takes(g)]
-        if fast:
-            ops.multi_tensor_unscale_(fast, *on(device))
-        for (other,) in by_device_and_dtype([g for g in on_device if not _takes(g)]).values():
+        ours = [g for g in on_device if _ours(g)]
+        dense = [_dense(g) for g in ours]
+        if dense:
+            ops.multi_tensor_unscale_(dense, *on(device))
+        for g, copy in zip(ours, dense):
+            if copy is not g:  # (a dense copy of a view that is not dense)
+                g.copy_(copy)
+        for (other,) in by_device_and_dtype([g for g in on_device if not _ours(g)]).values():
             torch._amp_foreach_non_finite_check_and_unscale_(other, *on(device))
     return _finish(flags, found_inf, merge)
 
@@ -149,20 +166,22 @@ def nonfinite_per_tensor(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = 
                          ) -> List[Tuple[List[int], Tensor]]:
     """Per device: (positions in ``grads``, a bool vector that is True where that
     gradient's norm is not finite). One ``multi_tensor_l2norm(per_tensor=True)`` per
-    device, of the gradients times ``inv_scale`` (so a scaled gradient's squares do not
-    overflow); torch for the rest (sparse values, float64). Flagged: a gradient holding
+    device, of the float32, float16 and bfloat16 gradients (sparse values included; one
+    that is not dense as a dense copy) times ``inv_scale`` (so a scaled gradient's
+    squares do not overflow); torch for the rest (float64). Flagged: a gradient holding
     inf or NaN, or one whose unscaled L2 norm exceeds float32's range. No host reads."""
     values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
               for g in grads]
     out = []
     for device, (on_device, positions) in by_device(values, list(range(len(values)))).items():
-        fast = [i for i, g in zip(positions, on_device) if _takes(g)]
+        fast = [i for i, g in zip(positions, on_device) if _ours(g)]
         flags = []
         if fast:
             inv = None if inv_scale is None else _to(inv_scale, device)
-            _, norms = ops.multi_tensor_l2norm([values[i] for i in fast], inv, per_tensor=True)
+            _, norms = ops.multi_tensor_l2norm([_dense(values[i]) for i in fast], inv,
+                                               per_tensor=True)
             flags.append(~torch.isfinite(norms))
-        rest = [i for i, g in zip(positions, on_device) if not _takes(g)]
+        rest = [i for i, g in zip(positions, on_device) if not _ours(g)]
         if rest:
             flags.append(torch.stack([~torch.isfinite(values[i]).all() for i in rest]))
         out.append((fast + rest, torch.cat(flags)))

@@ -6,16 +6,22 @@ gradients on several devices.
 Every test runs on the CPU; those taking the ``device`` fixture have a CUDA twin that
 skips on a machine without a GPU (``other_device``: two devices, CUDA either way)."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
+from helpers import bits, randn
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedprec
 from mixedprec import amp, grads
 
 INF = float("inf")
+NAN = float("nan")
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+ALL_DTYPE_IDS = ["fp32", "fp16", "bf16", "fp64"]
 SYNC_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu")
 
 
@@ -25,17 +31,24 @@ def _forget_pending_registrations():
     amp._registered_casts.clear()
 
 
-@pytest.fixture
-def no_host_reads(monkeypatch):
-    """Tensor methods that read a value on the host raise while the test runs."""
+@contextlib.contextmanager
+def refuse_host_reads():
+    """Tensor methods that read a value on the host raise inside."""
     def forbidden(name):
         def method(self, *args, **kwargs):
             raise AssertionError(f"Tensor.{name}: a host read")
         return method
 
-    with monkeypatch.context() as m:
+    with pytest.MonkeyPatch.context() as m:
         for name in SYNC_METHODS:
             m.setattr(torch.Tensor, name, forbidden(name))
+        yield
+
+
+@pytest.fixture
+def no_host_reads():
+    """Tensor methods that read a value on the host raise while the test runs."""
+    with refuse_host_reads():
         yield
 
 
@@ -148,7 +161,7 @@ def test_check_finite_on_two_devices(device, other_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_unscale_in_place(device, dtype):
     dense = torch.arange(6, dtype=dtype, device=device) * 4
-    strided = (torch.arange(12, dtype=dtype, device=device) * 4)[::2]  # not dense: torch's kernel
+    strided = (torch.arange(12, dtype=dtype, device=device) * 4)[::2]  # not dense: a dense copy
     expected = [dense / 4, strided / 4]
     found_inf = flag(device)
     grads.unscale_([dense, strided], found_inf, torch.tensor(0.25, device=device))
@@ -204,6 +217,136 @@ def test_no_host_read_in_check_and_unscale(device, no_host_reads):
     grads.unscale_(gs, found_inf, torch.tensor(0.5, device=device))
     grads.unscale_(gs, found_inf, None, out=[torch.empty(4, device=device),
                                             torch.empty(3, device=device)])
+
+
+# --- gradients that are not dense: mixedprec's ops, never torch's kernel ------------------
+
+class RefuseTorchUnscale(TorchDispatchMode):
+    """torch's unscale kernel raises for the dtypes mixedprec's ops take, as on CUDA
+    for bfloat16 (no such kernel there): a CPU run fails where a CUDA run would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_ \
+                and any(t.dtype in grads.OP_DTYPES for t in args[0]):
+            raise NotImplementedError(f"{func}: refused for {args[0][0].dtype}, which "
+                                      "mixedprec's ops take (torch's kernel has no bfloat16 "
+                                      "CUDA implementation)")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_refusal_refuses_torchs_unscale_of_op_dtypes(device):
+    inv_scale = torch.tensor(0.5, device=device)
+    with RefuseTorchUnscale():
+        for dtype in grads.OP_DTYPES:
+            with pytest.raises(NotImplementedError, match="refused"):
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    [torch.ones(3, dtype=dtype, device=device)], flag(device), inv_scale)
+        wide = torch.ones(3, dtype=torch.float64, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([wide], flag(device), inv_scale)
+    assert torch.equal(wide, torch.full((3,), 0.5, dtype=torch.float64, device=device))
+
+
+# Views that are strided but not dense (the ops take none of them as they are), each
+# as (shape of the tensor viewed, the view): a slice of a transpose, every third
+# element, a slice in the middle dimension.
+NON_DENSE = [((6, 8), lambda t: t.t()[::2]), ((10,), lambda t: t[1::3]),
+             ((5, 4, 3), lambda t: t[:, 1:3, :])]
+
+
+def non_dense_grads(dtype, device, bad=None):
+    """(tensors, their non-dense views), values about 1000 (scaled gradients); ``bad``
+    put into the first view."""
+    bases = [randn(shape, dtype, device, seed=i, scale=1000.0)
+             for i, (shape, _) in enumerate(NON_DENSE)]
+    views = [view(base) for base, (_, view) in zip(bases, NON_DENSE)]
+    assert not any(mixedprec.ops.is_dense(v) for v in views)
+    if bad is not None:
+        views[0][1, 2] = bad
+    return bases, views
+
+
+def ref_unscaled(g, inv_scale):
+    """``g * inv_scale`` as the ops compute it: float32 math (the float64 product of two
+    float32 values is exact, so rounding it to float32 is float32's product), stored in
+    g's dtype; a float64 gradient in float64 (torch's kernel)."""
+    exact = g.double() * inv_scale.double()
+    return exact if g.dtype == torch.float64 else exact.float().to(g.dtype)
+
+
+def assert_same_bits(got, want, msg=""):
+    """Equal values and bits, NaN where the other has NaN (its payload aside)."""
+    assert got.dtype == want.dtype, msg
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=msg or None)
+    numbers = ~want.isnan()
+    assert torch.equal(bits(got)[numbers], bits(want)[numbers]), f"{msg}: bits differ"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
+@pytest.mark.parametrize("bad", [None, INF, NAN], ids=["finite", "inf", "nan"])
+def test_unscale_of_non_dense_gradients(device, dtype, bad):
+    """Non-dense fp32/fp16/bf16 gradients are unscaled by mixedprec's op (torch's kernel,
+    refused here for them, has no bfloat16 CUDA kernel), in place: each view holds the
+    float64 reference's value rounded as the op rounds, the elements around it are left
+    as they were, and found_inf is set exactly when a gradient holds inf or NaN. Dense
+    gradients in the same call, and float64 ones through torch's kernel, alike."""
+    bases, views = non_dense_grads(dtype, device, bad)
+    dense = randn((7,), dtype, device, seed=9, scale=1000.0)
+    inv_scale = torch.tensor(1 / 3, device=device)  # not a power of two: the products round
+    want_bases = [base.clone() for base in bases]
+    for want, view, (_, make_view) in zip(want_bases, views, NON_DENSE):
+        make_view(want).copy_(ref_unscaled(view, inv_scale))
+    want_dense = ref_unscaled(dense, inv_scale)
+    found_inf = flag(device)
+
+    with RefuseTorchUnscale(), refuse_host_reads():
+        grads.unscale_([views[0], dense, *views[1:]], found_inf, inv_scale)
+
+    for i, (base, want) in enumerate(zip(bases, want_bases)):
+        assert_same_bits(base, want, msg=f"view {i} and the tensor around it")
+    assert_same_bits(dense, want_dense, msg="dense")
+    assert torch.equal(found_inf, flag(device) + (bad is not None))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
+@pytest.mark.parametrize("bad", [None, INF, NAN], ids=["finite", "inf", "nan"])
+def test_check_finite_of_non_dense_gradients(device, dtype, bad):
+    """The read-only check of non-dense gradients (dense copies through mixedprec's op,
+    float64 through torch's isfinite): the flag set exactly on inf or NaN, nothing
+    written."""
+    bases, views = non_dense_grads(dtype, device, bad)
+    before = [(base.clone(), base._version) for base in bases]
+    found_inf = flag(device)
+    with refuse_host_reads():
+        grads.check_finite_(views, found_inf)
+    assert torch.equal(found_inf, flag(device) + (bad is not None))
+    for base, (kept, version) in zip(bases, before):
+        assert base._version == version
+        assert_same_bits(base, kept)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=ALL_DTYPE_IDS)
+@pytest.mark.parametrize("bad", [None, INF, NAN, "max"], ids=["finite", "inf", "nan", "max"])
+def test_nonfinite_per_tensor_of_non_dense_gradients(device, dtype, bad):
+    """A non-dense gradient is flagged as its dense copy is (inf, NaN, or "max": every
+    element the dtype's largest value, an L2 norm past float32's range for float32 and
+    bfloat16), and as the float64 reference says for inf and NaN."""
+    _, views = non_dense_grads(dtype, device, None if bad == "max" else bad)
+    if bad == "max":
+        views[0].fill_(torch.finfo(dtype).max)
+
+    def flags(gs):  # one flag per gradient, in order
+        with refuse_host_reads():
+            found = grads.nonfinite_per_tensor(gs)
+        out = torch.zeros(len(gs), dtype=torch.bool, device=device)
+        for positions, flagged in found:
+            out[positions] = flagged
+        return out
+
+    got = flags(views)
+    assert torch.equal(got, flags([v.contiguous() for v in views]))
+    if bad != "max":
+        reference = torch.stack([~torch.isfinite(v.double()).all() for v in views])
+        assert torch.equal(got, reference)
 
 
 # --- amp: its overflow check and unscale through grads ------------------------------------

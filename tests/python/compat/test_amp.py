@@ -128,7 +128,7 @@ def poison(model):
     """Puts an inf into the first gradient (as an overflowing backward would)."""
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.view(-1)[0] = float("inf")
+            p.grad.view(-1)[:1].fill_(float("inf"))  # (no tensor from host data)
             return
     raise AssertionError("no gradient to poison")
 

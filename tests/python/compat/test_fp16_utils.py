@@ -80,7 +80,7 @@ def loss_of(model, step, device):
 
 
 def inject_inf(model_param):
-    model_param.grad.view(-1)[0] = float("inf")
+    model_param.grad.view(-1)[:1].fill_(float("inf"))  # (no tensor from host data)
 
 
 class ApexDynamicScale:

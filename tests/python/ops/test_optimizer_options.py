@@ -227,6 +227,28 @@ def optimizer_call(optimizer, device, params, grads, model=(), **kw):
                                  **kw)
 
 
+def exact_unscaled_grads(grads, inv_scale):
+    """What GradScaler.unscale_ leaves, from float64: ``g * inv_scale`` in float32 (the
+    float64 product of two float32 values is exact, so rounding it once to float32 is
+    float32's product), stored in the grad's dtype. (torch's own unscale kernel has no
+    bfloat16 CUDA implementation, so it cannot be the reference on both devices.)"""
+    return [(g.double() * inv_scale.double()).float().to(g.dtype) for g in grads]
+
+
+def test_exact_unscaled_grads_is_fp32_math():
+    """The float64 reference is eager fp32 math, bit for bit, and torch's unscale kernel
+    (on the CPU, which has one for every dtype), on values whose products round."""
+    grads = mixed_grads(make_params(F32, "cpu"), "cpu", seed=10, scale=LOSS_SCALE)
+    inv_scale = scalar(1 / 3, "cpu")
+    torch_unscaled = [g.clone() for g in grads]
+    torch._amp_foreach_non_finite_check_and_unscale_(torch_unscaled, scalar(0.0, "cpu"),
+                                                     inv_scale)
+    for want, fp32, by_torch in zip(exact_unscaled_grads(grads, inv_scale),
+                                    ref_unscaled_grads(grads, inv_scale), torch_unscaled):
+        assert_bitwise_equal(want, fp32)
+        assert_bitwise_equal(want, by_torch)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("maximize", [False, True], ids=["minimize", "maximize"])
 @pytest.mark.parametrize("with_model", [False, True], ids=["params", "masters"])
@@ -238,9 +260,7 @@ def test_unscale_grads_leaves_the_unscaled_gradients(device, optimizer, maximize
     grads = mixed_grads(params, device, seed=10, scale=LOSS_SCALE)
     inv_scale = scalar(1 / 3, device)  # not a power of two: the products round
     unscaled = ref_unscaled_grads(grads, inv_scale)
-    torch_unscaled = [g.clone() for g in grads]
-    torch._amp_foreach_non_finite_check_and_unscale_(torch_unscaled, scalar(0.0, device),
-                                                     inv_scale)
+    exact = exact_unscaled_grads(grads, inv_scale)
     op, kwargs = optimizer_call(optimizer, device, params, grads, model, inv_scale=inv_scale,
                                 found_inf=scalar(0.0, device), maximize=maximize)
     plain = {k: [t.clone() for t in v] if isinstance(v, list) else
@@ -249,9 +269,9 @@ def test_unscale_grads_leaves_the_unscaled_gradients(device, optimizer, maximize
     op(**kwargs, unscale_grads=True)
     op(**plain)
 
-    for got, want, torch_want in zip(kwargs["grads"], unscaled, torch_unscaled):
+    for got, want, exact_want in zip(kwargs["grads"], unscaled, exact):
         assert_bitwise_equal(got, want)
-        assert_bitwise_equal(got, torch_want)
+        assert_bitwise_equal(got, exact_want)
     for name in kwargs:
         if name != "grads" and isinstance(kwargs[name], (list, torch.Tensor)):
             got = kwargs[name] if isinstance(kwargs[name], list) else [kwargs[name]]
