@@ -1,29 +1,47 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317  # the functions below run through step()
-# Validation on a GPU machine (H100/H200, no network) in one command, from the
-# repository root or anywhere:
+# Validation on a GPU machine (H100/H200, 16 cores, no network) in one command, from
+# the repository root or anywhere:
 #
-#   bash scripts/gpu_check.sh [STEP...]
+#   MIXEDPREC_PREBUILT=1 bash scripts/gpu_check.sh        # the extension carried over
+#   bash scripts/gpu_check.sh [--dry-run] [STEP...]
 #
-# Prints the machine and versions, builds the extension with its CUDA kernels in
-# place, then runs the steps:
+# Prints its plan (each step, its command and its time limit), the machine and
+# versions, checks the extension (built in place, or MIXEDPREC_PREBUILT=1: the one
+# already there) and that every registered op has a CUDA kernel, then runs the steps:
 #   selfcheck    python -m mixedprec.selfcheck (each op on CPU and CUDA against float64)
-#   pytest       the whole suite, CUDA tests included (MIXEDPREC_EXPECT_CUDA=1), on
-#                6 pytest-xdist workers when xdist is installed
-#   ctest        the GoogleTest suite (skipped where GoogleTest is not installed)
-#   memcheck     compute-sanitizer memcheck over the CUDA tests of the op files
+#   pytest       the CUDA tests (pytest -k "cuda or gpu", MIXEDPREC_EXPECT_CUDA=1) on
+#                pytest-xdist workers when xdist is installed; in a run with memcheck,
+#                but for memcheck's files (memcheck runs their CUDA tests)
+#   ctest        the GoogleTest suite (host code; CI runs it too; not in the default run)
+#   memcheck     compute-sanitizer memcheck over the CUDA tests of the op files and of the
+#                optimizer files (fused, lean, 8-bit state, remainder, LAMB, stochastic
+#                rounding)
 #   racecheck    compute-sanitizer racecheck over the L2 norm's CUDA tests (the only
 #                kernels with shared memory)
 #   synccheck    compute-sanitizer synccheck over the engine's CUDA tests
-#   bench-ops    bench/ops.py;  bench-train: bench/train.py;  bench: both
+#   bench-ops    bench/ops.py, bounded (two lists, the ops with targets)
+#   bench-train  bench/train.py, bounded (ResNet-50 and GPT-2-small, FP32/AMP/O2)
+#   bench        bench-ops then bench-train
 #   bench-lean   bench/lean.py on the GPU (issue #11's modes; not in the default run:
 #                name it in a call of its own)
-# With no STEP: selfcheck, then the other correctness steps at once (they share
-# the GPU; none of them times anything), then the benchmarks alone. A STEP written
-# A+B+... runs those steps at once, each into its own log, printed when all are
-# done. Naming some steps splits a run over calls that each fit a time limit.
-# Everything is also written to ${OUT:-/tmp}/gpu_check.log. Ends with a summary;
-# exits 1 when any step failed.
+# With no STEP: selfcheck, then pytest+memcheck+racecheck+synccheck at once (they share
+# the 16 cores and the GPU; none of them times anything), then the benchmarks alone;
+# with the extension carried over (MIXEDPREC_PREBUILT=1) the limits add up to 525 s
+# (555 s with the seconds timeout may take to stop each), under the 600 s a call on the
+# lent machines may take; building in place instead takes a call of its own. A STEP written A+B+... runs
+# those steps at once, each into its own log (${OUT:-/tmp}/gpu_check-STEP.log), printed
+# when all are done. Naming some steps splits a run over calls.
+#
+# Every step runs under `timeout` with its own limit (printed with the step); a step cut
+# off is TIMEOUT in the summary. Each step's summary line goes to
+# ${OUT:-/tmp}/gpu_check.summary as soon as it ends (and a START line when it begins), so
+# the summary survives the whole script being killed; on TERM/INT the running steps are
+# stopped, recorded as KILLED, and the summary is printed. A test step passes only when
+# at least one test passed (pytest's "no tests ran" is a failure) and a sanitizer step
+# only when the tool printed its summary with 0 errors. Everything is also written to
+# ${OUT:-/tmp}/gpu_check.log. Exits 1 when any step failed, timed out or was killed; 2 on
+# an unknown step or option. --dry-run prints the plan and runs nothing.
 #
 # Uses python3 (torch 2.11 built for CUDA 13.0), nvcc, ninja, cmake, pytest and
 # compute-sanitizer from the machine; downloads nothing. Variables:
@@ -34,54 +52,186 @@
 #                          machine against the same torch; the library is
 #                          py_limited_api, so any Python 3 loads it) instead of
 #                          building; it must load and hold the CUDA kernels
-#   SANITIZER_TIMEOUT      seconds allowed for each compute-sanitizer run (default 300)
-#   SANITIZER_WORKERS      pytest-xdist workers of each compute-sanitizer run (default:
-#                          memcheck 6, racecheck 3, synccheck 2, sized to run at once)
-#   PYTEST_WORKERS         pytest-xdist workers of the pytest step (default 6)
+#   <STEP>_LIMIT           seconds allowed to a step, STEP in capitals with _ for -
+#                          (MEMCHECK_LIMIT=540, BENCH_OPS_LIMIT=120, ...); defaults below
+#   <STEP>_WORKERS         pytest-xdist workers of pytest, memcheck, racecheck, synccheck
+#                          (default 4, 9, 1, 2: 16 processes, sized to run at once)
+#   PYTEST_FILTER          pytest -k expression of the pytest step (default "cuda or gpu";
+#                          empty: the whole suite)
+#   KILL_GRACE             seconds between timeout's TERM and its KILL (default 5)
 set -uo pipefail
+# $OUT as the caller meant it, before the cd below (bench/common.py reads it too).
+OUTDIR=${OUT:-/tmp}
+[[ $OUTDIR == /* ]] || OUTDIR=$PWD/$OUTDIR
+[ -z "${OUT:-}" ] || export OUT=$OUTDIR
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
-PY=$(command -v "${PYTHON:-python3}")
+PY=$(command -v "${PYTHON:-python3}" || echo "${PYTHON:-python3}")
 export MAX_JOBS=${MAX_JOBS:-16}
 export MIXEDPREC_CUDA=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 CUDA_BIN=${CUDA_HOME:-/usr/local/cuda}/bin
 SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_BIN/compute-sanitizer")
-LOG=${OUT:-/tmp}/gpu_check.log
+LOG=$OUTDIR/gpu_check.log
+SUMMARY_FILE=$OUTDIR/gpu_check.summary
+KILL_GRACE=${KILL_GRACE:-5}
+# What one call on the lent machines may take (600 s), less room for the machine's own
+# start-up and for copying $OUT back.
+BUDGET=560
+export PY CUDA_BIN SANITIZER
 
-SUMMARY=()
-PASSED=0
-FAILED=0
-SKIPPED=0
+ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
+  bench-lean)
+DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
 
-# step NAME CMD...: runs CMD, records PASS (status 0), SKIP (77) or FAIL, and
-# the last test-count line it printed (pytest, ctest, compute-sanitizer).
-step() {
-  local name=$1 out start rc status counts errors
-  shift
-  out=$(mktemp)
-  start=$SECONDS
-  printf '\n==== %s\n$ %s\n' "$name" "$*"
-  "$@" 2>&1 | tee "$out"
-  rc=${PIPESTATUS[0]}
-  case $rc in
-    0) status=PASS PASSED=$((PASSED + 1)) ;;
-    77) status=SKIP SKIPPED=$((SKIPPED + 1)) ;;
-    *) status=FAIL FAILED=$((FAILED + 1)) ;;
+# Default limits, in seconds, and workers, from the runs so far (worker-seconds per test:
+# the step's time x its workers / its tests). memcheck is the long pole: 382 op tests in
+# 300 s on 6 workers beside the whole suite (H100, 2026-11-24: 4.7), 186 lean/8-bit tests
+# in about 125 s on 14 workers (H200, 2026-11-27: 9.4); now 170 op tests and 186 lean
+# and 8-bit ones (the Apex faces' tests and sum_fp32's, which drive no kernel of their
+# own, left to pytest), about 2550 worker-seconds, so 9 of the 16 workers and the
+# largest limit; if it is still cut off, the summary says how far it got, and a call of
+# its own with MEMCHECK_LIMIT=540 MEMCHECK_WORKERS=14 finishes it. The CUDA tests: 1906
+# in 130 s on 10 workers (0.7), about 1660 here without memcheck's files; racecheck 31
+# in 68 s on 3;
+# synccheck 152 in 131 s on 2. The benchmarks get what is left, bounded by their own
+# --time-budget.
+default_limit() {
+  case $1 in
+    environment) echo 20 ;;
+    build) if [ "${MIXEDPREC_PREBUILT:-0}" = 1 ]; then echo 25; else echo 300; fi ;;
+    selfcheck) echo 30 ;;
+    pytest) echo 300 ;;
+    ctest) echo 300 ;;
+    memcheck) echo 340 ;;
+    racecheck) echo 280 ;;
+    synccheck) echo 280 ;;
+    bench-ops) echo 60 ;;
+    bench-train) echo 50 ;;
+    bench-lean) echo 300 ;;
   esac
-  counts=$(grep -E '[0-9]+ (passed|failed|error)|(tests|checks) passed|no tests ran' "$out" |
-    tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
-  errors=$(grep -oE 'ERROR SUMMARY: .*' "$out" | tail -n 1)
-  [ "$rc" = 124 ] && counts="timed out; $counts"
-  SUMMARY+=("$(printf '%-4s %-32s %5ss  %s' "$status" "$name" $((SECONDS - start)) \
-    "$counts${errors:+; $errors}")")
-  rm -f "$out"
-  return "$rc"
 }
 
-skip() {  # skip NAME REASON
-  SUMMARY+=("$(printf '%-4s %-32s %6s  %s' SKIP "$1" "" "$2")")
-  SKIPPED=$((SKIPPED + 1))
+# limit_of STEP: $<STEP>_LIMIT when set, else the default.
+limit_of() {
+  local var
+  var=$(tr 'a-z-' 'A-Z_' <<<"$1")_LIMIT
+  echo "${!var:-$(default_limit "$1")}"
+}
+
+# workers_of STEP DEFAULT: $<STEP>_WORKERS when set, else DEFAULT.
+workers_of() {
+  local var
+  var=$(tr 'a-z-' 'A-Z_' <<<"$1")_WORKERS
+  echo "${!var:-$2}"
+}
+
+# The op tests and the optimizer tests: what memcheck checks (the rest of the suite
+# drives the same kernels through the Python layer, test_fused_optimizers.py through
+# the Apex faces; test_errors.py checks arguments that are rejected before any kernel
+# runs; sum_fp32 is ATen's reduction). pytest runs the others' CUDA tests.
+OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py
+  tests/python/scaler/test_loss_scale.py)
+OPTIM_TESTS=(tests/python/optim/test_lean.py tests/python/optim/test_state8.py
+  tests/python/optim/test_remainder.py tests/python/optim/test_lamb.py
+  tests/python/ops/test_stochastic_rounding.py)
+# The engine's tests: what synccheck (barriers) checks; the 2^31-element test is
+# memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
+# reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
+ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
+L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/compat/test_amp_C.py)
+
+# --- the steps' commands ---------------------------------------------------------------
+
+# define_step STEP: sets DESC, LIMIT, KIND (what the verdict requires besides exit
+# status 0: "plain" nothing, "tests" a passed test, "sanitizer" that too and the tool's
+# clean summary) and CMD (the command; a name of a function below runs that function).
+define_step() {
+  local n filter f
+  KIND=plain
+  LIMIT=$(limit_of "$1")
+  case $1 in
+    environment)
+      DESC="the machine and versions"
+      CMD=(environment) ;;
+    build)
+      if [ "${MIXEDPREC_PREBUILT:-0}" = 1 ]; then
+        DESC="the prebuilt mixedprec/_C*.so loads and every registered op has a CUDA kernel"
+      else
+        DESC="build in place with the CUDA kernels, then the same check"
+      fi
+      CMD=(build) ;;
+    selfcheck)
+      DESC="each op on CPU and CUDA against float64"
+      CMD=("$PY" -m mixedprec.selfcheck) ;;
+    pytest)
+      n=$(workers_of pytest 4)
+      KIND=tests
+      filter=${PYTEST_FILTER-cuda or gpu}
+      DESC="the whole suite, CUDA tests included"
+      [ -n "$filter" ] && DESC="the tests that match -k '$filter'"
+      CMD=(env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra -p no:cacheprovider
+        --durations=10)
+      [ -n "$filter" ] && CMD+=(-k "$filter")
+      # memcheck runs the CUDA tests of its files, assertions included: in a run with
+      # memcheck, running them here too would only take cores from it.
+      if [ "${RUN_HAS_MEMCHECK:-0}" = 1 ]; then
+        DESC="$DESC, but for memcheck's files"
+        for f in "${OP_TESTS[@]}" "${OPTIM_TESTS[@]}"; do
+          CMD+=("--ignore=$f")
+        done
+      fi
+      CMD+=($(xdist_args "$n")) ;;
+    ctest)
+      DESC="the GoogleTest suite (skipped where GoogleTest is not installed)"
+      CMD=(cpp_tests) ;;
+    memcheck)
+      KIND=sanitizer
+      DESC="memcheck over the op and optimizer tests"
+      sanitizer_cmd memcheck "$(workers_of memcheck 9)" "" "${OP_TESTS[@]}" "${OPTIM_TESTS[@]}" ;;
+    racecheck)
+      KIND=sanitizer
+      DESC="racecheck over the L2 norm tests"
+      sanitizer_cmd racecheck "$(workers_of racecheck 1)" l2norm "${L2NORM_TESTS[@]}" ;;
+    synccheck)
+      KIND=sanitizer
+      DESC="synccheck over the engine tests"
+      sanitizer_cmd synccheck "$(workers_of synccheck 2)" "" "${ENGINE_TESTS[@]}" ;;
+    bench-ops)
+      # The two lists of the published tables and the ops that have targets; the run
+      # stops starting cases after --time-budget and marks the rest skipped.
+      DESC="bench/ops.py on ResNet-50 and GPT-2-medium: unscale, adam, sgd"
+      CMD=("$PY" bench/ops.py --lists resnet50,gpt2-medium --ops unscale,adam,sgd
+        --time-budget 35) ;;
+    bench-train)
+      DESC="bench/train.py: ResNet-50 B=256 and GPT-2-small B=8 at FP32, AMP and O2"
+      CMD=("$PY" bench/train.py --models resnet50,gpt2-small --batch-sizes 256
+        --lm-batch-sizes 8 --modes fp32,amp,o2 --no-max-batch --time-budget 25) ;;
+    bench-lean)
+      DESC="bench/lean.py on the GPU"
+      CMD=("$PY" bench/lean.py --device cuda) ;;
+  esac
+}
+
+# xdist_args N: pytest-xdist's arguments for N workers (none without xdist).
+xdist_args() {
+  [ "$HAVE_XDIST" = 1 ] && echo "-n $1"
+}
+
+# sanitizer_cmd TOOL WORKERS FILTER FILE...: sets CMD to compute-sanitizer TOOL over the
+# CUDA tests of the files that match FILTER (pytest -k), on WORKERS pytest-xdist workers
+# (the tool follows child processes), one line per test (-v: a run cut off still says
+# which tests it checked). Without the caching allocator every tensor is its
+# own allocation, so an out-of-bounds access is caught instead of landing in a
+# neighbour's memory.
+sanitizer_cmd() {
+  local tool=$1 n=$2 filter="cuda and not test_cuda_graphs${3:+ and $3}"
+  shift 3
+  [ "$tool" = memcheck ] || filter="$filter and not 2_31"
+  CMD=(env MIXEDPREC_EXPECT_CUDA=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER"
+    --tool "$tool" --error-exitcode 1 --target-processes all "$PY" -m pytest "$@"
+    -k "$filter" -v -p no:cacheprovider)
+  CMD+=($(xdist_args "$n"))
 }
 
 environment() {
@@ -99,6 +249,8 @@ print("torch", torch.__version__, "built for CUDA", torch.version.cuda,
 print("GPU", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
 print("CPU threads", torch.get_num_threads(), "of", os.cpu_count())
 EOF
+  "$PY" -c "import xdist; print('pytest-xdist', xdist.__version__)" 2>/dev/null ||
+    echo "pytest-xdist: not installed (each test step runs in one process)"
   "$nvcc" --version | tail -n 2
   cmake --version | head -n 1
   "$SANITIZER" --version | tail -n 1
@@ -106,34 +258,20 @@ EOF
     "MIXEDPREC_PREBUILT=${MIXEDPREC_PREBUILT:-0}"
 }
 
-# Whether the extension loads here with its CUDA kernels registered.
-cuda_kernels_loaded() {
-  "$PY" - <<'EOF'
-import torch
-from mixedprec import ops
-
-names = ops.__all__[1:]
-missing = [n for n in names
-           if not torch._C._dispatch_has_kernel_for_dispatch_key(f"mixedprec::{n}", "CUDA")]
-print(f"mixedprec._C: CUDA kernels of {len(names) - len(missing)} of {len(names)} ops",
-      f"(missing: {missing})" if missing else "")
-raise SystemExit(1 if missing else 0)
-EOF
-}
-
 build() {
   local with_cuda
   if [ "${MIXEDPREC_PREBUILT:-0}" = 1 ]; then
     ls -l mixedprec/_C*.so || return 1
-    cuda_kernels_loaded
-    return
+  else
+    with_cuda=$("$PY" scripts/build_checks.py) || return 1
+    if [ "$with_cuda" != 1 ]; then
+      echo "error: setup.py would not build the CUDA kernels here"
+      return 1
+    fi
+    "$PY" setup.py build_ext --inplace || return 1
   fi
-  with_cuda=$("$PY" scripts/build_checks.py) || return 1
-  if [ "$with_cuda" != 1 ]; then
-    echo "error: setup.py would not build the CUDA kernels here"
-    return 1
-  fi
-  "$PY" setup.py build_ext --inplace && cuda_kernels_loaded
+  # The ops come from the dispatcher, not from a Python list (see the file).
+  "$PY" scripts/gpu_check_ops.py --key CUDA
 }
 
 cpp_tests() {
@@ -149,118 +287,252 @@ cpp_tests() {
   cmake --build build/cpp -j "$MAX_JOBS" && ctest --test-dir build/cpp --output-on-failure -j 8
 }
 
-ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
-  bench-lean)
-DEFAULT_STEPS=(selfcheck pytest+ctest+memcheck+racecheck+synccheck bench)
-# The op tests: what memcheck checks (the rest of the suite drives the same kernels
-# through the Python layer, at many times the run time under the tool; test_errors.py
-# checks arguments that are rejected before any kernel runs).
-OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py
-  tests/python/optim/test_fused_optimizers.py tests/python/ops/test_sum_fp32.py
-  tests/python/scaler/test_loss_scale.py)
-# The engine's tests: what synccheck (barriers) checks; the 2^31-element test is
-# memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
-# reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
-ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
-L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/compat/test_amp_C.py)
+# The functions run under timeout, in a bash of their own.
+export -f environment build cpp_tests
 
-HAVE_XDIST=0
-"$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1
+# --- running a step --------------------------------------------------------------------
 
-# workers N: pytest-xdist's arguments for N workers (none without xdist).
-workers() {
-  [ "$HAVE_XDIST" = 1 ] && echo "-n $1"
+# show_cmd ARG...: the command as one line, arguments with spaces quoted.
+show_cmd() {
+  local a s=""
+  for a in "$@"; do
+    [[ $a =~ [[:space:]] ]] && a="'$a'"
+    s+="${s:+ }$a"
+  done
+  echo "$s"
 }
 
-# sanitize TOOL WORKERS FILTER FILE...: compute-sanitizer TOOL over the CUDA tests of
-# the files that match FILTER (pytest -k), on WORKERS pytest-xdist workers (the tool
-# follows child processes). Without the caching allocator every tensor is its own
-# allocation, so an out-of-bounds access is caught instead of landing in a
-# neighbour's memory.
-sanitize() {
-  local tool=$1 n=${SANITIZER_WORKERS:-$2} filter="cuda and not test_cuda_graphs${3:+ and $3}"
-  shift 3
-  [ "$tool" = memcheck ] || filter="$filter and not 2_31"
-  # shellcheck disable=SC2046  # workers' words are separate arguments
-  env MIXEDPREC_EXPECT_CUDA=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-    timeout "${SANITIZER_TIMEOUT:-300}" "$SANITIZER" --tool "$tool" --error-exitcode 1 \
-    --target-processes all "$PY" -m pytest "$@" -k "$filter" -x -q -p no:cacheprovider \
-    $(workers "$n")
+# record LINE: appends a line to the summary file at once (one short write, so that
+# steps running at once do not interleave).
+record() {
+  printf '%s\n' "$1" >>"$SUMMARY_FILE"
+}
+
+# line STATUS NAME SECONDS LIMIT DETAIL: a line of the summary (SECONDS, LIMIT may be empty).
+line() {
+  printf '%-7s %-12s %5s %-6s %s' "$1" "$2" "${3:+${3}s}" "${4:+/${4}s}" "$5"
+}
+
+# verdict KIND RC SECONDS LIMIT OUTPUT: sets STATUS and DETAIL.
+verdict() {
+  local kind=$1 rc=$2 secs=$3 limit=$4 out=$5 counts errors progress passed
+  counts=$(grep -v 'SUMMARY:' "$out" |
+    grep -E '[0-9]+ (passed|failed|error)|(tests|checks) passed|no tests ran' |
+    tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  errors=$(grep -oE '(ERROR|RACECHECK) SUMMARY: .*' "$out" | tail -n 1)
+  DETAIL="$counts${errors:+; $errors}"
+  case $rc in
+    0) STATUS=PASS ;;
+    77) STATUS=SKIP ;;
+    124) STATUS=TIMEOUT ;;
+    137) if [ "$secs" -ge "$limit" ]; then STATUS=TIMEOUT; else STATUS=FAIL; fi ;;
+    *) STATUS=FAIL ;;
+  esac
+  if [ "$STATUS" = TIMEOUT ]; then
+    progress=$(grep -oE '\[ *[0-9]+%\]' "$out" | tail -n 1)
+    passed=$(grep -cE '(^|[[:space:]])PASSED([[:space:]]|$)' "$out")
+    [ "$passed" -gt 0 ] || passed=""
+    DETAIL="stopped at its ${limit}s limit${progress:+ at $progress}"\
+"${passed:+, $passed passed}${DETAIL:+; $DETAIL}"
+    return
+  fi
+  if [ "$STATUS" = FAIL ] && [ -z "$DETAIL" ]; then
+    # The last line said is most often the reason (a traceback's last line).
+    DETAIL=$(grep -v '^[[:space:]]*$' "$out" | tail -n 1 | cut -c 1-120)
+  fi
+  [ "$STATUS" = PASS ] || return
+  # A run that tested nothing must not pass.
+  if [ "$kind" != plain ]; then
+    if grep -qE 'no tests ran|collected 0 items' "$out" ||
+      ! grep -qE '(^|[^0-9])[1-9][0-9]* passed' "$out"; then
+      STATUS=FAIL DETAIL="no test passed${DETAIL:+; $DETAIL}"
+      return
+    fi
+  fi
+  if [ "$kind" = sanitizer ]; then
+    if grep -qE '(ERROR|RACECHECK) SUMMARY: [1-9]' "$out"; then
+      STATUS=FAIL
+    elif ! grep -qE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$out"; then
+      STATUS=FAIL DETAIL="compute-sanitizer printed no summary${DETAIL:+; $DETAIL}"
+    fi
+  fi
+}
+
+# step NAME: runs the step's command under its time limit in its own process group
+# (timeout's), teeing its output; records its START line and then its summary line.
+step() {
+  local name=$1 out pidfile rcfile start rc secs
+  define_step "$name"
+  out=$(mktemp "$STATE/out.XXXXXX")
+  pidfile=$(mktemp "$STATE/pgid.XXXXXX")
+  rcfile=$(mktemp "$STATE/rc.XXXXXX")
+  start=$SECONDS
+  printf '\n==== %s: %s (limit %ss)\n$ %s\n' "$name" "$DESC" "$LIMIT" "$(show_cmd "${CMD[@]}")"
+  record "$(line START "$name" "" "$LIMIT" "at +${start}s, $(date -u +%H:%M:%S)")"
+  local -a cmd=("${CMD[@]}")
+  declare -F "${cmd[0]}" >/dev/null && cmd=(bash -c '"$@"' gpu_check "${cmd[@]}")
+  # In the background and waited for, so that a TERM to this shell is handled at once;
+  # the trap stops the step through the process group named in $pidfile.
+  {
+    timeout -k "$KILL_GRACE" "$LIMIT" "${cmd[@]}" &
+    echo $! >"$pidfile"
+    wait $!
+    echo $? >"$rcfile"
+  } 2>&1 | tee "$out" &
+  wait $!
+  rc=$(cat "$rcfile")
+  rc=${rc:-1}
+  rm -f "$pidfile"
+  secs=$((SECONDS - start))
+  verdict "$KIND" "$rc" "$secs" "$LIMIT" "$out"
+  record "$(line "$STATUS" "$name" "$secs" "$LIMIT" "$DETAIL")"
+  rm -f "$out" "$rcfile"
+  [ "$STATUS" = PASS ] || [ "$STATUS" = SKIP ]
+}
+
+# expand STEP: the steps a named step runs, in order.
+expand() {
+  if [ "$1" = bench ]; then echo bench-ops bench-train; else echo "$1"; fi
 }
 
 run_step() {
-  # shellcheck disable=SC2046  # workers' words are separate arguments
-  case $1 in
-    selfcheck) step "selfcheck" "$PY" -m mixedprec.selfcheck ;;
-    pytest) step "pytest" env MIXEDPREC_EXPECT_CUDA=1 "$PY" -m pytest tests/python -ra \
-      $(workers "${PYTEST_WORKERS:-6}") -p no:cacheprovider --durations=10 ;;
-    ctest) step "ctest" cpp_tests ;;
-    memcheck) step "memcheck (op tests, cuda)" sanitize memcheck 6 "" "${OP_TESTS[@]}" ;;
-    racecheck) step "racecheck (L2 norm tests, cuda)" sanitize racecheck 3 l2norm \
-      "${L2NORM_TESTS[@]}" ;;
-    synccheck) step "synccheck (engine tests, cuda)" sanitize synccheck 2 "" \
-      "${ENGINE_TESTS[@]}" ;;
-    bench-ops) step "bench ops.py" "$PY" bench/ops.py ;;
-    bench-train) step "bench train.py" "$PY" bench/train.py ;;
-    bench-lean) step "bench lean.py" "$PY" bench/lean.py --device cuda ;;
-    bench)
-      run_step bench-ops
-      run_step bench-train
-      ;;
-  esac
+  local s
+  for s in $(expand "$1"); do
+    step "$s"
+  done
 }
 
-# run_group A+B+...: runs the steps at once, each into its own log; then prints the
-# logs in order and adds their summary lines and counts to this shell's.
+# run_group A+B+...: runs the steps at once, each into ${OUT:-/tmp}/gpu_check-STEP.log
+# (kept there, so that a killed run still returns them); prints the logs in order.
 run_group() {
-  local -a names lines
-  local dir s p f k
+  local -a names pids=()
+  local s
   IFS=+ read -ra names <<<"$1"
   if [ ${#names[@]} -eq 1 ]; then
     run_step "$1"
     return
   fi
-  dir=$(mktemp -d)
-  printf '\n==== at once: %s\n' "${names[*]}"
+  printf '\n==== at once: %s (logs: %s/gpu_check-STEP.log, printed when all are done)\n' \
+    "${names[*]}" "$OUTDIR"
   for s in "${names[@]}"; do
-    (
-      SUMMARY=() PASSED=0 FAILED=0 SKIPPED=0
-      run_step "$s" >"$dir/$s.log" 2>&1
-      printf '%s\n' "${SUMMARY[@]}" >"$dir/$s.summary"
-      echo "$PASSED $FAILED $SKIPPED" >"$dir/$s.counts"
-    ) &
+    run_step "$s" >"$OUTDIR/gpu_check-$s.log" 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"
   for s in "${names[@]}"; do
-    cat "$dir/$s.log"
-    mapfile -t lines <"$dir/$s.summary"
-    SUMMARY+=("${lines[@]}")
-    read -r p f k <"$dir/$s.counts"
-    PASSED=$((PASSED + p)) FAILED=$((FAILED + f)) SKIPPED=$((SKIPPED + k))
+    cat "$OUTDIR/gpu_check-$s.log"
   done
-  rm -rf "$dir"
 }
 
-main() {
-  echo "mixedprec GPU check, log: $LOG, steps: ${STEPS[*]}"
-  step "environment" environment
-  if ! step "build (CUDA)" build; then
-    skip "tests" "the build failed"
-    return
+# --- the plan --------------------------------------------------------------------------
+
+# plan: prints each step of this run with its stage (steps of one stage run at once), its
+# limit and its command, and the total against the budget; TOTAL_LIMITS and TOTAL_WALL
+# (each stage's longest slot, with KILL_GRACE per step) are set.
+plan() {
+  local group s stage=0 slot prev slot_limits slot_wall stage_max stage_wall
+  local -a names stages=()
+  TOTAL_LIMITS=0 TOTAL_WALL=0
+  # A lone step that runs several (bench) is several stages; in A+B it is one slot.
+  for group in environment build "${STEPS[@]}"; do
+    if [[ $group == *+* ]]; then stages+=("$group"); else stages+=($(expand "$group")); fi
+  done
+  for group in "${stages[@]}"; do
+    stage=$((stage + 1))
+    stage_max=0 stage_wall=0
+    IFS=+ read -ra names <<<"$group"
+    for slot in "${names[@]}"; do
+      slot_limits=0 slot_wall=0 prev=""
+      for s in $(expand "$slot"); do
+        define_step "$s"
+        printf 'plan: stage %-2s %-12s limit %4ss  %s%s\n         $ %s\n' "$stage" "$s" \
+          "$LIMIT" "$DESC" "${prev:+ (after $prev)}" "$(show_cmd "${CMD[@]}")"
+        slot_limits=$((slot_limits + LIMIT))
+        slot_wall=$((slot_wall + LIMIT + KILL_GRACE))
+        prev=$s
+      done
+      [ "$slot_limits" -gt "$stage_max" ] && stage_max=$slot_limits
+      [ "$slot_wall" -gt "$stage_wall" ] && stage_wall=$slot_wall
+    done
+    TOTAL_LIMITS=$((TOTAL_LIMITS + stage_max))
+    TOTAL_WALL=$((TOTAL_WALL + stage_wall))
+  done
+  printf 'plan: total %ss of limits (steps at once counted by the longest), %ss with %ss' \
+    "$TOTAL_LIMITS" "$TOTAL_WALL" "$KILL_GRACE"
+  printf ' to stop each; budget %ss\n' "$BUDGET"
+  if [ "$TOTAL_WALL" -gt "$BUDGET" ]; then
+    echo "plan: over the ${BUDGET}s budget of one call: split the steps over calls" \
+      "(MIXEDPREC_PREBUILT=1 after a build)"
   fi
-  for group in "${STEPS[@]}"; do
-    run_group "$group"
+  [ "$HAVE_XDIST" = 1 ] || echo "plan: pytest-xdist is not installed: each test step runs" \
+    "in one process"
+}
+
+# --- the summary -----------------------------------------------------------------------
+
+# The running steps: the START lines of the summary file without a later line of the
+# same step.
+unfinished() {
+  awk '$1 == "START" { s[$2] = $0; next } { delete s[$2] } END { for (k in s) print s[k] }' \
+    "$SUMMARY_FILE"
+}
+
+print_summary() {
+  [ "${SUMMARY_PRINTED:-0}" = 1 ] && return
+  SUMMARY_PRINTED=1
+  printf '\n==== summary (%s; also in %s)\n' "$(date -u)" "$SUMMARY_FILE"
+  grep -v '^START ' "$SUMMARY_FILE"
+  awk '$1 == "PASS" { p++ } $1 == "SKIP" { k++ } $1 == "FAIL" { f++ } $1 == "TIMEOUT" { t++ }
+    $1 == "KILLED" { x++ }
+    END { printf "steps: %d passed, %d failed, %d timed out, %d killed, %d skipped\n",
+          p, f, t, x, k }' "$SUMMARY_FILE"
+}
+
+failed_steps() {
+  grep -cE '^(FAIL|TIMEOUT|KILLED) ' "$SUMMARY_FILE"
+}
+
+on_exit() {
+  print_summary
+  rm -rf "$STATE"
+}
+
+# on_signal SIGNAL STATUS: stops the running steps (their process groups, then this
+# shell's background jobs), records them as KILLED, prints the summary and exits.
+on_signal() {
+  local f pg l name limit start
+  trap - TERM INT
+  for f in "$STATE"/pgid.*; do
+    [ -s "$f" ] || continue
+    read -r pg <"$f"
+    kill -TERM -- "-$pg" 2>/dev/null
   done
+  # shellcheck disable=SC2046  # one pid a word
+  kill -TERM $(jobs -p) 2>/dev/null
+  while IFS= read -r l; do
+    name=$(awk '{ print $2 }' <<<"$l")
+    limit=$(grep -oE '/ *[0-9]+s' <<<"$l" | tr -dc 0-9)
+    start=$(grep -oE 'at \+[0-9]+s' <<<"$l" | tr -dc 0-9)
+    record "$(line KILLED "$name" $((SECONDS - ${start:-$SECONDS})) "$limit" \
+      "running when the script got $1")"
+  done < <(unfinished)
+  print_summary
+  exit "$2"
 }
 
-summary() {
-  printf '\n==== summary (%s)\n' "$(date -u)"
-  printf '%s\n' "${SUMMARY[@]}"
-  echo "steps: $PASSED passed, $FAILED failed, $SKIPPED skipped"
-  [ "$FAILED" -eq 0 ]
-}
+# --- main ------------------------------------------------------------------------------
 
-STEPS=("$@")
+DRY_RUN=0
+STEPS=()
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY_RUN=1 ;;
+    -*)
+      echo "gpu_check.sh: unknown option '$arg'; expected --dry-run or steps" >&2
+      exit 2 ;;
+    *) STEPS+=("$arg") ;;
+  esac
+done
 [ ${#STEPS[@]} -gt 0 ] || STEPS=("${DEFAULT_STEPS[@]}")
 for group in "${STEPS[@]}"; do
   IFS=+ read -ra names <<<"$group"
@@ -272,9 +544,39 @@ for group in "${STEPS[@]}"; do
   done
 done
 
-mkdir -p "$(dirname "$LOG")"
-{
-  main
-  summary
-} 2>&1 | tee "$LOG"
-exit "${PIPESTATUS[0]}"
+RUN_HAS_MEMCHECK=0
+[[ " ${STEPS[*]} " =~ [\ +]memcheck[\ +] ]] && RUN_HAS_MEMCHECK=1
+HAVE_XDIST=0
+"$PY" -c "import xdist" 2>/dev/null && HAVE_XDIST=1
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "mixedprec GPU check: the plan of 'bash scripts/gpu_check.sh ${*}' (dry run: nothing runs)"
+  plan
+  exit 0
+fi
+
+mkdir -p "$OUTDIR" || exit 1
+: >"$SUMMARY_FILE" || exit 1
+# tee ignores TERM and INT, so that a TERM sent to the whole process group still lets
+# the trap print the summary into the log.
+exec > >(
+  trap '' TERM INT
+  exec tee "$LOG"
+) 2>&1
+STATE=$(mktemp -d)
+trap on_exit EXIT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal INT 130' INT
+
+echo "mixedprec GPU check, log: $LOG, summary: $SUMMARY_FILE, steps: ${STEPS[*]}"
+plan
+step environment
+if ! step build; then
+  record "$(line SKIP tests "" "" "the build check failed")"
+else
+  for group in "${STEPS[@]}"; do
+    run_group "$group"
+  done
+fi
+print_summary
+[ "$(failed_steps)" -eq 0 ]
