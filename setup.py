@@ -54,6 +54,13 @@ def write_build_info(cuda: bool) -> None:
                 f"TORCH_VERSION = {torch.__version__!r}\nWITH_CUDA = {cuda!r}\n")
 
 
+# -fmad=false: no FMA contraction on CUDA either, so that the CUDA kernels give the CPU
+# engine's bits (IEEE adds, multiplies, divisions and square roots in the same order;
+# pointwise.h's pow_step for the bias corrections); tests/python/ops/test_cuda_bits.py
+# checks the PTX. The step is bound by memory traffic, not by its few more instructions.
+NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false"]
+
+
 def extension(cuda: bool):
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -fno-math-errno: sqrtf may not set errno, so loops with it vectorise.
@@ -74,15 +81,10 @@ def extension(cuda: bool):
             py_limited_api=True,
         )
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
-    # -fmad=false: no FMA contraction on CUDA either, so that the CUDA kernels give the
-    # CPU engine's bits (IEEE adds, multiplies, divisions and square roots in the same
-    # order; pointwise.h's pow_step for the bias corrections). The step is bound by
-    # memory traffic, not by its few more instructions.
-    nvcc = ["-O3", "-lineinfo", "-fmad=false"]
     return cpp_extension.CUDAExtension(
         "mixedprec._C",
         sources,
-        extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"], "nvcc": nvcc},
+        extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"], "nvcc": NVCC_FLAGS},
         extra_link_args=link,
         py_limited_api=True,
     )
