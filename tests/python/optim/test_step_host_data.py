@@ -113,48 +113,59 @@ def test_a_step_neither_syncs_nor_copies_host_data(name, master, state_dtype, pl
 
 # --- the guard fires for each fault planted in a step ----------------------------------
 
-def _plant(monkeypatch, fault):
-    """Runs ``fault(group)`` before each group's fused update of mixedprec.optim.Adam."""
-    original = optim.Adam._run_plan
+FUSED_OPS = ("fused_adam_", "fused_sgd_", "fused_lamb_", "fused_adagrad_", "fused_novograd_")
 
-    def planted(self, group, *args, **kwargs):
-        fault(group)
-        return original(self, group, *args, **kwargs)
-    monkeypatch.setattr(optim.Adam, "_run_plan", planted)
+
+def _plant(monkeypatch, fault):
+    """Runs ``fault(device)`` before every fused optimizer op an optimizer calls (all of
+    them call these wrappers of mixedprec.ops), on the device of its parameters."""
+    from mixedprec import ops
+
+    def planted(original):
+        def op(params, *args, **kwargs):
+            fault(params[0].device)
+            return original(params, *args, **kwargs)
+        return op
+    for name in FUSED_OPS:
+        monkeypatch.setattr(ops, name, planted(getattr(ops, name)))
 
 
 FAULTS = {
     # a tensor from host data on the parameters' device (the 2026-11-27 fault)
-    "tensor-from-host-data": lambda g: torch.tensor([1.0, 2.0], device=g["params"][0].device),
+    "tensor-from-host-data": lambda device: torch.tensor([1.0, 2.0], device=device),
     # a host tensor copied to the device: seen where the device is not the host
-    "host-to-device-copy": lambda g: torch.ones(2).to(g["params"][0].device),
-    # a read of a device value
-    "item": lambda g: g["params"][0].sum().item(),
-    "bool": lambda g: bool(g["params"][0].sum() > 0),
+    "host-to-device-copy": lambda device: torch.ones(2).to(device),
+    # reads of a device value
+    "item": lambda device: torch.zeros((), device=device).item(),
+    "bool": lambda device: bool(torch.zeros((), device=device) > 0),
 }
 
 
 @pytest.mark.parametrize("place", ["cpu", "fake-cuda"])
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-@pytest.mark.parametrize("step_kind", ["first", "planned"])
-def test_the_guard_fires_for_a_planted_fault(fault, place, step_kind, monkeypatch):
+@pytest.mark.parametrize("name,master,state_dtype", list(cases()))
+def test_the_guard_fires_for_a_fault_planted_in_each_step(name, master, state_dtype, fault,
+                                                          place, monkeypatch):
+    """The fault planted before the fused op of every optimizer and mode, in its first
+    and in a planned step: the guard raises (fake tensors refuse a host read with their
+    own error, as CUDA would sync)."""
     if fault == "host-to-device-copy" and place == "cpu":
         pytest.skip("on the CPU the host is the device: no copy to see")
+    make, _ = OPTIMIZERS[name]
     with where(place) as device:
         params = new_params(device)
-        opt = optim.AdamW(params, lr=1e-3, master="stochastic", seed=3)
-        if step_kind == "planned":
+        opt = make(params, master, state_dtype)
+        for planned in (False, True):
+            with monkeypatch.context() as m:
+                _plant(m, FAULTS[fault])
+                feed(params)
+                with pytest.raises((HostSyncError, RuntimeError)) as raised:
+                    with forbid_host_sync(monkeypatch):
+                        opt.step()
+            assert isinstance(raised.value, HostSyncError) or "DataDependentOutput" in type(
+                raised.value).__name__, raised.value
             feed(params)
-            opt.step()
-        with monkeypatch.context() as m:
-            _plant(m, FAULTS[fault])
-            feed(params)
-            with pytest.raises((HostSyncError, RuntimeError)) as raised:
-                with forbid_host_sync(monkeypatch):
-                    opt.step()
-    # (fake tensors refuse a host read themselves, with their own error)
-    assert isinstance(raised.value, HostSyncError) or "data-dependent" in str(
-        raised.value).lower() or "DataDependentOutput" in type(raised.value).__name__
+            opt.step()  # (unguarded: makes the plans the next round reuses)
 
 
 def test_fake_cuda_runs_the_cuda_path():
