@@ -27,11 +27,19 @@ from torch's (docs/schedules.md):
 * ``step(epoch)`` (deprecated in torch) sets ``last_epoch`` to ``epoch``.
 * :class:`SequentialLR` takes schedulers of this module only; they are not stepped
   themselves.
+* Arguments, ``step(epoch)`` and the entries ``load_state_dict`` reads are checked
+  (torch checks few): a bad one raises a TypeError or ValueError that names it, before
+  anything changes. Milestones are ints >= 0 (any iterable, as torch takes them;
+  :class:`SequentialLR`'s in increasing order), ``gamma``, ``eta_min`` and the factors
+  finite real numbers.
 """
 
 import math
+import numbers
 import types
-from typing import Any, Callable, Dict, List, Sequence, Union
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterable, List, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -42,9 +50,77 @@ __all__ = ["LRScheduler", "LambdaLR", "LinearLR", "StepLR", "MultiStepLR",
            "CosineAnnealingLR", "SequentialLR"]
 
 
+# -- checks of arguments and saved entries (each names what it checks) ----------------
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"a {type(value).__name__}"
+
+
+def _one_element(value: Any) -> Any:
+    """A one-element tensor's value as a Python number (read on the host: construction
+    and checkpoints only); anything else as it is."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return value.detach().reshape(()).item()  # sync-ok: construction, checkpoint
+    return value
+
+
+def _int(where: str, name: str, value: Any, least: int) -> int:
+    """``value`` (an int, or a one-element integer tensor) as an int ``>= least``."""
+    if not (isinstance(value, Tensor) and (value.dtype.is_floating_point
+                                           or value.dtype.is_complex)):
+        value = _one_element(value)  # (a float tensor stays one: refused below)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected {name} to be an int >= {least}, got {_shown(value)}")
+    if value < least:
+        raise ValueError(f"{where}: expected {name} to be an int >= {least}, got {value!r}")
+    return int(value)
+
+
+def _real(where: str, name: str, value: Any) -> float:
+    """``value`` (a real number, or a one-element real tensor) as a finite float."""
+    if not (isinstance(value, Tensor) and value.dtype.is_complex):
+        value = _one_element(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: expected {name} to be a real number, got {_shown(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: expected {name} to be a finite real number, got {value!r}")
+    return float(value)
+
+
+def _ints(where: str, name: str, value: Any) -> List[int]:
+    """An iterable of ints ``>= 0`` (torch's milestones; a ``Counter``, as torch's
+    MultiStepLR keeps them, counts each as often as it says) as a list, in its order."""
+    if isinstance(value, Counter):
+        value = list(value.elements())
+    try:
+        items = list(value)
+    except TypeError:
+        raise TypeError(f"{where}: expected {name} to be an iterable of ints >= 0, got "
+                        f"{_shown(value)}") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            raise TypeError(f"{where}: expected {name} to be ints >= 0, got {_shown(item)} in "
+                            f"{_shown(value)}")
+        if item < 0:
+            raise ValueError(f"{where}: expected {name} to be ints >= 0, got {item!r}")
+    return [int(item) for item in items]
+
+
+def _lengths(where: str, name: str, value: Any, length: int) -> list:
+    """``value`` as a list of ``length`` entries (one per param group, or per scheduler)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{where}: expected {name} to be a list of {length}, got "
+                        f"{_shown(value)}")
+    if len(value) != length:
+        raise ValueError(f"{where}: expected {name} to be a list of {length}, got "
+                         f"{len(value)} entries")
+    return list(value)
+
+
 class LRScheduler(_torch.LRScheduler):
     """The base: ``last_epoch`` and the lrs on the device (see the module docstring).
-    Subclasses define :meth:`_lrs_at`."""
+    Subclasses define :meth:`_lrs_at` and check their own saved entries in
+    :meth:`_check_entry`."""
 
     def __init__(self, optimizer: Optimizer, last_epoch: int = -1) -> None:  # noqa: D107
         name = type(self).__name__
@@ -57,9 +133,7 @@ class LRScheduler(_torch.LRScheduler):
                             f"the device (optimizer.applied_steps, as mixedprec.optim's "
                             f"have), got {type(optimizer).__name__}; use "
                             "torch.optim.lr_scheduler with torch.optim's optimizers")
-        if isinstance(last_epoch, bool) or not isinstance(last_epoch, int) or last_epoch < -1:
-            raise ValueError(f"{name}: expected last_epoch to be an int >= -1, got "
-                             f"{last_epoch!r}")
+        last_epoch = _int(name, "last_epoch", last_epoch, -1)
         groups = optimizer.param_groups
         if last_epoch != -1:
             missing = [i for i, group in enumerate(groups) if "initial_lr" not in group]
@@ -68,20 +142,29 @@ class LRScheduler(_torch.LRScheduler):
                                f"param_groups[{missing[0]}] when resuming a scheduler with "
                                "last_epoch >= 0 (load the optimizer's state dict first)")
         device = count.device
+        # Everything computed before the param groups change: a failure (a LambdaLR
+        # function that raises) leaves the optimizer as it was.
+        initial = [group.get("initial_lr", group["lr"]) for group in groups]
+        lrs = []
         for group in groups:
             lr = group["lr"]
-            if last_epoch == -1:
-                group.setdefault("initial_lr", lr.clone() if isinstance(lr, Tensor) else lr)
             if not isinstance(lr, Tensor):
-                group["lr"] = torch.tensor(float(lr), dtype=torch.float64, device=device)
+                lr = torch.tensor(float(lr), dtype=torch.float64, device=device)
             elif lr.device != device or lr.dim() != 0:
-                group["lr"] = lr.detach().reshape(()).to(device)
+                lr = lr.detach().reshape(()).to(device)
+            lrs.append(lr)
         self.optimizer = optimizer
         # The base lrs as numbers: read once here, never in a step.
-        self.base_lrs = [float(g["initial_lr"]) for g in groups]  # sync-ok: construction
+        self.base_lrs = [float(lr) for lr in initial]  # sync-ok: construction
         self.last_epoch = torch.tensor(last_epoch + 1, dtype=torch.int64, device=device)
         self._seen = count.detach().clone()  # the count at the previous step()
-        self._write(self.get_lr())
+        values = self.get_lr()
+        for group, lr, first in zip(groups, lrs, initial):
+            if last_epoch == -1:
+                group.setdefault("initial_lr", first.clone() if isinstance(first, Tensor)
+                                 else first)
+            group["lr"] = lr
+        self._write(values)
 
     # -- the schedule -----------------------------------------------------------------
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
@@ -95,15 +178,25 @@ class LRScheduler(_torch.LRScheduler):
     # -- stepping ---------------------------------------------------------------------
     def step(self, epoch: Union[int, Tensor, None] = None) -> None:
         """Advances ``last_epoch`` by one if the optimizer applied a step since the
-        previous call (on the device), and writes the lrs into the param groups."""
+        previous call (on the device), and writes the lrs into the param groups.
+        ``step(epoch)`` sets ``last_epoch`` to ``epoch`` (an int >= 0, or a one-element
+        integer tensor, not read on the host)."""
         if epoch is None:
             count = self.optimizer.applied_steps
             if count.device != self._seen.device:  # the model moved: follow it, once
                 self._to(count.device)
             self.last_epoch.add_((count != self._seen).to(torch.int64))
             self._seen.copy_(count)
+        elif isinstance(epoch, Tensor):
+            if (epoch.numel() != 1 or epoch.dtype == torch.bool
+                    or epoch.dtype.is_floating_point or epoch.dtype.is_complex):
+                raise TypeError(f"{type(self).__name__}.step: expected epoch to be an int "
+                                f">= 0 or a one-element integer tensor, got a {epoch.dtype} "
+                                f"tensor of shape {tuple(epoch.shape)}")
+            self.last_epoch.copy_(epoch.detach().reshape(()))
         else:
-            self.last_epoch.copy_(torch.as_tensor(epoch, dtype=torch.int64))
+            epoch = _int(f"{type(self).__name__}.step", "epoch", epoch, 0)
+            self.last_epoch.fill_(epoch)
         self._write(self.get_lr())
 
     def _write(self, values: List[Tensor]) -> None:
@@ -135,11 +228,51 @@ class LRScheduler(_torch.LRScheduler):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s values (``last_epoch`` may also be an int, as in
-        a torch scheduler's state dict); the device tensors are written in place."""
+        a torch scheduler's state dict); the device tensors are written in place. Every
+        entry the scheduler reads is checked first, as its constructor checks its
+        arguments: a bad one raises a TypeError or ValueError that names it, and nothing
+        changes. Other entries (those of torch's schedulers) are set as they are."""
+        self._load_checked(self._check_state(state_dict))
+
+    def _check_state(self, state_dict: Any) -> Dict[str, Any]:
+        """The entries of ``state_dict`` as they will be set, each checked; changes
+        nothing."""
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{where}: expected state_dict to be a dict, got "
+                            f"{type(state_dict).__name__}")
+        out = {}
         for key, value in state_dict.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: expected the keys to be str, got {_shown(key)}")
+            if key == "optimizer" or callable(getattr(type(self), key, None)):
+                raise ValueError(f"{where}: {key!r} is not an entry of a scheduler's state")
+            out[key] = self._check_entry(where, key, value)
+        return out
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        """One saved entry, checked, as it will be set (subclasses add theirs)."""
+        groups = len(self.optimizer.param_groups)
+        device = self.last_epoch.device
+        if key in ("last_epoch", "_seen"):  # (-1: torch's, for a scheduler not yet begun)
+            value = _int(where, key, value, -1 if key == "last_epoch" else 0)
+            return torch.tensor(value, dtype=torch.int64)
+        if key == "base_lrs":
+            return [_real(where, f"base_lrs[{i}]", lr)
+                    for i, lr in enumerate(_lengths(where, key, value, groups))]
+        if key == "_last_lr":
+            return [torch.tensor(_real(where, f"_last_lr[{i}]", lr), dtype=torch.float64,
+                                 device=device)
+                    for i, lr in enumerate(_lengths(where, key, value, groups))]
+        return value
+
+    def _load_checked(self, entries: Dict[str, Any]) -> None:
+        """Sets what :meth:`_check_state` returned (nothing here can fail)."""
+        for key, value in entries.items():
             current = getattr(self, key, None)
-            if isinstance(current, Tensor) and isinstance(value, (Tensor, int, float)):
-                current.copy_(torch.as_tensor(value, dtype=current.dtype))
+            if (isinstance(current, Tensor) and isinstance(value, Tensor)
+                    and current.shape == value.shape):
+                current.copy_(value)
             else:
                 setattr(self, key, value)
 
@@ -157,12 +290,17 @@ class LambdaLR(LRScheduler):
                  last_epoch: int = -1) -> None:  # noqa: D107
         groups = optimizer.param_groups if isinstance(optimizer, Optimizer) else []
         if not isinstance(lr_lambda, (list, tuple)):
-            self.lr_lambdas = [lr_lambda] * len(groups)
+            lambdas = [lr_lambda] * len(groups)
         else:
             if len(lr_lambda) != len(groups):
                 raise ValueError(f"LambdaLR: expected {len(groups)} lr_lambdas, but got "
                                  f"{len(lr_lambda)}")
-            self.lr_lambdas = list(lr_lambda)
+            lambdas = list(lr_lambda)
+        for fn in lambdas:
+            if not callable(fn):
+                raise TypeError(f"LambdaLR: expected lr_lambda to be a function or a list of "
+                                f"functions, got {_shown(fn)}")
+        self.lr_lambdas = lambdas
         super().__init__(optimizer, last_epoch)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
@@ -182,13 +320,26 @@ class LambdaLR(LRScheduler):
                              for fn in self.lr_lambdas]
         return out
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # noqa: D102
-        state_dict = dict(state_dict)
-        lambdas = state_dict.pop("lr_lambdas", [])
-        super().load_state_dict(state_dict)
-        for fn, saved in zip(self.lr_lambdas, lambdas):
-            if saved is not None:
-                fn.__dict__.update(saved)
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key != "lr_lambdas":
+            return super()._check_entry(where, key, value)
+        saved = _lengths(where, key, value, len(self.lr_lambdas))
+        for i, (fn, attrs) in enumerate(zip(self.lr_lambdas, saved)):
+            if attrs is not None and not isinstance(attrs, Mapping):
+                raise TypeError(f"{where}: expected lr_lambdas[{i}] to be None or a dict of "
+                                f"attributes, got {_shown(attrs)}")
+            if attrs is not None and not hasattr(fn, "__dict__"):
+                raise ValueError(f"{where}: lr_lambdas[{i}] holds attributes, but the "
+                                 f"scheduler's function {_shown(fn)} has none")
+        return saved
+
+    def _load_checked(self, entries: Dict[str, Any]) -> None:
+        entries = dict(entries)
+        saved = entries.pop("lr_lambdas", [])
+        super()._load_checked(entries)
+        for fn, attrs in zip(self.lr_lambdas, saved):
+            if attrs is not None:
+                fn.__dict__.update(attrs)
 
 
 class LinearLR(LRScheduler):
@@ -198,17 +349,26 @@ class LinearLR(LRScheduler):
     def __init__(self, optimizer: Optimizer, start_factor: float = 1.0 / 3,
                  end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        if not 0 < start_factor <= 1:
-            raise ValueError("LinearLR: expected start_factor in (0, 1], got "
-                             f"{start_factor!r}")
-        if not 0 <= end_factor <= 1:
-            raise ValueError(f"LinearLR: expected end_factor in [0, 1], got {end_factor!r}")
-        if isinstance(total_iters, bool) or not isinstance(total_iters, int) or total_iters < 1:
-            raise ValueError(f"LinearLR: expected total_iters to be an int >= 1, got "
-                             f"{total_iters!r}")
-        self.start_factor, self.end_factor = float(start_factor), float(end_factor)
-        self.total_iters = total_iters
+        where = "LinearLR"
+        self.start_factor = self._check_entry(where, "start_factor", start_factor)
+        self.end_factor = self._check_entry(where, "end_factor", end_factor)
+        self.total_iters = self._check_entry(where, "total_iters", total_iters)
         super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "start_factor":
+            value = _real(where, key, value)
+            if not 0 < value <= 1:
+                raise ValueError(f"{where}: expected start_factor in (0, 1], got {value!r}")
+            return value
+        if key == "end_factor":
+            value = _real(where, key, value)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{where}: expected end_factor in [0, 1], got {value!r}")
+            return value
+        if key == "total_iters":
+            return _int(where, key, value, 1)
+        return super()._check_entry(where, key, value)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         done = _epoch(epoch).clamp(max=self.total_iters) / self.total_iters
@@ -222,11 +382,16 @@ class StepLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        if isinstance(step_size, bool) or not isinstance(step_size, int) or step_size < 1:
-            raise ValueError(f"StepLR: expected step_size to be an int >= 1, got "
-                             f"{step_size!r}")
-        self.step_size, self.gamma = step_size, float(gamma)
+        self.step_size = self._check_entry("StepLR", "step_size", step_size)
+        self.gamma = self._check_entry("StepLR", "gamma", gamma)
         super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "step_size":
+            return _int(where, key, value, 1)
+        if key == "gamma":
+            return _real(where, key, value)
+        return super()._check_entry(where, key, value)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         times = torch.div(epoch, self.step_size, rounding_mode="floor").to(torch.float64)
@@ -236,16 +401,44 @@ class StepLR(LRScheduler):
 
 class MultiStepLR(LRScheduler):
     """``torch.optim.lr_scheduler.MultiStepLR``: the lr times ``gamma`` at each
-    milestone (a milestone listed twice counts twice, as in torch)."""
+    milestone (any iterable of ints >= 0; a milestone listed twice counts twice, as in
+    torch)."""
 
-    def __init__(self, optimizer: Optimizer, milestones: Sequence[int], gamma: float = 0.1,
+    def __init__(self, optimizer: Optimizer, milestones: Iterable[int], gamma: float = 0.1,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        milestones = sorted(milestones)
-        if any(isinstance(m, bool) or not isinstance(m, int) for m in milestones):
-            raise ValueError(f"MultiStepLR: expected milestones to be ints, got {milestones}")
-        self.milestones, self.gamma = milestones, float(gamma)
-        self._marks = torch.tensor(milestones, dtype=torch.int64)  # (moved once, below)
+        self.milestones = self._check_entry("MultiStepLR", "milestones", milestones)
+        self.gamma = self._check_entry("MultiStepLR", "gamma", gamma)
+        self._marks = torch.tensor(self.milestones, dtype=torch.int64)  # (moved once, below)
         super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "milestones":
+            return sorted(_ints(where, key, value))
+        if key == "gamma":
+            return _real(where, key, value)
+        if key == "_marks":  # (the milestones on the device: checked as the milestones)
+            if not isinstance(value, Tensor) or value.dim() != 1:
+                raise TypeError(f"{where}: expected _marks to be a 1-dim tensor of the "
+                                f"milestones, got {_shown(value)}")
+            return torch.tensor(sorted(_ints(where, key, value.tolist())),  # sync-ok: ckpt
+                                dtype=torch.int64)
+        return super()._check_entry(where, key, value)
+
+    def _check_state(self, state_dict: Any) -> Dict[str, Any]:
+        out = super()._check_state(state_dict)
+        milestones = out.get("milestones", self.milestones)
+        if "_marks" in out and out["_marks"].tolist() != milestones:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected _marks to "
+                             f"hold the milestones {milestones}, got {out['_marks'].tolist()}")
+        if "milestones" in out:  # (torch's state dict has no _marks)
+            out["_marks"] = torch.tensor(milestones, dtype=torch.int64)
+        return out
+
+    def _load_checked(self, entries: Dict[str, Any]) -> None:
+        entries = dict(entries)
+        if "_marks" in entries:  # (a new tensor: the count of milestones may differ)
+            self._marks = entries.pop("_marks").to(self._marks.device)
+        super()._load_checked(entries)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         if self._marks.device != epoch.device:
@@ -261,11 +454,16 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        if isinstance(T_max, bool) or not isinstance(T_max, int) or T_max < 1:
-            raise ValueError(f"CosineAnnealingLR: expected T_max to be an int >= 1, got "
-                             f"{T_max!r}")
-        self.T_max, self.eta_min = T_max, float(eta_min)
+        self.T_max = self._check_entry("CosineAnnealingLR", "T_max", T_max)
+        self.eta_min = self._check_entry("CosineAnnealingLR", "eta_min", eta_min)
         super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "T_max":
+            return _int(where, key, value, 1)
+        if key == "eta_min":
+            return _real(where, key, value)
+        return super()._check_entry(where, key, value)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         wave = (1 + torch.cos(_epoch(epoch) * (math.pi / self.T_max))) / 2
@@ -280,6 +478,9 @@ class SequentialLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, schedulers: Sequence[LRScheduler],
                  milestones: Sequence[int], last_epoch: int = -1) -> None:  # noqa: D107
+        if not isinstance(schedulers, (list, tuple)):
+            raise TypeError(f"SequentialLR: expected schedulers to be a list of schedulers, "
+                            f"got {_shown(schedulers)}")
         if len(schedulers) < 1:
             raise ValueError("SequentialLR: expected at least one scheduler, got none")
         for i, scheduler in enumerate(schedulers):
@@ -289,12 +490,30 @@ class SequentialLR(LRScheduler):
             if scheduler.optimizer is not optimizer:
                 raise ValueError(f"SequentialLR: expected every scheduler to belong to the "
                                  f"optimizer given; schedulers[{i}] has another")
-        if len(milestones) != len(schedulers) - 1:
-            raise ValueError(f"SequentialLR: expected {len(schedulers) - 1} milestones (one "
-                             f"fewer than schedulers), got {len(milestones)}")
         self._schedulers = list(schedulers)
-        self._milestones = [int(m) for m in milestones]
+        self._milestones = self._check_entry("SequentialLR", "milestones", milestones)
         super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key in ("milestones", "_milestones"):  # (the argument, the saved entry)
+            milestones = _ints(where, key, value)
+            if len(milestones) != len(self._schedulers) - 1:
+                raise ValueError(f"{where}: expected {len(self._schedulers) - 1} {key} (one "
+                                 f"fewer than schedulers), got {len(milestones)}")
+            if milestones != sorted(milestones):
+                raise ValueError(f"{where}: expected {key} in increasing order, got "
+                                 f"{milestones}")
+            return milestones
+        if key == "_schedulers":  # each checked by its scheduler, none loaded yet
+            saved = _lengths(where, key, value, len(self._schedulers))
+            checked = []
+            for i, (scheduler, entries) in enumerate(zip(self._schedulers, saved)):
+                try:
+                    checked.append(scheduler._check_state(entries))
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"{where}: _schedulers[{i}]: {e}") from None
+            return checked
+        return super()._check_entry(where, key, value)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         out = self._schedulers[0]._lrs_at(epoch)
@@ -308,9 +527,9 @@ class SequentialLR(LRScheduler):
         out["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return out
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # noqa: D102
-        state_dict = dict(state_dict)
-        saved = state_dict.pop("_schedulers", [])
-        super().load_state_dict(state_dict)
-        for scheduler, sd in zip(self._schedulers, saved):
-            scheduler.load_state_dict(sd)
+    def _load_checked(self, entries: Dict[str, Any]) -> None:
+        entries = dict(entries)
+        saved = entries.pop("_schedulers", [])
+        super()._load_checked(entries)
+        for scheduler, checked in zip(self._schedulers, saved):
+            scheduler._load_checked(checked)

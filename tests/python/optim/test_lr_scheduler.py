@@ -3,6 +3,7 @@
 skips (against torch stepping its scheduler on the applied steps only), with no host
 read; the optimizers' applied-step count and its state dict; checkpoints and errors."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import forbid_host_sync
@@ -243,3 +244,255 @@ def test_apex_faces_count_applied_steps(make):
         sched.step()
     assert int(opt.applied_steps) == 3
     assert lrs(sched) == [0.1 * 0.5**3]
+
+
+# --- bad input: an error that names it, and nothing changed ---------------------------
+
+def plain(value):
+    """A state dict or param group as plain values (tensors as dtype and numbers), for ==."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items() if k != "params"}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def opt_state(opt):
+    return plain(opt.param_groups)
+
+
+def stepped(schedule, steps=4):
+    """An optimizer (two groups) and a schedule of ours stepped `steps` applied steps."""
+    params = make_params()
+    opt = optim.SGD(groups(params), lr=0.1)
+    sched = SCHEDULES[schedule](ours, opt)
+    for step in range(steps):
+        for p, g in zip(params, grads(params, step)):
+            p.grad = g
+        opt.step()
+        sched.step()
+    return opt, sched
+
+
+def two_schedulers(o):
+    return [ours.LinearLR(o, start_factor=0.1, total_iters=3),
+            ours.CosineAnnealingLR(o, T_max=9)]
+
+
+BAD_ARGUMENTS = {
+    "StepLR-gamma-str": (lambda o: ours.StepLR(o, step_size=1, gamma="x"),
+                         TypeError, "expected gamma to be a real number, got 'x'"),
+    "StepLR-gamma-nan": (lambda o: ours.StepLR(o, step_size=1, gamma=float("nan")),
+                         ValueError, "expected gamma to be a finite real number"),
+    "StepLR-gamma-tensor": (lambda o: ours.StepLR(o, step_size=1, gamma=torch.ones(2)),
+                            TypeError, "expected gamma to be a real number"),
+    "StepLR-step_size-0": (lambda o: ours.StepLR(o, step_size=0),
+                           ValueError, "expected step_size to be an int >= 1, got 0"),
+    "StepLR-step_size-float": (lambda o: ours.StepLR(o, step_size=2.0),
+                               TypeError, "expected step_size to be an int >= 1, got 2.0"),
+    "StepLR-last_epoch-str": (lambda o: ours.StepLR(o, 2, last_epoch="0"),
+                              TypeError, "expected last_epoch to be an int >= -1"),
+    "MultiStepLR-milestones-str": (lambda o: ours.MultiStepLR(o, milestones=[3, "a"]),
+                                   TypeError, "expected milestones to be ints >= 0, got 'a'"),
+    "MultiStepLR-milestones-float": (lambda o: ours.MultiStepLR(o, milestones=[3, 4.0]),
+                                     TypeError, "expected milestones to be ints >= 0, got 4.0"),
+    "MultiStepLR-milestones-negative": (lambda o: ours.MultiStepLR(o, milestones=[3, -1]),
+                                        ValueError, "expected milestones to be ints >= 0"),
+    "MultiStepLR-milestones-int": (lambda o: ours.MultiStepLR(o, milestones=3),
+                                   TypeError, "expected milestones to be an iterable of ints"),
+    "MultiStepLR-gamma-None": (lambda o: ours.MultiStepLR(o, [2], gamma=None),
+                               TypeError, "expected gamma to be a real number, got None"),
+    "LinearLR-start_factor-str": (lambda o: ours.LinearLR(o, start_factor="x"),
+                                  TypeError, "expected start_factor to be a real number"),
+    "LinearLR-start_factor-0": (lambda o: ours.LinearLR(o, start_factor=0.0),
+                                ValueError, r"expected start_factor in \(0, 1\]"),
+    "LinearLR-end_factor-2": (lambda o: ours.LinearLR(o, end_factor=2),
+                              ValueError, r"expected end_factor in \[0, 1\]"),
+    "LinearLR-total_iters-0": (lambda o: ours.LinearLR(o, total_iters=0),
+                               ValueError, "expected total_iters to be an int >= 1"),
+    "CosineAnnealingLR-T_max-str": (lambda o: ours.CosineAnnealingLR(o, T_max="10"),
+                                    TypeError, "expected T_max to be an int >= 1"),
+    "CosineAnnealingLR-eta_min-str": (lambda o: ours.CosineAnnealingLR(o, 10, eta_min="0"),
+                                      TypeError, "expected eta_min to be a real number"),
+    "LambdaLR-lr_lambda-number": (lambda o: ours.LambdaLR(o, lr_lambda=0.5),
+                                  TypeError, "expected lr_lambda to be a function"),
+    "LambdaLR-lr_lambda-raises": (lambda o: ours.LambdaLR(o, lambda e: 1 / 0),
+                                  ZeroDivisionError, "division by zero"),
+    "SequentialLR-schedulers-one": (lambda o: ours.SequentialLR(
+        o, ours.StepLR(o, 2), milestones=[]), TypeError, "expected schedulers to be a list"),
+    "SequentialLR-milestones-str": (lambda o: ours.SequentialLR(
+        o, two_schedulers(o), milestones=["3"]), TypeError,
+        "expected milestones to be ints >= 0, got '3'"),
+    "SequentialLR-milestones-count": (lambda o: ours.SequentialLR(
+        o, two_schedulers(o), milestones=[3, 4]), ValueError, "expected 1 milestones"),
+    "SequentialLR-milestones-order": (lambda o: ours.SequentialLR(
+        o, two_schedulers(o) + [ours.StepLR(o, 2)], milestones=[5, 3]), ValueError,
+        "expected milestones in increasing order"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_a_bad_argument_is_named_and_changes_nothing(case):
+    make, error, message = BAD_ARGUMENTS[case]
+    opt = optim.SGD(groups(make_params()), lr=0.1)
+    if case.startswith("SequentialLR"):  # (its schedulers, built first, set the lrs)
+        two_schedulers(opt)
+    before = opt_state(opt)
+    with pytest.raises(error, match=message):
+        make(opt)
+    assert opt_state(opt) == before
+
+
+# Inputs torch's schedulers accept: each builds the same schedule from either module.
+TORCH_STYLE = {
+    "milestones-tuple": lambda L, o: L.MultiStepLR(o, (5, 2, 9)),
+    "milestones-generator": lambda L, o: L.MultiStepLR(o, (m for m in [5, 2, 9])),
+    "milestones-range": lambda L, o: L.MultiStepLR(o, range(2, 12, 3), gamma=0.5),
+    "milestones-set": lambda L, o: L.MultiStepLR(o, {5, 2}, gamma=0.5),
+    "milestones-numpy": lambda L, o: L.MultiStepLR(o, np.array([2, 5, 5]), gamma=0.5),
+    "milestones-empty": lambda L, o: L.MultiStepLR(o, []),
+    "gamma-int": lambda L, o: L.StepLR(o, 2, gamma=1),
+    "gamma-numpy": lambda L, o: L.StepLR(o, 2, gamma=np.float32(0.5)),
+    "gamma-tensor": lambda L, o: L.StepLR(o, 2, gamma=torch.tensor(0.5)),
+    "step_size-numpy": lambda L, o: L.StepLR(o, np.int64(3), gamma=0.5),
+    "eta_min-int": lambda L, o: L.CosineAnnealingLR(o, T_max=6, eta_min=0),
+    "factors-int": lambda L, o: L.LinearLR(o, start_factor=1, end_factor=0, total_iters=4),
+    "sequential-milestones-tuple": lambda L, o: L.SequentialLR(
+        o, [L.LinearLR(o, start_factor=0.1, total_iters=3), L.StepLR(o, 2, gamma=0.5)],
+        milestones=(3,)),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(TORCH_STYLE))
+def test_torch_style_arguments_are_accepted(schedule):
+    a, b = make_params(), make_params()
+    opt_a, opt_b = optim.SGD(groups(a), lr=0.1), torch.optim.SGD(groups(b), lr=0.1)
+    sched_a, sched_b = TORCH_STYLE[schedule](ours, opt_a), TORCH_STYLE[schedule](theirs, opt_b)
+    for step in range(12):
+        for p, q, g in zip(a, b, grads(a, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+        sched_a.step()
+        sched_b.step()
+        assert lrs(sched_a) == pytest.approx([float(x) for x in sched_b.get_last_lr()],
+                                             rel=1e-6, abs=1e-15), step
+
+
+@pytest.mark.parametrize("epoch, error, message", [
+    ("3", TypeError, "expected epoch to be an int >= 0, got '3'"),
+    (2.5, TypeError, "expected epoch to be an int >= 0, got 2.5"),
+    (-1, ValueError, "expected epoch to be an int >= 0, got -1"),
+    (torch.tensor(2.5), TypeError, "expected epoch to be an int >= 0 or a one-element "
+                                   "integer tensor, got a torch.float32 tensor"),
+    (torch.tensor([1, 2]), TypeError, "one-element integer tensor"),
+])
+def test_a_bad_epoch_is_named_and_changes_nothing(epoch, error, message):
+    opt, sched = stepped("StepLR")
+    before, before_opt = plain(sched.state_dict()), opt_state(opt)
+    with pytest.raises(error, match=message):
+        sched.step(epoch)
+    assert plain(sched.state_dict()) == before and opt_state(opt) == before_opt
+    sched.step(torch.tensor(6))  # an int tensor, or an int: as torch's step(epoch)
+    assert lrs(sched) == pytest.approx([0.1 * 0.5**2, 0.05 * 0.5**2])
+    sched.step(np.int64(3))
+    assert lrs(sched) == pytest.approx([0.1 * 0.5, 0.05 * 0.5])
+
+
+# (schedule, key, saved value, error, what the message says)
+BAD_ENTRIES = [
+    ("StepLR", "last_epoch", "abc", TypeError, "expected last_epoch to be an int >= -1, got "
+                                               "'abc'"),
+    ("StepLR", "last_epoch", -2, ValueError, "expected last_epoch to be an int >= -1, got -2"),
+    ("StepLR", "last_epoch", 2.5, TypeError, "expected last_epoch to be an int >= -1"),
+    ("StepLR", "last_epoch", torch.tensor(2.5), TypeError, "expected last_epoch to be an int"),
+    ("StepLR", "last_epoch", torch.tensor([1, 2]), TypeError, "expected last_epoch"),
+    ("StepLR", "_seen", None, TypeError, "expected _seen to be an int >= 0"),
+    ("StepLR", "base_lrs", [0.1], ValueError, "expected base_lrs to be a list of 2, got 1 "
+                                              "entries"),
+    ("StepLR", "base_lrs", ["x", 0.05], TypeError, r"expected base_lrs\[0\] to be a real"),
+    ("StepLR", "_last_lr", "x", TypeError, "expected _last_lr to be a list of 2, got 'x'"),
+    ("StepLR", "_last_lr", [0.1, float("inf")], ValueError, r"expected _last_lr\[1\] to be "
+                                                            "a finite real number"),
+    ("StepLR", "step_size", 0, ValueError, "expected step_size to be an int >= 1, got 0"),
+    ("StepLR", "gamma", "x", TypeError, "expected gamma to be a real number, got 'x'"),
+    ("MultiStepLR", "milestones", [3, "a"], TypeError, "expected milestones to be ints"),
+    ("MultiStepLR", "milestones", None, TypeError, "expected milestones to be an iterable"),
+    ("MultiStepLR", "_marks", torch.tensor([1.5]), TypeError, "expected _marks to be ints"),
+    ("MultiStepLR", "_marks", torch.tensor([1, 2]), ValueError, "expected _marks to hold the "
+                                                                "milestones"),
+    ("MultiStepLR", "gamma", None, TypeError, "expected gamma to be a real number"),
+    ("LinearLR", "start_factor", 0, ValueError, r"expected start_factor in \(0, 1\]"),
+    ("LinearLR", "end_factor", "1", TypeError, "expected end_factor to be a real number"),
+    ("LinearLR", "total_iters", 0, ValueError, "expected total_iters to be an int >= 1"),
+    ("CosineAnnealingLR", "T_max", 0, ValueError, "expected T_max to be an int >= 1"),
+    ("CosineAnnealingLR", "eta_min", "x", TypeError, "expected eta_min to be a real number"),
+    ("LambdaLR", "lr_lambdas", [None], ValueError, "expected lr_lambdas to be a list of 2"),
+    ("LambdaLR", "lr_lambdas", [5, None], TypeError, r"expected lr_lambdas\[0\] to be None "
+                                                     "or a dict"),
+    ("warmup-cosine", "_milestones", ["3"], TypeError, "expected _milestones to be ints"),
+    ("warmup-cosine", "_milestones", [3, 4], ValueError, "expected 1 _milestones"),
+    ("warmup-cosine", "_schedulers", [{}], ValueError, "expected _schedulers to be a list "
+                                                       "of 2"),
+    ("warmup-cosine", "_schedulers", "ab", TypeError, "expected _schedulers to be a list"),
+    # The first scheduler's entries are good (and differ): not loaded either.
+    ("warmup-cosine", "_schedulers", [{"start_factor": 0.5, "last_epoch": 9}, {"T_max": 0}],
+     ValueError, r"_schedulers\[1\]: CosineAnnealingLR.load_state_dict: expected T_max"),
+    ("warmup-cosine", "_schedulers", [{}, 3], TypeError, r"_schedulers\[1\]: .*expected "
+                                                         "state_dict to be a dict"),
+    ("StepLR", "optimizer", None, ValueError, "'optimizer' is not an entry"),
+    ("StepLR", "step", 3, ValueError, "'step' is not an entry"),
+]
+
+
+@pytest.mark.parametrize("schedule, key, value, error, message", BAD_ENTRIES,
+                         ids=[f"{s}-{k}-{i}" for i, (s, k, *_) in enumerate(BAD_ENTRIES)])
+def test_a_bad_state_dict_entry_is_named_and_changes_nothing(schedule, key, value, error,
+                                                             message):
+    opt, sched = stepped(schedule)
+    saved = sched.state_dict()
+    before, before_opt = plain(saved), opt_state(opt)
+    # A good entry first, then the bad one; and the bad one in the whole state dict.
+    for bad in ({"last_epoch": 7, "base_lrs": [0.2, 0.3], key: value}, dict(saved, **{key: value})):
+        with pytest.raises(error, match=f"{type(sched).__name__}.load_state_dict: .*{message}"):
+            sched.load_state_dict(bad)
+        assert plain(sched.state_dict()) == before
+        assert opt_state(opt) == before_opt
+    sched.load_state_dict(saved)  # the good one loads
+    assert plain(sched.state_dict()) == before
+
+
+def test_a_state_dict_that_is_not_a_dict():
+    opt, sched = stepped("StepLR")
+    before = plain(sched.state_dict())
+    with pytest.raises(TypeError, match="StepLR.load_state_dict: expected state_dict to be a "
+                                        "dict, got list"):
+        sched.load_state_dict([("last_epoch", 3)])
+    assert plain(sched.state_dict()) == before
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("schedule", ["StepLR", "MultiStepLR", "LinearLR", "CosineAnnealingLR",
+                                      "LambdaLR", "warmup-cosine"])
+def test_torch_schedulers_state_dicts_load(schedule, steps):
+    """A torch scheduler's state dict (an int last_epoch, float lrs, MultiStepLR's Counter
+    of milestones; in SequentialLR's, last_epoch -1 for a scheduler not yet begun): loaded,
+    the schedule continues as torch's."""
+    b = make_params()
+    opt_b = torch.optim.SGD(groups(b), lr=0.1)
+    sched_b = SCHEDULES[schedule](theirs, opt_b)
+    for step in range(steps):
+        for q, g in zip(b, grads(b, step)):
+            q.grad = g
+        opt_b.step()
+        sched_b.step()
+    opt, sched = stepped(schedule, steps=0)
+    sched.load_state_dict(sched_b.state_dict())
+    assert int(sched.last_epoch) == steps
+    assert lrs(sched) == pytest.approx(sched_b.get_last_lr(), rel=1e-12)
+    sched.step(9)
+    for _ in range(9 - steps):  # (torch's step(epoch) is deprecated)
+        sched_b.step()
+    assert lrs(sched) == pytest.approx(sched_b.get_last_lr(), rel=1e-12)
