@@ -404,11 +404,13 @@ def test_lean_merge(bench_lean, tmp_path):
         bench_lean.main(base + ["--models", "digits", "--modes", "fp32", "--seeds", "2",
                                 "--merge"])
     # A saved run from before the digits MLP (no mlp_* sizes) and the LM's accuracy, on
-    # another CPU: the new model is added in the models' order, the rest kept.
+    # another CPU: the new model is added in the models' order, the rest kept. (The saved
+    # capability is one no machine reports, so that it differs from this machine's,
+    # whichever instruction sets it has.)
     saved = json.loads((tmp_path / "lean-cpu.json").read_text())
     for k in [k for k in saved["config"] if k.startswith("mlp_")]:
         del saved["config"][k]
-    saved["env"]["cpu_capability"] = "AVX512"
+    saved["env"]["cpu_capability"] = "ELSEWHERE"
     lm_fp32 = saved["results"]["lm"]["fp32"]
     del lm_fp32["accuracy_mean"], lm_fp32["accuracy_spread"]
     for s in lm_fp32["seeds"]:
@@ -421,11 +423,13 @@ def test_lean_merge(bench_lean, tmp_path):
     assert list(last["results"]["digits-mlp"]) == ["fp32", "fp32-fp8mom"]
     assert last["results"]["digits"] == after["results"]["digits"]
     assert last["results"]["lm"]["fp32"] == lm_fp32
-    assert last["merged"]["earlier_env"]["cpu_capability"] == "AVX512"
+    assert last["merged"]["earlier_env"]["cpu_capability"] == "ELSEWHERE"
     assert last["merged"]["earlier_note"] == saved["note"]
     md = (tmp_path / "lean-cpu.md").read_text()
     assert "kept from the run of" in md and "digits (all its modes)" in md
-    assert "The kept run had another cpu_capability (AVX512; now" in md
+    now = last["env"]["cpu_capability"]
+    assert now == torch.backends.cpu.get_cpu_capability() != "ELSEWHERE"
+    assert f"The kept run had another cpu_capability (ELSEWHERE; now {now})" in md
     assert "| fp32 | " in md and "| not measured |" in md  # the LM's fp32, kept
     bar8 = {(b["model"], b["metric"]): b for b in last["bar8"]}
     assert set(bar8) == {("digits-mlp", "metric"), ("digits", "metric")}  # (no LM fp8 mode)

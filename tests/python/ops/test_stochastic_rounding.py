@@ -312,13 +312,19 @@ def test_every_instruction_set_draws_the_same_bits(device, tmp_path, script):
     import sys
     path = tmp_path / "isa.py"
     path.write_text(script)
+    # The vector instruction sets this machine can run: torch's own kernels follow
+    # ATEN_CPU_CAPABILITY=avx512 even on a CPU without it (and die there).
+    vector = {"AVX2": ["avx2"], "AVX512": ["avx2", "avx512"]}.get(
+        torch.backends.cpu.get_cpu_capability(), [])
+    if not vector:
+        pytest.skip("no vector instruction set to compare with the baseline loops")
     results = {}
-    for capability in ("default", "avx2", "avx512"):
+    for capability in ["default", *vector]:
         out = tmp_path / f"{capability}.pt"
         subprocess.run([sys.executable, str(path), str(out)], check=True, timeout=120,
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability))
         results[capability] = torch.load(out)
-    for capability in ("avx2", "avx512"):
+    for capability in vector:
         for i, (a, b) in enumerate(zip(results["default"], results[capability])):
             assert_bitwise_equal(b, a, msg=f"{capability} tensor {i}")
 

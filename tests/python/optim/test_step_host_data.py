@@ -16,6 +16,7 @@ from helpers import HostSyncError, fake_cuda, forbid_host_sync
 
 import mixedprec
 from mixedprec import optim
+from mixedprec.optim import lr_scheduler
 
 BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 MASTERS = ("fp32", "none", "kahan", "stochastic", "remainder")
@@ -212,3 +213,32 @@ def test_a_scaled_training_step_neither_syncs_nor_copies_host_data(name, master,
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
                 scaler.step(opt)
                 scaler.update()
+
+
+SCHEDULERS = {
+    "StepLR": lambda opt: lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "MultiStepLR": lambda opt: lr_scheduler.MultiStepLR(opt, milestones=[1, 3], gamma=0.5),
+    "CosineAnnealingLR": lambda opt: lr_scheduler.CosineAnnealingLR(opt, T_max=5),
+    "LinearLR": lambda opt: lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3),
+    "LambdaLR": lambda opt: lr_scheduler.LambdaLR(opt, lambda epoch: 0.9 ** epoch),
+    "SequentialLR": lambda opt: lr_scheduler.SequentialLR(opt, [
+        lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2),
+        lr_scheduler.StepLR(opt, step_size=2)], milestones=[2]),
+}
+
+
+@pytest.mark.parametrize("place", ["cpu", "fake-cuda"])
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_a_scheduled_step_neither_syncs_nor_copies_host_data(scheduler, place, monkeypatch):
+    """mixedprec.optim.lr_scheduler's step after the optimizer's (which writes a device
+    lr the fused ops read), a skipped step included."""
+    with where(place) as device:
+        params = new_params(device)
+        opt = optim.AdamW(params, lr=1e-3, master="stochastic", seed=3)
+        sched = SCHEDULERS[scheduler](opt)
+        for found_inf in (0.0, 0.0, 1.0, 0.0):
+            feed(params)
+            opt.found_inf = torch.full((1,), found_inf, device=device)
+            with forbid_host_sync(monkeypatch):
+                opt.step()
+                sched.step()
