@@ -51,7 +51,7 @@ TEST(PowStep, OtherExponentsTakePow) {
   EXPECT_EQ(pow_step(0.9, 1e300), std::pow(0.9, 1e300));
   EXPECT_TRUE(std::isnan(pow_step(0.9, std::numeric_limits<double>::quiet_NaN())));
   EXPECT_EQ(pow_step(2.0, 2000.0), std::numeric_limits<double>::infinity());  // overflow
-  EXPECT_EQ(pow_step(0.9, 1e9), 0.0);  // underflow
+  EXPECT_EQ(pow_step(0.9, 1e9), 0.0);                                         // underflow
 }
 
 }  // namespace
