@@ -432,6 +432,30 @@ def test_runs_map_column_blocks_onto_the_whole_tensor(device):
         assert_bitwise_equal(piece, whole[r0:r1, c0:c1], msg=str((r0, r1, c0, c1)))
 
 
+@pytest.mark.parametrize("values", [
+    [], [5], [0, 0, 0], [3, 4, 5, 6], [9, 7, 5, 3, 1, 2, 2, 2], [0, 2**40, 2**62, 7],
+    [2**63 - 1, 0, -2**63], list(range(0, 300, 3)) + [1] * 5 + [8, 6, 4]])
+def test_int64_tensor_holds_the_values_made_on_the_device(device, values, monkeypatch):
+    """ops.int64_tensor (rounding_words' columns): the values, made without a tensor
+    from host data (the guard catches those), in few pieces for runs of equal steps."""
+    from helpers import forbid_host_sync
+    with forbid_host_sync(monkeypatch):
+        made = ops.int64_tensor(values, device)
+    assert made.dtype == torch.int64 and made.device.type == device
+    assert made.cpu().tolist() == values
+
+
+def test_rounding_words_are_the_rows_made_on_the_device(device, monkeypatch):
+    from helpers import forbid_host_sync
+    rows = [(4,), (0, 7, 3, 10), (2**32 - 1,), (5, 2**40, 0, 0), (6,)]
+    with forbid_host_sync(monkeypatch):
+        words = ops.rounding_words(rows, device)
+    assert [w.shape for w in words] == [(1, 4)] * len(rows)
+    assert all(w.is_contiguous() for w in words)
+    assert [w.cpu().tolist()[0] for w in words] == [list(r) + [0] * (4 - len(r))
+                                                   for r in rows]
+
+
 def test_rounding_words_refuses_bad_rows():
     for row in [(-1,), (2**32,), (0, -8, 0, 0), (0, 0, -1, 4), (0, 1)]:
         with pytest.raises(ValueError, match="rounding_words"):
