@@ -191,8 +191,7 @@ MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQu
       block = g >> 3;
       bits = rounding_block(key, block);
     }
-    const uint32_t h = static_cast<uint32_t>(g & 7);
-    out[j] = (bits.v[h >> 1] >> (16 * (h & 1))) & 0xffffu;
+    out[j] = bits.half(static_cast<uint32_t>(g & 7));
   }
 }
 

@@ -28,6 +28,15 @@ namespace mixedprec {
 
 struct Philox4x32 {
   uint32_t v[4];
+
+  // Its 16-bit half h (0..7), low half of v[0] first (little-endian memory order):
+  // picked by selects, not by a variable index, which under nvcc would put v in local
+  // memory.
+  MP_HD uint32_t half(uint32_t h) const {
+    const uint32_t low = (h & 2u) != 0 ? v[1] : v[0];
+    const uint32_t high = (h & 2u) != 0 ? v[3] : v[2];
+    return (((h & 4u) != 0 ? high : low) >> (16 * (h & 1u))) & 0xffffu;
+  }
 };
 
 MP_HD uint32_t mul_hi32(uint32_t a, uint32_t b) {
@@ -88,8 +97,7 @@ MP_HD Philox4x32 rounding_block(const RoundingKey& key, uint64_t block) {
 MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
   const uint64_t i = static_cast<uint64_t>(index);
   const Philox4x32 out = rounding_block(key, i >> 3);
-  const uint32_t h = static_cast<uint32_t>(i & 7);
-  return (out.v[h >> 1] >> (16 * (h & 1))) & 0xffffu;
+  return out.half(static_cast<uint32_t>(i & 7));
 }
 
 }  // namespace mixedprec

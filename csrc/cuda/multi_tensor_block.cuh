@@ -19,6 +19,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -28,11 +30,26 @@
 
 #if defined(__CUDACC__)
 #define MP_DEVICE __device__ __forceinline__
+#define MP_TRACE(...) \
+  do {                \
+  } while (0)
 #else
 #define MP_DEVICE inline
+// Host builds only: every global-memory access of the element lists (list k, or
+// D + k for the scale bytes of 8-bit list k), by which lane of its warp, where, how
+// many bytes, and whether it stores; tests/cpp/test_cuda_blocks.cpp's memory-traffic
+// model sets g_trace.
+#define MP_TRACE(...)                                                    \
+  do {                                                                   \
+    if (mixedprec::cuda::g_trace) mixedprec::cuda::g_trace(__VA_ARGS__); \
+  } while (0)
 #endif
 
 namespace mixedprec::cuda {
+
+#if !defined(__CUDACC__)
+inline void (*g_trace)(int list, int lane, const void* address, int bytes, bool store) = nullptr;
+#endif
 
 #ifndef MIXEDPREC_UNROLL
 #define MIXEDPREC_UNROLL 2
@@ -42,6 +59,7 @@ namespace mixedprec::cuda {
 #endif
 
 constexpr int kBlockSize = 512;
+constexpr int kWarpSize = 32;
 constexpr int kILP = 4;  // elements per vector access
 // Vector accesses per thread issued before any is used: more bytes in flight.
 constexpr int kUnroll = MIXEDPREC_UNROLL;
@@ -132,30 +150,37 @@ MP_DEVICE void* offset(void* p, int64_t start) {
 
 // One element of a list as fp32, and back; a null pointer is an absent list (or
 // one the functor does not read or write) and is skipped.
+// (k, the list, and lane, the thread's lane in its warp, are for MP_TRACE only.)
 template <typename T>
-MP_DEVICE void load_element(const void* p, int64_t i, float& out) {
-  if (p != nullptr) out = static_cast<float>(static_cast<const T*>(p)[i]);
+MP_DEVICE void load_element(const void* p, int64_t i, float& out, int k, int lane) {
+  if (p == nullptr) return;
+  MP_TRACE(k, lane, static_cast<const T*>(p) + i, static_cast<int>(sizeof(T)), false);
+  out = static_cast<float>(static_cast<const T*>(p)[i]);
 }
 
 template <typename T>
-MP_DEVICE void store_element(void* p, int64_t i, float value) {
-  if (p != nullptr) static_cast<T*>(p)[i] = static_cast<T>(value);
+MP_DEVICE void store_element(void* p, int64_t i, float value, int k, int lane) {
+  if (p == nullptr) return;
+  MP_TRACE(k, lane, static_cast<T*>(p) + i, static_cast<int>(sizeof(T)), true);
+  static_cast<T*>(p)[i] = static_cast<T>(value);
 }
 
 template <typename T, int D>
-MP_DEVICE void load_vector(const void* p, int64_t i, float (&x)[kILP][D], int k) {
+MP_DEVICE void load_vector(const void* p, int64_t i, float (&x)[kILP][D], int k, int lane) {
   if (p == nullptr) return;
+  MP_TRACE(k, lane, static_cast<const T*>(p) + i, static_cast<int>(sizeof(Vec<T>)), false);
   const Vec<T> v = *reinterpret_cast<const Vec<T>*>(static_cast<const T*>(p) + i);
 #pragma unroll
   for (int j = 0; j < kILP; ++j) x[j][k] = static_cast<float>(v.v[j]);
 }
 
 template <typename T, int D>
-MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k) {
+MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k, int lane) {
   if (p == nullptr) return;
   Vec<T> v;
 #pragma unroll
   for (int j = 0; j < kILP; ++j) v.v[j] = static_cast<T>(x[j][k]);
+  MP_TRACE(k, lane, static_cast<T*>(p) + i, static_cast<int>(sizeof(Vec<T>)), true);
   *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
 }
 
@@ -171,6 +196,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
   // The per-tensor values, loaded once; zeros elsewhere.
   static_assert((kPerTensorStorageOk<Op, K, Ts> && ...), "per-tensor lists are fp32 or int64");
   const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(ptrs[K]) : 0.f)...};
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   bool bad = false;
   int64_t done = 0;
   if (((kPerTensorList<Op, K> || vector_aligned<Ts>(ptrs[K])) && ...)) {
@@ -189,7 +215,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
           for (int k = 0; k < D; ++k) x[u][j][k] = per[k];
         }
         const int64_t i = base + u * stride;
-        if (i < done) (load_vector<Ts, D>(in[K], i, x[u], K), ...);
+        if (i < done) (load_vector<Ts, D>(in[K], i, x[u], K, lane), ...);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -197,7 +223,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
         if (i >= done) continue;
 #pragma unroll
         for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[u][j], first + i + j);
-        (store_vector<Ts, D>(out[K], i, x[u], K), ...);
+        (store_vector<Ts, D>(out[K], i, x[u], K, lane), ...);
       }
     }
   }
@@ -205,23 +231,58 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
     float x[D];
 #pragma unroll
     for (int k = 0; k < D; ++k) x[k] = per[k];
-    (load_element<Ts>(in[K], i, x[K]), ...);
+    (load_element<Ts>(in[K], i, x[K], K, lane), ...);
     bad |= apply_at(op, x, first + i);
-    (store_element<Ts>(out[K], i, x[K]), ...);
+    (store_element<Ts>(out[K], i, x[K], K, lane), ...);
   }
   return bad;
 }
 
 // Functors with 8-bit lists (E4m3 storage, lanes.h; their block scales in the lists
-// from Op::kScaleList on, one per 8-bit list in order): each thread takes whole
-// blocks of kQuantBlock elements, elements first + b * kQuantBlock on (first is a
-// multiple of it, and so is n: validated and planned), one element at a time: an
-// 8-bit list is read as its code's value times the block's scale; the other lists the
-// functor writes are stored at once, the 8-bit ones when the block is done: its
-// largest magnitude (as bits, NaN above all) picks the scale, then the codes. base
-// holds the tensors' own pointers (not offset by first).
+// from Op::kScaleList on, one per 8-bit list in order) run warp by warp: a warp takes
+// kWarpSpan consecutive elements at a time (kUnroll spans in flight), each lane kILP
+// consecutive ones, so every list's access is one coalesced vector access per lane, as
+// in apply_chunk, and kLanesPerBlock lanes hold one block of kQuantBlock elements. An
+// 8-bit list is read as its codes' values times the block's scale (one byte, read by
+// the block's lanes at once); the other lists the functor writes are stored at once,
+// the 8-bit ones when the block's largest magnitude is known: a reduction over its
+// lanes (as bits, NaN above all), then each lane encodes its elements and the block's
+// first lane stores the scale. Elements first.. on (first and n are multiples of
+// kQuantBlock: validated and planned; base holds the tensors' own pointers). Under
+// nvcc a thread is one lane; the host build (tests/cpp/test_cuda_blocks.cpp) runs a
+// whole warp in one call, its lanes one after another between the reductions.
 template <typename T>
 constexpr bool kBlocked = std::is_same<T, E4m3>::value;
+
+constexpr int kWarpSpan = kWarpSize * kILP;
+constexpr int kLanesPerBlock = kQuantBlock / kILP;
+static_assert(kQuantBlock % kILP == 0 && kWarpSpan % kQuantBlock == 0, "whole blocks per span");
+static_assert(kBlockSize % kWarpSize == 0, "whole warps");
+#if defined(__CUDACC__)
+constexpr int kHostLanes = 1;  // the lanes one call runs: a CUDA thread is one lane
+MP_DEVICE int lane_of(int) { return static_cast<int>(threadIdx.x % kWarpSize); }
+#else
+constexpr int kHostLanes = kWarpSize;
+MP_DEVICE int lane_of(int l) { return l; }
+#endif
+
+// Each lane's m becomes the largest m of its block's kLanesPerBlock lanes. Every lane
+// of the warp calls it (under nvcc: a shuffle reduction over the whole warp's mask).
+MP_DEVICE void block_max(uint32_t (&m)[kHostLanes]) {
+#if defined(__CUDACC__)
+#pragma unroll
+  for (int d = 1; d < kLanesPerBlock; d <<= 1) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, m[0], d);
+    m[0] = other > m[0] ? other : m[0];
+  }
+#else
+  for (int g = 0; g < kHostLanes; g += kLanesPerBlock) {
+    uint32_t best = 0;
+    for (int l = g; l < g + kLanesPerBlock; ++l) best = m[l] > best ? m[l] : best;
+    for (int l = g; l < g + kLanesPerBlock; ++l) m[l] = best;
+  }
+#endif
+}
 
 template <typename Op, size_t K, typename... Ts>
 constexpr int blocked_rank() {
@@ -231,13 +292,126 @@ constexpr int blocked_rank() {
   return rank;
 }
 
-template <typename T>
-MP_DEVICE void load_scaled(const void* p, int64_t i, float scale, float& out) {
+// The scale bytes of list K's blocks (an 8-bit list's; null for the others).
+template <typename Op, size_t K, typename... Ts>
+MP_DEVICE uint8_t* scales_of(void* const (&base)[sizeof...(Ts)]) {
+  using T = std::tuple_element_t<K, std::tuple<Ts...>>;
+  if constexpr (kBlocked<T>) {
+    return base[K] == nullptr
+               ? nullptr
+               : static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]);
+  } else {
+    return nullptr;
+  }
+}
+
+// kILP elements from i on into x[j][k]: a vector access when `vec`, else one by one;
+// an 8-bit list as its codes' values times its block's scale (read here).
+template <typename T, int D>
+MP_DEVICE void load_lane(const void* p, const uint8_t* scales, int64_t i, bool vec, int lane,
+                         float (&x)[kILP][D], int k) {
   if (p == nullptr) return;
   if constexpr (kBlocked<T>) {
-    out = e4m3_value(static_cast<const E4m3*>(p)[i].bits) * scale;
+    MP_TRACE(k + D, lane, scales + i / kQuantBlock, 1, false);
+    const float scale = e8m0_value(scales[i / kQuantBlock]);
+    if (vec) {
+      MP_TRACE(k, lane, static_cast<const T*>(p) + i, kILP, false);
+      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(static_cast<const T*>(p) + i);
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) x[j][k] = e4m3_value(v.v[j].bits) * scale;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        MP_TRACE(k, lane, static_cast<const T*>(p) + i + j, 1, false);
+        x[j][k] = e4m3_value(static_cast<const T*>(p)[i + j].bits) * scale;
+      }
+    }
+  } else if (vec) {
+    load_vector<T, D>(p, i, x, k, lane);
   } else {
-    out = static_cast<float>(static_cast<const T*>(p)[i]);
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) load_element<T>(p, i + j, x[j][k], k, lane);
+  }
+}
+
+// x[j][k] into the kILP elements from i on (not an 8-bit list's: store_codes).
+template <typename T, int D>
+MP_DEVICE void store_lane(void* p, int64_t i, bool vec, int lane, const float (&x)[kILP][D],
+                          int k) {
+  if constexpr (!kBlocked<T>) {
+    if (vec) {
+      store_vector<T, D>(p, i, x, k, lane);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) store_element<T>(p, i + j, x[j][k], k, lane);
+    }
+  }
+}
+
+// The 16 rounding bits of local elements i .. i + kILP - 1 (lanes.h's block_bits, for
+// kILP elements: one Philox call while they share a block of 8).
+MP_DEVICE void lane_bits(const RoundingKey& key, int64_t i, uint32_t (&out)[kILP]) {
+  uint64_t block = ~uint64_t{0};
+  Philox4x32 bits{};
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    const uint64_t g = static_cast<uint64_t>(key.global(i + j));
+    if (g >> 3 != block) {
+      block = g >> 3;
+      bits = rounding_block(key, block);
+    }
+    out[j] = bits.half(static_cast<uint32_t>(g & 7));
+  }
+}
+
+// 8-bit list k's codes and scales from the lanes' values x[l][u][j][k] (every lane of
+// the warp calls it, for the reduction; `at[l][u]` is the element index of lane l's
+// span u, -1 when it holds none). rank: the list's place among the 8-bit lists (the
+// second rounds with its bits' bytes swapped, lanes.h).
+template <typename Op, int D>
+MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
+                           const float (&x)[kHostLanes][kUnroll][kILP][D],
+                           const int64_t (&at)[kHostLanes][kUnroll], int k, int rank) {
+  if (p == nullptr) return;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    uint32_t m[kHostLanes];
+    for (int l = 0; l < kHostLanes; ++l) {
+      m[l] = 0;
+      if (at[l][u] < 0) continue;
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        uint32_t a;
+        memcpy(&a, &x[l][u][j][k], sizeof(a));
+        a &= 0x7fffffffu;
+        m[l] = a > m[l] ? a : m[l];
+      }
+    }
+    block_max(m);
+    for (int l = 0; l < kHostLanes; ++l) {
+      const int64_t i = at[l][u];
+      if (i < 0) continue;
+      const int lane = lane_of(l);
+      const uint32_t bits = e8m0_scale_bits(bits_float(m[l]));
+      const float inv = e8m0_inverse(bits);
+      uint32_t random[kILP];
+      if (op.state_stochastic) lane_bits(op.state_key, i, random);
+      Vec<E4m3> codes;
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        const float y = x[l][u][j][k] * inv;
+        codes.v[j].bits = static_cast<uint8_t>(
+            op.state_stochastic
+                ? e4m3_code_stochastic(y, rank != 0 ? rotate_bytes(random[j]) : random[j])
+                : e4m3_code(y));
+      }
+      MP_TRACE(k, lane, p + i, kILP, true);
+      *reinterpret_cast<Vec<E4m3>*>(p + i) = codes;
+      if (lane % kLanesPerBlock == 0) {
+        MP_TRACE(k + D, lane, scales + i / kQuantBlock, 1, true);
+        scales[i / kQuantBlock] = static_cast<uint8_t>(bits);
+      }
+    }
   }
 }
 
@@ -245,39 +419,46 @@ template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], int64_t first,
                             int64_t n, std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
-  constexpr int Q = (0 + ... + (kBlocked<Ts> ? 1 : 0));
   const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? base[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? base[K] : nullptr...};
+  const uint8_t* scales[D] = {scales_of<Op, K, Ts...>(base)...};
   const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(base[K]) : 0.f)...};
+  // (first is a multiple of kQuantBlock, so each list is vector-aligned at every lane's
+  // first element when it is at the tensor's start)
+  const bool vec = ((kPerTensorList<Op, K> || vector_aligned<Ts>(base[K])) && ...);
+  const int64_t warp = threadIdx.x / kWarpSize;
+  const int64_t step = static_cast<int64_t>(blockDim.x / kWarpSize) * kWarpSpan * kUnroll;
   bool bad = false;
-  for (int64_t start = static_cast<int64_t>(threadIdx.x) * kQuantBlock; start < n;
-       start += static_cast<int64_t>(blockDim.x) * kQuantBlock) {
-    const int64_t i0 = first + start;
-    const int64_t b = i0 / kQuantBlock;
-    const float scale[D] = {(kBlocked<Ts> && base[K] != nullptr
-                                 ? e8m0_value(static_cast<const uint8_t*>(
-                                       base[Op::kScaleList + blocked_rank<Op, K, Ts...>()])[b])
-                                 : 1.f)...};
-    uint32_t random[kQuantBlock];
-    if (op.state_stochastic) block_bits(op.state_key, i0, random);
-    float q[kQuantBlock][Q];
-    for (int j = 0; j < kQuantBlock; ++j) {
-      float x[D];
+  // (the bound is the same for every lane of a warp: all of them reach block_max)
+  for (int64_t span = warp * kWarpSpan * kUnroll; span < n; span += step) {
+    float x[kHostLanes][kUnroll][kILP][D];
+    int64_t at[kHostLanes][kUnroll];  // each lane's first element per span, -1 for none
+    for (int l = 0; l < kHostLanes; ++l) {
+      const int lane = lane_of(l);
 #pragma unroll
-      for (int k = 0; k < D; ++k) x[k] = per[k];
-      (load_scaled<Ts>(in[K], i0 + j, scale[K], x[K]), ...);
-      bad |= apply_at(op, x, i0 + j);
-      ((kBlocked<Ts>
-            ? (void)(q[j][kBlocked<Ts> ? blocked_rank<Op, K, Ts...>() : 0] = x[K])
-            : store_element<std::conditional_t<kBlocked<Ts>, float, Ts>>(out[K], i0 + j, x[K])),
-       ...);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = span + u * kWarpSpan + lane * kILP;
+        at[l][u] = e < n ? first + e : -1;
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+#pragma unroll
+          for (int k = 0; k < D; ++k) x[l][u][j][k] = per[k];
+        }
+        if (at[l][u] >= 0) {
+          (load_lane<Ts, D>(in[K], scales[K], at[l][u], vec, lane, x[l][u], K), ...);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (at[l][u] < 0) continue;
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j);
+        (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
+      }
     }
-    ((kBlocked<Ts> && out[K] != nullptr
-          ? store_block_of<Q>(
-                static_cast<E4m3*>(out[K]) + i0,
-                static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]) + b, q,
-                blocked_rank<Op, K, Ts...>(), op.state_stochastic ? random : nullptr,
-                blocked_rank<Op, K, Ts...>() != 0)
+    ((kBlocked<Ts>
+          ? store_codes<Op, D>(op, static_cast<E4m3*>(out[K]), const_cast<uint8_t*>(scales[K]), x,
+                               at, K, blocked_rank<Op, K, Ts...>())
           : void()),
      ...);
   }

@@ -4,7 +4,9 @@
 // 64-bit offsets and the device-side skip of every pointwise op.
 //
 // A launch is emulated block by block and, within a block, thread by thread. That
-// is exact for the pointwise kernels, whose threads share nothing but found_inf.
+// is exact for the pointwise kernels, whose threads share nothing but found_inf; the
+// 8-bit kernels, whose lanes reduce each block's largest magnitude together, run a
+// warp per call (the block code loops over its lanes on the host).
 // The op entries of csrc/ops/ are then run on this engine and on the CPU
 // engine over the same inputs, and must give the same bits: both apply the same
 // functors of csrc/pointwise.h to every element exactly once.
@@ -23,47 +25,12 @@
 #include <utility>
 #include <vector>
 
-namespace {
-// CUDA's built-in index variables, for the host build of the block code.
-struct EmulatedDim3 {
-  unsigned x = 0;
-};
-EmulatedDim3 threadIdx, blockIdx, blockDim;
-}  // namespace
-
-#include "cpu/engine.h"
-#include "cuda/multi_tensor_block.cuh"
-#include "ops/all.h"
+#include "emulated_cuda.h"
 
 namespace mixedprec::cuda {
 namespace {
 
 using at::Tensor;
-
-int g_launches = 0;  // launches of the emulated engine, for the tests below
-
-// The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
-// the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
-// kernels call the same functions of pointwise.h.
-struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
-  template <typename Op, typename... Ts>
-  static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
-                  float* found_inf) {
-    constexpr int D = sizeof...(Ts);
-    for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
-      ++g_launches;
-      blockDim.x = kBlockSize;
-      for (int64_t b = 0; b < grid_blocks<kBlocksPerChunk>(num_blocks); ++b) {
-        blockIdx.x = static_cast<unsigned>(b);
-        for (int t = 0; t < kBlockSize; ++t) {
-          threadIdx.x = static_cast<unsigned>(t);
-          pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
-        }
-      }
-    });
-  }
-};
-
 using mixedprec::cpu::CpuEngine;
 
 const float kInf = std::numeric_limits<float>::infinity();

@@ -1,0 +1,52 @@
+// The CUDA engine's block code (csrc/cuda/multi_tensor_block.cuh) compiled as host
+// code, with an Engine (csrc/dispatch.h) that runs a launch block by block and, in a
+// block, thread by thread (the 8-bit kernels: a warp per call, whose lanes the block
+// code loops over on the host), on CPU tensors: test_cuda_blocks.cpp compares it with
+// the CPU engine, test_memory_traffic.cpp records its memory accesses. Include it
+// before anything else of csrc/ (CUDA's index variables must be declared first).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace {
+// CUDA's built-in index variables, for the host build of the block code.
+struct EmulatedDim3 {
+  unsigned x = 0;
+};
+EmulatedDim3 threadIdx, blockIdx, blockDim;
+}  // namespace
+
+#include "cpu/engine.h"
+#include "cuda/multi_tensor_block.cuh"
+#include "ops/all.h"
+
+namespace mixedprec::cuda {
+namespace {
+
+int g_launches = 0;  // launches of the emulated engine
+
+// The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
+// the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
+// kernels call the same functions of pointwise.h.
+struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
+  template <typename Op, typename... Ts>
+  static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
+                  float* found_inf) {
+    constexpr int D = sizeof...(Ts);
+    for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
+      ++g_launches;
+      blockDim.x = kBlockSize;
+      for (int64_t b = 0; b < grid_blocks<kBlocksPerChunk>(num_blocks); ++b) {
+        blockIdx.x = static_cast<unsigned>(b);
+        constexpr int kThreadsPerCall = (kBlocked<Ts> || ...) ? kWarpSize : 1;
+        for (int t = 0; t < kBlockSize; t += kThreadsPerCall) {
+          threadIdx.x = static_cast<unsigned>(t);
+          pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
+        }
+      }
+    });
+  }
+};
+
+}  // namespace
+}  // namespace mixedprec::cuda
