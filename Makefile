@@ -80,7 +80,10 @@ lint: $(VENV_STAMP)
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 	mkdir -p build && rm -f build/ext-cuda*.stamp
 	$(PY) scripts/build_checks.py > $@.tmp
-	$(PY) setup.py build_ext --inplace
+	{ $(PY) setup.py build_ext --inplace 2>&1; echo $$? > build/ext-build.rc; } | \
+		tee build/ext-build.log
+	exit "$$(cat build/ext-build.rc)"
+	$(PY) scripts/cuda_resources.py build/ext-build.log build/cuda-resources.json
 	$(MAKE) --no-print-directory develop
 	mv $@.tmp $@
 
@@ -100,7 +103,8 @@ cpp-test: build/cpp/build.ninja
 	ctest --test-dir build/cpp --output-on-failure
 
 py-test: build
-	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1; fi; \
+	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1 \
+		MIXEDPREC_CUDA_RESOURCES=$(CURDIR)/build/cuda-resources.json; fi; \
 	PYTHONPATH=$(CURDIR) $(PY) -m pytest tests/python
 
 clean:

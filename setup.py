@@ -58,7 +58,10 @@ def write_build_info(cuda: bool) -> None:
 # engine's bits (IEEE adds, multiplies, divisions and square roots in the same order;
 # pointwise.h's pow_step for the bias corrections); tests/python/ops/test_cuda_bits.py
 # checks the PTX. The step is bound by memory traffic, not by its few more instructions.
-NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false"]
+# --resource-usage: ptxas prints each kernel's registers, stack frame and spills, which
+# `make build` keeps (scripts/cuda_resources.py) and tests/python/ops/test_cuda_resources.py
+# gates.
+NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false", "--resource-usage"]
 
 
 def extension(cuda: bool):
