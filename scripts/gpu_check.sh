@@ -94,7 +94,7 @@ DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
 # its own with MEMCHECK_LIMIT=540 MEMCHECK_WORKERS=14 finishes it. The CUDA tests: 1906
 # in 130 s on 10 workers (0.7), about 1660 here without memcheck's files; racecheck 31
 # in 68 s on 3;
-# synccheck 152 in 131 s on 2. The benchmarks get what is left, bounded by their own
+# synccheck 152 in 131 s on 2 (now with test_state8.py's 57 more). The benchmarks get what is left, bounded by their own
 # --time-budget.
 default_limit() {
   case $1 in
@@ -135,7 +135,8 @@ OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edg
 OPTIM_TESTS=(tests/python/optim/test_lean.py tests/python/optim/test_state8.py
   tests/python/optim/test_remainder.py tests/python/optim/test_lamb.py
   tests/python/ops/test_stochastic_rounding.py)
-# The engine's tests: what synccheck (barriers) checks; the 2^31-element test is
+# The engine's tests and the 8-bit state's (their blocks' scales come from warp
+# shuffles): what synccheck (barriers, warp syncs) checks; the 2^31-element test is
 # memcheck's. racecheck looks for shared-memory hazards, and only the L2 norm's block
 # reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
 ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
@@ -195,8 +196,9 @@ define_step() {
       sanitizer_cmd racecheck "$(workers_of racecheck 1)" l2norm "${L2NORM_TESTS[@]}" ;;
     synccheck)
       KIND=sanitizer
-      DESC="synccheck over the engine tests"
-      sanitizer_cmd synccheck "$(workers_of synccheck 2)" "" "${ENGINE_TESTS[@]}" ;;
+      DESC="synccheck over the engine and 8-bit state tests"
+      sanitizer_cmd synccheck "$(workers_of synccheck 2)" "" "${ENGINE_TESTS[@]}" \
+        tests/python/optim/test_state8.py ;;
     bench-ops)
       # The two lists of the published tables and the ops that have targets; the run
       # stops starting cases after --time-budget and marks the rest skipped.
