@@ -155,13 +155,19 @@ class StateLoading:
         if p.dtype not in (torch.float16, torch.bfloat16):
             return
         for key, (mode, what) in _MODE_STATE.items():
-            if key in saved and mode != self.master and \
-                    key not in _EXACT_FROM.get(self.master, ()):
+            if key not in saved or mode == self.master:
+                continue
+            where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}] is {what}"
+            if key not in _EXACT_FROM.get(self.master, ()):
                 exact = [m for m, keys in _EXACT_FROM.items() if key in keys]
-                raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}] is "
-                    f"{what}, which master={self.master!r} cannot keep exactly; load it "
-                    f"into an optimizer with master in {sorted({mode, *exact})}")
+                raise ValueError(f"{where}, which master={self.master!r} cannot keep exactly; "
+                                 f"load it into an optimizer with master in "
+                                 f"{sorted({mode, *exact})}")
+            if type(p.data) is not Tensor:  # (a DTensor: its local shards are not split)
+                raise ValueError(f"{where}, which master={self.master!r} takes from master="
+                                 f"{mode!r} exactly for plain tensors only, not for a "
+                                 f"{type(p.data).__name__} parameter; load it into an "
+                                 f"optimizer with master={mode!r}")
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
         """Hook: a saved param group with the keys a newer release added (torch's

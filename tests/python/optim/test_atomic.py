@@ -344,3 +344,18 @@ def test_torch_implemented_steps_count_in_torchs_dtype(default, expected):
     finally:
         torch.set_default_dtype(previous)
     assert opt.state[p]["step"].dtype == expected
+
+
+def test_a_conversion_of_a_tensor_subclass_parameter_is_refused():
+    """The exact conversions split plain tensors; a subclass (a DTensor, whose local
+    shard would have to be split) is refused with nothing loaded, not dropped."""
+    class Sharded(torch.Tensor):
+        pass
+
+    params, opt = _trained(optim.AdamW, {}, "fp32", steps=1)
+    ps = [torch.nn.Parameter(p.detach().clone().as_subclass(Sharded)) for p in params]
+    other = optim.AdamW(ps, lr=1e-2, master="remainder")
+    with pytest.raises(ValueError, match="takes from master='fp32' exactly for plain tensors "
+                                         "only, not for a Sharded parameter"):
+        other.load_state_dict(opt.state_dict())
+    assert other.state == {}
