@@ -176,16 +176,15 @@ MP_HD uint32_t e4m3_code_stochastic(float y, uint32_t r) {
   return sign | (code > 0x7eu ? 0x7eu : code);
 }
 
-// The 16 random bits of each element of the block from local element `index` on
-// (rounding_bits of its global index, philox.h): one Philox call per 8 consecutive
-// elements. The 8-bit state's codes round with them: the first 8-bit list of an op
-// with these bits, the second with their bytes swapped (rotate_bytes), so that the
-// high bits, which decide most roundings, are independent between the two.
-MP_HD uint32_t rotate_bytes(uint32_t r) { return ((r << 8) | (r >> 8)) & 0xffffu; }
-MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+// The 16 random bits of local elements index .. index + n - 1 (rounding_bits of each
+// one's global index, philox.h): one Philox call per block of 8 consecutive global
+// elements, taken again by the elements that fall in the block before. The CPU's
+// scalar and out-of-line vector paths and CUDA's lanes call it (block_bits: a block
+// of kQuantBlock).
+MP_HD void element_bits(const RoundingKey& key, int64_t index, int n, uint32_t* out) {
   uint64_t block = ~uint64_t{0};
   Philox4x32 bits{};
-  for (int j = 0; j < kQuantBlock; ++j) {
+  for (int j = 0; j < n; ++j) {
     const uint64_t g = static_cast<uint64_t>(key.global(index + j));
     if (g >> 3 != block) {
       block = g >> 3;
@@ -193,6 +192,15 @@ MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQu
     }
     out[j] = bits.half(static_cast<uint32_t>(g & 7));
   }
+}
+
+// The bits of each element of the block from local element `index` on. The 8-bit
+// state's codes round with them: the first 8-bit list of an op with these bits, the
+// second with their bytes swapped (rotate_bytes), so that the high bits, which decide
+// most roundings, are independent between the two.
+MP_HD uint32_t rotate_bytes(uint32_t r) { return ((r << 8) | (r >> 8)) & 0xffffu; }
+MP_HD void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
+  element_bits(key, index, kQuantBlock, out);
 }
 
 // The scale byte and codes of one block whose values are x[j][k], j < kQuantBlock (the

@@ -171,24 +171,12 @@ MP_AVX512_FN V rounding_blocks(const RoundingKey& key, uint64_t block) {
 #undef MP_AVX512_FN
 }  // namespace philox_avx512
 
-// The bits of local elements index .. index + n - 1 (rounding_bits of each one's
-// global index), for vectors whose lanes are not consecutive in the full tensor (they
-// cross the end of a run, RoundingKey): out of line, to keep the vector path inlined.
-// Lanes that fall in the block of the lane before take its Philox output again
-// (rounding_bits, computed once per block).
+// The bits of local elements index .. index + n - 1 (lanes.h's element_bits), for
+// vectors whose lanes are not consecutive in the full tensor (they cross the end of a
+// run, RoundingKey): out of line, to keep the vector path inlined.
 __attribute__((noinline, cold)) inline void lane_bits(const RoundingKey& key, int64_t index, int n,
                                                       uint32_t* out) {
-  uint64_t block = ~uint64_t{0};
-  Philox4x32 bits{};
-  for (int j = 0; j < n; ++j) {
-    const uint64_t g = static_cast<uint64_t>(key.global(index + j));
-    if (g / 8 != block) {
-      block = g / 8;
-      bits = rounding_block(key, block);
-    }
-    const uint32_t h = static_cast<uint32_t>(g % 8);
-    out[j] = (bits.v[h / 2] >> (16 * (h % 2))) & 0xffffu;
-  }
+  element_bits(key, index, n, out);
 }
 
 // The bits of N consecutive global elements from g on (N = 8 or 16) as 16-bit halves:

@@ -348,22 +348,6 @@ MP_DEVICE void store_lane(void* p, int64_t i, bool vec, int lane, const float (&
   }
 }
 
-// The 16 rounding bits of local elements i .. i + kILP - 1 (lanes.h's block_bits, for
-// kILP elements: one Philox call while they share a block of 8).
-MP_DEVICE void lane_bits(const RoundingKey& key, int64_t i, uint32_t (&out)[kILP]) {
-  uint64_t block = ~uint64_t{0};
-  Philox4x32 bits{};
-#pragma unroll
-  for (int j = 0; j < kILP; ++j) {
-    const uint64_t g = static_cast<uint64_t>(key.global(i + j));
-    if (g >> 3 != block) {
-      block = g >> 3;
-      bits = rounding_block(key, block);
-    }
-    out[j] = bits.half(static_cast<uint32_t>(g & 7));
-  }
-}
-
 // 8-bit list k's codes and scales from the lanes' values x[l][u][j][k] (every lane of
 // the warp calls it, for the reduction; `at[l][u]` is the element index of lane l's
 // span u, -1 when it holds none). rank: the list's place among the 8-bit lists (the
@@ -395,7 +379,7 @@ MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
       const uint32_t bits = e8m0_scale_bits(bits_float(m[l]));
       const float inv = e8m0_inverse(bits);
       uint32_t random[kILP];
-      if (op.state_stochastic) lane_bits(op.state_key, i, random);
+      if (op.state_stochastic) element_bits(op.state_key, i, kILP, random);
       Vec<E4m3> codes;
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
@@ -421,7 +405,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
   constexpr int D = sizeof...(Ts);
   const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? base[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? base[K] : nullptr...};
-  const uint8_t* scales[D] = {scales_of<Op, K, Ts...>(base)...};
+  uint8_t* scales[D] = {scales_of<Op, K, Ts...>(base)...};
   const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(base[K]) : 0.f)...};
   // (first is a multiple of kQuantBlock, so each list is vector-aligned at every lane's
   // first element when it is at the tensor's start)
@@ -456,10 +440,9 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
         (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
       }
     }
-    ((kBlocked<Ts>
-          ? store_codes<Op, D>(op, static_cast<E4m3*>(out[K]), const_cast<uint8_t*>(scales[K]), x,
-                               at, K, blocked_rank<Op, K, Ts...>())
-          : void()),
+    ((kBlocked<Ts> ? store_codes<Op, D>(op, static_cast<E4m3*>(out[K]), scales[K], x, at, K,
+                                        blocked_rank<Op, K, Ts...>())
+                   : void()),
      ...);
   }
   return bad;

@@ -427,9 +427,11 @@ class MultiStepLR(LRScheduler):
     def _check_state(self, state_dict: Any) -> Dict[str, Any]:
         out = super()._check_state(state_dict)
         milestones = out.get("milestones", self.milestones)
-        if "_marks" in out and out["_marks"].tolist() != milestones:
+        # (_check_entry made _marks a CPU tensor from the checkpoint's ints: loading)
+        marks = out["_marks"].tolist() if "_marks" in out else milestones  # sync-ok: loading
+        if marks != milestones:
             raise ValueError(f"{type(self).__name__}.load_state_dict: expected _marks to "
-                             f"hold the milestones {milestones}, got {out['_marks'].tolist()}")
+                             f"hold the milestones {milestones}, got {marks}")
         if "milestones" in out:  # (torch's state dict has no _marks)
             out["_marks"] = torch.tensor(milestones, dtype=torch.int64)
         return out

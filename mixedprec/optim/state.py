@@ -2,7 +2,7 @@
 changes, float32 state kept float32 next to fp16/bf16 parameters, group-level step
 counts, and the hooks through which the torch-named optimizers read torch's format."""
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
@@ -23,6 +23,20 @@ _MODE_STATE = {"master_param": ("fp32", "an fp32 master"),
                "kahan_comp": ("kahan", "a Kahan compensation"),
                "remainder": ("remainder", "a remainder (the low half of an fp32 master)")}
 _EXACT_FROM = {"fp32": ("kahan_comp", "remainder"), "remainder": ("master_param", "kahan_comp")}
+
+
+def whole_count(value: Any) -> Optional[int]:
+    """A loaded count (a step count, ``applied_steps``) as an int when it is a whole
+    number >= 0, given as a number or a one-element real tensor (read on the host:
+    loading, not a step); else None."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        value = value.detach().reshape(()).cpu().item()  # sync-ok: loading, not a step
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 <= value < float("inf") or value != int(value):
+        return None
+    return int(value)
 
 
 class StateLoading:
@@ -123,14 +137,13 @@ class StateLoading:
     def _loaded_applied_steps(self, value: Any) -> int:
         """The saved ``applied_steps`` (0 when absent: a torch.optim state dict) as an
         int >= 0 (read on the host once, when loading)."""
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-            value = value.detach().reshape(()).cpu().item()  # sync-ok: loading, not a step
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        count = whole_count(value)
+        if count is None:
+            one = isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()
+            shown = value.detach().reshape(()).cpu().item() if one else value  # sync-ok: loading
             raise ValueError(f"{type(self).__name__}.load_state_dict: expected "
-                             f"'applied_steps' to be an int >= 0, got {value!r}")
-        return value
+                             f"'applied_steps' to be an int >= 0, got {shown!r}")
+        return count
 
     def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
         if not isinstance(value, Tensor):

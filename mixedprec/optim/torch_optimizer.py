@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import ops
 from ..loss_scale import inverse
 from .optimizer import _FLOAT_DTYPES, _MASTER_MODES, _FusedOptimizer, _Work
+from .state import whole_count
 
 
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -259,11 +260,7 @@ class TorchOptimizer(_FusedOptimizer):
     def _check_step_count(self, param_id: Any, value: Any) -> None:
         """A loaded step count: a whole number >= 0, or a one-element real tensor holding
         one (read on the host here, once, when loading)."""
-        number = value
-        if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
-            number = float(value)  # sync-ok: loading a state dict, not a step
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or \
-                not 0 <= number < float("inf") or number != int(number):
+        if whole_count(value) is None:
             raise ValueError(f"{type(self).__name__}.load_state_dict: state[{param_id}]"
                              f"['step'] must be a whole number >= 0, got {value!r}")
 

@@ -150,10 +150,10 @@ def assert_state_dict_unchanged(model, opt, before):
             assert torch.equal(now["state"][pid][key], value), (pid, key)
 
 
-def full_snapshot(model, opt):
-    """{name: clone} of everything an optimizer step may write: params, per-param
-    state, group tensors (FusedAdam's step), named by position and key (whatever
-    order the dicts were filled in)."""
+def live_tensors(model, opt):
+    """{name: tensor}, the live tensors, of everything an optimizer step may write:
+    params, per-param state, group tensors (FusedAdam's step), named by position and key
+    (whatever order the dicts were filled in)."""
     tensors = {}
     for i, p in enumerate(model.parameters()):
         tensors[f"param{i}"] = p
@@ -164,7 +164,12 @@ def full_snapshot(model, opt):
         for key, value in group.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"group{j}.{key}"] = value
-    return {name: t.detach().clone() for name, t in tensors.items()}
+    return tensors
+
+
+def full_snapshot(model, opt):
+    """{name: clone} of :func:`live_tensors`."""
+    return {name: t.detach().clone() for name, t in live_tensors(model, opt).items()}
 
 
 def assert_same_snapshot(a, b, msg=""):

@@ -8,7 +8,7 @@ eager steps are checked on the CPU too."""
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_same_snapshot, randn
+from helpers import assert_bitwise_equal, assert_same_snapshot, live_tensors, randn
 from torch import nn
 
 import mixedprec
@@ -113,16 +113,7 @@ def live_state(model, opt, scaler):
     params, the optimizer's per-parameter and per-group state and its count of applied
     steps, and the scaler's device state. test_the_snapshot_covers_every_state_tensor
     checks on the CPU that the optimizer and the scaler hold no other tensor."""
-    tensors = {}
-    for i, p in enumerate(model.parameters()):
-        tensors[f"param{i}"] = p
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state{i}.{key}"] = value
-    for j, group in enumerate(opt.param_groups):
-        for key, value in group.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"group{j}.{key}"] = value
+    tensors = live_tensors(model, opt)
     tensors["applied_steps"] = opt.applied_steps
     tensors.update(scaler_state(scaler))
     return tensors

@@ -50,6 +50,19 @@ def lrs(scheduler):
     return [float(lr) for lr in scheduler.get_last_lr()]
 
 
+def step_both(step, params, optimizers, schedulers):
+    """One step of two runs on the same gradients: each param list's grads set, then
+    each optimizer and each scheduler stepped."""
+    gs = grads(params[0], step)
+    for ps in params:
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+    for opt in optimizers:
+        opt.step()
+    for sched in schedulers:
+        sched.step()
+
+
 def pair(opt_name, schedule):
     mine, torchs, kwargs = OPTIMIZERS[opt_name]
     a, b = make_params(), make_params()
@@ -64,12 +77,7 @@ def test_equal_to_torch_step_for_step(opt_name, schedule):
     a, b, opt_a, opt_b, sched_a, sched_b = pair(opt_name, schedule)
     assert lrs(sched_a) == pytest.approx(lrs(sched_b), rel=1e-12)
     for step in range(14):
-        for p, q, g in zip(a, b, grads(a, step)):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-        sched_a.step()
-        sched_b.step()
+        step_both(step, (a, b), (opt_a, opt_b), (sched_a, sched_b))
         assert lrs(sched_a) == pytest.approx(lrs(sched_b), rel=1e-12, abs=1e-15), step
         assert [float(g["lr"]) for g in opt_a.param_groups] == pytest.approx(lrs(sched_b))
     for p, q in zip(a, b):
@@ -175,12 +183,7 @@ def test_scheduler_state_dict_resumes():
     sched_c.load_state_dict(saved_sched)
     assert lrs(sched_c) == lrs(sched_a)
     for step in range(5, 9):
-        for p, q, g in zip(a, resumed, grads(a, step)):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_c.step()
-        sched_a.step()
-        sched_c.step()
+        step_both(step, (a, resumed), (opt_a, opt_c), (sched_a, sched_c))
         assert lrs(sched_c) == lrs(sched_a)
     assert int(sched_c.last_epoch) == 9
 
@@ -371,12 +374,7 @@ def test_torch_style_arguments_are_accepted(schedule):
     opt_a, opt_b = optim.SGD(groups(a), lr=0.1), torch.optim.SGD(groups(b), lr=0.1)
     sched_a, sched_b = TORCH_STYLE[schedule](ours, opt_a), TORCH_STYLE[schedule](theirs, opt_b)
     for step in range(12):
-        for p, q, g in zip(a, b, grads(a, step)):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-        sched_a.step()
-        sched_b.step()
+        step_both(step, (a, b), (opt_a, opt_b), (sched_a, sched_b))
         assert lrs(sched_a) == pytest.approx([float(x) for x in sched_b.get_last_lr()],
                                              rel=1e-6, abs=1e-15), step
 
