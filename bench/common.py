@@ -6,6 +6,8 @@
   repetitions, the stream held back while the work is queued so that the events
   measure device time, the L2 cache flushed before each repetition), wall clock on
   the CPU;
+* :func:`storage_bytes` -- the bytes a tensor's storage holds (the optimizer benchmarks'
+  bytes per parameter and per step);
 * output helpers: result directory, device slug, JSON and markdown writing.
 
 Run as a script (``python bench/common.py``, as ``scripts/gpu_check.sh`` does for
@@ -323,6 +325,26 @@ class Timer:
         out["latency_ms"] = statistics.median(lat)
         out["hold_ms"] = hold_ms
         return out
+
+
+def storage_bytes(t: Any, seen: set) -> int:
+    """The bytes ``t`` really holds. A wrapper subclass (torchao's 8-bit state: uint8
+    codes, fp32 block scales and a 256-entry code map behind a tensor that shows the
+    parameter's dtype) by its inner tensors (``__tensor_flatten__``); a plain tensor by
+    ``untyped_storage().nbytes()``, each storage once (``seen``: bitsandbytes' code maps
+    are one tensor shared by every parameter's state). Not a tensor: 0."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(storage_bytes(getattr(t, n), seen) for n in names)
+    storage = t.untyped_storage()
+    if storage.data_ptr() in seen:
+        return 0
+    seen.add(storage.data_ptr())
+    return storage.nbytes()
 
 
 def free_memory() -> None:

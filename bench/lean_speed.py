@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def _load(name: str):
@@ -130,22 +129,9 @@ def list_shapes(name: str, gpt2_layers: int, quick: bool):
     return shapes, source
 
 
-def _storage_bytes(t: Any, seen: set) -> int:
-    """The bytes ``t`` really holds. A wrapper subclass (torchao's 8-bit state: uint8
-    codes, fp32 block scales and a 256-entry code map behind a tensor that shows the
-    parameter's dtype) by its inner tensors (``__tensor_flatten__``); a plain tensor by
-    ``untyped_storage().nbytes()``, each storage once (``seen``: bitsandbytes' code maps
-    are one tensor shared by every parameter's state)."""
-    if not isinstance(t, torch.Tensor):
-        return 0
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return sum(_storage_bytes(getattr(t, n), seen) for n in names)
-    storage = t.untyped_storage()
-    if storage.data_ptr() in seen:
-        return 0
-    seen.add(storage.data_ptr())
-    return storage.nbytes()
+# The bytes a tensor's storage holds, each storage once (bench/common.py; ops.py's
+# modes group counts the same way).
+_storage_bytes = C.storage_bytes
 
 
 def _peer_optimizer(mode: str, params: List[torch.nn.Parameter]):

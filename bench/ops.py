@@ -16,11 +16,20 @@ Each op runs on the same inputs as its native PyTorch counterpart, in one run:
   ``vector_norm(stack(...))`` (what ``clip_grad_norm_`` does);
 
 on parameter lists shaped like ResNet-50 (161 tensors, 25.6M elements), GPT-2-medium
-(292 tensors, 355M) and one flat tensor of 1e9 elements. Reported per case: the
-median device time (CUDA events; see common.Timer), the effective bandwidth from the
-fewest bytes the op must move (formulas in BYTES and bench/README.md), that bandwidth
-as a percentage of a large device-to-device copy's measured in the same run, and the
-speed-up over PyTorch (PyTorch's time / mixedprec's time).
+(292 tensors, 355M) and one flat tensor of 1e9 elements. The ``modes`` group
+(``--ops modes``, issue 30 part 4) times one optimizer step in every mode on the
+GPT-2-medium and ResNet-50 lists: mixedprec's AdamW and SGD over master x state dtype
+(bf16 parameters) and on fp32 parameters, torch's fused AdamW and SGD on fp32 and bf16
+parameters, mixedprec's FusedLAMB, FusedAdagrad and FusedNovoGrad (fp32 parameters;
+bf16 with fp32 masters) and torch's Adagrad; each as a percentage of the copy bandwidth
+at its own bytes (``mode_bytes``: from the tensors' storages), with the roofline time,
+the ratio to torch's fused AdamW on fp32 and its targets (``evaluate_mode_targets``).
+
+Reported per case: the median device time (CUDA events; see common.Timer), the
+effective bandwidth from the fewest bytes the op must move (formulas in BYTES and
+bench/README.md), that bandwidth as a percentage of a large device-to-device copy's
+measured in the same run, and the speed-up over PyTorch (PyTorch's time / mixedprec's
+time).
 
 With no arguments: the full run on a GPU when CUDA is available, else a small smoke
 run on the CPU (sizes divided by 1000, wall-clock timing, results under
@@ -28,11 +37,13 @@ bench/results/cpu-smoke/ so that they never read as results).
 """
 
 import argparse
+import gc
 import importlib.util
 import math
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -110,11 +121,17 @@ def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def scaled(shapes: Shapes, factor: int) -> Shapes:
+def scaled(shapes: Shapes, factor: int, keep_dims: bool = False) -> Shapes:
     """The same number of tensors, each with numel // factor elements (at least 1),
-    as 1-D tensors: the smoke-test version of a list."""
+    as 1-D tensors: the smoke-test version of a list. ``keep_dims``: a tensor of 2 or
+    more dimensions keeps them, its first divided instead (at least 1), so that the
+    optimizers see matrices as on the GPU (8-bit state takes only tensors of 2+
+    dimensions and 4096+ elements: the modes group's smoke run keeps some)."""
     if factor <= 1:
         return list(shapes)
+    if keep_dims:
+        return [(max(1, s[0] // factor), *s[1:]) if len(s) >= 2 else
+                (max(1, numel(s) // factor),) for s in shapes]
     return [(max(1, numel(s) // factor),) for s in shapes]
 
 
@@ -124,7 +141,8 @@ LIST_LABELS = {"resnet50": "ResNet-50", "gpt2-medium": "GPT-2-medium", "flat-1b"
 LARGE_LISTS = ("gpt2-medium", "flat-1b")
 
 
-def build_lists(names: Sequence[str], factor: int) -> Dict[str, Dict[str, Any]]:
+def build_lists(names: Sequence[str], factor: int,
+                keep_dims: bool = False) -> Dict[str, Dict[str, Any]]:
     out = {}
     for name in names:
         if name == "resnet50":
@@ -140,7 +158,7 @@ def build_lists(names: Sequence[str], factor: int) -> Dict[str, Dict[str, Any]]:
         else:
             raise SystemExit(f"unknown list {name!r}; choose from {', '.join(LIST_LABELS)}")
         full = sum(numel(s) for s in shapes)
-        shapes = scaled(shapes, factor)
+        shapes = scaled(shapes, factor, keep_dims)
         out[name] = dict(label=LIST_LABELS[name], shapes=shapes, tensors=len(shapes),
                          numel=sum(numel(s) for s in shapes), full_numel=full, source=source,
                          scale=factor)
@@ -576,6 +594,348 @@ DTYPE_NOTE = {
 }
 
 
+# --- one optimizer step in every mode (--ops modes) -------------------------------------
+#
+# Each mode is an optimizer over its own random parameters with random gradients
+# (Inputs, seed 0: the same values in every mode of a parameter dtype). One step
+# outside the timing makes its state; then plain ``step()`` calls are timed as every
+# case (common.Timer); after timing, the steps the optimizer counted must equal the
+# calls (none skipped). One mode at a time, freed before the next: GPT-2-medium takes
+# up to ~16 B per element a mode.
+
+MODES_GROUP = "modes"
+ALL_GROUPS = (*OP_GROUPS, MODES_GROUP)
+# The lists the group runs on (those of --lists), in this order: GPT-2-medium first,
+# where the bytes count and the bandwidth target applies.
+MODE_LISTS = ("gpt2-medium", "resnet50")
+MODE_PARAMS = {"fp32": F32, "bf16": BF16}
+MODE_STATES = {"fp32": F32, "bf16": BF16, "fp8": torch.float8_e4m3fn}
+MODE_MASTERS = ("fp32", "none", "kahan", "stochastic", "remainder")
+# mixedprec AdamW and SGD modes: this share of the copy bandwidth at their own bytes on
+# the large lists (reported, not enforced).
+MODE_BANDWIDTH_TARGET = 0.85
+MODE_REFERENCE = "torch AdamW(fused=True) | fp32 | - | fp32"
+# What an optimizer's constructor or first step raises for a combination it refuses
+# (reported "not available"); running out of memory and device errors are errors.
+MODE_REFUSED = (NotImplementedError, ValueError, TypeError, RuntimeError)
+# The modes' timing: fewer repetitions than the other cases (48 modes a list), enough
+# for a median of a bandwidth-bound step.
+MODE_TIMER_GPU = dict(warmup=2, min_reps=10, max_reps=25, target_s=0.05, latency_reps=3)
+MODE_TIMER_CPU = dict(warmup=1, min_reps=2, max_reps=2)
+
+
+def mode_key(optimizer: str, params: str, master: Optional[str], state: str) -> str:
+    return f"{optimizer} | {params} | {master or '-'} | {state}"
+
+
+def mode_label(row: Dict[str, Any]) -> str:
+    master = f", master {row['master']}" if row["master"] else ""
+    return f"{row['optimizer']} ({row['params']} params{master}, {row['state']} state)"
+
+
+def mode_specs() -> List[Dict[str, Any]]:
+    """Every mode, in the order they run: in each family torch's references and the
+    mixedprec mode at their bytes first, so that a spent time budget skips the others.
+    ``master``: mixedprec's ``master=`` on bf16 parameters (None: fp32 parameters,
+    which need none, and torch); ``state``: the moments' (momentum's) dtype."""
+    out: List[Dict[str, Any]] = []
+
+    def add(optimizer, family, impl, params, master, state):
+        out.append(dict(key=mode_key(optimizer, params, master, state), optimizer=optimizer,
+                        family=family, impl=impl, params=params, master=master, state=state))
+
+    for family in ("AdamW", "SGD"):
+        ours, theirs = f"mixedprec.optim.{family}", f"torch {family}(fused=True)"
+        add(theirs, family, "torch", "fp32", None, "fp32")
+        add(theirs, family, "torch", "bf16", None, "bf16")  # torch's state: the params' dtype
+        add(ours, family, "mixedprec", "bf16", "none", "bf16")
+        for state in MODE_STATES:
+            add(ours, family, "mixedprec", "fp32", None, state)
+        for master in MODE_MASTERS:
+            for state in MODE_STATES:
+                if (master, state) != ("none", "bf16"):
+                    add(ours, family, "mixedprec", "bf16", master, state)
+    for family in ("LAMB", "Adagrad", "NovoGrad"):
+        if family == "Adagrad":  # (torch's fused Adagrad is CPU only)
+            add("torch Adagrad(fused=True)", family, "torch", "fp32", None, "fp32")
+            add("torch Adagrad(foreach=True)", family, "torch", "fp32", None, "fp32")
+        # Their state is fp32; bf16 parameters take fp32 masters (master_weights=True).
+        add(f"mixedprec.Fused{family}", family, "mixedprec", "fp32", None, "fp32")
+        add(f"mixedprec.Fused{family}", family, "mixedprec", "bf16", "fp32", "fp32")
+    return out
+
+
+def same_bytes_pairs(specs: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[str]]]:
+    """(mixedprec mode, its torch counterparts): the mixedprec mode that keeps what
+    torch keeps (no master, state in the parameters' dtype), so moves the same bytes."""
+    out = []
+    for s in specs:
+        if s["impl"] != "mixedprec" or s["master"] not in (None, "none") or \
+                s["state"] != s["params"]:
+            continue
+        refs = [t["key"] for t in specs if t["impl"] == "torch" and
+                t["family"] == s["family"] and t["params"] == s["params"]]
+        if refs:
+            out.append((s["key"], refs))
+    return out
+
+
+def _mode_optimizer(spec: Dict[str, Any], params: List[torch.Tensor]):
+    family = spec["family"]
+    if spec["impl"] == "torch":
+        if family == "AdamW":
+            return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                     fused=True)
+        if family == "SGD":
+            return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, fused=True)
+        variant = "fused" if "fused" in spec["optimizer"] else "foreach"
+        return torch.optim.Adagrad(params, lr=LR, weight_decay=WD, **{variant: True})
+    import mixedprec
+    if family in ("AdamW", "SGD"):
+        kw = dict(state_dtype=MODE_STATES[spec["state"]])
+        if spec["master"]:  # (fp32 parameters: the default, "fp32", which keeps none)
+            kw["master"] = spec["master"]
+        if spec["master"] == "stochastic":
+            kw["seed"] = 1
+        if family == "AdamW":
+            return mixedprec.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS,
+                                         weight_decay=WD, **kw)
+        return mixedprec.optim.SGD(params, lr=LR, momentum=MOMENTUM, **kw)
+    cls = getattr(mixedprec, f"Fused{family}")
+    return cls(params, lr=LR, weight_decay=WD, master_weights=spec["master"] == "fp32")
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether ``e`` is a refusal of the combination (not out of memory, not a device
+    error)."""
+    if not isinstance(e, MODE_REFUSED) or isinstance(e, torch.OutOfMemoryError):
+        return False
+    device_error = getattr(torch, "AcceleratorError", None)
+    return not (device_error and isinstance(e, device_error)) and "CUDA error" not in str(e)
+
+
+def mode_bytes(params: Sequence[torch.Tensor], opt) -> Tuple[int, int]:
+    """(stored, moved) of an optimizer after its first step. Stored: what the storages
+    of the parameters and of every state tensor hold (common.storage_bytes; 8-bit
+    state's block scales included; the 0-dim step counts and a group's one-per-tensor
+    values left out). Moved: the fewest bytes a step must move: parameters and state
+    read and written once, each gradient read once; a parameter whose fp32 master is in
+    the state is only written (the master is read instead)."""
+    seen: set = set()
+    stored = moved = 0
+    for p in params:
+        state = opt.state.get(p, {})
+        param_b = C.storage_bytes(p, seen)
+        state_b = sum(C.storage_bytes(v, seen) for v in state.values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+        stored += param_b + state_b
+        moved += (param_b if "master_param" in state else 2 * param_b) + 2 * state_b \
+            + C.storage_bytes(p.grad, seen)
+    return stored, moved
+
+
+def _steps_applied(opt, params: Sequence[torch.Tensor]) -> Optional[int]:
+    """The steps the optimizer counted: mixedprec's ``applied_steps`` (steps not skipped
+    on the device), torch's per-parameter ``step``; None where there is no count (torch's
+    SGD)."""
+    count = getattr(opt, "applied_steps", None)
+    if count is None:
+        count = opt.state.get(params[0], {}).get("step")
+    return None if count is None else int(float(count))  # sync-ok: after timing
+
+
+def _release(opt_ref: Callable[[], Any]) -> None:
+    """Frees a dropped optimizer held by a reference cycle: a young-generation
+    collection first (cheap), a full one only if that was not enough."""
+    if opt_ref() is not None:
+        gc.collect(1)
+    if opt_ref() is not None:
+        gc.collect()
+
+
+def run_mode(spec: Dict[str, Any], shapes: Shapes, device: torch.device, timer,
+             copy_gbps: float) -> Dict[str, Any]:
+    """One mode: its optimizer built and stepped once (the state), its steps timed.
+    Returns the row's numbers, or ``status`` "not available: ..." when the optimizer
+    refuses the combination."""
+    inp = Inputs(shapes, device)
+    dtype = MODE_PARAMS[spec["params"]]
+    params = _as_params(inp.randn(dtype), inp.randn(dtype))
+    del inp
+    t0 = time.perf_counter()
+    try:
+        opt = _mode_optimizer(spec, params)
+        opt.step()  # the state is made here, outside the timing
+    except MODE_REFUSED as e:
+        if not _refused(e):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        return dict(status=f"not available: {type(e).__name__}: {first}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_ms = (time.perf_counter() - t0) * 1e3
+    stored, moved = mode_bytes(params, opt)
+    n = sum(p.numel() for p in params)
+    calls = [1]  # the first step
+
+    def fn(i):
+        opt.step()
+        calls[0] += 1
+
+    row: Dict[str, Any] = dict(status="ok", **timer(fn))
+    applied = _steps_applied(opt, params)
+    row.update(bytes_per_param=stored / n, bytes_per_elem=moved / n, bytes=moved,
+               first_step_ms=first_ms, steps_called=calls[0], steps_applied=applied)
+    row["gbps"] = moved / (row["median_ms"] * 1e6)
+    row["pct_copy"] = 100.0 * row["gbps"] / copy_gbps
+    row["roofline_ms"] = moved / (copy_gbps * 1e6)
+    if applied is not None and applied != calls[0]:
+        row["skipped_steps"] = calls[0] - applied
+    opt_ref = weakref.ref(opt)
+    fn = opt = params = None  # noqa: F841  (frees them before the next mode is built)
+    _release(opt_ref)
+    return row
+
+
+def run_modes(args, list_names: Sequence[str], factor: int, device: torch.device,
+              copy: Dict[str, Any], copy_elems: int, t_start: float,
+              smoke: bool) -> Dict[str, Any]:
+    """The modes group: every mode of ``mode_specs()`` on the lists of ``MODE_LISTS``
+    that ``--lists`` names, within the run's ``--time-budget`` (modes past it are
+    skipped and marked so), then the copy again (its drift over the group)."""
+    names = [n for n in MODE_LISTS if n in list_names]
+    lists = build_lists(names, factor, keep_dims=True)
+    gpu = device.type == "cuda"
+    kw = dict(MODE_TIMER_GPU if gpu else MODE_TIMER_CPU)
+    if args.reps:
+        kw["min_reps"] = args.reps
+        kw["max_reps"] = max(kw["max_reps"], args.reps)
+    if args.warmup is not None:
+        kw["warmup"] = args.warmup
+    timer = C.Timer(device, **kw)
+    specs = mode_specs()
+    rows: List[Dict[str, Any]] = []
+    where = ", ".join(names) if names else f"no list (--lists has none of {MODE_LISTS})"
+    print(f"  modes: {len(specs)} per list on {where}", flush=True)
+    for lname, lst in lists.items():
+        for spec in specs:
+            row = dict(list=lname, numel=lst["numel"], tensors=lst["tensors"], **spec)
+            if time.time() - t_start > args.time_budget:
+                row.update(status="skipped",
+                           skipped=f"time budget of {args.time_budget:.0f} s spent")
+            else:
+                try:
+                    row.update(run_mode(spec, lst["shapes"], device, timer, copy["gbps"]))
+                except Exception as e:  # noqa: BLE001  (recorded, and the run fails)
+                    row.update(status="error", error=f"{type(e).__name__}: {e}")
+                    C.free_memory()
+            rows.append(row)
+            msg = row["status"] if "median_ms" not in row else (
+                f"{row['median_ms']:9.4f} ms {row['bytes_per_elem']:6.2f} B/elem "
+                f"{row['pct_copy']:5.1f}% of copy")
+            print(f"  {lst['label']:<13} {row['key']:<58} {msg}"
+                  + (f" error: {row['error']}" if "error" in row else ""), flush=True)
+        C.free_memory()
+    for row in rows:
+        ref = next((r for r in rows if r["list"] == row["list"] and r["key"] == MODE_REFERENCE
+                    and "median_ms" in r), None)
+        if ref and "median_ms" in row:
+            row["vs_torch_adamw_fp32"] = ref["median_ms"] / row["median_ms"]
+    measured = any("median_ms" in r for r in rows)
+    copy_after = measure_copy(device, copy_elems, timer) if measured else None
+    targets = evaluate_mode_targets(rows, lists, smoke)
+    return dict(lists={k: {kk: vv for kk, vv in v.items() if kk != "shapes"}
+                       for k, v in lists.items()},
+                timer=kw, reference=MODE_REFERENCE, bandwidth_target=MODE_BANDWIDTH_TARGET,
+                copy_after=copy_after, rows=rows, targets=targets)
+
+
+def evaluate_mode_targets(rows, lists, smoke: bool) -> List[Dict[str, Any]]:
+    """Every mixedprec AdamW and SGD mode: at least MODE_BANDWIDTH_TARGET of the copy
+    bandwidth at its own bytes on the large lists; at the same bytes as torch (no
+    master, state in the parameters' dtype), at least as fast as the fastest torch
+    counterpart, on every list. Reported, never enforced; not evaluated on a CPU smoke
+    run."""
+    out = []
+
+    def add(target, value, unit, threshold):
+        out.append(dict(target=target, value=round(value, 3), unit=unit, threshold=threshold,
+                        passed=None if smoke else value >= threshold))
+
+    by_key = {(r["list"], r["key"]): r for r in rows if "median_ms" in r}
+    bw = MODE_BANDWIDTH_TARGET * 100
+    for r in rows:
+        if r["impl"] == "mixedprec" and r["family"] in ("AdamW", "SGD") and \
+                r["list"] in LARGE_LISTS and "median_ms" in r:
+            add(f"{mode_label(r)} on {lists[r['list']]['label']}: >= {bw:.0f}% of copy at "
+                f"its {r['bytes_per_elem']:.2f} B/elem", r["pct_copy"], "% of copy", bw)
+    for lname in lists:
+        for ours, refs in same_bytes_pairs(mode_specs()):
+            m = by_key.get((lname, ours))
+            theirs = [by_key[(lname, k)] for k in refs if (lname, k) in by_key]
+            if m is None or not theirs:
+                continue
+            t = min(theirs, key=lambda r: r["median_ms"])
+            add(f"{mode_label(m)} on {lists[lname]['label']}: >= 1.0x {t['optimizer']} on "
+                f"{t['params']} params at the same bytes ({m['bytes_per_elem']:.2f} vs "
+                f"{t['bytes_per_elem']:.2f} B/elem)", t["median_ms"] / m["median_ms"], "x", 1.0)
+    return out
+
+
+def modes_markdown(data: Dict[str, Any]) -> List[str]:
+    modes, smoke = data["modes"], data["smoke"]
+    copy, after = data["copy"], modes.get("copy_after")
+    lines = ["## One optimizer step in every mode (`--ops modes`)", "",
+             "Each mode: its optimizer over its own random parameters and gradients, one "
+             "step to make the state, then plain `step()` calls timed (median ms). "
+             "`B/param`: parameters + optimizer state, as their storages hold them; "
+             "`B/elem`: the fewest bytes a step moves (parameters and state read and "
+             "written once, the gradient read once, a parameter with an fp32 master only "
+             "written; 8-bit state's block scales included); `at copy`: the time at 100% "
+             "of the copy bandwidth for those bytes (the roofline); `% copy`: that time "
+             "over the measured one; `vs torch AdamW fp32`: torch's fused AdamW on fp32 "
+             "params' time / this time (> 1: faster). master `-`: fp32 parameters (no "
+             "master) or torch.", "",
+             f"Copy: {copy['gbps']:.1f} GB/s before the group"
+             + (f", {after['gbps']:.1f} GB/s after it" if after else "") + ".", ""]
+    header = ["optimizer", "params", "master", "state", "B/param", "B/elem", "ms",
+              "at copy (ms)", "GB/s", "% copy", "vs torch AdamW fp32"]
+    for lname, lst in modes["lists"].items():
+        lines += [f"### {lst['label']}: {lst['tensors']} tensors, {lst['numel']:,} elements"
+                  + (f" (full size / {lst['scale']}, matrices kept 2-D)" if lst["scale"] > 1
+                     else ""), ""]
+        body = []
+        for r in (r for r in modes["rows"] if r["list"] == lname):
+            lead = [r["optimizer"], r["params"], r["master"] or "-", r["state"]]
+            if "median_ms" not in r:
+                status = "error" if "error" in r else r["status"]
+                body.append(lead + ["", "", status] + [""] * 4)
+                continue
+            skipped = f" ({r['skipped_steps']} skipped!)" if r.get("skipped_steps") else ""
+            body.append(lead + [C.fmt(r.get("bytes_per_param"), 2),
+                                C.fmt(r.get("bytes_per_elem"), 2),
+                                C.fmt(r["median_ms"], 4) + skipped,
+                                C.fmt(r.get("roofline_ms"), 4), C.fmt(r.get("gbps"), 1),
+                                C.fmt(r.get("pct_copy"), 1),
+                                C.fmt(r.get("vs_torch_adamw_fp32"), 2)])
+        lines += C.md_table(header, body, "llll" + "r" * 7) + [""]
+    lines += ["### Targets (modes; reported, not enforced)", ""]
+    if smoke:
+        lines += ["Not evaluated: CPU smoke run.", ""]
+    body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
+             C.verdict(t["passed"])] for t in modes["targets"]]
+    if body:
+        lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
+        if not smoke:
+            n = sum(1 for t in modes["targets"] if t["passed"])
+            lines += [f"{n} of {len(body)} targets met.", ""]
+    errors = [r for r in modes["rows"] if "error" in r]
+    if errors:
+        lines += ["### Errors (modes)", ""] + [f"- {r['list']} {r['key']}: {r['error']}"
+                                              for r in errors] + [""]
+    return lines
+
+
 # --- correctness checks (before timing, on the first list) -------------------------------
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -757,9 +1117,12 @@ def parse_args(argv: Optional[Sequence[str]]):
     p.add_argument("--lists", default=LISTS_DEFAULT,
                    help="comma-separated: resnet50, gpt2-medium, flat-1b, gpt-98m, tiny-161 "
                         f"(default {LISTS_DEFAULT}; a CPU measurement: {CPU_LISTS})")
-    p.add_argument("--ops", default=",".join(OP_GROUPS),
-                   help=f"comma-separated: {', '.join(OP_GROUPS)} (default all; a CPU "
-                        f"measurement: {CPU_OPS})")
+    p.add_argument("--ops", default=",".join(ALL_GROUPS),
+                   help=f"comma-separated: {', '.join(ALL_GROUPS)} (default all; a CPU "
+                        f"measurement: {CPU_OPS}). {MODES_GROUP}: one optimizer step in "
+                        "every mode (AdamW and SGD master x state, torch's fused ones, LAMB, "
+                        "Adagrad, NovoGrad) on the GPT-2-medium and ResNet-50 lists of "
+                        "--lists, as %% of the copy bandwidth at its own bytes")
     p.add_argument("--scale", type=int,
                    help="divide every tensor's size by this (default 1 on a GPU, 1000 on CPU)")
     p.add_argument("--warmup", type=int, help="warm-up calls per case (default 5 GPU, 1 CPU)")
@@ -842,10 +1205,14 @@ def _cpu_threads(arg: Optional[str]) -> List[int]:
 def _run_cpu(args, argv, device: torch.device) -> int:
     list_names = [s for s in (args.lists if args.lists != LISTS_DEFAULT else CPU_LISTS)
                   .split(",") if s]
-    groups = [s for s in (args.ops if args.ops != ",".join(OP_GROUPS) else CPU_OPS)
+    groups = [s for s in (args.ops if args.ops != ",".join(ALL_GROUPS) else CPU_OPS)
               .split(",") if s]
     op_names = []
     for g in groups:
+        if g == MODES_GROUP:
+            raise SystemExit(f"--ops {MODES_GROUP} runs on a GPU or as a CPU smoke run "
+                             "(--scale > 1); on the CPU, bench/lean_speed.py measures the "
+                             "AdamW modes")
         if g not in OP_GROUPS:
             raise SystemExit(f"unknown op {g!r}; choose from {', '.join(OP_GROUPS)}")
         op_names += OP_GROUPS[g]
@@ -1088,11 +1455,12 @@ def _run(args, argv, device: torch.device) -> int:
     smoke = not gpu
     factor = args.scale if args.scale else (1 if gpu else 1000)
     list_names = [s for s in args.lists.split(",") if s]
+    groups = [s for s in args.ops.split(",") if s]
     op_names = []
-    for g in (s for s in args.ops.split(",") if s):
-        if g not in OP_GROUPS:
-            raise SystemExit(f"unknown op {g!r}; choose from {', '.join(OP_GROUPS)}")
-        op_names += OP_GROUPS[g]
+    for g in groups:
+        if g not in ALL_GROUPS:
+            raise SystemExit(f"unknown op {g!r}; choose from {', '.join(ALL_GROUPS)}")
+        op_names += OP_GROUPS.get(g, [])
     lists = build_lists(list_names, factor)
     timer = C.Timer(device, warmup=args.warmup if args.warmup is not None else (5 if gpu else 1),
                     min_reps=args.reps or (20 if gpu else 3), max_reps=200 if gpu else 3)
@@ -1103,7 +1471,7 @@ def _run(args, argv, device: torch.device) -> int:
           + (" (CPU SMOKE RUN: not results)" if smoke else ""), flush=True)
 
     checks = []
-    if not args.no_checks and list_names:
+    if not args.no_checks and list_names and op_names:
         checks = run_checks(lists[list_names[0]]["shapes"], device, op_names)
         for c in checks:
             detail = (c["error"] if "error" in c else
@@ -1140,6 +1508,11 @@ def _run(args, argv, device: torch.device) -> int:
                                            f"{row['pct_copy']:5.1f}% of copy")
                 print(f"  {lst['label']:<13} {op:<13} {impl:<50} {msg}", flush=True)
 
+    # Every optimizer mode, after the ops, within the same time budget.
+    modes = None
+    if MODES_GROUP in groups:
+        modes = run_modes(args, list_names, factor, device, copy, copy_elems, t_start, smoke)
+
     # speed-ups: PyTorch's time / this time, against each PyTorch counterpart
     for row in results:
         if row["side"] != "mixedprec" or "median_ms" not in row:
@@ -1164,6 +1537,8 @@ def _run(args, argv, device: torch.device) -> int:
                             bytes_per_elem=BYTES),
                 copy=copy, checks=checks, results=results, targets=targets,
                 elapsed_s=time.time() - t_start)
+    if modes is not None:
+        data["modes"] = modes
     stem = f"ops-{C.device_slug(env)}"
     C.write_json(out / f"{stem}.json", data)
     md = markdown(data, lists, op_names)
@@ -1177,6 +1552,8 @@ def _run(args, argv, device: torch.device) -> int:
         print(f"copied them to {copied}")
     failed = [r for r in results if "error" in r] + [c for c in checks if not c["ok"]] + \
         [r for r in results if r.get("found_inf")]
+    if modes is not None:
+        failed += [r for r in modes["rows"] if "error" in r or r.get("skipped_steps")]
     if failed:
         print(f"FAILED: {len(failed)} case(s) raised, failed a check, or skipped a step",
               file=sys.stderr)
@@ -1249,47 +1626,51 @@ def markdown(data: Dict[str, Any], lists: Dict[str, Dict], op_names: Sequence[st
         for impl, side, _ in CASES[op]:
             impls.append((op, impl, side))
 
-    lines += ["## Time (median ms) and speed-up over PyTorch", "",
-              "`vs PyTorch` = fastest PyTorch counterpart's time / this time "
-              "(> 1: mixedprec is faster), like the seeds' 16/32 column.", ""]
-    header = ["Time (ms)"]
-    for ln in lnames:
-        header += [lists[ln]["label"], "vs PyTorch"]
-    body = []
-    for op, impl, side in impls:
-        row = [f"{op}: {impl}"]
+    if impls:  # (none with --ops modes alone)
+        lines += ["## Time (median ms) and speed-up over PyTorch", "",
+                  "`vs PyTorch` = fastest PyTorch counterpart's time / this time "
+                  "(> 1: mixedprec is faster), like the seeds' 16/32 column.", ""]
+        header = ["Time (ms)"]
         for ln in lnames:
-            r = rows_by.get((ln, op, impl))
-            row += [cell(r, "median_ms", 4),
-                    cell(r, "speedup_vs_fastest_torch", 2) if side == "mixedprec" else ""]
-        body.append(row)
-    lines += C.md_table(header, body) + [""]
+            header += [lists[ln]["label"], "vs PyTorch"]
+        body = []
+        for op, impl, side in impls:
+            row = [f"{op}: {impl}"]
+            for ln in lnames:
+                r = rows_by.get((ln, op, impl))
+                row += [cell(r, "median_ms", 4),
+                        cell(r, "speedup_vs_fastest_torch", 2) if side == "mixedprec" else ""]
+            body.append(row)
+        lines += C.md_table(header, body) + [""]
 
-    lines += ["## Effective bandwidth", "",
-              "From the fewest bytes each op must move (B/elem column; see bench/README.md), "
-              "and as a percentage of the copy's bandwidth.", ""]
-    header = ["Bandwidth", "B/elem"]
-    for ln in lnames:
-        header += [f"{lists[ln]['label']} GB/s", "% copy"]
-    body = []
-    for op, impl, side in impls:
-        row = [f"{op}: {impl}", BYTES[op][side]]
+        lines += ["## Effective bandwidth", "",
+                  "From the fewest bytes each op must move (B/elem column; see "
+                  "bench/README.md), and as a percentage of the copy's bandwidth.", ""]
+        header = ["Bandwidth", "B/elem"]
         for ln in lnames:
-            r = rows_by.get((ln, op, impl))
-            row += [cell(r, "gbps", 1), cell(r, "pct_copy", 1)]
-        body.append(row)
-    lines += C.md_table(header, body) + [""]
+            header += [f"{lists[ln]['label']} GB/s", "% copy"]
+        body = []
+        for op, impl, side in impls:
+            row = [f"{op}: {impl}", BYTES[op][side]]
+            for ln in lnames:
+                r = rows_by.get((ln, op, impl))
+                row += [cell(r, "gbps", 1), cell(r, "pct_copy", 1)]
+            body.append(row)
+        lines += C.md_table(header, body) + [""]
 
-    lines += ["## Targets (H100)", ""]
-    if smoke:
-        lines += ["Not evaluated: CPU smoke run.", ""]
-    body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
-             C.verdict(t["passed"])] for t in data["targets"]]
-    if body:
-        lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
-        if not smoke:
-            n = sum(1 for t in data["targets"] if t["passed"])
-            lines += [f"{n} of {len(body)} targets met.", ""]
+        lines += ["## Targets (H100)", ""]
+        if smoke:
+            lines += ["Not evaluated: CPU smoke run.", ""]
+        body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
+                 C.verdict(t["passed"])] for t in data["targets"]]
+        if body:
+            lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
+            if not smoke:
+                n = sum(1 for t in data["targets"] if t["passed"])
+                lines += [f"{n} of {len(body)} targets met.", ""]
+
+    if data.get("modes"):
+        lines += modes_markdown(data)
 
     if data["checks"]:
         lines += ["## Correctness checks (first list, before timing)", ""]
@@ -1302,7 +1683,6 @@ def markdown(data: Dict[str, Any], lists: Dict[str, Dict], op_names: Sequence[st
         lines += ["## Errors", ""] + [f"- {r['list']} {r['op']} {r['impl']}: {r['error']}"
                                       for r in errors] + [""]
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -85,6 +85,10 @@ def test_ops_smoke(bench_ops, tmp_path):
     assert data["config"]["lists"]["resnet50"]["tensors"] == 161
     assert data["config"]["bytes_per_elem"]["adam"]["mixedprec"] == 30  # DESIGN.md
     assert data["targets"] and all(t["passed"] is None for t in data["targets"])
+    # The default --ops is every group, the modes too: on ResNet-50 only (flat 1B is
+    # not one of their lists).
+    assert list(data["modes"]["lists"]) == ["resnet50"]
+    assert len(data["modes"]["rows"]) == len(bench_ops.mode_specs())
 
     md = (tmp_path / "ops-cpu.md").read_text()
     assert "CPU smoke run" in md
@@ -92,6 +96,7 @@ def test_ops_smoke(bench_ops, tmp_path):
     assert "| adam: mixedprec check_finite_ + fused_adam_ |" in md
     assert "| Bandwidth | B/elem |" in md
     assert "Not evaluated: CPU smoke run." in md
+    assert "## One optimizer step in every mode (`--ops modes`)" in md
 
 
 def test_ops_lists(bench_ops):
@@ -103,6 +108,13 @@ def test_ops_lists(bench_ops):
     assert 350e6 < sum(bench_ops.numel(s) for s in gpt) < 360e6
     small = bench_ops.scaled(gpt, 1000)
     assert len(small) == 292 and all(len(s) == 1 and s[0] >= 1 for s in small)
+    # The modes group's smoke lists keep matrices 2-D (8-bit state takes only those),
+    # the first dimension divided.
+    kept = bench_ops.scaled(gpt, 1000, keep_dims=True)
+    assert len(kept) == 292 and kept[:4] == [(50, 1024), (1, 1024), (1,), (1,)]
+    assert [s for s in kept if len(s) == 2][:6] == [(50, 1024), (1, 1024), (1, 3072),
+                                                     (1, 1024), (1, 4096), (4, 1024)]
+    assert bench_ops.scaled(gpt, 1, keep_dims=True) == gpt
 
 
 def test_ops_resnet50_shapes_match_torchvision(bench_ops):
@@ -149,6 +161,233 @@ def test_ops_targets_on_gpu_numbers(bench_ops):
     }
     assert all(bench_ops.evaluate_targets(results, lists, smoke=True)[i]["passed"] is None
                for i in range(len(targets)))
+
+
+# (stored, moved) bytes per element of every modes-group mode without 8-bit state:
+# parameters + state, and what a step must move (params and state read and written,
+# the gradient read; a parameter with an fp32 master only written).
+MODE_BYTES = {
+    ("AdamW", "torch", "fp32", None, "fp32"): (12, 28),
+    ("AdamW", "torch", "bf16", None, "bf16"): (6, 14),
+    ("AdamW", "mixedprec", "fp32", None, "fp32"): (12, 28),
+    ("AdamW", "mixedprec", "fp32", None, "bf16"): (8, 20),
+    ("AdamW", "mixedprec", "bf16", "fp32", "fp32"): (14, 28),
+    ("AdamW", "mixedprec", "bf16", "fp32", "bf16"): (10, 20),
+    ("AdamW", "mixedprec", "bf16", "none", "fp32"): (10, 22),
+    ("AdamW", "mixedprec", "bf16", "none", "bf16"): (6, 14),
+    ("AdamW", "mixedprec", "bf16", "kahan", "fp32"): (12, 26),
+    ("AdamW", "mixedprec", "bf16", "kahan", "bf16"): (8, 18),
+    ("AdamW", "mixedprec", "bf16", "stochastic", "fp32"): (10, 22),
+    ("AdamW", "mixedprec", "bf16", "stochastic", "bf16"): (6, 14),
+    ("AdamW", "mixedprec", "bf16", "remainder", "fp32"): (12, 26),
+    ("AdamW", "mixedprec", "bf16", "remainder", "bf16"): (8, 18),
+    ("SGD", "torch", "fp32", None, "fp32"): (8, 20),
+    ("SGD", "torch", "bf16", None, "bf16"): (4, 10),
+    ("SGD", "mixedprec", "fp32", None, "fp32"): (8, 20),
+    ("SGD", "mixedprec", "fp32", None, "bf16"): (6, 16),
+    ("SGD", "mixedprec", "bf16", "fp32", "fp32"): (10, 20),
+    ("SGD", "mixedprec", "bf16", "fp32", "bf16"): (8, 16),
+    ("SGD", "mixedprec", "bf16", "none", "fp32"): (6, 14),
+    ("SGD", "mixedprec", "bf16", "none", "bf16"): (4, 10),
+    ("SGD", "mixedprec", "bf16", "kahan", "fp32"): (8, 18),
+    ("SGD", "mixedprec", "bf16", "kahan", "bf16"): (6, 14),
+    ("SGD", "mixedprec", "bf16", "stochastic", "fp32"): (6, 14),
+    ("SGD", "mixedprec", "bf16", "stochastic", "bf16"): (4, 10),
+    ("SGD", "mixedprec", "bf16", "remainder", "fp32"): (8, 18),
+    ("SGD", "mixedprec", "bf16", "remainder", "bf16"): (6, 14),
+    ("LAMB", "mixedprec", "fp32", None, "fp32"): (12, 28),
+    ("LAMB", "mixedprec", "bf16", "fp32", "fp32"): (14, 28),
+    ("Adagrad", "torch", "fp32", None, "fp32"): (8, 20),  # fused and foreach
+    ("Adagrad", "mixedprec", "fp32", None, "fp32"): (8, 20),
+    ("Adagrad", "mixedprec", "bf16", "fp32", "fp32"): (10, 20),
+    ("NovoGrad", "mixedprec", "fp32", None, "fp32"): (8, 20),
+    ("NovoGrad", "mixedprec", "bf16", "fp32", "fp32"): (10, 20),
+}
+
+
+def _mode_id(row):
+    return row["family"], row["impl"], row["params"], row["master"], row["state"]
+
+
+def test_ops_modes_smoke(bench_ops, tmp_path):
+    """``--ops modes``: every mode of every family steps on both lists (GPT-2-medium
+    first; matrices kept 2-D, so some tensors take 8-bit state), bytes per element from
+    what the storages hold, no step skipped, the roofline and the ratio to torch's
+    fused AdamW on fp32, the targets listed but not evaluated on the CPU."""
+    rc = bench_ops.main(["--device", "cpu", "--out", str(tmp_path), "--ops", "modes",
+                         "--lists", "resnet50,gpt2-medium", "--warmup", "0", "--reps", "1"])
+    assert rc == 0
+    data = json.loads((tmp_path / "ops-cpu.json").read_text())
+    assert data["results"] == [] and data["checks"] == []
+    modes = data["modes"]
+    assert list(modes["lists"]) == ["gpt2-medium", "resnet50"]
+    assert modes["lists"]["gpt2-medium"]["tensors"] == 292
+    assert modes["lists"]["resnet50"]["tensors"] == 161
+    specs = bench_ops.mode_specs()
+    assert len(specs) == 48 and len({s["key"] for s in specs}) == 48
+    rows = modes["rows"]
+    assert [(r["list"], r["key"]) for r in rows] == [
+        (n, s["key"]) for n in ("gpt2-medium", "resnet50") for s in specs]
+    stochastic = _stochastic_available()
+    copy = data["copy"]["gbps"]
+    for r in rows:
+        if r["master"] == "stochastic" and not stochastic:
+            assert r["status"].startswith("not available"), r
+            continue
+        assert r["status"] == "ok", r
+        assert r["median_ms"] > 0 and r["reps"] == 1
+        assert r["bytes"] == pytest.approx(r["bytes_per_elem"] * r["numel"])
+        assert r["gbps"] == pytest.approx(r["bytes"] / (r["median_ms"] * 1e6))
+        assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / copy)
+        assert r["roofline_ms"] == pytest.approx(r["bytes"] / (copy * 1e6))
+        # one step before the timing, then the timed ones; each counted where the
+        # optimizer counts (torch's SGD does not)
+        assert r["steps_called"] == 2
+        assert r["steps_applied"] == (None if r["key"].startswith("torch SGD") else 2)
+        assert "skipped_steps" not in r
+        if r["state"] == "fp8":
+            # some tensors hold 8-bit codes and a scale per 32: fewer bytes than fp32
+            # moments, and not a whole number
+            plain = next(x for x in rows if x["list"] == r["list"] and
+                         _mode_id(x) == _mode_id(r)[:4] + ("fp32",))
+            assert r["bytes_per_param"] < plain["bytes_per_param"], r["key"]
+            assert r["bytes_per_param"] != round(r["bytes_per_param"]), r["key"]
+        else:
+            stored, moved = MODE_BYTES[_mode_id(r)]
+            assert r["bytes_per_param"] == stored, r["key"]
+            assert r["bytes_per_elem"] == moved, r["key"]
+    for name in modes["lists"]:
+        ref = next(r for r in rows if r["list"] == name and r["key"] == bench_ops.MODE_REFERENCE)
+        assert ref["vs_torch_adamw_fp32"] == 1.0
+    assert modes["copy_after"]["gbps"] > 0
+    # a bandwidth line per mixedprec AdamW/SGD mode on GPT-2-medium, and the same-bytes
+    # comparisons (AdamW, SGD: fp32 and bf16; Adagrad) on each list
+    targets = modes["targets"]
+    assert all(t["passed"] is None for t in targets)
+    bandwidth = [t for t in targets if "% of copy at its" in t["target"]]
+    assert len(bandwidth) == 36 and all("on GPT-2-medium" in t["target"] for t in bandwidth)
+    same = [t["target"] for t in targets if "at the same bytes" in t["target"]]
+    assert len(same) == 10
+    assert ("mixedprec.optim.AdamW (bf16 params, master none, bf16 state) on GPT-2-medium: "
+            ">= 1.0x torch AdamW(fused=True) on bf16 params at the same bytes (14.00 vs "
+            "14.00 B/elem)") in same
+
+    md = (tmp_path / "ops-cpu.md").read_text()
+    assert "CPU smoke run" in md and "## Time (median ms)" not in md
+    assert "### GPT-2-medium: 292 tensors" in md and "matrices kept 2-D" in md
+    assert ("| optimizer | params | master | state | B/param | B/elem | ms | at copy (ms) | "
+            "GB/s | % copy | vs torch AdamW fp32 |") in md
+    assert "| mixedprec.optim.AdamW | bf16 | remainder | bf16 | 8.00 | 18.00 |" in md
+    assert "### Targets (modes; reported, not enforced)" in md
+    assert md.count("Not evaluated: CPU smoke run.") == 1
+
+
+def test_ops_modes_refused_skipped_and_failed(bench_ops, tmp_path, monkeypatch):
+    """A combination the optimizer refuses (torch's fused Adagrad on CUDA: a RuntimeError
+    at its first step) is "not available" and the run goes on; out of memory is an
+    error, and a step the optimizer did not apply fails the run; modes past the time
+    budget are skipped and marked."""
+    cuda_message = ("`fused=True` requires all the params to be floating point Tensors of "
+                    "supported devices: ['mps', 'xpu', 'hpu', 'cpu', 'mtia']")
+
+    class Adagrad(torch.optim.Adagrad):
+        def step(self, closure=None):
+            if self.defaults.get("fused"):
+                raise RuntimeError(cuda_message)
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "Adagrad", Adagrad)
+    spec = next(s for s in bench_ops.mode_specs() if s["optimizer"].startswith("torch Adagrad(f"))
+    shapes = bench_ops.scaled(bench_ops.resnet50_shapes_fixed(), 10000, keep_dims=True)
+    cpu = torch.device("cpu")
+    timer = bench_ops.C.Timer(cpu, warmup=0, min_reps=1, max_reps=1)
+    row = bench_ops.run_mode(spec, shapes, cpu, timer, 1.0)
+    assert row == {"status": f"not available: RuntimeError: {cuda_message}"}
+
+    adamw = next(s for s in bench_ops.mode_specs() if s["key"] == bench_ops.MODE_REFERENCE)
+    real = bench_ops._mode_optimizer
+
+    def out_of_memory(spec, params):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(bench_ops, "_mode_optimizer", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        bench_ops.run_mode(adamw, shapes, cpu, timer, 1.0)
+
+    class SkipsOne:  # drops its second step, as an overflow would
+        def __init__(self, opt):
+            self.opt, self.state, self.calls = opt, opt.state, 0
+
+        def step(self):
+            self.calls += 1
+            if self.calls != 2:
+                self.opt.step()
+
+    monkeypatch.setattr(bench_ops, "_mode_optimizer", lambda s, p: SkipsOne(real(s, p)))
+    row = bench_ops.run_mode(adamw, shapes, cpu, bench_ops.C.Timer(cpu, warmup=0, min_reps=2,
+                                                                  max_reps=2), 1.0)
+    assert (row["steps_called"], row["steps_applied"], row["skipped_steps"]) == (3, 2, 1)
+
+    # Through main: the skipped step fails the run; a spent time budget marks the rest.
+    rc = bench_ops.main(["--device", "cpu", "--out", str(tmp_path), "--ops", "modes",
+                         "--lists", "resnet50", "--scale", "10000", "--warmup", "0",
+                         "--reps", "2", "--time-budget", "0"])
+    assert rc == 0  # (nothing ran: every mode past the budget)
+    rows = json.loads((tmp_path / "ops-cpu.json").read_text())["modes"]["rows"]
+    assert {r["status"] for r in rows} == {"skipped"}
+    assert rows[0]["skipped"] == "time budget of 0 s spent"
+    monkeypatch.setattr(bench_ops, "mode_specs", lambda: [adamw])
+    rc = bench_ops.main(["--device", "cpu", "--out", str(tmp_path), "--ops", "modes",
+                         "--lists", "resnet50", "--scale", "10000", "--warmup", "0",
+                         "--reps", "2"])
+    assert rc == 1
+    md = (tmp_path / "ops-cpu.md").read_text()
+    assert "(1 skipped!)" in md
+
+
+def test_ops_modes_cpu_measurement_points_to_lean_speed(bench_ops):
+    with pytest.raises(SystemExit, match="lean_speed.py"):
+        bench_ops.main(["--device", "cpu", "--scale", "1", "--ops", "modes"])
+
+
+def test_ops_modes_targets_on_gpu_numbers(bench_ops):
+    """The modes' targets of a (made-up) GPU run: each mixedprec AdamW/SGD mode at
+    least 85% of the copy at its own bytes on GPT-2-medium (not on ResNet-50), and at
+    the same bytes as torch at least as fast as the fastest torch counterpart, on
+    every list; torch's rows and LAMB get none."""
+    lists = {n: {"label": bench_ops.LIST_LABELS[n]} for n in ("gpt2-medium", "resnet50")}
+    specs = {s["key"]: s for s in bench_ops.mode_specs()}
+    none16 = "mixedprec.optim.AdamW | bf16 | none | bf16"
+    torch16 = "torch AdamW(fused=True) | bf16 | - | bf16"
+    lamb = "mixedprec.FusedLAMB | fp32 | - | fp32"
+    rows = []
+    for lname in lists:
+        for key, ms, pct in ((none16, 2.0, 86.0), (torch16, 2.5, 70.0), (lamb, 9.0, 10.0)):
+            rows.append(dict(list=lname, median_ms=ms, pct_copy=pct, bytes_per_elem=14.0,
+                             **specs[key]))
+    rows.append(dict(list="gpt2-medium", status="not available: x", **specs[
+        "mixedprec.optim.AdamW | bf16 | remainder | fp8"]))
+    targets = bench_ops.evaluate_mode_targets(rows, lists, smoke=False)
+    verdicts = {t["target"]: (t["value"], t["passed"]) for t in targets}
+    label = "mixedprec.optim.AdamW (bf16 params, master none, bf16 state)"
+    assert verdicts == {
+        f"{label} on GPT-2-medium: >= 85% of copy at its 14.00 B/elem": (86.0, True),
+        f"{label} on GPT-2-medium: >= 1.0x torch AdamW(fused=True) on bf16 params at the "
+        "same bytes (14.00 vs 14.00 B/elem)": (1.25, True),
+        f"{label} on ResNet-50: >= 1.0x torch AdamW(fused=True) on bf16 params at the "
+        "same bytes (14.00 vs 14.00 B/elem)": (1.25, True),
+    }
+    rows[0]["pct_copy"] = 80.0
+    assert bench_ops.evaluate_mode_targets(rows, lists, smoke=False)[0]["passed"] is False
+    assert all(t["passed"] is None for t in bench_ops.evaluate_mode_targets(rows, lists, True))
+    data = dict(smoke=False, copy={"gbps": 4000.0},
+                modes=dict(lists={n: dict(label=v["label"], tensors=1, numel=1, scale=1)
+                                  for n, v in lists.items()},
+                           copy_after={"gbps": 3990.0}, rows=rows, targets=targets))
+    md = "\n".join(bench_ops.modes_markdown(data))
+    assert "Copy: 4000.0 GB/s before the group, 3990.0 GB/s after it." in md
+    assert "3 of 3 targets met." in md and "Not evaluated" not in md
+    assert "| mixedprec.optim.AdamW | bf16 | remainder | fp8 |  |  | not available: x |" in md
 
 
 def _check_train_outputs(bench_train, tmp_path, models, modes):
