@@ -233,6 +233,18 @@ constexpr size_t scale_list() {
   return Op::kScaleList + block_rank<K, Ts...>();
 }
 
+// The cache lines kPrefetchBytes ahead of a block of kQuantBlock elements of storage T
+// (one line for each 64 bytes of it; an 8-bit list's 32 bytes: on every other block).
+template <typename T>
+inline void block_prefetch(const T* p) {
+  constexpr size_t bytes = sizeof(T) * kQuantBlock;
+  if constexpr (bytes < 64) {
+    if ((reinterpret_cast<uintptr_t>(p) & 63u) < bytes) prefetch_ahead(p);
+  } else {
+    for (size_t at = 0; at < bytes; at += 64) prefetch_ahead(reinterpret_cast<const char*>(p) + at);
+  }
+}
+
 // fn(op, data, begin, end) for functors with 8-bit lists: a block of kQuantBlock
 // elements at a time (begin and end are multiples of it: validated), J vectors
 // of W lanes each. An 8-bit list is loaded as its codes' values times the block's
@@ -259,6 +271,10 @@ constexpr size_t scale_list() {
     NS::BlockBits random;                                                                          \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                           \
       const int64_t b = i / kQuantBlock;                                                           \
+      ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                                   \
+            ? block_prefetch<VecStorage<Op, K, Ts>>(std::get<K>(v) + i)                            \
+            : void()),                                                                             \
+       ...);                                                                                       \
       if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                            \
       const float scale[D] = {                                                                     \
           (kBlocked<Ts> && present<Op, K>(std::get<K>(v))                                          \

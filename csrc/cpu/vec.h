@@ -245,17 +245,21 @@ inline U e4m3_code_lanes(F y) {
   return ((u >> 24) & 0x80u) | code;
 }
 
-// e4m3_code_stochastic on every lane, with r's low 16 bits per lane.
+// e4m3_code_stochastic on every lane, with r's low 16 bits per lane. `small`: whether
+// any lane may be below 2^-6 (the subnormal codes, zero included), whose float
+// arithmetic the caller skips when it knows none is (a NaN lane is not small).
 template <typename F, typename I, typename U>
-inline U e4m3_code_stochastic_lanes(F y, U r) {
+inline U e4m3_code_stochastic_lanes(F y, U r, bool small = true) {
   const U u = (U)y;
   const U abs_bits = u & 0x7fffffffu;
   const F a = (F)abs_bits;
   r &= 0xffffu;
-  const U sub = (U) __builtin_convertvector(
-      a * 512.f + (__builtin_convertvector((I)r, F) + 0.5f) * 1.52587890625e-5f, I);
-  const U normal = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
-  U code = a < 0.015625f ? sub : normal;
+  U code = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
+  if (small) {
+    const U sub = (U) __builtin_convertvector(
+        a * 512.f + (__builtin_convertvector((I)r, F) + 0.5f) * 1.52587890625e-5f, I);
+    code = a < 0.015625f ? sub : code;
+  }
   code = code > 0x7eu ? U{} + 0x7eu : code;
   code = a != a ? U{} + 0x7fu : code;
   return ((u >> 24) & 0x80u) | code;
@@ -488,7 +492,10 @@ MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
     VecU16 r;
     memcpy(&r, random + 16 * j, sizeof(r));
     if (rotate) r = ((r << 8) | (r >> 8)) & 0xffffu;
-    const VecU16 c = e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(x[j][k] * inv, r);
+    const Vec y = x[j][k] * inv;
+    const bool small =
+        _mm512_cmp_ps_mask(_mm512_abs_ps((__m512)y), _mm512_set1_ps(0.015625f), _CMP_LT_OQ) != 0;
+    const VecU16 c = e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, r, small);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * j),
                      _mm512_maskz_cvtepi32_epi8(kAll16, (__m512i)c));
   }

@@ -320,6 +320,11 @@ MP_AVX2 void store(E4m3* p, Vec y) {
       _mm256_packus_epi16(e4m3_codes(y), _mm256_setzero_si256()), 0b11011000);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(codes));
 }
+// Whether any lane of y is below 2^-6 in magnitude (e4m3's subnormal codes; NaN not).
+MP_AVX2 bool any_small(VecF8 y) {
+  const __m256 a = _mm256_and_ps((__m256)y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ)) != 0;
+}
 // A block (J = 2 pairs, 32 elements) of list k: the largest |value| as bits (integer
 // order: NaN above inf above the finite values, in every version), its scale, and its
 // codes in one 32-byte store; rounded to nearest even, or stochastically (as avx2's
@@ -352,10 +357,11 @@ MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
     for (int j = 0; j < 2; ++j) {
       __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(random + 16 * j));
       if (rotate) r = _mm256_shuffle_epi8(r, swap);
+      const VecF8 ya = x[j][k].a * inv, yb = x[j][k].b * inv;
       c[2 * j] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
-          x[j][k].a * inv, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)));
+          ya, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), any_small(ya));
       c[2 * j + 1] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
-          x[j][k].b * inv, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)));
+          yb, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), any_small(yb));
     }
     // Dwords to bytes; per 128-bit half the 4-byte groups come as q = 0..3 of that
     // half's elements, put in order by one dword permutation.
