@@ -1,15 +1,9 @@
-// The CPU kernels: every op's entry (csrc/ops/) on the CPU engine.
+// The CPU kernels of the list ops (unscale, finite check, copy, L2 norm,
+// sum, loss scale): one of the registration units (csrc/ops/all.h, MP_REGISTER_UNIT),
+// compiled on its own.
 #include <torch/library.h>
 
 #include "../ops/all.h"
 #include "engine.h"
 
-namespace mixedprec::cpu {
-
-TORCH_LIBRARY_IMPL(mixedprec, CPU, m) { register_kernels<CpuEngine>(m); }
-// Sparse tensors (COO; CSR, CSC, BSR, BSC) reach the same kernels, whose validation
-// rejects them by name.
-TORCH_LIBRARY_IMPL(mixedprec, SparseCPU, m) { register_kernels<CpuEngine>(m); }
-TORCH_LIBRARY_IMPL(mixedprec, SparseCsrCPU, m) { register_kernels<CpuEngine>(m); }
-
-}  // namespace mixedprec::cpu
+MP_REGISTER_UNIT(register_list_ops, mixedprec::cpu::CpuEngine, CPU, SparseCPU, SparseCsrCPU)

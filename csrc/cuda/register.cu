@@ -1,15 +1,9 @@
-// The CUDA kernels: every op's entry (csrc/ops/) on the CUDA engine.
+// The CUDA kernels of the list ops (unscale, finite check, copy, L2 norm,
+// sum, loss scale): one of the registration units (csrc/ops/all.h, MP_REGISTER_UNIT),
+// compiled on its own.
 #include <torch/library.h>
 
 #include "../ops/all.h"
 #include "multi_tensor_apply.cuh"
 
-namespace mixedprec::cuda {
-
-TORCH_LIBRARY_IMPL(mixedprec, CUDA, m) { register_kernels<CudaEngine>(m); }
-// Sparse tensors (COO; CSR, CSC, BSR, BSC) reach the same kernels, whose validation
-// rejects them by name.
-TORCH_LIBRARY_IMPL(mixedprec, SparseCUDA, m) { register_kernels<CudaEngine>(m); }
-TORCH_LIBRARY_IMPL(mixedprec, SparseCsrCUDA, m) { register_kernels<CudaEngine>(m); }
-
-}  // namespace mixedprec::cuda
+MP_REGISTER_UNIT(register_list_ops, mixedprec::cuda::CudaEngine, CUDA, SparseCUDA, SparseCsrCUDA)

@@ -51,7 +51,7 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
 
 }  // namespace entry
 
-// This family's entries on one engine (register_kernels, ops/all.h).
+// This family's entries on one engine (register_list_ops, ops/all.h).
 template <class Engine>
 void register_loss_scale_ops(torch::Library& m) {
   m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);

@@ -385,11 +385,15 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
 
 }  // namespace entry
 
-// This family's entries on one engine (register_kernels, ops/all.h).
+// This family's entries on one engine, in two parts that the backends compile as units
+// of their own (ops/all.h): Adam's, the largest, and the others'.
 template <class Engine>
-void register_optimizer_ops(torch::Library& m) {
-  m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);
+void register_adam_ops(torch::Library& m) {
   m.impl("fused_adam_", &entry::fused_adam_<Engine>);
+}
+template <class Engine>
+void register_other_optimizer_ops(torch::Library& m) {
+  m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);
   m.impl("fused_lamb_", &entry::fused_lamb_<Engine>);
   m.impl("fused_adagrad_", &entry::fused_adagrad_<Engine>);
   m.impl("fused_novograd_", &entry::fused_novograd_<Engine>);
