@@ -49,8 +49,17 @@ def _positive_int(owner: str, name: str, value: Any) -> int:
 
 def inverse(scale: Tensor) -> Tensor:
     """``1 / scale`` on the device, formed in float64 and rounded once to float32, as
-    ``torch.amp.GradScaler`` does: what every unscale divides by."""
-    return scale.double().reciprocal().float()
+    ``torch.amp.GradScaler`` does: what every unscale divides by.
+
+    A 0-dim scale (the scalers' own) takes one kernel where
+    ``scale.double().reciprocal().float()`` takes three, each a launch every step: a
+    float64 one on the host (a CPU scalar, whose value goes in the kernel's arguments:
+    no copy) divided by the scale, which makes the division float64 (both 0-dim), into
+    a float32 result (one rounding): the same bits."""
+    if scale.dim() != 0 or torch.compiler.is_compiling():
+        return scale.double().reciprocal().float()
+    one = torch.scalar_tensor(1.0, dtype=torch.float64, device="cpu")
+    return torch.div(one, scale, out=torch.empty_like(scale, dtype=torch.float32))
 
 
 def check_scale(owner: str, name: str, value: Any) -> float:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import ops
 from . import state8
-from .optimizer import _pick, _Work
+from .optimizer import _pick, _where, _Work
 from .torch_optimizer import TorchOptimizer, torch_defaults
 
 __all__ = ["Adam", "AdamW"]
@@ -104,7 +104,7 @@ class Adam(TorchOptimizer):
         for call, positions, lean, eight in self._lean_calls(items):
             for picked, step in self._steps(group, call, device, holders, used):
                 part = call.pick(picked)
-                where = picked if positions is None else [positions[i] for i in picked]
+                where = _where(picked, positions, len(items.grads))
                 targets, model = self._update_lists(part.params, part.states)
                 scales = None
                 if eight:

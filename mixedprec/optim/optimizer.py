@@ -70,6 +70,15 @@ def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
     return grads if positions is None else [grads[i] for i in positions]
 
 
+def _where(picked: List[int], positions: Optional[List[int]], count: int
+           ) -> Optional[List[int]]:
+    """The positions in the group's gradients (``count`` of them) of an op call's
+    parameters, ``picked`` from a ``_lean_calls`` call at ``positions``: None when
+    they are all of them in order, so that ``_pick`` then builds no list."""
+    where = picked if positions is None else [positions[i] for i in picked]
+    return None if len(where) == count and where == list(range(count)) else where
+
+
 def _check_nonnegative(name: str, value: Any) -> None:
     if isinstance(value, Tensor) or not isinstance(value, (int, float)):
         raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
@@ -129,8 +138,9 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
             self.applied_steps = self.applied_steps.to(device)
         if found_inf is None:
             self.applied_steps.add_(1)
-        else:
-            self.applied_steps.add_((found_inf.reshape(()) == 0).to(torch.int64))
+        else:  # (the bool flag is promoted in the add: one kernel, not a cast and an add)
+            self.applied_steps.add_((found_inf if found_inf.dim() == 0
+                                     else found_inf.reshape(())) == 0)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         params = param_group["params"]
@@ -325,6 +335,11 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        """``step`` without the closure, under the caller's ``torch.no_grad()``."""
         # The one channel from a loss scaler: the attributes torch.amp.GradScaler sets
         # around step() for optimizers with _step_supports_amp_scaling (mixedprec's
         # GradScaler, amp and fp16_utils set the same ones).
@@ -332,10 +347,12 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         planned = self._planned_work()
         if planned is not None:
             used_master_grads = False
+            scaled: Dict[torch.device, Any] = {}  # (inv_scale, found_inf) by device
             for group, plan, grads, from_master in planned:
                 if plan.lists is not None:
-                    self._run_plan(group, plan.lists, grads,
-                                   *self._scaling(plan.device, scaling))
+                    if plan.device not in scaled:
+                        scaled[plan.device] = self._scaling(plan.device, scaling)
+                    self._run_plan(group, plan.lists, grads, *scaled[plan.device])
                 used_master_grads |= from_master
             if used_master_grads:  # master gradients are used by one step
                 for _, plan, _, _ in planned:
@@ -343,7 +360,7 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
                         if master is not None:
                             master.grad = None
             self._count_applied(scaling[1])
-            return loss
+            return
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
         plans: Dict[int, _Plan] = {}
@@ -371,7 +388,6 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         if not torch.compiler.is_compiling():
             self._plans.update(plans)
         self._count_applied(scaling[1])
-        return loss
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's ``state`` and ``param_groups``, and ``applied_steps`` (a tensor, which

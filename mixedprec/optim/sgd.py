@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .. import ops
 from . import state8
-from .optimizer import _pick, _Work
+from .optimizer import _pick, _where, _Work
 from .torch_optimizer import TorchOptimizer, torch_defaults
 
 __all__ = ["SGD"]
@@ -67,7 +67,7 @@ class SGD(TorchOptimizer):
             for first_run in sorted(set(starts)):
                 picked = [i for i, s in enumerate(starts) if s == first_run]
                 part = call.pick(picked)
-                where = picked if positions is None else [positions[i] for i in picked]
+                where = _where(picked, positions, len(items.grads))
                 targets, model = self._update_lists(part.params, part.states)
                 scales = None
                 if eight:
@@ -91,7 +91,8 @@ class SGD(TorchOptimizer):
         if not self._stochastic(group):
             return None
         step = self._group_step(group, device)
-        step.add_(1.0 if found_inf is None else (found_inf.reshape(1) == 0).to(torch.float32))
+        # (a bool flag is promoted in the add: one kernel, not a cast and an add)
+        step.add_(1.0 if found_inf is None else found_inf.reshape(1) == 0)
         return step
 
     def _stochastic(self, group) -> bool:

@@ -155,7 +155,7 @@ class TorchOptimizer(_FusedOptimizer):
         self._pending.clear()
         if not torch.compiler.is_compiling():  # (a compiled step guards on the values)
             self._check_hyperparameters()
-        super().step()
+        self._fused_step()  # (under this step's no_grad)
         pending = list(self._pending)
         self._pending.clear()
         found_inf = getattr(self, "found_inf", None)

@@ -1,5 +1,5 @@
 """Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py,
-bench/q8_formats.py, bench/lean_speed.py) on the CPU.
+bench/q8_formats.py, bench/lean_speed.py, bench/host_step.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -50,7 +50,7 @@ ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn",
 
 
 @pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats",
-                                  "lean_speed"])
+                                  "lean_speed", "host_step"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -1087,3 +1087,28 @@ def test_lean_speed_mode_budget(tmp_path, monkeypatch):
     rows = data["results"]["resnet50"]["threads"]["1"]
     assert [rows[m]["reps"] for m in ("torch", "remainder+bf16")] == [mod.MIN_REPS] * 2
     assert f" ({mod.MIN_REPS}) |" in (tmp_path / "lean-speed-cpu.md").read_text()
+
+
+def test_host_step_smoke(bench_ops, tmp_path, capsys):
+    """``bench/host_step.py`` on 5 tensors, 2 repetitions: a row per case in each mode,
+    its torch counterpart's ratio, the fake-CUDA op counts; ResNet-50's tensor count."""
+    host_step = _load("host_step")
+    assert host_step.RESNET50_TENSORS == len(bench_ops.resnet50_shapes_fixed())
+    threads = torch.get_num_threads()
+    try:
+        assert host_step.main(["--device", "cpu", "--tensors", "5", "--reps", "2", "--inner",
+                               "1", "--cases", "FusedSGD fp16+masters,optim.AdamW fp32",
+                               "--json", str(tmp_path / "host.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "host.json").read_text())
+    assert set(data["modes"]) == {"real", "noop"}
+    for cases in data["modes"].values():
+        assert set(cases) == {"FusedSGD fp16+masters", "optim.AdamW fp32", "torch SGD",
+                              "torch AdamW"}
+        assert all(r["host"]["median_ms"] > 0 for r in cases.values())
+        assert cases["torch SGD"]["vs_torch"] is None
+        assert cases["optim.AdamW fp32"]["vs_torch"] > 0
+    assert data["ops_per_step"] == {"FusedSGD fp16+masters": 4, "optim.AdamW fp32": 4,
+                                    "torch SGD": 1, "torch AdamW": 3}
+    assert "| FusedSGD fp16+masters |" in capsys.readouterr().out
