@@ -223,6 +223,21 @@ def test_fused_adagrad_skips_an_overflowed_step_with_grad_scaler(device, dtype, 
 
 # --- FusedSGD as Apex's ------------------------------------------------------------------
 
+@pytest.mark.parametrize("cls, old", [(FusedAdam, "moment_dtype"), (FusedSGD, "momentum_dtype")])
+def test_a_renamed_keyword_names_its_new_name(cls, old):
+    """A script written before the rename (state_dtype, 2026-11-25) gets an error that
+    says what to pass instead; the signature shows only the new name."""
+    p = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=f"{cls.__name__}: the keyword argument '{old}' was "
+                                        f"renamed 'state_dtype': pass state_dtype=torch.bfloat16"):
+        cls([p], **{old: torch.bfloat16})
+    assert old not in inspect.signature(cls).parameters
+    assert "state_dtype" in inspect.signature(cls).parameters
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        cls([p], bogus=1)
+    assert cls([p], state_dtype=torch.bfloat16).state_dtype == torch.bfloat16
+
+
 def test_fused_sgd_signature_follows_apex_and_torch():
     sig = {k: v for k, v in inspect.signature(FusedSGD).parameters.items()
            if v.kind is not v.KEYWORD_ONLY}  # (master, state_dtype: mixedprec's own)
