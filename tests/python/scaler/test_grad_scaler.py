@@ -841,6 +841,38 @@ def test_compiled_training_step_with_the_scaler_matches_eager():
         assert torch.equal(a, b)
 
 
+def test_compiled_step_breaks_no_more_than_torchs():
+    """A training step compiled without fullgraph: with mixedprec's GradScaler and
+    optim.AdamW, no more graphs and graph breaks than with torch's GradScaler and fused
+    AdamW (torch._dynamo.explain's counts)."""
+    counts = {}
+    for kind in ("torch", "mixedprec"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        if kind == "torch":
+            opt = torch.optim.AdamW(model.parameters(), fused=True)
+            scaler = torch.amp.GradScaler("cpu")
+        else:
+            opt = mixedprec.optim.AdamW(model.parameters())
+            scaler = GradScaler("cpu")
+
+        def train_step(x, y):
+            loss = nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+        train_step(x, y)
+        explained = torch._dynamo.explain(train_step)(x, y)
+        counts[kind] = (explained.graph_count, explained.graph_break_count)
+    assert counts["mixedprec"][0] <= counts["torch"][0], counts
+    assert counts["mixedprec"][1] <= counts["torch"][1], counts
+
+
 @pytest.mark.parametrize("name", ["growth_factor", "backoff_factor"])
 def test_grad_scaler_factor_of_one_is_one_rule(name):
     """torch asserts growth_factor > 1 and backoff_factor < 1 at construction; the
