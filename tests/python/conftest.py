@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,14 @@ LAYERS = ("ops", "optim", "scaler", "compat", "distributed", "integrations")
 for folder in (HERE, *(HERE / layer for layer in LAYERS)):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+
+# Under pytest-xdist (make py-test: -n auto, a worker per core), each worker gets its
+# share of the cores for torch's intra-op threads, so that the workers do not
+# oversubscribe the machine. Tests that depend on a thread count set their own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(params=["cpu", "cuda"])
