@@ -1,5 +1,5 @@
 """Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py,
-bench/q8_formats.py, bench/lean_speed.py, bench/host_step.py) on the CPU.
+bench/q8_formats.py, bench/lean_speed.py, bench/host_step.py, bench/compile_step.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -50,7 +50,7 @@ ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn",
 
 
 @pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats",
-                                  "lean_speed", "host_step"])
+                                  "lean_speed", "host_step", "compile_step"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -1112,3 +1112,22 @@ def test_host_step_smoke(bench_ops, tmp_path, capsys):
     assert data["ops_per_step"] == {"FusedSGD fp16+masters": 4, "optim.AdamW fp32": 4,
                                     "torch SGD": 1, "torch AdamW": 3}
     assert "| FusedSGD fp16+masters |" in capsys.readouterr().out
+
+
+def test_compile_step_smoke(tmp_path, capsys):
+    """``bench/compile_step.py`` on a tiny MLP with the eager backend, 2 repetitions: a
+    row per stack with both times and dynamo's counts, mixedprec's no more than torch's."""
+    compile_step = _load("compile_step")
+    threads = torch.get_num_threads()
+    try:
+        assert compile_step.main(["--device", "cpu", "--backend", "eager", "--width", "16",
+                                  "--depth", "1", "--batch", "4", "--reps", "2", "--inner",
+                                  "1", "--json", str(tmp_path / "compile.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = {r["stack"]: r for r in json.loads((tmp_path / "compile.json").read_text())["rows"]}
+    assert set(rows) == {"torch", "mixedprec"}
+    assert all(r["eager_ms"] > 0 and r["compiled_ms"] > 0 for r in rows.values())
+    assert rows["mixedprec"]["graphs"] <= rows["torch"]["graphs"]
+    assert rows["mixedprec"]["breaks"] <= rows["torch"]["breaks"]
+    assert "| mixedprec |" in capsys.readouterr().out
