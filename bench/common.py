@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -223,6 +224,42 @@ def fmt(value: Optional[float], digits: int = 2) -> str:
 
 def verdict(ok: Optional[bool]) -> str:
     return "n/a" if ok is None else ("pass" if ok else "miss")
+
+
+# --- device ops a step dispatches ---------------------------------------------------
+
+# Dispatched ops that launch no kernel: views, allocations, metadata, profiler marks.
+NO_KERNEL = frozenset({
+    "view", "_reshape_alias", "reshape", "alias", "detach", "as_strided", "_unsafe_view",
+    "squeeze", "unsqueeze", "t", "empty", "empty_like", "empty_strided", "device", "dim",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous",
+    "_record_function_enter_new", "_record_function_exit"})
+
+
+class DeviceOps(TorchDispatchMode):
+    """Records (``ops``) the ops dispatched with a tensor on a CUDA device, each about
+    one kernel launch, views and allocations left out; run over fake CUDA tensors
+    (bench/host_step.py, tests/python/optim/test_step_ops.py). An op without a fake
+    kernel (torch._fused_sgd_) is recorded and not run."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        flat = list(args) + list(kwargs.values())
+        tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a])
+                   if isinstance(t, torch.Tensor)]
+        device = kwargs.get("device")
+        on_device = device is not None and torch.device(device).type == "cuda"
+        if (on_device or any(t.device.type == "cuda" for t in tensors)) and \
+                name not in NO_KERNEL:
+            self.ops.append(name)
+        if name == "_fused_sgd_":
+            return None
+        return func(*args, **kwargs)
 
 
 # --- timing -----------------------------------------------------------------------

@@ -86,14 +86,6 @@ CASES = {
 # The fused ops a "noop" run replaces (module, attribute).
 _OPS = ((mp_ops, "fused_sgd_"), (mp_ops, "fused_adam_"), (torch, "_fused_sgd_"),
         (torch, "_fused_adamw_"))
-# Dispatched ops that launch no kernel: views, allocations, metadata, profiler marks.
-NO_KERNEL = frozenset({
-    "view", "_reshape_alias", "reshape", "alias", "detach", "as_strided", "_unsafe_view",
-    "squeeze", "unsqueeze", "t", "empty", "empty_like", "empty_strided", "device", "dim",
-    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous",
-    "_record_function_enter_new", "_record_function_exit"})
-
-
 #: ResNet-50's number of parameter tensors (bench/ops.py's list; test_bench_smoke checks).
 RESNET50_TENSORS = 161
 
@@ -133,39 +125,18 @@ def noop_ops():
 
 def count_ops(name: str, count: int, scaler: bool) -> int:
     """The device ops a planned step of case ``name`` dispatches on fake CUDA tensors
-    (each about one kernel launch), views and allocations left out. An op without a
-    fake kernel (torch._fused_sgd_) is counted and not run."""
+    (common.DeviceOps: each about one kernel launch, views and allocations left out)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            flat = list(args) + list(kwargs.values())
-            tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            on_device = kwargs.get("device") is not None and \
-                torch.device(kwargs["device"]).type == "cuda"
-            on_device |= any(t.device.type == "cuda" for t in tensors)
-            if on_device and func.overloadpacket.__name__ not in NO_KERNEL:
-                self.n += 1
-            if func.overloadpacket.__name__ == "_fused_sgd_":
-                return None
-            return func(*args, **kwargs)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         with FakeTensorMode():
-            counter = Count()
+            counter = common.DeviceOps()
             with counter:
                 _, step = make(name, count, torch.device("cuda"), scaler)
-                counter.n = 0
+                counter.ops.clear()
                 step()
-    return counter.n
+    return len(counter.ops)
 
 
 def run(names, count: int, device: torch.device, scaler: bool, mode: str, reps: int,

@@ -753,6 +753,19 @@ def _release(opt_ref: Callable[[], Any]) -> None:
         gc.collect()
 
 
+def targets_markdown(targets: Sequence[Dict[str, Any]], smoke: bool) -> List[str]:
+    """The lines of a targets table (target, value, pass/miss) and how many were met."""
+    lines = ["Not evaluated: CPU smoke run.", ""] if smoke else []
+    body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
+             C.verdict(t["passed"])] for t in targets]
+    if body:
+        lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
+        if not smoke:
+            lines += [f"{sum(1 for t in targets if t['passed'])} of {len(body)} targets met.",
+                      ""]
+    return lines
+
+
 def run_mode(spec: Dict[str, Any], shapes: Shapes, device: torch.device, timer,
              copy_gbps: float) -> Dict[str, Any]:
     """One mode: its optimizer built and stepped once (the state), its steps timed.
@@ -920,15 +933,7 @@ def modes_markdown(data: Dict[str, Any]) -> List[str]:
                                 C.fmt(r.get("vs_torch_adamw_fp32"), 2)])
         lines += C.md_table(header, body, "llll" + "r" * 7) + [""]
     lines += ["### Targets (modes; reported, not enforced)", ""]
-    if smoke:
-        lines += ["Not evaluated: CPU smoke run.", ""]
-    body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
-             C.verdict(t["passed"])] for t in modes["targets"]]
-    if body:
-        lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
-        if not smoke:
-            n = sum(1 for t in modes["targets"] if t["passed"])
-            lines += [f"{n} of {len(body)} targets met.", ""]
+    lines += targets_markdown(modes["targets"], smoke)
     errors = [r for r in modes["rows"] if "error" in r]
     if errors:
         lines += ["### Errors (modes)", ""] + [f"- {r['list']} {r['key']}: {r['error']}"
@@ -1659,15 +1664,7 @@ def markdown(data: Dict[str, Any], lists: Dict[str, Dict], op_names: Sequence[st
         lines += C.md_table(header, body) + [""]
 
         lines += ["## Targets (H100)", ""]
-        if smoke:
-            lines += ["Not evaluated: CPU smoke run.", ""]
-        body = [[t["target"], f"{t['value']}{'%' if t['unit'] == '% of copy' else 'x'}",
-                 C.verdict(t["passed"])] for t in data["targets"]]
-        if body:
-            lines += C.md_table(["Target", "Value", "Result"], body, "lrr") + [""]
-            if not smoke:
-                n = sum(1 for t in data["targets"] if t["passed"])
-                lines += [f"{n} of {len(body)} targets met.", ""]
+        lines += targets_markdown(data["targets"], smoke)
 
     if data.get("modes"):
         lines += modes_markdown(data)

@@ -369,21 +369,10 @@ class Cfg:
                 out.append(e)
             self.succ[s] = out
         # reachable blocks, reverse post-order
-        seen, order, stack = set(), [], [(0, iter(self.succ[0]))]
-        seen.add(0)
-        while stack:
-            node, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                order.append(node)
-                stack.pop()
-            elif nxt not in seen:
-                seen.add(nxt)
-                stack.append((nxt, iter(self.succ[nxt])))
-        self.rpo = order[::-1]
-        self.reachable = seen
-        self.pred: Dict[int, List[int]] = {b: [] for b in seen}
-        for b in seen:
+        self.rpo = topological(self.succ, 0)
+        self.reachable = set(self.rpo)
+        self.pred: Dict[int, List[int]] = {b: [] for b in self.reachable}
+        for b in self.reachable:
             for s in self.succ[b]:
                 self.pred[s].append(b)
         self._dominators()

@@ -3,7 +3,9 @@ every layer (ops/, optim/, scaler/, apex/, distributed/)."""
 
 import contextlib
 import copy
+import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +329,15 @@ def eager_and_compiled_steps(make_optimizer, steps=3):
             step()
         results.append([p.detach().clone() for p in model.parameters()])
     return results
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_script(path: str):
+    """The repository's script at ``path`` (relative to the root, e.g.
+    "scripts/cuda_resources.py"), imported as a module of its file's name."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

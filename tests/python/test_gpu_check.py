@@ -14,7 +14,6 @@ tested here, without a GPU:
   fail; a TERM or a KILL to the script must leave a summary.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -37,10 +37,7 @@ needs_bash = pytest.mark.skipif(BASH is None, reason="bash is not installed")
 
 
 def load_ops_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_ops", OPS_CHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/gpu_check_ops.py")
 
 
 def python_env(**extra):

@@ -4,7 +4,6 @@ bound. `make py-test` points MIXEDPREC_CUDA_RESOURCES at what `make build` recor
 (the CUDA build runs on the CPU machines too); without it the gate's test skips. The
 gate refuses a planted spill and a planted stack frame, compiled here with nvcc."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,20 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
-REPO = Path(__file__).resolve().parents[3]
 NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
 
-def load_gate():
-    spec = importlib.util.spec_from_file_location("cuda_resources",
-                                                  REPO / "scripts" / "cuda_resources.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gate = load_gate()
+gate = load_script("scripts/cuda_resources.py")
 
 
 def test_every_kernel_of_the_build_passes_the_gate():

@@ -5,24 +5,13 @@ copy bandwidth gives them (scripts/sass_per_element.py; docs/gpu-validation.md,
 a build that has no sm_90 kernels, the tests on the build skip. The gate refuses a
 planted kernel whose loop is too long and one without a loop."""
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("sass_per_element",
-                                                  REPO / "scripts" / "sass_per_element.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-spe = load_script()
+spe = load_script("scripts/sass_per_element.py")
 CUOBJDUMP = spe.find_cuobjdump()
 
 # The modes over GATE_FRACTION of their H200 budget in the build of 2026-11-27 (the

@@ -20,45 +20,15 @@ import warnings
 
 import pytest
 import torch
-from helpers import fake_cuda
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import fake_cuda, load_script
 
 import mixedprec
 from mixedprec import optim
 
 F16, F32 = torch.float16, torch.float32
 
-# Dispatched ops that launch no kernel: views, allocations, metadata, profiler marks.
-NO_KERNEL = frozenset({
-    "view", "_reshape_alias", "reshape", "alias", "detach", "as_strided", "_unsafe_view",
-    "squeeze", "unsqueeze", "t", "empty", "empty_like", "empty_strided", "device", "dim",
-    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous",
-    "_record_function_enter_new", "_record_function_exit"})
-
-
-class DeviceOps(TorchDispatchMode):
-    """Records the ops dispatched with a tensor on a CUDA device (each about one kernel
-    launch), views and allocations left out; an op without a fake kernel
-    (torch._fused_sgd_) is recorded and not run."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        flat = list(args) + list(kwargs.values())
-        tensors = [t for a in flat for t in (a if isinstance(a, (list, tuple)) else [a])
-                   if isinstance(t, torch.Tensor)]
-        device = kwargs.get("device")
-        on_device = device is not None and torch.device(device).type == "cuda"
-        if (on_device or any(t.device.type == "cuda" for t in tensors)) and \
-                name not in NO_KERNEL:
-            self.ops.append(name)
-        if name == "_fused_sgd_":
-            return None
-        return func(*args, **kwargs)
+# The dispatch counter bench/host_step.py counts with too.
+DeviceOps = load_script("bench/common.py").DeviceOps
 
 
 # name -> builder(params or groups)
