@@ -349,8 +349,9 @@ def case_adam_mixedprec_op(inp: Inputs):
 
     def fn(i):
         ops.multi_tensor_check_finite_(grads, found_inf)  # what a GradScaler does first
-        ops.fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, model, step, LR, BETAS[0],
-                        BETAS[1], EPS, WD, True, True, invs[i % 2], found_inf)
+        ops.fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=LR,
+                        beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, adamw=True,
+                        bias_correction=True, inv_scale=invs[i % 2], found_inf=found_inf)
     return fn, _no_skip(found_inf)
 
 
@@ -397,8 +398,9 @@ def case_sgd_mixedprec_op(inp: Inputs):
 
     def fn(i):
         ops.multi_tensor_check_finite_(grads, found_inf)
-        ops.fused_sgd_(masters, grads, buffers, model, LR, MOMENTUM, 0.0, 0.0, False, False,
-                       invs[i % 2], found_inf)
+        ops.fused_sgd_(masters, grads, buffers, model, lr=LR, momentum=MOMENTUM, dampening=0.0,
+                       weight_decay=0.0, nesterov=False, first_run=False, inv_scale=invs[i % 2],
+                       found_inf=found_inf)
     return fn, _no_skip(found_inf)
 
 
@@ -442,7 +444,7 @@ def case_l2norm_mixedprec(dtype):
     def build(inp: Inputs):
         from mixedprec import ops
         grads = inp.randn(dtype)
-        return (lambda i: ops.multi_tensor_l2norm(grads, None, False)), dict
+        return (lambda i: ops.multi_tensor_l2norm(grads, None, per_tensor=False)), dict
     return build
 
 
@@ -1007,15 +1009,17 @@ def _check_one(op: str, inp: "Inputs", device: torch.device, add) -> None:
             for p, a, b in zip(params, m1, v1):
                 opt.state[p] = {"step": torch.zeros((), dtype=F32, device=device),
                                 "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
-            ops.fused_adam_(masters, grads16, m1, v1, model, inp.scalar(0.0), CHECK_LR, BETAS[0],
-                            BETAS[1], EPS, WD, True, True, inp.scalar(1 / scale), fi)
+            ops.fused_adam_(masters, grads16, m1, v1, model, step=inp.scalar(0.0), lr=CHECK_LR,
+                            beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, adamw=True,
+                            bias_correction=True, inv_scale=inp.scalar(1 / scale), found_inf=fi)
         else:
             buf = inp.randn(F32, std=0.1)
             opt = torch.optim.SGD(params, lr=CHECK_LR, momentum=MOMENTUM, fused=True)
             for p, b in zip(params, buf):
                 opt.state[p] = {"momentum_buffer": b.clone()}
-            ops.fused_sgd_(masters, grads16, buf, model, CHECK_LR, MOMENTUM, 0.0, 0.0, False,
-                           False, inp.scalar(1 / scale), fi)
+            ops.fused_sgd_(masters, grads16, buf, model, lr=CHECK_LR, momentum=MOMENTUM,
+                           dampening=0.0, weight_decay=0.0, nesterov=False, first_run=False,
+                           inv_scale=inp.scalar(1 / scale), found_inf=fi)
         before = _cat([p.detach() for p in params])
         opt.grad_scale, opt.found_inf = inp.tscalar(scale), fi_ref
         opt.step()
@@ -1035,7 +1039,7 @@ def _check_one(op: str, inp: "Inputs", device: torch.device, add) -> None:
     elif op.startswith("l2norm"):
         g = inp.randn({"fp32": F32, "fp16": F16, "bf16": BF16}[op.split()[-1]])
         ref = torch.linalg.vector_norm(_cat(g).double())
-        norm, _ = ops.multi_tensor_l2norm(g, None, False)
+        norm, _ = ops.multi_tensor_l2norm(g, None, per_tensor=False)
         add(op, _rel(norm.reshape(()), ref), 1e-5,
             {"torch rel_err": _rel(torch_total_norm(g).float(), ref)})
     elif op == "copy":

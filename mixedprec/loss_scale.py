@@ -179,10 +179,10 @@ class LossScale:
         if not self.dynamic:
             return
         self.place(found_inf.device)
-        ops.update_loss_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker,
-                               found_inf, self.growth_factor, self.backoff_factor,
-                               self.growth_interval, self.hysteresis, self.min_scale,
-                               self.max_scale)
+        ops.update_loss_scale_(self.scale, self.growth_tracker, self.hysteresis_tracker, found_inf,
+                               growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
+                               growth_interval=self.growth_interval, hysteresis=self.hysteresis,
+                               min_scale=self.min_scale, max_scale=self.max_scale)
 
     # -- host reads and writes --------------------------------------------------------
     def get(self) -> float:

@@ -15,6 +15,8 @@ The schemas live in ``csrc/ops.cpp``; CPU and CUDA kernels in ``csrc/cpu`` and
   hyper-parameters) or ``RuntimeError`` (devices), naming the argument, before
   anything is written. Empty lists and zero-element tensors are no-ops.
 * No op synchronises with the host.
+* Each wrapper takes its tensor lists (and, in the ops without a second list, its
+  tensors) positionally, and everything after them by keyword only.
 """
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -176,7 +178,7 @@ def multi_tensor_copy_(src: List[Tensor], dst: List[Tensor]) -> None:
 
 
 def multi_tensor_l2norm(
-    tensors: List[Tensor], inv_scale: Optional[Tensor] = None, per_tensor: bool = False
+    tensors: List[Tensor], inv_scale: Optional[Tensor] = None, *, per_tensor: bool = False
 ) -> Tuple[Tensor, Tensor]:
     """The L2 norm of all ``tensors`` together (float32, shape ``[1]``), each element
     multiplied by ``inv_scale`` when given; and, when ``per_tensor``, the float32
@@ -207,6 +209,7 @@ def fused_sgd_(
     grads: List[Tensor],
     momentum_buffers: List[Tensor],
     model_params: List[Tensor],
+    *,
     lr: float,
     momentum: float = 0.0,
     dampening: float = 0.0,
@@ -295,6 +298,7 @@ def fused_adam_(
     exp_avgs: List[Tensor],
     exp_avg_sqs: List[Tensor],
     model_params: List[Tensor],
+    *,
     step: Tensor,
     lr: float,
     beta1: float = 0.9,
@@ -395,6 +399,7 @@ def update_loss_scale_(
     growth_tracker: Tensor,
     hysteresis_tracker: Tensor,
     found_inf: Tensor,
+    *,
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
@@ -425,6 +430,7 @@ def fused_lamb_(
     exp_avgs: List[Tensor],
     exp_avg_sqs: List[Tensor],
     model_params: List[Tensor],
+    *,
     step: Tensor,
     lr: float,
     beta1: float = 0.9,
@@ -471,6 +477,7 @@ def fused_adagrad_(
     grads: List[Tensor],
     state_sums: List[Tensor],
     model_params: List[Tensor],
+    *,
     lr: float,
     eps: float = 1e-10,
     weight_decay: float = 0.0,
@@ -495,6 +502,7 @@ def fused_novograd_(
     grads: List[Tensor],
     exp_avgs: List[Tensor],
     model_params: List[Tensor],
+    *,
     exp_avg_sq: Tensor,
     step: Tensor,
     lr: float,

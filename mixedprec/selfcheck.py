@@ -138,15 +138,16 @@ def check_sgd(dev, r):
         b = b.double() * momentum + g
         want_b.append(b)
         want_p.append(p.double() - lr * (g + momentum * b))  # nesterov
-    ops.fused_sgd_(params, grads, bufs, model, lr, momentum, 0.0, weight_decay, nesterov=True,
-                   inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+    ops.fused_sgd_(params, grads, bufs, model, lr=lr, momentum=momentum, dampening=0.0,
+                   weight_decay=weight_decay, nesterov=True, inv_scale=scalar(1 / loss_scale, dev),
+                   found_inf=scalar(0.0, dev))
     for i in range(len(n)):
         r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}]")
         r.close(bufs[i], want_b[i], RTOL[torch.float32], f"momentum_buffers[{i}]")
         r.close(model[i], want_p[i], RTOL[torch.float16], f"model_params[{i}]")
     before = [t.clone() for t in params + bufs + model]
-    ops.fused_sgd_(params, grads, bufs, model, lr, momentum, 0.0, weight_decay, nesterov=True,
-                   found_inf=scalar(1.0, dev))
+    ops.fused_sgd_(params, grads, bufs, model, lr=lr, momentum=momentum, dampening=0.0,
+                   weight_decay=weight_decay, nesterov=True, found_inf=scalar(1.0, dev))
     r.expect(all(torch.equal(a, b) for a, b in zip(before, params + bufs + model)),
              "a step with found_inf set changed a tensor")
     _check_sgd_options(dev, r)
@@ -164,8 +165,9 @@ def _check_sgd_options(dev, r):
     want_g = [(g.float() / loss_scale).bfloat16() for g in grads]
     want_b = [b.double() * momentum - g.double() / loss_scale for b, g in zip(bufs, grads)]
     want_p = [p.double() - lr * b for p, b in zip(params, want_b)]
-    ops.fused_sgd_(params, grads, bufs, [], 0.0, momentum, inv_scale=scalar(1 / loss_scale, dev),
-                   maximize=True, lr_tensor=scalar(lr, dev), unscale_grads=True)
+    ops.fused_sgd_(params, grads, bufs, [], lr=0.0, momentum=momentum,
+                   inv_scale=scalar(1 / loss_scale, dev), maximize=True, lr_tensor=scalar(lr, dev),
+                   unscale_grads=True)
     for i in range(len(n)):
         r.close(params[i], want_p[i], RTOL[torch.float32], f"maximize: params[{i}]")
         r.close(bufs[i], want_b[i], RTOL[torch.float32], f"maximize: momentum_buffers[{i}]")
@@ -178,7 +180,7 @@ def _sgd_stochastic(dev, n, fraction, found_inf=0.0):
     params = [torch.ones(k, device=dev, dtype=torch.bfloat16) for k in n]
     grads = [torch.full((k,), -1.0, device=dev, dtype=torch.bfloat16) for k in n]
     salts = ops.rounding_words([(i,) for i in range(len(n))], dev)
-    ops.fused_sgd_(params, grads, [], [], fraction * 2.0**-7, found_inf=scalar(found_inf, dev),
+    ops.fused_sgd_(params, grads, [], [], lr=fraction * 2.0**-7, found_inf=scalar(found_inf, dev),
                    sr_salts=salts, sr_seed=2024, step=scalar(3.0, dev))
     return params
 
@@ -216,9 +218,9 @@ def check_adam(dev, r):
             torch.zeros_like(p, dtype=torch.float64)] for p in params]
     for t in range(1, 4):
         grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
-        ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr, beta1, beta2,
-                        eps, weight_decay, adamw=True, inv_scale=scalar(1 / loss_scale, dev),
-                        found_inf=scalar(0.0, dev))
+        ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=True,
+                        inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
         for state, g in zip(ref, grads):  # torch.optim.AdamW in float64
             p, m, v = state
             g = g.double() / loss_scale
@@ -234,7 +236,7 @@ def check_adam(dev, r):
         r.close(exp_avg_sqs[i], v, RTOL[torch.float32], f"exp_avg_sqs[{i}]")
         r.close(model[i], p, RTOL[torch.bfloat16], f"model_params[{i}]")
     before = [t.clone() for t in params + exp_avgs + exp_avg_sqs + model + [step]]
-    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr,
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=lr,
                     found_inf=scalar(1.0, dev))
     after = params + exp_avgs + exp_avg_sqs + model + [step]
     r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
@@ -262,9 +264,10 @@ def _check_adam_options(dev, r):
         denom = vmax.sqrt() / math.sqrt(1 - beta2**t) + eps
         want.append((p.double() - lr / (1 - beta1**t) * m / denom, m, v, vmax))
     want_g = [(g.float() / loss_scale).half() for g in grads]
-    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], scalar(t - 1.0, dev), lr, beta1,
-                    beta2, eps, adamw=False, inv_scale=scalar(1 / loss_scale, dev),
-                    maximize=True, max_exp_avg_sqs=maxima, unscale_grads=True)
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step=scalar(t - 1.0, dev), lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, adamw=False,
+                    inv_scale=scalar(1 / loss_scale, dev), maximize=True, max_exp_avg_sqs=maxima,
+                    unscale_grads=True)
     for i, (p, m, v, vmax) in enumerate(want):
         r.close(params[i], p, RTOL[torch.float32], f"amsgrad: params[{i}]")
         r.close(exp_avgs[i], m, RTOL[torch.float32], f"amsgrad: exp_avgs[{i}]")
@@ -284,8 +287,8 @@ def _check_adam_lean(dev, r):
     exp_avgs = [torch.zeros(k, device=dev, dtype=torch.bfloat16) for k in n]
     exp_avg_sqs = [torch.zeros(k, device=dev, dtype=torch.bfloat16) for k in n]
     start = [p.double() + c.double() for p, c in zip(params, comps)]
-    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], scalar(0.0, dev), lr, beta1,
-                    beta2, eps, kahan_comps=comps)
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step=scalar(0.0, dev), lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, kahan_comps=comps)
     for i, (x, g) in enumerate(zip(start, grads)):
         g = g.double()
         m, v = (1 - beta1) * g, (1 - beta2) * g * g
@@ -299,10 +302,11 @@ def _check_adam_lean(dev, r):
     fp32 = [torch.randn(k, device=dev) + 1 for k in n]
     halves = [masters.split_remainder(x) for x in fp32]
     state = [[torch.zeros(k, device=dev) for k in n] for _ in range(2)]
-    ops.fused_adam_(fp32, grads, *state, [], scalar(0.0, dev), lr, beta1, beta2, eps)
+    ops.fused_adam_(fp32, grads, *state, [], step=scalar(0.0, dev), lr=lr, beta1=beta1,
+                    beta2=beta2, eps=eps)
     state = [[torch.zeros(k, device=dev) for k in n] for _ in range(2)]
-    ops.fused_adam_([h[0] for h in halves], grads, *state, [], scalar(0.0, dev), lr, beta1,
-                    beta2, eps, remainders=[h[1] for h in halves])
+    ops.fused_adam_([h[0] for h in halves], grads, *state, [], step=scalar(0.0, dev), lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, remainders=[h[1] for h in halves])
     for i, (x, (p, rem)) in enumerate(zip(fp32, halves)):
         want_p, want_rem = masters.split_remainder(x)
         r.expect(torch.equal(p.view(torch.int16), want_p.view(torch.int16)) and
@@ -322,10 +326,10 @@ def check_lamb(dev, r):
     for t in range(1, 4):
         grads = [(torch.randn(k, device=dev) * loss_scale).half() for k in n]
         norm = math.sqrt(sum(_item(g.double().square().sum()) for g in grads)) / loss_scale
-        ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr, beta1, beta2,
-                        eps, weight_decay, global_grad_norm=scalar(norm, dev),
-                        max_grad_norm=norm / 2, inv_scale=scalar(1 / loss_scale, dev),
-                        found_inf=scalar(0.0, dev))
+        ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay,
+                        global_grad_norm=scalar(norm, dev), max_grad_norm=norm / 2,
+                        inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
         for state, g in zip(ref, grads):  # LAMB in float64, gradients clipped by half
             p, m, v = state
             g = g.double() / loss_scale / 2
@@ -340,7 +344,7 @@ def check_lamb(dev, r):
         r.close(exp_avg_sqs[i], v, 1e-4, f"exp_avg_sqs[{i}]")
         r.close(model[i], p, RTOL[torch.float16], f"model_params[{i}]")
     before = [t.clone() for t in params + exp_avgs + exp_avg_sqs + model + [step]]
-    ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step, lr,
+    ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=lr,
                     found_inf=scalar(1.0, dev))
     after = params + exp_avgs + exp_avg_sqs + model + [step]
     r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),
@@ -364,14 +368,15 @@ def check_adagrad(dev, r):
             update = g / (h.sqrt() + eps) + (weight_decay * p if w_mode else 0.0)
             want_p.append(p - lr * update)
             want_h.append(h)
-        ops.fused_adagrad_(params, grads, sums, model, lr, eps, weight_decay, w_mode,
-                           inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+        ops.fused_adagrad_(params, grads, sums, model, lr=lr, eps=eps, weight_decay=weight_decay,
+                           adagrad_w_mode=w_mode, inv_scale=scalar(1 / loss_scale, dev),
+                           found_inf=scalar(0.0, dev))
         for i in range(len(n)):
             r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}] (w_mode={w_mode})")
             r.close(sums[i], want_h[i], RTOL[torch.float32], f"state_sums[{i}]")
             r.close(model[i], want_p[i], RTOL[torch.float16], f"model_params[{i}]")
     before = [t.clone() for t in params + sums + model]
-    ops.fused_adagrad_(params, grads, sums, model, lr, found_inf=scalar(1.0, dev))
+    ops.fused_adagrad_(params, grads, sums, model, lr=lr, found_inf=scalar(1.0, dev))
     r.expect(all(torch.equal(a, b) for a, b in zip(before, params + sums + model)),
              "a step with found_inf set changed a tensor")
 
@@ -388,9 +393,10 @@ def check_novograd(dev, r):
         ref = [[p.double(), torch.zeros_like(p, dtype=torch.float64), None] for p in params]
         for t in range(1, 4):
             grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
-            ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, lr, beta1,
-                                beta2, eps, weight_decay, norm_type=norm_type,
-                                inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
+            ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq=exp_avg_sq, step=step,
+                                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                norm_type=norm_type, inv_scale=scalar(1 / loss_scale, dev),
+                                found_inf=scalar(0.0, dev))
             for state, g in zip(ref, grads):  # Apex's NovoGrad in float64
                 p, m, v = state
                 g = g.double() / loss_scale
@@ -412,7 +418,7 @@ def check_novograd(dev, r):
             r.close(exp_avg_sq[i], v, RTOL[torch.float32], f"exp_avg_sq[{i}] {what}")
             r.close(model[i], p, RTOL[torch.bfloat16], f"model_params[{i}] {what}")
     before = [t.clone() for t in params + exp_avgs + model + [exp_avg_sq, step]]
-    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, lr,
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq=exp_avg_sq, step=step, lr=lr,
                         found_inf=scalar(1.0, dev))
     after = params + exp_avgs + model + [exp_avg_sq, step]
     r.expect(all(torch.equal(a, b) for a, b in zip(before, after)),

@@ -202,7 +202,7 @@ def multi_tensor_unscale_l2norm(
         device = noop_flag.device
         empty = torch.empty(0, dtype=torch.float32, device=device)
         return torch.zeros(1, dtype=torch.float32, device=device), empty
-    norm, norms = ops.multi_tensor_l2norm(tensors, inv_scale, bool(per_tensor))
+    norm, norms = ops.multi_tensor_l2norm(tensors, inv_scale, per_tensor=bool(per_tensor))
     _raise_flag(noop_flag, ~torch.isfinite(norm))
     return norm, norms
 
@@ -244,11 +244,11 @@ def multi_tensor_adam(
     device = params[0].device
     exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
-    ops.fused_adam_(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, _scalar(step - 1, device), lr,
-        beta1, beta2, epsilon, weight_decay, adamw=mode == 1,
-        bias_correction=bool(bias_correction), found_inf=_found_inf_of(noop_flag, device),
-    )
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params,
+                    step=_scalar(step - 1, device), lr=lr, beta1=beta1, beta2=beta2, eps=epsilon,
+                    weight_decay=weight_decay, adamw=mode == 1,
+                    bias_correction=bool(bias_correction),
+                    found_inf=_found_inf_of(noop_flag, device))
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
 
 
@@ -283,11 +283,10 @@ def _adam_capturable(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: 
         return
     exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
-    ops.fused_adam_(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step_before, 0.0, beta1, beta2,
-        epsilon, weight_decay, adamw=mode == 1, bias_correction=bool(bias_correction),
-        inv_scale=inv_scale, found_inf=_found_inf_of(noop_flag, device), lr_tensor=lr_tensor,
-    )
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, step=step_before, lr=0.0,
+                    beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
+                    adamw=mode == 1, bias_correction=bool(bias_correction), inv_scale=inv_scale,
+                    found_inf=_found_inf_of(noop_flag, device), lr_tensor=lr_tensor)
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
 
 
@@ -367,8 +366,8 @@ def multi_tensor_adagrad(
         return
     device = params[0].device
     sums, copies, originals = _fp32_state(sums)
-    ops.fused_adagrad_(params, grads, sums, [], lr, epsilon, weight_decay, mode == 1,
-                       found_inf=_found_inf_of(noop_flag, device))
+    ops.fused_adagrad_(params, grads, sums, [], lr=lr, eps=epsilon, weight_decay=weight_decay,
+                       adagrad_w_mode=mode == 1, found_inf=_found_inf_of(noop_flag, device))
     ops.multi_tensor_copy_(copies, originals)
 
 
@@ -408,12 +407,12 @@ def multi_tensor_novograd(
         return
     device = params[0].device
     exp_avgs, copies, originals = _fp32_state(exp_avgs)
-    ops.fused_novograd_(
-        params, grads, exp_avgs, [], grad_norms, _scalar(step - 1, device), lr, beta1, beta2,
-        epsilon, weight_decay, bool(bias_correction), bool(grad_averaging),
-        reg_inside_moment=mode == 0, norm_type=norm_type, init_zero=True,
-        found_inf=_found_inf_of(noop_flag, device),
-    )
+    ops.fused_novograd_(params, grads, exp_avgs, [], exp_avg_sq=grad_norms,
+                        step=_scalar(step - 1, device), lr=lr, beta1=beta1, beta2=beta2,
+                        eps=epsilon, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction), grad_averaging=bool(grad_averaging),
+                        reg_inside_moment=mode == 0, norm_type=norm_type, init_zero=True,
+                        found_inf=_found_inf_of(noop_flag, device))
     ops.multi_tensor_copy_(copies, originals)
 
 
@@ -450,12 +449,12 @@ def multi_tensor_sgd(
         momentum_buffers = []
     else:
         momentum_buffers, copies, originals = _fp32_state(momentum_buffers)
-    ops.fused_sgd_(
-        params, grads, momentum_buffers, model_params, lr, momentum, dampening, wd,
-        bool(nesterov), bool(first_run),
-        inv_scale=None if scale == 1.0 else _scalar(scale, device),
-        found_inf=_found_inf_of(noop_flag, device), wd_after_momentum=bool(wd_after_momentum),
-    )
+    ops.fused_sgd_(params, grads, momentum_buffers, model_params, lr=lr, momentum=momentum,
+                   dampening=dampening, weight_decay=wd, nesterov=bool(nesterov),
+                   first_run=bool(first_run),
+                   inv_scale=None if scale == 1.0 else _scalar(scale, device),
+                   found_inf=_found_inf_of(noop_flag, device),
+                   wd_after_momentum=bool(wd_after_momentum))
     ops.multi_tensor_copy_(copies, originals)
 
 
@@ -473,10 +472,9 @@ def update_scale_hysteresis(
     updated on the device (float32 scale and found_inf, int32 trackers); returns
     ``current_scale``. :func:`mixedprec.ops.update_loss_scale_` with no floor and no
     ceiling (a scale that would grow to inf stays where it is, as in Apex)."""
-    ops.update_loss_scale_(
-        current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-        backoff_factor, growth_interval, hysteresis,
-    )
+    ops.update_loss_scale_(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                           growth_factor=growth_factor, backoff_factor=backoff_factor,
+                           growth_interval=growth_interval, hysteresis=hysteresis)
     return current_scale
 
 
@@ -511,13 +509,12 @@ def _lamb(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: float, beta
         return
     exp_avgs, m_copies, m_originals = _fp32_state(exp_avgs)
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
-    ops.fused_lamb_(
-        params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, epsilon,
-        weight_decay, adamw=mode == 1, bias_correction=bool(bias_correction),
-        grad_averaging=bool(grad_averaging), use_nvlamb=bool(use_nvlamb),
-        global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm, inv_scale=inv_scale,
-        found_inf=found_inf,
-    )
+    ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, step=step, lr=lr,
+                    beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
+                    adamw=mode == 1, bias_correction=bool(bias_correction),
+                    grad_averaging=bool(grad_averaging), use_nvlamb=bool(use_nvlamb),
+                    global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+                    inv_scale=inv_scale, found_inf=found_inf)
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
 
 

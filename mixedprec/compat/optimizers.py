@@ -518,8 +518,9 @@ class FusedAdagrad(_FusedOptimizer):
 
     def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
         targets, sums, model = lists
-        ops.fused_adagrad_(targets, grads, sums, model, group["lr"], group["eps"],
-                           group["weight_decay"], self.adagrad_w_mode, inv_scale, found_inf)
+        ops.fused_adagrad_(targets, grads, sums, model, lr=group["lr"], eps=group["eps"],
+                           weight_decay=group["weight_decay"], adagrad_w_mode=self.adagrad_w_mode,
+                           inv_scale=inv_scale, found_inf=found_inf)
 
 
 class FusedNovoGrad(_FusedOptimizer):
@@ -612,11 +613,13 @@ class FusedNovoGrad(_FusedOptimizer):
         exp_avg_sq = group["exp_avg_sq"]
         moments = exp_avg_sq if index is None else exp_avg_sq.index_select(0, index)
         beta1, beta2 = group["betas"]
-        ops.fused_novograd_(targets, grads, exp_avgs, model, moments, group["step"], group["lr"],
-                            beta1, beta2, group["eps"], group["weight_decay"],
-                            group["bias_correction"], group["grad_averaging"],
-                            self.reg_inside_moment, group["norm_type"], group["init_zero"],
-                            inv_scale, found_inf)
+        ops.fused_novograd_(targets, grads, exp_avgs, model, exp_avg_sq=moments, step=group["step"],
+                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                            weight_decay=group["weight_decay"],
+                            bias_correction=group["bias_correction"],
+                            grad_averaging=group["grad_averaging"],
+                            reg_inside_moment=self.reg_inside_moment, norm_type=group["norm_type"],
+                            init_zero=group["init_zero"], inv_scale=inv_scale, found_inf=found_inf)
         if index is not None:
             exp_avg_sq.index_copy_(0, index, moments)
 
@@ -719,7 +722,7 @@ class FusedLAMB(_FusedOptimizer):
             raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
                              f"(the global gradient norm), got {device} and {others}")
         inv_scale, _ = self._scaling(device, (getattr(self, "grad_scale", None), None))
-        norm, _ = ops.multi_tensor_l2norm(grads, inv_scale, False)
+        norm, _ = ops.multi_tensor_l2norm(grads, inv_scale, per_tensor=False)
         return norm
 
     def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
@@ -742,11 +745,14 @@ class FusedLAMB(_FusedOptimizer):
 
     def _lamb(self, group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
         beta1, beta2 = group["betas"]
-        ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, group["step"],
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                        group["adam_w_mode"], group["bias_correction"], group["grad_averaging"],
-                        group["use_nvlamb"], self._grad_norm, self.defaults["max_grad_norm"],
-                        inv_scale, found_inf)
+        ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, step=group["step"],
+                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], adamw=group["adam_w_mode"],
+                        bias_correction=group["bias_correction"],
+                        grad_averaging=group["grad_averaging"], use_nvlamb=group["use_nvlamb"],
+                        global_grad_norm=self._grad_norm,
+                        max_grad_norm=self.defaults["max_grad_norm"], inv_scale=inv_scale,
+                        found_inf=found_inf)
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         self._load_group_step(new_group, group)

@@ -381,7 +381,7 @@ def _per_tensor_norms(tensors: List[Tensor]) -> Tensor:
     """fp32 L2 norm of each tensor (all on one device), as a vector on that device."""
     if all(ops.is_dense(t) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
            for t in tensors):
-        return ops.multi_tensor_l2norm(tensors, None, True)[1]
+        return ops.multi_tensor_l2norm(tensors, None, per_tensor=True)[1]
     return torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
 
 

@@ -115,12 +115,12 @@ class SGD(TorchOptimizer):
         """One fused_sgd_ call; ``lr_and_skip``: ``_lr``'s (lr, lr_tensor, found_inf)."""
         _, targets, buffers, model, comps, salts, scales = lists
         lr, lr_tensor, found_inf = lr_and_skip
-        ops.fused_sgd_(targets, grads, buffers, model, lr, group["momentum"],
-                       group["dampening"], group["weight_decay"], group["nesterov"], first_run,
-                       inv_scale, found_inf, self.wd_after_momentum,
+        ops.fused_sgd_(targets, grads, buffers, model, lr=lr, momentum=group["momentum"],
+                       dampening=group["dampening"], weight_decay=group["weight_decay"],
+                       nesterov=group["nesterov"], first_run=first_run, inv_scale=inv_scale,
+                       found_inf=found_inf, wd_after_momentum=self.wd_after_momentum,
                        kahan_comps=comps if self.master == "kahan" else None,
-                       remainders=comps if self.master == "remainder" else None,
-                       sr_salts=salts,
+                       remainders=comps if self.master == "remainder" else None, sr_salts=salts,
                        sr_seed=group.get("sr_seed") if self._rounds_params(targets) else None,
                        step=step if salts else None, maximize=bool(group.get("maximize")),
                        lr_tensor=lr_tensor,

@@ -79,7 +79,7 @@ def test_l2norm_at_chunk_edges(device):
     eager_per = torch.stack([torch.linalg.vector_norm(s) for s in scaled])
     eager_norm = torch.linalg.vector_norm(torch.cat(scaled)).reshape(1)
 
-    norm, per = ops.multi_tensor_l2norm(tensors, scalar(INV_SCALE, device), True)
+    norm, per = ops.multi_tensor_l2norm(tensors, scalar(INV_SCALE, device), per_tensor=True)
 
     assert_within_eager_error(norm, ref_norm.to(device), eager_norm)
     assert_within_eager_error(per, ref_per.to(device), eager_per)
@@ -112,7 +112,7 @@ def test_fused_adam_at_chunk_edges(device, model_dtype):
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=True)
     ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 3.0, inv_scale=INV_SCALE, **hyper)
 
-    ops.fused_adam_(masters, grads, m, v, model, step, inv_scale=scalar(INV_SCALE, device),
+    ops.fused_adam_(masters, grads, m, v, model, step=step, inv_scale=scalar(INV_SCALE, device),
                     **hyper)
 
     assert step.item() == 4.0
@@ -149,7 +149,7 @@ def test_optimizer_options_at_chunk_edges(device, optimizer):
                                                    inv_scale=INV_SCALE, max_exp_avg_sqs=vmax,
                                                    **hyper)
         expected = [ref_p, ref_m, ref_v, ref_max]
-        ops.fused_adam_(masters, grads, m, v, [], scalar(3.0, device), inv_scale=inv_scale,
+        ops.fused_adam_(masters, grads, m, v, [], step=scalar(3.0, device), inv_scale=inv_scale,
                         max_exp_avg_sqs=vmax, unscale_grads=True, **hyper)
         got = [masters, m, v, vmax]
 
@@ -210,7 +210,7 @@ def test_l2norm_per_tensor_more_tensors_than_one_launch(device):
     tensors = many_tensors(device)
     ref_norm, ref_per = ref_l2norm(tensors, per_tensor=True)
 
-    norm, per = ops.multi_tensor_l2norm(tensors, None, True)
+    norm, per = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
 
     # Each tensor has its own magnitude, so a norm in the wrong slot shows.
     torch.testing.assert_close(per.double(), ref_per.to(device), atol=0, rtol=1e-5)
@@ -233,7 +233,7 @@ def test_fused_adam_more_tensors_than_one_launch(device, with_model):
     hyper = dict(lr=1e-2, weight_decay=1e-2, adamw=False)
     ref_p, ref_m, ref_v, _ = ref_adam(params, grads, m, v, 0.0, **hyper)
 
-    ops.fused_adam_(params, grads, m, v, model, step, **hyper)
+    ops.fused_adam_(params, grads, m, v, model, step=step, **hyper)
 
     assert step.item() == 1.0
     for i, (p, rp) in enumerate(zip(params, ref_p)):
@@ -274,7 +274,7 @@ def test_unscale_and_l2norm_more_chunks_than_one_launch(device):
     assert found_inf.item() == 1.0
     assert bool((t[:-1] == 1.5).all())
     t[-1] = 1.5
-    norm, _ = ops.multi_tensor_l2norm([t], None, False)
+    norm, _ = ops.multi_tensor_l2norm([t], None, per_tensor=False)
     # Every chunk of 1.5s contributes exactly; 1.5 * sqrt(n) rounded once to fp32.
     assert norm.item() == pytest.approx(1.5 * n**0.5, rel=1e-6)
 
@@ -366,7 +366,7 @@ def test_unscale_to_copy_and_l2norm_unaligned(device, size, src_offset, dst_offs
 
     ops.multi_tensor_unscale_to_(src, dst, found_inf, scalar(INV_SCALE, device))
     ops.multi_tensor_copy_(src, copies)
-    norm, per = ops.multi_tensor_l2norm(src, None, True)
+    norm, per = ops.multi_tensor_l2norm(src, None, per_tensor=True)
 
     for s, d, c in zip(src, dst, copies):
         assert_bitwise_equal(d, (s.float() * INV_SCALE).to(d.dtype))
@@ -399,7 +399,7 @@ def test_optimizers_unaligned(device, size):
     m, v = [offset_copy(m[0], 2)], [offset_copy(v[0], 3)]
     step = scalar(0.0, device)
     ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 0.0, lr=1e-2)
-    ops.fused_adam_(masters, grads, m, v, model, step, lr=1e-2)
+    ops.fused_adam_(masters, grads, m, v, model, step=step, lr=1e-2)
     torch.testing.assert_close(masters[0].double(), ref_p[0], **MASTER_TOL)
     torch.testing.assert_close(m[0].double(), ref_m[0], **MASTER_TOL)
     torch.testing.assert_close(v[0].double(), ref_v[0], **MASTER_TOL)
@@ -428,8 +428,8 @@ def test_empty_lists_are_no_ops(device, initial):
     # The wrapper returns early on no params; the op itself must cope too.
     torch.ops.mixedprec.fused_sgd_.default([], [], [], [], 0.1, 0.0, 0.0, 0.0, False, False,
                                            inv_scale, found_inf)
-    ops.fused_adam_([], [], [], [], [], step, lr=0.1, inv_scale=inv_scale, found_inf=found_inf)
-    norm, per = ops.multi_tensor_l2norm([], inv_scale, True)
+    ops.fused_adam_([], [], [], [], [], step=step, lr=0.1, inv_scale=inv_scale, found_inf=found_inf)
+    norm, per = ops.multi_tensor_l2norm([], inv_scale, per_tensor=True)
 
     assert_unchanged([found_inf, inv_scale, step], before)
     assert norm.tolist() == [0.0] and norm.device.type == device
@@ -450,7 +450,7 @@ def test_zero_size_tensors_are_skipped(device):
     ops.multi_tensor_copy_(dst, tensors)
     assert_bitwise_equal(tensors[1], (expected * INV_SCALE).half().float())
 
-    norm, per = ops.multi_tensor_l2norm(tensors, None, True)
+    norm, per = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
     assert per[0].item() == 0.0 and per[2].item() == 0.0
     torch.testing.assert_close(norm, torch.linalg.vector_norm(tensors[1]).reshape(1))
     torch.testing.assert_close(per[1], torch.linalg.vector_norm(tensors[1]))
@@ -468,7 +468,7 @@ def test_zero_size_tensors_are_skipped(device):
     v = [torch.zeros_like(p) for p in params]
     step = scalar(0.0, device)
     ref_p, _, _, _ = ref_adam(params, grads, m, v, 0.0, lr=0.1)
-    ops.fused_adam_(params, grads, m, v, model, step, lr=0.1)
+    ops.fused_adam_(params, grads, m, v, model, step=step, lr=0.1)
     torch.testing.assert_close(params[1].double(), ref_p[1], **MASTER_TOL)
     assert step.item() == 1.0
     assert_bitwise_equal(model[1], params[1].to(torch.bfloat16))
@@ -522,15 +522,15 @@ def test_ops_on_a_tensor_of_more_than_2_31_elements(big_device):
     assert t[-TAIL:].tolist() == [k / 2 for k in tail]
 
     # The L2 norm counts every element once.
-    norm, per = ops.multi_tensor_l2norm([t], None, True)
+    norm, per = ops.multi_tensor_l2norm([t], None, per_tensor=True)
     expected = ((BIG - TAIL) + sum((k / 2) ** 2 for k in tail)) ** 0.5
     assert norm.item() == pytest.approx(expected, rel=1e-6)
     assert per.item() == pytest.approx(expected, rel=1e-6)
 
     # SGD on an fp16 parameter without masters: p -= lr * g / scale.
     grad = big_tensor(device, 4.0, [8.0] * TAIL)
-    ops.fused_sgd_([t], [grad], [], [], 0.125, 0.0, 0.0, 0.0, False, False,
-                   scalar(0.5, device), None)
+    ops.fused_sgd_([t], [grad], [], [], lr=0.125, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                   nesterov=False, first_run=False, inv_scale=scalar(0.5, device), found_inf=None)
     del grad
     assert bool((t[:-TAIL] == 0.75).all())
     assert t[-TAIL:].tolist() == [k / 2 - 0.5 for k in tail]
@@ -558,23 +558,25 @@ out = {}
 for dtype, (masters, grads, m, v, bufs, sgd) in inputs.items():
     model = [x.to(grads[0].dtype) for x in masters]
     step, inv = torch.tensor([3.0]), torch.tensor([0.25])
-    ops.fused_adam_(masters, grads, m, v, model, step, 1e-2, 0.9, 0.99, 1e-8, 0.1, True, True,
-                    inv, None)
-    ops.fused_sgd_(sgd, grads, bufs, [], 0.1, 0.9, 0.1, 1e-2, False, False, inv, None)
+    ops.fused_adam_(masters, grads, m, v, model, step=step, lr=1e-2, beta1=0.9, beta2=0.99,
+                    eps=1e-8, weight_decay=0.1, adamw=True, bias_correction=True,
+                    inv_scale=inv)
+    ops.fused_sgd_(sgd, grads, bufs, [], lr=0.1, momentum=0.9, dampening=0.1,
+                   weight_decay=1e-2, inv_scale=inv)
     scaled = [x.clone() for x in grads]
     found = torch.zeros(1)
     ops.multi_tensor_unscale_(scaled, found, inv)
     copies = [torch.empty(x.numel(), dtype=torch.bfloat16) for x in masters]
     ops.multi_tensor_copy_(masters, copies)
-    norm, per = ops.multi_tensor_l2norm(grads, inv, True)
+    norm, per = ops.multi_tensor_l2norm(grads, inv, per_tensor=True)
     # torch.optim's options: maxima above and below exp_avg_sq (one NaN), maximize, the
     # unscaled gradients written back.
     vmax = [x.flip(0) for x in v]
     vmax[2][5] = float("nan")
     unscaled = [x.clone() for x in grads]
-    ops.fused_adam_(masters, unscaled, m, v, [], step, 1e-2, maximize=True,
+    ops.fused_adam_(masters, unscaled, m, v, [], step=step, lr=1e-2, maximize=True,
                     max_exp_avg_sqs=vmax, inv_scale=inv, unscale_grads=True)
-    ops.fused_sgd_(sgd, unscaled, bufs, [], 0.1, 0.9, inv_scale=inv, maximize=True,
+    ops.fused_sgd_(sgd, unscaled, bufs, [], lr=0.1, momentum=0.9, inv_scale=inv, maximize=True,
                    unscale_grads=True)
     out[dtype] = [masters, m, v, model, sgd, bufs, scaled, copies, [norm, per, found], vmax,
                   unscaled]

@@ -814,11 +814,11 @@ def test_read_only_grads_may_share_memory(device, op_name):
     def run(grads):
         params = [randn(6, F32, device, 0), randn(6, F32, device, 1)]
         if op_name == "fused_sgd_":
-            ops.fused_sgd_(params, grads, [], [], 0.1, inv_scale=scalar(0.5, device))
+            ops.fused_sgd_(params, grads, [], [], lr=0.1, inv_scale=scalar(0.5, device))
         else:
             state = [torch.zeros_like(p) for p in params + params]
-            ops.fused_adam_(params, grads, state[:2], state[2:], [], scalar(0.0, device), 1e-3,
-                            inv_scale=scalar(0.5, device))
+            ops.fused_adam_(params, grads, state[:2], state[2:], [], step=scalar(0.0, device),
+                            lr=1e-3, inv_scale=scalar(0.5, device))
         return params
 
     for got, want in zip(run([grad, grad]), run([grad.clone(), grad.clone()])):
@@ -831,5 +831,5 @@ def test_read_only_arguments_may_share_memory(device):
     found_inf = scalar(0.0, device)
     ops.multi_tensor_check_finite_([x, x, x[2:]], found_inf)
     assert found_inf.item() == 0.0
-    norm, _ = ops.multi_tensor_l2norm([x, x], x[:1].abs() + 1, False)
+    norm, _ = ops.multi_tensor_l2norm([x, x], x[:1].abs() + 1, per_tensor=False)
     assert norm.isfinite().all()

@@ -166,7 +166,7 @@ def test_l2norm_matches_reference(device, dtype, inv_scale_value, per_tensor):
     ref_norm, ref_per = ref_l2norm(tensors, inv, per_tensor=True)
     eager_norm, eager_per = eager_l2norm(tensors, inv)
 
-    norm, per = ops.multi_tensor_l2norm(tensors, inv_scale, per_tensor)
+    norm, per = ops.multi_tensor_l2norm(tensors, inv_scale, per_tensor=per_tensor)
 
     assert norm.dtype == torch.float32 and norm.shape == (1,) and norm.device.type == device
     assert per.dtype == torch.float32 and per.device.type == device
@@ -185,7 +185,7 @@ def test_l2norm_mixed_dtypes(device):
     ref_norm, ref_per = ref_l2norm(tensors, per_tensor=True)
     eager_norm, eager_per = eager_l2norm(tensors, None)
 
-    norm, per = ops.multi_tensor_l2norm(tensors, None, True)
+    norm, per = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
 
     assert_within_eager_error(norm, ref_norm.to(device), eager_norm)
     assert_within_eager_error(per, ref_per.to(device), eager_per)
@@ -195,14 +195,14 @@ def test_l2norm_is_deterministic(device):
     # Many chunks, so that a reduction in completion order would show.
     tensors = [randn(3 * ops.CHUNK_SIZE + 11, torch.float32, device, seed=1),
                randn(ops.CHUNK_SIZE - 5, torch.float16, device, seed=2)]
-    first = ops.multi_tensor_l2norm(tensors, None, True)
+    first = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the CPU kernel must not depend on the thread count
-        single = ops.multi_tensor_l2norm(tensors, None, True)
+        single = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
     finally:
         torch.set_num_threads(threads)
-    again = ops.multi_tensor_l2norm(tensors, None, True)
+    again = ops.multi_tensor_l2norm(tensors, None, per_tensor=True)
     for a, b, c in zip(first, single, again):
         assert_bitwise_equal(a, b)
         assert_bitwise_equal(a, c)

@@ -59,7 +59,7 @@ def test_fused_adam_options_match_reference(device, amsgrad, maximize, adamw, wi
     expected = ref_adam(params, grads, m, v, 4.0, inv_scale=1 / LOSS_SCALE, maximize=maximize,
                         max_exp_avg_sqs=vmax, **hyper)
 
-    ops.fused_adam_(params, grads, m, v, model, step, inv_scale=inv_scale, maximize=maximize,
+    ops.fused_adam_(params, grads, m, v, model, step=step, inv_scale=inv_scale, maximize=maximize,
                     max_exp_avg_sqs=vmax, **hyper)
 
     assert step.item() == 5.0
@@ -102,13 +102,14 @@ def test_maximize_is_the_step_on_the_negated_gradient(device, optimizer):
         params = make_params(F32, device)
         if optimizer == "sgd":
             bufs = [torch.zeros_like(p) for p in params]
-            ops.fused_sgd_(params, grads, bufs, [], 0.1, momentum=0.9, weight_decay=1e-2,
+            ops.fused_sgd_(params, grads, bufs, [], lr=0.1, momentum=0.9, weight_decay=1e-2,
                            inv_scale=scalar(0.25, device), maximize=maximize)
             return params + bufs
         m, v = adam_state(params, device, seed=20)
         vmax = max_state(v, seed=30)
-        ops.fused_adam_(params, grads, m, v, [], scalar(2.0, device), 1e-2, weight_decay=1e-2,
-                        inv_scale=scalar(0.25, device), maximize=maximize, max_exp_avg_sqs=vmax)
+        ops.fused_adam_(params, grads, m, v, [], step=scalar(2.0, device), lr=1e-2,
+                        weight_decay=1e-2, inv_scale=scalar(0.25, device), maximize=maximize,
+                        max_exp_avg_sqs=vmax)
         return params + m + v + vmax
 
     grads = mixed_grads(make_params(F32, device), device, seed=10)
@@ -146,8 +147,8 @@ def test_fused_adam_options_track_torch_adam(device, amsgrad, maximize, adamw):
         for tp, g in zip(torch_params, grads):
             tp.grad = g.clone()
         opt.step()
-        ops.fused_adam_(params, grads, m, v, [], step, 1e-2, 0.9, 0.99, weight_decay=1e-2,
-                        adamw=adamw, maximize=maximize, max_exp_avg_sqs=vmax)
+        ops.fused_adam_(params, grads, m, v, [], step=step, lr=1e-2, beta1=0.9, beta2=0.99,
+                        weight_decay=1e-2, adamw=adamw, maximize=maximize, max_exp_avg_sqs=vmax)
 
     assert step.item() == STEPS
     for i, tp in enumerate(torch_params):
@@ -322,8 +323,9 @@ def test_amsgrad_bf16_state_stores_the_rounded_fp32_state(device):
     lean_params = [p.clone() for p in params]
     hyper = dict(lr=1e-2, weight_decay=1e-2, maximize=True)
 
-    ops.fused_adam_(params, grads, m, v, [], scalar(3.0, device), max_exp_avg_sqs=vmax, **hyper)
-    ops.fused_adam_(lean_params, grads, lean[0], lean[1], [], scalar(3.0, device),
+    ops.fused_adam_(params, grads, m, v, [], step=scalar(3.0, device), max_exp_avg_sqs=vmax,
+                    **hyper)
+    ops.fused_adam_(lean_params, grads, lean[0], lean[1], [], step=scalar(3.0, device),
                     max_exp_avg_sqs=lean[2], **hyper)
 
     for lp, p in zip(lean_params, params):

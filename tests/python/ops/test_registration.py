@@ -250,8 +250,8 @@ def test_opcheck(device, op_name):
 
 def training_step(grads, found_inf, inv_scale, params, exp_avgs, exp_avg_sqs, step, x):
     ops.multi_tensor_unscale_(grads, found_inf, inv_scale)
-    norm, per_tensor = ops.multi_tensor_l2norm(grads, None, True)
-    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step, 1e-2, weight_decay=1e-2,
+    norm, per_tensor = ops.multi_tensor_l2norm(grads, None, per_tensor=True)
+    ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step=step, lr=1e-2, weight_decay=1e-2,
                     found_inf=found_inf)
     return norm, per_tensor, ops.sum_fp32(x, [1]) * 2
 

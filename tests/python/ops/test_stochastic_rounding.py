@@ -53,7 +53,7 @@ def sgd_plain_step(device, seed, salts, step, lr=0.05):
     grads = [randn(s, torch.float32, device, seed=50 + i) for i, s in enumerate(SHAPES)]
     before = [p.clone() for p in params]
     salt_tensors = ops.rounding_words([(s,) for s in salts], device)
-    ops.fused_sgd_(params, grads, [], [], lr, sr_salts=salt_tensors, sr_seed=seed,
+    ops.fused_sgd_(params, grads, [], [], lr=lr, sr_salts=salt_tensors, sr_seed=seed,
                    step=torch.full((1,), float(step), device=device))
     return before, params, grads
 
@@ -93,7 +93,7 @@ def test_non_finite_values_keep_their_class():
     nan_low = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
     params = [torch.zeros(3, dtype=torch.bfloat16)]
     grads = [torch.cat([nan_low, torch.tensor([float("inf"), 1e-30])])]
-    ops.fused_sgd_(params, grads, [], [], 1.0, sr_salts=ops.rounding_words([(0,)]), sr_seed=3,
+    ops.fused_sgd_(params, grads, [], [], lr=1.0, sr_salts=ops.rounding_words([(0,)]), sr_seed=3,
                    step=torch.ones(1))
     assert params[0][0].isnan() and params[0][1] == -float("inf")
     assert params[0][2].abs() < 1e-29  # finite stays finite
@@ -262,7 +262,7 @@ grads = [(torch.arange(n) * 0.11).cos() for n in sizes]
 rows = [[(i,), (i, 8 * i + 3, 0, 0), (i, 5, 13 + 40 * (i % 2), 100)][i % 3]
         for i in range(len(sizes))]
 salts = ops.rounding_words(rows)
-ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**40 + 3,
+ops.fused_sgd_(params, grads, [], [], lr=0.01, sr_salts=salts, sr_seed=2**40 + 3,
                step=torch.full((1,), 9.0))
 torch.save(params, sys.argv[1])
 """
@@ -285,14 +285,15 @@ rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 4
 salts = ops.rounding_words(rows)
 """
 ISA_SCRIPT_32 = SHARDS_32 + """
-ops.fused_sgd_(params, grads, [], [], 0.01, sr_salts=salts, sr_seed=2**33 + 11,
+ops.fused_sgd_(params, grads, [], [], lr=0.01, sr_salts=salts, sr_seed=2**33 + 11,
                step=torch.full((1,), 3.0))
 torch.save(params, sys.argv[1])
 """
 ISA_SCRIPT_ADAM = SHARDS_32 + """
 m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
-ops.fused_adam_(params, grads, m, v, [], torch.full((1,), 2.0), 0.01, 0.9, 0.999, 1e-8, 0.0,
-                True, True, None, None, sr_salts=salts, sr_seed=2**33 + 11)
+ops.fused_adam_(params, grads, m, v, [], step=torch.full((1,), 2.0), lr=0.01, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True,
+                sr_salts=salts, sr_seed=2**33 + 11)
 torch.save(params + m + v, sys.argv[1])
 """
 
@@ -335,7 +336,7 @@ def test_a_large_tensor_counts_elements_past_the_first_chunk():
     n = 65536 + 100
     p = torch.full((n,), 1.0, dtype=torch.bfloat16)
     g = torch.full((n,), -0.37 * 2.0 ** -7)
-    ops.fused_sgd_([p], [g], [], [], 1.0, sr_salts=ops.rounding_words([(2,)]), sr_seed=77,
+    ops.fused_sgd_([p], [g], [], [], lr=1.0, sr_salts=ops.rounding_words([(2,)]), sr_seed=77,
                    step=torch.full((1,), 4.0))
     exact = torch.full((n,), 1.0) - g
     bits = torch.tensor([(philox4x32_10((i // 8, 0, 2, 4), (77, 0))[i % 8 // 2]
@@ -392,7 +393,7 @@ def sgd_rounded(params, device, rows, lr=0.01, seed=2**40 + 5, step=3.0):
     """One plain fused_sgd_ step of bf16 ``params`` (grads from their values, so that a
     piece sees the grads of its elements) with rounding words ``rows``, in place."""
     grads = [(p.float() * 1.7).cos() for p in params]
-    ops.fused_sgd_(params, grads, [], [], lr, sr_salts=ops.rounding_words(rows, device),
+    ops.fused_sgd_(params, grads, [], [], lr=lr, sr_salts=ops.rounding_words(rows, device),
                    sr_seed=seed, step=torch.full((1,), step, device=device))
     return params
 
