@@ -1,13 +1,16 @@
 """mixedprec: mixed-precision training for PyTorch.
 
-Fused C++/CUDA operators (``torch.ops.mixedprec``, typed wrappers in
-:mod:`mixedprec.ops`) for master weights, sync-free loss scaling and fp32-accumulated
-reductions; fused optimizers with fp32 master weights (:class:`FusedSGD`,
-:class:`FusedAdam`, :class:`FusedLAMB`, :class:`FusedAdagrad`, :class:`FusedNovoGrad`)
-and a :class:`GradScaler` without host synchronisation.
+The optimizers are :mod:`mixedprec.optim`'s (``Adam``, ``AdamW``, ``SGD``, ``Adagrad``
+under torch.optim's names and signatures, and ``LAMB`` and ``NovoGrad``), with fp32
+master weights for fp16/bf16 models or the lean modes as keyword-only extras, beside a
+:class:`GradScaler` (torch.amp.GradScaler's API) without host synchronisation. Under
+them, fused C++/CUDA operators (``torch.ops.mixedprec``, typed wrappers in
+:mod:`mixedprec.ops`).
 
-Apex's API lives in :mod:`mixedprec.amp`, :mod:`mixedprec.fp16_utils`,
-:mod:`mixedprec.parallel`, :mod:`mixedprec.amp_C`, :mod:`mixedprec.multi_tensor_apply`,
+Apex's API is a face over them: :class:`FusedSGD`, :class:`FusedAdam`,
+:class:`FusedLAMB`, :class:`FusedAdagrad`, :class:`FusedNovoGrad` here, and the rest in
+:mod:`mixedprec.amp`, :mod:`mixedprec.fp16_utils`, :mod:`mixedprec.parallel`,
+:mod:`mixedprec.amp_C`, :mod:`mixedprec.multi_tensor_apply`,
 :mod:`mixedprec.normalization` and :mod:`mixedprec.apex_C` (loaded on first use).
 ``import mixedprec.apex`` makes ``import apex`` resolve to them; ``python -m
 mixedprec.apex script.py`` runs a legacy script that way. :mod:`mixedprec.distributed`

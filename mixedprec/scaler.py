@@ -85,8 +85,8 @@ class GradScaler(torch.amp.GradScaler):
       five keys raises :class:`MissingStateKeys` (a ``KeyError``, as torch raises)
       naming them, and loads nothing;
     * no host synchronisation in :meth:`step` and :meth:`update` with optimizers that
-      declare ``_step_supports_amp_scaling`` (mixedprec's :class:`FusedSGD` and
-      :class:`FusedAdam`, torch's fused optimizers): the overflow check is one
+      declare ``_step_supports_amp_scaling`` (every :mod:`mixedprec.optim` optimizer
+      and the Apex faces over them, torch's fused optimizers): the overflow check is one
       read-only pass over the gradients on the device, and the optimizer skips the
       update on the device. With any other optimizer, :meth:`step` behaves exactly like
       torch's (it reads the overflow flag on the host to decide whether to step);
@@ -107,11 +107,12 @@ class GradScaler(torch.amp.GradScaler):
       docs/integrations.md); the parameters and state end as without it.
 
     What ``p.grad`` holds after :meth:`step`: the optimizer decides, as with torch's
-    scaler. torch's fused optimizers unscale the gradients in place; mixedprec's fused
-    optimizers read them scaled and write nothing back (it saves a write of every
-    gradient), so ``p.grad`` still holds the scaled gradient after the step. Both
-    scalers behave alike here. Call :meth:`unscale_` before :meth:`step` to have
-    unscaled gradients (for clipping or logging); the step then uses those.
+    scaler. torch's fused optimizers and :mod:`mixedprec.optim`'s (``unscale_grads=True``,
+    their default) leave the unscaled gradient there; with ``unscale_grads=False`` and in
+    the Apex faces (``FusedAdam``, ``FusedSGD``, ...) the step reads the gradients scaled
+    and writes nothing back (it saves a write of every gradient), so ``p.grad`` still
+    holds the scaled gradient. Call :meth:`unscale_` before :meth:`step` to have
+    unscaled gradients before it (for clipping or logging); the step then uses those.
     """
 
     _scale = _core_attr("scale", "The scale tensor (None until the first scale()).")

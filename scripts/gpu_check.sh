@@ -134,7 +134,7 @@ workers_of() {
 OP_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py
   tests/python/scaler/test_loss_scale.py)
 OPTIM_TESTS=(tests/python/optim/test_lean.py tests/python/optim/test_state8.py
-  tests/python/optim/test_remainder.py tests/python/optim/test_lamb.py
+  tests/python/optim/test_remainder.py tests/python/compat/test_lamb.py
   tests/python/ops/test_stochastic_rounding.py)
 # The engine's tests and the 8-bit state's (their blocks' scales come from warp
 # shuffles): what synccheck (barriers, warp syncs) checks; the 2^31-element test is

@@ -60,7 +60,7 @@ SUITES = {
 # Files a suite's module imports from the test folder (test_optim.py imports optim/*).
 SUITE_PATHS = {"gradscaler": ["test/test_torch.py"],
                "optim": ["test/test_optim.py", "test/optim"]}
-OPTIM_NAMES = ("Adam", "AdamW", "SGD")
+OPTIM_NAMES = ("Adam", "AdamW", "SGD", "Adagrad")
 
 # The selection, on the name pytest gives a test function (after the last '::').
 _SCALER_NAME = re.compile(r"grad_?scal|gradscaler", re.IGNORECASE)

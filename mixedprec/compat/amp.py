@@ -48,8 +48,7 @@ from torch import Tensor, nn
 from .. import grads
 from .. import masters as _masters
 from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
-from ..optim.lean import _BF16_MODES
-from ..optim.optimizer import _MASTER_MODES, _STATE_DTYPES, _FusedOptimizer, lean_refused
+from ..optim import BF16_MODES, MASTER_MODES, STATE_DTYPES, Optimizer
 from ..overflow import OverflowReport, format_report
 from .fp16_utils import convert_network, half_dtype
 
@@ -108,20 +107,20 @@ class Properties:
         momentum), beside Apex's options. ``master`` applies to the cast weights of O2
         and O3 and decides ``master_weights`` ("fp32": True; the others False);
         "kahan", "stochastic" and "remainder" need them in bfloat16."""
-        if state_dtype is not None and state_dtype not in _STATE_DTYPES:
+        if state_dtype is not None and state_dtype not in STATE_DTYPES:
             raise ValueError("amp.initialize: state_dtype must be torch.float32, "
                              f"torch.bfloat16 or torch.float8_e4m3fn, got {state_dtype!r}")
         self.options["state_dtype"] = state_dtype
         if master is None:
             return
-        if not isinstance(master, str) or master not in _MASTER_MODES:
-            raise ValueError(f"amp.initialize: master must be one of {list(_MASTER_MODES)}, "
+        if not isinstance(master, str) or master not in MASTER_MODES:
+            raise ValueError(f"amp.initialize: master must be one of {list(MASTER_MODES)}, "
                              f"got {master!r}")
         if self.opt_level in ("O0", "O1"):
             raise ValueError(f"amp.initialize: master={master!r} is for the 16-bit weights of "
                              f"opt_level O2 or O3; with {self.opt_level} the weights stay "
                              "fp32 (their own masters)")
-        if master in _BF16_MODES and self.options["cast_model_type"] is not torch.bfloat16:
+        if master in BF16_MODES and self.options["cast_model_type"] is not torch.bfloat16:
             raise ValueError(f"amp.initialize: master={master!r} keeps bfloat16 weights; "
                              "expected cast_model_type=torch.bfloat16, got "
                              f"{self.options['cast_model_type']}")
@@ -380,7 +379,7 @@ class _OptimizerAmp:
                  masters: Dict[Tensor, Tensor]):
         self.optimizer = weakref.ref(optimizer)
         self.state = state
-        self.fused = isinstance(optimizer, _FusedOptimizer)
+        self.fused = isinstance(optimizer, Optimizer)
         self.masters = masters  # model param -> fp32 master (non-fused O2 only)
         self.model_of = {m: p for p, m in masters.items()}
         self.found_inf = self.carried = self.delayed = self.stash_scale = None
@@ -633,6 +632,22 @@ def _as_list(value: Any) -> List[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _configure(optimizer: Optimizer, props: "Properties", check_only: bool = False) -> None:
+    """The optimizer's master and state_dtype as the properties say (master_weights=True:
+    fp32 masters), through its public ``configure``, with amp.initialize's name on the
+    errors."""
+    master = "fp32" if props.master_weights and props.master is None else props.master
+    try:
+        optimizer.configure(master=master, state_dtype=props.state_dtype,
+                            check_only=check_only)
+    except (TypeError, ValueError) as error:
+        where = f"{type(optimizer).__name__}.configure"
+        message = str(error)
+        if message.startswith(where):
+            raise type(error)("amp.initialize" + message[len(where):]) from None
+        raise
+
+
 def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
@@ -708,10 +723,12 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         loss_scale=loss_scale, cast_model_outputs=cast_model_outputs, master=master,
         state_dtype=state_dtype), half=half_dtype())
     for o in optimizer_list:
-        if isinstance(o, _FusedOptimizer):
-            o._check_precision("amp.initialize", props.master, props.state_dtype)
-        elif props.master in _BF16_MODES or props.state_dtype is not None:
-            raise lean_refused("amp.initialize", props.master, props.state_dtype, o)
+        if isinstance(o, Optimizer):
+            _configure(o, props, check_only=True)
+        elif props.master in BF16_MODES or props.state_dtype is not None:
+            raise TypeError(f"amp.initialize: master={props.master!r} and state_dtype="
+                            f"{props.state_dtype} take mixedprec.optim.Adam, AdamW or SGD (or "
+                            f"mixedprec.FusedAdam or FusedSGD), got {type(o).__name__}")
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be an int >= 1, got {num_losses!r}")
     if min_loss_scale is not None:
@@ -748,14 +765,14 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         _patch_forward(m, props)
     for o in optimizer_list:
         masters: Dict[Tensor, Tensor] = {}
-        if isinstance(o, _FusedOptimizer):
-            o._set_precision("amp.initialize", props.master, props.state_dtype)
+        if isinstance(o, Optimizer):
+            # (configure forgets the op calls kept from earlier steps: the state and the
+            # model's dtypes change here)
+            _configure(o, props)
             if props.master_weights:
-                o.master_weights = True
                 for p in (p for g in o.param_groups for p in g["params"] if p in fp32):
                     if _masters.needs_master(p):
                         o.state[p]["master_param"] = fp32[p]
-            o._invalidate_plans()  # its state and the model's dtypes changed here
         elif props.master_weights:  # the optimizer steps fp32 masters of the half params
             for group in o.param_groups:
                 for p in (p for p in group["params"] if _masters.needs_master(p)):
@@ -841,7 +858,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     amp = _optimizer_amp.get(optimizer)
     if amp is not None and amp.fused:
         amp.unscale_for_clipping()
-    fused = isinstance(optimizer, _FusedOptimizer)
+    fused = isinstance(optimizer, Optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             yield optimizer.state.get(p, {}).get("master_param", p) if fused else p

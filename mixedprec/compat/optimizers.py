@@ -27,7 +27,7 @@ with ``master="remainder"``, an int16 remainder that makes each bf16 parameter a
 fp32 master (docs/lean-precision.md). State follows
 its parameter: moved with it, laid out like it (``channels_last`` after the optimizer
 was built works), and a master is taken anew from its parameter when the parameter
-was written outside the optimizer (see ``_FusedOptimizer._master``).
+was written outside the optimizer (see :class:`mixedprec.optim.precision.Masters`).
 
 The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
 that ``torch.amp.GradScaler`` sets around ``step()`` (mixedprec's GradScaler, amp and
@@ -40,7 +40,7 @@ clipping, and the step clears it.
 
 
 import functools
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,17 +49,9 @@ from .. import masters as mst
 from .. import ops
 from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
-from ..optim.adam import Adam
-from ..optim.lean import _BF16_MODES
-from ..optim.optimizer import (
-    _FLOAT_DTYPES,
-    _check_nonnegative,
-    _FusedOptimizer,
-    _master_mode,
-    _Work,
-)
-from ..optim.sgd import SGD
-from ..optim.torch_optimizer import TorchOptimizer
+from ..optim import BF16_MODES, FLOAT_DTYPES, LAMB, SGD, Adagrad, Adam, NovoGrad, Optimizer
+from ..optim.precision import Work
+from ..optim.torch_path import check_betas, check_nonnegative
 from . import amp_C
 
 # Apex 2019's apex.optimizers.FP16_Optimizer (see fp16_utils.LegacyFP16_Optimizer).
@@ -101,12 +93,31 @@ def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[L
 
 
 
+def _master_of(where: str, master_weights: Optional[bool], master: Optional[str]) -> str:
+    """The master mode from Apex's ``master_weights`` (True: "fp32", False: "none") and
+    ``master``. ``master`` wins over ``master_weights=False`` (Apex's default, which
+    then says nothing); ``master_weights=True`` with another ``master`` is a conflict."""
+    if master is None:
+        return "fp32" if master_weights else "none"
+    if master_weights and master != "fp32":
+        raise ValueError(f"{where}: master_weights=True conflicts with master={master!r} "
+                         "(master_weights=True is master='fp32'); give one of them")
+    return master
+
+
 class _ApexFace:
-    """What the Apex optimizers built on mixedprec.optim share: Apex's param groups (no
-    torch-only keys added on load), fp32/fp16/bf16 parameters only (others are a
-    TypeError, as in Apex) and no sparse gradients."""
+    """What the Apex faces over mixedprec.optim share: Apex's ``set_grad_none`` (what
+    ``zero_grad()`` does by default) and ``master_weights``, Apex's param groups (no
+    torch-only keys added on load; the core's names for Apex's renamed keys, and the
+    constructor's values for keys Apex's groups lacked), fp32/fp16/bf16 parameters only
+    (others are a TypeError, as in Apex) and no sparse gradients."""
 
     _NEWER_KEYS: Dict[str, Any] = {}
+    #: Apex's group keys that the core names otherwise: Apex's name -> the core's.
+    _APEX_KEYS: Dict[str, str] = {}
+    #: Group keys of the core class that Apex's groups lacked.
+    _FACE_KEYS: Tuple[str, ...] = ()
+    set_grad_none = True
 
     def _fused_dtype(self, p: Tensor) -> bool:
         return True
@@ -114,6 +125,44 @@ class _ApexFace:
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if params:  # (sparse gradients)
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Zeroes the gradients; ``set_to_none`` defaults to ``set_grad_none``."""
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @property
+    def master_weights(self) -> bool:
+        """Apex's spelling of ``master == "fp32"``; setting it (as ``amp.initialize``
+        does) switches between "fp32" and "none"."""
+        return self.master == "fp32"
+
+    @master_weights.setter
+    def master_weights(self, value: bool) -> None:
+        if value or self.master == "fp32":
+            self.configure(master="fp32" if value else "none")
+
+    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        saved = dict(saved)
+        for apex, core in self._APEX_KEYS.items():
+            if apex in saved:
+                saved.setdefault(core, saved.pop(apex))
+        for key in self._FACE_KEYS:
+            saved.setdefault(key, self.defaults[key])
+        return super()._upgrade_group(saved)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return dict(super().__getstate__(), set_grad_none=self.set_grad_none)
+
+
+def _check_apex(where: str, amsgrad: bool = False, **values: Any) -> None:
+    """Apex's argument checks: numbers >= 0, betas in [0, 1), no amsgrad."""
+    if amsgrad:
+        raise ValueError(f"{where} does not support amsgrad")
+    for name, value in values.items():
+        if name == "betas":
+            check_betas(where, value)
+        else:
+            check_nonnegative(where, name, value)
 
 
 class FusedSGD(_ApexFace, SGD):
@@ -179,17 +228,17 @@ class FusedSGD(_ApexFace, SGD):
                  set_grad_none: bool = False, master_weights: bool = False, *,
                  master: Optional[str] = None, state_dtype: torch.dtype = torch.float32,
                  seed: Optional[int] = None):
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            _check_nonnegative(name, value)
+        _check_apex("FusedSGD", lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires a momentum > 0 and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
-        TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
+        self.set_grad_none = bool(set_grad_none)
+        Optimizer.__init__(self, params, defaults, master=_master_of(
             "FusedSGD", master_weights, master), state_dtype=state_dtype, seed=seed,
-            unscale_grads=False, set_grad_none=set_grad_none)
+            unscale_grads=False)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()
@@ -257,13 +306,8 @@ class FusedAdam(_ApexFace, Adam):
                  use_mt: bool = False, amp_scale_adjustment: float = 1.0,
                  master: Optional[str] = None, state_dtype: torch.dtype = torch.float32,
                  seed: Optional[int] = None):
-        if amsgrad:
-            raise ValueError("FusedAdam does not support amsgrad")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
-                            ("max_grad_norm", max_grad_norm)):
-            _check_nonnegative(name, value)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
+        _check_apex("FusedAdam", amsgrad, lr=lr, eps=eps, weight_decay=weight_decay,
+                    max_grad_norm=max_grad_norm, betas=betas)
         if eps_inside_sqrt:
             raise ValueError("FusedAdam: eps_inside_sqrt=True is not supported (the update "
                              "adds eps outside the square root); expected False")
@@ -275,9 +319,10 @@ class FusedAdam(_ApexFace, Adam):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
-        TorchOptimizer.__init__(self, params, defaults, master=_master_mode(
+        self.set_grad_none = bool(set_grad_none)
+        Optimizer.__init__(self, params, defaults, master=_master_of(
             "FusedAdam", master_weights, master), state_dtype=state_dtype, seed=seed,
-            unscale_grads=False, set_grad_none=set_grad_none)
+            unscale_grads=False)
 
     @property
     def adam_w_mode(self) -> int:
@@ -307,7 +352,7 @@ class FusedAdam(_ApexFace, Adam):
     def step(self, closure=None, grads=None, output_params=None, scale=None,
              grad_norms=None):
         """One Adam step. With no Apex 2019 argument (and no ``max_grad_norm``), the
-        fused path of :class:`_FusedOptimizer`. Otherwise, per param group:
+        fused path of :class:`mixedprec.optim.Adam`. Otherwise, per param group:
 
         * ``grads``: the gradients to use instead of ``p.grad`` (a list per group, or one
           list for a single group; a None entry falls back to ``p.grad``);
@@ -336,12 +381,12 @@ class FusedAdam(_ApexFace, Adam):
                 master = self.state[p].get("master_param")
                 if master is not None:
                     master.grad = None
-        self._invalidate_plans()
+        self.plans.invalidate()
         self._count_applied(getattr(self, "found_inf", None))
         return loss
 
     def _legacy_work(self, grads, output_params, scale, grad_norms):
-        """[(group, its _Work, its output params or None, its given norm or None)] for
+        """[(group, its Work, its output params or None, its given norm or None)] for
         step's Apex 2019 path; every argument checked before anything changes."""
         where = "FusedAdam.step"
         count = len(self.param_groups)
@@ -367,7 +412,7 @@ class FusedAdam(_ApexFace, Adam):
                 if given is not None and len(given) != len(params):
                     raise ValueError(f"{where}: {name}[{gi}] holds {len(given)} tensors, param "
                                      f"group {gi} has {len(params)} parameters")
-            items, outs = _Work([], [], []), []
+            items, outs = Work([], [], []), []
             for pi, p in enumerate(params):
                 state = self.state.get(p)
                 master = state.get("master_param") if state else None
@@ -378,12 +423,12 @@ class FusedAdam(_ApexFace, Adam):
                     continue
                 self._check_grad(grad, p, f"{where}: the gradient of parameter {pi} of group "
                                           f"{gi}")
-                self._check_kahan(p)  # every group is checked before any is updated
+                self.precision.check_param(where, p)  # (every group before any update)
                 if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                     grad = mst.follow_layout(grad, p)
                 if outputs[gi] is not None:
                     out = outputs[gi][pi]
-                    if not isinstance(out, Tensor) or out.dtype not in _FLOAT_DTYPES or (
+                    if not isinstance(out, Tensor) or out.dtype not in FLOAT_DTYPES or (
                             out.shape != p.shape or out.device != p.device):
                         raise ValueError(f"{where}: expected output_params[{gi}][{pi}] to be "
                                          f"a float tensor of shape {tuple(p.shape)} on "
@@ -391,7 +436,7 @@ class FusedAdam(_ApexFace, Adam):
                     if self.master_weights and mst.needs_master(p):
                         raise ValueError(f"{where}: output_params with master_weights=True "
                                          "(the masters' model copies are the parameters)")
-                    if self.master in _BF16_MODES:
+                    if self.master in BF16_MODES:
                         raise ValueError(f"{where}: output_params with master="
                                          f"{self.master!r} (the bf16 parameters are updated, "
                                          "no copies)")
@@ -412,13 +457,13 @@ class FusedAdam(_ApexFace, Adam):
             raise TypeError(f"{what} must be a tensor, got {type(grad).__name__}")
         if grad.is_sparse:
             raise RuntimeError(f"{what} is sparse; FusedAdam does not support sparse gradients")
-        if grad.dtype not in _FLOAT_DTYPES:
+        if grad.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{what} must be float32, float16 or bfloat16, got {grad.dtype}")
         if grad.shape != p.shape or grad.device != p.device:
             raise ValueError(f"{what} has shape {tuple(grad.shape)} on {grad.device}, its "
                              f"parameter {tuple(p.shape)} on {p.device}")
 
-    def _legacy_group_step(self, group, items: _Work, outputs, norm, scale) -> None:
+    def _legacy_group_step(self, group, items: Work, outputs, norm, scale) -> None:
         """One group's update on step's Apex 2019 path: gradients divided by ``scale``
         (and ``amp_scale_adjustment`` under amp), clipped to ``max_grad_norm``, all in
         the op's ``inv_scale`` on the device."""
@@ -446,22 +491,22 @@ class FusedAdam(_ApexFace, Adam):
         calls = self._calls(group, device, items, outputs)  # (outputs: never lean)
         self._run_plan(group, calls, items.grads, factor.reshape(()), found_inf)
 
-    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+    def _check_devices(self, by_device: Dict[torch.device, Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
 
     def _decoupled(self, group) -> bool:
         return bool(group["adam_w_mode"])
 
-    def _steps(self, group, call: _Work, device, holders, used: List[Tensor]):
+    def _steps(self, group, call: Work, device, used: List[Tensor], holders):
         # As in Apex, the step count belongs to the group; a second op call in one step
-        # (fp32 params beside bf16 ones, _lean_calls) advances a copy taken before the first.
+        # (fp32 params beside bf16 ones, precision.calls) advances a copy taken before the first.
         step = self._group_step(group, device)
         if any(step is u for u in used):
             step = step.clone()
         used.append(step)
         return [(list(range(len(call.params))), step)]
 
-    def _calls(self, group, device, items: _Work, outputs=None) -> tuple:
+    def _calls(self, group, device, items: Work, outputs=None) -> tuple:
         """optim.Adam's op calls; ``outputs`` (step's Apex 2019 ``output_params``, never
         with the lean modes) replace the model copies."""
         calls = super()._calls(group, device, items)
@@ -472,13 +517,11 @@ class FusedAdam(_ApexFace, Adam):
     def _plan_holds(self, group, plan) -> bool:
         return super()._plan_holds(group, plan) and plan.lists[0][-1] is group.get("step")
 
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        self._load_group_step(new_group, group)
 
 
-class FusedAdagrad(_FusedOptimizer):
-    """Adagrad fused over all parameters, with Apex's ``FusedAdagrad`` arguments and
-    defaults: ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``, the math of
+class FusedAdagrad(_ApexFace, Adagrad):
+    """Apex's ``FusedAdagrad`` arguments and defaults over :class:`mixedprec.optim.Adagrad`:
+    ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``, the math of
     ``torch.optim.Adagrad`` with ``lr_decay=0`` and ``initial_accumulator_value=0``.
 
     Args:
@@ -486,169 +529,95 @@ class FusedAdagrad(_FusedOptimizer):
         lr, eps, weight_decay: as ``torch.optim.Adagrad`` (defaults 1e-2, 1e-10, 0).
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         adagrad_w_mode: False (default): weight decay added to the gradient (L2, as
-            torch); True: decoupled, ``lr * weight_decay * p`` added to the step.
+            torch); True: decoupled, ``lr * weight_decay * p`` added to the step (the
+            core's ``decoupled_weight_decay``).
         master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
 
     The state is ``sum`` per parameter (float32, created as zeros at the parameter's
-    first step), as in Apex and torch; unlike torch, no per-parameter ``step``. Steps
-    are unscaled and skipped on the device with a GradScaler, as FusedSGD's.
+    first step) and torch's ``step``. Steps are unscaled and skipped on the device
+    with a GradScaler, as FusedSGD's; ``p.grad`` is read, never written.
     """
 
-    _STATE_KEYS = ("master_param", "sum")
+    _APEX_KEYS = {"adagrad_w_mode": "decoupled_weight_decay"}
+    _FACE_KEYS = ("lr_decay", "initial_accumulator_value", "foreach", "maximize",
+                  "differentiable", "fused", "decoupled_weight_decay")
 
     def __init__(self, params: Iterable, lr: float = 1e-2, eps: float = 1e-10,
                  weight_decay: float = 0.0, set_grad_none: bool = True,
                  adagrad_w_mode: bool = False, master_weights: bool = False):
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            _check_nonnegative(name, value)
-        self.adagrad_w_mode = bool(adagrad_w_mode)
-        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        _check_apex("FusedAdagrad", lr=lr, eps=eps, weight_decay=weight_decay)
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=adagrad_w_mode,
+                         master=_master_of("FusedAdagrad", master_weights, None),
+                         unscale_grads=False)
 
-    def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        state.update(adagrad_w_mode=self.adagrad_w_mode)
-        return state
-
-    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        targets, model = self._update_lists(items.params, items.states)
-        sums = [self._state_tensor(state, "sum", t) for state, t in zip(items.states, targets)]
-        self._run_plan(group, (targets, sums, model), items.grads, inv_scale, found_inf)
-        return targets, sums, model
-
-    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, sums, model = lists
-        ops.fused_adagrad_(targets, grads, sums, model, lr=group["lr"], eps=group["eps"],
-                           weight_decay=group["weight_decay"], adagrad_w_mode=self.adagrad_w_mode,
-                           inv_scale=inv_scale, found_inf=found_inf)
+    @property
+    def adagrad_w_mode(self) -> bool:
+        """Apex's attribute: decoupled weight decay (the core's decoupled_weight_decay)."""
+        return bool(self.defaults["decoupled_weight_decay"])
 
 
-class FusedNovoGrad(_FusedOptimizer):
-    """NovoGrad fused over all parameters, with Apex's ``FusedNovoGrad`` arguments,
-    defaults and math (:func:`mixedprec.ops.fused_novograd_`): Adam's first moment
-    per element, a second moment per tensor from the norm of its gradient.
+class FusedNovoGrad(_ApexFace, NovoGrad):
+    """Apex's ``FusedNovoGrad`` arguments, defaults and math over
+    :class:`mixedprec.optim.NovoGrad`: Adam's first moment per element, a second moment
+    per tensor from the norm of its gradient.
 
     Args:
         params: parameters (fp32, fp16 or bf16) or param-group dicts.
         lr, betas, eps, weight_decay: as Apex's (defaults 1e-3, (0.9, 0.999), 1e-8, 0).
-        bias_correction: divide the moments by ``1 - beta1**step`` and
-            ``sqrt(1 - beta2**step)``.
+        bias_correction, reg_inside_moment, grad_averaging, norm_type, init_zero: as
+            :class:`mixedprec.optim.NovoGrad` (``reg_inside_moment`` is Apex's moment
+            mode 0, its default False mode 1).
         amsgrad: not supported (a ValueError; Apex raised RuntimeError).
-        reg_inside_moment: add the weight decay to the normalized gradient inside the
-            first moment (Apex's moment mode 0) instead of to the step (mode 1, default).
-        grad_averaging: weigh the gradient by ``1 - beta1`` in the first moment.
-        norm_type: 2 (L2 norm, blended as ``sqrt(beta2 * v**2 + (1 - beta2) * n**2)``)
-            or 0 (inf-norm, ``beta2 * v + (1 - beta2) * n``).
-        init_zero: start the second moments at 0 instead of at the first step's norms.
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
 
     As in Apex, the step count and the second moments belong to the param group:
-    ``group["step"]`` (a float32 device tensor, as FusedAdam's) and
-    ``group["exp_avg_sq"]``, one float32 vector with a value for each parameter of the
-    group in order (Apex kept two, for its fp16 and fp32 parameters). They are updated
-    on the device, the first step's norms included (Apex read them on the host). The
-    group's parameters must share one device. The first moments are float32.
+    ``group["step"]`` and ``group["exp_avg_sq"]``, one float32 vector with a value for
+    each parameter of the group in order (Apex kept two, for its fp16 and fp32
+    parameters), updated on the device, the first step's norms included (Apex read them
+    on the host). The group's parameters must share one device.
     """
 
-    _STATE_KEYS = ("master_param", "exp_avg")
+    _FACE_KEYS = ("reg_inside_moment",)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, reg_inside_moment: bool = False,
                  grad_averaging: bool = True, norm_type: int = 2, init_zero: bool = False,
                  set_grad_none: bool = True, master_weights: bool = False):
-        if amsgrad:
-            raise ValueError("FusedNovoGrad does not support amsgrad")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            _check_nonnegative(name, value)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
-        if norm_type not in (0, 2):
-            raise ValueError(f"expected norm_type 0 (inf-norm) or 2 (L2), got {norm_type}")
-        self.reg_inside_moment = bool(reg_inside_moment)
-        self.moment_mode = 0 if reg_inside_moment else 1  # Apex's attribute
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        norm_type=norm_type, init_zero=init_zero)
-        super().__init__(params, defaults, master_weights, set_grad_none)
+        _check_apex("FusedNovoGrad", amsgrad, lr=lr, eps=eps, weight_decay=weight_decay,
+                    betas=betas)
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, grad_averaging=grad_averaging,
+                         reg_inside_moment=bool(reg_inside_moment), norm_type=norm_type,
+                         init_zero=init_zero,
+                         master=_master_of("FusedNovoGrad", master_weights, None),
+                         unscale_grads=False)
 
-    def __getstate__(self) -> Dict[str, Any]:
-        state = super().__getstate__()
-        state.update(reg_inside_moment=self.reg_inside_moment, moment_mode=self.moment_mode)
-        return state
+    @property
+    def moment_mode(self) -> int:
+        """Apex's attribute: 0 with ``reg_inside_moment``, else 1."""
+        return 0 if self.defaults["reg_inside_moment"] else 1
 
-    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
-        self._one_device(by_device, "the group's step count and moments live there")
-
-    @staticmethod
-    def _group_tensor(group, key: str, size: int, device: torch.device) -> Tensor:
-        value = group.get(key)
-        if value is None:
-            value = group[key] = torch.zeros(size, dtype=torch.float32, device=device)
-        elif value.device != device:  # the model moved after the optimizer was built
-            value = group[key] = value.to(device)
-        return value
-
-    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        self._group_tensor(group, "step", 1, device)
-        self._group_tensor(group, "exp_avg_sq", len(group["params"]), device)
-        targets, model = self._update_lists(items.params, items.states)
-        exp_avgs = [self._state_tensor(state, "exp_avg", t)
-                    for state, t in zip(items.states, targets)]
-        index = None  # the positions in exp_avg_sq of the params stepped, when not all are
-        if len(items.params) != len(group["params"]):
-            position = {id(p): i for i, p in enumerate(group["params"])}
-            index = ops.int64_tensor([position[id(p)] for p in items.params], device)
-        lists = (targets, exp_avgs, model, index)
-        self._run_plan(group, lists, items.grads, inv_scale, found_inf)
-        return lists
-
-    def _plan_holds(self, group, plan) -> bool:
-        return all(group.get(key) is not None and group[key].device == plan.device
-                   for key in ("step", "exp_avg_sq"))
-
-    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, exp_avgs, model, index = lists
-        exp_avg_sq = group["exp_avg_sq"]
-        moments = exp_avg_sq if index is None else exp_avg_sq.index_select(0, index)
-        beta1, beta2 = group["betas"]
-        ops.fused_novograd_(targets, grads, exp_avgs, model, exp_avg_sq=moments, step=group["step"],
-                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"],
-                            bias_correction=group["bias_correction"],
-                            grad_averaging=group["grad_averaging"],
-                            reg_inside_moment=self.reg_inside_moment, norm_type=group["norm_type"],
-                            init_zero=group["init_zero"], inv_scale=inv_scale, found_inf=found_inf)
-        if index is not None:
-            exp_avg_sq.index_copy_(0, index, moments)
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        device = group["params"][0].device if group["params"] else None
-        for key, size in (("step", 1), ("exp_avg_sq", len(group["params"]))):
-            value = new_group.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, Tensor) or value.numel() != size or value.dim() != 1:
-                raise ValueError(f"FusedNovoGrad.load_state_dict: a param group's {key!r} must "
-                                 f"be a tensor of shape [{size}]")
-            new_group[key] = value.to(device or value.device, torch.float32, copy=True)
+    @property
+    def reg_inside_moment(self) -> bool:
+        return bool(self.defaults["reg_inside_moment"])
 
 
-class FusedLAMB(_FusedOptimizer):
-    """LAMB (Apex's ``FusedLAMB``: its argument names, defaults and math), fused over all
-    parameters: Adam's moments give an update ``u`` per parameter (with decoupled weight
-    decay, ``adam_w_mode=True``, or L2 weight decay added to the gradient), and each
-    parameter moves by ``lr * ||p|| / ||u||`` times ``u`` (the trust ratio; ``lr`` alone
-    where a norm is 0, and for parameters of a group without weight decay unless
-    ``use_nvlamb``). Gradients are first divided by ``max(1, norm / max_grad_norm)``,
-    ``norm`` the L2 norm of all gradients of all groups (unscaled), computed on the
-    device. One :func:`mixedprec.ops.fused_lamb_` call per param group.
+class FusedLAMB(_ApexFace, LAMB):
+    """Apex's ``FusedLAMB`` arguments, defaults and math over
+    :class:`mixedprec.optim.LAMB` (see there): Adam's moments give an update ``u`` per
+    parameter, and each parameter moves by ``lr * ||p|| / ||u||`` times ``u``, after
+    the gradients are divided by ``max(1, norm / max_grad_norm)``.
 
     Args:
         params: parameters (fp32, fp16 or bf16) or param-group dicts.
         lr, betas, eps, weight_decay, bias_correction: as Apex's ``FusedLAMB``.
-        adam_w_mode: decoupled weight decay when True (Apex's default).
+        adam_w_mode: decoupled weight decay when True (Apex's default; the core's
+            ``decoupled_weight_decay``).
         grad_averaging: weight the gradient by ``1 - beta1`` in the first moment.
         max_grad_norm: the global gradient norm above which gradients are scaled down
             (``self.defaults["max_grad_norm"]``, as in Apex); 0 turns clipping off
@@ -665,97 +634,22 @@ class FusedLAMB(_FusedOptimizer):
     group work; all parameters must share one device. Moments are float32.
     """
 
-    _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+    _APEX_KEYS = {"adam_w_mode": "decoupled_weight_decay"}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  set_grad_none: bool = True, max_grad_norm: float = 1.0,
                  use_nvlamb: bool = False, master_weights: bool = False):
-        if amsgrad:
-            raise ValueError(f"{type(self).__name__} does not support amsgrad")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
-                            ("max_grad_norm", max_grad_norm)):
-            _check_nonnegative(name, value)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"expected betas to be two numbers in [0, 1), got {betas}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        max_grad_norm=max_grad_norm, adam_w_mode=adam_w_mode,
-                        use_nvlamb=use_nvlamb)
-        self._grad_norm: Optional[Tensor] = None
-        super().__init__(params, defaults, master_weights, set_grad_none)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Performs one optimization step (on the device, without host synchronisation)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._grad_norm = self._global_grad_norm()
-        try:
-            super().step()
-        finally:
-            self._grad_norm = None
-        return loss
-
-    def _global_grad_norm(self) -> Optional[Tensor]:
-        """The L2 norm of every gradient the step reads (unscaled by ``grad_scale``), on
-        their device; None when clipping is off or there is no gradient. Gradients the
-        step rejects are left out here: the step raises for them, before any update."""
-        if self.defaults["max_grad_norm"] == 0:
-            return None
-        grads: List[Tensor] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                grad = update_grad(p, state.get("master_param") if state else None)
-                if grad is None or grad.is_sparse or grad.dtype not in _FLOAT_DTYPES:
-                    continue
-                grads.append(grad if ops.is_dense(grad) else grad.contiguous())
-        if not grads:
-            return None
-        device = grads[0].device
-        others = sorted({str(g.device) for g in grads if g.device != device})
-        if others:
-            raise ValueError(f"{type(self).__name__}: expected every parameter on one device "
-                             f"(the global gradient norm), got {device} and {others}")
-        inv_scale, _ = self._scaling(device, (getattr(self, "grad_scale", None), None))
-        norm, _ = ops.multi_tensor_l2norm(grads, inv_scale, per_tensor=False)
-        return norm
-
-    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
-        self._one_device(by_device, "the global gradient norm")
-
-    def _step_group(self, group, device, items, inv_scale, found_inf) -> Optional[tuple]:
-        self._group_step(group, device)
-        targets, model = self._update_lists(items.params, items.states)
-        exp_avgs, exp_avg_sqs = self._moments(items.states, targets)
-        self._lamb(group, targets, items.grads, exp_avgs, exp_avg_sqs, model, inv_scale,
-                   found_inf)
-        return targets, exp_avgs, exp_avg_sqs, model
-
-    def _plan_holds(self, group, plan) -> bool:
-        return self._step_on(group, plan)
-
-    def _run_plan(self, group, lists, grads, inv_scale, found_inf) -> None:
-        targets, exp_avgs, exp_avg_sqs, model = lists
-        self._lamb(group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf)
-
-    def _lamb(self, group, targets, grads, exp_avgs, exp_avg_sqs, model, inv_scale, found_inf):
-        beta1, beta2 = group["betas"]
-        ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, step=group["step"],
-                        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], adamw=group["adam_w_mode"],
-                        bias_correction=group["bias_correction"],
-                        grad_averaging=group["grad_averaging"], use_nvlamb=group["use_nvlamb"],
-                        global_grad_norm=self._grad_norm,
-                        max_grad_norm=self.defaults["max_grad_norm"], inv_scale=inv_scale,
-                        found_inf=found_inf)
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        self._load_group_step(new_group, group)
+        _check_apex(type(self).__name__, amsgrad, lr=lr, eps=eps, weight_decay=weight_decay,
+                    max_grad_norm=max_grad_norm, betas=betas)
+        self.set_grad_none = bool(set_grad_none)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         bias_correction=bias_correction, grad_averaging=grad_averaging,
+                         max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
+                         decoupled_weight_decay=adam_w_mode,
+                         master=_master_of(type(self).__name__, master_weights, None),
+                         unscale_grads=False)
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

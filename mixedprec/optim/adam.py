@@ -1,7 +1,6 @@
 """torch.optim.Adam and AdamW, fused: one op call per group and device for fp32, fp16
 and bf16 parameters, with fp32 masters or the lean modes as keyword-only extras."""
 
-from collections import Counter
 from typing import Any, Dict, List
 
 import torch
@@ -11,13 +10,14 @@ from torch import Tensor
 
 from .. import ops
 from . import state8
-from .optimizer import _pick, _where, _Work
-from .torch_optimizer import TorchOptimizer, torch_defaults
+from .optimizer import Optimizer
+from .precision import Work, pick, positions_in
+from .torch_path import lr_on_device, step_holders, torch_defaults
 
 __all__ = ["Adam", "AdamW"]
 
 
-class Adam(TorchOptimizer):
+class Adam(Optimizer):
     """``torch.optim.Adam`` with torch's arguments, defaults, param-group keys and
     ``state_dict`` (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` per
     parameter), stepped by one fused op call per group and device without host
@@ -74,10 +74,6 @@ class Adam(TorchOptimizer):
     def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
         return {"decoupled_weight_decay": value}
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        self._check_8bit(type(self).__name__, self.state_dtype, [param_group])
-        super().add_param_group(param_group)
-
     def _check_8bit(self, where: str, state_dtype, groups=None) -> None:
         if state_dtype == state8.E4M3 and any(
                 group.get("amsgrad", self.defaults.get("amsgrad"))
@@ -86,25 +82,23 @@ class Adam(TorchOptimizer):
                              "state_dtype=torch.float8_e4m3fn (8-bit moments); use "
                              "amsgrad=False or another state_dtype")
 
-    def _check_devices(self, by_device) -> None:
-        pass  # (each parameter's step count is its own)
-
-    def _step_group(self, group, device, items: _Work, inv_scale, found_inf):
+    def _step_group(self, group, device, items: Work, inv_scale, found_inf):
         calls = self._calls(group, device, items)
         self._run_plan(group, calls, items.grads, inv_scale, found_inf)
         return calls
 
-    def _calls(self, group, device, items: _Work) -> tuple:
-        """The group's op calls: ``_lean_calls``, each split by step count (parameters
+    def _calls(self, group, device, items: Work) -> tuple:
+        """The group's op calls: ``precision.calls``, each split by step count (parameters
         whose counts are one tensor, all of its holders, go in one call)."""
-        holders = Counter(id(state["step"]) for state in map(self.state.get, group["params"])
-                          if state and "step" in state)
+        holders = step_holders(self.state, group)
         used: List[Tensor] = []  # the counts this step's calls advance
         calls = []
-        for call, positions, lean, eight in self._lean_calls(items):
-            for picked, step in self._steps(group, call, device, holders, used):
+        precision = self.precision
+        dtype = precision.moment_dtype()
+        for call, positions, lean, eight in precision.calls(items):
+            for picked, step in self._steps(group, call, device, used, holders):
                 part = call.pick(picked)
-                where = _where(picked, positions, len(items.grads))
+                where = positions_in(picked, positions, len(items.grads))
                 targets, model = self._update_lists(part.params, part.states)
                 scales = None
                 if eight:
@@ -113,44 +107,19 @@ class Adam(TorchOptimizer):
                                                             "exp_avg_sq_root")
                     scales = (avg_scales, sq_scales)
                 else:
-                    exp_avgs, exp_avg_sqs = self._moments(part.states, targets)
-                maxes = [self._state_tensor(state, "max_exp_avg_sq", t,
-                                            self._moment_dtype())
+                    exp_avgs, exp_avg_sqs = ([self._state_tensor(state, key, t, dtype)
+                                              for state, t in zip(part.states, targets)]
+                                             for key in ("exp_avg", "exp_avg_sq"))
+                maxes = [self._state_tensor(state, "max_exp_avg_sq", t, dtype)
                          for state, t in zip(part.states, targets)] if group.get("amsgrad") \
                     else []
-                comps = self._compensations(part.states, targets) if lean else []
-                salts = self._salts(group, part.params, device, eight) if lean or eight else []
+                comps = precision.lean_state(part.states, targets, self._state_tensor) \
+                    if lean else []
+                salts = precision.salts(type(self).__name__, group, part.params, device,
+                                        eight) if lean or eight else []
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
                                salts, scales, step))
         return tuple(calls)
-
-    def _steps(self, group, call: _Work, device: torch.device, holders: Counter,
-               used: List[Tensor]):
-        """[(positions in ``call``, their step-count tensor)]: new parameters get a new
-        count (zero); a count whose holders are not all in this call is split off (a
-        copy), so each op call advances its own tensor once."""
-        counts: Dict[int, List[Any]] = {}
-        new: List[int] = []
-        for i, state in enumerate(call.states):
-            step = state.get("step")
-            if step is None:
-                new.append(i)
-            else:
-                counts.setdefault(id(step), [step, []])[1].append(i)
-        out = []
-        if new:
-            step = torch.zeros((), dtype=torch.float32, device=device)
-            out.append((new, step))
-        for key, (step, picked) in counts.items():
-            if any(step is u for u in used) or holders[key] != len(picked) or (
-                    step.device != device):
-                step = step.to(device, torch.float32, copy=True)
-            out.append((picked, step))
-        for picked, step in out:
-            used.append(step)
-            for i in picked:
-                call.states[i]["step"] = step
-        return out
 
     def _plan_holds(self, group, plan) -> bool:
         return all(bool(call[4]) == bool(group.get("amsgrad")) for call in plan.lists)
@@ -161,23 +130,19 @@ class Adam(TorchOptimizer):
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
-        lr, lr_tensor, found_inf = self._lr(group, calls[0][-1].device, found_inf)
+        lr, lr_tensor, found_inf = lr_on_device(group, calls[0][-1].device, found_inf)
         for (where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, scales,
              step) in calls:
-            ops.fused_adam_(targets, _pick(grads, where), exp_avgs, exp_avg_sqs, model, step=step,
-                            lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                            weight_decay=group["weight_decay"], adamw=self._decoupled(group),
-                            bias_correction=group.get("bias_correction", True), inv_scale=inv_scale,
-                            found_inf=found_inf, lr_tensor=lr_tensor,
-                            kahan_comps=comps if self.master == "kahan" else None,
-                            remainders=comps if self.master == "remainder" else None,
-                            sr_salts=salts,
-                            sr_seed=group.get("sr_seed") if self._rounds_params(targets) else None,
-                            maximize=bool(group.get("maximize")), max_exp_avg_sqs=maxes or None,
-                            unscale_grads=self.unscale_grads and inv_scale is not None,
-                            exp_avg_scales=scales[0] if scales else None,
-                            exp_avg_sq_scales=scales[1] if scales else None,
-                            state_seed=self._state_seed(group) if scales else None)
+            ops.fused_adam_(
+                targets, pick(grads, where), exp_avgs, exp_avg_sqs, model, step=step, lr=lr,
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adamw=self._decoupled(group), bias_correction=group.get("bias_correction", True),
+                inv_scale=inv_scale, found_inf=found_inf, lr_tensor=lr_tensor,
+                maximize=bool(group.get("maximize")), max_exp_avg_sqs=maxes or None,
+                unscale_grads=self.unscale_grads and inv_scale is not None,
+                exp_avg_scales=scales[0] if scales else None,
+                exp_avg_sq_scales=scales[1] if scales else None,
+                **self.precision.op_lean_args(group, targets, comps, salts, scales is not None))
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if any(p.grad.is_sparse for p in params):

@@ -1,138 +1,119 @@
-"""The base of mixedprec's optimizers: master weights or the lean modes, the loss
-scaler's channel (``grad_scale``/``found_inf``), state that follows its parameter,
-plans that reuse a step's op calls, and state loading.
+"""The base of mixedprec's optimizers (:class:`Optimizer`): the loop over param groups,
+state creation, the loss scaler's channel, the plan cache and ``state_dict``. What is
+kept of each parameter is one object, ``optimizer.precision``
+(:class:`~mixedprec.optim.precision.Precision`: ``master``, ``state_dtype``, ``seed``);
+the op calls of the last step are another, ``optimizer.plans``
+(:class:`~mixedprec.optim.plans.PlanCache`). A subclass gives ``_step_group`` (one
+group's fused op calls on one device, which it returns for the plan) and ``_run_plan``
+(the same calls again).
 
-Each subclass runs one fused op call per param group and device:
+Each step, per param group and device, one fused op call (or a few: lean modes, 8-bit
+state) that reads fp32, fp16 or bf16 gradients, multiplies them by ``1 / grad_scale``
+when a ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``,
+skips the whole update on the device when the scaler set ``found_inf`` (no host
+synchronisation), and with master="fp32" updates fp32 masters of fp16/bf16 parameters
+(``state["master_param"]``) and writes them, cast, into the parameters. A master whose
+``.grad`` is set (fp32, unscaled) is updated from that instead of ``p.grad`` (Apex's amp
+puts it there for clipping), and the step clears it.
 
-* it reads fp32, fp16 or bf16 gradients and multiplies them by ``1 / grad_scale`` when a
-  ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``;
-* it skips the whole update on the device when the scaler set ``found_inf``, so an
-  overflow never forces a host synchronisation;
-* with fp32 masters (``master="fp32"``) it updates fp32 master copies of fp16/bf16
-  parameters (kept in the optimizer state as ``master_param``) and writes them, cast,
-  into the model parameters in the same pass.
+State is created at a parameter's first step, as torch's optimizers create theirs: an
+optimizer that has not stepped has an empty ``state`` (what
+``torch.distributed.checkpoint.state_dict`` relies on). State follows its parameter:
+moved with it, laid out like it, and a master is taken anew from its parameter when the
+parameter was written outside the optimizer (:class:`~mixedprec.optim.precision.Masters`).
+Float64 and complex parameters, sparse gradients, and hyperparameters the fused ops do
+not take are stepped by torch's own functional implementation (:mod:`.torch_path`),
+which reads ``found_inf`` on the host: not a mixed-precision hot path."""
 
-State is created at a parameter's first step, as torch's optimizers create theirs
-(masters included): an optimizer that has not stepped has an empty ``state``, which
-is what ``torch.distributed.checkpoint.state_dict`` relies on to build the full
-state it loads a checkpoint into. State follows its parameter: moved with it, laid out
-like it (``channels_last`` after the optimizer was built works), and a master is taken
-anew from its parameter when the parameter was written outside the optimizer (see
-``_FusedOptimizer._master``). Moments and momentum buffers are float32, bfloat16 or 8-bit
-(``state_dtype``); docs/lean-precision.md has the lean modes.
-
-The one channel from a loss scaler: the ``grad_scale`` and ``found_inf`` attributes
-that ``torch.amp.GradScaler`` sets around ``step()`` (mixedprec's GradScaler and the
-Apex faces set the same). With masters, a master whose ``.grad`` is set (fp32,
-unscaled) is updated from that instead of ``p.grad``: Apex's amp puts it there for
-gradient clipping, and the step clears it.
-"""
-
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
-from torch.optim import Optimizer
 
 from .. import grads as _grads
 from .. import masters as mst
 from ..grads import update_grad
 from ..loss_scale import inverse
-from .lean import (  # noqa: F401
-    _FLOAT_DTYPES,
-    _MASTER_MODES,
-    _STATE_DTYPES,
-    LeanModes,
-    _check_state_dtype,
-    _master_mode,
-    _rounding_seed,
-    lean_refused,
-)
-from .plans import Plans, _Plan
-from .state import StateLoading
+from . import state as _state
+from . import torch_path
+from .plans import Plan, PlanCache
+from .precision import FLOAT_DTYPES, Masters, Precision, Work
 
 
-class _Work(NamedTuple):
-    """The parameters of one op call, their gradients and their state dicts (None for
-    a parameter without state yet)."""
+class Optimizer(torch.optim.Optimizer):
+    """The base of :mod:`mixedprec.optim`'s optimizers (see the module docstring), with
+    the keyword-only extras ``master``, ``state_dtype``, ``seed`` and
+    ``unscale_grads``."""
 
-    params: List[Tensor]
-    grads: List[Tensor]
-    states: List[Optional[Dict[str, Any]]]
-
-    def pick(self, positions: List[int]) -> "_Work":
-        return _Work([self.params[i] for i in positions], [self.grads[i] for i in positions],
-                     [self.states[i] for i in positions])
-
-
-def _pick(grads: List[Tensor], positions: Optional[List[int]]) -> List[Tensor]:
-    """The gradients of one op call of a group (``_lean_calls``' positions)."""
-    return grads if positions is None else [grads[i] for i in positions]
-
-
-def _where(picked: List[int], positions: Optional[List[int]], count: int
-           ) -> Optional[List[int]]:
-    """The positions in the group's gradients (``count`` of them) of an op call's
-    parameters, ``picked`` from a ``_lean_calls`` call at ``positions``: None when
-    they are all of them in order, so that ``_pick`` then builds no list."""
-    where = picked if positions is None else [positions[i] for i in picked]
-    return None if len(where) == count and where == list(range(count)) else where
-
-
-def _check_nonnegative(name: str, value: Any) -> None:
-    if isinstance(value, Tensor) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected {name} to be a float, got {type(value).__name__}")
-    if not value >= 0.0:
-        raise ValueError(f"expected {name} >= 0, got {value}")
-
-
-
-class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
-    """What FusedSGD and FusedAdam share: masters, scaler hand-off, state loading."""
-
-    # torch.amp.GradScaler hands this optimizer `grad_scale` and `found_inf` instead of
-    # unscaling and checking gradients itself.
+    # torch.amp.GradScaler hands the optimizer `grad_scale` and `found_inf`.
     _step_supports_amp_scaling = True
-    # The per-parameter state entries this optimizer keeps (load_state_dict checks).
+    #: torch.optim's class of the same name (its checks, defaults and group keys), if any.
+    _TORCH_CLASS: Any = None
+    #: The per-parameter state entries kept (load_state_dict checks).
     _STATE_KEYS: Tuple[str, ...] = ("master_param",)
-    # Whether it takes the lean modes: master "kahan"/"stochastic" and bf16 state
-    # (FusedAdam, FusedSGD), or only fp32 masters or none, and fp32 state.
+    #: Whether it takes the lean modes, and the state entries of its 8-bit moments.
     _LEAN = False
+    _8BIT_KEYS: Tuple[str, ...] = ()
+    #: Group keys a newer release added, with the value an older state dict gets.
+    _NEWER_KEYS: Dict[str, Any] = {}
+    #: Group hyperparameters torch lets be tensors and the fused ops take as numbers.
+    _SCALAR_KEYS: Tuple[str, ...] = ()
 
-    def __init__(self, params, defaults: Dict[str, Any], master_weights: Optional[bool],
-                 set_grad_none: bool, master: Optional[str] = None,
-                 state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None):
+    def __init__(self, params, defaults: Dict[str, Any], *, master: str = "fp32",
+                 state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None,
+                 unscale_grads: bool = True):
         where = type(self).__name__
-        # "fp32" (fp32 masters of fp16/bf16 params), "none" (params updated directly),
-        # "kahan" (bf16 params with a bf16 compensation each, "kahan_comp") or
-        # "stochastic" (bf16 params rounded stochastically, group["sr_seed"]).
-        self.master = _master_mode(where, master_weights, master)
-        # The dtype of moments and momentum buffers (float32, bfloat16 or float8_e4m3fn).
-        self.state_dtype = _check_state_dtype(where, "state_dtype", state_dtype)
-        # master='stochastic' or 8-bit moments: group i's seed is this + i (see
-        # add_param_group).
-        self._sr_seed = _rounding_seed(where, self.master, seed, self.state_dtype)
-        self.set_grad_none = bool(set_grad_none)
-        self._plans: Dict[int, _Plan] = {}
-        # id(master) -> the version counter of its parameter when the master was last
-        # in step with it (the update writes the parameter without bumping it).
-        self._master_versions: Dict[int, int] = {}
+        if not isinstance(unscale_grads, bool):
+            raise TypeError(f"{where}: expected unscale_grads to be a bool, got "
+                            f"{unscale_grads!r}")
+        #: master, state_dtype and seed, checked (:meth:`configure` changes them).
+        self.precision = Precision(where, master, state_dtype, seed, self._LEAN,
+                                   self._8BIT_KEYS)
+        #: After a scaled step, p.grad holds the unscaled gradient (as with torch's fused
+        #: optimizers); False skips that write.
+        self.unscale_grads = unscale_grads
+        self.plans = PlanCache()
+        self.masters = Masters()
+        self._checked: Dict[int, Tuple[Any, ...]] = {}  # see torch_path.check_groups
+        # (group, params) that torch's implementation steps, found during a step
+        self._pending: List[Tuple[Dict[str, Any], List[Tensor]]] = []
         super().__init__(params, defaults)
-        #: The number of steps applied (not skipped on the device by a scaler's
-        #: ``found_inf``): a 0-dim int64 tensor, advanced in :meth:`step` without a host
-        #: read; ``state_dict()["applied_steps"]``. mixedprec.optim.lr_scheduler reads it.
+        #: The number of steps applied (not skipped by a scaler's ``found_inf``): a 0-dim
+        #: int64 tensor advanced on the device; mixedprec.optim.lr_scheduler reads it.
         self.applied_steps = torch.zeros((), dtype=torch.int64, device=self._count_device())
 
+    master = property(lambda self: self.precision.master, doc="What is kept of each "
+                      "parameter's value: 'fp32', 'none', 'kahan', 'stochastic', 'remainder'.")
+    state_dtype = property(lambda self: self.precision.state_dtype,
+                           doc="The dtype of moments and momentum buffers.")
+
+    def configure(self, *, master: Optional[str] = None,
+                  state_dtype: Optional[torch.dtype] = None, check_only: bool = False) -> None:
+        """Sets ``master`` and ``state_dtype`` (None: unchanged) after construction: before
+        the first step, or after it where the state carries over exactly (into "fp32",
+        "remainder" or "none": :meth:`Precision.configure`). Checked first, and nothing
+        changes on an error; ``check_only`` only checks."""
+        where = f"{type(self).__name__}.configure"
+        self.precision.configure(where, master, state_dtype, bool(self.state), apply=False)
+        if state_dtype is not None:
+            self._check_8bit(where, state_dtype)
+        if check_only:
+            return
+        self.precision.configure(where, master, state_dtype, False)
+        for i, group in enumerate(self.param_groups):
+            if self.precision.seed is not None:
+                group.setdefault("sr_seed", self.precision.group_seed(i))
+        self.plans.invalidate()
+
     def _count_device(self) -> torch.device:
-        """Where ``applied_steps`` lives: the device of the first parameter."""
         for group in self.param_groups:
             if group["params"]:
                 return group["params"][0].device
         return torch.device("cpu")
 
     def _count_applied(self, found_inf: Optional[Tensor]) -> None:
-        """``applied_steps += 1`` unless ``found_inf`` is set, on the device (moved first,
-        once, to the flag's or the parameters' device when that changed)."""
+        """``applied_steps += 1`` unless ``found_inf`` is set, on the device."""
         device = found_inf.device if found_inf is not None else self._count_device()
         if self.applied_steps.device != device:
             self.applied_steps = self.applied_steps.to(device)
@@ -143,88 +124,80 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
                                      else found_inf.reshape(())) == 0)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        where = type(self).__name__
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for p in params:  # checked before torch adds the group, so a bad one changes nothing
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
-            if isinstance(p, Tensor) and not self._fused_dtype(p):
-                continue  # (a subclass steps it another way)
-            if isinstance(p, Tensor) and p.layout != torch.strided:
-                raise TypeError(f"{type(self).__name__} does not support sparse parameters")
-            if isinstance(p, Tensor) and p.dtype not in _FLOAT_DTYPES:
-                raise TypeError(
-                    f"{type(self).__name__}: expected parameters of dtype float32, float16 or "
-                    f"bfloat16, got {p.dtype}"
-                )
-            if isinstance(p, Tensor):
-                self._check_kahan(p)
+            if not isinstance(p, Tensor) or not self._fused_dtype(p):
+                continue  # (torch's own checks, or torch's implementation steps it)
+            if p.layout != torch.strided:
+                raise TypeError(f"{where} does not support sparse parameters")
+            if p.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{where}: expected parameters of dtype float32, float16 or "
+                                f"bfloat16, got {p.dtype}")
+            self.precision.check_param(where, p)
+        self._check_8bit(where, self.state_dtype, [param_group])
         param_group = dict(param_group, params=params)
-        if self._sr_seed is not None and "sr_seed" not in param_group:
-            # Each group its own seed: positions (the salts) repeat across groups.
-            param_group["sr_seed"] = (self._sr_seed + len(self.param_groups)) % 2**63
+        if self.precision.seed is not None and "sr_seed" not in param_group:
+            param_group["sr_seed"] = self.precision.group_seed(len(self.param_groups))
         super().add_param_group(param_group)
-        self._invalidate_plans()
+        try:  # (checked here, not in the step that follows: torch's checks build tensors)
+            torch_path.check_groups(self, self._checked, "add_param_group")
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # (a bad group changes nothing)
+            raise
+        self.plans.invalidate()
 
     def _fused_dtype(self, p: Tensor) -> bool:
-        """Hook: whether the fused ops step ``p`` (the torch-named optimizers step float64
-        and complex parameters through torch's own implementation)."""
-        return True
+        """Whether the fused ops step ``p`` (else torch's implementation)."""
+        return torch_path.is_fused_param(p)
 
-    def _new_master(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
-        """A fresh fp32 master of ``p`` in its ``state``, and the version of ``p`` it was
-        taken at (see ``_master``)."""
-        master = state["master_param"] = mst.make_master(p)
-        if not torch.compiler.is_compiling():  # (id() is not traceable; see _master)
-            self._master_versions[id(master)] = p._version
-        return master
+    def _fused_group(self, group: Dict[str, Any]) -> bool:
+        """Whether the group's hyperparameters suit the fused ops (else torch's
+        implementation steps the group)."""
+        return not any(isinstance(v, Tensor) for key in self._SCALAR_KEYS
+                       for v in (group[key] if isinstance(group[key], tuple) else (group[key],)))
 
-    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        """Zeroes the gradients; ``set_to_none`` defaults to the constructor's
-        ``set_grad_none``."""
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
-
-    def _scaling(self, device: torch.device, scaling):
-        """``(inv_scale, found_inf)`` on `device` from (grad_scale, found_inf)."""
+    def _scaling(self, device: torch.device, scaling) -> Tuple[Optional[Tensor], Any]:
+        """``(inv_scale, found_inf)`` on ``device`` from (grad_scale, found_inf)."""
         grad_scale, found_inf = scaling
-        inv_scale = None
-        if grad_scale is not None:
-            inv_scale = inverse(grad_scale.to(device))
+        inv_scale = None if grad_scale is None else inverse(grad_scale.to(device))
         if found_inf is not None:
             found_inf = found_inf.to(device, torch.float32)
         return inv_scale, found_inf
 
-    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, "_Work"]:
-        """The group's parameters that have gradients, with those gradients and their
-        state dicts, by device, after checking them. One pass and one state lookup
-        per parameter: this runs every step, and its cost is the step's fixed cost.
+    def _grads_by_device(self, group: Dict[str, Any]) -> Dict[torch.device, Work]:
+        """The group's fused parameters that have gradients, with those gradients and
+        their state dicts, by device, after checking them (the others are queued for
+        torch's implementation). One pass per parameter: this is the step's fixed cost.
         The gradient the update reads: :func:`mixedprec.grads.update_grad`."""
-        params: List[Tensor] = []
-        grads: List[Tensor] = []
-        states: List[Optional[Dict[str, Any]]] = []
-        state_of = self.state
-        for p in group["params"]:
-            state = state_of.get(p)
+        where = type(self).__name__
+        unfused = torch_path.unfused(self, group)
+        self._check_unfused(group, unfused)
+        if unfused:
+            self._pending.append((group, unfused))
+        if not self._fused_group(group):
+            return {}
+        params, grads, states = [], [], []
+        for p in torch_path.Subset(group, unfused)["params"]:
+            state = self.state.get(p)
             grad = update_grad(p, state.get("master_param") if state else None)
             if grad is None:
                 continue
-            if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if grad.dtype not in _FLOAT_DTYPES:
-                raise TypeError(
-                    f"{type(self).__name__}: expected gradients of dtype float32, float16 or "
-                    f"bfloat16, got {grad.dtype}"
-                )
+            if grad.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{where}: expected gradients of dtype float32, float16 or "
+                                f"bfloat16, got {grad.dtype}")
             if grad.shape != p.shape:
-                raise ValueError(f"{type(self).__name__}: a gradient of shape "
-                                 f"{tuple(grad.shape)} for a parameter of shape "
-                                 f"{tuple(p.shape)}")
+                raise ValueError(f"{where}: a gradient of shape {tuple(grad.shape)} for a "
+                                 f"parameter of shape {tuple(p.shape)}")
             if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                 grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
-            self._check_kahan(p)  # (the model may have been cast after construction)
+            self.precision.check_param(where, p)  # (the model may have been cast since)
             params.append(p)
             grads.append(grad)
             states.append(state)
-        work = {device: _Work(*lists)
+        work = {device: Work(*lists)
                 for device, lists in _grads.by_device(params, grads, states).items()}
         for device, items in work.items():
             if device.type == "meta":
@@ -232,57 +205,30 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
         self._check_devices(work)
         return work
 
-    def _check_devices(self, by_device: Dict[torch.device, _Work]) -> None:
+    def _check_devices(self, by_device: Dict[torch.device, Work]) -> None:
         """Hook: reject a device layout the optimizer cannot step (before any update)."""
 
+    def _one_device(self, by_device: Dict[torch.device, Work], why: str) -> None:
+        if len(by_device) > 1:
+            raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
+                             f"share one device ({why}), got {list(by_device)}")
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """Hook: errors of torch's implementation raised before any update."""
+
     def _refuse_meta(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        """Parameters on the meta device hold no values: refused before any update (a
-        step would leave meta state behind for the parameters once materialised)."""
+        check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
+        if group.get("fused") and check is not None:
+            check(params[0])  # (fused=True: torch's own check first, as torch.optim)
         raise RuntimeError(f"{type(self).__name__}.step: {len(params)} parameter(s) with "
                            "gradients are on the meta device, which holds no values; "
                            "materialise the model first (e.g. model.to_empty(device=...))")
 
-    def _master(self, p: Tensor, state: Dict[str, Any]) -> Optional[Tensor]:
-        """p's fp32 master in p's `state`, or None when p needs none.
-
-        The master follows the parameter: created when the model was cast to 16 bits
-        after the optimizer was built, moved and re-laid-out with it (``.cuda()``,
-        ``channels_last``), dropped while the parameter is fp32 (it is then its own
-        master), and brought up to the parameter when the parameter was written
-        outside the optimizer (its version counter moved: ``load_state_dict`` on the
-        model, an in-place edit under ``no_grad``; edits through ``.data`` do not
-        count, as they bypass the counter): the elements written take the parameter's
-        value, those the write left as they were keep their fp32 value
-        (:func:`mixedprec.masters.retake_master`). A Kahan compensation or remainder is
-        converted as ``_convert_lean_state`` says."""
-        self._convert_lean_state(p, state)
-        if not self.master_weights or not mst.needs_master(p):
-            if state.get("master_param") is not None:
-                self._master_versions.pop(id(state.pop("master_param")), None)
-            return None
-        master = state.get("master_param")
-        if master is None:
-            return self._new_master(p, state)
-        # (Under torch.compile the version counter is not traceable: not checked there.)
-        if not torch.compiler.is_compiling() and (
-                self._master_versions.setdefault(id(master), p._version) != p._version):
-            del self._master_versions[id(master)]
-            if not mst.retake_master(master, p):
-                return self._new_master(p, state)
-            self._master_versions[id(master)] = p._version
-        moved = mst.follow_layout(master, p)
-        if moved is not master:
-            self._master_versions[id(moved)] = self._master_versions.pop(id(master),
-                                                                          p._version)
-            state["master_param"] = moved
-        return moved
-
     @staticmethod
     def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
                       dtype: torch.dtype = torch.float32) -> Tensor:
-        """state[key] on like's device and in its layout, created as zeros of `dtype`
-        (made from `like`: a DTensor's state is a DTensor with its placements) if
-        absent."""
+        """state[key] on like's device and in its layout, created as zeros of ``dtype``
+        (a DTensor's state is a DTensor with its placements) if absent."""
         value = state.get(key)
         if value is None:
             value = state[key] = torch.zeros_like(like, dtype=dtype,
@@ -291,21 +237,10 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
             value = state[key] = mst.follow_layout(value, like)
         return value
 
-    def _moments(self, states: List[Dict[str, Any]], targets: List[Tensor]):
-        """Adam's two moments (``exp_avg``, ``exp_avg_sq``, of ``state_dtype``) of each
-        target, created as zeros where absent (FusedAdam, FusedLAMB)."""
-        dtype = self._moment_dtype()
-        return ([self._state_tensor(state, "exp_avg", t, dtype)
-                 for state, t in zip(states, targets)],
-                [self._state_tensor(state, "exp_avg_sq", t, dtype)
-                 for state, t in zip(states, targets)])
-
-    # The step count of FusedAdam, FusedLAMB and FusedNovoGrad belongs to the param group,
-    # as in Apex: ``group["step"]``, a float32 tensor of shape [1] on the group's device.
     @staticmethod
     def _group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
-        """``group["step"]`` on ``device``, created from the number it holds (0 if absent:
-        an Apex-style subclass's int, FusedMixedPrecisionLamb's start count)."""
+        """``group["step"]`` (the group's step count, Apex's layout) on ``device``, a
+        float32 tensor of shape [1], created from the number it holds (0 if absent)."""
         step = group.get("step")
         if not isinstance(step, Tensor):
             step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
@@ -314,56 +249,68 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
             step = group["step"] = step.to(device)
         return step
 
-    def _one_device(self, by_device: Dict[torch.device, "_Work"], why: str) -> None:
-        if len(by_device) > 1:
-            raise ValueError(f"{type(self).__name__}: the parameters of a param group must "
-                             f"share one device ({why}), got {list(by_device)}")
+    def _steps(self, group: Dict[str, Any], call: Work, device: torch.device,
+               used: List[Tensor], holders) -> List[Tuple[List[int], Tensor]]:
+        """[(positions in ``call``, their step-count tensor)]: torch's per-parameter counts
+        (:func:`~mixedprec.optim.torch_path.step_counts`; ``holders``: the group's
+        ``step_holders``)."""
+        return torch_path.step_counts(holders, call, device, used)
 
     def _update_lists(self, params: List[Tensor], states: List[Dict[str, Any]]):
         """(update targets, model copies) for one op call: the fp32 masters and the
         model params when any param has a master (an fp32 param is then its own
         master), else the params themselves and no model copy."""
-        masters = [self._master(p, state) for p, state in zip(params, states)]
+        masters = [self.masters.get(p, state, self.precision) for p, state in zip(params, states)]
         if all(m is None for m in masters):
             return list(params), []
         return [p if m is None else m for p, m in zip(params, masters)], list(params)
 
+    def _unscale_after(self, grads: List[Tensor], inv_scale, found_inf) -> None:
+        """``unscale_grads`` for an op that reads the gradients only: ``grad *= inv_scale``
+        unless the step was skipped (one more pass over the gradients)."""
+        if self.unscale_grads and inv_scale is not None and grads:
+            factor = inv_scale.reshape(()) if found_inf is None else torch.where(
+                found_inf.reshape(()) == 0, inv_scale.reshape(()), 1.0)
+            torch._foreach_mul_(grads, factor)
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs one optimization step (on the device, without host synchronisation)."""
+        """One optimization step (on the device, without host synchronisation, for fp32,
+        fp16 and bf16 parameters with dense gradients)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._pending.clear()
+        if not torch.compiler.is_compiling():  # (a compiled step guards on the values)
+            torch_path.check_groups(self, self._checked)
         self._fused_step()
+        torch_path.step_pending(self)
         return loss
 
     def _fused_step(self) -> None:
-        """``step`` without the closure, under the caller's ``torch.no_grad()``."""
-        # The one channel from a loss scaler: the attributes torch.amp.GradScaler sets
-        # around step() for optimizers with _step_supports_amp_scaling (mixedprec's
-        # GradScaler, amp and fp16_utils set the same ones).
+        """The fused part of ``step``, under the caller's ``torch.no_grad()``."""
         scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        planned = self._planned_work()
+        planned = None
+        if all(map(self._fused_group, self.param_groups)):  # (else no plan holds)
+            planned = self.plans.planned(self.param_groups, self.state, self.master,
+                                         self._plan_holds)
         if planned is not None:
-            used_master_grads = False
             scaled: Dict[torch.device, Any] = {}  # (inv_scale, found_inf) by device
-            for group, plan, grads, from_master in planned:
+            for group, plan, grads, _ in planned:
                 if plan.lists is not None:
                     if plan.device not in scaled:
                         scaled[plan.device] = self._scaling(plan.device, scaling)
                     self._run_plan(group, plan.lists, grads, *scaled[plan.device])
-                used_master_grads |= from_master
-            if used_master_grads:  # master gradients are used by one step
-                for _, plan, _, _ in planned:
-                    for master in plan.masters:
-                        if master is not None:
-                            master.grad = None
+            if any(from_master for *_, from_master in planned):
+                for _, plan, _, _ in planned:  # master gradients are used by one step
+                    for master in plan.with_masters:
+                        master.grad = None
             self._count_applied(scaling[1])
             return
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
-        plans: Dict[int, _Plan] = {}
+        plans: Dict[int, Plan] = {}
         compiling = torch.compiler.is_compiling()
         for index, (group, by_device) in enumerate(work):
             for device, items in by_device.items():
@@ -375,49 +322,105 @@ class _FusedOptimizer(LeanModes, Plans, StateLoading, Optimizer):
                     if not state:  # nothing kept (SGD without momentum on an fp32 param)
                         self.state.pop(p, None)
                 if lists is not None and len(by_device) == 1 and not compiling:
-                    plans[index] = self._make_plan(group, lists, device)
+                    plans[index] = self.plans.make(group, lists, device, self.state, self.master)
             if not by_device and not compiling:  # no gradients in this group
-                plans[index] = self._make_plan(group, None, None)
+                plans[index] = self.plans.make(group, None, None, self.state, self.master)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():
                 for state in items.states:
-                    master = state.get("master_param")
-                    if master is not None:
-                        master.grad = None
-        self._plans.clear()
-        if not torch.compiler.is_compiling():
-            self._plans.update(plans)
+                    if state.get("master_param") is not None:
+                        state["master_param"].grad = None
+        self.plans.invalidate()
+        if not compiling:
+            self.plans.plans.update(plans)
         self._count_applied(scaling[1])
 
-    def state_dict(self) -> Dict[str, Any]:
-        """torch's ``state`` and ``param_groups``, and ``applied_steps`` (a tensor, which
-        torch.optim's ``load_state_dict`` ignores)."""
-        return dict(super().state_dict(), applied_steps=self.applied_steps.clone())
-
-    def __getstate__(self) -> Dict[str, Any]:
-        # torch.optim.Optimizer keeps only defaults, state and param_groups.
-        state = super().__getstate__()
-        state.update(master=self.master, state_dtype=self.state_dtype,
-                     set_grad_none=self.set_grad_none, _sr_seed=self._sr_seed, _plans={},
-                     _master_versions={}, applied_steps=self.applied_steps)
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        # (A pickle from before the master modes holds master_weights instead.)
-        master_weights = state.pop("master_weights", False)
-        state.setdefault("master", "fp32" if master_weights else "none")
-        state.setdefault("state_dtype", torch.float32)
-        state.setdefault("_sr_seed", None)
-        state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
-        super().__setstate__(state)
-
-    def _step_group(self, group, device, items: "_Work", inv_scale,
-                    found_inf) -> Optional[tuple]:
+    def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
         """One group's update on one device; returns the op's lists other than the
         gradients (for ``_run_plan``), or None when the next step cannot reuse them."""
         raise NotImplementedError
 
-    def _run_plan(self, group, lists: tuple, grads: List[Tensor], inv_scale,
-                  found_inf) -> None:
-        """The op call of ``_step_group`` again, with the lists it returned."""
+    def _run_plan(self, group, lists: tuple, grads: List[Tensor], inv_scale, found_inf):
+        """The op calls of ``_step_group`` again, with the lists it returned."""
         raise NotImplementedError
+
+    def _plan_holds(self, group: Dict[str, Any], plan: Plan) -> bool:
+        """Hook: whether group settings a plan depends on are still as planned."""
+        return True
+
+    def _torch_step(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor]):
+        """torch's functional step of ``params`` on torch's state layout."""
+        raise NotImplementedError(f"{type(self).__name__}: no torch implementation for "
+                                  "these parameters")
+
+    def _check_8bit(self, where: str, state_dtype: torch.dtype, groups=None) -> None:
+        """Hook: raises where the settings of ``groups`` (default the param groups)
+        exclude 8-bit moments (Adam's amsgrad)."""
+
+    def _check_group(self, where: str, group: Dict[str, Any]) -> None:
+        """Hook: a group's hyperparameters, for a class without a torch.optim twin."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format, and ``applied_steps``. Parameters that step together share
+        one step-count tensor in the optimizer; the state dict gives each its own."""
+        state_dict = dict(super().state_dict(), applied_steps=self.applied_steps.clone())
+        state_dict["state"] = {
+            key: dict(value, step=value["step"].clone()) if isinstance(value, dict) and
+            isinstance(value.get("step"), Tensor) else value
+            for key, value in state_dict["state"].items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Loads a state dict of this class or of torch.optim's class of the same name.
+        Unlike torch's, float32 state stays float32 next to fp16/bf16 parameters, and
+        everything is checked first: on a mismatch a ValueError names it and nothing
+        changes (:func:`mixedprec.optim.state.load`)."""
+        _state.load(self, state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and state.get("momentum_buffer", 0) is None:
+                    del state["momentum_buffer"]
+                if state == {}:
+                    del self.state[p]
+        torch_path.share_steps(self)
+        self.plans.invalidate()
+
+    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
+        """A saved param group with the keys a newer release added."""
+        return dict(self._NEWER_KEYS, **saved)
+
+    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+        """A loaded group's ``step`` (a group-level count), when it has one."""
+        _state.load_group_step(self, new_group, group)
+
+    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+        if key == "step":
+            torch_path.check_step_count(f"{type(self).__name__}.load_state_dict", param_id,
+                                        value)
+        if not self._fused_dtype(p) and isinstance(value, Tensor):  # torch's layout
+            if key == "step":
+                return value.to("cpu", torch.float32, copy=True)
+            return value.to(p.device, p.dtype if value.is_floating_point() else value.dtype,
+                            copy=True)
+        if value is None and key == "momentum_buffer":
+            return None
+        return _state.loaded_value(self, p, param_id, key, value)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = super().__getstate__()  # (torch keeps defaults, state and param_groups)
+        state.update(precision=self.precision, unscale_grads=self.unscale_grads,
+                     applied_steps=self.applied_steps)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "precision" not in state:  # (a pickle from before Precision)
+            state["precision"] = Precision.from_pickle(state, type(self).__name__, self._LEAN,
+                                                       self._8BIT_KEYS)
+        state.setdefault("unscale_grads", True)
+        state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
+        state.update(plans=PlanCache(), masters=Masters(), _pending=[], _checked={})
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self._NEWER_KEYS.items():
+                group.setdefault(key, value)

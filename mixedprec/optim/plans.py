@@ -4,18 +4,18 @@ fixed cost with many small tensors)."""
 
 from itertools import compress, repeat
 from operator import attrgetter, is_not
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..grads import update_grad
-from .lean import _FLOAT_DTYPES
+from .precision import FLOAT_DTYPES
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """A param group's op call as the last step made it, reused while nothing it was
-    made from has changed (see ``_FusedOptimizer._planned_work``)."""
+    made from has changed (see ``PlanCache.planned``)."""
 
     state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
     # per group param: (dtype, storage address, version), so that a parameter converted,
@@ -43,114 +43,109 @@ def _signatures(params: List[Tensor]) -> List[Tuple[Any, ...]]:
 _grad_of = attrgetter("grad")
 
 
-class Plans:
-    """The optimizer base's plan cache (a mixin of _FusedOptimizer, which keeps
-    ``_plans``)."""
+class PlanCache:
+    """A param group index -> its plan, as the last step made them (the optimizer base
+    holds one: ``optimizer.plans``)."""
 
-    def _invalidate_plans(self) -> None:
-        """Forgets the op calls kept from the last step (see ``_planned_work``): for
-        whatever changes state, groups or masters other than through a step. (The dict
-        is changed in place, never rebound, as torch.compile traces that more easily.)"""
-        self._plans.clear()
+    def __init__(self):
+        self.plans: Dict[int, Plan] = {}
+
+    def invalidate(self) -> None:
+        """Forgets the op calls kept from the last step: for whatever changes state,
+        groups or masters other than through a step. (The dict is changed in place,
+        never rebound, as torch.compile traces that more easily.)"""
+        self.plans.clear()
 
     @staticmethod
-    def _step_on(group: Dict[str, Any], plan: "_Plan") -> bool:
+    def step_on(group: Dict[str, Any], plan: "Plan") -> bool:
         """Whether the group's step count is a tensor on the device of the plan's lists."""
         step = group.get("step")
         return isinstance(step, Tensor) and step.device == plan.device
 
-    def _state_key(self) -> Tuple[int, int, str]:
-        return id(self.state), len(self.state), self.master
-
-    def _make_plan(self, group: Dict[str, Any], lists: Optional[tuple],
-                   device: Optional[torch.device]) -> _Plan:
+    @staticmethod
+    def make(group: Dict[str, Any], lists: Optional[tuple], device: Optional[torch.device],
+             state_of: Dict[Tensor, Dict[str, Any]], master: str) -> Plan:
         params = group["params"]
-        states = [self.state.get(p) or {} for p in params]
+        states = [state_of.get(p) or {} for p in params]
         masters = [state.get("master_param") for state in states]
         grads = [update_grad(p, m) for p, m in zip(params, masters)]
         stepped = [g is not None for g in grads]
-        return _Plan(self._state_key(), _signatures(params), [p.stride() for p in params],
-                     masters, stepped, lists, device, all(stepped),
-                     [m for m in masters if m is not None],
+        return Plan((id(state_of), len(state_of), master), _signatures(params),
+                     [p.stride() for p in params], masters, stepped, lists, device,
+                     all(stepped), [m for m in masters if m is not None],
                      [(g.dtype, p.stride()) for p, g in zip(params, grads) if g is not None])
 
-    def _planned_work(self):
+    def planned(self, param_groups: List[Dict[str, Any]], state_of: Dict[Tensor, Any],
+                master: str, holds: Callable[[Dict[str, Any], Plan], bool]):
         """[(group, plan, gradients, whether some came from masters)] when every group
         can reuse the op call of the last step, else None (the step then takes the
         full path, and makes new plans).
 
         A plan holds the op's lists of masters, moments, buffers and model params, so
         a step only gathers the gradients. It is reused while the optimizer's state
-        dict is the same object of the same size, ``master_weights`` is unchanged, the
-        group's parameters have the dtypes, devices and (un)set gradients they had,
-        the group settings the plan depends on hold, and nothing called
-        ``_invalidate_plans`` (``load_state_dict``, ``add_param_group``,
-        ``mixedprec.amp.initialize``). State entries must be replaced through those,
-        not by assigning to ``optimizer.state[p][key]``."""
-        plans = self._plans
-        if len(plans) != len(self.param_groups) or torch.compiler.is_compiling():
+        dict is the same object of the same size, ``master`` is unchanged, the group's
+        parameters have the dtypes, devices and (un)set gradients they had, the group
+        settings the plan depends on hold (``holds``), and nothing called
+        :meth:`invalidate` (``load_state_dict``, ``add_param_group``,
+        ``configure``). State entries must be replaced through those, not by
+        assigning to ``optimizer.state[p][key]``."""
+        plans = self.plans
+        if len(plans) != len(param_groups) or torch.compiler.is_compiling():
             return None  # (a compiled step is traced once: it needs no plans)
-        state_key = self._state_key()
+        state_key = (id(state_of), len(state_of), master)
         planned = []
-        for index, group in enumerate(self.param_groups):
+        for index, group in enumerate(param_groups):
             plan = plans.get(index)
             params = group["params"]
             if plan is None or plan.state_key != state_key or len(params) != len(plan.stepped):
                 return None
-            gathered = self._planned_gradients(params, plan)
+            gathered = _planned_gradients(params, plan)
             if gathered is None:
                 return None
             grads, from_master = gathered
-            if plan.lists is not None and not self._plan_holds(group, plan):
+            if plan.lists is not None and not holds(group, plan):
                 return None
             planned.append((group, plan, grads, from_master))
         return planned
 
-    @staticmethod
-    def _planned_gradients(params: List[Tensor], plan: _Plan
-                           ) -> Optional[Tuple[List[Tensor], bool]]:
-        """(the gradients the update reads, whether some are masters') when ``params``
-        and their gradients are as ``plan`` was made from, else None. A few list
-        comparisons in the usual case (no master holds a gradient; each gradient has
-        the dtype it had and its parameter's strides); else one check per parameter,
-        as ``_planned_gradient_by_gradient``."""
-        if _signatures(params) != plan.signature:
-            return None  # converted, moved, re-laid-out or written outside a step
-        if plan.with_masters and any(map(is_not, map(_grad_of, plan.with_masters),
-                                         repeat(None))):
-            return Plans._planned_gradient_by_gradient(params, plan)
-        grads = list(map(_grad_of, params))
-        if list(map(is_not, grads, repeat(None))) != plan.stepped:
-            return None  # a parameter gained or lost its gradient
-        if not plan.all_stepped:
-            grads = list(compress(grads, plan.stepped))
-        try:
-            if [(g.dtype, g.stride()) for g in grads] == plan.grad_meta:
-                return grads, False
-        except RuntimeError:  # stride(): a gradient of another layout (sparse) has none
-            pass
-        return Plans._planned_gradient_by_gradient(params, plan)
 
-    @staticmethod
-    def _planned_gradient_by_gradient(params: List[Tensor], plan: _Plan
-                                      ) -> Optional[Tuple[List[Tensor], bool]]:
-        """``_planned_gradients``' answer, one gradient at a time: a master's gradient is
-        read where set, and each gradient the update reads must be a dense float one
-        with its parameter's strides (else the full path converts it or raises)."""
-        grads: List[Tensor] = []
-        from_master = False
-        for p, m, stepped, strides in zip(params, plan.masters, plan.stepped, plan.strides):
-            grad = update_grad(p, m)
-            from_master |= grad is not None and grad is not p.grad  # (a master's)
-            if (grad is not None) != stepped:
-                return None
-            if grad is not None:
-                if (grad.is_sparse or grad.dtype not in _FLOAT_DTYPES
-                        or grad.stride() != strides):
-                    return None  # the full path converts it or raises the error
-                grads.append(grad)
-        return grads, from_master
+def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[Tensor], bool]]:
+    """(the gradients the update reads, whether some are masters') when ``params`` and
+    their gradients are as ``plan`` was made from, else None. A few list comparisons in
+    the usual case (no master holds a gradient; each gradient has the dtype it had and
+    its parameter's strides); else one check per parameter, as
+    ``_planned_gradient_by_gradient``."""
+    if _signatures(params) != plan.signature:
+        return None  # converted, moved, re-laid-out or written outside a step
+    if plan.with_masters and any(map(is_not, map(_grad_of, plan.with_masters), repeat(None))):
+        return _planned_gradient_by_gradient(params, plan)
+    grads = list(map(_grad_of, params))
+    if list(map(is_not, grads, repeat(None))) != plan.stepped:
+        return None  # a parameter gained or lost its gradient
+    if not plan.all_stepped:
+        grads = list(compress(grads, plan.stepped))
+    try:
+        if [(g.dtype, g.stride()) for g in grads] == plan.grad_meta:
+            return grads, False
+    except RuntimeError:  # stride(): a gradient of another layout (sparse) has none
+        pass
+    return _planned_gradient_by_gradient(params, plan)
 
-    def _plan_holds(self, group: Dict[str, Any], plan: _Plan) -> bool:
-        """Hook: whether group settings a plan depends on are still as planned."""
-        return True
+
+def _planned_gradient_by_gradient(params: List[Tensor], plan: Plan
+                                  ) -> Optional[Tuple[List[Tensor], bool]]:
+    """``_planned_gradients``' answer, one gradient at a time: a master's gradient is
+    read where set, and each gradient the update reads must be a dense float one with
+    its parameter's strides (else the full path converts it or raises)."""
+    grads: List[Tensor] = []
+    from_master = False
+    for p, m, stepped, strides in zip(params, plan.masters, plan.stepped, plan.strides):
+        grad = update_grad(p, m)
+        from_master |= grad is not None and grad is not p.grad  # (a master's)
+        if (grad is not None) != stepped:
+            return None
+        if grad is not None:
+            if grad.is_sparse or grad.dtype not in FLOAT_DTYPES or grad.stride() != strides:
+                return None  # the full path converts it or raises the error
+            grads.append(grad)
+    return grads, from_master

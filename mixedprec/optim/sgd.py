@@ -2,7 +2,7 @@
 buffers start) for fp32, fp16 and bf16 parameters, with fp32 masters or the lean modes
 as keyword-only extras."""
 
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.optim.sgd as torch_sgd
@@ -10,13 +10,15 @@ from torch import Tensor
 
 from .. import ops
 from . import state8
-from .optimizer import _pick, _where, _Work
-from .torch_optimizer import TorchOptimizer, torch_defaults
+from .optimizer import Optimizer
+from .plans import PlanCache
+from .precision import Work, pick, positions_in
+from .torch_path import lr_on_device, torch_defaults
 
 __all__ = ["SGD"]
 
 
-class SGD(TorchOptimizer):
+class SGD(Optimizer):
     """``torch.optim.SGD`` with torch's arguments, defaults, param-group keys and
     ``state_dict`` (``momentum_buffer`` per parameter, none without momentum), stepped
     by fused op calls without host synchronisation. Step for step equal to
@@ -56,29 +58,33 @@ class SGD(TorchOptimizer):
         super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
                          unscale_grads=unscale_grads)
 
-    def _step_group(self, group, device, items: _Work, inv_scale, found_inf):
+    def _step_group(self, group, device, items: Work, inv_scale, found_inf):
         momentum = group["momentum"]
-        lr = self._lr(group, device, found_inf)
+        lr = lr_on_device(group, device, found_inf)
         step = self._rounding_step(group, device, lr[2])
         calls, starting = [], False
-        for call, positions, lean, eight in self._lean_calls(items, momentum != 0):
+        precision = self.precision
+        for call, positions, lean, eight in precision.calls(items, momentum != 0):
             # Params whose momentum buffer starts now (first_run) go in a call of their own.
             starts = [momentum != 0 and "momentum_buffer" not in state for state in call.states]
             for first_run in sorted(set(starts)):
                 picked = [i for i, s in enumerate(starts) if s == first_run]
                 part = call.pick(picked)
-                where = _where(picked, positions, len(items.grads))
+                where = positions_in(picked, positions, len(items.grads))
                 targets, model = self._update_lists(part.params, part.states)
                 scales = None
                 if eight:
                     buffers, scales = state8.entries(part.states, targets, "momentum_buffer")
                 else:
-                    buffers = [self._state_tensor(state, "momentum_buffer", t, self._moment_dtype())
+                    dtype = precision.moment_dtype()
+                    buffers = [self._state_tensor(state, "momentum_buffer", t, dtype)
                                for state, t in zip(part.states, targets)] if momentum else []
-                comps = self._compensations(part.states, targets) if lean else []
-                salts = self._salts(group, part.params, device, eight) if lean or eight else []
+                comps = precision.lean_state(part.states, targets, self._state_tensor) \
+                    if lean else []
+                salts = precision.salts(type(self).__name__, group, part.params, device,
+                                        eight) if lean or eight else []
                 lists = (where, targets, buffers, model, comps, salts, scales)
-                self._sgd(group, lists, _pick(items.grads, where), first_run, inv_scale,
+                self._sgd(group, lists, pick(items.grads, where), first_run, inv_scale,
                           lr, step)
                 calls.append(lists)
                 starting |= first_run
@@ -103,13 +109,13 @@ class SGD(TorchOptimizer):
 
     def _plan_holds(self, group, plan) -> bool:
         return (group["momentum"] != 0) == bool(plan.lists[0][2]) and (
-            not self._stochastic(group) or self._step_on(group, plan))
+            not self._stochastic(group) or PlanCache.step_on(group, plan))
 
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
-        lr = self._lr(group, calls[0][1][0].device, found_inf)
+        lr = lr_on_device(group, calls[0][1][0].device, found_inf)
         step = self._rounding_step(group, calls[0][1][0].device, lr[2])
         for lists in calls:
-            self._sgd(group, lists, _pick(grads, lists[0]), False, inv_scale, lr, step)
+            self._sgd(group, lists, pick(grads, lists[0]), False, inv_scale, lr, step)
 
     def _sgd(self, group, lists, grads, first_run, inv_scale, lr_and_skip, step) -> None:
         """One fused_sgd_ call; ``lr_and_skip``: ``_lr``'s (lr, lr_tensor, found_inf)."""
@@ -119,17 +125,12 @@ class SGD(TorchOptimizer):
                        dampening=group["dampening"], weight_decay=group["weight_decay"],
                        nesterov=group["nesterov"], first_run=first_run, inv_scale=inv_scale,
                        found_inf=found_inf, wd_after_momentum=self.wd_after_momentum,
-                       kahan_comps=comps if self.master == "kahan" else None,
-                       remainders=comps if self.master == "remainder" else None, sr_salts=salts,
-                       sr_seed=group.get("sr_seed") if self._rounds_params(targets) else None,
                        step=step if salts else None, maximize=bool(group.get("maximize")),
                        lr_tensor=lr_tensor,
                        unscale_grads=self.unscale_grads and inv_scale is not None,
                        momentum_scales=scales,
-                       state_seed=self._state_seed(group) if scales else None)
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        self._load_group_step(new_group, group)
+                       **self.precision.op_lean_args(group, targets, comps, salts,
+                                                     scales is not None))
 
     def _torch_step(self, group, params: List[Tensor], grads: List[Tensor]) -> None:
         momentum = group["momentum"]

@@ -1,6 +1,7 @@
-"""Loading an optimizer's state dict: groups, sizes and dtypes checked before anything
-changes, float32 state kept float32 next to fp16/bf16 parameters, group-level step
-counts, and the hooks through which the torch-named optimizers read torch's format."""
+"""Loading an optimizer's state dict (:func:`load`, the base's ``load_state_dict``):
+groups, sizes and dtypes checked before anything changes, float32 state kept float32
+next to fp16/bf16 parameters, group-level step counts, state saved in another master
+mode converted or refused."""
 
 from typing import Any, Dict, Optional
 
@@ -18,7 +19,7 @@ _PARAM_STATE = {"master_param": torch.float32, "sum": torch.float32, "momentum_b
                 "kahan_comp": torch.bfloat16, "remainder": torch.int16}
 # The entries that hold part of a 16-bit parameter's value, the master mode that keeps
 # each, and the modes that take it exactly from another mode's state dict (converted at
-# the parameter's next step: LeanModes._convert_lean_state); the other modes refuse it.
+# the parameter's next step: Precision.convert); the other modes refuse it.
 _MODE_STATE = {"master_param": ("fp32", "an fp32 master"),
                "kahan_comp": ("kahan", "a Kahan compensation"),
                "remainder": ("remainder", "a remainder (the low half of an fp32 master)")}
@@ -39,153 +40,143 @@ def whole_count(value: Any) -> Optional[int]:
     return int(value)
 
 
-class StateLoading:
-    """The optimizer base's ``load_state_dict`` (a mixin of _FusedOptimizer)."""
+def load_group_step(opt, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
+    """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
+    it is; a 1-element tensor becomes a float32 copy on the group's device."""
+    step = new_group.get("step")
+    if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
+            and step >= 0:
+        return
+    if not isinstance(step, Tensor) or step.numel() != 1:
+        raise ValueError(f"{type(opt).__name__}.load_state_dict: a param group's 'step' "
+                         "must be a number >= 0 or a 1-element tensor")
+    device = group["params"][0].device if group["params"] else step.device
+    new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
 
-    def _load_group_step(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        """A loaded group's ``step``: a number (an Apex-style int, a start count) stays as
-        it is; a 1-element tensor becomes a float32 copy on the group's device."""
-        step = new_group.get("step")
-        if step is None or isinstance(step, (int, float)) and not isinstance(step, bool) \
-                and step >= 0:
-            return
-        if not isinstance(step, Tensor) or step.numel() != 1:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: a param group's 'step' "
-                             "must be a number >= 0 or a 1-element tensor")
-        device = group["params"][0].device if group["params"] else step.device
-        new_group["step"] = step.to(device, torch.float32, copy=True).reshape(1)
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Loads a state dict saved by this optimizer class.
+def load(opt, state_dict: Dict[str, Any]) -> None:
+    """Loads a state dict into optimizer ``opt``.
 
-        Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
-        moments, momentum buffers) stays float32 instead of being cast to the dtype of
-        fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
-        a ValueError names it and nothing is changed. The optimizer's load_state_dict
-        pre- and post-hooks run as in torch.
-        """
-        name = type(self).__name__
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            if hook_result is not None:
-                state_dict = hook_result
-        missing = [k for k in ("state", "param_groups") if k not in state_dict]
-        if missing:
-            raise ValueError(f"{name}.load_state_dict: expected a state dict with 'state' and "
-                             f"'param_groups', got one without {missing}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
+    Unlike ``torch.optim.Optimizer.load_state_dict``, float32 state (masters,
+    moments, momentum buffers) stays float32 instead of being cast to the dtype of
+    fp16/bf16 parameters. Groups, sizes and dtypes are checked first; on a mismatch
+    a ValueError names it and nothing is changed. The optimizer's load_state_dict
+    pre- and post-hooks run as in torch.
+    """
+    name = type(opt).__name__
+    state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        hook_result = pre_hook(opt, state_dict)
+        if hook_result is not None:
+            state_dict = hook_result
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"{name}.load_state_dict: expected a state dict with 'state' and "
+                         f"'param_groups', got one without {missing}")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
+            f"the optimizer has {len(opt.param_groups)}"
+        )
+    id_to_param: Dict[Any, Tensor] = {}
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
             raise ValueError(
-                f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
-                f"the optimizer has {len(self.param_groups)}"
+                f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
+                f"params in the state dict and {len(group['params'])} in the optimizer"
             )
-        id_to_param: Dict[Any, Tensor] = {}
-        for i, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {i} has {len(saved['params'])} "
-                    f"params in the state dict and {len(group['params'])} in the optimizer"
-                )
-            id_to_param.update(zip(saved["params"], group["params"]))
+        id_to_param.update(zip(saved["params"], group["params"]))
 
-        saved_groups = [self._upgrade_group(dict(saved)) for saved in saved_groups]
-        for i, saved in enumerate(saved_groups):
-            missing = sorted(k for k in self.defaults if k not in saved)
-            if missing:
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {i} of the state dict has no "
-                    f"{missing}: it was not saved by a {name}")
-        new_state: Dict[Tensor, Dict[str, Any]] = {}
-        for key, saved_state in state_dict["state"].items():
-            if key not in id_to_param:
-                raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
-            unknown = sorted(k for k in saved_state if k not in self._STATE_KEYS)
-            if unknown:
-                raise ValueError(
-                    f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
-                    f"a {name} does not keep (it keeps {list(self._STATE_KEYS)}): the state "
-                    f"dict was saved by another optimizer")
-            p = id_to_param[key]
-            new_state[p] = {k: self._loaded_value(p, key, k, v) for k, v in saved_state.items()}
-            self._check_loaded_modes(p, key, saved_state)
-            state8.check_pairs(f"{name}.load_state_dict: state[{key}]", new_state[p])
+    saved_groups = [opt._upgrade_group(dict(saved)) for saved in saved_groups]
+    for i, saved in enumerate(saved_groups):
+        missing = sorted(k for k in opt.defaults if k not in saved)
+        if missing:
+            raise ValueError(
+                f"{name}.load_state_dict: param group {i} of the state dict has no "
+                f"{missing}: it was not saved by a {name}")
+    new_state: Dict[Tensor, Dict[str, Any]] = {}
+    for key, saved_state in state_dict["state"].items():
+        if key not in id_to_param:
+            raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+        unknown = sorted(k for k in saved_state if k not in opt._STATE_KEYS)
+        if unknown:
+            raise ValueError(
+                f"{name}.load_state_dict: the state of param {key} has {unknown}, which "
+                f"a {name} does not keep (it keeps {list(opt._STATE_KEYS)}): the state "
+                f"dict was saved by another optimizer")
+        p = id_to_param[key]
+        new_state[p] = {k: opt._loaded_value(p, key, k, v) for k, v in saved_state.items()}
+        _check_loaded_modes(opt, p, key, saved_state)
+        state8.check_pairs(f"{name}.load_state_dict: state[{key}]", new_state[p])
 
-        applied = self._loaded_applied_steps(state_dict.get("applied_steps", 0))
-        new_groups = []
-        for group, saved in zip(self.param_groups, saved_groups):
-            new_group = {k: v for k, v in saved.items() if k != "params"}
-            if "param_names" in group:  # (as torch: kept when the state dict has none)
-                new_group.setdefault("param_names", group["param_names"])
-            if "sr_seed" in group:  # (a state dict saved in another mode has none)
-                new_group.setdefault("sr_seed", group["sr_seed"])
-            self._load_group_state(new_group, group)
-            new_group["params"] = group["params"]
-            new_groups.append(new_group)
-        self._check_8bit(f"{name}.load_state_dict", self.state_dtype, new_groups)
+    applied = _loaded_applied_steps(opt, state_dict.get("applied_steps", 0))
+    new_groups = []
+    for group, saved in zip(opt.param_groups, saved_groups):
+        new_group = {k: v for k, v in saved.items() if k != "params"}
+        if "param_names" in group:  # (as torch: kept when the state dict has none)
+            new_group.setdefault("param_names", group["param_names"])
+        if "sr_seed" in group:  # (a state dict saved in another mode has none)
+            new_group.setdefault("sr_seed", group["sr_seed"])
+        opt._load_group_state(new_group, group)
+        new_group["params"] = group["params"]
+        new_groups.append(new_group)
+    opt._check_8bit(f"{name}.load_state_dict", opt.state_dtype, new_groups)
 
-        # (everything checked: from here on nothing raises)
-        self.state.clear()
-        self.state.update(new_state)
-        self._master_versions.clear()  # loaded masters are in step with the loaded model
-        self.param_groups = new_groups
-        self.applied_steps.fill_(applied)
-        self._invalidate_plans()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+    # (everything checked: from here on nothing raises)
+    opt.state.clear()
+    opt.state.update(new_state)
+    opt.masters.versions.clear()  # loaded masters are in step with the loaded model
+    opt.param_groups = new_groups
+    opt.applied_steps.fill_(applied)
+    opt.plans.invalidate()
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
-    def _loaded_applied_steps(self, value: Any) -> int:
-        """The saved ``applied_steps`` (0 when absent: a torch.optim state dict) as an
-        int >= 0 (read on the host once, when loading)."""
-        count = whole_count(value)
-        if count is None:
-            one = isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()
-            shown = value.detach().reshape(()).cpu().item() if one else value  # sync-ok: loading
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected "
-                             f"'applied_steps' to be an int >= 0, got {shown!r}")
-        return count
+def _loaded_applied_steps(opt, value: Any) -> int:
+    """The saved ``applied_steps`` (0 when absent: a torch.optim state dict) as an
+    int >= 0 (read on the host once, when loading)."""
+    count = whole_count(value)
+    if count is None:
+        one = isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()
+        shown = value.detach().reshape(()).cpu().item() if one else value  # sync-ok: loading
+        raise ValueError(f"{type(opt).__name__}.load_state_dict: expected "
+                         f"'applied_steps' to be an int >= 0, got {shown!r}")
+    return count
 
-    def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
-        if not isinstance(value, Tensor):
-            return value
-        where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}]"
-        if key in _PARAM_STATE or key in state8.ONLY_8BIT:
-            shape, expected = state8.expected(p, key, self.state_dtype, where) or (
-                tuple(p.shape), _PARAM_STATE[key])
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"{where} has shape {tuple(value.shape)}, expected "
-                                 f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
-            if value.dtype != expected:
-                raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
-                                 f"optimizer's setting: state_dtype={self.state_dtype})")
-        return value.to(p.device, copy=True)
+def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        return value
+    where = f"{type(opt).__name__}.load_state_dict: state[{param_id}][{key!r}]"
+    if key in _PARAM_STATE or key in state8.ONLY_8BIT:
+        shape, expected = state8.expected(p, key, opt.state_dtype, where) or (
+            tuple(p.shape), _PARAM_STATE[key])
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{where} has shape {tuple(value.shape)}, expected "
+                             f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
+        if value.dtype != expected:
+            raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
+                             f"optimizer's setting: state_dtype={opt.state_dtype})")
+    return value.to(p.device, copy=True)
 
-    def _check_loaded_modes(self, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:
-        """Refuses state entries of another master mode that this optimizer's mode cannot
-        take exactly (``_EXACT_FROM``): a master or remainder into master='none', 'kahan'
-        or 'stochastic', a Kahan compensation into 'none' or 'stochastic'. (An fp32
-        parameter is its own master: its entries say nothing more.)"""
-        if p.dtype not in (torch.float16, torch.bfloat16):
-            return
-        for key, (mode, what) in _MODE_STATE.items():
-            if key not in saved or mode == self.master:
-                continue
-            where = f"{type(self).__name__}.load_state_dict: state[{param_id}][{key!r}] is {what}"
-            if key not in _EXACT_FROM.get(self.master, ()):
-                exact = [m for m, keys in _EXACT_FROM.items() if key in keys]
-                raise ValueError(f"{where}, which master={self.master!r} cannot keep exactly; "
-                                 f"load it into an optimizer with master in "
-                                 f"{sorted({mode, *exact})}")
-            if type(p.data) is not Tensor:  # (a DTensor: its local shards are not split)
-                raise ValueError(f"{where}, which master={self.master!r} takes from master="
-                                 f"{mode!r} exactly for plain tensors only, not for a "
-                                 f"{type(p.data).__name__} parameter; load it into an "
-                                 f"optimizer with master={mode!r}")
-
-    def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """Hook: a saved param group with the keys a newer release added (torch's
-        optimizers give an older state dict their defaults)."""
-        return saved
-
-    def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
-        """Hook for group-level state tensors (FusedAdam's step)."""
+def _check_loaded_modes(opt, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:
+    """Refuses state entries of another master mode that this optimizer's mode cannot
+    take exactly (``_EXACT_FROM``): a master or remainder into master='none', 'kahan'
+    or 'stochastic', a Kahan compensation into 'none' or 'stochastic'. (An fp32
+    parameter is its own master: its entries say nothing more.)"""
+    if p.dtype not in (torch.float16, torch.bfloat16):
+        return
+    for key, (mode, what) in _MODE_STATE.items():
+        if key not in saved or mode == opt.master:
+            continue
+        where = f"{type(opt).__name__}.load_state_dict: state[{param_id}][{key!r}] is {what}"
+        if key not in _EXACT_FROM.get(opt.master, ()):
+            exact = [m for m, keys in _EXACT_FROM.items() if key in keys]
+            raise ValueError(f"{where}, which master={opt.master!r} cannot keep exactly; "
+                             f"load it into an optimizer with master in "
+                             f"{sorted({mode, *exact})}")
+        if type(p.data) is not Tensor:  # (a DTensor: its local shards are not split)
+            raise ValueError(f"{where}, which master={opt.master!r} takes from master="
+                             f"{mode!r} exactly for plain tensors only, not for a "
+                             f"{type(p.data).__name__} parameter; load it into an "
+                             f"optimizer with master={mode!r}")

@@ -119,7 +119,7 @@ def test_unknown_steps_and_options_exit_2_before_anything_runs(tmp_path):
 
 MEMCHECK_FILES = ("ops/test_multi_tensor.py", "ops/test_engine_edges.py",
                   "scaler/test_loss_scale.py", "optim/test_lean.py", "optim/test_state8.py",
-                  "optim/test_remainder.py", "optim/test_lamb.py",
+                  "optim/test_remainder.py", "compat/test_lamb.py",
                   "ops/test_stochastic_rounding.py")
 PLAN_LINE = re.compile(r"^plan: stage (\d+) +(\S+) +limit +(\d+)s  .*\n +\$ (.*)$", re.M)
 

@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from helpers import assert_state_dict_unchanged, make_model, state_dict_snapshot
 from torch import nn
 
 from mixedprec import amp, fp16_utils
@@ -169,10 +170,6 @@ def test_legacy_step_reads_p_grad_and_one_group_list():
     assert torch.equal(a, a2) and torch.equal(b, b2)
 
 
-def _snapshot(opt, params):
-    return ([p.detach().clone() for p in params], repr(opt.state_dict()))
-
-
 @pytest.mark.parametrize("kwargs, error", [
     (dict(grads=[[torch.ones(3)], [torch.ones(3)]]), ValueError),  # two lists, one group
     (dict(grads=[[torch.ones(4)]]), ValueError),  # wrong shape
@@ -189,11 +186,10 @@ def test_legacy_step_rejects_before_writing(kwargs, error):
     opt = FusedAdam([p], lr=0.1, max_grad_norm=1.0)
     p.grad = torch.ones(3)
     opt.step()
-    before = _snapshot(opt, [p])
+    before = state_dict_snapshot([p], opt)
     with pytest.raises(error):
         opt.step(**kwargs)
-    assert _snapshot(opt, [p])[1] == before[1]
-    assert torch.equal(p.detach(), before[0][0])
+    assert_state_dict_unchanged([p], opt, before)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -303,13 +299,12 @@ def test_fp16_optimizer_2019_static_scale_and_rejections():
 
 # --- amp internals ---------------------------------------------------------------------------
 
-def _mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+# The model of the amp tests below (helpers.make_model's Sequential).
+MLP = dict(sizes=(4, 8, 2), activation=nn.ReLU)
 
 
 def test_loss_scale_attribute_write_takes_effect():
-    model = _mlp()
+    model = make_model(**MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     scaler = amp._amp_state.loss_scalers[0]
@@ -332,7 +327,7 @@ def test_loss_scale_attribute_write_takes_effect():
 
 
 def test_overflow_buf_and_update_scale_as_bert_uses_them():
-    model = _mlp()
+    model = make_model(**MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     scaler = amp._amp_state.loss_scalers[0]
@@ -358,7 +353,7 @@ def test_overflow_buf_and_update_scale_as_bert_uses_them():
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-sgd", "fused-adam"])
 def test_amp_stash_lists(fused):
-    model = _mlp()
+    model = make_model(**MLP)
     opt = (FusedAdam(model.parameters(), lr=1e-3) if fused
            else torch.optim.SGD(model.parameters(), lr=0.1))
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -411,7 +406,7 @@ def test_foreign_optimizer_trains_and_skips(opt_level):
     """A step after an overflow does not run at all (no count, no state, no weights)
     and the scale halves; clean steps match the same optimizer on float64 copies fed the
     unscaled gradients."""
-    model = _mlp(4)
+    model = make_model(seed=4, **MLP)
     opt = ForeignFused(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # wraps step too
@@ -453,7 +448,7 @@ def test_foreign_optimizer_trains_and_skips(opt_level):
 
 
 def test_foreign_optimizer_step_reads_the_device_once(monkeypatch):
-    model = _mlp(5)
+    model = make_model(seed=5, **MLP)
     opt = ForeignFused(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
     reads = []
@@ -479,7 +474,7 @@ def handle():
 def test_amp_init_handle_casts_scales_and_skips(handle):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert isinstance(handle, amp.AmpHandle) and handle.is_active() and handle.has_cache
-    model = _mlp(5).to(device)
+    model = make_model(device, seed=5, **MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(4, 4, device=device)
     assert model(x).dtype == torch.float16  # autocast on for this thread
@@ -507,7 +502,7 @@ def test_amp_init_handle_casts_scales_and_skips(handle):
 
 
 def test_amp_init_wrap_optimizer_two_losses(handle):
-    model = _mlp(6)
+    model = make_model(seed=6, **MLP)
     opt = handle.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), num_loss=2)
     x = torch.randn(4, 4)
     before = [p.detach().clone() for p in model.parameters()]
@@ -521,7 +516,7 @@ def test_amp_init_wrap_optimizer_two_losses(handle):
     assert [s.loss_scale() for s in opt._loss_scaler] == [2.0**16, 2.0**15]
     opt.zero_grad()
     with handle._disable_casts():
-        ref = _mlp(6)
+        ref = make_model(seed=6, **MLP)
         (ref(x).mean() * 2).backward()
     for _ in range(2):
         with opt.scale_loss(model(x).float().mean()) as scaled:
@@ -743,7 +738,7 @@ def test_apex_dynamic_scaler_growth_matches_apex_rule():
 
 
 def test_apex_amp_checkpoint_resumes():
-    model = _mlp(8)
+    model = make_model(seed=8, **MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
     buffer = io.BytesIO()

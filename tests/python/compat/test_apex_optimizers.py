@@ -164,8 +164,9 @@ def test_fused_adagrad_op_matches_the_reference(device, adagrad_w_mode, masters)
     sums = [randn(n, f32, device, seed=20 + i).square() for i, n in enumerate(sizes)]
     want_p, want_h = ref_adagrad(params, grads, sums, 0.05, 1e-8, 1e-2, adagrad_w_mode,
                                  inv_scale=1 / 256)
-    ops.fused_adagrad_(params, grads, sums, model, 0.05, 1e-8, 1e-2, adagrad_w_mode,
-                       inv_scale=scalar(1 / 256, device), found_inf=scalar(0.0, device))
+    ops.fused_adagrad_(params, grads, sums, model, lr=0.05, eps=1e-8, weight_decay=1e-2,
+                       adagrad_w_mode=adagrad_w_mode, inv_scale=scalar(1 / 256, device),
+                       found_inf=scalar(0.0, device))
     for i, (p, h) in enumerate(zip(want_p, want_h)):
         tol = TOLERANCES[params[i].dtype]
         torch.testing.assert_close(params[i].double(), p, **tol)
@@ -180,7 +181,7 @@ def test_fused_adagrad_op_skips_on_found_inf(device):
     sums = [randn(9, torch.float32, device, 3).square()]
     model = [torch.zeros(9, dtype=torch.float16, device=device)]
     before = [t.clone() for t in params + sums + model]
-    ops.fused_adagrad_(params, grads, sums, model, 0.1, found_inf=scalar(1.0, device))
+    ops.fused_adagrad_(params, grads, sums, model, lr=0.1, found_inf=scalar(1.0, device))
     for a, b in zip(params + sums + model, before):
         assert_bitwise_equal(a, b)
 
@@ -512,12 +513,12 @@ def test_fused_adam_lr_tensor_replaces_lr(device):
     m, v = adam_state(params, device, seed=4)
     want = ref_adam(params, grads, m, v, 4, 3e-3, weight_decay=1e-2)
     step = scalar(4.0, device)
-    ops.fused_adam_(params, grads, m, v, [], step, 99.0, weight_decay=1e-2,
+    ops.fused_adam_(params, grads, m, v, [], step=step, lr=99.0, weight_decay=1e-2,
                     lr_tensor=scalar(3e-3, device))
     for got, ref in zip(params + m + v, want[0] + want[1] + want[2]):
         torch.testing.assert_close(got.double(), ref, **TIGHT)
     with pytest.raises(TypeError, match="lr_tensor"):
-        ops.fused_adam_(params, grads, m, v, [], step, 1e-3,
+        ops.fused_adam_(params, grads, m, v, [], step=step, lr=1e-3,
                         lr_tensor=scalar(1e-3, device, torch.float64))
 
 
@@ -527,8 +528,8 @@ def test_fused_sgd_op_wd_after_momentum_matches_the_reference(device):
     bufs = tensors(torch.float32, device, 3)
     want_p, want_b = ref_sgd(params, grads, bufs, 0.1, 0.9, 0.1, 0.2, inv_scale=0.125,
                              wd_after_momentum=True)
-    ops.fused_sgd_(params, grads, bufs, [], 0.1, 0.9, 0.1, 0.2, inv_scale=scalar(0.125, device),
-                   wd_after_momentum=True)
+    ops.fused_sgd_(params, grads, bufs, [], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.2,
+                   inv_scale=scalar(0.125, device), wd_after_momentum=True)
     for got, ref in zip(params + bufs, want_p + want_b):
         torch.testing.assert_close(got.double(), ref, **TIGHT)
 
@@ -560,8 +561,10 @@ def test_fused_adagrad_op_bad_arguments_change_nothing(bad, error, name):
     found_inf = scalar(0.0, "cpu", bad.get("found_inf_dtype", torch.float32))
     before = [t.clone() for t in params + sums + model]
     with pytest.raises(error, match=name):
-        ops.fused_adagrad_(params, grads, sums, model, bad.get("lr", 0.1), bad.get("eps", 1e-10),
-                           bad.get("weight_decay", 0.0), False, found_inf=found_inf)
+        ops.fused_adagrad_(params, grads, sums, model, lr=bad.get("lr", 0.1),
+                           eps=bad.get("eps", 1e-10),
+                           weight_decay=bad.get("weight_decay", 0.0), adagrad_w_mode=False,
+                           found_inf=found_inf)
     for a, b in zip(params + sums + model, before):
         assert_bitwise_equal(a, b)
 
@@ -743,8 +746,9 @@ def test_fused_novograd_op_matches_the_reference(device, norm_type, masters):
     kw = dict(beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=1e-2, norm_type=norm_type)
     want_p, want_m, want_v, _ = ref_novograd(params, grads, exp_avgs, exp_avg_sq, 4, 1e-2,
                                              inv_scale=1 / 256, **kw)
-    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, 1e-2,
-                        inv_scale=scalar(1 / 256, device), found_inf=scalar(0.0, device), **kw)
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq=exp_avg_sq, step=step,
+                        lr=1e-2, inv_scale=scalar(1 / 256, device),
+                        found_inf=scalar(0.0, device), **kw)
     assert step.item() == 5.0
     torch.testing.assert_close(exp_avg_sq.double(), want_v, **TIGHT)
     for i in range(len(sizes)):
@@ -754,8 +758,8 @@ def test_fused_novograd_op_matches_the_reference(device, norm_type, masters):
             assert_bitwise_equal(model[i], params[i].to(model[i].dtype))
     # found_inf: nothing changes, the step and the second moments included.
     before = [t.clone() for t in params + exp_avgs + model + [exp_avg_sq, step]]
-    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq, step, 1e-2,
-                        found_inf=scalar(1.0, device), **kw)
+    ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq=exp_avg_sq, step=step,
+                        lr=1e-2, found_inf=scalar(1.0, device), **kw)
     for a, b in zip(params + exp_avgs + model + [exp_avg_sq, step], before):
         assert_bitwise_equal(a, b)
 
@@ -878,8 +882,8 @@ def test_fused_novograd_op_bad_arguments_change_nothing(bad, error, name):
     before = [t.clone() for t in params + exp_avgs + [exp_avg_sq, step]]
     kw = {k: bad[k] for k in ("norm_type", "beta2") if k in bad}
     with pytest.raises(error, match=name):
-        ops.fused_novograd_(params, grads, exp_avgs, [], exp_avg_sq, step, bad.get("lr", 1e-3),
-                            **kw)
+        ops.fused_novograd_(params, grads, exp_avgs, [], exp_avg_sq=exp_avg_sq, step=step,
+                            lr=bad.get("lr", 1e-3), **kw)
     for a, b in zip(params + exp_avgs + [exp_avg_sq, step], before):
         assert_bitwise_equal(a, b)
 

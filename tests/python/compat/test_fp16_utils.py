@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_unchanged, snapshot
+from helpers import assert_bitwise_equal, assert_unchanged, make_model, snapshot
 from torch import nn
 
 from mixedprec import fp16_utils as fp16
@@ -59,11 +59,11 @@ SKIPPING_OPTIMIZERS = list(OPTIMIZERS)
 FUSED = ["adam_fused", "sgd_fused", "mixedprec_adam", "mixedprec_sgd"]
 
 
-def make_model(device, dtype, seed=0):
-    """A small MLP with a BatchNorm, converted by network_to_half (BN stays fp32)."""
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    net = net.to(device)
+def half_model(device, dtype, seed=0):
+    """helpers.make_model's small MLP with a BatchNorm, converted by network_to_half (BN
+    stays fp32)."""
+    net = make_model(device, sizes=(8, 16, 4), activation=nn.ReLU, norm=nn.BatchNorm1d,
+                     seed=seed)
     return net if dtype == torch.float32 else network_to_half(net, dtype)
 
 
@@ -148,7 +148,7 @@ class Reference:
 
 
 def wrapped(device, dtype, opt_name, seed=0, **kwargs):
-    model = make_model(device, dtype, seed)
+    model = half_model(device, dtype, seed)
     kwargs.setdefault("verbose", False)
     return model, FP16_Optimizer(OPTIMIZERS[opt_name](list(model.parameters())), **kwargs)
 
@@ -295,8 +295,8 @@ def test_convert_module_casts_grads_and_only_its_own_tensors(device):
 def test_training_matches_reference_and_fp32(device, dtype, opt_name):
     steps, scale = 50, 128.0
     model, optimizer = wrapped(device, dtype, opt_name, static_loss_scale=scale)
-    reference = Reference(make_model(device, dtype), OPTIMIZERS[opt_name], scale)
-    fp32_model = make_model(device, torch.float32)
+    reference = Reference(half_model(device, dtype), OPTIMIZERS[opt_name], scale)
+    fp32_model = half_model(device, torch.float32)
     fp32_optimizer = OPTIMIZERS[opt_name](list(fp32_model.parameters()))
     losses, fp32_losses = [], []
     for step in range(steps):
@@ -333,7 +333,7 @@ def test_dynamic_scaling_matches_apex_rule_and_skips(device, opt_name):
     overflow_at = {0, 4, 5, 11, 12, 13, 20}
     model, optimizer = wrapped(device, dtype, opt_name, dynamic_loss_scale=True,
                                dynamic_loss_args=args)
-    reference = Reference(make_model(device, dtype), OPTIMIZERS[opt_name], None, args)
+    reference = Reference(half_model(device, dtype), OPTIMIZERS[opt_name], None, args)
     scales = []
     for step in range(26):
         train_step(model, optimizer, step, device, overflow_at)
@@ -405,7 +405,7 @@ def test_skipped_step_leaves_everything_bit_identical(device, opt_name):
 
 
 def test_groups_frozen_params_and_existing_state(device, capsys):
-    model = make_model(device, torch.float16)
+    model = half_model(device, torch.float16)
     first, bn, last = model[1][0], model[1][1], model[1][3]
     last.bias.requires_grad_(False)
     inner = torch.optim.SGD([
@@ -439,7 +439,7 @@ def test_static_loss_scale_and_setter(device):
     train_step(model, optimizer, 0, device)
     grads = optimizer.inspect_master_grad_data()
     # The master grads are unscaled: compare with fp32 backward of the same loss.
-    ref_model = make_model(device, torch.float16)
+    ref_model = half_model(device, torch.float16)
     (loss_of(ref_model, 0, device) * 64.0).backward()
     for got, p in zip(grads[0], ref_model.parameters()):
         expected = p.grad.float() * (1 / 64.0) if p.dtype == torch.float16 else p.grad / 64.0
@@ -594,7 +594,7 @@ def test_fused_optimizer_first_step_overflow_leaves_no_state(device, monkeypatch
     train_step(model, optimizer, 0, device, overflow_at={0})
     assert inner_steps == [] and len(optimizer.state) == 0
     train_step(model, optimizer, 1, device)
-    reference = Reference(make_model(device, torch.float16), OPTIMIZERS["sgd_fused"], 128.0)
+    reference = Reference(half_model(device, torch.float16), OPTIMIZERS["sgd_fused"], 128.0)
     reference.step(1, device)
     for got, expected in zip(optimizer.all_fp32_from_fp16_params, reference.masters):
         assert_bitwise_equal(got.detach(), expected.detach(), "master")
@@ -634,7 +634,7 @@ def test_to_python_float():
 
 @pytest.mark.parametrize("flat_master", [False, True])
 def test_manual_master_helpers(device, flat_master):
-    model = make_model(device, torch.float16)  # fp16 Linear weights, fp32 BatchNorm
+    model = half_model(device, torch.float16)  # fp16 Linear weights, fp32 BatchNorm
     model_params, master_params = prep_param_lists(model, flat_master=flat_master)
     assert model_params == [p for p in model.parameters() if p.requires_grad]
     if flat_master:
@@ -857,7 +857,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit(device, opt_name, tmp_path):
 # ---------------------------------------------------------------------------------------
 
 def test_rejects_what_is_not_an_optimizer(device):
-    model = make_model(device, torch.float16)
+    model = half_model(device, torch.float16)
     with pytest.raises(TypeError, match="init_optimizer"):
         FP16_Optimizer(list(model.parameters()))
     double = nn.Linear(2, 2).double().to(device)

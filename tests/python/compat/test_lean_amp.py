@@ -194,7 +194,8 @@ ERRORS = [
     (adam, dict(opt_level="O2", master="remainder"), ValueError,
      "master='remainder' keeps bfloat16 weights; expected cast_model_type=torch.bfloat16"),
     (lambda m: torch.optim.AdamW(m.parameters()), dict(BF16_O2, master="remainder"),
-     TypeError, "master='remainder' and state_dtype=None take mixedprec.FusedAdam"),
+     TypeError, "master='remainder' and state_dtype=None take mixedprec.optim.Adam, AdamW or "
+     "SGD"),
     (adam, dict(BF16_O2, master="stochastic", master_weights=True), ValueError,
      "master_weights=True conflicts with master='stochastic'"),
     (adam, dict(BF16_O2, master="fp32", master_weights=False), ValueError,
@@ -203,9 +204,10 @@ ERRORS = [
      "state_dtype must be torch.float32, torch.bfloat16 or torch.float8_e4m3fn, got "
      "torch.float16"),
     (lambda m: torch.optim.AdamW(m.parameters()), dict(BF16_O2, master="kahan"), TypeError,
-     "master='kahan' and state_dtype=None take mixedprec.FusedAdam or FusedSGD, got AdamW"),
+     "master='kahan' and state_dtype=None take mixedprec.optim.Adam, AdamW or SGD \\(or "
+     "mixedprec.FusedAdam or FusedSGD\\), got AdamW"),
     (lambda m: mixedprec.FusedLAMB(m.parameters()), dict(BF16_O2, state_dtype=torch.bfloat16),
-     TypeError, "take mixedprec.FusedAdam or FusedSGD, got FusedLAMB"),
+     TypeError, "take mixedprec.optim.Adam, AdamW or SGD, got FusedLAMB"),
     (stepped_adam, dict(BF16_O2, master="kahan"), ValueError,
      "pass an optimizer that has not stepped yet"),
 ]
@@ -222,3 +224,27 @@ def test_amp_master_fp32_or_none_with_torch_optimizers():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", master="none", verbosity=0)
     assert opt.param_groups[0]["params"][0] is model.fc1.weight  # no masters
+
+
+# --- 8-bit moments (state_dtype=torch.float8_e4m3fn, optim/test_state8.py) ----------------------
+
+def test_amp_initialize_takes_state_dtype_float8(device):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)).to(device)
+    opt = mixedprec.FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = mixedprec.amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                          cast_model_type=torch.bfloat16, master="remainder",
+                                          state_dtype=torch.float8_e4m3fn)
+    model(torch.randn(4, 64, device=device, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float32
+
+
+def test_optimizers_without_8bit_moments_are_refused_naming_both():
+    model = nn.Linear(64, 64)
+    for opt in (mixedprec.FusedLAMB(model.parameters()), torch.optim.AdamW(model.parameters())):
+        with pytest.raises(TypeError, match="master=None and state_dtype=torch.float8_e4m3fn"):
+            mixedprec.amp.initialize(model, opt, opt_level="O0", verbosity=0,
+                                     state_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        mixedprec.optim.AdamW(model.parameters(), state_dtype=torch.float8_e5m2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import randn
+from helpers import make_model, randn
 from torch import nn
 
 from mixedprec import apex_C
@@ -237,8 +237,8 @@ def test_apex_c_flatten_unflatten():
 WORLD_SIZE = 2
 
 
-def tiny_model(dtype=torch.float32):
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dtype)
+# helpers.make_model's Sequential, drawn from torch's RNG as each rank seeded it
+TINY = dict(sizes=(4, 8, 2), seed=None)
 
 
 def batch(rank, step, dtype=torch.float32):
@@ -288,7 +288,7 @@ def check_ddp(rank):
         allreduce_always_fp32=False, num_allreduce_streams=1, allreduce_communicators=None,
         gradient_average=True, gradient_predivide_factor=1.0, prof=False,
     )
-    model = tiny_model()
+    model = make_model(**TINY)
     ddp = DistributedDataParallel(model, **apex_kwargs)
     assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is model
     assert abs(ddp.bucket_bytes_cap - 50 * 4) <= 1  # message_size elements of fp32
@@ -296,7 +296,7 @@ def check_ddp(rank):
     assert torch.equal(first, second), "parameters were not broadcast from rank 0"
 
     # Averaged gradients, and parameters that stay in sync over a few steps.
-    reference = tiny_model()
+    reference = make_model(**TINY)
     reference.load_state_dict(model.state_dict())
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
@@ -315,7 +315,7 @@ def check_ddp(rank):
     for options, divisor in [(dict(gradient_average=False), 1),
                              (dict(gradient_predivide_factor=4.0), WORLD_SIZE),
                              (dict(gradient_average=False, gradient_predivide_factor=2.0), 2)]:
-        summed = DistributedDataParallel(tiny_model(), **options)
+        summed = DistributedDataParallel(make_model(**TINY), **options)
         reference.load_state_dict(summed.module.state_dict())
         x = batch(rank, 10)
         expected = [sum(gathered(g)) / divisor for g in local_grads(reference, x)]
@@ -323,11 +323,11 @@ def check_ddp(rank):
         assert_grads(summed, expected)
 
     # allreduce_always_fp32 on an fp16 model; delay_allreduce puts all in one bucket.
-    half = DistributedDataParallel(tiny_model(torch.float16), allreduce_always_fp32=True,
-                                   delay_allreduce=True)
+    half = DistributedDataParallel(make_model(dtype=torch.float16, **TINY),
+                                   allreduce_always_fp32=True, delay_allreduce=True)
     total_bytes = sum(p.numel() * p.element_size() for p in half.parameters())
     assert half.bucket_bytes_cap >= total_bytes
-    reference = tiny_model(torch.float16)
+    reference = make_model(dtype=torch.float16, **TINY)
     reference.load_state_dict(half.module.state_dict())
     x = batch(rank, 20, torch.float16)
     expected = [(sum(g.float() for g in gathered(g16)) / WORLD_SIZE).half()
@@ -336,9 +336,9 @@ def check_ddp(rank):
     assert_grads(half, expected, atol=1e-3, rtol=2e-3)
 
     # disable_allreduce leaves gradients local until enable_allreduce.
-    local = DistributedDataParallel(tiny_model(), bucket_cap_mb=1)
+    local = DistributedDataParallel(make_model(**TINY), bucket_cap_mb=1)
     local.disable_allreduce()
-    reference = tiny_model()
+    reference = make_model(**TINY)
     reference.load_state_dict(local.module.state_dict())
     x = batch(rank, 30)
     local(x).square().sum().backward()
@@ -348,7 +348,7 @@ def check_ddp(rank):
 
     # Reducer: broadcast at construction, average on reduce().
     torch.manual_seed(rank)
-    module = tiny_model()
+    module = make_model(**TINY)
     reducer = Reducer(module)
     first, second = gathered(flat_params(module))
     assert torch.equal(first, second)
@@ -365,10 +365,10 @@ def check_retained_buffers(rank):
     """retain_allreduce_buffers: .allreduce_buffers holds the reduced gradients, and
     .grad views into it."""
     torch.manual_seed(rank)
-    ddp = DistributedDataParallel(tiny_model(), message_size=40,
+    ddp = DistributedDataParallel(make_model(**TINY), message_size=40,
                                   retain_allreduce_buffers=True)
     assert ddp.allreduce_buffers == []
-    reference = tiny_model()
+    reference = make_model(**TINY)
     reference.load_state_dict(ddp.module.state_dict())
     x = batch(rank, 50)
     expected = [sum(gathered(g)) / WORLD_SIZE for g in local_grads(reference, x)]
@@ -382,7 +382,7 @@ def check_retained_buffers(rank):
                  == p.grad.untyped_storage().data_ptr()]
         assert len(owner) == 1, "each .grad is a view into one retained buffer"
     with pytest.raises(AttributeError, match="allreduce_buffers"):
-        DistributedDataParallel(tiny_model()).allreduce_buffers
+        DistributedDataParallel(make_model(**TINY)).allreduce_buffers
 
 
 def check_flat_dist_calls(rank):
@@ -423,4 +423,4 @@ def test_apex_positional_arguments_and_unknown_keywords():
         "gradient_predivide_factor", "gradient_average_split_factor", "prof",
     ]
     with pytest.raises(TypeError):
-        DistributedDataParallel(tiny_model(), not_an_argument=1)
+        DistributedDataParallel(make_model(**TINY), not_an_argument=1)

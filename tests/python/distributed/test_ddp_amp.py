@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import make_model
 from torch import nn
 
 import mixedprec
@@ -19,9 +20,7 @@ STEPS = 5
 OVERFLOW_STEP = 2  # rank 1 alone sees an inf at this step
 
 
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+MLP = dict(sizes=(8, 16, 1), activation=nn.ReLU)  # helpers.make_model's Sequential
 
 
 def flat(model):
@@ -44,7 +43,7 @@ def batch(rank, step):
 
 def train_amp(rank):
     """amp O2 (bf16 weights, a dynamic loss scale) with FusedAdam masters."""
-    model = make_model()
+    model = make_model(**MLP)
     opt = mixedprec.FusedAdam(model.parameters(), lr=1e-2)
     model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=0)
@@ -64,7 +63,7 @@ def train_amp(rank):
 
 def train_scaler(rank):
     """mixedprec.GradScaler with FusedSGD on an fp32 model."""
-    model = DistributedDataParallel(make_model())
+    model = DistributedDataParallel(make_model(**MLP))
     opt = mixedprec.FusedSGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10, growth_interval=100)
     scales, params = [], []

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import can_run, device, run_ranks
+from helpers import make_model
 from torch import nn
 
 import mixedprec
@@ -100,12 +101,9 @@ def test_8bit_state_of_dtensor_parameters(backend):
     assert len(checked) == 6
 
 
-def model8():
-    torch.manual_seed(0)
-    # weights (130, 64) and (96, 64) get 8-bit moments; (64, 130), rows of 130, does not
-    return nn.Sequential(nn.Linear(SHAPE[1], SHAPE[0]), nn.ReLU(),
-                         nn.Linear(SHAPE[0], SHAPE[1]), nn.ReLU(),
-                         nn.Linear(SHAPE[1], 96)).to(device())
+# helpers.make_model's Sequential: weights (130, 64) and (96, 64) get 8-bit moments;
+# (64, 130), rows of 130, does not
+MODEL8 = dict(sizes=(SHAPE[1], SHAPE[0], SHAPE[1], 96), activation=nn.ReLU)
 
 
 def dcp_8bit(rank, world, checkpoint, mode):
@@ -117,7 +115,7 @@ def dcp_8bit(rank, world, checkpoint, mode):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    model = model8()
+    model = make_model(device(), **MODEL8)
     for layer in (model[0], model[2], model[4], model):
         fully_shard(layer)
     opt = AdamW(model.parameters(), lr=1e-2, state_dtype=E4M3)

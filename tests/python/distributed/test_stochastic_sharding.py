@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import can_run, device, run_ranks
+from helpers import make_model
 from torch import nn
 
 import mixedprec
@@ -23,11 +24,9 @@ SAVE_AT, MORE = 2, 2
 SEED = 2**40 + 17
 
 
-def model_on(on) -> nn.Module:
-    """bf16 layers whose rows split unevenly over 2 and 4 ranks, at offsets off
-    multiples of 8 (30 x 16, 5 x 30 and their biases)."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 5)).to(on, torch.bfloat16)
+# helpers.make_model's Sequential in bf16: layers whose rows split unevenly over 2 and
+# 4 ranks, at offsets off multiples of 8 (30 x 16, 5 x 30 and their biases)
+MODEL = dict(dtype=torch.bfloat16, sizes=(16, 30, 5), activation=nn.ReLU)
 
 
 def column_fulls():
@@ -86,7 +85,7 @@ def sharded(rank, world, checkpoint, mode):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     def fsdp_model():
-        model = model_on(device())
+        model = make_model(device(), **MODEL)
         fully_shard(model[0])
         fully_shard(model[2])
         return fully_shard(model)
@@ -150,7 +149,7 @@ def strided_shards_differ(mesh):
 
 def unsharded():
     """The same training in this process, on plain tensors."""
-    model = model_on("cpu")
+    model = make_model("cpu", **MODEL)
     params = list(model.parameters())
     train(optimizer(params), params, range(SAVE_AT + MORE))
     columns = [nn.Parameter(t) for t in column_fulls()]
@@ -167,7 +166,7 @@ def assert_same(got, want, what):
 def test_sharded_runs_and_resharded_resumes_match_the_unsharded_run_bit_for_bit(tmp_path):
     checkpoint = str(tmp_path / "ckpt")
     params, columns = unsharded()
-    start = model_on("cpu")
+    start = make_model("cpu", **MODEL)
     assert not torch.equal(params[0], start[0].weight.detach())  # it trained
     _, straight2, columns2, differ = run_ranks(sharded, 2, checkpoint, "save")[0]
     assert_same(straight2, params, "2 ranks")

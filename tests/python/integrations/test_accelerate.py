@@ -25,8 +25,7 @@ import math
 
 import pytest
 import torch
-from helpers import HostSyncError, assert_bitwise_equal, forbid_host_sync
-from torch import nn
+from helpers import HostSyncError, assert_bitwise_equal, forbid_host_sync, make_model
 from torch.nn import functional as F
 
 import mixedprec
@@ -37,6 +36,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 STEPS, BATCH = 8, 8
 INF_STEPS = (2, 5)  # the loss is inf at these steps: their updates are skipped
 LR = 1e-2
+SIZES = (8, 32, 1)  # the model: helpers.make_model's Sequential (Linear, Tanh, Linear)
 
 
 @pytest.fixture(autouse=True)
@@ -47,11 +47,6 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def mlp(device):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
 
 
 def batches():
@@ -87,7 +82,7 @@ def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None,
     accelerator = accelerate.Accelerator(mixed_precision=mixed, cpu=device == "cpu")
     # before prepare(): the optimizer wrapper takes it
     accelerator.scaler = scaler_for(device, skip_on_host)
-    model = mlp(device)
+    model = make_model(device, sizes=SIZES)
     opt = make_optimizer(kind, model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0)
     model, opt, data, sched = accelerator.prepare(model, opt, batches(), sched)
@@ -115,7 +110,7 @@ def accelerated_run(device, kind, watch=None, stop=STEPS, save=None, load=None,
 
 
 def plain_loop(device, kind):
-    model = mlp(device)
+    model = make_model(device, sizes=SIZES)
     opt = make_optimizer(kind, model.parameters())
     scaler = scaler_for(device)
     for step, (x, y) in enumerate(batches()):

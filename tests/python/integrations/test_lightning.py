@@ -9,8 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal
-from torch import nn
+from helpers import assert_bitwise_equal, make_model
 from torch.nn import functional as F
 
 import mixedprec
@@ -20,6 +19,7 @@ from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 
 BATCHES, BATCH = 4, 8  # an epoch
 LR = 1e-2
+SIZES = (8, 32, 1)  # the model: helpers.make_model's Sequential (Linear, Tanh, Linear)
 INF_STEP = 5  # the 16-mixed runs' loss is inf at this (global) step: its update is skipped
 
 # (master, state_dtype): fp32 masters, each lean mode, bf16 moments
@@ -27,11 +27,6 @@ MODES = [("fp32", torch.float32), ("kahan", torch.float32), ("stochastic", torch
          ("fp32", torch.bfloat16), ("kahan", torch.bfloat16)]
 MODE_IDS = ["fp32-masters", "kahan", "stochastic", "fp32-masters-bf16-state",
             "kahan-bf16-state"]
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
 
 def data():
@@ -55,7 +50,7 @@ def loss_of(net, x, y, step, inject_inf):
 class Module(L.LightningModule):
     def __init__(self, master="fp32", state_dtype=torch.float32, inject_inf=False):
         super().__init__()
-        self.net = mlp()
+        self.net = make_model(sizes=SIZES)
         self.master, self.state_dtype, self.inject_inf = master, state_dtype, inject_inf
 
     def training_step(self, batch, batch_idx):
@@ -85,7 +80,7 @@ def trainer(epochs, precision=None, scaler=None, callbacks=(), tmp_path=None):
 
 def plain_loop(epochs, master, state_dtype, dtype=None, scaler=None, inject_inf=False):
     """What the Trainer stands for, written out: the parameters after `epochs`."""
-    net = mlp()
+    net = make_model(sizes=SIZES)
     if dtype is not None:
         net = net.to(dtype)
     opt = make_optimizer(net.parameters(), master, state_dtype)
@@ -121,7 +116,8 @@ def test_bf16_true_trains_bf16_weights_as_the_plain_loop(master, state_dtype):
     expected, _ = plain_loop(2, master, state_dtype, dtype=torch.bfloat16)
     assert_same_params(params, expected)
     assert all(p.dtype == torch.bfloat16 for p in params)
-    assert not torch.equal(params[0].float(), mlp()[0].weight.to(torch.bfloat16).float())
+    fresh = make_model(sizes=SIZES)[0].weight
+    assert not torch.equal(params[0].float(), fresh.to(torch.bfloat16).float())
     # the optimizer Lightning stepped keeps what the mode says, beside the bf16 weights
     state = module.trainer.optimizers[0].state[params[0]]
     assert state["exp_avg"].dtype == state_dtype

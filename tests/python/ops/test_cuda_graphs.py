@@ -8,7 +8,13 @@ eager steps are checked on the CPU too."""
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_same_snapshot, live_tensors, randn
+from helpers import (
+    assert_bitwise_equal,
+    assert_same_snapshot,
+    live_tensors,
+    make_model,
+    randn,
+)
 from torch import nn
 
 import mixedprec
@@ -23,13 +29,6 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("CUDA graphs need CUDA")
     return torch.device("cuda")
-
-
-def make_model(dtype, device="cuda", seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
-                          nn.Tanh(), nn.Linear(HIDDEN, OUT))
-    return model.to(device, dtype)
 
 
 def batch(step, dtype, device="cuda"):
@@ -141,7 +140,7 @@ def held_tensors(root, name):
                 walk(value, f"{path}[{i}]")
         elif x is root or type(x).__module__.startswith("mixedprec"):
             for key, value in getattr(x, "__dict__", {}).items():
-                if key != "_plans":
+                if key != "plans":  # (the kept op calls: lists of the state above)
                     walk(value, f"{path}.{key}")
 
     walk(root, name)
@@ -157,7 +156,8 @@ class Trainer:
         dtype, self.autocast, make_opt, make_scaler = RECIPES[recipe]
         self.dtype = dtype
         self.device = torch.device(device)
-        self.model = make_model(dtype, device)
+        self.model = make_model(device, dtype, sizes=(IN, HIDDEN, HIDDEN, OUT),
+                                activation=(nn.ReLU, nn.Tanh))
         self.opt = make_opt(self.model.parameters())
         self.scaler = make_scaler(device)
 

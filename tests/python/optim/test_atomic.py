@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, state_dict_snapshot
 
 from mixedprec import optim
 from mixedprec.masters import join_remainder, split_remainder
@@ -27,11 +27,6 @@ def feed(params, step):
     gen = torch.Generator().manual_seed(1000 + step)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
-
-
-def snapshot(opt, params):
-    """Everything a bad input must leave as it was: params, state, groups, counts."""
-    return copy.deepcopy(([p.detach() for p in params], opt.state_dict()))
 
 
 def assert_params_and_state_same(before, after):
@@ -76,13 +71,13 @@ def test_a_bad_step_count_is_refused_with_nothing_loaded(cls, value):
     other = cls(params, lr=1e-2)  # another lr: a partial load would show in the groups
     feed(params, 5)
     other.step()
-    before = snapshot(other, params)
+    before = state_dict_snapshot(params, other)
     bad = copy.deepcopy(saved)
     bad["state"][2]["step"] = value  # the last param: the others would load first
     with pytest.raises(ValueError, match=r"load_state_dict: state\[2\]\['step'\] must be a "
                                          "whole number >= 0"):
         other.load_state_dict(bad)
-    assert_same(before, snapshot(other, params))
+    assert_same(before, state_dict_snapshot(params, other))
     other.load_state_dict(saved)  # and a good one still loads
     assert other.param_groups[0]["lr"] == 1e-3
 
@@ -92,13 +87,13 @@ def test_8bit_moments_with_amsgrad_are_refused_by_load_state_dict():
     opt = optim.Adam(params, lr=1e-3, state_dtype=E4M3, seed=1)
     feed(params, 0)
     opt.step()
-    before = snapshot(opt, params)
+    before = state_dict_snapshot(params, opt)
     bad = opt.state_dict()
     bad["param_groups"][0]["amsgrad"] = True
     with pytest.raises(ValueError, match=r"load_state_dict: amsgrad=True is not supported "
                                          "with state_dtype=torch.float8_e4m3fn"):
         opt.load_state_dict(bad)
-    assert_same(before, snapshot(opt, params))
+    assert_same(before, state_dict_snapshot(params, opt))
     assert opt.param_groups[0]["amsgrad"] is False
 
 
@@ -159,12 +154,12 @@ def test_a_bad_group_is_refused_before_any_group_is_updated(bad, match, planned)
     if planned:  # (the planned path, which reuses the op calls, checks the same)
         feed(params, 0)
         opt.step()
-    before = snapshot(opt, params)
+    before = state_dict_snapshot(params, opt)
     opt.param_groups[1].update(bad)
     feed(params, 1)
     with pytest.raises(ValueError, match=f"AdamW.step: {match}"):
         opt.step()
-    assert_params_and_state_same(before, snapshot(opt, params))
+    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
@@ -179,11 +174,11 @@ def test_a_bad_tensor_lr_skips_the_update_on_the_device(device, cls, kwargs, val
     opt = cls(params, lr=lr, **kwargs)
     feed(params, 0)
     opt.step()
-    before = snapshot(opt, params)
+    before = state_dict_snapshot(params, opt)
     lr.fill_(value)
     feed(params, 1)
     opt.step()
-    assert_params_and_state_same(before, snapshot(opt, params))
+    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
     lr.fill_(1e-3)
     opt.step()
     assert not torch.equal(params[0].detach(), before[0][0])
@@ -285,11 +280,11 @@ def test_a_checkpoint_that_a_mode_cannot_keep_exactly_is_refused(source, target)
     other = optim.AdamW(ps, lr=1e-2, master=target, seed=2 if target == "stochastic" else None)
     feed(ps, 0)
     other.step()
-    before = snapshot(other, ps)
+    before = state_dict_snapshot(ps, other)
     with pytest.raises(ValueError, match=f"which master='{target}' cannot keep exactly; load "
                                          "it into an optimizer with master in"):
         other.load_state_dict(opt.state_dict())
-    assert_same(before, snapshot(other, ps))
+    assert_same(before, state_dict_snapshot(ps, other))
 
 
 # --- what PyTorch's test_optim found on CUDA, reproduced on the CPU ---------------------

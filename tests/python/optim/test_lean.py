@@ -1,7 +1,9 @@
-"""Lean precision modes of FusedAdam and FusedSGD (issue #11, part 1): bf16 moments and
-momentum buffers, master="none" (bf16 params rounded to nearest) and master="kahan"
-(a bf16 compensation per bf16 param), each step against float64 references, and what
-must still hold for them: skipped steps, state_dict round trips, load checks, errors."""
+"""Lean precision modes of mixedprec.optim's AdamW and SGD (issue #11, part 1): bf16
+moments and momentum buffers, master="none" (bf16 params rounded to nearest) and
+master="kahan" (a bf16 compensation per bf16 param), each step against float64
+references, and what must still hold for them: skipped steps, state_dict round trips,
+load checks, errors. (Apex's master_weights beside master, the mode switched through
+it, and FusedAdam's 2019 step: compat/test_fused_optimizers.py.)"""
 
 import copy
 import io
@@ -12,7 +14,7 @@ from helpers import TOLERANCES, assert_bitwise_equal, assert_same_snapshot, full
 from references import ref_adam, ref_kahan_start, ref_lean_update, ref_sgd, round_bf16
 from torch import nn
 
-from mixedprec import FusedAdam, FusedSGD
+from mixedprec import optim
 
 # Sizes past the CPU engine's vector widths (8, 16 floats), with tails, and a matrix.
 SHAPES = [(37,), (5, 7), (300,)]
@@ -43,7 +45,7 @@ def assert_within_bf16_ulp(actual, expected, msg):
 
 
 def adam_ref_step(opt, params, step_before):
-    """The float64 reference of FusedAdam's next step from its current state:
+    """The float64 reference of AdamW's next step from its current state:
     (update start values, new values, new moments) per param."""
     beta1, beta2 = ADAM["betas"]
     starts, ms, vs, grads = [], [], [], []
@@ -77,7 +79,7 @@ ADAM_MODES = [
 @pytest.mark.parametrize("dtype, master, state_dtype", ADAM_MODES)
 def test_adam_modes_follow_the_float64_reference(device, dtype, master, state_dtype):
     params = make_params(device, dtype)
-    opt = FusedAdam(params, master=master, state_dtype=state_dtype, **ADAM)
+    opt = optim.AdamW(params, master=master, state_dtype=state_dtype, **ADAM)
     for step in range(STEPS):
         set_grads(params, step)
         _, new_p, new_m, new_v = adam_ref_step(opt, params, step)
@@ -123,7 +125,7 @@ SGD_MODES = [
 @pytest.mark.parametrize("dtype, master, state_dtype", SGD_MODES)
 def test_sgd_modes_follow_the_float64_reference(device, dtype, master, state_dtype):
     params = make_params(device, dtype)
-    opt = FusedSGD(params, master=master, state_dtype=state_dtype, **SGD)
+    opt = optim.SGD(params, master=master, state_dtype=state_dtype, **SGD)
     for step in range(STEPS):
         set_grads(params, step)
         states = [opt.state.get(p, {}) for p in params]
@@ -155,12 +157,12 @@ def test_sgd_modes_follow_the_float64_reference(device, dtype, master, state_dty
 
 
 def _quadratic_run(master, steps=500, lr=1e-3):
-    """FusedAdam on 0.5 * |p - target|^2 with bf16 params near 1 and a learning rate
+    """Adam on 0.5 * |p - target|^2 with bf16 params near 1 and a learning rate
     below half a bf16 unit there: the fp32 values each mode's params stand for."""
     target = torch.full((64,), 2.0)
     start = 1.0 + torch.linspace(0, 0.25, 64)
     p = nn.Parameter(start.to(torch.bfloat16))
-    opt = FusedAdam([p], lr=lr, betas=(0.9, 0.999), master=master)
+    opt = optim.Adam([p], lr=lr, betas=(0.9, 0.999), master=master)
     for _ in range(steps):
         p.grad = (p.detach().float() - target).to(torch.bfloat16)
         opt.step()
@@ -183,16 +185,18 @@ def test_kahan_tracks_fp32_masters_where_round_to_nearest_stalls():
     assert kahan_error < none_error / 100
 
 
+# (the bf16-state cases' fp32 params are stepped alike with master="fp32", the default,
+# and "none")
 LEAN = [
-    pytest.param(FusedAdam, dict(ADAM, state_dtype=torch.bfloat16), torch.float32,
+    pytest.param(optim.AdamW, dict(ADAM, state_dtype=torch.bfloat16), torch.float32,
                  id="adam-bf16-moments"),
-    pytest.param(FusedAdam, dict(ADAM, master="kahan"), torch.bfloat16, id="adam-kahan"),
-    pytest.param(FusedAdam, dict(ADAM, master="kahan", state_dtype=torch.bfloat16),
+    pytest.param(optim.AdamW, dict(ADAM, master="kahan"), torch.bfloat16, id="adam-kahan"),
+    pytest.param(optim.AdamW, dict(ADAM, master="kahan", state_dtype=torch.bfloat16),
                  torch.bfloat16, id="adam-kahan-bf16-moments"),
-    pytest.param(FusedAdam, dict(ADAM, master="none"), torch.bfloat16, id="adam-none"),
-    pytest.param(FusedSGD, dict(SGD, state_dtype=torch.bfloat16), torch.float32,
+    pytest.param(optim.AdamW, dict(ADAM, master="none"), torch.bfloat16, id="adam-none"),
+    pytest.param(optim.SGD, dict(SGD, state_dtype=torch.bfloat16), torch.float32,
                  id="sgd-bf16-momentum"),
-    pytest.param(FusedSGD, dict(SGD, master="kahan", state_dtype=torch.bfloat16),
+    pytest.param(optim.SGD, dict(SGD, master="kahan", state_dtype=torch.bfloat16),
                  torch.bfloat16, id="sgd-kahan-bf16-momentum"),
 ]
 
@@ -249,11 +253,11 @@ def test_lean_state_dict_round_trip_resumes_bit_for_bit(device, cls, kwargs, dty
 
 def test_load_state_dict_checks_the_lean_dtypes():
     params = make_params("cpu", torch.bfloat16)
-    lean = FusedAdam(params, master="kahan", state_dtype=torch.bfloat16, **ADAM)
+    lean = optim.AdamW(params, master="kahan", state_dtype=torch.bfloat16, **ADAM)
     set_grads(params, 0)
     lean.step()
     saved = lean.state_dict()
-    plain = FusedAdam(make_params("cpu", torch.bfloat16), **ADAM)  # fp32 moments, "none"
+    plain = optim.AdamW(make_params("cpu", torch.bfloat16), master="none", **ADAM)  # fp32 moments
     with pytest.raises(ValueError, match=r"'exp_avg'.*bfloat16.*expected torch.float32"):
         plain.load_state_dict(saved)
     fp32_moments = copy.deepcopy(saved)
@@ -266,8 +270,8 @@ def test_load_state_dict_checks_the_lean_dtypes():
     assert not plain.state  # nothing loaded
     bad_comp = copy.deepcopy(saved)
     bad_comp["state"][0]["kahan_comp"] = bad_comp["state"][0]["kahan_comp"].float()
-    fresh = FusedAdam(make_params("cpu", torch.bfloat16), master="kahan",
-                      state_dtype=torch.bfloat16, **ADAM)
+    fresh = optim.AdamW(make_params("cpu", torch.bfloat16), master="kahan",
+                        state_dtype=torch.bfloat16, **ADAM)
     with pytest.raises(ValueError, match="kahan_comp.*float32, expected torch.bfloat16"):
         fresh.load_state_dict(bad_comp)
     fresh.load_state_dict(saved)
@@ -276,35 +280,6 @@ def test_load_state_dict_checks_the_lean_dtypes():
 
 # --- arguments --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
-def test_master_modes_and_master_weights(cls):
-    p = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
-    assert cls(p).master == "none" and not cls(p).master_weights
-    assert cls(p, master_weights=True).master == "fp32"
-    assert cls(p, master="fp32").master_weights
-    assert cls(p, master_weights=False, master="kahan").master == "kahan"
-    opt = cls(p, master="none")
-    opt.master_weights = True  # as mixedprec.amp.initialize does
-    assert opt.master == "fp32"
-    opt.master_weights = False
-    assert opt.master == "none"
-
-
-@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
-def test_leaving_kahan_drops_the_compensations(cls, kwargs):
-    model = _Model("cpu", torch.bfloat16)
-    opt = cls(model.parameters(), master="kahan", **kwargs)
-    _train(model, opt, 2)
-    assert all("kahan_comp" in opt.state[p] for p in model.parameters())
-    opt.master_weights = True  # as mixedprec.amp.initialize does
-    _train(model, opt, 1, first=2)
-    for p in model.parameters():
-        assert "kahan_comp" not in opt.state[p]
-        assert_bitwise_equal(p.detach(), opt.state[p]["master_param"].bfloat16())
-    cls(_Model("cpu", torch.bfloat16).parameters(), master_weights=True,
-        **kwargs).load_state_dict(opt.state_dict())  # no stale entry to reject
-
-
 def _mixed_params(device):
     """bf16 weights with fp32 ones between them (norms kept in fp32, as amp O2 keeps
     batchnorm): positions 0 and 2 bf16, 1 and 3 fp32."""
@@ -312,7 +287,7 @@ def _mixed_params(device):
     return [bf16[0], fp32[0], bf16[1], fp32[1]]
 
 
-@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
+@pytest.mark.parametrize("cls, kwargs", [(optim.AdamW, ADAM), (optim.SGD, SGD)])
 @pytest.mark.parametrize("master", ["kahan", "stochastic"])
 def test_fp32_params_beside_bf16_ones_are_updated_directly(device, cls, kwargs, master):
     """master='kahan'/'stochastic' on a group that mixes bf16 and fp32 params: the fp32
@@ -351,36 +326,18 @@ def test_fp32_params_beside_bf16_ones_are_updated_directly(device, cls, kwargs, 
         for p, q in zip(mixed[1::2], plain):
             assert_bitwise_equal(p, q, msg=f"fp32 param after step {step}")
             assert "kahan_comp" not in opt.state[p]
-    if cls is FusedAdam or master == "stochastic":  # one count per step, the skip not counted
+    # one count per step, the skip not counted: AdamW's per parameter, SGD's (stochastic
+    # rounding only) per group
+    if cls is optim.AdamW:
+        assert [opt.state[p]["step"].item() for p in mixed] == [3] * 4  # sync-ok: a test
+    elif master == "stochastic":
         assert opt.param_groups[0]["step"].item() == 3  # sync-ok: a test
-    assert len(opt._plans) == 1  # the later steps reused the op calls
-
-
-@pytest.mark.parametrize("cls, dtype_arg", [(FusedAdam, "state_dtype"),
-                                            (FusedSGD, "state_dtype")])
-def test_lean_argument_errors(cls, dtype_arg):
-    bf16 = [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]
-    with pytest.raises(ValueError, match=r"master_weights=True conflicts with master='kahan'"):
-        cls(bf16, master_weights=True, master="kahan")
-    # master_weights=False is Apex's default: it says nothing beside a master
-    assert cls(bf16, master_weights=False, master="fp32").master == "fp32"
-    with pytest.raises(ValueError, match="expected master to be one of"):
-        cls(bf16, master="bf16")
-    with pytest.raises(ValueError, match="master_weights=True conflicts with "
-                                         "master='stochastic'"):
-        cls(bf16, master_weights=True, master="stochastic")
-    with pytest.raises(TypeError, match=f"expected {dtype_arg} to be torch.float32, "
-                                        "torch.bfloat16 or torch.float8_e4m3fn, got "
-                                        "torch.float16"):
-        cls(bf16, **{dtype_arg: torch.float16})
-    for master in ("kahan", "stochastic"):
-        with pytest.raises(TypeError, match=f"master='{master}'.*dtype torch.float16"):
-            cls([nn.Parameter(torch.zeros(3, dtype=torch.float16))], master=master)
+    assert len(opt.plans.plans) == 1  # the later steps reused the op calls
 
 
 def test_kahan_rejects_a_model_cast_later_before_any_write():
     model = _Model("cpu", torch.bfloat16)
-    opt = FusedAdam(model.parameters(), master="kahan", **ADAM)
+    opt = optim.AdamW(model.parameters(), master="kahan", **ADAM)
     _train(model, opt, 2)
     set_grads(list(model.parameters()), 2)
     late = model.ps[1]
@@ -389,20 +346,4 @@ def test_kahan_rejects_a_model_cast_later_before_any_write():
     before = full_snapshot(model, opt)
     with pytest.raises(TypeError, match="master='kahan'.*float16"):
         opt.step()
-    assert_same_snapshot(full_snapshot(model, opt), before)
-
-
-def test_kahan_rejects_a_cast_model_on_apex_2019_step_before_any_write():
-    """FusedAdam's 2019 ``step(grads=...)`` checks every group before updating any."""
-    model = _Model("cpu", torch.bfloat16)
-    params = list(model.parameters())
-    opt = FusedAdam([{"params": params[:1]}, {"params": params[1:]}], master="kahan", **ADAM)
-    _train(model, opt, 2)
-    set_grads(params, 2)
-    late = params[-1]
-    late.data = late.data.half()
-    late.grad = late.grad.half()
-    before = full_snapshot(model, opt)
-    with pytest.raises(TypeError, match="master='kahan'.*float16"):
-        opt.step(grads=[[p.grad for p in g["params"]] for g in opt.param_groups])
     assert_same_snapshot(full_snapshot(model, opt), before)

@@ -119,7 +119,7 @@ def test_fused_adam_matches_reference(device, dtype, atol, rtol, config):
     step = scalar(4.0, device)
     ref_p, ref_m, ref_v, ref_step = ref_adam(params, grads, m, v, 4.0, **config)
 
-    ops.fused_adam_(params, grads, m, v, [], step, **config)
+    ops.fused_adam_(params, grads, m, v, [], step=step, **config)
 
     assert step.item() == ref_step
     for p, mm, vv, rp, rm, rv in zip(params, m, v, ref_p, ref_m, ref_v):
@@ -140,8 +140,8 @@ def test_fused_adam_masters_match_reference(device, model_dtype, config):
     ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 0.0, inv_scale=1 / LOSS_SCALE,
                                       **config)
 
-    ops.fused_adam_(masters, grads, m, v, model, step, inv_scale=scalar(1 / LOSS_SCALE, device),
-                    **config)
+    ops.fused_adam_(masters, grads, m, v, model, step=step,
+                    inv_scale=scalar(1 / LOSS_SCALE, device), **config)
 
     assert step.item() == 1.0
     for p, mod, mm, vv, rp, rm, rv in zip(masters, model, m, v, ref_p, ref_m, ref_v):
@@ -166,7 +166,7 @@ def test_fused_adam_moments_as_precise_as_eager(device, beta2):
     opt.step()
     _, ref_m, ref_v, _ = ref_adam(params, grads, m, v, 0.0, lr=1e-3, beta2=beta2)
 
-    ops.fused_adam_(params, grads, m, v, [], scalar(0.0, device), lr=1e-3, beta2=beta2)
+    ops.fused_adam_(params, grads, m, v, [], step=scalar(0.0, device), lr=1e-3, beta2=beta2)
 
     for i, tp in enumerate(torch_params):
         assert_within_eager_error(m[i], ref_m[i], opt.state[tp]["exp_avg"])
@@ -184,7 +184,7 @@ def test_fused_adam_without_bias_correction(device, adamw):
     with_correction, _, _, _ = ref_adam(params, grads, m, v, 2.0,
                                         **dict(config, bias_correction=True))
 
-    ops.fused_adam_(params, grads, m, v, [], step, **config)
+    ops.fused_adam_(params, grads, m, v, [], step=step, **config)
 
     assert step.item() == 3.0
     for p, rp, rc in zip(params, ref_p, with_correction):
@@ -218,7 +218,7 @@ def test_optimizers_mixed_dtype_lists(device, with_model):
     m, v = adam_state(masters, device, seed=40)
     step = scalar(0.0, device)
     adam_ref_p, adam_ref_m, adam_ref_v, _ = ref_adam(masters, grads, m, v, 0.0, lr=1e-2)
-    ops.fused_adam_(masters, grads, m, v, model, step, lr=1e-2)
+    ops.fused_adam_(masters, grads, m, v, model, step=step, lr=1e-2)
 
     for i, p in enumerate(masters):
         tol = TOLERANCES[p.dtype]  # without masters the result is rounded to p's dtype
@@ -296,7 +296,7 @@ def test_fused_adam_tracks_torch_adam_fp32(device, config):
         for tp, g in zip(torch_params, grads):
             tp.grad = g.clone()
         opt.step()
-        ops.fused_adam_(params, grads, m, v, [], step, **config)
+        ops.fused_adam_(params, grads, m, v, [], step=step, **config)
 
     assert step.item() == STEPS
     for p, mm, vv, tp in zip(params, m, v, torch_params):
@@ -323,7 +323,7 @@ def test_fused_adam_masters_track_torch_adam(device, model_dtype, config):
         for tp, g in zip(torch_params, grads):
             tp.grad = g.float() * inv_scale
         opt.step()
-        ops.fused_adam_(masters, grads, m, v, model, step, inv_scale=inv_scale, **config)
+        ops.fused_adam_(masters, grads, m, v, model, step=step, inv_scale=inv_scale, **config)
 
     assert step.item() == STEPS
     for p, mod, tp in zip(masters, model, torch_params):
@@ -366,7 +366,7 @@ def test_inv_scale_undoes_the_loss_scale(device, grad_dtype):
         adam = make_params(torch.float32, device)
         m, v = adam_state(adam, device, seed=5)
         step = scalar(0.0, device)
-        ops.fused_adam_(adam, grads, m, v, [], step, lr=1e-2, weight_decay=1e-2,
+        ops.fused_adam_(adam, grads, m, v, [], step=step, lr=1e-2, weight_decay=1e-2,
                         inv_scale=inv_scale)
         return masters + model + bufs + adam + m + v
 
@@ -389,7 +389,7 @@ def test_zero_found_inf_is_no_skip(device):
         adam, _, adam_model = mixed_lists(device, seed=3)
         m, v = adam_state(adam, device, seed=5)
         step = scalar(0.0, device)
-        ops.fused_adam_(adam, grads, m, v, adam_model, step, lr=1e-2, found_inf=found_inf)
+        ops.fused_adam_(adam, grads, m, v, adam_model, step=step, lr=1e-2, found_inf=found_inf)
         return masters + model + bufs + adam + adam_model + m + v + [step]
 
     zero = scalar(0.0, device)

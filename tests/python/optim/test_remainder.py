@@ -122,11 +122,11 @@ def test_the_kernels_split_as_the_rule(device):
         master = master.to(device)
         params = [torch.zeros(master.shape, dtype=BF16, device=device)]
         rems = [torch.zeros(master.shape, dtype=torch.int16, device=device)]
-        ops.fused_sgd_(params, [-master], [], [], 1.0, remainders=rems)
+        ops.fused_sgd_(params, [-master], [], [], lr=1.0, remainders=rems)
         check_split(master.cpu(), params[0].cpu(), rems[0].cpu())
         # Joined by the op: a zero update keeps both halves, bit for bit.
         before = [params[0].clone(), rems[0].clone()]
-        ops.fused_sgd_(params, [torch.zeros_like(master)], [], [], 1.0, remainders=rems)
+        ops.fused_sgd_(params, [torch.zeros_like(master)], [], [], lr=1.0, remainders=rems)
         assert_bitwise_equal(params[0], before[0])
         assert_bitwise_equal(rems[0], before[1])
 
@@ -258,18 +258,6 @@ def test_remainder_on_a_real_model_with_fp32_layers(device):
         pair.check(f"step {step}")
 
 
-@pytest.mark.parametrize("cls, kwargs", [(FusedAdam, dict(lr=1e-3, weight_decay=1e-2)),
-                                         (FusedSGD, dict(lr=0.02, momentum=0.9))])
-def test_the_apex_faces_take_remainder(device, cls, kwargs):
-    pair = Pair(make_params(device), make_params(device),
-                lambda ps, master: cls(ps, master=master, **kwargs))
-    for step in range(50):
-        pair.feed([g.nan_to_num(0.0, 0.0, 0.0) for g in fixed_grads(pair.pr, step)])
-        pair.opt32.step()
-        pair.optr.step()
-        pair.check(f"step {step}")
-
-
 def test_a_remainder_step_does_not_sync(device, monkeypatch):
     params = make_params(device)
     opt = AdamW(params, lr=1e-3, master="remainder")
@@ -379,8 +367,9 @@ def test_conversion_checks_before_writing():
 
 
 def test_leaving_remainder_keeps_the_master():
-    """master_weights = True (fp32 masters) or a model cast to fp32 takes the whole master
-    the pair held, not the bf16 param alone (a zero-gradient SGD step keeps it as it is)."""
+    """configure(master="fp32") (fp32 masters) or a model cast to fp32 takes the whole
+    master the pair held, not the bf16 param alone (a zero-gradient SGD step keeps it as
+    it is)."""
     for leave in ("master_weights", "float"):
         params = make_params("cpu")
         opt = SGD(params, lr=0.02, master="remainder")
@@ -388,7 +377,7 @@ def test_leaving_remainder_keeps_the_master():
         wanted = [ref_join(p.detach(), opt.state[p]["remainder"]) for p in params]
         assert any(not torch.equal(w, p.detach().float()) for w, p in zip(wanted, params))
         if leave == "master_weights":
-            opt.master_weights = True
+            opt.configure(master="fp32")
         else:
             for p in params:
                 p.data = p.data.float()
@@ -476,14 +465,14 @@ def test_the_op_refuses_bad_remainders_before_writing(device):
     for kwargs, error, match in cases:
         before = snapshot([params, grads, kwargs])
         with pytest.raises(error, match=match):
-            ops.fused_sgd_(params, grads, [], [], 0.1, **kwargs)
+            ops.fused_sgd_(params, grads, [], [], lr=0.1, **kwargs)
         assert_unchanged([params, grads, kwargs], before)
     fp32 = [randn((5,), torch.float32, device, seed=2)]
     with pytest.raises(TypeError, match=r"remainders expected bfloat16 params.*params\[0\]"):
         ops.fused_adam_(fp32, grads, [torch.zeros(5, device=device)],
-                        [torch.zeros(5, device=device)], [], scalar(0.0, device), 1e-3,
+                        [torch.zeros(5, device=device)], [], step=scalar(0.0, device), lr=1e-3,
                         remainders=rems)
     with pytest.raises(ValueError, match="no model_params"):
         ops.fused_adam_([p.float() for p in params], grads, [torch.zeros(5, device=device)],
-                        [torch.zeros(5, device=device)], params, scalar(0.0, device), 1e-3,
-                        remainders=rems)
+                        [torch.zeros(5, device=device)], params, step=scalar(0.0, device),
+                        lr=1e-3, remainders=rems)

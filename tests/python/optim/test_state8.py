@@ -30,7 +30,7 @@ from references import (
 from torch import nn
 
 import mixedprec
-from mixedprec import FusedAdam, FusedLAMB, FusedSGD, masters, ops
+from mixedprec import masters, ops
 from mixedprec.optim import SGD, Adam, AdamW, state8
 
 E4M3, E8M0, BF16 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16
@@ -109,9 +109,11 @@ def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
     step = scalar(4.0, device)
     seeded = dict(state_seed=77, sr_salts=ops.rounding_words(
         [(i,) for i in range(len(params))], device)) if stochastic else {}
-    ops.fused_adam_(params, grads, codes_m, codes_r, [], step, 1e-3, 0.9, 0.99, 1e-8,
-                    weight_decay, adamw, bias_correction, scalar(0.5, device), None,
-                    exp_avg_scales=scales_m, exp_avg_sq_scales=scales_r, **seeded)
+    ops.fused_adam_(params, grads, codes_m, codes_r, [], step=step, lr=1e-3, beta1=0.9,
+                    beta2=0.99, eps=1e-8, weight_decay=weight_decay, adamw=adamw,
+                    bias_correction=bias_correction, inv_scale=scalar(0.5, device),
+                    found_inf=None, exp_avg_scales=scales_m, exp_avg_sq_scales=scales_r,
+                    **seeded)
     assert step.item() == 5
     for i in range(len(params)):
         torch.testing.assert_close(params[i].cpu().double(), expected[0][i], rtol=1e-5,
@@ -140,10 +142,11 @@ def test_sgd8_step_matches_the_float64_reference(device, kwargs, stochastic):
     kw = dict(kwargs)
     seeded = dict(state_seed=78, step=scalar(3.0, device), sr_salts=ops.rounding_words(
         [(i,) for i in range(len(params))], device)) if stochastic else {}
-    ops.fused_sgd_(params, grads, codes, [], 0.1, kw.pop("momentum"), kw.pop("dampening", 0.0),
-                   kw.pop("weight_decay", 0.0), kw.pop("nesterov", False),
-                   kw.pop("first_run", False), scalar(0.5, device), None,
-                   momentum_scales=scales, **seeded)
+    ops.fused_sgd_(params, grads, codes, [], lr=0.1, momentum=kw.pop("momentum"),
+                   dampening=kw.pop("dampening", 0.0), weight_decay=kw.pop("weight_decay", 0.0),
+                   nesterov=kw.pop("nesterov", False), first_run=kw.pop("first_run", False),
+                   inv_scale=scalar(0.5, device), found_inf=None, momentum_scales=scales,
+                   **seeded)
     for i in range(len(params)):
         torch.testing.assert_close(params[i].cpu().double(), expected[0][i], rtol=1e-5,
                                    atol=1e-6)
@@ -420,39 +423,6 @@ def test_an_8bit_step_does_not_sync(device, monkeypatch, cls, kwargs):
             opt.step()
 
 
-@pytest.mark.parametrize("face, named", [
-    (lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01, state_dtype=E4M3, seed=5),
-     lambda ps: AdamW(ps, lr=1e-3, weight_decay=0.01, master="none", state_dtype=E4M3,
-                      seed=5)),
-    (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, state_dtype=E4M3, seed=5),
-     lambda ps: SGD(ps, lr=0.05, momentum=0.9, master="none", state_dtype=E4M3, seed=5))])
-def test_the_apex_faces_take_8bit_moments(device, face, named):
-    a, b = make_params(device), make_params(device)
-    opt_a, opt_b = face(a), named(b)
-    for step in range(3):
-        feed(a, step)
-        feed(b, step)
-        opt_a.step()
-        opt_b.step()
-    for p, q in zip(a, b):
-        assert_bitwise_equal(p.detach(), q.detach())
-        for key, value in opt_b.state[q].items():
-            if key != "step":
-                assert_bitwise_equal(opt_a.state[p][key], value, key)
-
-
-def test_amp_initialize_takes_state_dtype_float8(device):
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)).to(device)
-    opt = FusedAdam(model.parameters(), lr=1e-3)
-    model, opt = mixedprec.amp.initialize(model, opt, opt_level="O2", verbosity=0,
-                                          cast_model_type=BF16, master="remainder",
-                                          state_dtype=E4M3)
-    model(torch.randn(4, 64, device=device, dtype=BF16)).float().sum().backward()
-    opt.step()
-    assert opt.state[model[0].weight]["exp_avg"].dtype == E4M3
-    assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float32
-
-
 # --- errors, before anything changes ---------------------------------------------------------
 
 def test_amsgrad_with_8bit_moments_is_refused_naming_both():
@@ -473,16 +443,6 @@ def test_amsgrad_with_8bit_moments_is_refused_naming_both():
                                  state_dtype=E4M3)
     assert_unchanged(model, before)
     assert opt.state_dtype == torch.float32
-
-
-def test_optimizers_without_8bit_moments_are_refused_naming_both():
-    model = nn.Linear(64, 64)
-    for opt in (FusedLAMB(model.parameters()), torch.optim.AdamW(model.parameters())):
-        with pytest.raises(TypeError, match="master=None and state_dtype=torch.float8_e4m3fn"):
-            mixedprec.amp.initialize(model, opt, opt_level="O0", verbosity=0,
-                                     state_dtype=E4M3)
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
-        AdamW(model.parameters(), state_dtype=torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)

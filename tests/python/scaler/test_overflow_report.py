@@ -7,20 +7,15 @@ import pickle
 
 import pytest
 import torch
-from helpers import forbid_host_sync
-from torch import nn
+from helpers import forbid_host_sync, make_model
 
 import mixedprec
 from mixedprec.overflow import OverflowReport, format_report
 
+SIZES = (6, 8, 3)  # helpers.make_model's Sequential: 0 (Linear), 1 (Tanh), 2 (Linear)
 # step -> the parameters (by name) whose gradient gets an inf (or a NaN: "!" suffix)
 INJECT = {1: ["2.weight"], 3: ["0.bias!", "2.weight"], 4: ["2.bias"], 7: ["2.weight"],
           8: ["0.weight!"]}
-
-
-def make_model(dtype):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
 
 
 def run(model, opt, scaler, steps=10, monkeypatch=None, scales=None):
@@ -54,7 +49,7 @@ def expected_counts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer", ["mixedprec.AdamW", "torch.SGD"])
 def test_counts_are_exact(dtype, optimizer):
-    model = make_model(dtype)
+    model = make_model(dtype=dtype, sizes=SIZES)
     opt = (mixedprec.optim.AdamW(model.parameters(), lr=1e-3) if optimizer ==
            "mixedprec.AdamW" else torch.optim.SGD(model.parameters(), lr=1e-3))
     scaler = mixedprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
@@ -74,7 +69,7 @@ def test_counts_are_exact(dtype, optimizer):
 
 
 def test_no_host_read_in_a_step(monkeypatch):
-    model = make_model(torch.bfloat16)
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES)
     opt = mixedprec.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     scaler = mixedprec.GradScaler("cpu", init_scale=2.0**8, overflow_report=True)
     run(model, opt, scaler, monkeypatch=monkeypatch)
@@ -84,7 +79,7 @@ def test_no_host_read_in_a_step(monkeypatch):
 
 
 def test_names_and_summary():
-    model = make_model(torch.float32)
+    model = make_model(dtype=torch.float32, sizes=SIZES)
     opt = mixedprec.optim.Adam(model.parameters())
     scaler = mixedprec.GradScaler("cpu", overflow_report=True)
     assert scaler.report() == {"steps": 0, "skipped": 0, "overflows": {}, "scale": None}
@@ -115,7 +110,7 @@ def test_off_by_default_and_errors():
 
 
 def test_pickled_scaler_keeps_an_empty_report():
-    model = make_model(torch.float32)
+    model = make_model(dtype=torch.float32, sizes=SIZES)
     opt = mixedprec.optim.Adam(model.parameters())
     scaler = mixedprec.GradScaler("cpu", overflow_report=model)
     run(model, opt, scaler, steps=2)

@@ -69,7 +69,7 @@ def test_op_tracks_the_float64_reference(device, dtype, masters, config, clip):
                  for i, p in enumerate(params)]
         norm = ref_global_norm(grads, inv_scale)
         max_grad_norm = norm / 3 if clip else norm * 2
-        ops.fused_lamb_(params, grads, m, v, model, step, 1e-2, **config,
+        ops.fused_lamb_(params, grads, m, v, model, step=step, lr=1e-2, **config,
                         global_grad_norm=scalar(norm, device), max_grad_norm=max_grad_norm,
                         inv_scale=scalar(inv_scale, device), found_inf=scalar(0.0, device))
         kwargs = {key: value for key, value in config.items() if key != "adamw"}
@@ -97,7 +97,7 @@ def test_trust_ratio_needs_both_norms_and_decay_or_nvlamb(device):
         before = [p.clone() for p in params]
         grads = [randn(10, F32, device, 2), randn(10, F32, device, 3)]
         m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
-        ops.fused_lamb_(params, grads, m, v, [], scalar(0.0, device), 0.1, weight_decay=wd,
+        ops.fused_lamb_(params, grads, m, v, [], step=scalar(0.0, device), lr=0.1, weight_decay=wd,
                         use_nvlamb=nvlamb)
         zeros = [torch.zeros_like(p) for p in params]
         ref_p, _, _, _ = ref_lamb(before, grads, zeros, zeros, 0, 0.1, weight_decay=wd,
@@ -115,7 +115,7 @@ def test_grads_are_read_not_written(device):
     params, model, m, v = lamb_lists(device, F16, True, seed=5)
     grads = [randn(p.shape, F16, device, 50 + i) for i, p in enumerate(params)]
     saved = [g.clone() for g in grads]
-    ops.fused_lamb_(params, grads, m, v, model, scalar(0.0, device), 1e-2,
+    ops.fused_lamb_(params, grads, m, v, model, step=scalar(0.0, device), lr=1e-2,
                     global_grad_norm=scalar(10.0, device))
     for g, s in zip(grads, saved):
         assert_bitwise_equal(g, s)
@@ -127,7 +127,7 @@ def test_found_inf_skips_everything_bit_for_bit(device):
     grads[1].view(-1)[0] = float("inf")
     step = scalar(4.0, device)
     before = [t.clone() for t in params + model + m + v + [step]]
-    ops.fused_lamb_(params, grads, m, v, model, step, 1e-2,
+    ops.fused_lamb_(params, grads, m, v, model, step=step, lr=1e-2,
                     global_grad_norm=scalar(float("inf"), device),
                     inv_scale=scalar(0.5, device), found_inf=scalar(1.0, device))
     for got, want in zip(params + model + m + v + [step], before):

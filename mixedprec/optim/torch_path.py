@@ -1,0 +1,222 @@
+"""What the optimizer base takes from torch.optim: each class's checks and defaults
+(:func:`torch_defaults`, run again at a step on group settings that changed), and the
+parameters that torch's own functional implementation steps (float64 and complex ones,
+sparse gradients, hyperparameters the fused ops do not take), found by
+:func:`unfused`."""
+
+import functools
+import inspect
+import math
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..loss_scale import inverse
+from .precision import FLOAT_DTYPES
+from .state import whole_count
+
+
+def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``torch_class``'s defaults for ``kwargs``, after its own argument checks (it is
+    built over one empty parameter and dropped), and mixedprec's few more."""
+    if kwargs.get("differentiable"):
+        raise ValueError(f"{where}: differentiable=True is not supported (the step is a fused "
+                         "op without autograd); use torch.optim for a differentiable step")
+    defaults = dict(torch_class([torch.empty(0)], **kwargs).defaults)
+    lr = defaults["lr"]
+    if not isinstance(lr, Tensor) and not math.isfinite(lr):
+        raise ValueError(f"{where}: expected lr to be a finite number >= 0, got {lr}")
+    dampening = defaults.get("dampening", 0.0)
+    if not isinstance(dampening, Tensor) and not math.isfinite(dampening):
+        raise ValueError(f"{where}: expected dampening to be a finite number, got {dampening}")
+    return defaults
+
+
+@functools.lru_cache(maxsize=None)
+def _hyperparameter_names(torch_class) -> frozenset:
+    """The arguments of ``torch_class``'s constructor but ``params`` and ``lr``."""
+    names = inspect.signature(torch_class.__init__).parameters
+    return frozenset(names) - {"self", "params", "lr"}
+
+
+def check_lr(where: str, lr: Any) -> None:
+    """``lr``: a number >= 0 or a one-element floating tensor."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{where}: expected a tensor lr to hold one floating-point value, "
+                             f"got {lr.dtype} of shape {tuple(lr.shape)}")
+    elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or \
+            not 0 <= lr < float("inf"):
+        raise ValueError(f"{where}: expected lr to be a finite number >= 0 or a tensor, "
+                         f"got {lr!r}")
+
+
+def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -> None:
+    """Every group's hyperparameters before any group is updated, so that a bad one
+    (set on a group by hand, loaded, added) raises with nothing changed: ``lr`` each
+    step; the others through the class's checks (torch's constructor, or the class's
+    ``_check_group``), again only when they changed (``checked``: group index -> the
+    settings last passed; ``add_param_group`` fills it, ``when`` its name)."""
+    where = f"{type(opt).__name__}.{when}"
+    torch_class = opt._TORCH_CLASS
+    for index, group in enumerate(opt.param_groups):
+        check_lr(f"{where}: param group {index}", group.get("lr"))
+        accepted = _hyperparameter_names(torch_class) if torch_class else opt.defaults
+        kwargs = {k: v for k, v in group.items() if k in accepted and k != "lr"}
+        key = tuple((k, ("tensor", id(v)) if isinstance(v, Tensor) else v)
+                    for k, v in sorted(kwargs.items(), key=lambda item: item[0]))
+        if checked.get(index) == key:
+            continue
+        try:
+            if torch_class is not None:
+                torch_defaults(torch_class, f"{where}: param group {index}", kwargs)
+            else:
+                opt._check_group(f"{where}: param group {index}", group)
+        except (ValueError, TypeError) as error:
+            if str(error).startswith(where):
+                raise
+            raise type(error)(f"{where}: param group {index}: {error}") from error
+        checked[index] = key
+
+
+def step_holders(state_of: Dict[Tensor, Dict[str, Any]], group: Dict[str, Any]) -> Counter:
+    """id(step-count tensor) -> how many of the group's parameters share it (taken once
+    per group, before its op calls change any)."""
+    return Counter(id(state["step"]) for state in map(state_of.get, group["params"])
+                   if state and "step" in state)
+
+
+def step_counts(holders: Counter, call, device: torch.device, used: List[Tensor]
+                ) -> List[Tuple[List[int], Tensor]]:
+    """Per-parameter step counts (torch's layout), shared by the parameters one op call
+    advances: [(positions in ``call``, their step-count tensor)]. New parameters get a
+    new count (zero); a count whose holders (``step_holders``) are not all in this call
+    is split off (a copy), so each op call advances its own tensor once (``used``: the
+    counts this step's calls advance)."""
+    counts: Dict[int, List[Any]] = {}
+    new: List[int] = []
+    for i, state in enumerate(call.states):
+        step = state.get("step")
+        if step is None:
+            new.append(i)
+        else:
+            counts.setdefault(id(step), [step, []])[1].append(i)
+    out = []
+    if new:
+        out.append((new, torch.zeros((), dtype=torch.float32, device=device)))
+    for key, (step, picked) in counts.items():
+        if any(step is u for u in used) or holders[key] != len(picked) or (
+                step.device != device):
+            step = step.to(device, torch.float32, copy=True)
+        out.append((picked, step))
+    for picked, step in out:
+        used.append(step)
+        for i in picked:
+            call.states[i]["step"] = step
+    return out
+
+
+def lr_on_device(group: Dict[str, Any], device: torch.device, found_inf: Optional[Tensor]):
+    """(lr, lr_tensor, found_inf) for a group's op calls. A tensor ``lr`` is read on the
+    device, never on the host: one that is not a finite number >= 0 (a NaN written by
+    hand, say) skips the group's update there, as an overflow does, through the
+    ``found_inf`` returned (the scaler's plus a flag nonzero or NaN for such an lr). A
+    number ``lr`` is checked by the op itself, before it writes anything."""
+    lr = group["lr"]
+    if not isinstance(lr, Tensor):
+        return lr, None, found_inf
+    lr = lr.to(device, torch.float32).reshape(())
+    # 0 for a finite lr >= 0; NaN for an infinite or NaN one (lr * 0), negative else
+    flag = lr.clamp(max=0).add_(lr, alpha=0).reshape(1)
+    return 0.0, lr, flag if found_inf is None else flag.add_(found_inf.reshape(1))
+
+
+def step_pending(opt) -> None:
+    """torch's own step of the parameters the fused step left to it (float64, complex,
+    sparse gradients, ...: ``opt._pending``), unless the scaler's ``found_inf`` is set
+    (read on the host: not a mixed-precision hot path); gradients unscaled first."""
+    pending = list(opt._pending)
+    opt._pending.clear()
+    found_inf = getattr(opt, "found_inf", None)
+    # sync-ok: the fallback (float64, complex, sparse) runs torch's own step on the host
+    if not pending or (found_inf is not None and bool(found_inf)):
+        return
+    grad_scale = getattr(opt, "grad_scale", None)
+    for group, params in pending:
+        grads = [p.grad for p in params]
+        if grad_scale is not None:
+            for grad in grads:
+                grad.mul_(inverse(grad_scale.to(grad.device)).to(grad.dtype))
+        opt._torch_step(group, params, grads)
+
+
+def is_fused_param(p: Tensor) -> bool:
+    """Whether the fused ops step ``p`` (a strided view, such as every other column, is
+    not dense: torch's implementation steps it)."""
+    return p.dtype in FLOAT_DTYPES and ops.is_dense(p)
+
+
+def unfused(opt, group: Dict[str, Any]) -> List[Tensor]:
+    """The group's parameters with gradients that torch's implementation steps."""
+    if not opt._fused_group(group):
+        return [p for p in group["params"] if p.grad is not None]
+    return [p for p in group["params"] if p.grad is not None and (
+        not opt._fused_dtype(p) or p.grad.is_sparse)]
+
+
+class Subset(dict):
+    """A param group seen without some of its parameters (those torch's implementation
+    steps)."""
+
+    def __init__(self, group: Dict[str, Any], without: List[Tensor]):
+        super().__init__(group)
+        if without:
+            skip = {id(p) for p in without}
+            self["params"] = [p for p in group["params"] if id(p) not in skip]
+
+
+def share_steps(opt) -> None:
+    """Loaded per-parameter step counts: a float32 tensor on the parameter's device, one
+    per group and value, shared by the parameters that the fused op steps together
+    (read on the host here, once, when loading). A group that torch's implementation
+    steps keeps one count per parameter, as torch does."""
+    for group in opt.param_groups:
+        if not opt._fused_group(group):
+            continue
+        shared: Dict[Tuple[torch.device, float], Tensor] = {}
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state or "step" not in state or not opt._fused_dtype(p):
+                continue
+            value = float(state["step"])  # sync-ok: loading a state dict, not a step
+            key = (p.device, value)
+            if key not in shared:
+                shared[key] = torch.tensor(value, dtype=torch.float32, device=p.device)
+            state["step"] = shared[key]
+
+
+def check_step_count(where: str, param_id: Any, value: Any) -> None:
+    """A loaded step count: a whole number >= 0, or a one-element real tensor holding
+    one (read on the host here, once, when loading)."""
+    if whole_count(value) is None:
+        raise ValueError(f"{where}: state[{param_id}]['step'] must be a whole number >= 0, "
+                         f"got {value!r}")
+
+
+def check_nonnegative(where: str, name: str, value: Any) -> None:
+    """A hyperparameter that must be a number >= 0."""
+    if isinstance(value, (Tensor, bool)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected {name} to be a float, got {type(value).__name__}")
+    if not value >= 0.0:
+        raise ValueError(f"{where}: expected {name} >= 0, got {value}")
+
+
+def check_betas(where: str, betas: Any) -> None:
+    """Two numbers in [0, 1)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0
+            for b in betas):
+        raise ValueError(f"{where}: expected betas to be two numbers in [0, 1), got {betas!r}")
