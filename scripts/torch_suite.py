@@ -20,7 +20,7 @@ Suites (see docs/torch-suite.md):
   and ``torch.GradScaler`` become ``mixedprec.GradScaler``; ``torch.cuda.amp.GradScaler``
   and ``torch.cpu.amp.GradScaler`` become subclasses of it with torch's signatures and
   deprecation warnings. ``--scaler torch`` leaves torch's class in place (the control).
-* ``optim``: test/test_optim.py, the tests parametrised over Adam, AdamW and SGD on the
+* ``optim``: test/test_optim.py, the tests parametrised over Adam, AdamW, SGD and Adagrad on the
   CPU. The ``optim_cls`` of those entries of
   ``torch.testing._internal.common_optimizers.optim_db`` becomes ``mixedprec.optim``'s
   class of that name; ``--optim-classes torch`` puts torch's own classes there (the
@@ -55,7 +55,7 @@ SUITES = {
     "gradscaler": {"file": "test_torch.py",
                    "what": "GradScaler tests of test/test_torch.py on the CPU"},
     "optim": {"file": "test_optim.py",
-              "what": "test/test_optim.py tests parametrised over Adam, AdamW, SGD on the CPU"},
+              "what": "test/test_optim.py tests parametrised over Adam, AdamW, SGD, Adagrad on the CPU"},
 }
 # Files a suite's module imports from the test folder (test_optim.py imports optim/*).
 SUITE_PATHS = {"gradscaler": ["test/test_torch.py"],
@@ -83,7 +83,7 @@ def select_gradscaler(name: str, source: Optional[str], by_name_only: bool) -> O
 
 def select_optim(name: str) -> Optional[str]:
     """The optimizer a test of test_optim.py is parametrised over, if it is one of Adam,
-    AdamW, SGD on the CPU; else None (so NAdam, RAdam, SparseAdam, Adamax stay out)."""
+    AdamW, SGD, Adagrad on the CPU; else None (so NAdam, RAdam, SparseAdam, Adamax stay out)."""
     match = _OPTIM_NAME.search(name)
     return match.group(1) if match else None
 
@@ -138,7 +138,7 @@ def substitute_scaler(which: str) -> str:
 
 
 def substitute_optimizers(which: str) -> Dict[str, str]:
-    """Sets the ``optim_cls`` of optim_db's Adam, AdamW and SGD entries to the classes
+    """Sets the ``optim_cls`` of optim_db's Adam, AdamW, SGD and Adagrad entries to the classes
     of ``which`` ('mixedprec': mixedprec.optim, 'torch': torch.optim); returns
     {name: qualified class}."""
     import torch.optim
@@ -415,7 +415,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--scaler", choices=["mixedprec", "torch"], default="mixedprec",
                         help="the GradScaler put in torch's places (torch: the control)")
     parser.add_argument("--optim-classes", choices=["mixedprec", "torch"], default="mixedprec",
-                        help="the Adam/AdamW/SGD put in optim_db (torch: the control)")
+                        help="the Adam/AdamW/SGD/Adagrad put in optim_db (torch: the control)")
     parser.add_argument("--by-name-only", action="store_true",
                         help="gradscaler: only tests named grad_scal*/GradScaler, not those "
                         "whose source uses a GradScaler")
