@@ -55,7 +55,8 @@ SUITES = {
     "gradscaler": {"file": "test_torch.py",
                    "what": "GradScaler tests of test/test_torch.py on the CPU"},
     "optim": {"file": "test_optim.py",
-              "what": "test/test_optim.py tests parametrised over Adam, AdamW, SGD, Adagrad on the CPU"},
+              "what": "test/test_optim.py tests parametrised over Adam, AdamW, SGD, Adagrad "
+                      "on the CPU"},
 }
 # Files a suite's module imports from the test folder (test_optim.py imports optim/*).
 SUITE_PATHS = {"gradscaler": ["test/test_torch.py"],
