@@ -1,34 +1,20 @@
-"""The base of mixedprec's optimizers (:class:`Optimizer`): the loop over param groups,
-state creation, the loss scaler's channel, the plan cache and ``state_dict``. What is
-kept of each parameter is one object, ``optimizer.precision``
-(:class:`~mixedprec.optim.precision.Precision`: ``master``, ``state_dtype``, ``seed``);
-the op calls of the last step are another, ``optimizer.plans``
-(:class:`~mixedprec.optim.plans.PlanCache`). A subclass gives ``_step_group`` (one
-group's fused op calls on one device, which it returns for the plan) and ``_run_plan``
-(the same calls again).
-
-Each step, per param group and device, one fused op call (or a few: lean modes, 8-bit
-state) that reads fp32, fp16 or bf16 gradients, multiplies them by ``1 / grad_scale``
-when a ``torch.amp.GradScaler`` or :class:`mixedprec.GradScaler` set ``grad_scale``,
-skips the whole update on the device when the scaler set ``found_inf`` (no host
-synchronisation), and with master="fp32" updates fp32 masters of fp16/bf16 parameters
-(``state["master_param"]``) and writes them, cast, into the parameters. A master whose
-``.grad`` is set (fp32, unscaled) is updated from that instead of ``p.grad`` (Apex's amp
-puts it there for clipping), and the step clears it.
-
-State is created at a parameter's first step, as torch's optimizers create theirs: an
-optimizer that has not stepped has an empty ``state`` (what
-``torch.distributed.checkpoint.state_dict`` relies on). State follows its parameter:
-moved with it, laid out like it, and a master is taken anew from its parameter when the
-parameter was written outside the optimizer (:class:`~mixedprec.optim.precision.Masters`).
-Float64 and complex parameters, sparse gradients, and hyperparameters the fused ops do
-not take are stepped by torch's own functional implementation (:mod:`.torch_path`),
-which reads ``found_inf`` on the host: not a mixed-precision hot path."""
+"""The base of mixedprec's optimizers, :class:`Optimizer`: the loop over param groups,
+state creation, the loss scaler's channel and ``state_dict``, composed of three objects:
+``optimizer.precision`` (:class:`~mixedprec.optim.precision.Precision`: ``master``,
+``state_dtype``, ``seed``, and what each op call takes from them), ``optimizer.masters``
+(fp32 masters that follow their parameters) and ``optimizer.plans``
+(:class:`~mixedprec.optim.plans.PlanCache`: the op calls of the last step, reused). A
+subclass gives ``_step_group`` (one group's op calls on one device, returned for the plan)
+and ``_run_plan`` (the same calls again); :mod:`.torch_path` has what comes from
+torch.optim (its checks, step counts, tensor ``lr``, and its own step for what the fused
+ops do not take: float64 and complex parameters, sparse gradients), :mod:`.state` the
+loading. A step reads fp32/fp16/bf16 gradients, unscales them by ``1 / grad_scale`` and
+skips on ``found_inf`` as a GradScaler sets them, on the device, without host
+synchronisation. State starts at a parameter's first step, as torch's."""
 
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from .. import grads as _grads
@@ -201,12 +187,12 @@ class Optimizer(torch.optim.Optimizer):
                 for device, lists in _grads.by_device(params, grads, states).items()}
         for device, items in work.items():
             if device.type == "meta":
-                self._refuse_meta(group, items.params)
+                torch_path.refuse_meta(type(self).__name__, group, items.params)
         self._check_devices(work)
         return work
 
     def _check_devices(self, by_device: Dict[torch.device, Work]) -> None:
-        """Hook: reject a device layout the optimizer cannot step (before any update)."""
+        """Rejects a device layout the optimizer cannot step (before any update)."""
 
     def _one_device(self, by_device: Dict[torch.device, Work], why: str) -> None:
         if len(by_device) > 1:
@@ -214,15 +200,7 @@ class Optimizer(torch.optim.Optimizer):
                              f"share one device ({why}), got {list(by_device)}")
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        """Hook: errors of torch's implementation raised before any update."""
-
-    def _refuse_meta(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
-        if group.get("fused") and check is not None:
-            check(params[0])  # (fused=True: torch's own check first, as torch.optim)
-        raise RuntimeError(f"{type(self).__name__}.step: {len(params)} parameter(s) with "
-                           "gradients are on the meta device, which holds no values; "
-                           "materialise the model first (e.g. model.to_empty(device=...))")
+        """Errors of torch's implementation, raised before any update."""
 
     @staticmethod
     def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
@@ -335,6 +313,7 @@ class Optimizer(torch.optim.Optimizer):
             self.plans.plans.update(plans)
         self._count_applied(scaling[1])
 
+    # --- what a subclass gives -----------------------------------------------------------
     def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
         """One group's update on one device; returns the op's lists other than the
         gradients (for ``_run_plan``), or None when the next step cannot reuse them."""
@@ -345,20 +324,16 @@ class Optimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _plan_holds(self, group: Dict[str, Any], plan: Plan) -> bool:
-        """Hook: whether group settings a plan depends on are still as planned."""
-        return True
+        return True  # (whether group settings a plan depends on are as planned)
 
     def _torch_step(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor]):
-        """torch's functional step of ``params`` on torch's state layout."""
-        raise NotImplementedError(f"{type(self).__name__}: no torch implementation for "
-                                  "these parameters")
+        raise NotImplementedError(f"{type(self).__name__}: no torch step for these params")
 
     def _check_8bit(self, where: str, state_dtype: torch.dtype, groups=None) -> None:
-        """Hook: raises where the settings of ``groups`` (default the param groups)
-        exclude 8-bit moments (Adam's amsgrad)."""
+        """Raises where the settings of ``groups`` (default all) exclude 8-bit moments."""
 
     def _check_group(self, where: str, group: Dict[str, Any]) -> None:
-        """Hook: a group's hyperparameters, for a class without a torch.optim twin."""
+        """A group's hyperparameters, for a class without a torch.optim twin."""
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format, and ``applied_steps``. Parameters that step together share
@@ -376,15 +351,6 @@ class Optimizer(torch.optim.Optimizer):
         everything is checked first: on a mismatch a ValueError names it and nothing
         changes (:func:`mixedprec.optim.state.load`)."""
         _state.load(self, state_dict)
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if state and state.get("momentum_buffer", 0) is None:
-                    del state["momentum_buffer"]
-                if state == {}:
-                    del self.state[p]
-        torch_path.share_steps(self)
-        self.plans.invalidate()
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
         """A saved param group with the keys a newer release added."""
@@ -395,16 +361,6 @@ class Optimizer(torch.optim.Optimizer):
         _state.load_group_step(self, new_group, group)
 
     def _loaded_value(self, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
-        if key == "step":
-            torch_path.check_step_count(f"{type(self).__name__}.load_state_dict", param_id,
-                                        value)
-        if not self._fused_dtype(p) and isinstance(value, Tensor):  # torch's layout
-            if key == "step":
-                return value.to("cpu", torch.float32, copy=True)
-            return value.to(p.device, p.dtype if value.is_floating_point() else value.dtype,
-                            copy=True)
-        if value is None and key == "momentum_buffer":
-            return None
         return _state.loaded_value(self, p, param_id, key, value)
 
     def __getstate__(self) -> Dict[str, Any]:

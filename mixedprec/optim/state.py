@@ -3,7 +3,7 @@ groups, sizes and dtypes checked before anything changes, float32 state kept flo
 next to fp16/bf16 parameters, group-level step counts, state saved in another master
 mode converted or refused."""
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -129,6 +129,14 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
     opt.masters.versions.clear()  # loaded masters are in step with the loaded model
     opt.param_groups = new_groups
     opt.applied_steps.fill_(applied)
+    for group in opt.param_groups:  # (torch's format: a None or no momentum buffer)
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if state and state.get("momentum_buffer", 0) is None:
+                del state["momentum_buffer"]
+            if state == {}:
+                del opt.state[p]
+    _share_steps(opt)
     opt.plans.invalidate()
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
@@ -145,6 +153,17 @@ def _loaded_applied_steps(opt, value: Any) -> int:
     return count
 
 def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
+    """A loaded state entry, checked and copied to where it belongs: a step count must be
+    whole (:func:`whole_count`); torch's layout (its dtype, a CPU step) for parameters
+    that torch's implementation steps; shape and dtype checked for the others."""
+    if key == "step" and whole_count(value) is None:
+        raise ValueError(f"{type(opt).__name__}.load_state_dict: state[{param_id}]['step'] "
+                         f"must be a whole number >= 0, got {value!r}")
+    if not opt._fused_dtype(p) and isinstance(value, Tensor):  # torch's layout
+        if key == "step":
+            return value.to("cpu", torch.float32, copy=True)
+        return value.to(p.device, p.dtype if value.is_floating_point() else value.dtype,
+                        copy=True)
     if not isinstance(value, Tensor):
         return value
     where = f"{type(opt).__name__}.load_state_dict: state[{param_id}][{key!r}]"
@@ -158,6 +177,7 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
             raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
                              f"optimizer's setting: state_dtype={opt.state_dtype})")
     return value.to(p.device, copy=True)
+
 
 def _check_loaded_modes(opt, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:
     """Refuses state entries of another master mode that this optimizer's mode cannot
@@ -180,3 +200,23 @@ def _check_loaded_modes(opt, p: Tensor, param_id: Any, saved: Dict[str, Any]) ->
                              f"{mode!r} exactly for plain tensors only, not for a "
                              f"{type(p.data).__name__} parameter; load it into an "
                              f"optimizer with master={mode!r}")
+
+
+def _share_steps(opt) -> None:
+    """Loaded per-parameter step counts: a float32 tensor on the parameter's device, one
+    per group and value, shared by the parameters that the fused op steps together
+    (read on the host here, once, when loading). A group that torch's implementation
+    steps keeps one count per parameter, as torch does."""
+    for group in opt.param_groups:
+        if not opt._fused_group(group):
+            continue
+        shared: Dict[Tuple[torch.device, float], Tensor] = {}
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state or "step" not in state or not opt._fused_dtype(p):
+                continue
+            value = float(state["step"])  # sync-ok: loading a state dict, not a step
+            key = (p.device, value)
+            if key not in shared:
+                shared[key] = torch.tensor(value, dtype=torch.float32, device=p.device)
+            state["step"] = shared[key]

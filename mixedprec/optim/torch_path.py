@@ -11,12 +11,12 @@ from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from .. import ops
 from ..loss_scale import inverse
 from .precision import FLOAT_DTYPES
-from .state import whole_count
 
 
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -167,6 +167,17 @@ def unfused(opt, group: Dict[str, Any]) -> List[Tensor]:
         not opt._fused_dtype(p) or p.grad.is_sparse)]
 
 
+def refuse_meta(where: str, group: Dict[str, Any], params: List[Tensor]) -> None:
+    """Parameters on the meta device hold no values: refused before any update (torch's
+    own check first with fused=True, so the error is torch.optim's)."""
+    check = getattr(torch_optimizer, "_device_dtype_check_for_fused", None)
+    if group.get("fused") and check is not None:
+        check(params[0])
+    raise RuntimeError(f"{where}.step: {len(params)} parameter(s) with gradients are on the "
+                       "meta device, which holds no values; materialise the model first "
+                       "(e.g. model.to_empty(device=...))")
+
+
 class Subset(dict):
     """A param group seen without some of its parameters (those torch's implementation
     steps)."""
@@ -176,34 +187,6 @@ class Subset(dict):
         if without:
             skip = {id(p) for p in without}
             self["params"] = [p for p in group["params"] if id(p) not in skip]
-
-
-def share_steps(opt) -> None:
-    """Loaded per-parameter step counts: a float32 tensor on the parameter's device, one
-    per group and value, shared by the parameters that the fused op steps together
-    (read on the host here, once, when loading). A group that torch's implementation
-    steps keeps one count per parameter, as torch does."""
-    for group in opt.param_groups:
-        if not opt._fused_group(group):
-            continue
-        shared: Dict[Tuple[torch.device, float], Tensor] = {}
-        for p in group["params"]:
-            state = opt.state.get(p)
-            if not state or "step" not in state or not opt._fused_dtype(p):
-                continue
-            value = float(state["step"])  # sync-ok: loading a state dict, not a step
-            key = (p.device, value)
-            if key not in shared:
-                shared[key] = torch.tensor(value, dtype=torch.float32, device=p.device)
-            state["step"] = shared[key]
-
-
-def check_step_count(where: str, param_id: Any, value: Any) -> None:
-    """A loaded step count: a whole number >= 0, or a one-element real tensor holding
-    one (read on the host here, once, when loading)."""
-    if whole_count(value) is None:
-        raise ValueError(f"{where}: state[{param_id}]['step'] must be a whole number >= 0, "
-                         f"got {value!r}")
 
 
 def check_nonnegative(where: str, name: str, value: Any) -> None:
