@@ -273,7 +273,7 @@ def test_compiled_optimizer_step_matches_eager(cls):
 def test_optimizer_step_compiles_in_one_graph(cls):
     """fullgraph=True: the step traces without a graph break (a compiled step skips the
     eager path's kept op calls and the version check of the masters, which Dynamo
-    cannot trace; see _FusedOptimizer._master)."""
+    cannot trace; see mixedprec.optim.precision.Masters)."""
     results = eager_and_compiled_steps(lambda ps: cls(ps, lr=0.01, master_weights=True))
     for a, b in zip(*results):
         assert torch.equal(a, b)
