@@ -242,6 +242,17 @@ class Net(nn.Module):
         return F.linear(h, self.fc2.weight.float(), self.fc2.bias.float())
 
 
+def backward(model, step, scale=1.0, batch=8):
+    """Gradients of a regression loss of make_model's Net on the batch of `step`
+    (deterministic: drawn from seeds), the loss times `scale`; returns the loss."""
+    device = model.fc1.weight.device
+    x = randn((batch, IN), torch.float32, device, seed=10_000 + step)
+    y = randn((batch, OUT), torch.float32, device, seed=20_000 + step)
+    loss = (model(x) - y).pow(2).mean() * scale
+    loss.backward()
+    return loss
+
+
 def make_model(device="cpu", dtype=torch.float32, fc2_dtype=None, seed=0, *, sizes=None,
                activation=nn.Tanh, norm=None):
     """The small model of the tests, its weights a function of `seed` only.

@@ -13,12 +13,11 @@ import pytest
 import torch
 from helpers import (
     DAMPENED_FIRST_STEP,  # noqa: F401 (scaler/test_grad_scaler.py imports it from here)
-    IN,
-    OUT,
     TOLERANCES,
     assert_bitwise_equal,
     assert_same_snapshot,
     assert_state_dict_unchanged,
+    backward,
     eager_and_compiled_steps,
     full_snapshot,
     make_model,
@@ -35,7 +34,6 @@ from torch import nn
 
 from mixedprec import FusedAdam, FusedSGD, optim
 
-BATCH = 8
 STEPS = 30
 TIGHT = TOLERANCES[torch.float32]  # fp32 math against fp32 references: rtol 1e-5, atol 1e-6
 
@@ -49,16 +47,6 @@ OPTIMIZERS = [
     pytest.param(FusedSGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-2}, id="sgd"),
     pytest.param(FusedAdam, {"lr": 1e-2, "weight_decay": 1e-2}, id="adamw"),
 ]
-
-
-def backward(model, step, scale=1.0):
-    """Gradients of a regression loss on helpers.make_model's batch of `step`."""
-    device = model.fc1.weight.device
-    x = randn((BATCH, IN), torch.float32, device, seed=10_000 + step)
-    y = randn((BATCH, OUT), torch.float32, device, seed=20_000 + step)
-    loss = (model(x) - y).pow(2).mean() * scale
-    loss.backward()
-    return loss
 
 
 # --- the constructors ---------------------------------------------------------------------

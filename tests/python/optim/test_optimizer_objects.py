@@ -14,15 +14,13 @@ import pytest
 import torch
 from helpers import (
     DAMPENED_FIRST_STEP,
-    IN,
-    OUT,
     TOLERANCES,
     assert_bitwise_equal,
     assert_same_snapshot,
+    backward,
     full_snapshot,
     make_model,
     named_snapshot,
-    randn,
     torch_optimizer,
 )
 from torch import nn
@@ -30,7 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import optim
 
-BATCH = 8
 STEPS = 30
 TIGHT = TOLERANCES[torch.float32]  # fp32 math against fp32 torch.optim: rtol 1e-5, atol 1e-6
 
@@ -66,16 +63,6 @@ OPTIMIZERS = [
 
 
 # --- helpers.make_model: its loss and its torch.optim twin -------------------------------
-
-def backward(model, step, scale=1.0):
-    """Gradients of a regression loss on the batch of `step` (deterministic)."""
-    device = model.fc1.weight.device
-    x = randn((BATCH, IN), torch.float32, device, seed=10_000 + step)
-    y = randn((BATCH, OUT), torch.float32, device, seed=20_000 + step)
-    loss = (model(x) - y).pow(2).mean() * scale
-    loss.backward()
-    return loss
-
 
 def fp32_twin(model):
     """An fp32 copy of `model` for torch.optim (the masters' starting values)."""
