@@ -1,8 +1,9 @@
 # make demo   set up, build, run the self-check (python -m mixedprec.selfcheck) and the
 #             digits job (examples/digits/train.py: fp32 vs O1/O2 in fp16 and bf16,
 #             output in build/digits/)
-# make test   set up, run the style gates (make lint), build, run the GoogleTest suite
-#             (ctest) and pytest
+# make test   set up, run the style gates (make lint), build the extension and the
+#             GoogleTest suite's own objects side by side, run the GoogleTest suite
+#             (ctest, linked against the extension's objects) and pytest
 # make lint   ruff (pyproject.toml's [tool.ruff]) over the Python tree and clang-format
 #             (.clang-format) over the C++/CUDA tree, both from .venv; fails on a finding
 # make compat TORCH=2.15.0
@@ -11,10 +12,11 @@
 #             docs/compatibility.md
 #
 # Setup is a virtual environment in .venv with pinned torch; the extension is
-# built in place (mixedprec/_C*.so). Variables:
+# built in place (mixedprec/_C*.so), its objects in build/ext. Variables:
 #   MIXEDPREC_CUDA=0   build the CPU kernels only
 #   MAX_JOBS=N         parallel compile jobs (default 2)
 #   PYTHON=python3.12  the interpreter that creates .venv
+#   PYTEST_ARGS=...    what make py-test adds to pytest's command line (-k, -x, a path)
 
 PYTHON ?= python3
 TORCH_VERSION := 2.11.0
@@ -50,15 +52,25 @@ RUFF_VERSION := 0.17.6
 CLANG_FORMAT_VERSION := 20.1.8
 PY_LINT_PATHS := mixedprec tests bench examples scripts
 CXX_LINT_FILES = $(shell find csrc \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' \
-	-o -name '*.cuh' \) | sort) $(wildcard tests/cpp/*.cpp)
+	-o -name '*.cuh' \) | sort) $(wildcard tests/cpp/*.cpp tests/cpp/*.h)
 
-.PHONY: demo test lint build cpp-test py-test clean
+.PHONY: demo test lint build cpp-test cpp-test-objects py-test clean
+
+# OpenMP's idle workers spin 300,000 times (libgomp's default) before they sleep: with
+# pytest's worker per core and ctest's jobs, spinning threads take the cores from
+# the ones with work. 10,000 keeps the wake-up fast and the idle cores free.
+TEST_ENV := GOMP_SPINCOUNT=10000
 
 demo: build
 	PYTHONPATH=$(CURDIR) $(PY) -m mixedprec.selfcheck
 	PYTHONPATH=$(CURDIR) $(PY) examples/digits/train.py --out build/digits
 
-test: lint build cpp-test py-test
+# The extension and the GoogleTest suite's objects compile side by side (two builds
+# of MAX_JOBS jobs each: the extension's last units run alone otherwise), then the
+# suite links the extension's objects.
+test: lint
+	$(MAKE) --no-print-directory -j2 build cpp-test-objects
+	$(MAKE) --no-print-directory cpp-test py-test
 
 build: $(EXT_STAMP)
 
@@ -85,7 +97,8 @@ lint: $(VENV_STAMP)
 $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 	mkdir -p build && rm -f build/ext-cuda*.stamp
 	$(PY) scripts/build_checks.py > $@.tmp
-	{ $(PY) setup.py build_ext --inplace 2>&1; echo $$? > build/ext-build.rc; } | \
+	{ $(PY) setup.py build_ext --inplace --build-temp build/ext 2>&1; \
+		echo $$? > build/ext-build.rc; } | \
 		tee build/ext-build.log
 	exit "$$(cat build/ext-build.rc)"
 	$(PY) scripts/cuda_resources.py build/ext-build.log build/cuda-resources.json
@@ -101,16 +114,22 @@ develop: $(VENV_STAMP)
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mixedprec-checkout.pth"
 
 build/cpp/build.ninja: tests/cpp/CMakeLists.txt $(VENV_STAMP)
-	cmake -S tests/cpp -B build/cpp -G Ninja -DPython3_EXECUTABLE=$(PY)
+	cmake -S tests/cpp -B build/cpp -G Ninja -DPython3_EXECUTABLE=$(PY) \
+		-DMIXEDPREC_EXT_OBJECTS=$(CURDIR)/build/ext
 
-cpp-test: build/cpp/build.ninja
+# The suite's own objects (tests/cpp/test_*.cpp), which need no extension object.
+cpp-test-objects: build/cpp/build.ninja
+	cmake --build build/cpp -j $(MAX_JOBS) --target mixedprec_test_objects
+
+# The suite links build/ext's objects of the extension's C++ sources.
+cpp-test: build build/cpp/build.ninja
 	cmake --build build/cpp -j $(MAX_JOBS)
-	ctest --test-dir build/cpp --output-on-failure
+	$(TEST_ENV) ctest --test-dir build/cpp --output-on-failure -j $(MAX_JOBS)
 
 py-test: build
 	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1 \
 		MIXEDPREC_CUDA_RESOURCES=$(CURDIR)/build/cuda-resources.json; fi; \
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto tests/python
+	$(TEST_ENV) PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto tests/python $(PYTEST_ARGS)
 
 clean:
 	rm -rf build mixedprec/_C*.so

@@ -76,7 +76,10 @@ def extension(cuda: bool):
     # No -std: torch's BuildExtension adds the standard its headers need (C++17 up to
     # torch 2.11, C++20 in 2.15, whose ATen.h stops a C++17 build); the sources are
     # C++17 and build as either.
-    cxx = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-Wno-psabi"]
+    # -g0: no debug information (Python's CFLAGS ask for -g): the same machine code,
+    # objects a fifteenth the size, and a build that spends its time compiling, not
+    # writing DWARF for torch's headers.
+    cxx = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-Wno-psabi", "-g0"]
     link = ["-fopenmp"]
     if not cuda:
         return cpp_extension.CppExtension(

@@ -350,8 +350,9 @@ def case_adam_mixedprec_op(inp: Inputs):
     def fn(i):
         ops.multi_tensor_check_finite_(grads, found_inf)  # what a GradScaler does first
         ops.fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=LR,
-                        beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, adamw=True,
-                        bias_correction=True, inv_scale=invs[i % 2], found_inf=found_inf)
+                        beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                        decoupled_weight_decay=True, bias_correction=True, inv_scale=invs[i % 2],
+                        found_inf=found_inf)
     return fn, _no_skip(found_inf)
 
 
@@ -1010,8 +1011,9 @@ def _check_one(op: str, inp: "Inputs", device: torch.device, add) -> None:
                 opt.state[p] = {"step": torch.zeros((), dtype=F32, device=device),
                                 "exp_avg": a.clone(), "exp_avg_sq": b.clone()}
             ops.fused_adam_(masters, grads16, m1, v1, model, step=inp.scalar(0.0), lr=CHECK_LR,
-                            beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, adamw=True,
-                            bias_correction=True, inv_scale=inp.scalar(1 / scale), found_inf=fi)
+                            beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                            decoupled_weight_decay=True, bias_correction=True,
+                            inv_scale=inp.scalar(1 / scale), found_inf=fi)
         else:
             buf = inp.randn(F32, std=0.1)
             opt = torch.optim.SGD(params, lr=CHECK_LR, momentum=MOMENTUM, fused=True)

@@ -142,43 +142,6 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
   }
 }
 
-// LAMB's stages (pointwise.h). Stage 1 reads params and grads in any float type and
-// writes fp32 moments and updates; stage 2 writes the params and, when present, the
-// model copy (params are then fp32 masters, validated before).
-template <class Engine>
-void run_lamb_stage1(const std::array<at::TensorList, 5>& lists, const LambStage1Op& op,
-                     const float* skip) {
-  for (const auto& g : group_by_dtype<5>(lists)) {
-    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
-      MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "fused_lamb_", grad_t, [&] {
-        Engine::template run<LambStage1Op, param_t, grad_t, float, float, float>(g, op, skip,
-                                                                                 nullptr);
-      });
-    });
-  }
-}
-
-template <class Engine>
-void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage2Op& op,
-                     const float* skip) {
-  for (const auto& g : group_by_dtype<5>(lists)) {
-    const bool has_model = !g[2].empty();
-    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
-      if (!has_model) {
-        Engine::template run<LambStage2Op, param_t, float, float, float, float>(g, op, skip,
-                                                                                nullptr);
-        return;
-      }
-      MP_DISPATCH_FLOATS(g[2][0].scalar_type(), "fused_lamb_", model_t, [&] {
-        if constexpr (std::is_same_v<param_t, float>) {
-          Engine::template run<LambStage2Op, float, float, model_t, float, float>(g, op, skip,
-                                                                                  nullptr);
-        }
-      });
-    });
-  }
-}
-
 // Stochastic rounding (sr_seed given) writes bf16 params directly: no masters, no
 // kahan_comps; its salts are one contiguous int64 tensor of 4 words per param (salt,
 // offset, run, stride: pointwise.h's RoundingWords; the salt below 2^32, offset >= 0,

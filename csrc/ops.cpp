@@ -33,7 +33,7 @@ TORCH_LIBRARY(mixedprec, m) {
       "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool adamw, "
+      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
       "bool bias_correction, Tensor? inv_scale, Tensor? found_inf, "
       "Tensor? lr_tensor=None, Tensor(f!)[]? kahan_comps=None, "
       "Tensor[]? sr_salts=None, int? sr_seed=None, bool maximize=False, "
@@ -44,7 +44,7 @@ TORCH_LIBRARY(mixedprec, m) {
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] model_params, Tensor(e!) step, float lr, float beta1, "
-      "float beta2, float eps, float weight_decay, bool adamw, "
+      "float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
       "bool bias_correction, bool grad_averaging, bool use_nvlamb, "
       "Tensor? global_grad_norm, float max_grad_norm, Tensor? inv_scale, "
       "Tensor? found_inf) -> ()");
@@ -57,7 +57,7 @@ TORCH_LIBRARY(mixedprec, m) {
   m.def(
       "fused_adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
       "Tensor(c!)[] model_params, float lr, float eps, float weight_decay, "
-      "bool adagrad_w_mode, Tensor? inv_scale, Tensor? found_inf) -> ()");
+      "bool decoupled_weight_decay, Tensor? inv_scale, Tensor? found_inf) -> ()");
   m.def(
       "fused_novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] model_params, Tensor(d!) exp_avg_sq, Tensor(e!) step, float lr, "

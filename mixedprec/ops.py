@@ -305,7 +305,7 @@ def fused_adam_(
     beta2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    adamw: bool = True,
+    decoupled_weight_decay: bool = True,
     bias_correction: bool = True,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
@@ -321,8 +321,9 @@ def fused_adam_(
     exp_avg_sq_scales: Optional[List[Tensor]] = None,
     state_seed: Optional[int] = None,
 ) -> None:
-    """One ``torch.optim.Adam`` (``adamw=False``: weight decay added to the gradient)
-    or ``torch.optim.AdamW`` (``adamw=True``: decoupled) step over all ``params``.
+    """One ``torch.optim.Adam`` (``decoupled_weight_decay=False``: weight decay added to
+    the gradient) or ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) step over
+    all ``params``.
 
     ``step`` (float32, one element) is incremented on the device before use, unless
     ``found_inf`` is set. ``exp_avgs`` and ``exp_avg_sqs`` are fp32 or bf16 (the two
@@ -349,7 +350,7 @@ def fused_adam_(
     # Positional, in the schema's order (test_step_ops checks it), as fused_sgd_'s.
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction, inv_scale, found_inf, lr_tensor,
+        weight_decay, decoupled_weight_decay, bias_correction, inv_scale, found_inf, lr_tensor,
         kahan_comps or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
         unscale_grads, remainders or None, exp_avg_scales, exp_avg_sq_scales, state_seed,
     )
@@ -437,7 +438,7 @@ def fused_lamb_(
     beta2: float = 0.999,
     eps: float = 1e-6,
     weight_decay: float = 0.01,
-    adamw: bool = True,
+    decoupled_weight_decay: bool = True,
     bias_correction: bool = True,
     grad_averaging: bool = True,
     use_nvlamb: bool = False,
@@ -451,10 +452,11 @@ def fused_lamb_(
     Per element, in fp32: ``g = grad * inv_scale / clip`` with ``clip =
     max(1, global_grad_norm / max_grad_norm)`` (no clipping when ``global_grad_norm``
     is None; it is the norm of the unscaled gradients, a float32 one-element tensor);
-    ``adamw=False`` adds ``weight_decay * p`` to ``g``; ``m = beta1 * m + (1 - beta1)
-    * g`` (``grad_averaging=False``: ``+ g``); ``v = beta2 * v + (1 - beta2) * g * g``;
-    ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with Adam's bias corrections (1 when
-    ``bias_correction`` is False); ``adamw=True`` adds ``weight_decay * p`` to ``u``.
+    ``decoupled_weight_decay=False`` adds ``weight_decay * p`` to ``g``; ``m = beta1 * m
+    + (1 - beta1) * g`` (``grad_averaging=False``: ``+ g``); ``v = beta2 * v + (1 -
+    beta2) * g * g``; ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with Adam's bias
+    corrections (1 when ``bias_correction`` is False); ``decoupled_weight_decay=True``
+    adds ``weight_decay * p`` to ``u``.
     Then per tensor ``ratio = lr * ||p|| / ||u||`` when ``use_nvlamb`` or
     ``weight_decay != 0`` and both norms are nonzero, else ``lr``; ``p -= ratio * u``.
 
@@ -465,7 +467,8 @@ def fused_lamb_(
     torch.ops.mixedprec.fused_lamb_.default(
         params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
         model_params=model_params, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, adamw=adamw, bias_correction=bias_correction,
+        weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+        bias_correction=bias_correction,
         grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
         global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
         inv_scale=inv_scale, found_inf=found_inf,
@@ -481,18 +484,18 @@ def fused_adagrad_(
     lr: float,
     eps: float = 1e-10,
     weight_decay: float = 0.0,
-    adagrad_w_mode: bool = False,
+    decoupled_weight_decay: bool = False,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
 ) -> None:
     """One Adagrad step over all ``params`` (Apex's ``FusedAdagrad``):
     ``sum += g * g; p -= lr * g / (sqrt(sum) + eps)``. ``weight_decay * p`` is added
-    to the gradient (L2, as ``torch.optim.Adagrad``) or, with ``adagrad_w_mode``, to
+    to the gradient (L2, as ``torch.optim.Adagrad``) or, with ``decoupled_weight_decay``, to
     the step (decoupled). ``state_sums`` are fp32, one per param. Masters, model copy,
     unscale and skip behave as in :func:`fused_sgd_`."""
     torch.ops.mixedprec.fused_adagrad_.default(
         params=params, grads=grads, state_sums=state_sums, model_params=model_params, lr=lr,
-        eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
+        eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
         inv_scale=inv_scale, found_inf=found_inf,
     )
 

@@ -219,7 +219,8 @@ def check_adam(dev, r):
     for t in range(1, 4):
         grads = [(torch.randn(k, device=dev) * loss_scale).bfloat16() for k in n]
         ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model, step=step, lr=lr, beta1=beta1,
-                        beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=True,
+                        beta2=beta2, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=True,
                         inv_scale=scalar(1 / loss_scale, dev), found_inf=scalar(0.0, dev))
         for state, g in zip(ref, grads):  # torch.optim.AdamW in float64
             p, m, v = state
@@ -265,7 +266,7 @@ def _check_adam_options(dev, r):
         want.append((p.double() - lr / (1 - beta1**t) * m / denom, m, v, vmax))
     want_g = [(g.float() / loss_scale).half() for g in grads]
     ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], step=scalar(t - 1.0, dev), lr=lr,
-                    beta1=beta1, beta2=beta2, eps=eps, adamw=False,
+                    beta1=beta1, beta2=beta2, eps=eps, decoupled_weight_decay=False,
                     inv_scale=scalar(1 / loss_scale, dev), maximize=True, max_exp_avg_sqs=maxima,
                     unscale_grads=True)
     for i, (p, m, v, vmax) in enumerate(want):
@@ -369,7 +370,7 @@ def check_adagrad(dev, r):
             want_p.append(p - lr * update)
             want_h.append(h)
         ops.fused_adagrad_(params, grads, sums, model, lr=lr, eps=eps, weight_decay=weight_decay,
-                           adagrad_w_mode=w_mode, inv_scale=scalar(1 / loss_scale, dev),
+                           decoupled_weight_decay=w_mode, inv_scale=scalar(1 / loss_scale, dev),
                            found_inf=scalar(0.0, dev))
         for i in range(len(n)):
             r.close(params[i], want_p[i], RTOL[torch.float32], f"params[{i}] (w_mode={w_mode})")

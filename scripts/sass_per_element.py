@@ -34,7 +34,7 @@ the functor, not template arguments), so ``static`` overstates what one mode exe
 ``path``: what one iteration issues in one mode. The kernel is run abstractly for
 thread 0 of block 0 with that mode's kernel parameters: the functor's flags and
 scalars at their offsets in the parameter space (the layout computed from the structs
-of csrc/pointwise.h and csrc/philox.h, and checked: the kernel must read its ``skip``
+of csrc/pointwise*.h and csrc/philox.h, and checked: the kernel must read its ``skip``
 pointer where the layout puts it), aligned pointers for the lists the mode has and null
 for the others, a long tensor, and step, inv_scale and a whole tensor's rounding words
 (run 0) behind the pointers the functor reads. The integer, logic, predicate,
@@ -222,9 +222,10 @@ def struct_layout(name: str, bodies: Dict[str, str], memo=None) -> Dict:
 
 @functools.lru_cache(maxsize=None)
 def functors(repo: Path = REPO) -> Dict[str, Dict]:
-    """The layout and list masks of every functor of csrc/pointwise.h."""
+    """The layout and list masks of every functor of csrc/pointwise*.h."""
     bodies = struct_bodies((repo / "csrc/philox.h").read_text())
-    bodies.update(struct_bodies((repo / "csrc/pointwise.h").read_text()))
+    for header in ("pointwise.h", "pointwise_adam.h", "pointwise_optimizers.h"):
+        bodies.update(struct_bodies((repo / "csrc" / header).read_text()))
     memo: Dict = {}
     return {name: struct_layout(name, bodies, memo) for name in bodies
             if name.endswith("Op")}
@@ -1252,7 +1253,7 @@ FIELD_VALUES = {
     "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01,
     "max_grad_norm": 1.0, "momentum": 0.0, "grad_weight": 1.0, "inv_scale": 1.0,
     # bools
-    "adamw": True, "bias_correction": True, "grad_averaging": True,
+    "decoupled_weight_decay": True, "bias_correction": True, "grad_averaging": True,
     "seed": 0x243F6A8885A308D3, "state_seed": 0x13198A2E03707344,
 }
 PTR_BASE = 0x7F0000000000

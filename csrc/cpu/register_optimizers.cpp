@@ -1,8 +1,9 @@
 // The CPU kernels of SGD, LAMB, Adagrad and NovoGrad: one of the registration units
-// (csrc/ops/all.h, MP_REGISTER_UNIT), compiled on its own.
+// (csrc/ops/unit.h, MP_REGISTER_UNIT), compiled on its own.
 #include <torch/library.h>
 
-#include "../ops/all.h"
+#include "../ops/optimizers.h"
+#include "../ops/unit.h"
 #include "engine.h"
 
 MP_REGISTER_UNIT(register_other_optimizer_ops, mixedprec::cpu::CpuEngine, CPU, SparseCPU,

@@ -1,9 +1,10 @@
 // The CUDA kernels of the list ops (unscale, finite check, copy, L2 norm,
-// sum, loss scale): one of the registration units (csrc/ops/all.h, MP_REGISTER_UNIT),
+// sum, loss scale): one of the registration units (csrc/ops/unit.h, MP_REGISTER_UNIT),
 // compiled on its own.
 #include <torch/library.h>
 
-#include "../ops/all.h"
+#include "../ops/lists.h"
+#include "../ops/unit.h"
 #include "multi_tensor_apply.cuh"
 
 MP_REGISTER_UNIT(register_list_ops, mixedprec::cuda::CudaEngine, CUDA, SparseCUDA, SparseCsrCUDA)

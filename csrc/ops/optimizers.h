@@ -1,6 +1,6 @@
-// The fused optimizers' entries: SGD, Adam/AdamW, LAMB, Adagrad and NovoGrad (their
-// per-element math is in csrc/pointwise.h). Each checks its arguments before anything
-// is written, makes the data's device current, and runs on the engine. Signatures
+// The fused optimizers' entries but Adam's (ops/adam.h): SGD, LAMB, Adagrad and
+// NovoGrad (their per-element math is in csrc/pointwise_optimizers.h). Each checks its arguments
+// before anything is written, makes the data's device current, and runs on the engine. Signatures
 // follow the schemas in csrc/ops.cpp.
 #pragma once
 
@@ -13,8 +13,47 @@
 #include <vector>
 
 #include "../dispatch.h"
+#include "../pointwise_optimizers.h"
 
 namespace mixedprec {
+
+// LAMB's stages (pointwise_optimizers.h). Stage 1 reads params and grads in any float type and
+// writes fp32 moments and updates; stage 2 writes the params and, when present, the
+// model copy (params are then fp32 masters, validated before).
+template <class Engine>
+void run_lamb_stage1(const std::array<at::TensorList, 5>& lists, const LambStage1Op& op,
+                     const float* skip) {
+  for (const auto& g : group_by_dtype<5>(lists)) {
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
+      MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "fused_lamb_", grad_t, [&] {
+        Engine::template run<LambStage1Op, param_t, grad_t, float, float, float>(g, op, skip,
+                                                                                 nullptr);
+      });
+    });
+  }
+}
+
+template <class Engine>
+void run_lamb_stage2(const std::array<at::TensorList, 5>& lists, const LambStage2Op& op,
+                     const float* skip) {
+  for (const auto& g : group_by_dtype<5>(lists)) {
+    const bool has_model = !g[2].empty();
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "fused_lamb_", param_t, [&] {
+      if (!has_model) {
+        Engine::template run<LambStage2Op, param_t, float, float, float, float>(g, op, skip,
+                                                                                nullptr);
+        return;
+      }
+      MP_DISPATCH_FLOATS(g[2][0].scalar_type(), "fused_lamb_", model_t, [&] {
+        if constexpr (std::is_same_v<param_t, float>) {
+          Engine::template run<LambStage2Op, float, float, model_t, float, float>(g, op, skip,
+                                                                                  nullptr);
+        }
+      });
+    });
+  }
+}
+
 namespace entry {
 
 // sr_seed, when given, turns on stochastic rounding of the bf16 params (pointwise.h),
@@ -107,103 +146,6 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                                op, optional_ptr(found_inf));
 }
 
-// The step counter is incremented (on the device, unless found_inf is set) before
-// the update, which reads it. lr_tensor, when given, holds the learning rate on the
-// device (read there, so that it can change between replays of a CUDA graph) and
-// replaces `lr`. sr_seed, when given, turns on stochastic rounding of the bf16 params
-// (pointwise.h), keyed by the seed and the step, with one salt per param (sr_salts).
-// maximize negates the unscaled gradient; max_exp_avg_sqs, when given, turns on
-// amsgrad (one per param, of its exp_avg_sq's dtype); unscale_grads writes
-// grad * inv_scale back into the grads (nothing without an inv_scale); remainders as
-// in fused_sgd_. exp_avg_scales and exp_avg_sq_scales, given together, make the
-// moments 8-bit (as momentum_scales in fused_sgd_), exp_avg_sqs then holding the
-// square roots of the second moments (AdamOp's `root`); amsgrad is refused with them.
-// state_seed, with 8-bit state, rounds its codes stochastically (lanes.h) with Philox
-// bits keyed as sr_seed's (the same sr_salts, the step) but by state_seed.
-template <class Engine>
-void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                 at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                 bool bias_correction, const std::optional<at::Tensor>& inv_scale,
-                 const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
-                 std::optional<at::TensorList> kahan_comps = std::nullopt,
-                 std::optional<at::TensorList> sr_salts = std::nullopt,
-                 std::optional<int64_t> sr_seed = std::nullopt, bool maximize = false,
-                 std::optional<at::TensorList> max_exp_avg_sqs = std::nullopt,
-                 bool unscale_grads = false,
-                 std::optional<at::TensorList> remainders = std::nullopt,
-                 std::optional<at::TensorList> exp_avg_scales = std::nullopt,
-                 std::optional<at::TensorList> exp_avg_sq_scales = std::nullopt,
-                 std::optional<int64_t> state_seed = std::nullopt) {
-  const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
-  const at::TensorList salts = sr_salts.value_or(at::TensorList{});
-  const at::TensorList rems = remainders.value_or(at::TensorList{});
-  const at::TensorList max_sqs = max_exp_avg_sqs.value_or(at::TensorList{});
-  Checker c("fused_adam_");
-  c.scalar(step, "step", at::kFloat, Access::kWrite);
-  c.optional_scalar(found_inf, "found_inf");
-  c.optional_scalar(inv_scale, "inv_scale");
-  c.optional_scalar(lr_tensor, "lr_tensor");
-  check_params(c, params, grads, model_params, unscale_grads ? Access::kWrite : Access::kRead);
-  check_kahan_comps(c, params, model_params, comps);
-  check_stochastic(c, "fused_adam_", params, model_params, comps, salts, sr_seed.has_value(),
-                   state_seed.has_value());
-  TORCH_CHECK_VALUE(!state_seed.has_value() || exp_avg_scales.has_value(),
-                    "fused_adam_: state_seed (stochastic rounding of 8-bit moments) expected "
-                    "exp_avg_scales and exp_avg_sq_scales");
-  check_remainders(c, params, model_params, comps, rems, sr_seed.has_value());
-  TORCH_CHECK_VALUE(exp_avg_scales.has_value() == exp_avg_sq_scales.has_value(),
-                    "fused_adam_: expected exp_avg_scales and exp_avg_sq_scales together (8-bit "
-                    "moments) or neither, got only ",
-                    exp_avg_scales.has_value() ? "exp_avg_scales" : "exp_avg_sq_scales");
-  TORCH_CHECK_VALUE(!exp_avg_scales.has_value() || !max_exp_avg_sqs.has_value(),
-                    "fused_adam_: max_exp_avg_sqs (amsgrad) is not supported with 8-bit moments "
-                    "(exp_avg_scales); keep fp32 or bf16 moments with amsgrad");
-  check_state_scales(c, exp_avgs, "exp_avgs", exp_avg_scales, "exp_avg_scales");
-  c.paired(params, "params", exp_avgs, "exp_avgs");
-  check_state_scales(c, exp_avg_sqs, "exp_avg_sqs", exp_avg_sq_scales, "exp_avg_sq_scales");
-  c.paired(params, "params", exp_avg_sqs, "exp_avg_sqs");
-  c.same_dtypes(exp_avgs, "exp_avgs", exp_avg_sqs, "exp_avg_sqs");
-  if (max_exp_avg_sqs.has_value()) {
-    c.list(max_sqs, "max_exp_avg_sqs", kF32 | kBF16, Access::kWrite);
-    c.paired(params, "params", max_sqs, "max_exp_avg_sqs");
-    c.same_dtypes(exp_avg_sqs, "exp_avg_sqs", max_sqs, "max_exp_avg_sqs");
-  }
-  check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
-  c.no_overlap();
-  if (params.empty()) return;
-
-  const typename Engine::Guard guard(step.device());
-  Engine::increment_step(step.data_ptr<float>(), optional_ptr(found_inf));
-  AdamOp op;
-  op.lr = lr;
-  op.beta1 = beta1;
-  op.beta2 = beta2;
-  op.eps = eps;
-  op.weight_decay = weight_decay;
-  op.adamw = adamw;
-  op.bias_correction = bias_correction;
-  op.maximize = maximize;
-  op.amsgrad = !max_sqs.empty();
-  op.step_ptr = step.data_ptr<float>();
-  op.inv_scale_ptr = optional_ptr(inv_scale);
-  op.lr_ptr = optional_ptr(lr_tensor);
-  op.kahan = !comps.empty();
-  op.remainder = !rems.empty();
-  op.stochastic = sr_seed.has_value();
-  op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
-  op.root = exp_avg_scales.has_value();
-  op.state_stochastic = state_seed.has_value();
-  op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
-  const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, AdamOp>(
-      {params, grads, exp_avgs, exp_avg_sqs, model_params, op.remainder ? rems : comps, salts,
-       max_sqs, unscaled, exp_avg_scales.value_or(at::TensorList{}),
-       exp_avg_sq_scales.value_or(at::TensorList{})},
-      op, optional_ptr(found_inf));
-}
-
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each
 // tensor's update into an fp32 scratch buffer (one allocation, a view per tensor, each
 // starting on a 64-byte boundary); the engine's l2norm gives every param's and every
@@ -212,10 +154,10 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 template <class Engine>
 void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
-                 double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-                 bool bias_correction, bool grad_averaging, bool use_nvlamb,
-                 const std::optional<at::Tensor>& global_grad_norm, double max_grad_norm,
-                 const std::optional<at::Tensor>& inv_scale,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool decoupled_weight_decay, bool bias_correction, bool grad_averaging,
+                 bool use_nvlamb, const std::optional<at::Tensor>& global_grad_norm,
+                 double max_grad_norm, const std::optional<at::Tensor>& inv_scale,
                  const std::optional<at::Tensor>& found_inf) {
   Checker c("fused_lamb_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
@@ -260,7 +202,7 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op1.eps = eps;
   op1.weight_decay = weight_decay;
   op1.max_grad_norm = max_grad_norm;
-  op1.adamw = adamw;
+  op1.decoupled_weight_decay = decoupled_weight_decay;
   op1.bias_correction = bias_correction;
   op1.grad_averaging = grad_averaging;
   op1.step_ptr = step.data_ptr<float>();
@@ -286,7 +228,7 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
 template <class Engine>
 void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                     at::TensorList model_params, double lr, double eps, double weight_decay,
-                    bool adagrad_w_mode, const std::optional<at::Tensor>& inv_scale,
+                    bool decoupled_weight_decay, const std::optional<at::Tensor>& inv_scale,
                     const std::optional<at::Tensor>& found_inf) {
   Checker c("fused_adagrad_");
   c.optional_scalar(found_inf, "found_inf");
@@ -306,7 +248,7 @@ void fused_adagrad_(at::TensorList params, at::TensorList grads, at::TensorList 
   op.lr = static_cast<float>(lr);
   op.eps = static_cast<float>(eps);
   op.weight_decay = static_cast<float>(weight_decay);
-  op.adagrad_w_mode = adagrad_w_mode;
+  op.decoupled_weight_decay = decoupled_weight_decay;
   op.inv_scale_ptr = optional_ptr(inv_scale);
   run_optimizer<Engine, AdagradOp>({params, grads, state_sums, model_params}, op,
                                    optional_ptr(found_inf));
@@ -385,12 +327,7 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
 
 }  // namespace entry
 
-// This family's entries on one engine, in two parts that the backends compile as units
-// of their own (ops/all.h): Adam's, the largest, and the others'.
-template <class Engine>
-void register_adam_ops(torch::Library& m) {
-  m.impl("fused_adam_", &entry::fused_adam_<Engine>);
-}
+// This family's entries on one engine (Adam's are in ops/adam.h, a unit of their own).
 template <class Engine>
 void register_other_optimizer_ops(torch::Library& m) {
   m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);

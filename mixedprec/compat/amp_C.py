@@ -246,7 +246,7 @@ def multi_tensor_adam(
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
     ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params,
                     step=_scalar(step - 1, device), lr=lr, beta1=beta1, beta2=beta2, eps=epsilon,
-                    weight_decay=weight_decay, adamw=mode == 1,
+                    weight_decay=weight_decay, decoupled_weight_decay=mode == 1,
                     bias_correction=bool(bias_correction),
                     found_inf=_found_inf_of(noop_flag, device))
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
@@ -285,7 +285,8 @@ def _adam_capturable(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: 
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
     ops.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, model_params, step=step_before, lr=0.0,
                     beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
-                    adamw=mode == 1, bias_correction=bool(bias_correction), inv_scale=inv_scale,
+                    decoupled_weight_decay=mode == 1, bias_correction=bool(bias_correction),
+                    inv_scale=inv_scale,
                     found_inf=_found_inf_of(noop_flag, device), lr_tensor=lr_tensor)
     ops.multi_tensor_copy_(m_copies + v_copies, m_originals + v_originals)
 
@@ -367,7 +368,7 @@ def multi_tensor_adagrad(
     device = params[0].device
     sums, copies, originals = _fp32_state(sums)
     ops.fused_adagrad_(params, grads, sums, [], lr=lr, eps=epsilon, weight_decay=weight_decay,
-                       adagrad_w_mode=mode == 1, found_inf=_found_inf_of(noop_flag, device))
+                       decoupled_weight_decay=mode == 1, found_inf=_found_inf_of(noop_flag, device))
     ops.multi_tensor_copy_(copies, originals)
 
 
@@ -511,7 +512,7 @@ def _lamb(fn: str, noop_flag: Tensor, lists: List[List[Tensor]], lr: float, beta
     exp_avg_sqs, v_copies, v_originals = _fp32_state(exp_avg_sqs)
     ops.fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, model_params, step=step, lr=lr,
                     beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
-                    adamw=mode == 1, bias_correction=bool(bias_correction),
+                    decoupled_weight_decay=mode == 1, bias_correction=bool(bias_correction),
                     grad_averaging=bool(grad_averaging), use_nvlamb=bool(use_nvlamb),
                     global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
                     inv_scale=inv_scale, found_inf=found_inf)

@@ -51,6 +51,7 @@ from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
 from ..optim import BF16_MODES, FLOAT_DTYPES, LAMB, SGD, Adagrad, Adam, NovoGrad, Optimizer
 from ..optim.precision import Work
+from ..optim.state import count_applied
 from ..optim.torch_path import check_betas, check_nonnegative
 from . import amp_C
 
@@ -194,7 +195,7 @@ class FusedSGD(_ApexFace, SGD):
             that carries what bf16 rounding dropped into the next update;
             ``"stochastic"`` bf16 parameters, no master: the fp32 result is
             rounded stochastically into the bf16 parameter (unbiased), with
-            reproducible Philox bits keyed by the group's ``sr_seed`` and a device step
+            reproducible Philox bits keyed by the group's ``seed`` and a device step
             count ``group["step"]`` that this mode adds; ``"remainder"`` each bf16
             parameter with an int16 remainder (``state["remainder"]``), the low half
             of its fp32 master's bits: the master is kept exactly in 2 more bytes.
@@ -206,7 +207,7 @@ class FusedSGD(_ApexFace, SGD):
             (``momentum_buffer_scale``) for eligible parameters, fp32 for the others
             (:mod:`mixedprec.optim.state8`, docs/lean-precision.md).
         seed: (keyword) master='stochastic' only: the int in [0, 2**63) that group i's
-            ``sr_seed`` is ``seed + i`` of; default: drawn once, at construction, from
+            ``seed`` is ``seed + i`` of; default: drawn once, at construction, from
             torch's default CPU generator (``torch.manual_seed`` repeats it). The
             seeds are in the state_dict's param groups; a resumed run continues bit
             for bit.
@@ -295,6 +296,8 @@ class FusedAdam(_ApexFace, Adam):
     _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq", "kahan_comp", "remainder",
                    "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
     _LEAN = True
+    _APEX_KEYS = {"adam_w_mode": "decoupled_weight_decay"}
+    _FACE_KEYS = ("decoupled_weight_decay",)
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
     @_renamed(moment_dtype="state_dtype")
@@ -316,7 +319,8 @@ class FusedAdam(_ApexFace, Adam):
         self._amp_scale_adjustment = check_scale("FusedAdam", "amp_scale_adjustment",
                                                  amp_scale_adjustment)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, adam_w_mode=adam_w_mode, capturable=capturable)
+                        weight_decay=weight_decay, decoupled_weight_decay=bool(adam_w_mode),
+                        capturable=capturable)
         if max_grad_norm > 0:  # (only then: checkpoints saved without it still load)
             defaults["max_grad_norm"] = float(max_grad_norm)
         self.set_grad_none = bool(set_grad_none)
@@ -327,7 +331,7 @@ class FusedAdam(_ApexFace, Adam):
     @property
     def adam_w_mode(self) -> int:
         """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2."""
-        return int(bool(self.defaults["adam_w_mode"]))
+        return int(self.defaults["decoupled_weight_decay"])
 
     @property
     def _dummy_overflow_buf(self) -> Tensor:
@@ -382,7 +386,7 @@ class FusedAdam(_ApexFace, Adam):
                 if master is not None:
                     master.grad = None
         self.plans.invalidate()
-        self._count_applied(getattr(self, "found_inf", None))
+        count_applied(self, getattr(self, "found_inf", None))
         return loss
 
     def _legacy_work(self, grads, output_params, scale, grad_norms):
@@ -493,9 +497,6 @@ class FusedAdam(_ApexFace, Adam):
 
     def _check_devices(self, by_device: Dict[torch.device, Work]) -> None:
         self._one_device(by_device, "the group's step count lives there")
-
-    def _decoupled(self, group) -> bool:
-        return bool(group["adam_w_mode"])
 
     def _steps(self, group, call: Work, device, used: List[Tensor], holders):
         # As in Apex, the step count belongs to the group; a second op call in one step

@@ -76,7 +76,7 @@ class Adagrad(Optimizer):
             picked = pick(grads, where)
             ops.fused_adagrad_(targets, picked, sums, model, lr=group["lr"], eps=group["eps"],
                                weight_decay=group["weight_decay"],
-                               adagrad_w_mode=group["decoupled_weight_decay"],
+                               decoupled_weight_decay=group["decoupled_weight_decay"],
                                inv_scale=inv_scale, found_inf=found_inf)
             step.add_(1.0 if found_inf is None else found_inf.reshape(()) == 0)
             self._unscale_after(picked, inv_scale, found_inf)

@@ -124,10 +124,6 @@ class Adam(Optimizer):
     def _plan_holds(self, group, plan) -> bool:
         return all(bool(call[4]) == bool(group.get("amsgrad")) for call in plan.lists)
 
-    def _decoupled(self, group) -> bool:
-        """Whether the group's weight decay is AdamW's (decoupled)."""
-        return group["decoupled_weight_decay"]
-
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
         lr, lr_tensor, found_inf = lr_on_device(group, calls[0][-1].device, found_inf)
@@ -136,7 +132,8 @@ class Adam(Optimizer):
             ops.fused_adam_(
                 targets, pick(grads, where), exp_avgs, exp_avg_sqs, model, step=step, lr=lr,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                adamw=self._decoupled(group), bias_correction=group.get("bias_correction", True),
+                decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+                bias_correction=group.get("bias_correction", True),
                 inv_scale=inv_scale, found_inf=found_inf, lr_tensor=lr_tensor,
                 maximize=bool(group.get("maximize")), max_exp_avg_sqs=maxes or None,
                 unscale_grads=self.unscale_grads and inv_scale is not None,
@@ -195,12 +192,7 @@ class AdamW(Adam):
         return {}  # (torch.optim.AdamW sets it, and takes no such argument)
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        # As torch.optim.AdamW: its weight decay is decoupled, whatever a state dict says
-        # (an Adam's, loaded into an AdamW, has decoupled_weight_decay=False).
+        # As torch.optim.AdamW: its weight decay is decoupled, whatever a state dict or a
+        # pickle says (an Adam's, loaded into an AdamW, has decoupled_weight_decay=False).
         return dict(super()._upgrade_group(saved), decoupled_weight_decay=True)
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group["decoupled_weight_decay"] = True
 

@@ -55,9 +55,6 @@ class LAMB(Optimizer):
             check_nonnegative(where, name, group[name])
         check_betas(where, group["betas"])
 
-    def _decoupled(self, group: Dict[str, Any]) -> bool:
-        return bool(group["decoupled_weight_decay"])
-
     @torch.no_grad()
     def step(self, closure=None):
         """One optimization step (on the device, without host synchronisation)."""
@@ -117,7 +114,8 @@ class LAMB(Optimizer):
         beta1, beta2 = group["betas"]
         ops.fused_lamb_(targets, grads, exp_avgs, exp_avg_sqs, model, step=group["step"],
                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], adamw=self._decoupled(group),
+                        weight_decay=group["weight_decay"],
+                        decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
                         bias_correction=group["bias_correction"],
                         grad_averaging=group["grad_averaging"], use_nvlamb=group["use_nvlamb"],
                         global_grad_norm=self._grad_norm,

@@ -67,7 +67,8 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         #: The number of steps applied (not skipped by a scaler's ``found_inf``): a 0-dim
         #: int64 tensor advanced on the device; mixedprec.optim.lr_scheduler reads it.
-        self.applied_steps = torch.zeros((), dtype=torch.int64, device=self._count_device())
+        self.applied_steps = torch.zeros((), dtype=torch.int64,
+                                         device=_state.count_device(self))
 
     master = property(lambda self: self.precision.master, doc="What is kept of each "
                       "parameter's value: 'fp32', 'none', 'kahan', 'stochastic', 'remainder'.")
@@ -89,25 +90,8 @@ class Optimizer(torch.optim.Optimizer):
         self.precision.configure(where, master, state_dtype, False)
         for i, group in enumerate(self.param_groups):
             if self.precision.seed is not None:
-                group.setdefault("sr_seed", self.precision.group_seed(i))
+                group.setdefault("seed", self.precision.group_seed(i))
         self.plans.invalidate()
-
-    def _count_device(self) -> torch.device:
-        for group in self.param_groups:
-            if group["params"]:
-                return group["params"][0].device
-        return torch.device("cpu")
-
-    def _count_applied(self, found_inf: Optional[Tensor]) -> None:
-        """``applied_steps += 1`` unless ``found_inf`` is set, on the device."""
-        device = found_inf.device if found_inf is not None else self._count_device()
-        if self.applied_steps.device != device:
-            self.applied_steps = self.applied_steps.to(device)
-        if found_inf is None:
-            self.applied_steps.add_(1)
-        else:  # (the bool flag is promoted in the add: one kernel, not a cast and an add)
-            self.applied_steps.add_((found_inf if found_inf.dim() == 0
-                                     else found_inf.reshape(())) == 0)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         where = type(self).__name__
@@ -125,8 +109,8 @@ class Optimizer(torch.optim.Optimizer):
             self.precision.check_param(where, p)
         self._check_8bit(where, self.state_dtype, [param_group])
         param_group = dict(param_group, params=params)
-        if self.precision.seed is not None and "sr_seed" not in param_group:
-            param_group["sr_seed"] = self.precision.group_seed(len(self.param_groups))
+        if self.precision.seed is not None and "seed" not in param_group:
+            param_group["seed"] = self.precision.group_seed(len(self.param_groups))
         super().add_param_group(param_group)
         try:  # (checked here, not in the step that follows: torch's checks build tensors)
             torch_path.check_groups(self, self._checked, "add_param_group")
@@ -202,30 +186,8 @@ class Optimizer(torch.optim.Optimizer):
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         """Errors of torch's implementation, raised before any update."""
 
-    @staticmethod
-    def _state_tensor(state: Dict[str, Any], key: str, like: Tensor,
-                      dtype: torch.dtype = torch.float32) -> Tensor:
-        """state[key] on like's device and in its layout, created as zeros of ``dtype``
-        (a DTensor's state is a DTensor with its placements) if absent."""
-        value = state.get(key)
-        if value is None:
-            value = state[key] = torch.zeros_like(like, dtype=dtype,
-                                                  memory_format=torch.preserve_format)
-        else:
-            value = state[key] = mst.follow_layout(value, like)
-        return value
-
-    @staticmethod
-    def _group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
-        """``group["step"]`` (the group's step count, Apex's layout) on ``device``, a
-        float32 tensor of shape [1], created from the number it holds (0 if absent)."""
-        step = group.get("step")
-        if not isinstance(step, Tensor):
-            step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
-                                              device=device)
-        elif step.device != device:  # the model moved after the optimizer was built
-            step = group["step"] = step.to(device)
-        return step
+    _state_tensor = staticmethod(_state.state_tensor)
+    _group_step = staticmethod(_state.group_step)
 
     def _steps(self, group: Dict[str, Any], call: Work, device: torch.device,
                used: List[Tensor], holders) -> List[Tuple[List[int], Tensor]]:
@@ -284,7 +246,7 @@ class Optimizer(torch.optim.Optimizer):
                 for _, plan, _, _ in planned:  # master gradients are used by one step
                     for master in plan.with_masters:
                         master.grad = None
-            self._count_applied(scaling[1])
+            _state.count_applied(self, scaling[1])
             return
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in self.param_groups]
@@ -311,7 +273,7 @@ class Optimizer(torch.optim.Optimizer):
         self.plans.invalidate()
         if not compiling:
             self.plans.plans.update(plans)
-        self._count_applied(scaling[1])
+        _state.count_applied(self, scaling[1])
 
     # --- what a subclass gives -----------------------------------------------------------
     def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
@@ -353,8 +315,8 @@ class Optimizer(torch.optim.Optimizer):
         _state.load(self, state_dict)
 
     def _upgrade_group(self, saved: Dict[str, Any]) -> Dict[str, Any]:
-        """A saved param group with the keys a newer release added."""
-        return dict(self._NEWER_KEYS, **saved)
+        """A saved param group with the keys a newer release renamed or added."""
+        return dict(self._NEWER_KEYS, **_state.renamed_keys(saved))
 
     def _load_group_state(self, new_group: Dict[str, Any], group: Dict[str, Any]) -> None:
         """A loaded group's ``step`` (a group-level count), when it has one."""
@@ -377,6 +339,4 @@ class Optimizer(torch.optim.Optimizer):
         state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
         state.update(plans=PlanCache(), masters=Masters(), _pending=[], _checked={})
         super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self._NEWER_KEYS.items():
-                group.setdefault(key, value)
+        self.param_groups[:] = map(self._upgrade_group, self.param_groups)

@@ -7,7 +7,7 @@ keyword-only ``master``, ``state_dtype`` and ``seed``:
   int16 remainder ("remainder");
 * ``state_dtype``: the dtype of moments and momentum buffers (fp32, bf16, or 8-bit,
   see :mod:`mixedprec.optim.state8`);
-* ``seed``: the base seed of stochastic rounding (group i's ``sr_seed`` is seed + i).
+* ``seed``: the base seed of stochastic rounding (group i's ``seed`` is seed + i).
 
 Also here: :class:`Masters`, the fp32 masters that follow their parameters."""
 
@@ -127,7 +127,7 @@ class Precision:
                             f"mixedprec.optim.Adam, AdamW or SGD, got {self.name}")
 
     def group_seed(self, index: int) -> Optional[int]:
-        """Param group ``index``'s ``sr_seed`` (each group its own: salts repeat)."""
+        """Param group ``index``'s ``seed`` (each group its own: salts repeat)."""
         return None if self.seed is None else (self.seed + index) % 2**63
 
     def configure(self, where: str, master: Optional[str], state_dtype: Optional[torch.dtype],
@@ -208,7 +208,7 @@ class Precision:
         """The keyword arguments of the lean modes for one fused op call."""
         rounds = self.master == "stochastic" and bool(targets) and \
             targets[0].dtype == torch.bfloat16
-        seed = group.get("sr_seed")
+        seed = group.get("seed")
         return dict(kahan_comps=comps if self.master == "kahan" else None,
                     remainders=comps if self.master == "remainder" else None,
                     sr_salts=salts, sr_seed=seed if rounds else None,

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import masters as mst
 from . import state8
 
 # State entries shaped like their parameter, with the dtype they must have: masters
@@ -24,6 +25,60 @@ _MODE_STATE = {"master_param": ("fp32", "an fp32 master"),
                "kahan_comp": ("kahan", "a Kahan compensation"),
                "remainder": ("remainder", "a remainder (the low half of an fp32 master)")}
 _EXACT_FROM = {"fp32": ("kahan_comp", "remainder"), "remainder": ("master_param", "kahan_comp")}
+
+
+#: Param-group keys renamed since an earlier release: the old name -> today's.
+RENAMED_GROUP_KEYS = {"sr_seed": "seed"}
+
+
+def renamed_keys(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved or unpickled param group with today's names for renamed keys."""
+    return {RENAMED_GROUP_KEYS.get(key, key): value for key, value in group.items()}
+
+
+def state_tensor(state: Dict[str, Any], key: str, like: Tensor,
+                 dtype: torch.dtype = torch.float32) -> Tensor:
+    """state[key] on like's device and in its layout, created as zeros of ``dtype`` (a
+    DTensor's state is a DTensor with its placements) if absent."""
+    value = state.get(key)
+    if value is None:
+        value = state[key] = torch.zeros_like(like, dtype=dtype,
+                                              memory_format=torch.preserve_format)
+    else:
+        value = state[key] = mst.follow_layout(value, like)
+    return value
+
+
+def group_step(group: Dict[str, Any], device: torch.device) -> Tensor:
+    """``group["step"]`` (the group's step count, Apex's layout) on ``device``, a float32
+    tensor of shape [1], created from the number it holds (0 if absent)."""
+    step = group.get("step")
+    if not isinstance(step, Tensor):
+        step = group["step"] = torch.full((1,), float(step or 0), dtype=torch.float32,
+                                          device=device)
+    elif step.device != device:  # the model moved after the optimizer was built
+        step = group["step"] = step.to(device)
+    return step
+
+
+def count_device(opt) -> torch.device:
+    """Where ``opt.applied_steps`` lives: its first parameter's device (else the CPU)."""
+    for group in opt.param_groups:
+        if group["params"]:
+            return group["params"][0].device
+    return torch.device("cpu")
+
+
+def count_applied(opt, found_inf: Optional[Tensor]) -> None:
+    """``opt.applied_steps += 1`` unless ``found_inf`` is set, on the device."""
+    device = found_inf.device if found_inf is not None else count_device(opt)
+    if opt.applied_steps.device != device:
+        opt.applied_steps = opt.applied_steps.to(device)
+    if found_inf is None:
+        opt.applied_steps.add_(1)
+    else:  # (the bool flag is promoted in the add: one kernel, not a cast and an add)
+        opt.applied_steps.add_((found_inf if found_inf.dim() == 0
+                                else found_inf.reshape(())) == 0)
 
 
 def whole_count(value: Any) -> Optional[int]:
@@ -116,8 +171,8 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         new_group = {k: v for k, v in saved.items() if k != "params"}
         if "param_names" in group:  # (as torch: kept when the state dict has none)
             new_group.setdefault("param_names", group["param_names"])
-        if "sr_seed" in group:  # (a state dict saved in another mode has none)
-            new_group.setdefault("sr_seed", group["sr_seed"])
+        if "seed" in group:  # (a state dict saved in another mode has none)
+            new_group.setdefault("seed", group["seed"])
         opt._load_group_state(new_group, group)
         new_group["params"] = group["params"]
         new_groups.append(new_group)

@@ -17,6 +17,7 @@ EmulatedDim3 threadIdx, blockIdx, blockDim;
 }  // namespace
 
 #include "cpu/engine.h"
+#include "cpu_entries.h"
 #include "cuda/multi_tensor_block.cuh"
 #include "ops/all.h"
 

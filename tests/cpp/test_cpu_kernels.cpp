@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/engine.h"
+#include "cpu_entries.h"
 #include "multi_tensor_plan.h"
 #include "ops/all.h"
 
@@ -1216,7 +1217,7 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   op.beta2 = 0.999;
   op.eps = 1e-8;
   op.weight_decay = 0.0;
-  op.adamw = true;
+  op.decoupled_weight_decay = true;
   op.bias_correction = true;
   op.root = true;
   const at::Tensor step = at::full({1}, 3.f);

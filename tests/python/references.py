@@ -57,10 +57,11 @@ def ref_sgd(params, grads, momentum_buffers, lr, momentum=0.0, dampening=0.0,
 
 
 def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
-             eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=None,
+             eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True, bias_correction=True,
+             inv_scale=None,
              maximize=False, max_exp_avg_sqs=None):
-    """One torch.optim.Adam (adamw=False) / AdamW (adamw=True) step in float64 from
-    the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step).
+    """One torch.optim.Adam (decoupled_weight_decay=False) / AdamW (True) step in float64
+    from the step count `step` before the call: (params, exp_avgs, exp_avg_sqs, step).
     With bf16 moments the update uses these unrounded values; the optimizer then stores
     round_bf16 of them. maximize negates the (unscaled) gradient first. With
     max_exp_avg_sqs (amsgrad) the new maxima, max(max_exp_avg_sq, exp_avg_sq) (NaN
@@ -77,7 +78,7 @@ def ref_adam(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
         if maximize:
             g = -g
         if weight_decay != 0:
-            if adamw:
+            if decoupled_weight_decay:
                 p = p * (1 - lr * weight_decay)
             else:
                 g = g + weight_decay * p
@@ -124,7 +125,7 @@ def ref_kahan_start(params, compensations):
 
 
 def ref_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.999,
-             eps=1e-6, weight_decay=0.01, adamw=True, bias_correction=True,
+             eps=1e-6, weight_decay=0.01, decoupled_weight_decay=True, bias_correction=True,
              grad_averaging=True, use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0,
              inv_scale=None):
     """One LAMB step (Apex's multi_tensor_lamb) in float64 from the step count `step`
@@ -140,12 +141,12 @@ def ref_lamb(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1=0.9, beta2=0.
     out_p, out_m, out_v = [], [], []
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
         p, g, m, v = p.double(), g.double() * scale / clip, m.double(), v.double()
-        if not adamw:
+        if not decoupled_weight_decay:
             g = g + weight_decay * p
         m = beta1 * m + ((1 - beta1) if grad_averaging else 1.0) * g
         v = beta2 * v + (1 - beta2) * g * g
         update = (m / bc1) / ((v / bc2).sqrt() + eps)
-        if adamw:
+        if decoupled_weight_decay:
             update = update + weight_decay * p
         ratio = lr
         p_norm, u_norm = p.norm().item(), update.norm().item()
@@ -163,18 +164,18 @@ def ref_global_norm(grads, inv_scale=None):
 
 
 def ref_adagrad(params, grads, state_sums, lr, eps=1e-10, weight_decay=0.0,
-                adagrad_w_mode=False, inv_scale=None):
+                decoupled_weight_decay=False, inv_scale=None):
     """One Adagrad step in float64 (Apex's FusedAdagrad; torch.optim.Adagrad with no
-    lr_decay when adagrad_w_mode is False): (params, state_sums)."""
+    lr_decay when decoupled_weight_decay is False): (params, state_sums)."""
     scale = 1.0 if inv_scale is None else inv_scale
     out_p, out_h = [], []
     for p, g, h in zip(params, grads, state_sums):
         p, g, h = p.double(), g.double() * scale, h.double()
-        if weight_decay != 0 and not adagrad_w_mode:
+        if weight_decay != 0 and not decoupled_weight_decay:
             g = g + weight_decay * p
         h = h + g * g
         update = g / (h.sqrt() + eps)
-        if weight_decay != 0 and adagrad_w_mode:
+        if weight_decay != 0 and decoupled_weight_decay:
             update = update + weight_decay * p
         out_p.append(p - lr * update)
         out_h.append(h)

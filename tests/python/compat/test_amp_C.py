@@ -215,7 +215,8 @@ def test_adam_matches_reference(device, mode, bias_correction, weight_decay):
     g_before = snapshot(g)
     step = 5  # Apex's convention: the step number after this update
     ref_p, ref_m, ref_v, _ = ref_adam(p, g, m, v, step - 1, lr=1e-2, beta1=0.9, beta2=0.99,
-                                      eps=1e-6, weight_decay=weight_decay, adamw=mode == 1,
+                                      eps=1e-6, weight_decay=weight_decay,
+                                      decoupled_weight_decay=mode == 1,
                                       bias_correction=bool(bias_correction))
     noop_flag = flag(device)
 
@@ -235,7 +236,7 @@ def test_adam_fp16_state(device):
     g = tensors(torch.float16, device, seed=14)
     m32, v32 = adam_state(p, device, seed=15)
     m, v = [t.half() for t in m32], [t.half() for t in v32]
-    ref_p, ref_m, ref_v, _ = ref_adam(p, g, m, v, 0, lr=1e-3, adamw=False)
+    ref_p, ref_m, ref_v, _ = ref_adam(p, g, m, v, 0, lr=1e-3, decoupled_weight_decay=False)
 
     apply(amp_C.multi_tensor_adam, flag(device), [g, p, m, v], 1e-3, 0.9, 0.999, 1e-8, 1, 0, 1,
           0.0)

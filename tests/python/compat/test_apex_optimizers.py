@@ -139,7 +139,7 @@ def test_fused_adagrad_w_mode_matches_the_reference(device, dtype, master_weight
         sums = [opt.state[p]["sum"].clone() if "sum" in opt.state[p] else torch.zeros_like(
             t) for p, t in zip(params, before)]
         want_p, want_h = ref_adagrad(before, grads, sums, 0.05, 1e-10, weight_decay,
-                                     adagrad_w_mode=True)
+                                     decoupled_weight_decay=True)
         opt.step()
         for p, target, wp, wh in zip(params, targets_of(opt, params), want_p, want_h):
             torch.testing.assert_close(target.double(), wp, **TIGHT)
@@ -165,7 +165,7 @@ def test_fused_adagrad_op_matches_the_reference(device, adagrad_w_mode, masters)
     want_p, want_h = ref_adagrad(params, grads, sums, 0.05, 1e-8, 1e-2, adagrad_w_mode,
                                  inv_scale=1 / 256)
     ops.fused_adagrad_(params, grads, sums, model, lr=0.05, eps=1e-8, weight_decay=1e-2,
-                       adagrad_w_mode=adagrad_w_mode, inv_scale=scalar(1 / 256, device),
+                       decoupled_weight_decay=adagrad_w_mode, inv_scale=scalar(1 / 256, device),
                        found_inf=scalar(0.0, device))
     for i, (p, h) in enumerate(zip(want_p, want_h)):
         tol = TOLERANCES[params[i].dtype]
@@ -384,7 +384,7 @@ def test_amp_c_adagrad(device, mode, dtype):
     g = tensors(dtype, device, 1)
     p = tensors(dtype, device, 10)
     h = [t.square().to(dtype) for t in tensors(torch.float32, device, 20)]  # Apex: p's dtype
-    want_p, want_h = ref_adagrad(p, g, h, 0.05, 1e-10, 1e-2, adagrad_w_mode=mode == 1)
+    want_p, want_h = ref_adagrad(p, g, h, 0.05, 1e-10, 1e-2, decoupled_weight_decay=mode == 1)
     amp_C.multi_tensor_adagrad(2048, flag(device), [g, p, h], 0.05, 1e-10, mode, 1e-2)
     for i in range(len(p)):
         torch.testing.assert_close(p[i].double(), want_p[i], **TOLERANCES[dtype])
@@ -417,7 +417,7 @@ def test_amp_c_adam_capturable(device, mode, dtype):
     m, v = adam_state(p, device, seed=30)
     lr, step, inv_scale = _capturable_args(device, 2e-3, 3, 1 / 512)
     want_p, want_m, want_v, _ = ref_adam(p, g, m, v, 2, 2e-3, 0.9, 0.99, 1e-8, 1e-2,
-                                         adamw=mode == 1, inv_scale=1 / 512)
+                                         decoupled_weight_decay=mode == 1, inv_scale=1 / 512)
     g_before = [t.clone() for t in g]
     amp_C.multi_tensor_adam_capturable(2048, flag(device), [g, p, m, v], lr, 0.9, 0.99, 1e-8,
                                        step, mode, 1, 1e-2, inv_scale)
@@ -437,7 +437,7 @@ def test_amp_c_adam_capturable_master(device, half):
     m, v = adam_state(masters, device, seed=30)
     lr, step, inv_scale = _capturable_args(device, 1e-3, 1, 1 / 64)
     want_p, want_m, want_v, _ = ref_adam(masters, g, m, v, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                                         adamw=False, inv_scale=1 / 64)
+                                         decoupled_weight_decay=False, inv_scale=1 / 64)
     amp_C.multi_tensor_adam_capturable_master(2048, flag(device), [g, p, m, v, masters], lr, 0.9,
                                               0.999, 1e-8, step, 0, 1, 0.0, inv_scale)
     for i in range(len(p)):
@@ -454,7 +454,7 @@ def test_amp_c_adam_capturable_reads_lr_and_noop_on_the_device(device):
     m, v = adam_state(p, device, seed=30)
     lr, step, inv_scale = _capturable_args(device, 1e-3, 1, 1.0)
     lr.fill_(4e-3)
-    want_p, *_ = ref_adam(p, g, m, v, 0, 4e-3, 0.9, 0.999, 1e-8, 0.0, adamw=True)
+    want_p, *_ = ref_adam(p, g, m, v, 0, 4e-3, 0.9, 0.999, 1e-8, 0.0, decoupled_weight_decay=True)
     before = [t.clone() for t in p + m + v]
     amp_C.multi_tensor_adam_capturable(2048, flag(device, 1), [g, p, m, v], lr, 0.9, 0.999,
                                        1e-8, step, 1, 1, 0.0, inv_scale)
@@ -563,7 +563,8 @@ def test_fused_adagrad_op_bad_arguments_change_nothing(bad, error, name):
     with pytest.raises(error, match=name):
         ops.fused_adagrad_(params, grads, sums, model, lr=bad.get("lr", 0.1),
                            eps=bad.get("eps", 1e-10),
-                           weight_decay=bad.get("weight_decay", 0.0), adagrad_w_mode=False,
+                           weight_decay=bad.get("weight_decay", 0.0),
+                           decoupled_weight_decay=False,
                            found_inf=found_inf)
     for a, b in zip(params + sums + model, before):
         assert_bitwise_equal(a, b)

@@ -130,7 +130,8 @@ def test_fused_adam_without_bias_correction(device, dtype, master_weights, adam_
         opt.step()
         ref_p, ref_m, ref_v, _ = ref_adam(
             ref_p, grads, ref_m, ref_v, step, hp["lr"], *hp["betas"], eps=hp["eps"],
-            weight_decay=hp["weight_decay"], adamw=adam_w_mode, bias_correction=False)
+            weight_decay=hp["weight_decay"], decoupled_weight_decay=adam_w_mode,
+            bias_correction=False)
 
     for p, rp, rm, rv in zip(model.parameters(), ref_p, ref_m, ref_v):
         state = opt.state[p]

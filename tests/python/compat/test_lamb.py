@@ -31,7 +31,7 @@ TOL = dict(rtol=1e-4, atol=1e-6)
 
 CONFIGS = [
     pytest.param(dict(weight_decay=0.01), id="adamw"),
-    pytest.param(dict(weight_decay=0.01, adamw=False), id="l2"),
+    pytest.param(dict(weight_decay=0.01, decoupled_weight_decay=False), id="l2"),
     pytest.param(dict(weight_decay=0.0), id="no-decay"),
     pytest.param(dict(weight_decay=0.0, use_nvlamb=True), id="nvlamb"),
     pytest.param(dict(weight_decay=0.01, grad_averaging=False, bias_correction=False),
@@ -72,9 +72,11 @@ def test_op_tracks_the_float64_reference(device, dtype, masters, config, clip):
         ops.fused_lamb_(params, grads, m, v, model, step=step, lr=1e-2, **config,
                         global_grad_norm=scalar(norm, device), max_grad_norm=max_grad_norm,
                         inv_scale=scalar(inv_scale, device), found_inf=scalar(0.0, device))
-        kwargs = {key: value for key, value in config.items() if key != "adamw"}
+        decoupled = config.get("decoupled_weight_decay", True)
+        kwargs = {key: value for key, value in config.items()
+                  if key != "decoupled_weight_decay"}
         ref_p, ref_m, ref_v, _ = ref_lamb(ref[0], grads, ref[1], ref[2], k, 1e-2, eps=1e-6,
-                                          adamw=config.get("adamw", True),
+                                          decoupled_weight_decay=decoupled,
                                           global_grad_norm=norm, max_grad_norm=max_grad_norm,
                                           inv_scale=inv_scale, **kwargs)
         ref = [ref_p, ref_m, ref_v]
@@ -178,7 +180,8 @@ def test_fused_lamb_tracks_the_reference(device, dtype, kwargs):
         opt.step()
         for i, group in enumerate(opt.param_groups):
             ref[i], m, v, _ = ref_lamb(ref[i], grads[i], *ref_state[i], step, 1e-2,
-                                       weight_decay=group["weight_decay"], adamw=adamw,
+                                       weight_decay=group["weight_decay"],
+                                       decoupled_weight_decay=adamw,
                                        use_nvlamb=nvlamb, global_grad_norm=norm,
                                        max_grad_norm=0.05)
             ref_state[i] = [m, v]

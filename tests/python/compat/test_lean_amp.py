@@ -114,7 +114,7 @@ def test_amp_lean_mode_is_the_optimizer_mode(device, cls, kwargs, master, state_
         for mode, key in (("kahan", "kahan_comp"), ("remainder", "remainder")):
             assert (key in opt.state[p]) == (master == mode and p.dtype == torch.bfloat16), name
     for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
-        assert group.get("sr_seed") == ref_group.get("sr_seed")
+        assert group.get("seed") == ref_group.get("seed")
 
 
 def test_amp_master_fp32_is_o2s_default_and_none_drops_the_masters(device):

@@ -23,9 +23,10 @@ from mixedprec import grads, optim
 REPO = Path(__file__).resolve().parents[3]
 NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 
-# Every functor of csrc/pointwise.h, resolved and applied to one element in a kernel.
+# Every functor of csrc/pointwise*.h, resolved and applied to one element in a kernel.
 PROBE = r"""
-#include "pointwise.h"
+#include "pointwise_adam.h"
+#include "pointwise_optimizers.h"
 using namespace mixedprec;
 template <class Op>
 __global__ void probe(Op op, float* x, int64_t index) {

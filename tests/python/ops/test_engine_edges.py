@@ -109,7 +109,8 @@ def test_fused_adam_at_chunk_edges(device, model_dtype):
     m, v = adam_state(masters, device, seed=200)
     model = [p.to(model_dtype) for p in masters]
     step = scalar(3.0, device)
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, adamw=True)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                 decoupled_weight_decay=True)
     ref_p, ref_m, ref_v, _ = ref_adam(masters, grads, m, v, 3.0, inv_scale=INV_SCALE, **hyper)
 
     ops.fused_adam_(masters, grads, m, v, model, step=step, inv_scale=scalar(INV_SCALE, device),
@@ -230,7 +231,7 @@ def test_fused_adam_more_tensors_than_one_launch(device, with_model):
     m = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     step = scalar(0.0, device)
-    hyper = dict(lr=1e-2, weight_decay=1e-2, adamw=False)
+    hyper = dict(lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=False)
     ref_p, ref_m, ref_v, _ = ref_adam(params, grads, m, v, 0.0, **hyper)
 
     ops.fused_adam_(params, grads, m, v, model, step=step, **hyper)
@@ -559,7 +560,7 @@ for dtype, (masters, grads, m, v, bufs, sgd) in inputs.items():
     model = [x.to(grads[0].dtype) for x in masters]
     step, inv = torch.tensor([3.0]), torch.tensor([0.25])
     ops.fused_adam_(masters, grads, m, v, model, step=step, lr=1e-2, beta1=0.9, beta2=0.99,
-                    eps=1e-8, weight_decay=0.1, adamw=True, bias_correction=True,
+                    eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True, bias_correction=True,
                     inv_scale=inv)
     ops.fused_sgd_(sgd, grads, bufs, [], lr=0.1, momentum=0.9, dampening=0.1,
                    weight_decay=1e-2, inv_scale=inv)

@@ -59,7 +59,8 @@ def adam_args(d):
     return dict(params=params, grads=grads, exp_avgs=[torch.zeros_like(p) for p in params],
                 exp_avg_sqs=[torch.zeros_like(p) for p in params], model_params=model,
                 step=scalar(0.0, d), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                weight_decay=0.0, adamw=True, bias_correction=True, inv_scale=scalar(0.5, d),
+                weight_decay=0.0, decoupled_weight_decay=True, bias_correction=True,
+                inv_scale=scalar(0.5, d),
                 found_inf=scalar(0.0, d))
 
 
@@ -145,7 +146,8 @@ def lamb_args(d):
 def adagrad_args(d):
     params, grads, model = optimizer_lists(d)
     return dict(params=params, grads=grads, state_sums=[torch.zeros_like(p) for p in params],
-                model_params=model, lr=1e-2, eps=1e-10, weight_decay=0.0, adagrad_w_mode=False,
+                model_params=model, lr=1e-2, eps=1e-10, weight_decay=0.0,
+                decoupled_weight_decay=False,
                 inv_scale=scalar(0.5, d), found_inf=scalar(0.0, d))
 
 

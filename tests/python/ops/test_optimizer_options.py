@@ -55,7 +55,8 @@ def test_fused_adam_options_match_reference(device, amsgrad, maximize, adamw, wi
     vmax = max_state(v, seed=30) if amsgrad else None
     step = scalar(4.0, device)
     inv_scale = scalar(1 / LOSS_SCALE, device)
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=1e-2, adamw=adamw)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=1e-2,
+                 decoupled_weight_decay=adamw)
     expected = ref_adam(params, grads, m, v, 4.0, inv_scale=1 / LOSS_SCALE, maximize=maximize,
                         max_exp_avg_sqs=vmax, **hyper)
 
@@ -148,7 +149,8 @@ def test_fused_adam_options_track_torch_adam(device, amsgrad, maximize, adamw):
             tp.grad = g.clone()
         opt.step()
         ops.fused_adam_(params, grads, m, v, [], step=step, lr=1e-2, beta1=0.9, beta2=0.99,
-                        weight_decay=1e-2, adamw=adamw, maximize=maximize, max_exp_avg_sqs=vmax)
+                        weight_decay=1e-2, decoupled_weight_decay=adamw, maximize=maximize,
+                        max_exp_avg_sqs=vmax)
 
     assert step.item() == STEPS
     for i, tp in enumerate(torch_params):

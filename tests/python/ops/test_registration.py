@@ -115,12 +115,12 @@ def sample_inputs(device):
              {"kahan_comps": [randn(p.shape, bf16, d, 70 + i, scale=1e-3)
                                 for i, p in enumerate(bf16_params)]}))
 
-    def adam(params, grads, model, inv_scale, found_inf, adamw=True, bias_correction=True):
+    def adam(params, grads, model, inv_scale, found_inf, decoupled=True, bias_correction=True):
         m, v = adam_state(params, d, seed=99)
         return ("fused_adam_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
-                                1e-8, 1e-2, adamw, bias_correction, inv_scale, found_inf), {})
+                                1e-8, 1e-2, decoupled, bias_correction, inv_scale, found_inf), {})
 
-    add(adam(mixed(13), mixed(14), [], None, None, adamw=False))
+    add(adam(mixed(13), mixed(14), [], None, None, decoupled=False))
     add(adam(fp32(15), mixed(16), like(fp32(15), [f16, bf16]), *flags()))
     add(adam(fp32(17), mixed(18), like(fp32(17), [f16]), *flags(found=1.0),
              bias_correction=False))
@@ -177,19 +177,19 @@ def sample_inputs(device):
              {"remainders": remainders(131), "maximize": True, "unscale_grads": True}))
         name, args, _ = adam(bf16_params, mixed(132), [], *flags(found=found))
         add((name, args, {"remainders": remainders(133)}))
-    name, args, _ = adam(bf16_params, mixed(134), [], None, None, adamw=False)
+    name, args, _ = adam(bf16_params, mixed(134), [], None, None, decoupled=False)
     m, v = ([t.to(bf16) for t in ts] for ts in (args[2], args[3]))
     add((name, (args[0], args[1], m, v, *args[4:]),
          {"max_exp_avg_sqs": [t.abs() for t in v], "remainders": remainders(135),
           "lr_tensor": scalar(1e-3, d)}))
 
-    def lamb(params, grads, model, inv_scale, found_inf, grad_norm, adamw=True, nvlamb=False):
+    def lamb(params, grads, model, inv_scale, found_inf, grad_norm, decoupled=True, nvlamb=False):
         m, v = adam_state(params, d, seed=98)
         return ("fused_lamb_", (params, grads, m, v, model, scalar(3.0, d), 1e-3, 0.9, 0.999,
-                                1e-6, 1e-2, adamw, True, True, nvlamb, grad_norm, 1.0,
+                                1e-6, 1e-2, decoupled, True, True, nvlamb, grad_norm, 1.0,
                                 inv_scale, found_inf), {})
 
-    add(lamb(mixed(24), mixed(25), [], None, None, None, adamw=False))
+    add(lamb(mixed(24), mixed(25), [], None, None, None, decoupled=False))
     add(lamb(fp32(26), mixed(27), like(fp32(26), [f16, bf16]), *flags(), scalar(4.0, d)))
     add(lamb(fp32(28), mixed(29), like(fp32(28), [bf16]), *flags(found=1.0), scalar(0.5, d),
              nvlamb=True))

@@ -111,7 +111,7 @@ def test_adam_step_follows_the_float64_reference(device):
     elements; the others must still be one of the two bf16 neighbours)."""
     params = make_params(device)
     opt = FusedAdam(params, master="stochastic", seed=99, **ADAM)
-    seed = opt.param_groups[0]["sr_seed"]
+    seed = opt.param_groups[0]["seed"]
     assert seed == 99  # group 0: the seed itself
     for step in (1, 2):
         set_grads(params, step)
@@ -177,13 +177,18 @@ def _train(opt, params, steps, first=0):
         opt.step()
 
 
+@pytest.mark.parametrize("key", ["seed", "sr_seed"], ids=["today", "before-2026-11-28"])
 @pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
-def test_resume_continues_bit_for_bit(device, cls, kwargs):
+def test_resume_continues_bit_for_bit(device, cls, kwargs, key):
+    """Also from a state dict saved when the group's seed was named ``sr_seed``."""
     params = make_params(device)
     opt = cls(params, master="stochastic", **kwargs)
     _train(opt, params, 3)
     buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
+    saved = opt.state_dict()
+    saved["param_groups"] = [{(key if k == "seed" else k): v for k, v in group.items()}
+                             for group in saved["param_groups"]]
+    torch.save(saved, buffer)
     saved_params = [p.detach().clone() for p in params]
     _train(opt, params, 3, first=3)
 
@@ -191,7 +196,7 @@ def test_resume_continues_bit_for_bit(device, cls, kwargs):
     opt2 = cls(resumed, master="stochastic", seed=1, **kwargs)  # the state_dict's seed wins
     buffer.seek(0)
     opt2.load_state_dict(torch.load(buffer, weights_only=True))
-    assert opt2.param_groups[0]["sr_seed"] == opt.param_groups[0]["sr_seed"]
+    assert opt2.param_groups[0]["seed"] == opt.param_groups[0]["seed"]
     _train(opt2, resumed, 3, first=3)
     for i, (a, b) in enumerate(zip(params, resumed)):
         assert_bitwise_equal(b.detach(), a.detach(), f"param {i}")
@@ -203,10 +208,10 @@ def test_default_seed_comes_from_torchs_generator_and_groups_differ():
                   master="stochastic")
     torch.manual_seed(0)
     b = FusedSGD(make_params("cpu"), master="stochastic")
-    seed = a.param_groups[0]["sr_seed"]
-    assert b.param_groups[0]["sr_seed"] == seed
-    assert a.param_groups[1]["sr_seed"] == seed + 1
-    assert "sr_seed" not in FusedAdam(make_params("cpu"), master="none").param_groups[0]
+    seed = a.param_groups[0]["seed"]
+    assert b.param_groups[0]["seed"] == seed
+    assert a.param_groups[1]["seed"] == seed + 1
+    assert "seed" not in FusedAdam(make_params("cpu"), master="none").param_groups[0]
 
 
 @pytest.mark.parametrize("cls, kwargs", [(FusedAdam, ADAM), (FusedSGD, SGD)])
@@ -292,7 +297,8 @@ torch.save(params, sys.argv[1])
 ISA_SCRIPT_ADAM = SHARDS_32 + """
 m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
 ops.fused_adam_(params, grads, m, v, [], step=torch.full((1,), 2.0), lr=0.01, beta1=0.9,
-                beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, bias_correction=True,
+                beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                bias_correction=True,
                 sr_salts=salts, sr_seed=2**33 + 11)
 torch.save(params + m + v, sys.argv[1])
 """

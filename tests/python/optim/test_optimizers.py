@@ -34,10 +34,11 @@ SGD_CONFIGS = [
     pytest.param(dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), id="nesterov"),
 ]
 ADAM_CONFIGS = [
-    pytest.param(dict(lr=1e-2, adamw=False), id="adam"),
-    pytest.param(dict(lr=1e-2, adamw=False, weight_decay=1e-2), id="adam_l2"),
-    pytest.param(dict(lr=1e-2, adamw=True, weight_decay=1e-1), id="adamw"),
-    pytest.param(dict(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, adamw=True, weight_decay=1e-2),
+    pytest.param(dict(lr=1e-2, decoupled_weight_decay=False), id="adam"),
+    pytest.param(dict(lr=1e-2, decoupled_weight_decay=False, weight_decay=1e-2), id="adam_l2"),
+    pytest.param(dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=1e-1), id="adamw"),
+    pytest.param(dict(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, decoupled_weight_decay=True,
+                      weight_decay=1e-2),
                  id="adamw_betas"),
 ]
 
@@ -64,7 +65,7 @@ def sgd_kwargs(config):
 
 def adam_class_and_kwargs(config):
     config = dict(config)
-    cls = torch.optim.AdamW if config.pop("adamw") else torch.optim.Adam
+    cls = torch.optim.AdamW if config.pop("decoupled_weight_decay") else torch.optim.Adam
     betas = (config.pop("beta1", 0.9), config.pop("beta2", 0.999))
     return cls, dict(config, betas=betas, weight_decay=config.get("weight_decay", 0.0),
                      foreach=False)
@@ -179,7 +180,7 @@ def test_fused_adam_without_bias_correction(device, adamw):
     grads = make_grads(params, torch.float32, device, seed=10)
     m, v = adam_state(params, device, seed=20)
     step = scalar(2.0, device)
-    config = dict(lr=1e-2, weight_decay=1e-2, adamw=adamw, bias_correction=False)
+    config = dict(lr=1e-2, weight_decay=1e-2, decoupled_weight_decay=adamw, bias_correction=False)
     ref_p, ref_m, ref_v, _ = ref_adam(params, grads, m, v, 2.0, **config)
     with_correction, _, _, _ = ref_adam(params, grads, m, v, 2.0,
                                         **dict(config, bias_correction=True))

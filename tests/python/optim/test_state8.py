@@ -100,7 +100,8 @@ def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
     qr = [quantized(x, device) for x in root]
     codes_m, scales_m = [c for c, _ in qm], [s for _, s in qm]
     codes_r, scales_r = [c for c, _ in qr], [s for _, s in qr]
-    kwargs = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay, adamw=adamw,
+    kwargs = dict(beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
+                  decoupled_weight_decay=adamw,
                   bias_correction=bias_correction, inv_scale=0.5)
     expected = ref_adam8([p.cpu() for p in params], [g.cpu() for g in grads],
                          [c.cpu() for c in codes_m], [s.cpu() for s in scales_m],
@@ -110,7 +111,7 @@ def test_adam8_step_matches_the_float64_reference(device, adamw, weight_decay,
     seeded = dict(state_seed=77, sr_salts=ops.rounding_words(
         [(i,) for i in range(len(params))], device)) if stochastic else {}
     ops.fused_adam_(params, grads, codes_m, codes_r, [], step=step, lr=1e-3, beta1=0.9,
-                    beta2=0.99, eps=1e-8, weight_decay=weight_decay, adamw=adamw,
+                    beta2=0.99, eps=1e-8, weight_decay=weight_decay, decoupled_weight_decay=adamw,
                     bias_correction=bias_correction, inv_scale=scalar(0.5, device),
                     found_inf=None, exp_avg_scales=scales_m, exp_avg_sq_scales=scales_r,
                     **seeded)
@@ -212,7 +213,7 @@ def test_the_optimizers_steps_match_the_reference(device):
                     s = states[i]
                     old = (s["exp_avg"], s["exp_avg_scale"], s["exp_avg_sq_root"],
                            s["exp_avg_sq_root_scale"])
-                seed = (opt.param_groups[0]["sr_seed"] + 2**62) % 2**63
+                seed = (opt.param_groups[0]["seed"] + 2**62) % 2**63
                 exp = ref_adam8([before[i]], [grads[i]], *[[t] for t in old], step, 1e-3,
                                 random=[ref_rounding_bits(seed, i, step + 1, p.numel())],
                                 **kwargs)

@@ -1,0 +1,164 @@
+// AdamOp, the per-element math of fused_adam_ (csrc/ops/adam.h), for both engines;
+// what a functor is and declares: csrc/pointwise.h.
+#pragma once
+
+#include <cstdint>
+
+#include "pointwise.h"
+
+namespace mixedprec {
+
+// torch.optim.Adam (decoupled_weight_decay false) and AdamW (decoupled_weight_decay true) on fp32
+// math. `step` has already been incremented on the device when resolve() reads it. With amsgrad
+// (max_exp_avg_sqs given), torch's: max_exp_avg_sq = maximum(max_exp_avg_sq,
+// exp_avg_sq), and the denominator takes its square root instead of exp_avg_sq's. With
+// `root` (8-bit state, amsgrad refused), list 3 holds sqrt(exp_avg_sq): it is squared
+// when read (exactly: an e4m3 value times a power of two) and the new root, which the
+// denominator takes anyway, is what is stored.
+struct AdamOp {
+  // params, grads, exp_avgs, exp_avg_sqs, model_params, comps (or remainders), salts (per
+  // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written), the block
+  // scales of 8-bit exp_avgs and exp_avg_sqs (the engines read and write them, lanes.h)
+  static constexpr int kDepth = 11;
+  static constexpr unsigned kReads = 0b00011101111;
+  static constexpr unsigned kWrites = 0b00110111101;
+  static constexpr unsigned kPerTensor = 0b00001000000;
+  static constexpr bool kNeedsIndex = true;
+  static constexpr int kModelList = 4;
+  static constexpr int kCompList = 5;
+  static constexpr int kScaleList = 9;
+  static constexpr bool kLeanState = true;
+  template <typename Param, typename Grad, typename Model, typename State,
+            typename Comp = c10::BFloat16>
+  using Storage =
+      TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad, uint8_t, uint8_t>;
+
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled_weight_decay, bias_correction;
+  bool maximize = false;
+  bool amsgrad = false;
+  bool kahan = false;
+  bool remainder = false;
+  bool stochastic = false;
+  bool root = false;              // exp_avg_sqs hold the second moments' square roots (8-bit state)
+  bool state_stochastic = false;  // 8-bit moments rounded stochastically (lanes.h)
+  uint64_t seed = 0, state_seed = 0;
+  const float* step_ptr = nullptr;
+  const float* inv_scale_ptr = nullptr;
+  const float* lr_ptr = nullptr;
+  // Filled by resolve(): weights such as 1 - beta2 are formed in double and then
+  // rounded to float, as torch.optim does (rounding beta2 first loses digits).
+  float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
+  float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
+  RoundingWords rounding;   // filled by resolve() and at_tensor()
+  RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
+
+  // The common modes, which the CPU engine compiles once each with their flags as
+  // constants, the lists kLists known present and the others absent but for kMaybe
+  // (engine.h's Fixed): no master (Model false) or fp32 masters with a model copy
+  // (Model true); kahan, remainder or stochastic; fp32 or bf16 moments, or 8-bit ones
+  // (Eight: root and state_stochastic, as the optimizers give them) with their
+  // scales; the unscaled grads written back or not; all without maximize or amsgrad.
+  // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode.
+  template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
+  struct Mode {
+    static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) |
+                                       (Kahan || Remainder ? 1u << kCompList : 0u) |
+                                       (Eight ? 0b11u << kScaleList : 0u);
+    static constexpr unsigned kMaybe = 1u << 8;
+    // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
+    // (engine.h, kWideRounding), for two Philox chains at once.
+    static constexpr bool kWideRounding = Stochastic && !Eight;
+    template <typename... Ts>
+    static constexpr bool fits() {
+      using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+      using State = std::tuple_element_t<2, std::tuple<Ts...>>;
+      using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>;
+      return (!Model || std::is_same_v<Param, float>) &&
+             (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
+             (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
+    }
+    static bool holds(const AdamOp& op) {
+      return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&
+             op.root == Eight && op.state_stochastic == Eight && !op.maximize && !op.amsgrad;
+    }
+    static void fix(AdamOp& op) {
+      op.kahan = Kahan;
+      op.remainder = Remainder;
+      op.stochastic = Stochastic;
+      op.root = op.state_stochastic = Eight;
+      op.maximize = op.amsgrad = false;
+    }
+  };
+  using FixedModes =
+      TypeList<Mode<false, false, false, false, false>, Mode<true, false, false, false, false>,
+               Mode<false, true, false, false, false>, Mode<false, false, true, false, false>,
+               Mode<false, false, false, true, false>, Mode<false, false, false, false, true>,
+               Mode<true, false, false, false, true>, Mode<false, true, false, false, true>,
+               Mode<false, false, true, false, true>, Mode<false, false, false, true, true>>;
+
+  MP_HD void resolve() {
+    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
+    const double rate = lr_ptr != nullptr ? static_cast<double>(*lr_ptr) : lr;
+    const double step = *step_ptr;
+    rounding.key.seed = seed;
+    rounding.key.step = static_cast<uint32_t>(step);
+    double bc1 = 1.0, bc2 = 1.0;
+    if (bias_correction) {
+      bc1 = 1.0 - pow_step(beta1, step);
+      bc2 = 1.0 - pow_step(beta2, step);
+    }
+    step_size = static_cast<float>(rate / bc1);
+    bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+    decay = static_cast<float>(1.0 - rate * weight_decay);
+    avg_weight = static_cast<float>(1.0 - beta1);
+    beta2_f = static_cast<float>(beta2);
+    sq_weight = static_cast<float>(1.0 - beta2);
+    eps_f = static_cast<float>(eps);
+    wd_f = static_cast<float>(weight_decay);
+  }
+  MP_HD void at_tensor(const void* const* ptrs) {
+    if (stochastic || state_stochastic) rounding.read(ptrs[6]);
+    state_key = rounding.key;
+    state_key.seed = state_seed;
+  }
+  template <typename V>
+  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
+    V p = x[0];
+    if (kahan) p = p + x[5];
+    if (remainder) p = Lanes<V>::join_bf16(x[0], x[5]);
+    V g = x[1] * inv_scale;
+    x[8] = g;
+    if (maximize) g = -g;
+    if (wd_f != 0.f) {
+      if (decoupled_weight_decay) {
+        p = p * decay;
+      } else {
+        g = g + wd_f * p;
+      }
+    }
+    // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
+    const float w = avg_weight;
+    const V m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
+    const V v_old = root ? x[3] * x[3] : x[3];
+    const V v = v_old * beta2_f + sq_weight * (g * g);
+    V v_denom = v;
+    if (amsgrad) {
+      v_denom = maximum(x[7], v);
+      x[7] = v_denom;
+    }
+    const V root_v = Lanes<V>::sqrt(v_denom);
+    const V denom = root_v / bias_correction2_sqrt + eps_f;
+    p = p - step_size * (m / denom);
+    x[0] = p;
+    x[2] = m;
+    x[3] = root ? root_v : v;
+    x[4] = p;
+    if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
+    if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);
+    if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
+    return Lanes<V>::none();
+  }
+};
+
+}  // namespace mixedprec
