@@ -19,6 +19,7 @@ The schemas live in ``csrc/ops.cpp``; CPU and CUDA kernels in ``csrc/cpu`` and
   tensors) positionally, and everything after them by keyword only.
 """
 
+import functools
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,6 +51,26 @@ __all__ = [
     "fused_adagrad_",
     "fused_novograd_",
 ]
+
+
+def renamed(**renames: str):
+    """A decorator for a function or a constructor whose keyword arguments were renamed
+    since an earlier release (old name -> new name): a call that passes an old name
+    raises a TypeError naming the new one, before anything runs (the signature, as
+    inspect shows it, is the new one). The op wrappers below and the Apex faces use it."""
+    def wrap(fn):
+        where = fn.__name__
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            for old, new in renames.items():
+                if old in kwargs:
+                    name = type(args[0]).__name__ if where == "__init__" else where
+                    raise TypeError(f"{name}: the keyword argument {old!r} was renamed "
+                                    f"{new!r}: pass {new}={kwargs[old]!r}")
+            return fn(*args, **kwargs)
+        return call
+    return wrap
 
 
 def is_dense(t: Tensor) -> bool:
@@ -292,6 +313,7 @@ def fused_sgd_(
     )
 
 
+@renamed(adamw="decoupled_weight_decay")  # (2026-11-28)
 def fused_adam_(
     params: List[Tensor],
     grads: List[Tensor],
@@ -425,6 +447,7 @@ def update_loss_scale_(
     )
 
 
+@renamed(adamw="decoupled_weight_decay")  # (2026-11-28)
 def fused_lamb_(
     params: List[Tensor],
     grads: List[Tensor],
@@ -475,6 +498,7 @@ def fused_lamb_(
     )
 
 
+@renamed(adagrad_w_mode="decoupled_weight_decay")  # (2026-11-28)
 def fused_adagrad_(
     params: List[Tensor],
     grads: List[Tensor],

@@ -39,7 +39,6 @@ clipping, and the step clears it.
 """
 
 
-import functools
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -49,6 +48,7 @@ from .. import masters as mst
 from .. import ops
 from ..grads import update_grad
 from ..loss_scale import check_scale, inverse
+from ..ops import renamed
 from ..optim import BF16_MODES, FLOAT_DTYPES, LAMB, SGD, Adagrad, Adam, NovoGrad, Optimizer
 from ..optim.precision import Work
 from ..optim.state import count_applied
@@ -60,22 +60,6 @@ from .fp16_utils import LegacyFP16_Optimizer as FP16_Optimizer  # noqa: F401
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad",
            "FusedNovoGrad"]
-
-
-def _renamed(**renames: str):
-    """For a constructor: keyword arguments renamed since an earlier release (old name ->
-    new name). A call that passes an old name raises a TypeError naming the new one,
-    before anything is built (the signature, as inspect shows it, is the new one)."""
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    raise TypeError(f"{type(self).__name__}: the keyword argument {old!r} was "
-                                    f"renamed {new!r}: pass {new}={kwargs[old]!r}")
-            init(self, *args, **kwargs)
-        return __init__
-    return wrap
 
 
 def _per_group(where: str, name: str, value: Any, count: int) -> List[Optional[List[Any]]]:
@@ -222,7 +206,7 @@ class FusedSGD(_ApexFace, SGD):
     ``SGD(fused=True)`` also creates its buffers before the skip is known).
     """
 
-    @_renamed(momentum_dtype="state_dtype")
+    @renamed(momentum_dtype="state_dtype")
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
@@ -300,7 +284,7 @@ class FusedAdam(_ApexFace, Adam):
     _FACE_KEYS = ("decoupled_weight_decay",)
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
-    @_renamed(moment_dtype="state_dtype")
+    @renamed(moment_dtype="state_dtype")
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,

@@ -2,6 +2,7 @@
 tensor written. Each case starts from a valid call (test_valid_calls) and breaks
 one thing."""
 
+import inspect
 import re
 import warnings
 from dataclasses import dataclass
@@ -835,3 +836,25 @@ def test_read_only_arguments_may_share_memory(device):
     assert found_inf.item() == 0.0
     norm, _ = ops.multi_tensor_l2norm([x, x], x[:1].abs() + 1, per_tensor=False)
     assert norm.isfinite().all()
+
+
+@pytest.mark.parametrize("op, make_args, old", [
+    (ops.fused_adam_, adam_args, "adamw"),
+    (ops.fused_lamb_, lamb_args, "adamw"),
+    (ops.fused_adagrad_, adagrad_args, "adagrad_w_mode"),
+])
+def test_a_renamed_keyword_names_its_new_name(op, make_args, old):
+    """A call written before the rename (decoupled_weight_decay, 2026-11-28) gets an error
+    that says what to pass instead, and nothing is written; the signature shows only the
+    new name, and the new name works."""
+    args = make_args("cpu")
+    value = args.pop("decoupled_weight_decay")
+    before = snapshot(args)
+    with pytest.raises(TypeError, match=f"{op.__name__}: the keyword argument '{old}' was "
+                                        f"renamed 'decoupled_weight_decay': pass "
+                                        f"decoupled_weight_decay={value!r}"):
+        op(**args, **{old: value})
+    assert_unchanged(args, before)
+    parameters = inspect.signature(op).parameters
+    assert old not in parameters and "decoupled_weight_decay" in parameters
+    op(**args, decoupled_weight_decay=value)
