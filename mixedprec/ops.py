@@ -57,18 +57,23 @@ def renamed(**renames: str):
     """A decorator for a function or a constructor whose keyword arguments were renamed
     since an earlier release (old name -> new name): a call that passes an old name
     raises a TypeError naming the new one, before anything runs (the signature, as
-    inspect shows it, is the new one). The op wrappers below and the Apex faces use it."""
+    inspect shows it, is the new one). The op wrappers below and the Apex faces use it.
+    A call with today's names pays nothing but the call: the old names are looked for
+    only once Python has refused the call's keywords (before ``fn`` ran)."""
     def wrap(fn):
         where = fn.__name__
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    name = type(args[0]).__name__ if where == "__init__" else where
-                    raise TypeError(f"{name}: the keyword argument {old!r} was renamed "
-                                    f"{new!r}: pass {new}={kwargs[old]!r}")
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except TypeError:
+                for old, new in renames.items():
+                    if old in kwargs:
+                        name = type(args[0]).__name__ if where == "__init__" else where
+                        raise TypeError(f"{name}: the keyword argument {old!r} was renamed "
+                                        f"{new!r}: pass {new}={kwargs[old]!r}") from None
+                raise
         return call
     return wrap
 

@@ -1,4 +1,6 @@
-"""Loading an optimizer's state dict (:func:`load`, the base's ``load_state_dict``):
+"""The optimizers' state: creating it (:func:`state_tensor`, :func:`group_step`), the
+applied-steps count (:func:`count_applied`), and loading a state dict (:func:`load`, the
+base's ``load_state_dict``):
 groups, sizes and dtypes checked before anything changes, float32 state kept float32
 next to fp16/bf16 parameters, group-level step counts, state saved in another master
 mode converted or refused."""
