@@ -8,13 +8,15 @@
 
 #include <ATen/ATen.h>
 
-namespace {
-// CUDA's built-in index variables, for the host build of the block code.
+// CUDA's built-in index variables, for the host build of the block code: one set for
+// the whole test program (inline variables, not a set per file). The block code's
+// templates instantiated for the same types in two test files are one function after
+// linking, so with a set per file whichever copy the linker kept read the other
+// file's indices: hidden at -O3, where the calls were inlined, an endless launch at -O1.
 struct EmulatedDim3 {
   unsigned x = 0;
 };
-EmulatedDim3 threadIdx, blockIdx, blockDim;
-}  // namespace
+inline EmulatedDim3 threadIdx, blockIdx, blockDim;
 
 #include "cpu/engine.h"
 #include "cpu_entries.h"
