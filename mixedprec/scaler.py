@@ -180,8 +180,10 @@ class GradScaler(torch.amp.GradScaler):
     # step and update run as torch's do under torch.compile: not traced (torch's dynamo
     # skips torch.amp's GradScaler, whose methods these call), so a compiled training
     # step keeps its one graph instead of breaking into fragments around those calls
-    # (test_compiled_step_breaks_no_more_than_torchs).
-    @torch._dynamo.disable
+    # (test_compiled_step_breaks_no_more_than_torchs). torch._disable_dynamo, as torch's
+    # own modules use it: torch._dynamo is imported at the first call, not with
+    # mixedprec (importing it takes 2.3 s of `import mixedprec`'s 2.5 on the AMD machine).
+    @torch._disable_dynamo
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """torch's ``step``; with ``skip_on_host``, an optimizer that skips on the device
         is not called on an overflowing step (one host read of the flag)."""
@@ -247,7 +249,7 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
         return flags
 
-    @torch._dynamo.disable
+    @torch._disable_dynamo
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Updates the scale on the device from the overflow flags of this iteration's
         steps: on overflow the hysteresis tracker counts down and, once it reaches 0,
