@@ -43,7 +43,7 @@ if _BUILT_FOR is not None:
     _check_build(_BUILT_FOR, torch.__version__)
 
 from . import ops, optim  # noqa: E402
-from .distributed import register_ops as _register_dtensor_ops  # noqa: E402
+from .distributed import register_ops_on_import as _register_dtensor_ops  # noqa: E402
 from .optim import SGD, Adam, AdamW  # noqa: E402
 from .scaler import GradScaler  # noqa: E402
 

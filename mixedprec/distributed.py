@@ -35,14 +35,17 @@ that rank alone, as with torch's GradScaler: its overflow skips that rank's step
 (the replicas have diverged anyway, through the changed gradient).
 """
 
+import importlib.abc
+import importlib.util
 import math
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["global_layout", "is_dtensor", "register_ops", "shard_index"]
+__all__ = ["global_layout", "is_dtensor", "register_ops", "register_ops_on_import", "shard_index"]
 
 # Ops that write an overflow flag from their first list: the flag is agreed across ranks.
 _FLAG_OPS = {"multi_tensor_unscale_": 0, "multi_tensor_unscale_to_": 0,
@@ -57,6 +60,9 @@ _WHOLE_TENSOR_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
 }
 
 
+_DTENSOR = "torch.distributed.tensor"
+
+
 def _dtensor_module():
     try:
         import torch.distributed.tensor as module
@@ -66,8 +72,9 @@ def _dtensor_module():
 
 
 def is_dtensor(t: object) -> bool:
-    module = _dtensor_module()
-    return module is not None and isinstance(t, module.DTensor)
+    # A DTensor exists only once its module is imported (mixedprec does not import it).
+    DTensor = getattr(sys.modules.get(_DTENSOR), "DTensor", None)
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 def _local(value: Any) -> Any:
@@ -297,10 +304,11 @@ _registered = False
 
 def register_ops() -> None:
     """Registers :func:`_run_on_shards` for every mixedprec op with DTensor's dispatcher
-    (once; done when mixedprec is imported). Without torch.distributed, nothing."""
+    (once). Without torch.distributed, nothing. ``import mixedprec`` calls it through
+    :func:`register_ops_on_import`."""
     global _registered
-    module = _dtensor_module()
-    if _registered or module is None:
+    module = sys.modules.get(_DTENSOR)
+    if _registered or getattr(module, "DTensor", None) is None:
         return
     handlers = module.DTensor._op_dispatcher._custom_op_handlers
     for qualified in torch._C._dispatch_get_all_op_names():
@@ -309,3 +317,45 @@ def register_ops() -> None:
             for overload in packet.overloads():
                 handlers[getattr(packet, overload)] = _run_on_shards
     _registered = True
+
+
+class _RegisterOps(importlib.abc.Loader):
+    """torch.distributed.tensor's own loader, then :func:`register_ops`."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        register_ops()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...
+        return getattr(self.loader, name)
+
+
+class _OnDTensorImport(importlib.abc.MetaPathFinder):
+    """Finds torch.distributed.tensor with the finders after it, and has its loader
+    call :func:`register_ops` once the module has run (then leaves sys.meta_path)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _DTENSOR:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _RegisterOps(spec.loader)
+        return spec
+
+
+def register_ops_on_import() -> None:
+    """:func:`register_ops` now if torch.distributed.tensor is imported, else as soon as
+    it is: importing it takes 1 s (sympy, torch's symbolic shapes), which ``import
+    mixedprec`` need not pay; no DTensor exists before it (then no op call needs the
+    handlers)."""
+    if _DTENSOR in sys.modules:
+        register_ops()
+    elif not any(isinstance(f, _OnDTensorImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnDTensorImport())

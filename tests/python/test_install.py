@@ -23,12 +23,15 @@ def test_the_venv_imports_mixedprec_without_pythonpath():
     assert Path(out.stdout.strip()) == REPO / "mixedprec" / "__init__.py"
 
 
-def test_import_leaves_torch_dynamo_unimported():
-    """`import mixedprec` does not import torch._dynamo (2.3 s of a 2.5 s import on the AMD
-    machine when GradScaler's methods were decorated with torch._dynamo.disable): it is
-    imported at GradScaler.step's first call, and then step is not traced."""
+def test_import_leaves_dynamo_and_dtensor_unimported():
+    """`import mixedprec` imports neither torch._dynamo (2.3 s of a 2.5 s import on the AMD
+    machine when GradScaler's methods were decorated with torch._dynamo.disable) nor
+    torch.distributed.tensor (1 s more): dynamo comes at GradScaler.step's first call
+    (which is then not traced), and the ops' DTensor handlers are registered as
+    torch.distributed.tensor is imported, for every op (test_distributed runs them)."""
     code = ("import sys, torch, mixedprec\n"
-            "assert 'torch._dynamo' not in sys.modules, 'imported with mixedprec'\n"
+            "assert 'torch._dynamo' not in sys.modules, 'dynamo imported with mixedprec'\n"
+            "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor imported'\n"
             "p = torch.nn.Parameter(torch.ones(2))\n"
             "opt = mixedprec.optim.SGD([p], lr=0.5)\n"
             "scaler = mixedprec.GradScaler('cpu', init_scale=4.0)\n"
@@ -36,7 +39,17 @@ def test_import_leaves_torch_dynamo_unimported():
             "scaler.step(opt)\n"
             "scaler.update()\n"
             "assert 'torch._dynamo' in sys.modules\n"
-            "assert p.tolist() == [0.5, 0.5], p\n")
+            "assert p.tolist() == [0.5, 0.5], p\n"
+            "if torch.distributed.is_available():\n"
+            "    from torch.distributed.tensor import DTensor\n"
+            "    from mixedprec.distributed import _run_on_shards\n"
+            "    handlers = DTensor._op_dispatcher._custom_op_handlers\n"
+            "    names = [n for n in torch._C._dispatch_get_all_op_names()\n"
+            "             if n.startswith('mixedprec::')]\n"
+            "    assert len(names) >= 12, names\n"
+            "    for n in names:\n"
+            "        op = getattr(torch.ops.mixedprec, n.split('::')[1]).default\n"
+            "        assert handlers.get(op) is _run_on_shards, n\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
