@@ -163,7 +163,7 @@ QUICK = dict(seeds=1, digits_steps=30, digits_batch=32, digits_lr=3e-4,
              mlp_steps=30, mlp_batch=32, mlp_lr=1e-3, mlp_hidden=128,
              lm_steps=20, lm_batch=4, lm_seq=32, lm_d=32, lm_layers=1, lm_heads=2,
              lm_lr=2e-3, lm_eval_every=10, lm_eval_batches=2, lm_corpus_mb=0.3,
-             rn_steps=2, rn_warmup=1, rn_batch=2, rn_image=32)
+             rn_steps=1, rn_warmup=1, rn_batch=2, rn_image=32)
 
 
 def lr_at(step: int, total: int, lr: float) -> float:
