@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -245,7 +246,10 @@ def test_fsdp_example_resumes_from_its_checkpoint(tmp_path, precision):
     precision = ["--precision", *precision]
     straight = torchrun(2, "--steps", "6", *precision, "--checkpoint-dir", tmp_path / "a",
                         cwd=tmp_path)
-    torchrun(2, "--steps", "3", *precision, "--checkpoint-dir", tmp_path / "b", cwd=tmp_path)
+    # The run interrupted after step 3: its checkpoint is the straight run's of step 3
+    # (the schedule does not depend on --steps), taken instead of a third launch.
+    shutil.copytree(tmp_path / "a" / "step_3", tmp_path / "b" / "step_3")
+    (tmp_path / "b" / "latest").write_text("step_3")
     resumed = torchrun(2, "--steps", "6", *precision, "--resume",
                        "--checkpoint-dir", tmp_path / "b", cwd=tmp_path)
     assert "from step 3" in resumed
