@@ -331,20 +331,29 @@ class _RegisterOps(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
         register_ops()
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _OnDTensorImport)]
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...
         return getattr(self.loader, name)
 
 
 class _OnDTensorImport(importlib.abc.MetaPathFinder):
-    """Finds torch.distributed.tensor with the finders after it, and has its loader
-    call :func:`register_ops` once the module has run (then leaves sys.meta_path)."""
+    """Finds torch.distributed.tensor with the other finders and has its loader call
+    :func:`register_ops` once the module has run (the finder then leaves
+    sys.meta_path; a find_spec without an import, as availability checks do, leaves it
+    in place)."""
+
+    def __init__(self):
+        self.finding = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != _DTENSOR:
+        if name != _DTENSOR or self.finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.finding = True  # importlib.util.find_spec asks this finder again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.finding = False
         if spec is not None and spec.loader is not None:
             spec.loader = _RegisterOps(spec.loader)
         return spec
