@@ -15,6 +15,11 @@ from .overflow import OverflowReport
 
 __all__ = ["GradScaler", "MissingStateKeys"]
 
+# torch._dynamo.disable, imported at the first call (torch's own lazy form, which its
+# modules use: importing torch._dynamo takes 2.3 s, more than the rest of `import
+# mixedprec`); a torch without it gets torch._dynamo.disable itself.
+_not_traced = getattr(torch, "_disable_dynamo", None) or torch._dynamo.disable
+
 # The keys of torch.amp.GradScaler's state dict, which load_state_dict needs.
 _TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                      "_growth_tracker")
@@ -180,10 +185,8 @@ class GradScaler(torch.amp.GradScaler):
     # step and update run as torch's do under torch.compile: not traced (torch's dynamo
     # skips torch.amp's GradScaler, whose methods these call), so a compiled training
     # step keeps its one graph instead of breaking into fragments around those calls
-    # (test_compiled_step_breaks_no_more_than_torchs). torch._disable_dynamo, as torch's
-    # own modules use it: torch._dynamo is imported at the first call, not with
-    # mixedprec (importing it takes 2.3 s of `import mixedprec`'s 2.5 on the AMD machine).
-    @torch._disable_dynamo
+    # (test_compiled_step_breaks_no_more_than_torchs).
+    @_not_traced
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """torch's ``step``; with ``skip_on_host``, an optimizer that skips on the device
         is not called on an overflowing step (one host read of the flag)."""
@@ -249,7 +252,7 @@ class GradScaler(torch.amp.GradScaler):
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
         return flags
 
-    @torch._disable_dynamo
+    @_not_traced
     def update(self, new_scale: Optional[Any] = None) -> None:
         """Updates the scale on the device from the overflow flags of this iteration's
         steps: on overflow the hysteresis tracker counts down and, once it reaches 0,
