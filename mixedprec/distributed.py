@@ -63,24 +63,23 @@ _WHOLE_TENSOR_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
 _DTENSOR = "torch.distributed.tensor"
 
 
-def _dtensor_module():
-    try:
-        import torch.distributed.tensor as module
-    except ImportError:  # a torch without distributed support
-        return None
-    return module
+def _dtensor_class() -> Optional[type]:
+    """DTensor, or None while torch.distributed.tensor is not imported (mixedprec does not
+    import it; no DTensor exists before it is)."""
+    return getattr(sys.modules.get(_DTENSOR), "DTensor", None)
 
 
 def is_dtensor(t: object) -> bool:
-    # A DTensor exists only once its module is imported (mixedprec does not import it).
-    DTensor = getattr(sys.modules.get(_DTENSOR), "DTensor", None)
+    DTensor = _dtensor_class()
     return DTensor is not None and isinstance(t, DTensor)
 
 
 def _local(value: Any) -> Any:
     """``value`` with DTensors (alone or in a list) replaced by their local shards, the
     same storage (an in-place write reaches the DTensor)."""
-    DTensor = _dtensor_module().DTensor
+    DTensor = _dtensor_class()
+    if DTensor is None:
+        return value
     if isinstance(value, DTensor):
         return value.to_local()
     if isinstance(value, (list, tuple)):
@@ -91,7 +90,9 @@ def _local(value: Any) -> Any:
 def _local_grads(grads: Sequence[Tensor], params: Sequence[Tensor]) -> List[Tensor]:
     """The local shards of ``grads``, each first redistributed to its parameter's mesh
     and placements where they differ (a collective)."""
-    DTensor = _dtensor_module().DTensor
+    DTensor = _dtensor_class()
+    if DTensor is None:
+        return list(grads)
     out = []
     for g, p in zip(grads, params):
         if isinstance(g, DTensor) and isinstance(p, DTensor) and (
@@ -307,10 +308,10 @@ def register_ops() -> None:
     (once). Without torch.distributed, nothing. ``import mixedprec`` calls it through
     :func:`register_ops_on_import`."""
     global _registered
-    module = sys.modules.get(_DTENSOR)
-    if _registered or getattr(module, "DTensor", None) is None:
+    DTensor = _dtensor_class()
+    if _registered or DTensor is None:
         return
-    handlers = module.DTensor._op_dispatcher._custom_op_handlers
+    handlers = DTensor._op_dispatcher._custom_op_handlers
     for qualified in torch._C._dispatch_get_all_op_names():
         if qualified.startswith("mixedprec::"):
             packet = getattr(torch.ops.mixedprec, qualified.split("::")[1].split(".")[0])
