@@ -6,11 +6,13 @@ without host synchronisation. Each counts the steps it applied on the device
 (``applied_steps``), which :mod:`mixedprec.optim.lr_scheduler`'s schedules follow.
 
 :class:`Optimizer` is their base (:mod:`mixedprec.optim.optimizer`); LAMB and NovoGrad,
-which torch.optim lacks, take torch-style arguments."""
+which torch.optim lacks, take torch-style arguments. :func:`in_backward` makes one step
+inside backward, freeing each bucket's gradients as it goes."""
 
 from . import lr_scheduler
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .in_backward import InBackward, in_backward
 from .lamb import LAMB
 from .novograd import NovoGrad
 from .optimizer import Optimizer
@@ -18,4 +20,5 @@ from .precision import BF16_MODES, FLOAT_DTYPES, MASTER_MODES, STATE_DTYPES
 from .sgd import SGD
 
 __all__ = ["Adam", "AdamW", "SGD", "Adagrad", "LAMB", "NovoGrad", "Optimizer", "lr_scheduler",
+           "in_backward", "InBackward",
            "MASTER_MODES", "BF16_MODES", "STATE_DTYPES", "FLOAT_DTYPES"]

@@ -35,6 +35,8 @@ class LAMB(Optimizer):
     """
 
     _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+    _NOT_IN_BACKWARD = ("its update needs every gradient first (the global gradient norm "
+                        "it clips by)")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *,
                  bias_correction=True, grad_averaging=True, max_grad_norm=1.0,

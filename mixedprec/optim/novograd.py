@@ -35,6 +35,8 @@ class NovoGrad(Optimizer):
     """
 
     _STATE_KEYS = ("master_param", "exp_avg")
+    _NOT_IN_BACKWARD = ("its second moments are kept per param group, one tensor for all "
+                        "the group's parameters")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, *,
                  bias_correction=True, grad_averaging=True, reg_inside_moment=False,

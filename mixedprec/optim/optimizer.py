@@ -43,6 +43,8 @@ class Optimizer(torch.optim.Optimizer):
     _8BIT_KEYS: Tuple[str, ...] = ()
     #: Group keys a newer release added, with the value an older state dict gets.
     _NEWER_KEYS: Dict[str, Any] = {}
+    #: Why it cannot step inside backward (mixedprec.optim.in_backward), if it cannot.
+    _NOT_IN_BACKWARD = ""
     #: Group hyperparameters torch lets be tensors and the fused ops take as numbers.
     _SCALAR_KEYS: Tuple[str, ...] = ()
 
@@ -69,6 +71,9 @@ class Optimizer(torch.optim.Optimizer):
         #: int64 tensor advanced on the device; mixedprec.optim.lr_scheduler reads it.
         self.applied_steps = torch.zeros((), dtype=torch.int64,
                                          device=_state.count_device(self))
+        #: The :class:`~mixedprec.optim.in_backward.InBackward` handle while the optimizer
+        #: steps inside backward (``step()`` then raises), else None.
+        self.in_backward = None
 
     master = property(lambda self: self.precision.master, doc="What is kept of each "
                       "parameter's value: 'fp32', 'none', 'kahan', 'stochastic', 'remainder'.")
@@ -221,6 +226,10 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.in_backward is not None:
+            raise RuntimeError(f"{type(self).__name__}.step: this optimizer steps inside "
+                               "backward (mixedprec.optim.in_backward): loss.backward() "
+                               "has stepped it; call .remove() on the handle to step here")
         self._pending.clear()
         if not torch.compiler.is_compiling():  # (a compiled step guards on the values)
             torch_path.check_groups(self, self._checked)
@@ -228,13 +237,19 @@ class Optimizer(torch.optim.Optimizer):
         torch_path.step_pending(self)
         return loss
 
-    def _fused_step(self) -> None:
-        """The fused part of ``step``, under the caller's ``torch.no_grad()``."""
+    def _fused_step(self, groups: Optional[List[Dict[str, Any]]] = None,
+                    cache: Optional[PlanCache] = None) -> None:
+        """The fused part of ``step``, under the caller's ``torch.no_grad()``: of every
+        param group, or of ``groups`` (:class:`~mixedprec.optim.torch_path.Subset` s of
+        them, planned in ``cache``: a bucket stepping inside backward, which counts the
+        applied step itself)."""
         scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        counts = groups is None
+        groups = self.param_groups if groups is None else groups
+        cache = self.plans if cache is None else cache
         planned = None
-        if all(map(self._fused_group, self.param_groups)):  # (else no plan holds)
-            planned = self.plans.planned(self.param_groups, self.state, self.master,
-                                         self._plan_holds)
+        if all(map(self._fused_group, groups)):  # (else no plan holds)
+            planned = cache.planned(groups, self.state, self.master, self._plan_holds)
         if planned is not None:
             scaled: Dict[torch.device, Any] = {}  # (inv_scale, found_inf) by device
             for group, plan, grads, _ in planned:
@@ -246,10 +261,11 @@ class Optimizer(torch.optim.Optimizer):
                 for _, plan, _, _ in planned:  # master gradients are used by one step
                     for master in plan.with_masters:
                         master.grad = None
-            _state.count_applied(self, scaling[1])
+            if counts:
+                _state.count_applied(self, scaling[1])
             return
         # Check every group before touching any state, so a bad gradient changes nothing.
-        work = [(group, self._grads_by_device(group)) for group in self.param_groups]
+        work = [(group, self._grads_by_device(group)) for group in groups]
         plans: Dict[int, Plan] = {}
         compiling = torch.compiler.is_compiling()
         for index, (group, by_device) in enumerate(work):
@@ -262,18 +278,19 @@ class Optimizer(torch.optim.Optimizer):
                     if not state:  # nothing kept (SGD without momentum on an fp32 param)
                         self.state.pop(p, None)
                 if lists is not None and len(by_device) == 1 and not compiling:
-                    plans[index] = self.plans.make(group, lists, device, self.state, self.master)
+                    plans[index] = cache.make(group, lists, device, self.state, self.master)
             if not by_device and not compiling:  # no gradients in this group
-                plans[index] = self.plans.make(group, None, None, self.state, self.master)
+                plans[index] = cache.make(group, None, None, self.state, self.master)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():
                 for state in items.states:
                     if state.get("master_param") is not None:
                         state["master_param"].grad = None
-        self.plans.invalidate()
+        cache.invalidate()
         if not compiling:
-            self.plans.plans.update(plans)
-        _state.count_applied(self, scaling[1])
+            cache.plans.update(plans)
+        if counts:
+            _state.count_applied(self, scaling[1])
 
     # --- what a subclass gives -----------------------------------------------------------
     def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
@@ -337,6 +354,7 @@ class Optimizer(torch.optim.Optimizer):
                                                        self._8BIT_KEYS)
         state.setdefault("unscale_grads", True)
         state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
-        state.update(plans=PlanCache(), masters=Masters(), _pending=[], _checked={})
+        state.update(plans=PlanCache(), masters=Masters(), _pending=[], _checked={},
+                     in_backward=None)
         super().__setstate__(state)
         self.param_groups[:] = map(self._upgrade_group, self.param_groups)

@@ -49,12 +49,23 @@ class PlanCache:
 
     def __init__(self):
         self.plans: Dict[int, Plan] = {}
+        #: The caches of the buckets that step inside backward (:meth:`part`).
+        self.parts: List["PlanCache"] = []
 
     def invalidate(self) -> None:
-        """Forgets the op calls kept from the last step: for whatever changes state,
-        groups or masters other than through a step. (The dict is changed in place,
-        never rebound, as torch.compile traces that more easily.)"""
+        """Forgets the op calls kept from the last step, and those of its parts: for
+        whatever changes state, groups or masters other than through a step. (The dict
+        is changed in place, never rebound, as torch.compile traces that more easily.)"""
         self.plans.clear()
+        for part in self.parts:
+            part.invalidate()
+
+    def part(self) -> "PlanCache":
+        """A cache of its own (a bucket's, inside backward) that :meth:`invalidate`
+        clears with this one."""
+        part = PlanCache()
+        self.parts.append(part)
+        return part
 
     @staticmethod
     def step_on(group: Dict[str, Any], plan: "Plan") -> bool:

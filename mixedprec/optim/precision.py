@@ -261,8 +261,9 @@ class Precision:
         sharding. Else none."""
         if self.master != "stochastic" and not eight:
             return []
-        count = len(group["params"])
-        position = {id(p): i for i, p in enumerate(group["params"])}
+        group_params = getattr(group, "whole", group)["params"]  # (a bucket's: its group's)
+        count = len(group_params)
+        position = {id(p): i for i, p in enumerate(group_params)}
         rows = []
         for p in params:
             layout = global_layout(p)

@@ -8,7 +8,7 @@ import functools
 import inspect
 import math
 from collections import Counter
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -84,8 +84,9 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
 
 def step_holders(state_of: Dict[Tensor, Dict[str, Any]], group: Dict[str, Any]) -> Counter:
     """id(step-count tensor) -> how many of the group's parameters share it (taken once
-    per group, before its op calls change any)."""
-    return Counter(id(state["step"]) for state in map(state_of.get, group["params"])
+    per group, before its op calls change any; of the whole group for a
+    :class:`Subset`)."""
+    return Counter(id(state["step"]) for state in map(state_of.get, whole(group)["params"])
                    if state and "step" in state)
 
 
@@ -180,13 +181,24 @@ def refuse_meta(where: str, group: Dict[str, Any], params: List[Tensor]) -> None
 
 class Subset(dict):
     """A param group seen without some of its parameters (those torch's implementation
-    steps)."""
+    steps), or with only some (``only``: a bucket that steps inside backward). ``whole``
+    is the group it was taken from: a parameter's rounding salt and its step-count
+    sharing are those of its place there (:func:`whole`)."""
 
-    def __init__(self, group: Dict[str, Any], without: List[Tensor]):
+    def __init__(self, group: Dict[str, Any], without: Sequence[Tensor] = (),
+                 only: Optional[Sequence[Tensor]] = None):
         super().__init__(group)
-        if without:
+        self.whole = whole(group)
+        if only is not None:
+            self["params"] = list(only)
+        elif without:
             skip = {id(p) for p in without}
             self["params"] = [p for p in group["params"] if id(p) not in skip]
+
+
+def whole(group: Dict[str, Any]) -> Dict[str, Any]:
+    """The param group that ``group`` (a group or a :class:`Subset` of one) is part of."""
+    return getattr(group, "whole", group)
 
 
 def check_nonnegative(where: str, name: str, value: Any) -> None:

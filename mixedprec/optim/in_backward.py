@@ -1,0 +1,239 @@
+"""The step inside backward: :func:`in_backward` makes a :mod:`mixedprec.optim`
+optimizer step each bucket of its parameters as soon as backward has accumulated their
+gradients, through the same fused op calls as ``step()``, and free those gradients. A
+training step then holds about one bucket of gradients instead of all of them
+(docs/lean-precision.md, "The step inside backward").
+
+What it takes, and what it refuses and why:
+
+* Adam, AdamW, SGD and Adagrad, in every master mode and state dtype; one backward is
+  one step, bit for bit that of ``step()`` (rounding bits and step counts are those of
+  each parameter's place in its param group, whichever bucket it steps in).
+* Gradient accumulation: backward passes inside ``with handle.no_step():`` accumulate;
+  the next backward outside it steps on the sum.
+* ``applied_steps`` advances once per backward that stepped, so the device-side
+  schedules of :mod:`mixedprec.optim.lr_scheduler` (and torch's) step as usual, once
+  per backward, after it.
+* Refused: LAMB and NovoGrad (their update needs every gradient first: LAMB's global
+  gradient norm, NovoGrad's per-group second moments); fp16 parameters (they need a
+  loss scaler, and an overflow found late in backward comes after earlier buckets
+  have stepped: skipping per bucket would apply part of a step that the scaler skips
+  whole, and undoing is not exact, since neither an fp32 moment update nor an 8-bit
+  one can be inverted bit for bit; bf16 needs no loss scaler); parameters sharded as
+  DTensors (FSDP2 reduce-scatters gradients after the hooks run) and a process group
+  of more than one process (DDP averages gradients after backward: a step inside it
+  would read the local gradient).
+* Not possible: clipping by the global gradient norm (it needs every gradient before
+  the first update); ``clip_grad_norm_`` after backward finds no gradients.
+* A bad gradient found in a bucket raises out of ``backward()`` after the buckets
+  before it have stepped; hyperparameters are checked before the first bucket.
+"""
+
+import contextlib
+import inspect
+import math
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import Tensor
+
+from ..distributed import is_dtensor
+from . import state as _state
+from . import torch_path
+from .optimizer import Optimizer
+from .plans import PlanCache
+
+__all__ = ["in_backward", "InBackward"]
+
+
+class _Bucket:
+    """Parameters that step together: (group index, its params in the bucket) pairs,
+    and the plans of their op calls."""
+
+    def __init__(self, cache: PlanCache):
+        self.groups: List[Tuple[int, List[Tensor]]] = []
+        self.params: List[Tensor] = []
+        self.bytes = 0
+        self.cache = cache
+
+    def add(self, index: int, p: Tensor) -> None:
+        if not self.groups or self.groups[-1][0] != index:
+            self.groups.append((index, []))
+        self.groups[-1][1].append(p)
+        self.params.append(p)
+        self.bytes += p.numel() * p.element_size()
+
+
+class InBackward:
+    """The handle :func:`in_backward` returns: the optimizer steps inside backward until
+    :meth:`remove`; :meth:`no_step` accumulates gradients instead."""
+
+    def __init__(self, optimizer: Optimizer, bucket_cap_mb: float):
+        params = _check(optimizer, bucket_cap_mb)
+        cap = bucket_cap_mb * 2**20
+        self.optimizer = optimizer
+        self.buckets: List[_Bucket] = []
+        self._bucket_of: Dict[int, int] = {}
+        for index, p in reversed(params):  # (backward reaches the last layers first)
+            if not self.buckets or self.buckets[-1].bytes + p.numel() * p.element_size() > cap \
+                    and self.buckets[-1].params:
+                self.buckets.append(_Bucket(optimizer.plans.part()))
+            self.buckets[-1].add(index, p)
+            self._bucket_of[id(p)] = len(self.buckets) - 1
+        self._sizes = [len(group["params"]) for group in optimizer.param_groups]
+        self._accumulating = False
+        self._task = -1  # the backward (autograd graph task) being stepped, -1: none
+        self._left: List[int] = []  # per bucket: its params not yet ready in that backward
+        self._stepped: List[bool] = []
+        self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for _, p in params]
+        optimizer.in_backward = self
+
+    def remove(self) -> None:
+        """Back to ``optimizer.step()``: the hooks and the buckets' plans go."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        parts = self.optimizer.plans.parts
+        parts[:] = [c for c in parts if all(c is not b.cache for b in self.buckets)]
+        if self.optimizer.in_backward is self:
+            self.optimizer.in_backward = None
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without stepping (the micro-batches
+        of gradient accumulation but the last)."""
+        before, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = before
+
+    # --- inside backward -----------------------------------------------------------------
+    def _ready(self, p: Tensor) -> None:
+        """A parameter's gradient is accumulated: its bucket steps once all are."""
+        if self._accumulating:
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._start(task)
+        index = self._bucket_of[id(p)]
+        self._left[index] -= 1
+        if self._left[index] == 0:
+            self._step(index, self.buckets[index].params)
+
+    def _start(self, task: int) -> None:
+        opt = self.optimizer
+        name = type(opt).__name__
+        if [len(group["params"]) for group in opt.param_groups] != self._sizes:
+            raise RuntimeError(f"{name}: param groups were added or changed after "
+                               "in_backward(); call .remove() on its handle and "
+                               "mixedprec.optim.in_backward(optimizer) again")
+        if getattr(opt, "grad_scale", None) is not None:
+            raise RuntimeError(f"{name}: a loss scaler's grad_scale is set; the step inside "
+                               "backward takes no loss scaler (train in bf16)")
+        torch_path.check_groups(opt, opt._checked)  # (before the first bucket steps)
+        self._left = [len(bucket.params) for bucket in self.buckets]
+        self._stepped = [False] * len(self.buckets)
+        self._group_steps = {i: group["step"] for i, group in enumerate(opt.param_groups)
+                             if "step" in group}
+        self._task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _step(self, index: int, params: List[Tensor]) -> None:
+        """One bucket's step (``params``: those of its parameters that step), then its
+        gradients are freed. Each group's ``step`` count (SGD's rounding one) starts from
+        its value as backward began, as in ``step()``; :meth:`_finish` keeps the result."""
+        opt = self.optimizer
+        bucket = self.buckets[index]
+        keep = {id(p) for p in params}
+        views = []
+        for group_index, group_params in bucket.groups:
+            view = torch_path.Subset(opt.param_groups[group_index],
+                                     only=[p for p in group_params if id(p) in keep])
+            start = self._group_steps.get(group_index)
+            if isinstance(start, Tensor):
+                view["step"] = start.clone()
+            elif group_index in self._group_steps:
+                view["step"] = start
+            else:
+                view.pop("step", None)
+            views.append((group_index, view))
+        with torch.no_grad():
+            opt._pending.clear()
+            opt._fused_step([view for _, view in views], bucket.cache)
+            torch_path.step_pending(opt)
+        for group_index, view in views:
+            if isinstance(view.get("step"), Tensor):
+                opt.param_groups[group_index]["step"] = view["step"]
+        for p in params:
+            p.grad = None
+        self._stepped[index] = True
+
+    def _finish(self) -> None:
+        """End of backward: buckets with parameters that got no gradient in it step those
+        that have one (accumulated earlier), and ``applied_steps`` counts the step."""
+        try:
+            for index, bucket in enumerate(self.buckets):
+                if not self._stepped[index]:
+                    ready = [p for p in bucket.params if p.grad is not None]
+                    if ready:
+                        self._step(index, ready)
+            if any(self._stepped):
+                _state.count_applied(self.optimizer, None)
+                # (torch's LR schedulers warn unless they see step() called; it was)
+                self.optimizer._opt_called = True
+        finally:
+            self._task = -1
+
+
+def _check(opt: Optimizer, bucket_cap_mb: float) -> List[Tuple[int, Tensor]]:
+    """The optimizer's parameters that take gradients, as (group index, param), after
+    checking that it can step inside backward (nothing changes on an error)."""
+    if not isinstance(opt, Optimizer):
+        raise TypeError("in_backward: expected a mixedprec.optim optimizer, got "
+                        f"{type(opt).__name__}")
+    name = type(opt).__name__
+    refused = getattr(opt, "_NOT_IN_BACKWARD", None)
+    if refused:
+        raise TypeError(f"in_backward: {name} cannot step inside backward: {refused}")
+    if inspect.unwrap(type(opt).step) is not inspect.unwrap(Optimizer.step):
+        raise TypeError(f"in_backward: {name} has a step of its own; pass one of "
+                        "mixedprec.optim's Adam, AdamW, SGD or Adagrad")
+    if opt.in_backward is not None:
+        raise ValueError(f"in_backward: this {name} already steps inside backward")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
+            not 0 < bucket_cap_mb < math.inf:
+        raise ValueError(f"in_backward: expected bucket_cap_mb to be a number > 0, got "
+                         f"{bucket_cap_mb!r}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        raise RuntimeError("in_backward: a process group of more than one process is "
+                           "initialised; DDP averages gradients after backward, so a step "
+                           "inside it would read each process's own gradient. Use step()")
+    params = []
+    for index, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            if is_dtensor(p):
+                raise TypeError(f"in_backward: {name} has a DTensor parameter (FSDP2 "
+                                "reduce-scatters gradients after the hooks run); use step()")
+            if p.dtype == torch.float16:
+                raise TypeError(
+                    f"in_backward: {name} has float16 parameters, which need a loss "
+                    "scaler: an overflow found late in backward would come after earlier "
+                    "buckets stepped, and their steps cannot be undone exactly. Use "
+                    "bfloat16 parameters, or step() with a GradScaler")
+            if p.requires_grad:
+                params.append((index, p))
+    return params
+
+
+def in_backward(optimizer: Optimizer, *, bucket_cap_mb: float = 25.0) -> InBackward:
+    """Makes ``optimizer`` (a :mod:`mixedprec.optim` Adam, AdamW, SGD or Adagrad) step
+    inside backward: its parameters, in buckets of about ``bucket_cap_mb`` MiB of
+    gradients taken from the last parameter back, step as soon as backward has
+    accumulated a bucket's gradients, and those gradients are freed (``p.grad`` is None
+    after backward). Returns the handle (:class:`InBackward`): ``.no_step()`` for
+    gradient accumulation, ``.remove()`` to go back to ``step()``, which raises
+    meanwhile. What it refuses and why: the module docstring."""
+    return InBackward(optimizer, bucket_cap_mb)
