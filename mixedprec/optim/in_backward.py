@@ -14,15 +14,19 @@ What it takes, and what it refuses and why:
 * ``applied_steps`` advances once per backward that stepped, so the device-side
   schedules of :mod:`mixedprec.optim.lr_scheduler` (and torch's) step as usual, once
   per backward, after it.
+* DDP: ``in_backward(optimizer, model=ddp_model)`` steps DDP's own buckets, each once
+  DDP has averaged it (a comm hook), bit for bit DDP with ``step()``. DDP keeps its
+  buckets, so there the gradients are zeroed, not freed: no memory is saved.
 * Refused: LAMB and NovoGrad (their update needs every gradient first: LAMB's global
   gradient norm, NovoGrad's per-group second moments); fp16 parameters (they need a
   loss scaler, and an overflow found late in backward comes after earlier buckets
   have stepped: skipping per bucket would apply part of a step that the scaler skips
   whole, and undoing is not exact, since neither an fp32 moment update nor an 8-bit
   one can be inverted bit for bit; bf16 needs no loss scaler); parameters sharded as
-  DTensors (FSDP2 reduce-scatters gradients after the hooks run) and a process group
-  of more than one process (DDP averages gradients after backward: a step inside it
-  would read the local gradient).
+  DTensors (FSDP2 reduce-scatters gradients after the parameters' hooks have run, and
+  has no hook after it); a process group of more than one process without ``model=``
+  (DDP averages gradients after the parameters' hooks: a step there would read the
+  local gradient).
 * Not possible: clipping by the global gradient norm (it needs every gradient before
   the first update); ``clip_grad_norm_`` after backward finds no gradients.
 * A bad gradient found in a bucket raises out of ``backward()`` after the buckets
@@ -32,6 +36,7 @@ What it takes, and what it refuses and why:
 import contextlib
 import inspect
 import math
+import threading
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -68,29 +73,45 @@ class InBackward:
     """The handle :func:`in_backward` returns: the optimizer steps inside backward until
     :meth:`remove`; :meth:`no_step` accumulates gradients instead."""
 
-    def __init__(self, optimizer: Optimizer, bucket_cap_mb: float):
-        params = _check(optimizer, bucket_cap_mb)
-        cap = bucket_cap_mb * 2**20
+    def __init__(self, optimizer: Optimizer, bucket_cap_mb: float, model: Any = None):
+        params = _check(optimizer, bucket_cap_mb, model)
         self.optimizer = optimizer
+        self.ddp = model if _is_ddp(model) else None
         self.buckets: List[_Bucket] = []
         self._bucket_of: Dict[int, int] = {}
-        for index, p in reversed(params):  # (backward reaches the last layers first)
-            if not self.buckets or self.buckets[-1].bytes + p.numel() * p.element_size() > cap \
-                    and self.buckets[-1].params:
-                self.buckets.append(_Bucket(optimizer.plans.part()))
-            self.buckets[-1].add(index, p)
-            self._bucket_of[id(p)] = len(self.buckets) - 1
+        self._group_of = {id(p): index for index, p in params}
         self._sizes = [len(group["params"]) for group in optimizer.param_groups]
         self._accumulating = False
         self._task = -1  # the backward (autograd graph task) being stepped, -1: none
         self._left: List[int] = []  # per bucket: its params not yet ready in that backward
         self._stepped: List[bool] = []
         self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready) for _, p in params]
+        self._lock = threading.Lock()  # (DDP's callbacks may run on its threads)
+        self._hooks: List[Any] = []
+        if self.ddp is not None:  # DDP's buckets; a bucket steps once it is averaged
+            self._ddp_buckets: Dict[Tuple[int, ...], int] = {}
+            self.ddp.register_comm_hook(None, self._ddp_hook)
+        else:
+            self._make_buckets(params, bucket_cap_mb * 2**20)
+            self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
+                           for _, p in params]
         optimizer.in_backward = self
 
+    def _make_buckets(self, params: List[Tuple[int, Tensor]], cap: float) -> None:
+        for index, p in reversed(params):  # (backward reaches the last layers first)
+            size = p.numel() * p.element_size()
+            if not self.buckets or self.buckets[-1].bytes + size > cap and \
+                    self.buckets[-1].params:
+                self.buckets.append(_Bucket(self.optimizer.plans.part()))
+            self.buckets[-1].add(index, p)
+            self._bucket_of[id(p)] = len(self.buckets) - 1
+
     def remove(self) -> None:
-        """Back to ``optimizer.step()``: the hooks and the buckets' plans go."""
+        """Back to ``optimizer.step()``: the hooks and the buckets' plans go. (DDP keeps
+        a comm hook once registered: a DDP model's handle cannot be removed.)"""
+        if self.ddp is not None:
+            raise RuntimeError("InBackward.remove: DDP cannot unregister a comm hook; build "
+                               "the DistributedDataParallel model again to step() it")
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -102,7 +123,8 @@ class InBackward:
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without stepping (the micro-batches
-        of gradient accumulation but the last)."""
+        of gradient accumulation but the last; with DDP, ``model.no_sync()`` also skips
+        their all-reduce)."""
         before, self._accumulating = self._accumulating, True
         try:
             yield
@@ -114,15 +136,58 @@ class InBackward:
         """A parameter's gradient is accumulated: its bucket steps once all are."""
         if self._accumulating:
             return
-        task = torch._C._current_graph_task_id()
-        if task != self._task:
-            self._start(task)
+        self._begin()
         index = self._bucket_of[id(p)]
         self._left[index] -= 1
         if self._left[index] == 0:
             self._step(index, self.buckets[index].params)
 
-    def _start(self, task: int) -> None:
+    def _ddp_hook(self, process_group, bucket):  # (DDP checks annotations: none here)
+        """DDP's comm hook: its all-reduce (the default one: averaged), then the bucket's
+        parameters step on the averaged gradients and the bucket is zeroed, which DDP
+        then copies into ``p.grad`` (so the next backward accumulates from zero)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # (as used)
+
+        averaged = default_hooks.allreduce_hook(process_group, bucket)
+        if self._accumulating:
+            return averaged
+        self._begin()
+        params = bucket.parameters()
+        key = tuple(map(id, params))
+        index = self._ddp_buckets.get(key)
+        if index is None:  # (DDP rebuilds its buckets after the first backward)
+            mine = _Bucket(self.optimizer.plans.part())
+            for p in params:
+                if id(p) in self._group_of:
+                    mine.add(self._group_of[id(p)], p)
+            self.buckets.append(mine)
+            self._stepped.append(False)
+            index = self._ddp_buckets[key] = len(self.buckets) - 1
+
+        def step(future: torch.futures.Future) -> Tensor:
+            buffer = future.value()
+            with self._lock:
+                kept = [p.grad for p in params]
+                for p, grad in zip(params, bucket.gradients()):
+                    p.grad = grad  # (views of the averaged bucket)
+                try:
+                    self._step(index, self.buckets[index].params)
+                finally:
+                    for p, grad in zip(params, kept):
+                        p.grad = grad
+                buffer.zero_()
+            return buffer
+
+        if bucket.is_last():  # (the step is counted once per backward; DDP waits for all)
+            self._count()
+        return averaged.then(step)
+
+    def _begin(self) -> None:
+        """At a backward's first hook: the checks, before any bucket steps; the group
+        step counts as they are; the end-of-backward callback queued."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
         opt = self.optimizer
         name = type(opt).__name__
         if [len(group["params"]) for group in opt.param_groups] != self._sizes:
@@ -174,20 +239,30 @@ class InBackward:
         """End of backward: buckets with parameters that got no gradient in it step those
         that have one (accumulated earlier), and ``applied_steps`` counts the step."""
         try:
+            if self.ddp is not None:  # (counted by the last bucket's hook)
+                return
             for index, bucket in enumerate(self.buckets):
                 if not self._stepped[index]:
                     ready = [p for p in bucket.params if p.grad is not None]
                     if ready:
                         self._step(index, ready)
             if any(self._stepped):
-                _state.count_applied(self.optimizer, None)
-                # (torch's LR schedulers warn unless they see step() called; it was)
-                self.optimizer._opt_called = True
+                self._count()
         finally:
             self._task = -1
 
+    def _count(self) -> None:
+        """``applied_steps`` counts the backward's step."""
+        _state.count_applied(self.optimizer, None)
+        # (torch's LR schedulers warn unless they see step() called; it was)
+        self.optimizer._opt_called = True
 
-def _check(opt: Optimizer, bucket_cap_mb: float) -> List[Tuple[int, Tensor]]:
+
+def _is_ddp(model: Any) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _check(opt: Optimizer, bucket_cap_mb: float, model: Any) -> List[Tuple[int, Tensor]]:
     """The optimizer's parameters that take gradients, as (group index, param), after
     checking that it can step inside backward (nothing changes on an error)."""
     if not isinstance(opt, Optimizer):
@@ -206,11 +281,9 @@ def _check(opt: Optimizer, bucket_cap_mb: float) -> List[Tuple[int, Tensor]]:
             not 0 < bucket_cap_mb < math.inf:
         raise ValueError(f"in_backward: expected bucket_cap_mb to be a number > 0, got "
                          f"{bucket_cap_mb!r}")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1:
-        raise RuntimeError("in_backward: a process group of more than one process is "
-                           "initialised; DDP averages gradients after backward, so a step "
-                           "inside it would read each process's own gradient. Use step()")
+    if model is not None and not _is_ddp(model):
+        raise TypeError("in_backward: expected model to be a DistributedDataParallel "
+                        f"model (or None), got {type(model).__name__}")
     params = []
     for index, group in enumerate(opt.param_groups):
         for p in group["params"]:
@@ -225,15 +298,25 @@ def _check(opt: Optimizer, bucket_cap_mb: float) -> List[Tuple[int, Tensor]]:
                     "bfloat16 parameters, or step() with a GradScaler")
             if p.requires_grad:
                 params.append((index, p))
+    if model is None and torch.distributed.is_available() and \
+            torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise RuntimeError("in_backward: a process group of more than one process is "
+                           "initialised; pass the DistributedDataParallel model as model= "
+                           "(DDP averages gradients after the parameters' hooks, so the "
+                           "step must follow its all-reduce)")
     return params
 
 
-def in_backward(optimizer: Optimizer, *, bucket_cap_mb: float = 25.0) -> InBackward:
+def in_backward(optimizer: Optimizer, *, bucket_cap_mb: float = 25.0,
+                model: Any = None) -> InBackward:
     """Makes ``optimizer`` (a :mod:`mixedprec.optim` Adam, AdamW, SGD or Adagrad) step
     inside backward: its parameters, in buckets of about ``bucket_cap_mb`` MiB of
     gradients taken from the last parameter back, step as soon as backward has
     accumulated a bucket's gradients, and those gradients are freed (``p.grad`` is None
     after backward). Returns the handle (:class:`InBackward`): ``.no_step()`` for
     gradient accumulation, ``.remove()`` to go back to ``step()``, which raises
-    meanwhile. What it refuses and why: the module docstring."""
-    return InBackward(optimizer, bucket_cap_mb)
+    meanwhile. With ``model``, a ``DistributedDataParallel`` model of the optimizer's
+    parameters, DDP's own buckets step, each once DDP has averaged it (its comm hook:
+    DDP keeps its buckets, so gradients take the memory they take under DDP; they are
+    zeroed rather than freed). What it refuses and why: the module docstring."""
+    return InBackward(optimizer, bucket_cap_mb, model)

@@ -335,7 +335,7 @@ def test_refuses_a_process_group_of_many(monkeypatch):
     opt = optim.AdamW(model.parameters())
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
-    with pytest.raises(RuntimeError, match="DDP averages gradients after backward"):
+    with pytest.raises(RuntimeError, match="pass the DistributedDataParallel model as model="):
         optim.in_backward(opt)
     assert opt.in_backward is None and no_hooks(model)
 
@@ -346,6 +346,15 @@ def test_refuses_a_bad_bucket_cap(cap):
     opt = optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="expected bucket_cap_mb to be a number > 0"):
         optim.in_backward(opt, bucket_cap_mb=cap)
+    assert opt.in_backward is None and no_hooks(model)
+
+
+def test_refuses_a_model_that_is_not_ddp():
+    model = make_model(sizes=SIZES)
+    opt = optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="expected model to be a DistributedDataParallel "
+                                        "model .or None., got Sequential"):
+        optim.in_backward(opt, model=model)
     assert opt.in_backward is None and no_hooks(model)
 
 

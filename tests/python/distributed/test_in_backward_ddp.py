@@ -1,0 +1,107 @@
+"""The step inside backward under DDP (two gloo processes on the CPU): each of DDP's
+buckets steps once DDP has averaged it (in_backward(..., model=ddp_model)), bit for bit
+DDP with step(), in the modes with the most per-step keys (remainder + 8-bit Adam
+moments; stochastic rounding with SGD's group step count), the ranks equal; and
+gradient accumulation under no_sync()."""
+
+import pytest
+import torch
+from distributed_harness import can_run, run_ranks
+from helpers import make_model
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mixedprec import optim
+
+WORLD_SIZE = 2
+SIZES = (8, 64, 64, 4)
+CONFIGS = [
+    (optim.AdamW, dict(master="remainder", state_dtype=torch.float8_e4m3fn, seed=3)),
+    (optim.SGD, dict(momentum=0.9, master="stochastic", state_dtype=torch.bfloat16, seed=5)),
+    (optim.Adam, dict()),
+]
+
+pytestmark = pytest.mark.skipif(not can_run("cpu", WORLD_SIZE), reason="needs gloo")
+
+
+def loss_of(model, rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(5, SIZES[0], generator=g).to(torch.bfloat16)
+    y = torch.randn(5, SIZES[-1], generator=g)
+    return (model(x).float() - y).pow(2).mean()
+
+
+def tensors(model, opt):
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.clone() for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def train(rank, world_size, cls, kwargs, attach, accumulate, view=False):
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+    ddp = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=view)  # (several buckets)
+    opt = cls(model.parameters(), lr=1e-2, **kwargs)
+    handle = optim.in_backward(opt, model=ddp) if attach else None
+    for step in range(3):
+        if accumulate:
+            with ddp.no_sync():
+                if handle is not None:
+                    with handle.no_step():
+                        loss_of(ddp, rank, 10 + step).backward()
+                else:
+                    loss_of(ddp, rank, 10 + step).backward()
+        loss_of(ddp, rank, step).backward()
+        if handle is None:
+            opt.step()
+            opt.zero_grad()
+    return tensors(model, opt) + [opt.applied_steps.clone()]
+
+
+def ranks(rank, world_size):
+    results = {}
+    for c, (cls, kwargs) in enumerate(CONFIGS):
+        for accumulate in (False, True):
+            results[c, accumulate] = [train(rank, world_size, cls, kwargs, attach, accumulate)
+                                      for attach in (False, True)]
+    cls, kwargs = CONFIGS[0]
+    results["view"] = [train(rank, world_size, cls, kwargs, attach, True, view=True)
+                       for attach in (False, True)]
+    results["fsdp"] = fsdp_refusal()
+    return results
+
+
+def fsdp_refusal():
+    """in_backward on an FSDP2 model's optimizer: the error, and whether hooks remain."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+    fully_shard(model)
+    opt = optim.AdamW(model.parameters())
+    try:
+        optim.in_backward(opt)
+    except TypeError as error:
+        hooked = any(getattr(p, "_post_accumulate_grad_hooks", None)
+                     for p in model.parameters())
+        return str(error), hooked, opt.in_backward is None
+    return None
+
+
+def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
+    results = run_ranks(ranks, WORLD_SIZE)
+    for key, value in results[0].items():
+        if key == "fsdp":
+            continue
+        stepped, inside = value
+        assert len(stepped) == len(inside), key
+        for i, (a, b) in enumerate(zip(stepped, inside)):
+            assert a.dtype == b.dtype and torch.equal(a, b), (key, i)
+        for i, (a, b) in enumerate(zip(inside, results[1][key][1])):
+            assert torch.equal(a, b), ("ranks differ", key, i)
+    assert int(results[0][0, False][1][-1]) == 3
+    # FSDP2 (in the same processes: a spawn costs seconds) is refused, naming why, and
+    # nothing is left attached.
+    for rank in range(WORLD_SIZE):
+        message, hooked, detached = results[rank]["fsdp"]
+        assert "DTensor parameter (FSDP2 reduce-scatters gradients" in message
+        assert not hooked and detached
