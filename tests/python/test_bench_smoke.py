@@ -1,5 +1,6 @@
 """Smoke tests of the benchmarks (bench/ops.py, bench/train.py, bench/lean.py,
-bench/q8_formats.py, bench/lean_speed.py, bench/host_step.py, bench/compile_step.py) on the CPU.
+bench/q8_formats.py, bench/lean_speed.py, bench/host_step.py, bench/compile_step.py,
+bench/memory.py) on the CPU.
 
 They run each script's ``main`` with tiny settings into a temporary directory and
 check what it writes: the JSON keys, the markdown tables (shaped like the seeds':
@@ -50,7 +51,7 @@ ENV_KEYS = {"date", "device", "device_type", "driver", "torch", "cuda", "cudnn",
 
 
 @pytest.mark.parametrize("name", ["ops", "train", "common", "lean", "q8_formats",
-                                  "lean_speed", "host_step", "compile_step"])
+                                  "lean_speed", "host_step", "compile_step", "memory"])
 def test_help(name):
     module = _load(name)
     with pytest.raises(SystemExit) as e:
@@ -1131,3 +1132,73 @@ def test_compile_step_smoke(tmp_path, capsys):
     assert rows["mixedprec"]["graphs"] <= rows["torch"]["graphs"]
     assert rows["mixedprec"]["breaks"] <= rows["torch"]["breaks"]
     assert "| mixedprec |" in capsys.readouterr().out
+
+
+def test_memory_quick(tmp_path):
+    """``bench/memory.py --quick``: the five configurations in the issue's order (then the
+    comparison run), weights + grads + state adding up to the total, in bytes and per
+    parameter; every gradient alive at step() in the ordinary runs, the in-backward run's
+    gradient peak below the ordinary remainder run's and none left after backward; the
+    remainder runs exact against fp32 masters stepped in lockstep (their bf16 parameters
+    apart only at exact ties), the in-backward one bit for bit step()'s; the markdown's
+    table, exact column and target line."""
+    mod = _load("memory")
+    threads = torch.get_num_threads()
+    assert mod.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == threads  # restored
+    data = json.loads((tmp_path / "memory-cpu.json").read_text())
+    assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
+    res = data["results"]
+    five = ["torch-fp32", "torch-bf16", "fp32-masters", "remainder-8bit",
+            "remainder-8bit-in-backward"]
+    assert list(res) == five + [mod.REFERENCE]
+    n, tensors = data["config"]["params"], data["config"]["tensors"]
+    for name, r in res.items():
+        assert r["params"] == n and r["tensors"] == tensors
+        assert r["total_bytes"] == r["weights_bytes"] + r["grads_bytes"] + r["state_bytes"]
+        assert r["total_bpp"] == pytest.approx(r["weights_bpp"] + r["grads_bpp"]
+                                               + r["state_bpp"])
+        assert r["total_bpp"] == pytest.approx(r["total_bytes"] / n)
+        assert r["weights_bytes"] == n * (4 if name == "torch-fp32" else 2)
+        assert r["activations_bytes"] > 0
+        assert r["tracked_peak_bytes"] > r["weights_bytes"] + r["state_bytes"]
+        assert len(r["losses"]) == data["config"]["steps"]
+        if name != "remainder-8bit-in-backward":
+            assert r["grads_bytes"] == r["grads_after_backward_bytes"] == r["weights_bytes"]
+    # torch's AdamW: two moments of the params' dtype and a 4-byte step count each.
+    assert res["torch-fp32"]["state_bytes"] == 8 * n + 4 * tensors
+    assert res["torch-bf16"]["state_bytes"] == 4 * n + 4 * tensors
+    assert res["fp32-masters"]["state_bpp"] == pytest.approx(12, abs=0.05)
+    step, inside = res["remainder-8bit"], res["remainder-8bit-in-backward"]
+    assert inside["grads_bytes"] < step["grads_bytes"]
+    assert inside["grads_after_backward_bytes"] == 0 and inside["buckets"] > 1
+    # (the buckets split the step counts that step()'s op calls share: 4 bytes per call,
+    # an 8-bit one and an fp32-moment one per bucket at most)
+    assert 0 <= inside["state_bytes"] - step["state_bytes"] <= 2 * 4 * inside["buckets"]
+    assert step["state_bytes"] < res[mod.REFERENCE]["state_bytes"]
+    assert inside["total_bpp"] < step["total_bpp"] < res["torch-bf16"]["total_bpp"] + 0.5
+    for r in (step, inside):
+        assert r["exact"]["exact"] is True and r["exact"]["steps"] == data["config"]["steps"]
+        assert r["exact"]["bf16_params_differ_off_ties"] == 0
+    assert inside["same_as_step"] is True
+    assert data["target"]["config"] == "remainder-8bit-in-backward"
+    assert data["target"]["exact"] is True
+    assert data["target"]["met"] == (inside["total_bpp"] <= 6.5)
+
+    md = (tmp_path / "memory-cpu.md").read_text()
+    assert "CPU smoke run" in md
+    assert "| config | weights | grads (peak) | state | **total** | activations |" in md
+    for i, name in enumerate(five):
+        assert f"| {i + 1}. {res[name]['label']} |" in md
+    assert md.count(" | yes |") == 2
+    assert "**Target (issue 32): remainder-8bit-in-backward at <= 6.5 B/param" in md
+    assert "CUDA figures (max_memory_allocated) at the next GPU run" in md
+
+    # A GPU run's report (made-up allocator numbers): the CUDA columns beside the others.
+    data["env"].update(device_type="cuda", device="NVIDIA H100 80GB HBM3", capability="9.0",
+                       multiprocessors=132, memory_gib=79.1)
+    for r in res.values():
+        r["cuda_peak_bpp"], r["cuda_activations_bpp"] = r["total_bpp"] + 1.5, 1.5
+    md = mod.markdown(data)
+    assert "| step peak (tracked) | CUDA peak | activations (CUDA) | exact vs fp32 masters |" in md
+    assert "next GPU run" not in md and "activations (CUDA): that less the total" in md
