@@ -26,6 +26,8 @@
 #   bench        bench-ops then bench-train
 #   bench-lean   bench/lean.py on the GPU (issue #11's modes; not in the default run:
 #                name it in a call of its own)
+#   bench-memory bench/memory.py on the GPU, GPT-2-medium's shape (issue #32's bytes per
+#                parameter from max_memory_allocated; not in the default run)
 # With no STEP: selfcheck, then pytest+memcheck+racecheck+synccheck at once (they share
 # the 16 cores and the GPU; none of them times anything), then the benchmarks alone;
 # with the extension carried over (MIXEDPREC_PREBUILT=1) the limits add up to 530 s
@@ -82,7 +84,7 @@ BUDGET=560
 export PY CUDA_BIN SANITIZER
 
 ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
-  bench-lean)
+  bench-lean bench-memory)
 DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
 
 # Default limits, in seconds, and workers, from the runs so far (worker-seconds per test:
@@ -110,6 +112,7 @@ default_limit() {
     bench-ops) echo 65 ;;
     bench-train) echo 50 ;;
     bench-lean) echo 300 ;;
+    bench-memory) echo 120 ;;
   esac
 }
 
@@ -216,6 +219,9 @@ define_step() {
     bench-lean)
       DESC="bench/lean.py on the GPU"
       CMD=("$PY" bench/lean.py --device cuda) ;;
+    bench-memory)
+      DESC="bench/memory.py on the GPU: GPT-2-medium's shape, six configurations"
+      CMD=("$PY" bench/memory.py --device cuda --preset gpt2-medium) ;;
   esac
 }
 
