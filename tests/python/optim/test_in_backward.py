@@ -1,9 +1,10 @@
 """The step inside backward (mixedprec.optim.in_backward, issue #32 part 1): bit for bit
 the ordinary step() in every master mode and state dtype, with buckets of one parameter
-or of all, across param groups; gradient accumulation, unused parameters, tied weights,
-state_dict and resume, schedulers, zero_grad; gradients freed as backward goes; no host
-synchronisation; and what it refuses (with nothing changed), fp16 among them, with the
-reason for that choice checked: a step cannot be undone exactly."""
+or of all, across param groups, on a compiled model; gradient accumulation, unused
+parameters, tied weights, state_dict and resume, schedulers, zero_grad; gradients freed
+as backward goes; no host synchronisation; and what it refuses (with nothing changed),
+fp16 among them, with the reason for that choice checked: a step cannot be undone
+exactly."""
 
 import copy
 
@@ -154,6 +155,22 @@ def test_tied_weight_steps_after_its_last_use(device):
     optim.in_backward(inb[1], bucket_cap_mb=ONE_EACH)
     train_pair(device, ref, inb)
     assert_same(ref, inb)
+
+
+def test_compiled_model_equals_step():
+    """torch.compile compiles the model's forward and backward; the gradients still reach
+    the parameters through autograd's accumulation, whose hooks step the buckets."""
+    ref, inb = pair("cpu", optim.AdamW, "remainder", E4M3)
+    optim.in_backward(inb[1], bucket_cap_mb=ONE_EACH)
+    ref, inb = [(torch.compile(model), model, opt) for model, opt in (ref, inb)]
+    for step in range(3):
+        for compiled, _, opt in (ref, inb):
+            x, y = batch(step, "cpu")
+            (compiled(x).float() - y).pow(2).mean().backward()
+            if opt.in_backward is None:
+                opt.step()
+                opt.zero_grad()
+    assert_same(ref[1:], inb[1:])
 
 
 # --- accumulation, unused parameters, freed gradients -------------------------------------
