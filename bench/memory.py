@@ -76,7 +76,6 @@ import argparse
 import gc
 import hashlib
 import importlib.util
-import math
 import sys
 import time
 import weakref
@@ -137,58 +136,16 @@ QUICK_RUN = dict(seq=None, batch=2, steps=3, lr=1e-3, seed=0)  # seq None: the c
 
 # --- the model -------------------------------------------------------------------------
 
-class Block(nn.Module):
-    """Pre-LayerNorm GPT-2 block: causal self-attention, then a GELU MLP (4x wide)."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(d, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+def make_model(vocab: int, ctx: int, d_model: int, layers: int, heads: int) -> nn.Module:
+    """bench/train.py's GPT-2-shaped decoder (token and position embeddings, blocks, a
+    final LayerNorm, the LM head tied to the token embedding) at these sizes."""
+    if d_model % heads:
+        raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
+    return _load("train").CausalLM(vocab=vocab, seq=ctx, layers=layers, d=d_model,
+                                   heads=heads)
 
 
-class GPT(nn.Module):
-    """Token and position embeddings, blocks, a final LayerNorm, the LM head tied to the
-    token embedding; GPT-2's initialisation (N(0, 0.02), residual projections scaled by
-    1/sqrt(2 * blocks), zero biases)."""
-
-    def __init__(self, vocab: int, ctx: int, d_model: int, layers: int, heads: int):
-        super().__init__()
-        if d_model % heads:
-            raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
-        self.wte = nn.Embedding(vocab, d_model)
-        self.wpe = nn.Embedding(ctx, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight",
-                                                                      "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)
-
-
-def block_bucket_mb(model: GPT) -> float:
+def block_bucket_mb(model: nn.Module) -> float:
     """One block's gradients in bf16, in MiB: the default bucket of the in-backward run."""
     return sum(p.numel() for p in model.blocks[0].parameters()) * 2 / 2**20
 
@@ -382,7 +339,7 @@ def run_config(name: str, spec: tuple, model_cfg: Dict[str, int], run: Dict[str,
     label, dtype, master, state_dtype, inside = spec
     t0 = time.time()
     torch.manual_seed(run["seed"])
-    model = GPT(**model_cfg).to(device=device, dtype=dtype)
+    model = make_model(**model_cfg).to(device=device, dtype=dtype)
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
     numel = sum(p.numel() for p in params)
@@ -626,7 +583,7 @@ def _run(args) -> int:
     t_start = time.time()
     log = lambda s: print(s, flush=True)  # noqa: E731
     with torch.device("meta"):
-        shape = GPT(**model_cfg)
+        shape = make_model(**model_cfg)
     sizes = [p.numel() for p in shape.parameters()]
     cap = args.bucket_cap_mb if args.bucket_cap_mb is not None else block_bucket_mb(shape)
     del shape

@@ -89,6 +89,9 @@ class InBackward:
         self._lock = threading.Lock()  # (DDP's callbacks may run on its threads)
         self._hooks: List[Any] = []
         if self.ddp is not None:  # DDP's buckets; a bucket steps once it is averaged
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self._allreduce = default_hooks.allreduce_hook  # (DDP's own, averaged)
             self._ddp_buckets: Dict[Tuple[int, ...], int] = {}
             self.ddp.register_comm_hook(None, self._ddp_hook)
         else:
@@ -146,9 +149,7 @@ class InBackward:
         """DDP's comm hook: its all-reduce (the default one: averaged), then the bucket's
         parameters step on the averaged gradients and the bucket is zeroed, which DDP
         then copies into ``p.grad`` (so the next backward accumulates from zero)."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # (as used)
-
-        averaged = default_hooks.allreduce_hook(process_group, bucket)
+        averaged = self._allreduce(process_group, bucket)
         if self._accumulating:
             return averaged
         self._begin()
@@ -208,7 +209,7 @@ class InBackward:
     def _step(self, index: int, params: List[Tensor]) -> None:
         """One bucket's step (``params``: those of its parameters that step), then its
         gradients are freed. Each group's ``step`` count (SGD's rounding one) starts from
-        its value as backward began, as in ``step()``; :meth:`_finish` keeps the result."""
+        its value as backward began, as in ``step()``, and the group keeps the result."""
         opt = self.optimizer
         bucket = self.buckets[index]
         keep = {id(p) for p in params}
@@ -269,9 +270,9 @@ def _check(opt: Optimizer, bucket_cap_mb: float, model: Any) -> List[Tuple[int, 
         raise TypeError("in_backward: expected a mixedprec.optim optimizer, got "
                         f"{type(opt).__name__}")
     name = type(opt).__name__
-    refused = getattr(opt, "_NOT_IN_BACKWARD", None)
-    if refused:
-        raise TypeError(f"in_backward: {name} cannot step inside backward: {refused}")
+    if opt._NOT_IN_BACKWARD:
+        raise TypeError(f"in_backward: {name} cannot step inside backward: "
+                        f"{opt._NOT_IN_BACKWARD}")
     if inspect.unwrap(type(opt).step) is not inspect.unwrap(Optimizer.step):
         raise TypeError(f"in_backward: {name} has a step of its own; pass one of "
                         "mixedprec.optim's Adam, AdamW, SGD or Adagrad")

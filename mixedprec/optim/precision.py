@@ -47,6 +47,12 @@ class Work(NamedTuple):
                     [self.states[i] for i in positions])
 
 
+def whole_group(group: Dict[str, Any]) -> Dict[str, Any]:
+    """The param group that ``group`` (a group, or a
+    :class:`~mixedprec.optim.torch_path.Subset` of one) is part of."""
+    return getattr(group, "whole", group)
+
+
 def check_master(where: str, master: Any) -> str:
     if not isinstance(master, str) or master not in MASTER_MODES:
         raise ValueError(f"{where}: expected master to be one of {list(MASTER_MODES)}, "
@@ -261,7 +267,7 @@ class Precision:
         sharding. Else none."""
         if self.master != "stochastic" and not eight:
             return []
-        group_params = getattr(group, "whole", group)["params"]  # (a bucket's: its group's)
+        group_params = whole_group(group)["params"]  # (a bucket's: its group's)
         count = len(group_params)
         position = {id(p): i for i, p in enumerate(group_params)}
         rows = []

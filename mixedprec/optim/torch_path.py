@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import ops
 from ..loss_scale import inverse
-from .precision import FLOAT_DTYPES
+from .precision import FLOAT_DTYPES, whole_group
 
 
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -86,7 +86,7 @@ def step_holders(state_of: Dict[Tensor, Dict[str, Any]], group: Dict[str, Any]) 
     """id(step-count tensor) -> how many of the group's parameters share it (taken once
     per group, before its op calls change any; of the whole group for a
     :class:`Subset`)."""
-    return Counter(id(state["step"]) for state in map(state_of.get, whole(group)["params"])
+    return Counter(id(state["step"]) for state in map(state_of.get, whole_group(group)["params"])
                    if state and "step" in state)
 
 
@@ -183,22 +183,17 @@ class Subset(dict):
     """A param group seen without some of its parameters (those torch's implementation
     steps), or with only some (``only``: a bucket that steps inside backward). ``whole``
     is the group it was taken from: a parameter's rounding salt and its step-count
-    sharing are those of its place there (:func:`whole`)."""
+    sharing are those of its place there (:func:`~.precision.whole_group`)."""
 
     def __init__(self, group: Dict[str, Any], without: Sequence[Tensor] = (),
                  only: Optional[Sequence[Tensor]] = None):
         super().__init__(group)
-        self.whole = whole(group)
+        self.whole = whole_group(group)
         if only is not None:
             self["params"] = list(only)
         elif without:
             skip = {id(p) for p in without}
             self["params"] = [p for p in group["params"] if id(p) not in skip]
-
-
-def whole(group: Dict[str, Any]) -> Dict[str, Any]:
-    """The param group that ``group`` (a group or a :class:`Subset` of one) is part of."""
-    return getattr(group, "whole", group)
 
 
 def check_nonnegative(where: str, name: str, value: Any) -> None:
