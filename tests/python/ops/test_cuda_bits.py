@@ -108,7 +108,9 @@ SHAPES = ((64, 64), (37,), (5, 3))
 def twins(dtype):
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(shape, generator=gen).to(dtype) for shape in SHAPES]
-    return [[v.to(device).requires_grad_() for v in values] for device in ("cpu", "cuda")]
+    # (a copy per device: v.to("cpu") would be v itself, and its twin then a non-leaf)
+    return [[v.to(device, copy=True).requires_grad_() for v in values]
+            for device in ("cpu", "cuda")]
 
 
 def feed(both, step):
