@@ -60,8 +60,10 @@ def write_build_info(cuda: bool) -> None:
 # checks the PTX. The step is bound by memory traffic, not by its few more instructions.
 # --resource-usage: ptxas prints each kernel's registers, stack frame and spills, which
 # `make build` keeps (scripts/cuda_resources.py) and tests/python/ops/test_cuda_resources.py
-# gates.
-NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false", "--resource-usage"]
+# gates. --diag-error 20011,20014: a __host__ function called from device code is an
+# error, not a warning: nvcc otherwise compiles the caller's path away (an empty kernel).
+NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false", "--resource-usage",
+              "--diag-error=20011,20014"]
 
 
 def extension(cuda: bool):

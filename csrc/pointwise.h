@@ -27,9 +27,10 @@
 // not depend on how an engine splits the tensor into chunks or threads.
 //
 // Such a functor may also declare `FixedModes`, a TypeList of its common modes (see
-// AdamOp::Mode): the CPU engine compiles its vector loops once per mode, with the
-// mode's flags as constants and its lists known present or absent (cpu/engine.h's
-// Fixed), and keeps the generic loop for the other modes. The bits are the same.
+// AdamOp::Mode): both engines compile it once per mode, with the mode's flags as
+// constants and its lists known present or absent (Fixed, below; the CPU engine's
+// vector loops, the CUDA engine's kernels), and keep the generic code for the other
+// modes. The bits are the same.
 //
 // The optimizers' functors are in pointwise_adam.h (AdamOp) and pointwise_optimizers.h
 // (SGD, LAMB, Adagrad, NovoGrad), each included by the registration units of its
@@ -166,6 +167,68 @@ constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
 template <typename Op, size_t K, typename T>
 constexpr bool kPerTensorStorageOk =
     !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value;
+
+// Op in mode M, one of Op::FixedModes (see above): M's flags are constants in apply,
+// so that the compiler drops what the other modes do, and the engines neither load
+// nor store the lists outside M::kLists and M::kMaybe. The CPU engine's vector passes
+// also skip the null tests of the lists in kPresent (cpu/engine.h); the CUDA engine
+// launches one kernel per mode (cuda/multi_tensor_apply.cuh), whose absent lists and
+// other modes' paths then take no registers and no instructions.
+template <typename Op, typename M>
+struct Fixed : Op {
+  static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
+  static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
+  static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
+  static constexpr bool kWideRounding = M::kWideRounding;
+  static constexpr int kMinBlocks = M::kMinBlocks;
+  explicit Fixed(const Op& op) : Op(op) {}
+  template <typename V>
+  MP_HD auto apply(V* x, int64_t index) const {
+    Op op = *this;
+    M::fix(op);
+    return op.apply(x, index);
+  }
+};
+
+// Whether Op declares FixedModes.
+template <typename Op, typename = void>
+struct HasFixedModes : std::false_type {};
+template <typename Op>
+struct HasFixedModes<Op, std::void_t<typename Op::FixedModes>> : std::true_type {};
+
+// bad = f(Fixed<Op, M>(op)) when storage Ts fit mode M, op holds it and the lists
+// present (mask `lists`) are M's, M::kMaybe aside; whether it did.
+template <typename M, typename... Ts, typename Op, typename F>
+bool try_mode(const Op& op, unsigned lists, F& f, int& bad) {
+  if constexpr (M::template fits<Ts...>()) {
+    if (M::holds(op) && (lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {
+      bad = f(Fixed<Op, M>(op));
+      return true;
+    }
+  }
+  return false;
+}
+
+template <typename... Ts, typename Op, typename F, typename... M>
+int first_mode(const Op& op, unsigned lists, F& f, TypeList<M...>) {
+  lists &= ~per_tensor_mask<Op>();
+  int bad = 0;
+  return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);
+}
+
+// f(op) as a Fixed in the first of Op's FixedModes that it is in (storage Ts, its
+// flags, and `lists`, the mask of the lists present), else f(op): one loop or kernel
+// per common mode, without the tests of the others. f returns an int (the CPU
+// engine's "saw a non-finite input"), returned.
+template <typename... Ts, typename Op, typename F>
+int in_fixed_mode(const Op& op, unsigned lists, F&& f) {
+  if constexpr (HasFixedModes<Op>::value) {
+    return first_mode<Ts...>(op, lists, f, typename Op::FixedModes{});
+  } else {
+    (void)lists;
+    return f(op);
+  }
+}
 
 // dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
 // non-finite inputs when the engine is given a found_inf.

@@ -69,6 +69,12 @@ struct AdamOp {
     // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
     // (engine.h, kWideRounding), for two Philox chains at once.
     static constexpr bool kWideRounding = Stochastic && !Eight;
+    // CUDA: blocks of 512 threads per SM that the mode's kernel is compiled for (two:
+    // at most 64 registers a thread, which every mode fits without spilling but kahan
+    // and stochastic rounding with 8-bit moments: they take one, 106-108 registers).
+    // ptxas alone gives the remainder mode 68 registers, so one block per SM, whose
+    // loads and math then take turns rather than overlap (docs/gpu-validation.md).
+    static constexpr int kMinBlocks = Eight && (Kahan || Stochastic) ? 1 : 2;
     template <typename... Ts>
     static constexpr bool fits() {
       using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
@@ -78,11 +84,11 @@ struct AdamOp {
              (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
              (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
     }
-    static bool holds(const AdamOp& op) {
+    MP_HD static bool holds(const AdamOp& op) {
       return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&
              op.root == Eight && op.state_stochastic == Eight && !op.maximize && !op.amsgrad;
     }
-    static void fix(AdamOp& op) {
+    MP_HD static void fix(AdamOp& op) {
       op.kahan = Kahan;
       op.remainder = Remainder;
       op.stochastic = Stochastic;

@@ -9,6 +9,22 @@ the names (c++filt) to know the op and its storage types, and for every
 ``pointwise_kernel`` (csrc/cuda/multi_tensor_apply.cuh: every optimizer and list op)
 finds the main loop and counts its instructions per element.
 
+**Which kernel runs.** A functor that declares ``FixedModes`` (AdamOp: its
+``Mode<Model, Kahan, Remainder, Stochastic, Eight>``, csrc/pointwise_adam.h) is also
+instantiated as ``pointwise_kernel<Fixed<AdamOp, AdamOp::Mode<...>>, ...>`` per mode
+and storage types (csrc/pointwise.h, Fixed: AdamOp's fields, the mode's flags
+constant, the lists outside the mode neither loaded nor stored), and the CUDA engine
+launches that kernel whenever the step is in the mode (``in_fixed_mode``: the first of
+the FixedModes whose ``fits`` takes the storage types, whose ``holds`` takes the flags,
+and whose ``kLists`` are the lists present, per-tensor lists and ``kMaybe`` aside); the
+generic kernel otherwise (amsgrad, maximize, other lists). Each mode below is counted
+on the kernel the engine launches for it: ``fixed_modes`` reads the FixedModes from the
+header, and ``launched_mode`` mirrors that choice (its rules encoded here, and checked
+against the source's text, FIXED_SOURCE). The generic kernels are analysed in those
+modes too (``not_launched``: for comparison, not gated on their ratio); a mode whose
+Fixed kernel is missing from the listing, and a pointwise kernel whose name is not
+understood, are gate failures (never skipped).
+
 **The main loop.** The kernel's control-flow graph is built from its branches; a loop
 is a back edge u -> h where h dominates u (a natural loop), so that out-of-line blocks
 that jump back into the body (the warp-collective fallback of a shuffle's ``BRA.DIV``,
@@ -28,9 +44,10 @@ flags must not override MIXEDPREC_UNROLL (checked). The tail loop (elements past
 last whole vector of a slice) is not the main loop.
 
 **What is counted.** ``static``: every instruction of the loop body, over the elements
-of an iteration. The body holds every runtime mode of the kernel (kahan, stochastic,
-amsgrad, maximize, the 8-bit lists' vector and byte paths, ...: flags and pointers of
-the functor, not template arguments), so ``static`` overstates what one mode executes.
+of an iteration. A generic kernel's body holds every runtime mode of the kernel (kahan,
+stochastic, amsgrad, maximize, the 8-bit lists' vector and byte paths, ...: flags and
+pointers of the functor, not template arguments), so ``static`` overstates what one
+mode executes; a Fixed kernel's holds one mode (and the 8-bit lists' two paths).
 ``path``: what one iteration issues in one mode. The kernel is run abstractly for
 thread 0 of block 0 with that mode's kernel parameters: the functor's flags and
 scalars at their offsets in the parameter space (the layout computed from the structs
@@ -44,7 +61,8 @@ everything else is unknown. The main loop's first iteration is followed (so the 
 bounds and the element index are known); a branch so decided goes one way, a branch
 on data (NaN and infinity checks, the slow paths of IEEE division and square root)
 both ways, and ``path`` is the longest path from the loop header to its back edge. A
-predicated-off instruction still takes its issue slot, so it counts. ``BRA.DIV`` (a
+predicated-off instruction still takes its issue slot, so it counts. Local memory
+(spills, at offsets of the stack pointer R1) keeps what is stored to it. ``BRA.DIV`` (a
 shuffle reached by a diverged warp) is taken as not taken: the engine's warps are
 converged there. The out-of-line subroutines the body calls (the slow paths of IEEE
 division and square root, 64-bit division) are not counted; their call sites are.
@@ -74,7 +92,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = "sm_90"
@@ -231,6 +249,143 @@ def functors(repo: Path = REPO) -> Dict[str, Dict]:
             if name.endswith("Op")}
 
 
+class FixedMode(NamedTuple):
+    """The template arguments of AdamOp::Mode (csrc/pointwise_adam.h), in its order."""
+    model: bool
+    kahan: bool
+    remainder: bool
+    stochastic: bool
+    eight: bool
+
+    def label(self) -> str:
+        return "Mode<" + ",".join("1" if b else "0" for b in self) + ">"
+
+
+# What a FixedMode means, encoded below (fixed_lists, fixed_fits, fixed_holds,
+# launched_mode) as the source says it; fixed_modes checks that the source still says
+# exactly this (whitespace and comments aside) and refuses it otherwise.
+FIXED_SOURCE = {
+    # csrc/pointwise_adam.h, AdamOp::Mode
+    "pointwise_adam.h": (
+        "template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight> "
+        "struct Mode {",
+        "static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) | "
+        "(Kahan || Remainder ? 1u << kCompList : 0u) | (Eight ? 0b11u << kScaleList : 0u);",
+        "using Param = std::tuple_element_t<0, std::tuple<Ts...>>; "
+        "using State = std::tuple_element_t<2, std::tuple<Ts...>>; "
+        "using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>; "
+        "return (!Model || std::is_same_v<Param, float>) && "
+        "(!Stochastic || std::is_same_v<Param, c10::BFloat16>) && "
+        "(Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);",
+        "return op.kahan == Kahan && op.remainder == Remainder && "
+        "op.stochastic == Stochastic && op.root == Eight && op.state_stochastic == Eight && "
+        "!op.maximize && !op.amsgrad;"),
+    # csrc/pointwise.h: Fixed's lists, and in_fixed_mode's choice (the first mode that
+    # fits, holds, and has the lists present, per-tensor lists and kMaybe aside)
+    "pointwise.h": (
+        "static constexpr unsigned kReads = Op::kReads & "
+        "(M::kLists | M::kMaybe | per_tensor_mask<Op>());",
+        "static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();",
+        "if constexpr (M::template fits<Ts...>()) { if (M::holds(op) && "
+        "(lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {",
+        "lists &= ~per_tensor_mask<Op>(); int bad = 0; "
+        "return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);"),
+    # the lists present: those given not empty
+    "cuda/multi_tensor_block.cuh": (
+        "for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;",),
+}
+# csrc/cuda/multi_tensor_apply.cuh: the CUDA engine launches Fixed kernels...
+CUDA_LAUNCHES_FIXED = ("in_fixed_mode<Ts...>(op, present_lists(lists),",
+                       "pointwise_kernel<F, Ts...><<<")
+# ... or (before 2026-11-28) the generic kernel only
+CUDA_LAUNCHES_GENERIC = "pointwise_kernel<Op, Ts...><<<"
+
+
+def source_text(path: Path) -> str:
+    """A C++ file without its comments, whitespace runs made one space."""
+    text = re.sub(r"//[^\n]*", "", path.read_text())
+    return " ".join(text.split())
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_modes(repo: Path = REPO) -> Dict[str, Dict]:
+    """{functor: {'modes': its FixedModes in order, 'maybe': Mode::kMaybe}} for the
+    functors the CUDA engine launches as Fixed<Op, Mode> in their fixed modes
+    (csrc/pointwise.h, in_fixed_mode); {} when it launches the generic kernel only."""
+    launch = source_text(repo / "csrc/cuda/multi_tensor_apply.cuh")
+    if not all(text in launch for text in CUDA_LAUNCHES_FIXED):
+        if CUDA_LAUNCHES_GENERIC in launch:
+            return {}
+        raise ValueError("csrc/cuda/multi_tensor_apply.cuh: neither the generic launch nor "
+                         "in_fixed_mode's: update sass_per_element.CUDA_LAUNCHES_FIXED")
+    for header, texts in FIXED_SOURCE.items():
+        code = source_text(repo / "csrc" / header)
+        for text in texts:
+            if text not in code:
+                raise ValueError(f"csrc/{header} no longer has {text!r}: update "
+                                 "sass_per_element's fixed modes (FIXED_SOURCE)")
+    out = {}
+    for header in ("pointwise.h", "pointwise_adam.h", "pointwise_optimizers.h"):
+        for name, body in struct_bodies((repo / "csrc" / header).read_text()).items():
+            found = re.search(r"using FixedModes\s*=\s*TypeList<(.*?)>;", body, re.S)
+            if not found:
+                continue
+            if name != "AdamOp":
+                raise ValueError(f"{name} declares FixedModes: only AdamOp::Mode is known "
+                                 "to sass_per_element (FIXED_SOURCE)")
+            modes = [FixedMode(*(v.strip() == "true" for v in args.split(",")))
+                     for args in re.findall(r"Mode<([\w, ]+)>", found.group(1))]
+            maybe = re.search(r"static constexpr unsigned kMaybe = 1u << (\d+);", body)
+            if not modes or not maybe:
+                raise ValueError(f"{name}: its FixedModes or Mode::kMaybe not understood")
+            out[name] = dict(modes=modes, maybe=1 << int(maybe.group(1)))
+    return out
+
+
+def fixed_lists(m: FixedMode, c: Dict) -> int:
+    """Mode::kLists: params, grads and the moments, the model copy with Model, the comps
+    with Kahan or Remainder, the block scales with Eight."""
+    return (0b1111 | (1 << c["kModelList"] if m.model else 0)
+            | (1 << c["kCompList"] if m.kahan or m.remainder else 0)
+            | (0b11 << c["kScaleList"] if m.eight else 0))
+
+
+def fixed_fits(m: FixedMode, types: List[str], c: Dict) -> bool:
+    """Mode::fits<Ts...>(), on the demangled storage types (int16_t is short)."""
+    param, state, comp = types[0], types[2], types[c["kCompList"]]
+    return ((not m.model or param == "float") and (not m.stochastic or param == "BFloat16")
+            and m.remainder == (comp == "short") and m.eight == (state == "E4m3"))
+
+
+def fixed_holds(m: FixedMode, flags: Dict) -> bool:
+    """Mode::holds(op), on the functor fields a mode sets (the others false)."""
+    def on(name):
+        return bool(flags.get(name, False))
+    return (on("kahan") == m.kahan and on("remainder") == m.remainder
+            and on("stochastic") == m.stochastic and on("root") == m.eight
+            and on("state_stochastic") == m.eight and not on("maximize")
+            and not on("amsgrad"))
+
+
+def launched_mode(op: str, types: List[str], mode: Dict, layout: Dict,
+                  fixed: Dict[str, Dict]) -> Optional[FixedMode]:
+    """The fixed mode whose kernel the CUDA engine launches for `mode` on storage
+    `types` (in_fixed_mode: the first of Op::FixedModes that fits the types, holds the
+    flags and has exactly the lists present, per-tensor lists and kMaybe aside); None
+    when it launches the generic kernel."""
+    spec = fixed.get(op)
+    if spec is None:
+        return None
+    c = layout["constants"]
+    per_tensor = c.get("kPerTensor", 0)
+    present = sum(1 << k for k in mode["lists"]) & ~per_tensor
+    for m in spec["modes"]:
+        if (fixed_fits(m, types, c) and fixed_holds(m, mode["flags"])
+                and present & ~spec["maybe"] == fixed_lists(m, c) & ~per_tensor):
+            return m
+    return None
+
+
 # ------------------------------------------------------------------- the disassembly
 
 def find_cuobjdump() -> Optional[str]:
@@ -289,17 +444,29 @@ def demangle(names: List[str]) -> List[str]:
     return lines if proc.returncode == 0 and len(lines) == len(names) else names
 
 
-KERNEL = re.compile(r"pointwise_kernel<mixedprec::(\w+), (.*)>\(mixedprec::cuda::TensorListMeta")
+# pointwise_kernel<mixedprec::AdamOp, c10::BFloat16, ...>, or, for a functor in one of
+# its FixedModes, pointwise_kernel<mixedprec::Fixed<mixedprec::AdamOp,
+# mixedprec::AdamOp::Mode<false, false, false, true, true> >, c10::BFloat16, ...>
+KERNEL = re.compile(r"pointwise_kernel<mixedprec::(?:Fixed<mixedprec::(?P<fixed>\w+), "
+                    r"mixedprec::(?P=fixed)::Mode<(?P<mode>[\w, ]+)>\s*>|(?P<op>\w+)), "
+                    r"(?P<types>.*)>\(mixedprec::cuda::TensorListMeta")
 
 
-def kernel_signature(demangled: str) -> Optional[Tuple[str, List[str]]]:
-    """(functor, storage types) of a pointwise_kernel, None for other kernels."""
+def kernel_signature(demangled: str) -> Optional[Tuple[str, List[str], Optional[Tuple]]]:
+    """(functor, storage types, fixed mode) of a pointwise_kernel: the mode's template
+    arguments (a tuple of bools, FixedMode) for a Fixed<Op, Op::Mode<...>> kernel, None
+    for the generic one; None for other kernels."""
     found = KERNEL.search(demangled)
     if not found:
         return None
     types = [t.strip().replace("c10::", "").replace("mixedprec::", "")
-             for t in found.group(2).split(",")]
-    return found.group(1), types
+             for t in found.group("types").split(",")]
+    if found.group("fixed") is None:
+        return found.group("op"), types, None
+    flags = [v.strip() for v in found.group("mode").split(",")]
+    if len(flags) != len(FixedMode._fields) or not all(v in ("true", "false") for v in flags):
+        return None  # not a mode this script knows: analyse() reports it (unrecognised)
+    return found.group("fixed"), types, FixedMode(*(v == "true" for v in flags))
 
 
 STORAGE_BYTES = {"float": 4, "BFloat16": 2, "Half": 2, "E4m3": 1, "short": 2, "long": 8,
@@ -467,6 +634,7 @@ def bits_f64(u: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", u & 0xFFFFFFFFFFFFFFFF))[0]
 
 
+LOCAL_ADDRESS = re.compile(r"\[R1(?:\+(0x[0-9a-f]+))?\]$")
 REG = re.compile(r"^(?P<pre>[-~!]?)(?P<abs>\|?)(?P<name>U?R\d+|U?RZ|U?P\d|U?PT|SRZ|PR|UPR)"
                  r"(?P<suf>(?:\.[\w]+)*)\|?$")
 CONST = re.compile(r"^(?P<pre>-?)(?P<abs>\|?)c\[0x0\]\["
@@ -667,8 +835,8 @@ class Machine:
     def dests(ins: Ins) -> List[str]:
         """Registers an instruction may write (for the unknown case)."""
         out = []
-        nargs = {"STG": 0, "STS": 0, "BRA": 0, "BSSY": 0, "BSYNC": 0, "EXIT": 0, "CALL": 0,
-                 "RET": 0, "NOP": 0, "WARPSYNC": 0, "BAR": 0, "RED": 0, "BREAK": 0,
+        nargs = {"STG": 0, "STS": 0, "STL": 0, "BRA": 0, "BSSY": 0, "BSYNC": 0, "EXIT": 0,
+                 "CALL": 0, "RET": 0, "NOP": 0, "WARPSYNC": 0, "BAR": 0, "RED": 0, "BREAK": 0,
                  "FCHK": 1, "ENDCOLLECTIVE": 0, "YIELD": 0, "BPT": 0}
         n = nargs.get(ins.base, None)
         args = ins.args
@@ -821,9 +989,37 @@ class Machine:
             else:
                 fx, fy = bits_f32(x), bits_f32(y)
                 self.put(out, a[0], f32_bits(fx + fy if b == "FADD" else fx * fy))
+        elif b in ("STL", "LDL"):
+            self.local(st, ins, out)
         else:
             for name in self.dests(ins):
                 out[name] = None
+
+    def local(self, st: State, ins: Ins, out: Dict) -> None:
+        """Local memory (the stack: a kernel's spills), kept in the state as words named
+        by their offset from the stack pointer R1 (the ABI's, set once on entry); a
+        store elsewhere or of part of a word forgets all of it, such a load is unknown."""
+        load = ins.base == "LDL"
+        width = {"64": 8, "128": 16}
+        w = next((width[m] for m in ins.mods if m in width), 4)
+        found = LOCAL_ADDRESS.match(ins.args[1] if load else ins.args[0])
+        if any(m in ins.mods for m in ("U8", "S8", "U16", "S16")):
+            found = None
+        names = [ins.args[0] if load else ins.args[1]]
+        for _ in range(w // 4 - 1):
+            names.append(next_reg(names[-1]))
+        base = int(found.group(1) or "0", 16) if found else 0
+        slots = [f"local+{base + 4 * k:#x}" for k in range(len(names))]
+        if load:
+            for name, slot in zip(names, slots):
+                self.put(out, name, st.get(slot) if found else None)
+        elif found:
+            for name, slot in zip(names, slots):
+                out[slot] = 0 if name == "RZ" else st.get(name)
+        else:
+            for key in st:
+                if key.startswith("local+"):
+                    out[key] = None
 
     def address(self, st: State, text: str) -> Optional[int]:
         m = re.match(r"desc\[\w+\]\[(U?R\d+)(?:\.64)?(?:\+(0x[0-9a-f]+))?\]$", text)
@@ -1319,16 +1515,29 @@ SPECIALS = {"SR_TID.X": 0, "SR_TID.Y": 0, "SR_TID.Z": 0, "SR_CTAID.X": 0, "SR_CT
 
 def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
                    layouts: Dict[str, Dict], constants: Dict[str, int],
-                   with_modes: bool = True, repo: Path = REPO) -> Dict:
-    """The record of one kernel: its op and storage types, its main loop (None when none
-    was found) with the static counts, and per mode the path's counts per element, the
-    mode's bytes per element, budgets and ratios."""
+                   with_modes: bool = True, repo: Path = REPO,
+                   fixed: Optional[Dict[str, Dict]] = None,
+                   present: Optional[set] = None) -> Dict:
+    """The record of one kernel: its op, storage types and fixed mode (None: the generic
+    kernel), its main loop (None when none was found) with the static counts, and per
+    mode the path's counts per element, the mode's bytes per element, budgets and
+    ratios. `modes`: the modes the CUDA engine launches this kernel for (`fixed`, from
+    fixed_modes: a generic kernel's modes that are in one of its functor's fixed modes
+    run on that mode's Fixed kernel, `present` the (op, types, mode) of the Fixed
+    kernels in the listing). `not_launched`: a generic kernel's modes that run on a
+    Fixed kernel, analysed on it anyway (for comparison; the gate checks their paths
+    are feasible, not their ratios). A mode whose Fixed kernel is not in the listing
+    is analysed on the generic kernel, marked `missing_fixed` (a gate failure)."""
     sig = kernel_signature(demangled)
     record = dict(name=mangled, demangled=demangled, instructions=len(body))
     if sig is None:
         return record
-    op, types = sig
-    record.update(op=op, types=types)
+    op, types, fixed_mode = sig
+    fixed = {} if fixed is None else fixed
+    present = set() if present is None else present
+    record.update(op=op, types=types,
+                  fixed=None if fixed_mode is None else fixed_mode.label(),
+                  kernel=kernel_name(op, fixed_mode))
     blocked = "E4m3" in types
     elements = constants["blocked_elements" if blocked else "pointwise_elements"]
     record["path_kind"] = "apply_blocks (8-bit lists)" if blocked else "apply_chunk vectors"
@@ -1349,24 +1558,47 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
                           inner_loops=loop["inner_loops"])
     record["static_per_element"] = len(ins) / elements
     layout = layouts.get(op)
-    record["modes"] = []
+    record["modes"], record["not_launched"] = [], []
     if layout is None:
         return record
     c = layout["constants"]
     # apply_chunk loads every list it reads once per vector: the loop's load bytes are
-    # its elements' bytes of those lists (the elements per iteration, seen in the SASS)
+    # its elements' bytes of those lists (the elements per iteration, seen in the SASS);
+    # a Fixed kernel reads only its mode's lists (Fixed::kReads, csrc/pointwise.h)
+    reads = c["kReads"]
+    if fixed_mode is not None:
+        if op not in fixed or fixed_mode not in fixed[op]["modes"]:
+            record["unknown_fixed"] = True  # not one of the source's FixedModes
+            return record
+        reads &= (fixed_lists(fixed_mode, c) | fixed[op]["maybe"] | c.get("kPerTensor", 0))
     read_bytes = sum(STORAGE_BYTES[types[k]] for k in range(c["kDepth"])
-                     if c["kReads"] >> k & 1 and not c.get("kPerTensor", 0) >> k & 1)
+                     if reads >> k & 1 and not c.get("kPerTensor", 0) >> k & 1)
     record["expected_load_bytes"] = None if blocked else elements * read_bytes
+    # the functor's layout is the kernel's: it reads its skip pointer where the layout
+    # puts it (Fixed<Op, M> adds no data member to Op)
+    where = build_params(op, types, layout, dict(lists=[], flags={}), repo)[2]
+    record["layout_ok"] = any(f"c[0x0][{where['skip_offset']:#x}]" in text
+                              for _, text in body)
     if not with_modes:
         return record
     for mode in modes_of(op, types, layout):
-        params, memory, where = build_params(op, types, layout, mode, repo)
-        record["layout_ok"] = any(f"c[0x0][{where['skip_offset']:#x}]" in text
-                                  for _, text in body)
+        runs = launched_mode(op, types, mode, layout, fixed)
+        missing = runs is not None and (op, tuple(types), runs) not in present
+        if fixed_mode is not None:
+            if runs != fixed_mode:
+                continue  # the Fixed kernel of another mode, or the generic one
+            where_to = record["modes"]
+        elif runs is None or missing:
+            where_to = record["modes"]
+        else:
+            where_to = record["not_launched"]
+        params, memory, _ = build_params(op, types, layout, mode, repo)
         path = analyse_mode(cfg, loop, Machine(params, memory, SPECIALS))
         nbytes = mode_bytes(op, types, layout, mode["lists"])
-        entry = dict(mode=mode["name"], lists=mode["lists"], bytes_per_element=nbytes)
+        entry = dict(mode=mode["name"], lists=mode["lists"], bytes_per_element=nbytes,
+                     kernel=record["kernel"])
+        if runs is not None and fixed_mode is None:
+            entry["runs_on" if not missing else "missing_fixed"] = kernel_name(op, runs)
         if path["instructions"] is None:
             entry.update(per_element=None)
         else:
@@ -1380,8 +1612,13 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
             for device in DEVICES:
                 entry[f"budget_{device}"] = budget(nbytes, device)
                 entry[f"ratio_{device}"] = entry["per_element"] / entry[f"budget_{device}"]
-        record["modes"].append(entry)
+        where_to.append(entry)
     return record
+
+
+def kernel_name(op: str, fixed_mode: Optional[FixedMode]) -> str:
+    """'AdamOp' for a generic kernel, 'Fixed<AdamOp,Mode<0,0,0,1,1>>' for a Fixed one."""
+    return op if fixed_mode is None else f"Fixed<{op},{fixed_mode.label()}>"
 
 
 def load_bytes(ins: Ins) -> int:
@@ -1394,18 +1631,27 @@ def load_bytes(ins: Ins) -> int:
 
 def analyse(listing: str, repo: Path = REPO, with_modes: bool = True,
             only=None) -> List[Dict]:
+    """The records of the listing's pointwise_kernels (analyse_kernel), generic and
+    Fixed, in listing order; a pointwise_kernel whose name is not understood gets a
+    record of its names with `unrecognised` (a gate failure), not silence."""
     functions = split_functions(listing)
     names = demangle([n for n, _ in functions])
     layouts = functors(repo)
     constants = engine_constants(repo)
+    fixed = fixed_modes(repo)
+    signatures = [kernel_signature(readable) for readable in names]
+    present = {(sig[0], tuple(sig[1]), sig[2]) for sig in signatures
+               if sig is not None and sig[2] is not None}
     out = []
-    for (mangled, body), readable in zip(functions, names):
+    for (mangled, body), readable, sig in zip(functions, names, signatures):
         if only is not None and not only(readable):
             continue
-        if kernel_signature(readable) is None:
+        if sig is None:
+            if "pointwise_kernel<" in readable:
+                out.append(dict(name=mangled, demangled=readable, unrecognised=True))
             continue
         out.append(analyse_kernel(mangled, readable, body, layouts, constants, with_modes,
-                                  repo))
+                                  repo, fixed, present))
     return out
 
 
@@ -1416,31 +1662,47 @@ def short_types(types: List[str]) -> str:
 
 
 def table(records: List[Dict]) -> str:
-    """One line per kernel instantiation and mode."""
-    lines = [f"{'op':<13} {'storage':<50} {'mode':<26} {'static':>6} {'path':>6} "
-             f"{'mem':>5} {'philox':>6} {'B':>6} {'H200':>6} {'ratio':>5} {'H100':>5}"]
+    """One line per kernel instantiation and mode: the kernel (the generic one, or a
+    Fixed one's mode) and, for a generic kernel's modes that run on a Fixed kernel
+    (`not_launched`), which one; a Fixed kernel of no mode the script follows has its
+    static count only."""
+    lines = [f"{'op':<13} {'kernel':<21} {'storage':<50} {'mode':<26} {'static':>6} "
+             f"{'path':>6} {'mem':>5} {'philox':>6} {'B':>6} {'H200':>6} {'ratio':>5} "
+             f"{'H100':>5}"]
     for r in records:
+        if r.get("unrecognised"):
+            lines.append(f"UNRECOGNISED pointwise_kernel: {r['demangled']}")
+            continue
         if "op" not in r:
             continue
+        kernel = f"Fixed {r['fixed']}" if r["fixed"] else "generic"
+        where = f"{r['op']:<13} {kernel:<21} {short_types(r['types']):<50}"
         if r.get("loop") is None:
-            lines.append(f"{r['op']:<13} {short_types(r['types']):<50} NO MAIN LOOP FOUND")
+            lines.append(f"{where} NO MAIN LOOP FOUND")
             continue
-        for m in r["modes"] or [dict(mode="-", per_element=None)]:
-            head = f"{r['op']:<13} {short_types(r['types']):<50} {m['mode']:<26} " \
-                   f"{r['static_per_element']:6.1f}"
+        entries = r["modes"] + r.get("not_launched", [])
+        none = dict(mode="(no mode followed)" if r["fixed"] else "-", per_element=None)
+        for m in entries or [none]:
+            head = f"{where} {m['mode']:<26} {r['static_per_element']:6.1f}"
             if m.get("per_element") is None:
-                lines.append(f"{head}   (no feasible iteration)")
+                lines.append(head + ("" if m is none else "   (no feasible iteration)"))
                 continue
+            note = ""
+            if "runs_on" in m:
+                note = f"  (not launched: runs on {m['runs_on']})"
+            elif "missing_fixed" in m:
+                note = f"  (launched as {m['missing_fixed']}: NOT IN THE LISTING)"
             lines.append(f"{head} {m['per_element']:6.1f} {m['memory_per_element']:5.2f} "
                          f"{m['philox_per_element']:6.2f} {m['bytes_per_element']:6.2f} "
                          f"{m['budget_H200']:6.1f} {m['ratio_H200']:5.2f} "
-                         f"{m['ratio_H100']:5.2f}")
+                         f"{m['ratio_H100']:5.2f}{note}")
     return "\n".join(lines)
 
 
 def summary(records: List[Dict]) -> List[Dict]:
-    """The modes grouped over the storage types of their kernels (op, mode): how many
-    kernels, and the range of each figure; worst ratio first."""
+    """The modes grouped over the storage types of their kernels (op, mode), on the
+    kernels the engine launches for them: how many kernels (`fixed` of them Fixed
+    kernels), and the range of each figure; worst ratio first."""
     groups: Dict[Tuple[str, str], List[Tuple[Dict, Dict]]] = {}
     for r in records:
         for m in r.get("modes", []):
@@ -1452,6 +1714,7 @@ def summary(records: List[Dict]) -> List[Dict]:
             values = [(m if source == "mode" else r)[key] for r, m in members]
             return min(values), max(values)
         rows.append(dict(op=op, mode=mode, kernels=len(members),
+                         fixed=sum(1 for r, _ in members if r.get("fixed")),
                          static=span("static_per_element", "record"),
                          per_element=span("per_element"), memory=span("memory_per_element"),
                          philox=span("philox_per_element"), bytes=span("bytes_per_element"),
@@ -1465,10 +1728,12 @@ def summary_table(rows: List[Dict]) -> str:
         lo, hi = pair
         return f"{lo:.{digits}f}" if round(lo, digits) == round(hi, digits) else \
             f"{lo:.{digits}f}-{hi:.{digits}f}"
-    lines = [f"{'op':<13} {'mode':<26} {'n':>2} {'static':>11} {'path':>11} {'mem':>9} "
-             f"{'philox':>9} {'B':>13} {'H200 ratio':>11} {'H100 ratio':>11}"]
+    lines = [f"{'op':<13} {'mode':<26} {'kernel':<7} {'n':>2} {'static':>11} {'path':>11} "
+             f"{'mem':>9} {'philox':>9} {'B':>13} {'H200 ratio':>11} {'H100 ratio':>11}"]
     for row in rows:
-        lines.append(f"{row['op']:<13} {row['mode']:<26} {row['kernels']:>2} "
+        kernel = ("Fixed" if row["fixed"] == row["kernels"] else
+                  "generic" if not row["fixed"] else f"{row['fixed']} Fixed")
+        lines.append(f"{row['op']:<13} {row['mode']:<26} {kernel:<7} {row['kernels']:>2} "
                      f"{fmt(row['static'], 0):>11} {fmt(row['per_element'], 0):>11} "
                      f"{fmt(row['memory'], 2):>9} {fmt(row['philox'], 1):>9} "
                      f"{fmt(row['bytes'], 3):>13} {fmt(row['ratio_H200'], 2):>11} "
@@ -1477,27 +1742,45 @@ def summary_table(rows: List[Dict]) -> str:
 
 
 def violations(records: List[Dict], fraction: float = GATE_FRACTION) -> List[str]:
-    """What the gate refuses: a kernel without a main loop or a mode without a feasible
-    iteration, and every mode whose path per element is over `fraction` of its H200
-    budget."""
+    """What the gate refuses: a pointwise_kernel whose name is not understood, or a Fixed
+    one whose mode is not among its functor's FixedModes; a kernel without a main loop
+    or without a mode analysed (a Fixed kernel of a mode the script does not follow
+    aside); a mode without a feasible iteration (also on a generic kernel it does not
+    run on); a mode whose Fixed kernel is not in the listing; and every mode whose path
+    per element, on the kernel it runs on, is over `fraction` of its H200 budget."""
     out = []
     for r in records:
+        if r.get("unrecognised"):
+            out.append(f"unrecognised pointwise_kernel: {r['demangled']}")
+            continue
         if "op" not in r:
             continue
-        label = f"{r['op']}<{short_types(r['types'])}>"
+        label = kernel_label(r)
         if r.get("loop") is None:
             out.append(f"{label}: no main loop found")
             continue
-        if not r.get("modes"):
+        if r.get("unknown_fixed"):
+            out.append(f"{label}: not one of {r['op']}'s FixedModes in the source")
+            continue
+        if not r.get("modes") and not r.get("not_launched") and not r.get("fixed"):
             out.append(f"{label}: no mode analysed")
-        for m in r.get("modes", []):
+        for m in r.get("modes", []) + r.get("not_launched", []):
             if m.get("per_element") is None:
                 out.append(f"{label} [{m['mode']}]: no feasible iteration")
-            elif m["ratio_H200"] > fraction:
+        for m in r.get("modes", []):
+            if "missing_fixed" in m:
+                out.append(f"{label} [{m['mode']}]: the engine launches "
+                           f"{m['missing_fixed']}, which is not in the listing")
+            if m.get("per_element") is not None and m["ratio_H200"] > fraction:
                 out.append(f"{label} [{m['mode']}]: {m['per_element']:.1f} instructions per "
                            f"element, {m['ratio_H200']:.2f} of the H200 budget "
                            f"({m['budget_H200']:.1f} for {m['bytes_per_element']:g} B)")
     return out
+
+
+def kernel_label(r: Dict) -> str:
+    """'AdamOp<bf16,...>', or 'Fixed<AdamOp,Mode<0,0,0,1,1>><bf16,...>'."""
+    return f"{r['kernel']}<{short_types(r['types'])}>"
 
 
 def default_so() -> Optional[str]:
@@ -1539,8 +1822,10 @@ def main(argv: List[str]) -> int:
               f"{DEVICES[device]['copy_bytes_per_s'] / 1e9:.0f} GB/s")
     print(table(records) if args.kernels else summary_table(summary(records)))
     found = violations(records)
-    print(f"{len(records)} multi-tensor kernels; the gate (path <= {GATE_FRACTION} of the "
-          f"H200 budget): " + (f"{len(found)} findings" if found else "passes"))
+    fixed = sum(1 for r in records if r.get("fixed"))
+    print(f"{len(records)} multi-tensor kernels ({fixed} of them Fixed<Op, Mode> kernels, "
+          f"in whose modes the generic ones do not run); the gate (path <= {GATE_FRACTION} "
+          f"of the H200 budget): " + (f"{len(found)} findings" if found else "passes"))
     for line in found if args.kernels else []:
         print(f"  {line}")
     return 0

@@ -82,25 +82,6 @@ inline bool present(const T* p) {
   return ((KnownPresent<Op>::value >> K) & 1u) != 0 || p != nullptr;
 }
 
-// Op in mode M, one of Op::FixedModes (pointwise.h): M's flags are constants in
-// apply, so that the compiler drops what the other modes do; the vector passes
-// neither load nor store the lists outside M::kLists and M::kMaybe, nor test those
-// in M::kLists for null.
-template <typename Op, typename M>
-struct Fixed : Op {
-  static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
-  static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
-  static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
-  static constexpr bool kWideRounding = M::kWideRounding;
-  explicit Fixed(const Op& op) : Op(op) {}
-  template <typename V>
-  auto apply(V* x, int64_t index) const {
-    Op op = *this;
-    M::fix(op);
-    return op.apply(x, index);
-  }
-};
-
 // Op::kWideRounding (a Fixed's, from its mode), or false: whether the AVX2 pass takes
 // 32 lanes a step (avx2x4, vec_pair.h) rather than 16. Stochastic rounding's Philox
 // chain is latency-bound: one call for 32 elements (4 blocks, two interleaved chains)
@@ -113,43 +94,13 @@ struct WideRounding<Op, std::void_t<decltype(Op::kWideRounding)>>
 template <typename Op>
 constexpr bool kWideRounding = WideRounding<Op>::value;
 
-// Whether Op declares FixedModes.
-template <typename Op, typename = void>
-struct HasFixedModes : std::false_type {};
-template <typename Op>
-struct HasFixedModes<Op, std::void_t<typename Op::FixedModes>> : std::true_type {};
-
-// bad = f(Fixed<Op, M>(op)) when storage Ts fit mode M, op holds it and the lists
-// present (mask `lists`) are M's, M::kMaybe aside; whether it did.
-template <typename M, typename... Ts, typename Op, typename F>
-bool try_mode(const Op& op, unsigned lists, F& f, int& bad) {
-  if constexpr (M::template fits<Ts...>()) {
-    if (M::holds(op) && (lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {
-      bad = f(Fixed<Op, M>(op));
-      return true;
-    }
-  }
-  return false;
-}
-
-template <typename... Ts, typename Op, typename F, typename... M>
-int first_mode(const Op& op, void* const* data, F& f, TypeList<M...>) {
-  unsigned lists = 0;
-  for (int k = 0; k < Op::kDepth; ++k) lists |= data[k] != nullptr ? 1u << k : 0u;
-  lists &= ~per_tensor_mask<Op>();
-  int bad = 0;
-  return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);
-}
-
-// f(op) as a Fixed in the first of Op's FixedModes that it is in (lists and storage
-// included), else f(op): one loop per common mode, without the tests of the others.
+// f(op) as a Fixed in the first of Op's FixedModes that it is in (pointwise.h), the
+// lists present read from the chunk's pointers.
 template <typename... Ts, typename Op, typename F>
 int in_fixed_mode(const Op& op, void* const* data, F&& f) {
-  if constexpr (HasFixedModes<Op>::value) {
-    return first_mode<Ts...>(op, data, f, typename Op::FixedModes{});
-  } else {
-    return f(op);
-  }
+  unsigned lists = 0;
+  for (int k = 0; k < Op::kDepth; ++k) lists |= data[k] != nullptr ? 1u << k : 0u;
+  return mixedprec::in_fixed_mode<Ts...>(op, lists, f);
 }
 
 // The type the vector passes take list K as: its storage, or float for a per-tensor

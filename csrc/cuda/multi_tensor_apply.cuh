@@ -14,8 +14,17 @@
 
 namespace mixedprec::cuda {
 
+// Op::kMinBlocks (a Fixed functor's, from its mode: pointwise_adam.h), else 0: the
+// blocks of kBlockSize threads per SM that ptxas must make room for (2: at most 64
+// registers a thread); 0 leaves the registers to ptxas.
+template <typename Op, typename = void>
+struct MinBlocks : std::integral_constant<int, 0> {};
+template <typename Op>
+struct MinBlocks<Op, std::void_t<decltype(Op::kMinBlocks)>>
+    : std::integral_constant<int, Op::kMinBlocks> {};
+
 template <typename Op, typename... Ts>
-__global__ void __launch_bounds__(kBlockSize)
+__global__ void __launch_bounds__(kBlockSize, MinBlocks<Op>::value)
     pointwise_kernel(const __grid_constant__ TensorListMeta<sizeof...(Ts)> meta, Op op,
                      const float* skip, float* found_inf) {
   pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
@@ -45,10 +54,16 @@ struct CudaEngine {
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
-      const auto grid = static_cast<unsigned>(grid_blocks<kBlocksPerChunk>(num_blocks));
-      pointwise_kernel<Op, Ts...><<<grid, kBlockSize, 0, stream>>>(meta, op, skip, found_inf);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // A functor in one of its FixedModes runs as Fixed<Op, M> (pointwise.h): a kernel
+    // per mode, without the registers and instructions of the lists and flags it lacks.
+    in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& fixed) {
+      using F = std::decay_t<decltype(fixed)>;
+      for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
+        const auto grid = static_cast<unsigned>(grid_blocks<kBlocksPerChunk>(num_blocks));
+        pointwise_kernel<F, Ts...><<<grid, kBlockSize, 0, stream>>>(meta, fixed, skip, found_inf);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      return 0;
     });
   }
 

@@ -15,7 +15,8 @@
 // Skipping on overflow reads the flag on the device.
 //
 // The tuning constants below were measured on an H100 (bench/README.md); each can be
-// overridden at compile time (-DMIXEDPREC_UNROLL=1 ...) to measure another choice.
+// overridden at compile time (-DMIXEDPREC_UNROLL=1, MIXEDPREC_BLOCKS_PER_CHUNK,
+// MIXEDPREC_BLOCK_SIZE) to measure another choice.
 #pragma once
 
 #include <cstdint>
@@ -58,7 +59,12 @@ inline void (*g_trace)(int list, int lane, const void* address, int bytes, bool 
 #define MIXEDPREC_BLOCKS_PER_CHUNK 4
 #endif
 
-constexpr int kBlockSize = 512;
+#ifndef MIXEDPREC_BLOCK_SIZE
+#define MIXEDPREC_BLOCK_SIZE 512
+#endif
+
+// Threads per block (a multiple of the warp's 32).
+constexpr int kBlockSize = MIXEDPREC_BLOCK_SIZE;
 constexpr int kWarpSize = 32;
 constexpr int kILP = 4;  // elements per vector access
 // Vector accesses per thread issued before any is used: more bytes in flight.
@@ -105,6 +111,14 @@ void for_each_launch(const Lists<D>& lists, LaunchFn&& launch) {
     launch(meta, num_blocks, first_block);
     first_block += num_blocks;
   }
+}
+
+// The mask of the lists given (not empty): which a FixedMode's must match.
+template <size_t D>
+unsigned present_lists(const std::array<std::vector<at::Tensor>, D>& lists) {
+  unsigned mask = 0;
+  for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;
+  return mask;
 }
 
 // The part of a chunk a block owns: its tensor slot, first element and length.

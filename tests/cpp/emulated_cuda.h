@@ -36,17 +36,23 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
-    for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
-      ++g_launches;
-      blockDim.x = kBlockSize;
-      for (int64_t b = 0; b < grid_blocks<kBlocksPerChunk>(num_blocks); ++b) {
-        blockIdx.x = static_cast<unsigned>(b);
-        constexpr int kThreadsPerCall = (kBlocked<Ts> || ...) ? kWarpSize : 1;
-        for (int t = 0; t < kBlockSize; t += kThreadsPerCall) {
-          threadIdx.x = static_cast<unsigned>(t);
-          pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
+    // (the modes as CudaEngine::run picks them: a Fixed<Op, M> where one holds)
+    mixedprec::in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& fixed) {
+      using F = std::decay_t<decltype(fixed)>;
+      for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
+        ++g_launches;
+        blockDim.x = kBlockSize;
+        for (int64_t b = 0; b < grid_blocks<kBlocksPerChunk>(num_blocks); ++b) {
+          blockIdx.x = static_cast<unsigned>(b);
+          constexpr int kThreadsPerCall = (kBlocked<Ts> || ...) ? kWarpSize : 1;
+          for (int t = 0; t < kBlockSize; t += kThreadsPerCall) {
+            threadIdx.x = static_cast<unsigned>(t);
+            pointwise_block<F, Ts...>(meta, fixed, skip, found_inf,
+                                      std::index_sequence_for<Ts...>{});
+          }
         }
-      }
+      });
+      return 0;
     });
   }
 };
