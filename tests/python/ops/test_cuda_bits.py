@@ -97,6 +97,42 @@ def test_the_cuda_build_contracts_no_multiply_add(tmp_path):
     assert len([name for name in contracted if "probe" in name]) >= 5, contracted
 
 
+# A host function called from device code: nvcc warns and compiles the caller's path
+# away (the H200 run of 2026-11-28 met its first kernels per mode as an empty EXIT,
+# because AdamOp::Mode::fix was host-only). With the extension's flags it is an error.
+HOST_CALL = r"""
+struct Mode {
+  static void fix(float& x) { x = 1.f; }  // host only
+};
+template <class M>
+__host__ __device__ __forceinline__ float fixed(float x) {
+  M::fix(x);
+  return x;
+}
+__global__ void kernel(float* out) { out[threadIdx.x] = fixed<Mode>(out[threadIdx.x]); }
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(NVCC), reason="nvcc is not installed")
+def test_the_cuda_build_refuses_host_code_called_from_device_code(tmp_path):
+    source = tmp_path / "host_call.cu"
+    source.write_text(HOST_CALL)
+
+    def compile_with(flags):
+        cmd = [NVCC, "-ptx", "-arch=sm_90", "-std=c++17", *flags, str(source), "-o",
+               str(tmp_path / "host_call.ptx")]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    flags = [f for f in nvcc_flags() if f not in ("--resource-usage", "-lineinfo")]
+    refused = compile_with(flags)
+    assert refused.returncode != 0 and "calling a __host__ function" in refused.stderr
+    # (without the flag: a warning, and a kernel that stores nothing)
+    plain = compile_with([f for f in flags if not f.startswith("--diag-error")])
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert "calling a __host__ function" in plain.stderr
+    assert "st.global" not in (tmp_path / "host_call.ptx").read_text()
+
+
 # --- on a GPU: the same steps on both devices ------------------------------------------
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -105,12 +141,19 @@ MODES = [(master, state_dtype) for master in ("fp32", "none", "kahan", "stochast
 SHAPES = ((64, 64), (37,), (5, 3))
 
 
-def twins(dtype):
+def twins(dtype, devices=("cpu", "cuda")):
     gen = torch.Generator().manual_seed(0)
     values = [torch.randn(shape, generator=gen).to(dtype) for shape in SHAPES]
     # (a copy per device: v.to("cpu") would be v itself, and its twin then a non-leaf)
-    return [[v.to(device, copy=True).requires_grad_() for v in values]
-            for device in ("cpu", "cuda")]
+    return [[v.to(device, copy=True).requires_grad_() for v in values] for device in devices]
+
+
+def test_the_twins_are_leaves_an_optimizer_takes():
+    """(On the CPU, with "meta" for the GPU: the H200 run of 2026-11-28 found the CUDA
+    twins non-leaf tensors, which every optimizer refuses.)"""
+    for params in twins(BF16, ("cpu", "meta")):
+        assert all(p.is_leaf and p.requires_grad for p in params)
+        optim.AdamW(params)
 
 
 def feed(both, step):
