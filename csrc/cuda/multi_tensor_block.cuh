@@ -15,8 +15,7 @@
 // Skipping on overflow reads the flag on the device.
 //
 // The tuning constants below were measured on an H100 (bench/README.md); each can be
-// overridden at compile time (-DMIXEDPREC_UNROLL=1, MIXEDPREC_BLOCKS_PER_CHUNK,
-// MIXEDPREC_BLOCK_SIZE) to measure another choice.
+// overridden at compile time (-DMIXEDPREC_UNROLL=1 ...) to measure another choice.
 #pragma once
 
 #include <cstdint>
@@ -59,12 +58,7 @@ inline void (*g_trace)(int list, int lane, const void* address, int bytes, bool 
 #define MIXEDPREC_BLOCKS_PER_CHUNK 4
 #endif
 
-#ifndef MIXEDPREC_BLOCK_SIZE
-#define MIXEDPREC_BLOCK_SIZE 512
-#endif
-
-// Threads per block (a multiple of the warp's 32).
-constexpr int kBlockSize = MIXEDPREC_BLOCK_SIZE;
+constexpr int kBlockSize = 512;
 constexpr int kWarpSize = 32;
 constexpr int kILP = 4;  // elements per vector access
 // Vector accesses per thread issued before any is used: more bytes in flight.
