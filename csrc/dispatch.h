@@ -81,10 +81,18 @@ void run_check_finite(at::TensorList tensors, float* found_inf) {
   }
 }
 
+// Runs op on lists stored as Ts. A tallying functor (pointwise.h) learns here whether
+// its params (list 0) are bf16: its `rounds_bf16`.
 template <class Engine, typename Op, typename... Ts>
 void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
                const float* skip) {
-  Engine::template run<Op, Ts...>(lists, op, skip, nullptr);
+  if constexpr (Tallies<Op>::count > 0) {
+    Op typed = op;
+    typed.rounds_bf16 = std::is_same_v<std::tuple_element_t<0, std::tuple<Ts...>>, c10::BFloat16>;
+    Engine::template run<Op, Ts...>(lists, typed, skip, nullptr);
+  } else {
+    Engine::template run<Op, Ts...>(lists, op, skip, nullptr);
+  }
 }
 
 // Optimizers: params and grads in any float type; the state lists in fp32, or all
@@ -168,6 +176,21 @@ inline void check_stochastic(Checker& c, const char* op, at::TensorList params,
     TORCH_CHECK_TYPE(params[i].scalar_type() == at::kBFloat16, op,
                      ": sr_seed: stochastic rounding expected bfloat16 params, got ",
                      params[i].scalar_type(), " at params[", i, "]");
+  }
+}
+
+// The precision report's tallies (pointwise.h): none, or for each param one contiguous
+// float64 tensor of `words` elements, written; fp16 params without masters are refused
+// (the report knows the rounding of bf16 params, fp32 ones and masters only).
+inline void check_tallies(Checker& c, const char* op, const std::optional<at::TensorList>& tallies,
+                          int64_t words, at::TensorList params, at::TensorList model_params) {
+  if (!tallies.has_value()) return;
+  c.per_tensor(*tallies, "precision_tallies", params, "params", words, kF64, Access::kWrite);
+  for (size_t i = 0; model_params.empty() && i < params.size(); ++i) {
+    TORCH_CHECK_TYPE(params[i].scalar_type() != at::kHalf, op,
+                     ": precision_tallies: the precision report expected bfloat16 or float32 "
+                     "params (or fp32 masters with model_params), got float16 at params[",
+                     i, "]");
   }
 }
 

@@ -28,7 +28,7 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor[]? sr_salts=None, int? sr_seed=None, Tensor? step=None, "
       "bool maximize=False, Tensor? lr_tensor=None, bool unscale_grads=False, "
       "Tensor(f!)[]? remainders=None, Tensor(g!)[]? momentum_scales=None, "
-      "int? state_seed=None) -> ()");
+      "int? state_seed=None, Tensor(h!)[]? precision_tallies=None) -> ()");
   m.def(
       "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
@@ -39,7 +39,8 @@ TORCH_LIBRARY(mixedprec, m) {
       "Tensor[]? sr_salts=None, int? sr_seed=None, bool maximize=False, "
       "Tensor(h!)[]? max_exp_avg_sqs=None, bool unscale_grads=False, "
       "Tensor(i!)[]? remainders=None, Tensor(j!)[]? exp_avg_scales=None, "
-      "Tensor(k!)[]? exp_avg_sq_scales=None, int? state_seed=None) -> ()");
+      "Tensor(k!)[]? exp_avg_sq_scales=None, int? state_seed=None, "
+      "Tensor(l!)[]? precision_tallies=None) -> ()");
   m.def(
       "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, "
       "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "

@@ -20,6 +20,18 @@
 // element of tensor i (once per CPU chunk, once per CUDA block), with ptrs[k] the
 // address of tensor i's words for per-tensor list k (null when the list is absent).
 //
+// A functor may also declare `kTallyList` and `kTallies`: a per-tensor list stored as
+// float64 (x[k] reads 0 there) of kTallies + 1 sums per tensor that the call adds to,
+// such as AdamOp's precision report. The engines then call apply(x, index, tally), with
+// `tally` their running sums of apply's value type (zeroed per CPU pass and per CUDA
+// thread), or null when the list is absent; apply adds its element's kTallies values
+// to tally[0..kTallies-1] when it is not null. The engine adds the sums (fp32 within a
+// CPU pass or a CUDA thread, then float64) to the tensor's words 0..kTallies-1, and the
+// number of elements it applied op to to word kTallies: a CPU call's chunks in order,
+// a CUDA block's warps by atomicAdd. A skipped call tallies nothing. The CUDA engine
+// runs a tallying call in the functor's generic kernel, so that the kernels of its
+// FixedModes hold none of it; the CPU engine's Fixed passes tally.
+//
 // A functor that declares `kNeedsIndex = true` gets apply(x, index) instead, where
 // index is the element's position within its tensor (for a CPU vector, that of its
 // first lane, a multiple of the vector's width; lane j is index + j): stochastic
@@ -74,6 +86,18 @@ struct NeedsIndex {
 template <typename Op>
 struct NeedsIndex<Op, std::void_t<decltype(Op::kNeedsIndex)>> {
   static constexpr bool value = Op::kNeedsIndex;
+};
+
+// Op::kTallyList and Op::kTallies (see above), or -1 and 0 when Op does not tally.
+template <typename Op, typename = void>
+struct Tallies {
+  static constexpr int list = -1;
+  static constexpr int count = 0;
+};
+template <typename Op>
+struct Tallies<Op, std::void_t<decltype(Op::kTallyList)>> {
+  static constexpr int list = Op::kTallyList;
+  static constexpr int count = Op::kTallies;
 };
 
 // beta^step for the bias corrections, in double: the same bits on the CPU and on CUDA.
@@ -158,15 +182,28 @@ MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
   }
 }
 
+// op.apply on x with the engine's running sums `tally` (null: not tallying) where Op
+// tallies (see above); else as above, without them.
+template <typename Op, typename V>
+MP_HD auto apply_at(const Op& op, V* x, int64_t index, V* tally) {
+  if constexpr (Tallies<Op>::count > 0) {
+    return op.apply(x, index, tally);
+  } else {
+    (void)tally;
+    return apply_at(op, x, index);
+  }
+}
+
 // Whether list K of Op is a per-tensor list.
 template <typename Op, size_t K>
 constexpr bool kPerTensorList = ((per_tensor_mask<Op>() >> K) & 1u) != 0;
 
 // Whether list K of Op may be stored as T: any type for a list of elements, fp32 or
-// int64 for a per-tensor list (see above).
+// int64 for a per-tensor list, float64 for the tally list (see above).
 template <typename Op, size_t K, typename T>
 constexpr bool kPerTensorStorageOk =
-    !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value;
+    !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value ||
+    (static_cast<int>(K) == Tallies<Op>::list && std::is_same<T, double>::value);
 
 // Op in mode M, one of Op::FixedModes (see above): M's flags are constants in apply,
 // so that the compiler drops what the other modes do, and the engines neither load
@@ -188,7 +225,19 @@ struct Fixed : Op {
     M::fix(op);
     return op.apply(x, index);
   }
+  template <typename V>
+  MP_HD auto apply(V* x, int64_t index, V* tally) const {
+    Op op = *this;
+    M::fix(op);
+    return op.apply(x, index, tally);
+  }
 };
+
+// Whether Op is a Fixed<Op, M>.
+template <typename Op>
+struct IsFixed : std::false_type {};
+template <typename Op, typename M>
+struct IsFixed<Fixed<Op, M>> : std::true_type {};
 
 // Whether Op declares FixedModes.
 template <typename Op, typename = void>
@@ -296,6 +345,34 @@ struct RoundingWords {
 template <typename V>
 MP_HD V maximum(V a, V b) {
   return Lanes<V>::select(a != a, a, Lanes<V>::select(a >= b, a, b));
+}
+
+// The precision report, an option of SgdOp and AdamOp (their `report`: pointwise.h's
+// tallies, kTallies = 3): one element's part, added to tally[0..2]: 1 when its update
+// was lost (the value the next step reads back, `kept`, equals `start`, the value the
+// step started from, though the fp32 result p differs), the square of the lost part
+// (p - kept) and that of the applied part (kept - start). kept is p rounded to bf16
+// (`rounds`: bf16 params without remainders), the stochastically rounded param
+// (`stochastic`: `param`, as stored), the bf16 param plus its bf16 compensation
+// (`kahan`: the new compensation `comp`, rounded as stored), or p itself (fp32 params,
+// masters, remainders: nothing is lost).
+template <typename V>
+MP_HD void tally_update(V* tally, const V& start, const V& p, const V& param, const V& comp,
+                        bool stochastic, bool kahan, bool rounds) {
+  V kept = p;
+  if (stochastic) {
+    kept = param;
+  } else if (kahan) {
+    kept = Lanes<V>::round_bf16(p) + Lanes<V>::round_bf16(comp);
+  } else if (rounds) {
+    kept = Lanes<V>::round_bf16(p);
+  }
+  const V lost = p - kept, applied = kept - start;
+  const V zero = V{}, one = V{} + 1.f;  // (constants)
+  tally[0] =
+      tally[0] + Lanes<V>::select(applied == zero, Lanes<V>::select(lost != zero, one, zero), zero);
+  tally[1] = tally[1] + lost * lost;
+  tally[2] = tally[2] + applied * applied;
 }
 
 // Options shared by SgdOp and AdamOp, as torch.optim has them:

@@ -15,14 +15,20 @@ namespace mixedprec {
 // `root` (8-bit state, amsgrad refused), list 3 holds sqrt(exp_avg_sq): it is squared
 // when read (exactly: an e4m3 value times a power of two) and the new root, which the
 // denominator takes anyway, is what is stored.
+//
+// With `report`, the precision report (pointwise.h's tally_update), in the tally list.
 struct AdamOp {
   // params, grads, exp_avgs, exp_avg_sqs, model_params, comps (or remainders), salts (per
   // tensor), max_exp_avg_sqs, unscaled grads (the grads again, written), the block
-  // scales of 8-bit exp_avgs and exp_avg_sqs (the engines read and write them, lanes.h)
-  static constexpr int kDepth = 11;
-  static constexpr unsigned kReads = 0b00011101111;
-  static constexpr unsigned kWrites = 0b00110111101;
-  static constexpr unsigned kPerTensor = 0b00001000000;
+  // scales of 8-bit exp_avgs and exp_avg_sqs (the engines read and write them, lanes.h),
+  // the precision report's sums (float64, per tensor: lost count, lost and applied
+  // squares, and the engine's element count)
+  static constexpr int kDepth = 12;
+  static constexpr unsigned kReads = 0b100011101111;
+  static constexpr unsigned kWrites = 0b000110111101;
+  static constexpr unsigned kPerTensor = 0b100001000000;
+  static constexpr int kTallyList = 11;
+  static constexpr int kTallies = 3;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 4;
   static constexpr int kCompList = 5;
@@ -30,8 +36,8 @@ struct AdamOp {
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State,
             typename Comp = c10::BFloat16>
-  using Storage =
-      TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad, uint8_t, uint8_t>;
+  using Storage = TypeList<Param, Grad, State, State, Model, Comp, int64_t, State, Grad, uint8_t,
+                           uint8_t, double>;
 
   double lr, beta1, beta2, eps, weight_decay;
   bool decoupled_weight_decay, bias_correction;
@@ -42,6 +48,8 @@ struct AdamOp {
   bool stochastic = false;
   bool root = false;              // exp_avg_sqs hold the second moments' square roots (8-bit state)
   bool state_stochastic = false;  // 8-bit moments rounded stochastically (lanes.h)
+  bool report = false;            // the precision report (tally_update)
+  bool rounds_bf16 = false;       // the params are bf16 (set by run_types)
   uint64_t seed = 0, state_seed = 0;
   const float* step_ptr = nullptr;
   const float* inv_scale_ptr = nullptr;
@@ -129,10 +137,11 @@ struct AdamOp {
     state_key.seed = state_seed;
   }
   template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
+  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index, V* tally = nullptr) const {
     V p = x[0];
     if (kahan) p = p + x[5];
     if (remainder) p = Lanes<V>::join_bf16(x[0], x[5]);
+    const V start = p;
     V g = x[1] * inv_scale;
     x[8] = g;
     if (maximize) g = -g;
@@ -163,6 +172,9 @@ struct AdamOp {
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
     if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);
     if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
+    if (tally != nullptr && report) {
+      tally_update(tally, start, p, x[0], x[5], stochastic, kahan, rounds_bf16 && !remainder);
+    }
     return Lanes<V>::none();
   }
 };

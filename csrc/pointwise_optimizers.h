@@ -11,15 +11,19 @@ namespace mixedprec {
 
 // torch.optim.SGD on fp32 math, with the unscale of the gradient folded in.
 // wd_after_momentum (Apex's option) adds the weight decay to the step after the
-// momentum update instead of to the gradient before it.
+// momentum update instead of to the gradient before it. With `report`, the precision
+// report (pointwise.h's tally_update), in the tally list.
 struct SgdOp {
   // params, grads, momentum_buffers, model_params, comps (or remainders), salts (per
   // tensor), unscaled grads (the grads again, written), the momentum buffers' block
-  // scales (8-bit buffers: the engines read and write them, lanes.h)
-  static constexpr int kDepth = 8;
-  static constexpr unsigned kReads = 0b00110111;
-  static constexpr unsigned kWrites = 0b01011101;
-  static constexpr unsigned kPerTensor = 0b00100000;
+  // scales (8-bit buffers: the engines read and write them, lanes.h), the precision
+  // report's sums (per tensor, pointwise.h's tallies)
+  static constexpr int kDepth = 9;
+  static constexpr unsigned kReads = 0b100110111;
+  static constexpr unsigned kWrites = 0b001011101;
+  static constexpr unsigned kPerTensor = 0b100100000;
+  static constexpr int kTallyList = 8;
+  static constexpr int kTallies = 3;
   static constexpr bool kNeedsIndex = true;
   static constexpr int kModelList = 3;
   static constexpr int kCompList = 4;
@@ -27,7 +31,7 @@ struct SgdOp {
   static constexpr bool kLeanState = true;
   template <typename Param, typename Grad, typename Model, typename State,
             typename Comp = c10::BFloat16>
-  using Storage = TypeList<Param, Grad, State, Model, Comp, int64_t, Grad, uint8_t>;
+  using Storage = TypeList<Param, Grad, State, Model, Comp, int64_t, Grad, uint8_t, double>;
 
   float lr, momentum, weight_decay;
   float grad_weight;  // 1 - dampening, rounded from double as torch.optim does
@@ -38,6 +42,8 @@ struct SgdOp {
   bool remainder = false;
   bool stochastic = false;
   bool state_stochastic = false;  // 8-bit buffers rounded stochastically (lanes.h)
+  bool report = false;            // the precision report (tally_update)
+  bool rounds_bf16 = false;       // the params are bf16 (set by run_types)
   uint64_t seed = 0, state_seed = 0;
   const float* step_ptr = nullptr;  // read with stochastic or state_stochastic only
   const float* inv_scale_ptr = nullptr;
@@ -60,10 +66,11 @@ struct SgdOp {
     state_key.seed = state_seed;
   }
   template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index) const {
+  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index, V* tally = nullptr) const {
     V p = x[0];
     if (kahan) p = p + x[4];
     if (remainder) p = Lanes<V>::join_bf16(x[0], x[4]);
+    const V start = p;
     V g = x[1] * inv_scale;
     x[6] = g;
     if (maximize) g = -g;
@@ -80,6 +87,9 @@ struct SgdOp {
     if (kahan) x[4] = p - Lanes<V>::round_bf16(p);
     if (remainder) x[0] = Lanes<V>::split_bf16(p, x[4]);
     if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
+    if (tally != nullptr && report) {
+      tally_update(tally, start, p, x[0], x[4], stochastic, kahan, rounds_bf16 && !remainder);
+    }
     return Lanes<V>::none();
   }
 };

@@ -152,13 +152,13 @@ void Checker::same_dtypes(at::TensorList a, const char* a_name, at::TensorList b
 }
 
 void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
-                         int64_t words) {
+                         int64_t words, unsigned word_dtypes, Access access) {
   TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
                     " to hold one tensor for each of the ", of.size(), " tensors of ", of_name,
                     ", got ", l.size(), " tensors");
   for (size_t i = 0; i < l.size(); ++i) {
     const ArgName n{name, static_cast<int64_t>(i)};
-    check(l[i], n, words > 0 ? kI64 : kF32, Access::kRead);
+    check(l[i], n, words > 0 ? word_dtypes : kF32, access);
     if (words == 0) {
       TORCH_CHECK_VALUE(l[i].numel() == 1, op_, ": expected ", n,
                         " to have exactly one element, got ", l[i].numel());

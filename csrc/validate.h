@@ -68,9 +68,10 @@ class Checker {
   void same_dtypes(at::TensorList a, const char* a_name, at::TensorList b, const char* b_name);
   const char* op() const { return op_; }
   // A per-tensor list (pointwise.h), read: for each tensor of `of`, one float32
-  // tensor of one element, or with `words`, one contiguous int64 tensor of that many.
+  // tensor of one element, or with `words`, one contiguous tensor of that many
+  // (int64, or of `word_dtypes`; written with `access` kWrite).
   void per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
-                  int64_t words = 0);
+                  int64_t words = 0, unsigned word_dtypes = kI64, Access access = Access::kRead);
   void value(bool ok, const char* name, const char* expected, double got);
   // Last, before anything is written: no written argument shares a byte with another
   // argument (ValueError naming both). O(n log n) in the number of tensors.

@@ -43,26 +43,73 @@ constexpr bool streamed_list() {
   return (((Op::kReads | Op::kWrites) >> K) & 1u) && !kPerTensorList<Op, K>;
 }
 
+// The sum of a vector's lanes (the tallies' running sums, pointwise.h), in lane order.
+inline float lane_sum(const float& v) { return v; }
+template <typename V>
+inline float lane_sum(const V& v) {
+  float sum = 0.f;
+  for (size_t l = 0; l < sizeof(V) / sizeof(float); ++l) sum += v[l];
+  return sum;
+}
+template <typename H>
+inline float lane_sum(const Pair<H>& v) {
+  return lane_sum(v.a) + lane_sum(v.b);
+}
+
+// Where a pass keeps Op's running tallies (pointwise.h): `sums` when Op tallies (whether
+// it does is the functor's flag, set with the list given), else null.
+template <typename Op, typename V>
+inline V* tally_sums(V* sums) {
+  if constexpr (Tallies<Op>::count > 0) {
+    return sums;
+  } else {
+    (void)sums;
+    return nullptr;
+  }
+}
+
+// Adds a pass's tallies (sums, over `elements` elements) to its chunk's words, when
+// its tally list is given (data: the chunk's words, run_lists).
+template <typename Op, typename V>
+inline void add_tallies(void* const* data, const V* sums, int64_t elements) {
+  if constexpr (Tallies<Op>::count > 0) {
+    double* words = static_cast<double*>(data[Tallies<Op>::list]);
+    if (words == nullptr) return;
+    for (int t = 0; t < Tallies<Op>::count; ++t) words[t] += lane_sum(sums[t]);
+    words[Tallies<Op>::count] += static_cast<double>(elements);
+  } else {
+    (void)data;
+    (void)sums;
+    (void)elements;
+  }
+}
+
 // op over elements i..end-1 of the lists at p (list k stored as Ts[k]; null:
 // absent, read as zeros), one float at a time; 1 when op reported a non-finite input.
 template <typename Op, typename... Ts, size_t... K>
 __attribute__((noinline)) int elementwise(const Op& op, const std::tuple<Ts*...>& p, int64_t i,
                                           int64_t end, std::index_sequence<K...>) {
   constexpr int D = sizeof...(K);
-  static_assert((kPerTensorStorageOk<Op, K, Ts> && ...), "per-tensor lists are fp32 or int64");
+  static_assert((kPerTensorStorageOk<Op, K, Ts> && ...),
+                "per-tensor lists are fp32 or int64, tallies float64");
   const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(std::get<K>(p)) : 0.f)...};
+  void* const data[D] = {static_cast<void*>(std::get<K>(p))...};
+  float sums[Tallies<Op>::count + 1] = {};
+  float* const tally = tally_sums<Op>(sums);
+  const int64_t first = i;
   int any = 0;
   for (; i < end; ++i) {
     float x[D] = {(kPerTensorList<Op, K> ? per[K]
                    : loaded_list<Op, K>() && std::get<K>(p) != nullptr
                        ? static_cast<float>(std::get<K>(p)[i])
                        : 0.f)...};
-    any |= static_cast<int>(apply_at(op, x, i));
+    any |= static_cast<int>(apply_at(op, x, i, tally));
     ((((Op::kWrites >> K) & 1u) && std::get<K>(p) != nullptr
           ? (void)(std::get<K>(p)[i] = static_cast<Ts>(x[K]))
           : void()),
      ...);
   }
+  add_tallies<Op>(data, sums, end - first);
   return any;
 }
 
@@ -128,6 +175,8 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
     const Vec per[D] = {                                                                    \
         (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...}; \
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                     \
+    Vec sums[Tallies<Op>::count + 1] = {};                                                  \
+    Vec* const tally = tally_sums<Op>(sums);                                                \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
@@ -145,12 +194,13 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
                    : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                 \
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
-      bad |= apply_at(op, x, i);                                                            \
+      bad |= apply_at(op, x, i, tally);                                                     \
       ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
             ? NS::store(std::get<K>(v) + i, x[K])                                           \
             : void()),                                                                      \
        ...);                                                                                \
     }                                                                                       \
+    add_tallies<Op>(data, sums, i - begin);                                                 \
     return NS::any(bad) | elementwise(op, p, i, end, seq);                                  \
   }
 
@@ -219,6 +269,8 @@ inline void block_prefetch(const T* p) {
     const Vec per[D] = {                                                                           \
         (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};        \
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                            \
+    Vec sums[Tallies<Op>::count + 1] = {};                                                         \
+    Vec* const tally = tally_sums<Op>(sums);                                                       \
     NS::BlockBits random;                                                                          \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                           \
       const int64_t b = i / kQuantBlock;                                                           \
@@ -239,7 +291,7 @@ inline void block_prefetch(const T* p) {
                          ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]                \
                                          : NS::load(std::get<K>(v) + at))                          \
                          : Vec{})...};                                                             \
-        bad |= apply_at(op, x, at);                                                                \
+        bad |= apply_at(op, x, at, tally);                                                         \
         ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))             \
               ? NS::store(std::get<K>(v) + at, x[K])                                               \
               : void()),                                                                           \
@@ -254,6 +306,7 @@ inline void block_prefetch(const T* p) {
             : void()),                                                                             \
        ...);                                                                                       \
     }                                                                                              \
+    add_tallies<Op>(data, sums, end - begin);                                                      \
     return NS::any(bad) ? 1 : 0;                                                                   \
   }
 
@@ -363,12 +416,21 @@ struct CpuEngine {
     const LaunchPlan& plan = plans.front();
     const int64_t num_chunks = static_cast<int64_t>(plan.block_slot.size());
     std::vector<char> bad(num_chunks, 0);
+    // Tallies (pointwise.h): each chunk sums into words of its own, added to its
+    // tensor's in chunk order after the passes (the same sums whatever the threads).
+    constexpr int kTallyList = Tallies<Op>::list;
+    constexpr int kWords = Tallies<Op>::count + 1;
+    const bool tallying = kTallyList >= 0 && !lists[kTallyList < 0 ? 0 : kTallyList].empty();
+    std::vector<double> words(tallying ? num_chunks * kWords : 0, 0.0);
     at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
         const int t = plan.tensors[plan.block_slot[b]];
         const int64_t begin = static_cast<int64_t>(plan.block_chunk[b]) * kChunkSize;
         const int64_t end = std::min(numels[t], begin + kChunkSize);
-        void* const data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
+        void* data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
+        if constexpr (kTallyList >= 0) {
+          if (tallying) data[kTallyList] = words.data() + b * kWords;
+        }
         Op tensor_op = op;
         at_tensor(tensor_op, data);
         bad[b] = pass<Op, Ts...>(tensor_op, data, begin, end, seq) != 0;
@@ -376,6 +438,13 @@ struct CpuEngine {
     });
     if (found_inf != nullptr && std::any_of(bad.begin(), bad.end(), [](char c) { return c; })) {
       *found_inf = 1.f;
+    }
+    if constexpr (kTallyList >= 0) {
+      for (int64_t b = 0; tallying && b < num_chunks; ++b) {
+        double* out =
+            lists[kTallyList][plan.tensors[plan.block_slot[b]]].template data_ptr<double>();
+        for (int w = 0; w < kWords; ++w) out[w] += words[b * kWords + w];
+      }
     }
   }
 };

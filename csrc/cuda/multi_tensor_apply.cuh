@@ -54,17 +54,23 @@ struct CudaEngine {
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    // A functor in one of its FixedModes runs as Fixed<Op, M> (pointwise.h): a kernel
-    // per mode, without the registers and instructions of the lists and flags it lacks.
-    in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& fixed) {
-      using F = std::decay_t<decltype(fixed)>;
+    auto launch = [&](const auto& functor) {
+      using F = std::decay_t<decltype(functor)>;
       for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
         const auto grid = static_cast<unsigned>(grid_blocks<kBlocksPerChunk>(num_blocks));
-        pointwise_kernel<F, Ts...><<<grid, kBlockSize, 0, stream>>>(meta, fixed, skip, found_inf);
+        pointwise_kernel<F, Ts...><<<grid, kBlockSize, 0, stream>>>(meta, functor, skip, found_inf);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       return 0;
-    });
+    };
+    // A functor in one of its FixedModes runs as Fixed<Op, M> (pointwise.h): a kernel
+    // per mode, without the registers and instructions of the lists and flags it lacks;
+    // a call that tallies runs the generic kernel (pointwise.h).
+    if (tallying<Op>(lists)) {
+      launch(op);
+    } else {
+      in_fixed_mode<Ts...>(op, present_lists(lists), launch);
+    }
   }
 
   // In l2norm.cu.

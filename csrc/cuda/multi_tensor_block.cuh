@@ -115,6 +115,12 @@ unsigned present_lists(const std::array<std::vector<at::Tensor>, D>& lists) {
   return mask;
 }
 
+// Whether the call tallies (pointwise.h): Op has a tally list and it is given.
+template <typename Op, size_t D>
+bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
+  return Tallies<Op>::list >= 0 && !lists[Tallies<Op>::list < 0 ? 0 : Tallies<Op>::list].empty();
+}
+
 // The part of a chunk a block owns: its tensor slot, first element and length.
 struct Chunk {
   int slot;
@@ -192,12 +198,42 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
   *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
 }
 
+// Whether a thread sums Op's tallies (pointwise.h): Op tallies and is not a Fixed
+// (CudaEngine::run launches a tallying call's generic kernel).
+template <typename Op>
+constexpr bool kTallied = Tallies<Op>::count > 0 && !IsFixed<Op>::value;
+
+// Adds every thread's N tallies to the tensor's words: a sum per warp (a shuffle
+// reduction; under the host build, the thread's or the whole warp's call's own), added
+// by its first lane, and the block's `elements` by its first thread. Every thread of
+// the block calls it.
+template <int N>
+MP_DEVICE void add_tallies(double* words, const float* sums, int64_t elements) {
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    float sum = sums[t];
+#if defined(__CUDACC__)
+#pragma unroll
+    for (int d = kWarpSize / 2; d > 0; d >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, d);
+    if (threadIdx.x % kWarpSize == 0 && sum != 0.f) atomicAdd(words + t, static_cast<double>(sum));
+#else
+    words[t] += static_cast<double>(sum);
+#endif
+  }
+#if defined(__CUDACC__)
+  if (threadIdx.x == 0) atomicAdd(words + N, static_cast<double>(elements));
+#else
+  if (threadIdx.x == 0) words[N] += static_cast<double>(elements);
+#endif
+}
+
 // Applies `op` to the n elements at ptrs (list k stored as Ts[k]; a per-tensor list
 // points at its value), elements first..first+n-1 of their tensors; returns whether
-// this thread saw a non-finite input that op reports.
+// this thread saw a non-finite input that op reports. Its tallies, when `tally` is
+// not null, go there.
 template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int64_t first,
-                           int64_t n, std::index_sequence<K...>) {
+                           int64_t n, float* tally, std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
   const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? ptrs[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? ptrs[K] : nullptr...};
@@ -230,7 +266,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
         const int64_t i = base + u * stride;
         if (i >= done) continue;
 #pragma unroll
-        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[u][j], first + i + j);
+        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[u][j], first + i + j, tally);
         (store_vector<Ts, D>(out[K], i, x[u], K, lane), ...);
       }
     }
@@ -240,7 +276,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
 #pragma unroll
     for (int k = 0; k < D; ++k) x[k] = per[k];
     (load_element<Ts>(in[K], i, x[K], K, lane), ...);
-    bad |= apply_at(op, x, first + i);
+    bad |= apply_at(op, x, first + i, tally);
     (store_element<Ts>(out[K], i, x[K], K, lane), ...);
   }
   return bad;
@@ -409,7 +445,7 @@ MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
 
 template <typename Op, typename... Ts, size_t... K>
 MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], int64_t first,
-                            int64_t n, std::index_sequence<K...>) {
+                            int64_t n, float* tally, std::index_sequence<K...>) {
   constexpr int D = sizeof...(Ts);
   const void* in[D] = {(((Op::kReads >> K) & 1u) && !kPerTensorList<Op, K>) ? base[K] : nullptr...};
   void* out[D] = {((Op::kWrites >> K) & 1u) ? base[K] : nullptr...};
@@ -444,7 +480,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
       for (int u = 0; u < kUnroll; ++u) {
         if (at[l][u] < 0) continue;
 #pragma unroll
-        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j);
+        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j, tally);
         (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
       }
     }
@@ -467,16 +503,30 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   const Chunk c = block_chunk<kBlocksPerChunk>(meta);
   if (c.size == 0) return;
   bool bad = false;
+  void* const base[sizeof...(Ts)] = {meta.ptrs[K][c.slot]...};
+  // The thread's running tallies (pointwise.h). A call that tallies and one that does
+  // not take two copies of the loop, the second without any tally code: each copy's
+  // `tally` is a constant (a choice between the two pointers would also put the sums
+  // in local memory).
+  float sums[Tallies<Op>::count + 1] = {};
+  bool tallying = false;
+  if constexpr (kTallied<Op>) tallying = base[Tallies<Op>::list] != nullptr;
   if constexpr ((kBlocked<Ts> || ...)) {
-    void* const base[sizeof...(Ts)] = {meta.ptrs[K][c.slot]...};
     at_tensor(op, base);
-    bad = apply_blocks<Op, Ts...>(op, base, c.start, c.size, seq);
+    bad = !tallying ? apply_blocks<Op, Ts...>(op, base, c.start, c.size, nullptr, seq)
+                    : apply_blocks<Op, Ts...>(op, base, c.start, c.size, sums, seq);
   } else {
     void* const ptrs[sizeof...(Ts)] = {kPerTensorList<Op, K>
                                            ? meta.ptrs[K][c.slot]
                                            : offset<Ts>(meta.ptrs[K][c.slot], c.start)...};
     at_tensor(op, ptrs);
-    bad = apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, seq);
+    bad = !tallying ? apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, nullptr, seq)
+                    : apply_chunk<Op, Ts...>(op, ptrs, c.start, c.size, sums, seq);
+  }
+  if constexpr (kTallied<Op>) {
+    if (tallying) {
+      add_tallies<Tallies<Op>::count>(static_cast<double*>(base[Tallies<Op>::list]), sums, c.size);
+    }
   }
   if (bad && found_inf != nullptr) *found_inf = 1.f;
 }

@@ -30,6 +30,10 @@ namespace entry {
 // square roots of the second moments (AdamOp's `root`); amsgrad is refused with them.
 // state_seed, with 8-bit state, rounds its codes stochastically (lanes.h) with Philox
 // bits keyed as sr_seed's (the same sr_salts, the step) but by state_seed.
+// precision_tallies, when given, one contiguous float64 tensor of 4 words per param, turn
+// on the precision report (AdamOp's `report`): the step adds to them the number of
+// elements whose update was lost, the sums of squares of the lost and of the applied
+// parts, and the number of elements stepped. Not with fp16 params without masters.
 template <class Engine>
 void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                  at::TensorList exp_avg_sqs, at::TensorList model_params, const at::Tensor& step,
@@ -46,11 +50,13 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
                  std::optional<at::TensorList> remainders = std::nullopt,
                  std::optional<at::TensorList> exp_avg_scales = std::nullopt,
                  std::optional<at::TensorList> exp_avg_sq_scales = std::nullopt,
-                 std::optional<int64_t> state_seed = std::nullopt) {
+                 std::optional<int64_t> state_seed = std::nullopt,
+                 std::optional<at::TensorList> precision_tallies = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
   const at::TensorList rems = remainders.value_or(at::TensorList{});
   const at::TensorList max_sqs = max_exp_avg_sqs.value_or(at::TensorList{});
+  const at::TensorList tallies = precision_tallies.value_or(at::TensorList{});
   Checker c("fused_adam_");
   c.scalar(step, "step", at::kFloat, Access::kWrite);
   c.optional_scalar(found_inf, "found_inf");
@@ -82,6 +88,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
     c.same_dtypes(exp_avg_sqs, "exp_avg_sqs", max_sqs, "max_exp_avg_sqs");
   }
   check_adam_hyperparameters(c, lr, beta1, beta2, eps, weight_decay);
+  check_tallies(c, "fused_adam_", precision_tallies, AdamOp::kTallies + 1, params, model_params);
   c.no_overlap();
   if (params.empty()) return;
 
@@ -107,11 +114,12 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.root = exp_avg_scales.has_value();
   op.state_stochastic = state_seed.has_value();
   op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
+  op.report = precision_tallies.has_value();
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
   run_optimizer<Engine, AdamOp>(
       {params, grads, exp_avgs, exp_avg_sqs, model_params, op.remainder ? rems : comps, salts,
        max_sqs, unscaled, exp_avg_scales.value_or(at::TensorList{}),
-       exp_avg_sq_scales.value_or(at::TensorList{})},
+       exp_avg_sq_scales.value_or(at::TensorList{}), tallies},
       op, optional_ptr(found_inf));
 }
 

@@ -65,7 +65,8 @@ namespace entry {
 // remainders (int16, one per bf16 param) hold the low halves of fp32 masters
 // (master="remainder", pointwise.h), in the list slot of kahan_comps, which they exclude.
 // momentum_scales, when given, make the momentum buffers 8-bit: float8_e4m3fn codes
-// with one float8_e8m0fnu scale per block of 32 elements (lanes.h).
+// with one float8_e8m0fnu scale per block of 32 elements (lanes.h). precision_tallies:
+// the precision report, as in fused_adam_.
 template <class Engine>
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList model_params, double lr, double momentum, double dampening,
@@ -79,7 +80,8 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 const std::optional<at::Tensor>& lr_tensor = std::nullopt,
                 bool unscale_grads = false, std::optional<at::TensorList> remainders = std::nullopt,
                 std::optional<at::TensorList> momentum_scales = std::nullopt,
-                std::optional<int64_t> state_seed = std::nullopt) {
+                std::optional<int64_t> state_seed = std::nullopt,
+                std::optional<at::TensorList> precision_tallies = std::nullopt) {
   const at::TensorList comps = kahan_comps.value_or(at::TensorList{});
   const at::TensorList scales = momentum_scales.value_or(at::TensorList{});
   const at::TensorList salts = sr_salts.value_or(at::TensorList{});
@@ -118,6 +120,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
     c.value(momentum > 0, "momentum", "> 0 with nesterov=True", momentum);
     c.value(dampening == 0, "dampening", "0 with nesterov=True", dampening);
   }
+  check_tallies(c, "fused_sgd_", precision_tallies, SgdOp::kTallies + 1, params, model_params);
   c.no_overlap();
   if (params.empty()) return;
 
@@ -137,13 +140,15 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   op.seed = static_cast<uint64_t>(sr_seed.value_or(0));
   op.state_stochastic = state_seed.has_value();
   op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
+  op.report = precision_tallies.has_value();
   op.step_ptr = optional_ptr(step);
   op.inv_scale_ptr = optional_ptr(inv_scale);
   op.lr_ptr = optional_ptr(lr_tensor);
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  run_optimizer<Engine, SgdOp>({params, grads, momentum_buffers, model_params,
-                                op.remainder ? rems : comps, salts, unscaled, scales},
-                               op, optional_ptr(found_inf));
+  run_optimizer<Engine, SgdOp>(
+      {params, grads, momentum_buffers, model_params, op.remainder ? rems : comps, salts, unscaled,
+       scales, precision_tallies.value_or(at::TensorList{})},
+      op, optional_ptr(found_inf));
 }
 
 // Two pointwise passes around one L2 norm: stage 1 writes the moments and each

@@ -36,8 +36,9 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
-    // (the modes as CudaEngine::run picks them: a Fixed<Op, M> where one holds)
-    mixedprec::in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& fixed) {
+    // (the modes as CudaEngine::run picks them: a Fixed<Op, M> where one holds, but for
+    // a call that tallies)
+    auto launch = [&](const auto& fixed) {
       using F = std::decay_t<decltype(fixed)>;
       for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
         ++g_launches;
@@ -53,7 +54,12 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
         }
       });
       return 0;
-    });
+    };
+    if (tallying<Op>(lists)) {
+      launch(op);
+    } else {
+      mixedprec::in_fixed_mode<Ts...>(op, present_lists(lists), launch);
+    }
   }
 };
 

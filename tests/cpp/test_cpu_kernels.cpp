@@ -1229,16 +1229,16 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
     const at::Tensor p0 = p32.to(dtype), g = g32.to(dtype);
     auto run = [&](auto pass_fn) {
       at::Tensor p = p0.clone(), m = m0.clone(), v = m0.clone(), sm = s0.clone(), sv = s0.clone();
-      void* data[11] = {p.data_ptr(), g.data_ptr(),  m.data_ptr(), v.data_ptr(),
-                        nullptr,      nullptr,       nullptr,      nullptr,
-                        nullptr,      sm.data_ptr(), sv.data_ptr()};
+      void* data[12] = {p.data_ptr(), g.data_ptr(),  m.data_ptr(),  v.data_ptr(),
+                        nullptr,      nullptr,       nullptr,       nullptr,
+                        nullptr,      sm.data_ptr(), sv.data_ptr(), nullptr};
       pass_fn(data);
       return std::vector<at::Tensor>{p, m.view(at::kByte), v.view(at::kByte), sm, sv};
     };
-    const auto seq = std::make_index_sequence<11>{};
+    const auto seq = std::make_index_sequence<12>{};
     const auto want = run([&](void* const* data) {
       cpu::block_pass_scalar<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
-                             uint8_t>(op, data, 0, n, seq);
+                             uint8_t, double>(op, data, 0, n, seq);
     });
 #if defined(MP_X86_ISA)
     // Each pass where the CPU has its instruction sets (vec.h's MP_AVX2_TARGET and
@@ -1248,7 +1248,7 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
     if (has_avx2) {
       const auto avx2 = run([&](void* const* data) {
         cpu::block_pass_avx2x2<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
-                               uint8_t>(op, data, 0, n, seq);
+                               uint8_t, double>(op, data, 0, n, seq);
       });
       for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx2[k], want[k])) << k;
     }
@@ -1256,7 +1256,7 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
       const auto avx512 = run([&](void* const* data) {
         cpu::block_pass_avx512<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
-                               uint8_t>(op, data, 0, n, seq);
+                               uint8_t, double>(op, data, 0, n, seq);
       });
       for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx512[k], want[k])) << k;
     }
