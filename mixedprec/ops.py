@@ -255,6 +255,7 @@ def fused_sgd_(
     remainders: Optional[List[Tensor]] = None,
     momentum_scales: Optional[List[Tensor]] = None,
     state_seed: Optional[int] = None,
+    precision_tallies: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step over all ``params`` in few launches.
 
@@ -307,6 +308,8 @@ def fused_sgd_(
     required) but by ``state_seed``; the low byte of an element's 16 bits rounds its
     code up with the probability of the dropped fraction (to 1/256), so that the stored
     state is unbiased (round to nearest freezes a slowly moving state).
+
+    ``precision_tallies``: the precision report, as in :func:`fused_adam_`.
     """
     # Positional, in the schema's order (test_step_ops checks it): every optimizer step
     # calls this, and 23 keyword arguments cost the call ~6 us to match by name.
@@ -314,7 +317,7 @@ def fused_sgd_(
         params, grads, momentum_buffers, model_params, lr, momentum, dampening,
         weight_decay, nesterov, first_run, inv_scale, found_inf, wd_after_momentum,
         kahan_comps or None, sr_salts or None, sr_seed, step, maximize, lr_tensor,
-        unscale_grads, remainders or None, momentum_scales, state_seed,
+        unscale_grads, remainders or None, momentum_scales, state_seed, precision_tallies,
     )
 
 
@@ -347,6 +350,7 @@ def fused_adam_(
     exp_avg_scales: Optional[List[Tensor]] = None,
     exp_avg_sq_scales: Optional[List[Tensor]] = None,
     state_seed: Optional[int] = None,
+    precision_tallies: Optional[List[Tensor]] = None,
 ) -> None:
     """One ``torch.optim.Adam`` (``decoupled_weight_decay=False``: weight decay added to
     the gradient) or ``torch.optim.AdamW`` (``decoupled_weight_decay=True``) step over
@@ -373,13 +377,24 @@ def fused_adam_(
     roots of the second moments (the denominator's ``sqrt(exp_avg_sq)``, stored),
     ``exp_avgs`` the first moments. Not with ``max_exp_avg_sqs``. ``state_seed``
     rounds their codes stochastically as in :func:`fused_sgd_` (the first moment with
-    the low byte of each element's bits, the root with the high byte)."""
+    the low byte of each element's bits, the root with the high byte).
+
+    ``precision_tallies`` (the precision report, :mod:`mixedprec.optim.precision_report`):
+    None, or one contiguous float64 tensor of 4 elements per param, to which the step
+    adds, on the device: the number of elements whose update was lost (the value the
+    next step reads back equals this step's start, though the fp32 update moved it),
+    the sums of squares of the lost parts and of the applied parts, and the number of
+    elements stepped. The value read back is the bf16 param (rounded to nearest or
+    stochastically), the bf16 param plus its Kahan compensation, or the fp32 result
+    (fp32 params, masters, remainders: nothing is lost). Not with fp16 params without
+    masters. A skipped step (``found_inf``) adds nothing."""
     # Positional, in the schema's order (test_step_ops checks it), as fused_sgd_'s.
     torch.ops.mixedprec.fused_adam_.default(
         params, grads, exp_avgs, exp_avg_sqs, model_params, step, lr, beta1, beta2, eps,
         weight_decay, decoupled_weight_decay, bias_correction, inv_scale, found_inf, lr_tensor,
         kahan_comps or None, sr_salts or None, sr_seed, maximize, max_exp_avg_sqs,
         unscale_grads, remainders or None, exp_avg_scales, exp_avg_sq_scales, state_seed,
+        precision_tallies,
     )
 
 

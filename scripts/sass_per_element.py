@@ -1387,10 +1387,11 @@ def modes_of(op: str, types: List[str], layout: Dict) -> List[Dict]:
         param, state = types[0], types[2]
         eight = state == "E4m3"
         # params, grads and the state list(s); 8-bit state adds its block scales and the
-        # rounding words (its codes always round stochastically)
+        # rounding words (its codes always round stochastically). The precision report's
+        # tally list (kTallyList, after the scales) is absent: no mode here reports.
         base = set(range(4 if op == "AdamOp" else 3))
         if eight:
-            base |= set(range(scale, depth)) | {salts}
+            base |= set(range(scale, depth)) - {c.get("kTallyList")} | {salts}
         flags = dict(state_stochastic=eight)
         if op == "AdamOp":
             flags["root"] = eight
@@ -1434,10 +1435,11 @@ def mode_bytes(op: str, types: List[str], layout: Dict, lists: List[int]) -> flo
     c = layout["constants"]
     per_tensor = c.get("kPerTensor", 0)
     scale = c.get("kScaleList")
+    tallies = c.get("kTallyList")  # (per tensor, after the scales)
     quant = engine_constants()["quant_block"]
     total = 0.0
     for k in lists:
-        if scale is not None and k >= scale:
+        if scale is not None and k >= scale and k != tallies:
             total += 2 / quant
         elif not per_tensor >> k & 1:
             total += STORAGE_BYTES[types[k]] * ((c["kReads"] >> k & 1) + (c["kWrites"] >> k & 1))

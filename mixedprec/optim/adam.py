@@ -41,6 +41,10 @@ class Adam(Optimizer):
     * ``seed``: master="stochastic"'s base seed.
     * ``unscale_grads``: after a step with a GradScaler, ``p.grad`` holds the unscaled
       gradient, as with torch's fused optimizers (default True); False skips that write.
+    * ``precision_report``: count, in the step's pass, the updates each parameter's
+      storage lost (``optimizer.precision_report``,
+      :mod:`mixedprec.optim.precision_report`; default False; an int N: every N-th
+      step).
 
     ``foreach``, ``fused`` and ``capturable`` are accepted (every step is fused and
     capturable); ``differentiable=True`` is refused. Parameters that step together
@@ -61,14 +65,15 @@ class Adam(Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master="fp32", state_dtype=torch.float32, seed=None, unscale_grads=True):
+                 master="fp32", state_dtype=torch.float32, seed=None, unscale_grads=True,
+                 precision_report=False):
         defaults = torch_defaults(self._TORCH_CLASS, type(self).__name__, dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             foreach=foreach, maximize=maximize, capturable=capturable,
             differentiable=differentiable, fused=fused,
             **self._decoupled_kwarg(decoupled_weight_decay)))
         super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
-                         unscale_grads=unscale_grads)
+                         unscale_grads=unscale_grads, precision_report=precision_report)
 
     @staticmethod
     def _decoupled_kwarg(value: bool) -> Dict[str, Any]:
@@ -117,8 +122,10 @@ class Adam(Optimizer):
                     if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
+                tallies = None if self.precision_report is None else \
+                    self.precision_report.tallies(part.params)
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
-                               salts, scales, step))
+                               salts, scales, tallies, step))
         return tuple(calls)
 
     def _plan_holds(self, group, plan) -> bool:
@@ -128,7 +135,7 @@ class Adam(Optimizer):
         beta1, beta2 = group["betas"]
         lr, lr_tensor, found_inf = lr_on_device(group, calls[0][-1].device, found_inf)
         for (where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps, salts, scales,
-             step) in calls:
+             tallies, step) in calls:
             ops.fused_adam_(
                 targets, pick(grads, where), exp_avgs, exp_avg_sqs, model, step=step, lr=lr,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
@@ -139,6 +146,7 @@ class Adam(Optimizer):
                 unscale_grads=self.unscale_grads and inv_scale is not None,
                 exp_avg_scales=scales[0] if scales else None,
                 exp_avg_sq_scales=scales[1] if scales else None,
+                precision_tallies=tallies and self.precision_report.pick(tallies),
                 **self.precision.op_lean_args(group, targets, comps, salts, scales is not None))
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
@@ -181,11 +189,12 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, master="fp32", state_dtype=torch.float32,
-                 seed=None, unscale_grads=True):
+                 seed=None, unscale_grads=True, precision_report=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused, master=master,
-                         state_dtype=state_dtype, seed=seed, unscale_grads=unscale_grads)
+                         state_dtype=state_dtype, seed=seed, unscale_grads=unscale_grads,
+                         precision_report=precision_report)
 
     @staticmethod
     def _decoupled_kwarg(value: bool) -> Dict[str, Any]:

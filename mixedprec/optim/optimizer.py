@@ -25,6 +25,7 @@ from . import state as _state
 from . import torch_path
 from .plans import Plan, PlanCache
 from .precision import FLOAT_DTYPES, Masters, Precision, Work
+from .precision_report import PrecisionReport
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -50,11 +51,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: Dict[str, Any], *, master: str = "fp32",
                  state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None,
-                 unscale_grads: bool = True):
+                 unscale_grads: bool = True, precision_report: Any = False):
         where = type(self).__name__
         if not isinstance(unscale_grads, bool):
             raise TypeError(f"{where}: expected unscale_grads to be a bool, got "
                             f"{unscale_grads!r}")
+        #: The :class:`~mixedprec.optim.precision_report.PrecisionReport` the steps add to
+        #: (``precision_report=True``, or N: every N-th step), else None.
+        self.precision_report = PrecisionReport.of(where, precision_report)
         #: master, state_dtype and seed, checked (:meth:`configure` changes them).
         self.precision = Precision(where, master, state_dtype, seed, self._LEAN,
                                    self._8BIT_KEYS)
@@ -169,6 +173,8 @@ class Optimizer(torch.optim.Optimizer):
             if grad.stride() != p.stride() and not mst.same_layout(grad, p):
                 grad = mst.follow_layout(grad, p)  # as torch accepts: read in p's layout
             self.precision.check_param(where, p)  # (the model may have been cast since)
+            if self.precision_report is not None:
+                self.precision_report.check(where, p, self.master)
             params.append(p)
             grads.append(grad)
             states.append(state)
@@ -345,7 +351,7 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()  # (torch keeps defaults, state and param_groups)
         state.update(precision=self.precision, unscale_grads=self.unscale_grads,
-                     applied_steps=self.applied_steps)
+                     applied_steps=self.applied_steps, precision_report=self.precision_report)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -354,6 +360,7 @@ class Optimizer(torch.optim.Optimizer):
                                                        self._8BIT_KEYS)
         state.setdefault("unscale_grads", True)
         state.setdefault("applied_steps", torch.zeros((), dtype=torch.int64))
+        state.setdefault("precision_report", None)
         state.update(plans=PlanCache(), masters=Masters(), _pending=[], _checked={},
                      in_backward=None)
         super().__setstate__(state)

@@ -28,8 +28,8 @@ class SGD(Optimizer):
     Keyword-only extras as :class:`mixedprec.optim.Adam`: ``master``, ``state_dtype``
     (the momentum buffers' dtype; with ``torch.float8_e4m3fn`` eligible parameters keep
     ``momentum_buffer`` as 8-bit codes and ``momentum_buffer_scale``), ``seed``,
-    ``unscale_grads``. With master="stochastic" the group keeps a device step count
-    (``group["step"]``) that keys the rounding bits.
+    ``unscale_grads``, ``precision_report``. With master="stochastic" the group keeps a
+    device step count (``group["step"]``) that keys the rounding bits.
 
     A step skipped on the device (``found_inf`` set) still creates the momentum
     buffers of parameters stepped for the first time, as zeros (torch's own
@@ -50,13 +50,13 @@ class SGD(Optimizer):
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, master="fp32", state_dtype=torch.float32, seed=None,
-                 unscale_grads=True):
+                 unscale_grads=True, precision_report=False):
         defaults = torch_defaults(self._TORCH_CLASS, "SGD", dict(
             lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
             nesterov=nesterov, maximize=maximize, foreach=foreach,
             differentiable=differentiable, fused=fused))
         super().__init__(params, defaults, master=master, state_dtype=state_dtype, seed=seed,
-                         unscale_grads=unscale_grads)
+                         unscale_grads=unscale_grads, precision_report=precision_report)
 
     def _step_group(self, group, device, items: Work, inv_scale, found_inf):
         momentum = group["momentum"]
@@ -83,7 +83,9 @@ class SGD(Optimizer):
                     if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
-                lists = (where, targets, buffers, model, comps, salts, scales)
+                tallies = None if self.precision_report is None else \
+                    self.precision_report.tallies(part.params)
+                lists = (where, targets, buffers, model, comps, salts, scales, tallies)
                 self._sgd(group, lists, pick(items.grads, where), first_run, inv_scale,
                           lr, step)
                 calls.append(lists)
@@ -119,7 +121,7 @@ class SGD(Optimizer):
 
     def _sgd(self, group, lists, grads, first_run, inv_scale, lr_and_skip, step) -> None:
         """One fused_sgd_ call; ``lr_and_skip``: ``_lr``'s (lr, lr_tensor, found_inf)."""
-        _, targets, buffers, model, comps, salts, scales = lists
+        _, targets, buffers, model, comps, salts, scales, tallies = lists
         lr, lr_tensor, found_inf = lr_and_skip
         ops.fused_sgd_(targets, grads, buffers, model, lr=lr, momentum=group["momentum"],
                        dampening=group["dampening"], weight_decay=group["weight_decay"],
@@ -129,6 +131,7 @@ class SGD(Optimizer):
                        lr_tensor=lr_tensor,
                        unscale_grads=self.unscale_grads and inv_scale is not None,
                        momentum_scales=scales,
+                       precision_tallies=tallies and self.precision_report.pick(tallies),
                        **self.precision.op_lean_args(group, targets, comps, salts,
                                                      scales is not None))
 

@@ -133,6 +133,12 @@ def sample_inputs(device):
         name, args, _ = adam(bf16_params, mixed(83), [], *flags(found=found))
         add((name, args, {"kahan_comps": [randn(p.shape, bf16, d, 90 + i, scale=1e-3)
                                             for i, p in enumerate(bf16_params)]}))
+    # The precision report's tallies (4 float64 words per param, added to), with bf16
+    # params and with fp32 masters.
+    for params, model in ((bf16_params, []), (fp32(84), like(fp32(84), [bf16]))):
+        name, args, _ = adam(params, mixed(85), model, *flags())
+        add((name, args, {"precision_tallies": [torch.full((4,), 2.0, dtype=torch.float64,
+                                                           device=d) for _ in params]}))
 
     # Stochastic rounding of bf16 params: a salt per param, a seed (all 64 bits), the step.
     salts = ops.rounding_words([(i, 8 * i + 3, 0, 0) for i in range(len(bf16_params))], d)

@@ -159,7 +159,7 @@ def test_the_fixed_modes_run_on_their_fixed_kernels(records):
     # e.g. AdamW, bf16 params and state, stochastic rounding: its Fixed kernel's path,
     # not the generic one's, and the summary's row made of Fixed kernels only
     bf16 = ("BFloat16", "BFloat16", "BFloat16", "BFloat16", "float", "BFloat16", "long",
-            "BFloat16", "BFloat16", "unsigned char", "unsigned char")
+            "BFloat16", "BFloat16", "unsigned char", "unsigned char", "double")
     kernel = by_kernel[(bf16, "Mode<0,0,0,1,0>")]
     (m,) = kernel["modes"]
     assert m["mode"] == "stochastic, bf16 state" and m["kernel"] == kernel["kernel"]

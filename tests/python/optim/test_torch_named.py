@@ -85,7 +85,7 @@ def test_signature_and_defaults_are_torchs(name):
         assert ours[key].default == param.default, key
         assert ours[key].kind == param.kind, key
     extras = [k for k in ours if k not in theirs]
-    assert extras == ["master", "state_dtype", "seed", "unscale_grads"]
+    assert extras == ["master", "state_dtype", "seed", "unscale_grads", "precision_report"]
     assert all(ours[k].kind is inspect.Parameter.KEYWORD_ONLY for k in extras)
     assert getattr(mixedprec, name) is ours_cls
 
