@@ -3,7 +3,10 @@
 
 Modes are named ``MASTER[+STATE]``: MASTER is mixedprec's ``master`` option on bf16
 parameters (``fp32``, ``none``, ``kahan``, ``stochastic``, ``remainder``), STATE the
-moments' dtype, a key of ``STATE_DTYPES`` (``fp32`` when left out, ``bf16``). A dtype
+moments' dtype, a key of ``STATE_DTYPES`` (``fp32`` when left out, ``bf16``); a mode
+ending in ``+report`` (``none+bf16+report``) is the same with ``precision_report=True``,
+in ``+reportN`` with ``precision_report=N`` (every N-th step)
+(mixedprec.optim.precision_report: its cost beside the plain mode). A dtype
 added to ``STATE_DTYPES`` (``"fp8": torch.float8_e4m3fn`` is) makes modes such as
 ``remainder+fp8`` available by name with ``--modes``; a mode the build or the
 optimizer refuses is reported "not available" and the run goes on. ``torch`` is the
@@ -54,6 +57,7 @@ import argparse
 import gc
 import importlib.util
 import random
+import re
 import statistics
 import sys
 import time
@@ -96,6 +100,9 @@ REFUSED = (NotImplementedError, ValueError, TypeError, RuntimeError)
 LR, WD = 1e-3, 1e-2
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch's defaults; optimi's own are (0.9, 0.99), 1e-6
 MIN_REPS = 5
+# A mode's suffix for the precision report: "+report" (precision_report=True, every step),
+# "+reportN" (every N-th step), e.g. "none+bf16+report", "none+report8".
+REPORT = "+report[N]"
 
 
 def parse_mode(mode: str) -> Dict[str, Any]:
@@ -104,14 +111,16 @@ def parse_mode(mode: str) -> Dict[str, Any]:
         return dict(kind="torch", param_dtype=torch.float32)
     if mode in PEER_MODES:
         return dict(kind="peer", param_dtype=torch.bfloat16, package=PEER_MODES[mode])
-    master, _, state = mode.partition("+")
+    found = re.search(r"\+report(\d*)$", mode)
+    report = (int(found.group(1)) if found.group(1) else True) if found else False
+    master, _, state = mode[:found.start()].partition("+") if found else mode.partition("+")
     state = state or "fp32"
     if master not in MASTERS or state not in STATE_DTYPES:
         raise ValueError(f"unknown mode {mode!r}: expected 'torch', a peer "
-                         f"({', '.join(PEER_MODES)}) or MASTER[+STATE] with "
+                         f"({', '.join(PEER_MODES)}) or MASTER[+STATE][{REPORT}] with "
                          f"MASTER in {list(MASTERS)} and STATE in {list(STATE_DTYPES)}")
     return dict(kind="mixedprec", param_dtype=torch.bfloat16, master=master,
-                state_dtype=STATE_DTYPES[state])
+                state_dtype=STATE_DTYPES[state], precision_report=report)
 
 
 def list_shapes(name: str, gpt2_layers: int, quick: bool):
@@ -191,11 +200,15 @@ class Case:
             kw = {"seed": 1} if spec["master"] == "stochastic" else {}
             self.opt = mixedprec.optim.AdamW(self.params, lr=LR, weight_decay=WD,
                                              master=spec["master"],
-                                             state_dtype=spec["state_dtype"], **kw)
+                                             state_dtype=spec["state_dtype"],
+                                             precision_report=spec["precision_report"], **kw)
         t0 = time.perf_counter()
         self.opt.step()  # state creation (torchao: its compilation), outside the timing
         self.first_step_s = time.perf_counter() - t0
         self.spec = spec
+        # "+reportN": a timed call is N steps, one of them counted (reported per step)
+        report = spec.get("precision_report")
+        self.steps_per_call = report if type(report) is int else 1
         n = sum(p.numel() for p in self.params)
         param_b = sum(_storage_bytes(p, set()) for p in self.params)
         # Every state tensor but the step counts (0-dim; bitsandbytes' are ints), with
@@ -212,7 +225,8 @@ class Case:
         self.numel = n
 
     def step(self) -> None:
-        self.opt.step()
+        for _ in range(self.steps_per_call):
+            self.opt.step()
 
 
 def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, warmup: int,
@@ -259,7 +273,7 @@ def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, war
                 for k in active:
                     t0 = time.perf_counter()
                     cases[k].step()
-                    times[k].append((time.perf_counter() - t0) * 1e3)
+                    times[k].append((time.perf_counter() - t0) * 1e3 / cases[k].steps_per_call)
             rows = {}
             ref = statistics.median(times[REFERENCE]) if REFERENCE in times else None
             for mode in modes:

@@ -15,6 +15,9 @@ amp    torch.autocast + torch.amp.GradScaler + torch.optim.SGD(fused=True)
 o1     mixedprec.amp.initialize(opt_level="O1") (autocast, dynamic loss scale)
 o2     mixedprec.amp O2: fp16 model with fp32 batchnorm, fp32 master weights
 o3     mixedprec.amp O3: the whole model in fp16, no masters
+none   the whole model in bf16, mixedprec.optim.SGD(momentum=0.9) / AdamW with
+       master="none" (no masters, no loss scale) and precision_report=True: the run
+       line and the results add the updates that bf16 lost, per layer
 =====  ==========================================================================
 
 fp32, tf32 and amp use torch.optim.SGD(momentum=0.9, fused=True) for the ResNets
@@ -62,8 +65,8 @@ def _load_common():
 
 C = _load_common()
 
-MODES = ("fp32", "tf32", "amp", "o1", "o2", "o3")
-MIXED = ("amp", "o1", "o2", "o3")
+MODES = ("fp32", "tf32", "amp", "o1", "o2", "o3", "none")
+MIXED = ("amp", "o1", "o2", "o3", "none")
 MODELS: Dict[str, Dict[str, Any]] = {
     "resnet18": dict(kind="conv", label="Resnet18"),
     "resnet50": dict(kind="conv", label="Resnet50"),
@@ -161,8 +164,21 @@ class Runner:
                 model = CausalLM(spec["vocab"], self.seq, spec["layers"], spec["d"], spec["heads"])
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        if mode == "none":
+            if dtype != torch.bfloat16:
+                raise ValueError("mode none trains the whole model in bf16: run it with "
+                                 "--dtype bf16")
+            model = model.to(torch.bfloat16)
         params = list(model.parameters())
-        if mode in ("fp32", "tf32", "amp"):
+        if mode == "none":
+            # The lean mode without masters; the precision report counts what bf16 loses.
+            self.optimizer_name = ("mixedprec.optim.SGD(momentum=0.9, master='none')"
+                                   if self.conv else "mixedprec.optim.AdamW(master='none')")
+            opt = (mixedprec.optim.SGD(params, lr=LR_SGD, momentum=MOMENTUM, master="none",
+                                       precision_report=True) if self.conv
+                   else mixedprec.optim.AdamW(params, lr=LR_ADAM, weight_decay=WD_ADAM,
+                                              master="none", precision_report=True))
+        elif mode in ("fp32", "tf32", "amp"):
             self.optimizer_name = ("torch.optim.SGD(momentum=0.9, fused=True)" if self.conv
                                    else "torch.optim.AdamW(fused=True)")
             opt = (torch.optim.SGD(params, lr=LR_SGD, momentum=MOMENTUM, fused=True) if self.conv
@@ -190,7 +206,8 @@ class Runner:
             return
         dev = self.device
         if self.conv:
-            x = torch.randn(batch, 3, self.image_size, self.image_size, device=dev)
+            x = torch.randn(batch, 3, self.image_size, self.image_size, device=dev,
+                            dtype=torch.bfloat16 if self.mode == "none" else None)
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             self.x, self.y = x, torch.randint(0, 1000, (batch,), device=dev)
@@ -207,7 +224,11 @@ class Runner:
     def step(self) -> torch.Tensor:
         opt = self.opt
         opt.zero_grad(set_to_none=True)
-        if self.mode in ("fp32", "tf32"):
+        if self.mode == "none":
+            loss = self._loss(self.model(self.x).float())
+            loss.backward()
+            opt.step()
+        elif self.mode in ("fp32", "tf32"):
             loss = self._loss(self.model(self.x))
             loss.backward()
             opt.step()
@@ -240,6 +261,19 @@ class Runner:
         if self.mode not in ("o1", "o2", "o3"):
             return None
         return self.amp.overflow_report()
+
+    def precision(self) -> Optional[Dict[str, Any]]:
+        """Mode none's precision report over the run (the updates bf16 lost: in all and
+        the layers that lost the largest share; a host read: call after timing)."""
+        report = getattr(self.opt, "precision_report", None)
+        if report is None:
+            return None
+        layers = report.report(self.model)
+        elements = sum(r["elements"] for r in layers.values())
+        lost = sum(r["lost"] for r in layers.values())
+        top = sorted(layers.items(), key=lambda item: -item[1]["lost_share"])[:3]
+        return dict(summary=report.summary(self.model), lost_share=lost / elements if elements
+                    else 0.0, top={name: r["lost_share"] for name, r in top})
 
     def close(self) -> None:
         self.model = self.opt = self.scaler = self.x = self.y = None
@@ -312,6 +346,7 @@ def run_one(name: str, mode: str, batch: int, device: torch.device, dtype: torch
                    throughput=per_step / (row["median_step_ms"] / 1e3),
                    optimizer=runner.optimizer_name, channels_last=runner.channels_last,
                    loss_scale_end=runner.loss_scale(), overflow=runner.overflow(),
+                   precision=runner.precision(),
                    seq=None if runner.conv else runner.seq,
                    image_size=args.image_size if runner.conv else None)
         if row["loss_end"] is not None and not math.isfinite(row["loss_end"]):
@@ -409,7 +444,7 @@ def row_label(name: str, mode: str, dtype: torch.dtype) -> str:
     half = "16" if dtype == torch.float16 else "bf16"
     return MODELS[name]["label"] + {"fp32": "-32", "tf32": "-32 TF32", "amp": f"-{half} AMP",
                                     "o1": f"-{half} O1", "o2": f"-{half} O2",
-                                    "o3": f"-{half} O3"}[mode]
+                                    "o3": f"-{half} O3", "none": "-bf16 none"}[mode]
 
 
 def _get(runs, name, mode, batch):
@@ -514,6 +549,14 @@ def markdown(data: Dict[str, Any]) -> str:
         body = [[row_label(r["model"], r["mode"], dtype), r["batch"], r["host_syncs_per_step"]]
                 for r in runs if r.get("host_syncs_per_step") is not None]
         lines += C.md_table(["Run", "batch", "syncs"], body, "lrr") + [""]
+
+    precision = [r for r in runs if r.get("precision")]
+    if precision:
+        lines += ["## Updates lost to bf16 (mode none)", "",
+                  "mixedprec.optim's precision report over each run's steps: the element "
+                  "updates that left a bf16 parameter unchanged.", ""]
+        lines += [f"- {row_label(r['model'], r['mode'], dtype)} B={r['batch']}: "
+                  f"{r['precision']['summary']}" for r in precision] + [""]
 
     lines += ["## Largest batch", ""]
     if data["max_batch"]:
@@ -636,7 +679,8 @@ def parse_args(argv: Optional[Sequence[str]], gpu: bool, measure: bool = False):
     p.add_argument("--lm-batch-sizes", type=_ints,
                    default=[8, 16] if gpu else [8] if measure else [2],
                    help="batch sizes (sequences) of the transformers (default 8,16; CPU 2)")
-    p.add_argument("--modes", default=",".join(MODES) if gpu else "fp32,amp,o1,o2",
+    # (none needs --dtype bf16: not in the GPU run's fp16 default)
+    p.add_argument("--modes", default=",".join(MODES[:-1]) if gpu else "fp32,amp,o1,o2",
                    help=f"comma-separated: {', '.join(MODES)}")
     p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16" if gpu else "bf16",
                    help="half type of the mixed modes (default fp16 on GPU, bf16 on CPU)")
@@ -722,6 +766,10 @@ def _overflow_note(r: Dict[str, Any]) -> str:
         top = list(report["overflows"].items())[:3]
         if top:
             note += " (" + ", ".join(f"{k} {v}" for k, v in top) + ")"
+    precision = r.get("precision")
+    if precision:
+        note += f"  lost {100.0 * precision['lost_share']:.1f}% of updates (" + ", ".join(
+            f"{k} {100.0 * v:.0f}%" for k, v in precision["top"].items()) + ")"
     return note
 
 

@@ -1,10 +1,13 @@
 """Mixed precision side by side on scikit-learn's digits (the main job of ``make demo``).
 
 Trains one small CNN on the 8x8 digits images (1797 samples, shipped inside
-scikit-learn: nothing is downloaded) five times from the same initial weights and in
+scikit-learn: nothing is downloaded) seven times from the same initial weights and in
 the same batch order: in fp32 (``O0``) and through :mod:`mixedprec.amp` at ``O1``
 (autocast) and ``O2`` (half model, fp32 master weights, batchnorm in fp32), each in
-fp16 and in bf16. Then it
+fp16 and in bf16, and twice with the whole model in bf16 through
+:mod:`mixedprec.optim` (``bf16-none``: no masters; ``bf16-remainder``: an int16
+remainder per weight that makes its fp32 master exact), whose precision report says how
+many updates bf16 lost, per layer. Then it
 
 * prints a table of test accuracy, loss, loss scale, skipped steps and time;
 * writes ``OUT/results.json`` (every number, with the per-step histories),
@@ -54,8 +57,12 @@ RUNS = {
     "O2-fp16": ("O2", None),
     "O2-bf16": ("O2", torch.bfloat16),
 }
+# The runs of a bf16 model through mixedprec.optim (no amp), by their master mode.
+LEAN_RUNS = {"bf16-none": "none", "bf16-remainder": "remainder"}
+RUNS.update({name: (master, torch.bfloat16) for name, master in LEAN_RUNS.items()})
 DTYPE_NAMES = {"fp32": "float32", "O1-fp16": "float16", "O1-bf16": "bfloat16",
-               "O2-fp16": "float16", "O2-bf16": "bfloat16"}
+               "O2-fp16": "float16", "O2-bf16": "bfloat16", "bf16-none": "bfloat16",
+               "bf16-remainder": "bfloat16"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,7 +124,13 @@ def load_data(seed: int, device: torch.device):
             x_test.to(device), y[idx_test].to(device))
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, lr: float, master=None) -> torch.optim.Optimizer:
+    if master is not None:  # a lean run: mixedprec.optim with the precision report
+        if name == "fused-adam":
+            return mixedprec.optim.AdamW(params, lr=lr / 25, weight_decay=5e-4, master=master,
+                                         precision_report=True)
+        return mixedprec.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=5e-4,
+                                   master=master, precision_report=True)
     if name == "fused-sgd":
         return mixedprec.FusedSGD(params, lr=lr, momentum=0.9, weight_decay=5e-4)
     if name == "fused-adam":
@@ -130,8 +143,9 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
     model.eval()
     loss_sum = torch.zeros((), device=x.device)
     correct = torch.zeros((), device=x.device, dtype=torch.int64)
+    dtype = next(model.parameters()).dtype
     for i in range(0, len(y), batch_size):
-        out = model(x[i:i + batch_size]).float()
+        out = model(x[i:i + batch_size].to(dtype)).float()
         loss_sum += F.cross_entropy(out, y[i:i + batch_size], reduction="sum")
         correct += (out.argmax(1) == y[i:i + batch_size]).sum()
     model.train()
@@ -140,20 +154,25 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -> Dict[str, Any]:
     opt_level, cast_model_type = RUNS[name]
+    lean = name in LEAN_RUNS
     x_train, y_train, x_test, y_test = data
     torch.manual_seed(args.seed)  # the same initial weights for every run
     model = DigitsNet().to(device)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    # overflow_report=True: overflows are counted per layer on the device
-    # (amp.overflow_report reads them, below, once a run), and summarised in one log
-    # line at exit.
-    model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
-                                      cast_model_type=cast_model_type, verbosity=1,
-                                      overflow_report=True)
+    if lean:  # the whole model in bf16, mixedprec.optim without amp (no loss scale)
+        model = model.to(torch.bfloat16)
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr, opt_level)
+    else:
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+        # overflow_report=True: overflows are counted per layer on the device
+        # (amp.overflow_report reads them, below, once a run), and summarised in one log
+        # line at exit.
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level,
+                                          cast_model_type=cast_model_type, verbosity=1,
+                                          overflow_report=True)
 
     step_loss: List[float] = []
     loss_scale: List[float] = []  # after each step
-    initial_scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    initial_scale = 1.0 if lean else amp.state_dict()["loss_scaler0"]["loss_scale"]
     epoch_train_loss, epoch_test_loss, epoch_test_acc = [], [], []
     train_time = 0.0
     n = len(y_train)
@@ -166,18 +185,23 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
         losses = []
         for i in range(0, n, args.batch_size):
             batch = order[i:i + args.batch_size]
-            out = model(x_train[batch])
+            out = model(x_train[batch].to(cast_model_type) if lean else x_train[batch])
             # At O1 the logits come out of autocast in fp16/bf16; the loss is taken in
             # fp32 (as Apex's O1, which patched cross_entropy to fp32, did).
             loss = F.cross_entropy(out.float(), y_train[batch])
             optimizer.zero_grad()
-            with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()
-            optimizer.step()
+            if lean:
+                loss.backward()
+                optimizer.step()
+                loss_scale.append(1.0)
+            else:
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+                # The history reads the scale on the host every step (amp.state_dict
+                # synchronises); a real loop would read it every few hundred steps.
+                loss_scale.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
             losses.append(loss.detach())
-            # The history reads the scale on the host every step (amp.state_dict
-            # synchronises); a real loop would read it every few hundred steps.
-            loss_scale.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - start
@@ -188,10 +212,15 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
         epoch_test_loss.append(test_loss)
         epoch_test_acc.append(test_acc)
 
-    # Skipped steps and the layers whose gradients overflowed, counted on the device.
-    report = amp.overflow_report(scale=False)
+    # Skipped steps and the layers whose gradients overflowed, counted on the device
+    # (amp's runs); the updates bf16 lost, per layer (the lean runs' precision report).
+    report = {"skipped": 0, "overflows": {}} if lean else amp.overflow_report(scale=False)
     skipped = report["skipped"]
     steps = len(step_loss)
+    precision = None
+    if lean:
+        precision = {"summary": optimizer.precision_report.summary(model),
+                     "layers": optimizer.precision_report.report(model)}
     return {
         "name": name,
         "opt_level": opt_level,
@@ -203,6 +232,7 @@ def train_one(name: str, args: argparse.Namespace, data, device: torch.device) -
         "loss_scale_final": loss_scale[-1],
         "skipped_steps": skipped,
         "overflows": report["overflows"],  # {parameter name: steps it overflowed}
+        "precision": precision,  # the lean runs' precision report, else None
         "steps": steps,
         "train_time_s": train_time,
         "ms_per_step": 1000.0 * train_time / steps,
@@ -312,6 +342,8 @@ def main(argv=None) -> int:
         print(f"  {name:8s} test acc {r['test_accuracy']:6.2f}%  loss {r['test_loss']:.4f}  "
               f"scale {r['loss_scale_final']:g}  skipped {r['skipped_steps']}/{r['steps']} "
               f"(overflows: {top})  {r['train_time_s']:.1f}s", flush=True)
+        if r["precision"] is not None:
+            print(f"  {'':8s} {r['precision']['summary']}", flush=True)
         results.append(r)
 
     failures = check(results, args.tolerance)

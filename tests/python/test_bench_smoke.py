@@ -413,7 +413,7 @@ def _check_train_outputs(bench_train, tmp_path, models, modes):
 
 
 def test_train_smoke_transformer(bench_train, tmp_path):
-    modes = ["fp32", "amp", "o1", "o2"]
+    modes = ["fp32", "amp", "o1", "o2", "none"]
     rc = bench_train.main(["--device", "cpu", "--out", str(tmp_path), "--models", "gpt-tiny",
                            "--lm-batch-sizes", "2", "--modes", ",".join(modes),
                            "--steps", "1", "--warmup", "0"])
@@ -425,11 +425,17 @@ def test_train_smoke_transformer(bench_train, tmp_path):
         assert f"| {label} |" in md
     o1 = next(r for r in data["runs"] if r["mode"] == "o1")
     assert o1["optimizer"] == "mixedprec.FusedAdam"
+    # Mode none: bf16 without masters, its precision report in the results.
+    none = next(r for r in data["runs"] if r["mode"] == "none")
+    assert none["optimizer"] == "mixedprec.optim.AdamW(master='none')"
+    assert none["precision"]["summary"].startswith("lost updates: ")
+    assert 0 <= none["precision"]["lost_share"] <= 1 and none["precision"]["top"]
+    assert o1["precision"] is None
 
 
 def test_train_smoke_resnet(bench_train, tmp_path):
     _needs_torchvision()
-    modes = ["fp32", "o1", "o2"]
+    modes = ["fp32", "o1", "o2", "none"]
     rc = bench_train.main(["--device", "cpu", "--out", str(tmp_path), "--models", "resnet18",
                            "--batch-sizes", "2", "--image-size", "32", "--modes", ",".join(modes),
                            "--steps", "1", "--warmup", "0"])
@@ -442,6 +448,8 @@ def test_train_smoke_resnet(bench_train, tmp_path):
     o2 = next(r for r in data["runs"] if r["mode"] == "o2")
     assert o2["channels_last"] is True
     assert o2["optimizer"] == "mixedprec.FusedSGD(momentum=0.9)"
+    none = next(r for r in data["runs"] if r["mode"] == "none")
+    assert none["channels_last"] is True and none["precision"]["top"]
 
 
 def test_train_cpu_measure_is_a_result_with_torch_amp_beside_o1_o2(bench_train, tmp_path):
@@ -1018,6 +1026,15 @@ def test_lean_speed_mode_names(tmp_path, monkeypatch):
     assert data["config"]["modes"] == ["torch", "remainder+fp8"]
     row = data["results"]["resnet50"]["threads"]["1"]["remainder+fp8"]
     assert row["status"] == "ok"
+    # The precision report beside a mode: "+report" every step, "+reportN" every N-th.
+    assert mod.parse_mode("none+bf16+report")["precision_report"] is True
+    assert mod.parse_mode("none+report8")["precision_report"] == 8
+    assert mod.parse_mode("none+report8")["state_dtype"] == torch.float32
+    assert mod.parse_mode("none")["precision_report"] is False
+    assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50",
+                     "--threads", "1", "--modes", "none+report,none+bf16+report4"]) == 0
+    rows = json.loads((tmp_path / "lean-speed-cpu.json").read_text())["results"]["resnet50"]
+    assert all(r["status"] == "ok" for r in rows["threads"]["1"].values())
 
 
 # bench/lean_speed.py's peers on two tensors: one the 8-bit peers quantize (>= 4096

@@ -55,7 +55,7 @@ def test_digits_job_writes_table_plot_and_json(tmp_path):
     # job's own accuracy check runs as in make demo.
     log = run([EXAMPLES / "digits" / "train.py", "--epochs", "2", "--out", out], tmp_path)
 
-    runs = ["fp32", "O1-fp16", "O1-bf16", "O2-fp16", "O2-bf16"]
+    runs = ["fp32", "O1-fp16", "O1-bf16", "O2-fp16", "O2-bf16", "bf16-none", "bf16-remainder"]
     for name in runs:
         assert name in log
     assert "PASS" in log
@@ -90,6 +90,13 @@ def test_digits_job_writes_table_plot_and_json(tmp_path):
     for r in results["runs"]:  # amp's overflow report: a skipped step names its layers
         assert (r["skipped_steps"] == 0) == (r["overflows"] == {})
         assert all(0 < n <= r["skipped_steps"] for n in r["overflows"].values())
+    # The bf16 runs' precision report, in their progress lines and results: bf16 without
+    # masters loses updates, the remainders none.
+    none, remainder = by_name["bf16-none"]["precision"], by_name["bf16-remainder"]["precision"]
+    assert none["summary"] in log and remainder["summary"] in log
+    assert sum(r["lost"] for r in none["layers"].values()) > 0
+    assert all(r["lost"] == 0 for r in remainder["layers"].values())
+    assert by_name["fp32"]["precision"] is None
 
 
 @needs("sklearn")
