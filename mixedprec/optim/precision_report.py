@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
+from ..distributed import is_dtensor
 from ..overflow import _name_map
 
 __all__ = ["PrecisionReport", "format_precision_report"]
@@ -83,7 +84,7 @@ class PrecisionReport:
             raise TypeError(f"{where}: precision_report=True: the report follows bfloat16 and "
                             "float32 parameters (or fp32 masters), got a float16 parameter "
                             "with master='none'")
-        if type(p) is not torch.Tensor and type(p) is not torch.nn.Parameter:
+        if is_dtensor(p):
             raise TypeError(f"{where}: precision_report=True: expected plain tensors as "
                             f"parameters, got a {type(p).__name__} (the report does not "
                             "follow sharded parameters)")
