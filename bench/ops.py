@@ -21,9 +21,11 @@ on parameter lists shaped like ResNet-50 (161 tensors, 25.6M elements), GPT-2-me
 GPT-2-medium and ResNet-50 lists: mixedprec's AdamW and SGD over master x state dtype
 (bf16 parameters) and on fp32 parameters, torch's fused AdamW and SGD on fp32 and bf16
 parameters, mixedprec's FusedLAMB, FusedAdagrad and FusedNovoGrad (fp32 parameters;
-bf16 with fp32 masters) and torch's Adagrad; each as a percentage of the copy bandwidth
-at its own bytes (``mode_bytes``: from the tensors' storages), with the roofline time,
-the ratio to torch's fused AdamW on fp32 and its targets (``evaluate_mode_targets``).
+bf16 with fp32 masters) and torch's Adagrad, and the no-master bf16 AdamW and SGD with
+``precision_report=True`` and ``=8`` (its cost, issue 32); each as a percentage of the
+copy bandwidth at its own bytes (``mode_bytes``: from the tensors' storages), with the
+roofline time, the ratio to torch's fused AdamW on fp32 and its targets
+(``evaluate_mode_targets``).
 
 Reported per case: the median device time (CUDA events; see common.Timer), the
 effective bandwidth from the fewest bytes the op must move (formulas in BYTES and
@@ -618,10 +620,14 @@ MODE_MASTERS = ("fp32", "none", "kahan", "stochastic", "remainder")
 # the large lists (reported, not enforced).
 MODE_BANDWIDTH_TARGET = 0.85
 MODE_REFERENCE = "torch AdamW(fused=True) | fp32 | - | fp32"
+# precision_report= values timed beside the no-master bf16 mode (issue #32): True counts
+# every step, 8 every 8th; either should cost at most MODE_REPORT_COST of the step.
+MODE_REPORTS = (True, 8)
+MODE_REPORT_COST = 0.10
 # What an optimizer's constructor or first step raises for a combination it refuses
 # (reported "not available"); running out of memory and device errors are errors.
 MODE_REFUSED = (NotImplementedError, ValueError, TypeError, RuntimeError)
-# The modes' timing: fewer repetitions than the other cases (48 modes a list), enough
+# The modes' timing: fewer repetitions than the other cases (52 modes a list), enough
 # for a median of a bandwidth-bound step.
 MODE_TIMER_GPU = dict(warmup=2, min_reps=10, max_reps=25, target_s=0.05, latency_reps=3)
 MODE_TIMER_CPU = dict(warmup=1, min_reps=2, max_reps=2)
@@ -643,15 +649,19 @@ def mode_specs() -> List[Dict[str, Any]]:
     which need none, and torch); ``state``: the moments' (momentum's) dtype."""
     out: List[Dict[str, Any]] = []
 
-    def add(optimizer, family, impl, params, master, state):
+    def add(optimizer, family, impl, params, master, state, report=False):
         out.append(dict(key=mode_key(optimizer, params, master, state), optimizer=optimizer,
-                        family=family, impl=impl, params=params, master=master, state=state))
+                        family=family, impl=impl, params=params, master=master, state=state,
+                        report=report))
 
     for family in ("AdamW", "SGD"):
         ours, theirs = f"mixedprec.optim.{family}", f"torch {family}(fused=True)"
         add(theirs, family, "torch", "fp32", None, "fp32")
         add(theirs, family, "torch", "bf16", None, "bf16")  # torch's state: the params' dtype
         add(ours, family, "mixedprec", "bf16", "none", "bf16")
+        for every in MODE_REPORTS:  # the precision report's cost, beside the plain mode
+            add(f"{ours}(precision_report={every})", family, "mixedprec", "bf16", "none",
+                "bf16", report=every)
         for state in MODE_STATES:
             add(ours, family, "mixedprec", "fp32", None, state)
         for master in MODE_MASTERS:
@@ -674,7 +684,7 @@ def same_bytes_pairs(specs: Sequence[Dict[str, Any]]) -> List[Tuple[str, List[st
     out = []
     for s in specs:
         if s["impl"] != "mixedprec" or s["master"] not in (None, "none") or \
-                s["state"] != s["params"]:
+                s["state"] != s["params"] or s["report"]:
             continue
         refs = [t["key"] for t in specs if t["impl"] == "torch" and
                 t["family"] == s["family"] and t["params"] == s["params"]]
@@ -696,6 +706,8 @@ def _mode_optimizer(spec: Dict[str, Any], params: List[torch.Tensor]):
     import mixedprec
     if family in ("AdamW", "SGD"):
         kw = dict(state_dtype=MODE_STATES[spec["state"]])
+        if spec["report"]:
+            kw["precision_report"] = spec["report"]
         if spec["master"]:  # (fp32 parameters: the default, "fp32", which keeps none)
             kw["master"] = spec["master"]
         if spec["master"] == "stochastic":
@@ -870,8 +882,9 @@ def evaluate_mode_targets(rows, lists, smoke: bool) -> List[Dict[str, Any]]:
     """Every mixedprec AdamW and SGD mode: at least MODE_BANDWIDTH_TARGET of the copy
     bandwidth at its own bytes on the large lists; at the same bytes as torch (no
     master, state in the parameters' dtype), at least as fast as the fastest torch
-    counterpart, on every list. Reported, never enforced; not evaluated on a CPU smoke
-    run."""
+    counterpart, on every list. A mode with the precision report: its step at most
+    MODE_REPORT_COST slower than the same mode without it, on every list. Reported,
+    never enforced; not evaluated on a CPU smoke run."""
     out = []
 
     def add(target, value, unit, threshold):
@@ -882,7 +895,7 @@ def evaluate_mode_targets(rows, lists, smoke: bool) -> List[Dict[str, Any]]:
     bw = MODE_BANDWIDTH_TARGET * 100
     for r in rows:
         if r["impl"] == "mixedprec" and r["family"] in ("AdamW", "SGD") and \
-                r["list"] in LARGE_LISTS and "median_ms" in r:
+                r["list"] in LARGE_LISTS and "median_ms" in r and not r.get("report"):
             add(f"{mode_label(r)} on {lists[r['list']]['label']}: >= {bw:.0f}% of copy at "
                 f"its {r['bytes_per_elem']:.2f} B/elem", r["pct_copy"], "% of copy", bw)
     for lname in lists:
@@ -895,6 +908,14 @@ def evaluate_mode_targets(rows, lists, smoke: bool) -> List[Dict[str, Any]]:
             add(f"{mode_label(m)} on {lists[lname]['label']}: >= 1.0x {t['optimizer']} on "
                 f"{t['params']} params at the same bytes ({m['bytes_per_elem']:.2f} vs "
                 f"{t['bytes_per_elem']:.2f} B/elem)", t["median_ms"] / m["median_ms"], "x", 1.0)
+    for r in rows:
+        plain = by_key.get((r["list"], mode_key(f"mixedprec.optim.{r['family']}", r["params"],
+                                                r["master"], r["state"])))
+        if r.get("report") and "median_ms" in r and plain is not None:
+            cost = MODE_REPORT_COST * 100
+            add(f"{mode_label(r)} on {lists[r['list']]['label']}: costs <= {cost:.0f}% of "
+                f"the step (>= {1 / (1 + MODE_REPORT_COST):.2f}x the speed without it)",
+                plain["median_ms"] / r["median_ms"], "x", 1 / (1 + MODE_REPORT_COST))
     return out
 
 

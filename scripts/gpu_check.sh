@@ -205,7 +205,7 @@ define_step() {
         tests/python/optim/test_state8.py ;;
     bench-ops)
       # The two lists of the published tables and the ops that have targets, then one
-      # optimizer step in every mode (48 a list, GPT-2-medium first); the run stops
+      # optimizer step in every mode (52 a list, GPT-2-medium first); the run stops
       # starting cases and modes after --time-budget and marks the rest skipped. The
       # 20 s left to the limit: start-up (imports, CUDA, nvidia-smi), the case running
       # when the budget ends and the reports.
