@@ -12,6 +12,7 @@ from .. import ops
 from . import state8
 from .optimizer import Optimizer
 from .precision import Work, pick, positions_in
+from .precision_report import counted, tallies_of
 from .torch_path import lr_on_device, step_holders, torch_defaults
 
 __all__ = ["Adam", "AdamW"]
@@ -122,8 +123,7 @@ class Adam(Optimizer):
                     if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
-                tallies = None if self.precision_report is None else \
-                    self.precision_report.tallies(part.params)
+                tallies = tallies_of(self.precision_report, part.params)
                 calls.append((where, targets, exp_avgs, exp_avg_sqs, maxes, model, comps,
                                salts, scales, tallies, step))
         return tuple(calls)
@@ -146,7 +146,7 @@ class Adam(Optimizer):
                 unscale_grads=self.unscale_grads and inv_scale is not None,
                 exp_avg_scales=scales[0] if scales else None,
                 exp_avg_sq_scales=scales[1] if scales else None,
-                precision_tallies=tallies and self.precision_report.pick(tallies),
+                precision_tallies=counted(self.precision_report, tallies),
                 **self.precision.op_lean_args(group, targets, comps, salts, scales is not None))
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:

@@ -43,6 +43,19 @@ __all__ = ["PrecisionReport", "format_precision_report"]
 WORDS = ("lost", "lost_squares", "applied_squares", "elements")
 
 
+def tallies_of(report: Optional["PrecisionReport"], params: List[Tensor]) -> Optional[List[Tensor]]:
+    """The tallies of ``params`` an optimizer's cached op call keeps (None without a
+    report)."""
+    return None if report is None else report.tallies(params)
+
+
+def counted(report: Optional["PrecisionReport"],
+            tallies: Optional[List[Tensor]]) -> Optional[List[Tensor]]:
+    """The op call's ``precision_tallies``: ``tallies`` when this step is counted, else
+    None."""
+    return None if report is None else report.pick(tallies)
+
+
 class PrecisionReport:
     """Per-parameter tallies of lost updates (see the module docstring), kept as one
     float64 tensor of 4 words per parameter on its device, zero until the parameter

@@ -13,6 +13,7 @@ from . import state8
 from .optimizer import Optimizer
 from .plans import PlanCache
 from .precision import Work, pick, positions_in
+from .precision_report import counted, tallies_of
 from .torch_path import lr_on_device, torch_defaults
 
 __all__ = ["SGD"]
@@ -83,8 +84,7 @@ class SGD(Optimizer):
                     if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
-                tallies = None if self.precision_report is None else \
-                    self.precision_report.tallies(part.params)
+                tallies = tallies_of(self.precision_report, part.params)
                 lists = (where, targets, buffers, model, comps, salts, scales, tallies)
                 self._sgd(group, lists, pick(items.grads, where), first_run, inv_scale,
                           lr, step)
@@ -131,7 +131,7 @@ class SGD(Optimizer):
                        lr_tensor=lr_tensor,
                        unscale_grads=self.unscale_grads and inv_scale is not None,
                        momentum_scales=scales,
-                       precision_tallies=tallies and self.precision_report.pick(tallies),
+                       precision_tallies=counted(self.precision_report, tallies),
                        **self.precision.op_lean_args(group, targets, comps, salts,
                                                      scales is not None))
 
