@@ -33,6 +33,12 @@ namespace mixedprec {
 template <int D>
 using Lists = std::array<std::vector<at::Tensor>, D>;
 
+// Whether a call tallies (pointwise.h): Op has a tally list and it is given.
+template <typename Op, size_t D>
+bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
+  return Tallies<Op>::list >= 0 && !lists[Tallies<Op>::list < 0 ? 0 : Tallies<Op>::list].empty();
+}
+
 #define MP_DISPATCH_FLOATS(TYPE, NAME, ALIAS, ...)                                      \
   AT_DISPATCH_SWITCH(TYPE, NAME,                                                        \
                      AT_PRIVATE_CASE_TYPE_USING_HINT(at::kFloat, ALIAS, __VA_ARGS__)    \

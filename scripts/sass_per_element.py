@@ -374,9 +374,9 @@ def launched_mode(op: str, types: List[str], mode: Dict, layout: Dict,
     flags and has exactly the lists present, per-tensor lists and kMaybe aside); None
     when it launches the generic kernel."""
     spec = fixed.get(op)
-    if spec is None:
-        return None
     c = layout["constants"]
+    if spec is None or c.get("kTallyList") in mode["lists"]:
+        return None  # (a tallying call runs the generic kernel: CudaEngine::run)
     per_tensor = c.get("kPerTensor", 0)
     present = sum(1 << k for k in mode["lists"]) & ~per_tensor
     for m in spec["modes"]:
@@ -599,6 +599,11 @@ class Cfg:
         """The first, in code order, of the innermost loops with global memory access (a
         loop nested in it that touches no global memory, such as a rolled-up loop of
         arithmetic, does not make it an outer loop: its count is kept, `inner_loops`)."""
+        inner = self.memory_loops()
+        return inner[0] if inner else None
+
+    def memory_loops(self) -> List[Dict]:
+        """The innermost loops with global memory access, in code order (main_loop)."""
         loops = self.loops()
 
         def touches_memory(lp):
@@ -608,9 +613,8 @@ class Cfg:
         for lp in memory:
             lp["inner_loops"] = sum(1 for o in loops
                                     if o is not lp and o["header"] in lp["body"])
-        inner = [lp for lp in memory
-                 if not any(o is not lp and o["header"] in lp["body"] for o in memory)]
-        return inner[0] if inner else None
+        return [lp for lp in memory
+                if not any(o is not lp and o["header"] in lp["body"] for o in memory)]
 
 
 # ------------------------------------------------------------- abstract interpretation
@@ -1301,6 +1305,7 @@ def analyse_mode(cfg: Cfg, loop: Dict, machine: Machine) -> Dict:
                     states[s] = joined
                     work.add(s)
     result = longest_path(cfg, loop, edges)
+    result["reached"] = set(edges)
     result["unresolved"] = [cfg.ins[cfg.blocks[b][1] - 1].addr for b in result["blocks"]
                             if len(edges.get(b, [])) == 2]
     return result
@@ -1388,7 +1393,9 @@ def modes_of(op: str, types: List[str], layout: Dict) -> List[Dict]:
         eight = state == "E4m3"
         # params, grads and the state list(s); 8-bit state adds its block scales and the
         # rounding words (its codes always round stochastically). The precision report's
-        # tally list (kTallyList, after the scales) is absent: no mode here reports.
+        # tally list (kTallyList, after the scales) is absent but in the report modes:
+        # bf16 params without masters, with `report` on and the tally list given (the
+        # engine then launches the generic kernel, launched_mode).
         base = set(range(4 if op == "AdamOp" else 3))
         if eight:
             base |= set(range(scale, depth)) - {c.get("kTallyList")} | {salts}
@@ -1406,11 +1413,15 @@ def modes_of(op: str, types: List[str], layout: Dict) -> List[Dict]:
         elif param == "BFloat16":
             masters = [("none", set(), {}), ("kahan", {comp}, dict(kahan=True)),
                        ("stochastic", {salts}, dict(stochastic=True))]
+            if not eight:
+                masters.append(("none", {c["kTallyList"]}, dict(report=True, rounds_bf16=True)))
         else:
             masters = [("none", set(), {})]
         state_name = {"float": "fp32", "BFloat16": "bf16", "E4m3": "fp8"}[state]
-        return [dict(name=f"{name}, {state_name} state", lists=sorted(base | more),
-                     flags={**flags, **extra}) for name, more, extra in masters]
+        return [dict(name=f"{name}, {state_name} state" + (", report" if extra.get("report")
+                                                            else ""),
+                     lists=sorted(base | more), flags={**flags, **extra})
+                for name, more, extra in masters]
     if op in ("AdagradOp", "NovoGradOp"):
         model = c["kModelList"]
         lists = every - {model}
@@ -1596,6 +1607,15 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
             where_to = record["not_launched"]
         params, memory, _ = build_params(op, types, layout, mode, repo)
         path = analyse_mode(cfg, loop, Machine(params, memory, SPECIALS))
+        if path["instructions"] is None:
+            # A mode that runs another copy of the loop (a generic kernel's tallying
+            # copy, multi_tensor_block.cuh's unswitched loop): the first main-loop
+            # candidate, in code order, that the mode reaches.
+            reached = path["reached"]
+            other = next((lp for lp in cfg.memory_loops()[1:] if lp["header"] in reached),
+                         None)
+            if other is not None:
+                path = analyse_mode(cfg, other, Machine(params, memory, SPECIALS))
         nbytes = mode_bytes(op, types, layout, mode["lists"])
         entry = dict(mode=mode["name"], lists=mode["lists"], bytes_per_element=nbytes,
                      kernel=record["kernel"])

@@ -420,8 +420,8 @@ struct CpuEngine {
     // tensor's in chunk order after the passes (the same sums whatever the threads).
     constexpr int kTallyList = Tallies<Op>::list;
     constexpr int kWords = Tallies<Op>::count + 1;
-    const bool tallying = kTallyList >= 0 && !lists[kTallyList < 0 ? 0 : kTallyList].empty();
-    std::vector<double> words(tallying ? num_chunks * kWords : 0, 0.0);
+    const bool tallies = tallying<Op>(lists);
+    std::vector<double> words(tallies ? num_chunks * kWords : 0, 0.0);
     at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
         const int t = plan.tensors[plan.block_slot[b]];
@@ -429,7 +429,7 @@ struct CpuEngine {
         const int64_t end = std::min(numels[t], begin + kChunkSize);
         void* data[D] = {lists[K].empty() ? nullptr : lists[K][t].data_ptr()...};
         if constexpr (kTallyList >= 0) {
-          if (tallying) data[kTallyList] = words.data() + b * kWords;
+          if (tallies) data[kTallyList] = words.data() + b * kWords;
         }
         Op tensor_op = op;
         at_tensor(tensor_op, data);
@@ -440,7 +440,7 @@ struct CpuEngine {
       *found_inf = 1.f;
     }
     if constexpr (kTallyList >= 0) {
-      for (int64_t b = 0; tallying && b < num_chunks; ++b) {
+      for (int64_t b = 0; tallies && b < num_chunks; ++b) {
         double* out =
             lists[kTallyList][plan.tensors[plan.block_slot[b]]].template data_ptr<double>();
         for (int w = 0; w < kWords; ++w) out[w] += words[b * kWords + w];

@@ -451,7 +451,10 @@ MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)
   if (g % 8 != 0 || !key.consecutive(index, kQuantBlock))
     return mixedprec::block_bits(key, index, out);
   const __m512i v = philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
-  _mm512_storeu_si512(out, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_castsi512_si256(v)));
+  // (The zero-masked extract of the low half rather than _mm512_castsi512_si256, which
+  // GCC 12 builds from an extract with an undefined operand, warned of as uninitialized.)
+  _mm512_storeu_si512(
+      out, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 0)));
   _mm512_storeu_si512(
       out + 16, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 1)));
 }
@@ -477,7 +480,7 @@ MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
     const VecU16 a = (VecU16)x[j][k] & 0x7fffffffu;
     m = a > m ? a : m;
   }
-  const __m256i half = _mm256_max_epu32(_mm512_castsi512_si256((__m512i)m),
+  const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 0),
                                         _mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 1));
   __m128i q = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
   q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));

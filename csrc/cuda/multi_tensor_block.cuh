@@ -115,12 +115,6 @@ unsigned present_lists(const std::array<std::vector<at::Tensor>, D>& lists) {
   return mask;
 }
 
-// Whether the call tallies (pointwise.h): Op has a tally list and it is given.
-template <typename Op, size_t D>
-bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
-  return Tallies<Op>::list >= 0 && !lists[Tallies<Op>::list < 0 ? 0 : Tallies<Op>::list].empty();
-}
-
 // The part of a chunk a block owns: its tensor slot, first element and length.
 struct Chunk {
   int slot;
