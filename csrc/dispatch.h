@@ -33,6 +33,27 @@ namespace mixedprec {
 template <int D>
 using Lists = std::array<std::vector<at::Tensor>, D>;
 
+// Whether list storage T holds 8-bit codes with one scale per block (lanes.h's E4m3).
+template <typename T>
+constexpr bool kBlocked = std::is_same<T, E4m3>::value;
+
+// The rank of list K among the 8-bit lists of Ts (0 for the others): where the CPU
+// block pass keeps its values, and which scale list is its (scale_list).
+template <size_t K, typename... Ts>
+constexpr int block_rank() {
+  constexpr bool blocked[] = {kBlocked<Ts>...};
+  int rank = 0;
+  for (size_t k = 0; k != K; ++k) rank += blocked[k] ? 1 : 0;
+  return blocked[K] ? rank : 0;
+}
+
+// The list that holds the block scales of list K (8-bit, stored as Ts[K]):
+// Op::kScaleList plus its rank among the 8-bit lists.
+template <typename Op, size_t K, typename... Ts>
+constexpr int scale_list() {
+  return Op::kScaleList + block_rank<K, Ts...>();
+}
+
 // Whether a call tallies (pointwise.h): Op has a tally list and it is given.
 template <typename Op, size_t D>
 bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {

@@ -213,27 +213,6 @@ MP_PASS(pass_avx2x4, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x4)
 #endif
 #undef MP_PASS
 
-// Whether list storage T holds 8-bit codes with one scale per block (lanes.h's E4m3).
-template <typename T>
-constexpr bool kBlocked = std::is_same_v<T, E4m3>;
-
-// The rank of list K among the 8-bit lists of Ts (0 for the others): where its values
-// wait in the block pass, and which scale list is its.
-template <size_t K, typename... Ts>
-constexpr size_t block_rank() {
-  constexpr bool blocked[] = {kBlocked<Ts>...};
-  size_t rank = 0;
-  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
-  return blocked[K] ? rank : 0;
-}
-
-// The list that holds the block scales of list K (8-bit, stored as Ts[K]):
-// Op::kScaleList plus its rank among the 8-bit lists.
-template <typename Op, size_t K, typename... Ts>
-constexpr size_t scale_list() {
-  return Op::kScaleList + block_rank<K, Ts...>();
-}
-
 // The cache lines kPrefetchBytes ahead of a block of kQuantBlock elements of storage T
 // (one line for each 64 bytes of it; an 8-bit list's 32 bytes: on every other block).
 template <typename T>
@@ -301,8 +280,8 @@ inline void block_prefetch(const T* p) {
       ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))                \
             ? NS::store_block<J, NB>(                                                              \
                   std::get<K>(v) + i, static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
-                  kept, static_cast<int>(block_rank<K, Ts...>()),                                  \
-                  op.state_stochastic ? random : nullptr, block_rank<K, Ts...>() != 0)             \
+                  kept, block_rank<K, Ts...>(), op.state_stochastic ? random : nullptr,            \
+                  block_rank<K, Ts...>() != 0)                                                     \
             : void()),                                                                             \
        ...);                                                                                       \
     }                                                                                              \

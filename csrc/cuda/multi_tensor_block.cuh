@@ -288,10 +288,8 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
 // first lane stores the scale. Elements first.. on (first and n are multiples of
 // kQuantBlock: validated and planned; base holds the tensors' own pointers). Under
 // nvcc a thread is one lane; the host build (tests/cpp/test_cuda_blocks.cpp) runs a
-// whole warp in one call, its lanes one after another between the reductions.
-template <typename T>
-constexpr bool kBlocked = std::is_same<T, E4m3>::value;
-
+// whole warp in one call, its lanes one after another between the reductions (the
+// 8-bit lists: dispatch.h's kBlocked, block_rank and scale_list).
 constexpr int kWarpSpan = kWarpSize * kILP;
 constexpr int kLanesPerBlock = kQuantBlock / kILP;
 static_assert(kQuantBlock % kILP == 0 && kWarpSpan % kQuantBlock == 0, "whole blocks per span");
@@ -322,22 +320,12 @@ MP_DEVICE void block_max(uint32_t (&m)[kHostLanes]) {
 #endif
 }
 
-template <typename Op, size_t K, typename... Ts>
-constexpr int blocked_rank() {
-  constexpr bool blocked[] = {kBlocked<Ts>...};
-  int rank = 0;
-  for (size_t k = 0; k < K; ++k) rank += blocked[k] ? 1 : 0;
-  return rank;
-}
-
 // The scale bytes of list K's blocks (an 8-bit list's; null for the others).
 template <typename Op, size_t K, typename... Ts>
 MP_DEVICE uint8_t* scales_of(void* const (&base)[sizeof...(Ts)]) {
   using T = std::tuple_element_t<K, std::tuple<Ts...>>;
   if constexpr (kBlocked<T>) {
-    return base[K] == nullptr
-               ? nullptr
-               : static_cast<uint8_t*>(base[Op::kScaleList + blocked_rank<Op, K, Ts...>()]);
+    return base[K] == nullptr ? nullptr : static_cast<uint8_t*>(base[scale_list<Op, K, Ts...>()]);
   } else {
     return nullptr;
   }
@@ -479,7 +467,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
       }
     }
     ((kBlocked<Ts> ? store_codes<Op, D>(op, static_cast<E4m3*>(out[K]), scales[K], x, at, K,
-                                        blocked_rank<Op, K, Ts...>())
+                                        block_rank<K, Ts...>())
                    : void()),
      ...);
   }
