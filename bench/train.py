@@ -268,12 +268,12 @@ class Runner:
         report = getattr(self.opt, "precision_report", None)
         if report is None:
             return None
+        from mixedprec.optim.precision_report import format_precision_report, totals
         layers = report.report(self.model)
-        elements = sum(r["elements"] for r in layers.values())
-        lost = sum(r["lost"] for r in layers.values())
         top = sorted(layers.items(), key=lambda item: -item[1]["lost_share"])[:3]
-        return dict(summary=report.summary(self.model), lost_share=lost / elements if elements
-                    else 0.0, top={name: r["lost_share"] for name, r in top})
+        return dict(summary=format_precision_report(layers),
+                    lost_share=totals(layers)["lost_share"],
+                    top={name: r["lost_share"] for name, r in top})
 
     def close(self) -> None:
         self.model = self.opt = self.scaler = self.x = self.y = None

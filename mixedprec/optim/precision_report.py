@@ -37,7 +37,7 @@ from torch import Tensor
 from ..distributed import is_dtensor
 from ..overflow import _name_map
 
-__all__ = ["PrecisionReport", "format_precision_report"]
+__all__ = ["PrecisionReport", "format_precision_report", "totals"]
 
 #: The words of each parameter's tally, as fused_adam_ and fused_sgd_ add to them.
 WORDS = ("lost", "lost_squares", "applied_squares", "elements")
@@ -161,16 +161,24 @@ class PrecisionReport:
         self.__init__(state.get("owner", "PrecisionReport"), state.get("every", 1))
 
 
+def totals(report: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """A :meth:`PrecisionReport.report`'s parameters together: ``elements``, ``lost``
+    and ``lost_share``."""
+    elements = sum(r["elements"] for r in report.values())
+    lost = sum(r["lost"] for r in report.values())
+    return dict(elements=elements, lost=lost, lost_share=lost / elements if elements else 0.0)
+
+
 def format_precision_report(report: Dict[str, Dict[str, Any]], top: int = 3) -> str:
     """One line: ``"lost updates: 31.2% of 1.2e+06 in 4 of 6 parameters; most:
     fc1.weight 48.0% (lost/applied 0.62), ...; keep them with master='remainder'"``."""
-    elements = sum(r["elements"] for r in report.values())
-    lost = sum(r["lost"] for r in report.values())
+    overall = totals(report)
+    elements = overall["elements"]
     if not elements:
         return "lost updates: none counted yet"
     losing = sorted(((r["lost_share"], name, r) for name, r in report.items() if r["lost"]),
                     key=lambda item: (-item[0], item[1]))
-    line = (f"lost updates: {100.0 * lost / elements:.2f}% of {elements:.3g} in "
+    line = (f"lost updates: {100.0 * overall['lost_share']:.2f}% of {elements:.3g} in "
             f"{len(losing)} of {len(report)} parameters")
     if not losing:
         return line

@@ -74,7 +74,7 @@ def count_device(opt) -> torch.device:
 def count_applied(opt, found_inf: Optional[Tensor]) -> None:
     """``opt.applied_steps += 1`` unless ``found_inf`` is set, on the device; the
     precision report's step count (on the host: which steps it samples) advances."""
-    if getattr(opt, "precision_report", None) is not None:
+    if opt.precision_report is not None:
         opt.precision_report.advance()
     device = found_inf.device if found_inf is not None else count_device(opt)
     if opt.applied_steps.device != device:
