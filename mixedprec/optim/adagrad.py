@@ -105,7 +105,7 @@ class Adagrad(Optimizer):
             weight_decay = 0
         torch_adagrad.adagrad(
             targets, grads, sums, steps, has_sparse_grad=any(g.is_sparse for g in grads),
-            foreach=False, differentiable=False,
+            foreach=False, differentiable=bool(group.get("differentiable")),
             has_complex=any(torch.is_complex(p) for p in params), lr=group["lr"],
             weight_decay=weight_decay, lr_decay=group["lr_decay"], eps=group["eps"],
             maximize=group["maximize"])

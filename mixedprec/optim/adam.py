@@ -48,7 +48,10 @@ class Adam(Optimizer):
       step).
 
     ``foreach``, ``fused`` and ``capturable`` are accepted (every step is fused and
-    capturable); ``differentiable=True`` is refused. Parameters that step together
+    capturable). A group with ``differentiable=True`` is stepped by torch.optim's own
+    implementation with autograd on, as torch.optim does (the fused op has no
+    derivative): fp32 state, and no lean mode, fp32 masters of 16-bit parameters or
+    precision report there. Parameters that step together
     share one step-count tensor inside the optimizer; ``state_dict()`` gives each its
     own, as torch does.
     """
@@ -172,7 +175,7 @@ class Adam(Optimizer):
         beta1, beta2 = group["betas"]
         torch_adam.adam(
             params, grads, exp_avgs, exp_avg_sqs, maxes, steps, foreach=False,
-            capturable=False, differentiable=False, fused=False,
+            capturable=False, differentiable=bool(group.get("differentiable")), fused=False,
             has_complex=any(torch.is_complex(p) for p in params),
             decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],

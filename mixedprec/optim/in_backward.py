@@ -26,7 +26,8 @@ What it takes, and what it refuses and why:
   DTensors (FSDP2 reduce-scatters gradients after the parameters' hooks have run, and
   has no hook after it); a process group of more than one process without ``model=``
   (DDP averages gradients after the parameters' hooks: a step there would read the
-  local gradient).
+  local gradient); a param group with ``differentiable=True`` (autograd records its
+  step, which cannot be inside backward).
 * Not possible: clipping by the global gradient norm (it needs every gradient before
   the first update); ``clip_grad_norm_`` after backward finds no gradients.
 * A bad gradient found in a bucket raises out of ``backward()`` after the buckets
@@ -278,6 +279,9 @@ def _check(opt: Optimizer, bucket_cap_mb: float, model: Any) -> List[Tuple[int, 
                         "mixedprec.optim's Adam, AdamW, SGD or Adagrad")
     if opt.in_backward is not None:
         raise ValueError(f"in_backward: this {name} already steps inside backward")
+    if any(group.get("differentiable") for group in opt.param_groups):
+        raise ValueError(f"in_backward: {name} has a param group with differentiable=True, "
+                         "whose step autograd records: it cannot run inside backward")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
             not 0 < bucket_cap_mb < math.inf:
         raise ValueError(f"in_backward: expected bucket_cap_mb to be a number > 0, got "

@@ -94,6 +94,11 @@ class Optimizer(torch.optim.Optimizer):
         self.precision.configure(where, master, state_dtype, bool(self.state), apply=False)
         if state_dtype is not None:
             self._check_8bit(where, state_dtype)
+        for index, group in enumerate(self.param_groups):
+            torch_path.check_differentiable(
+                f"{where}: param group {index}", group, self.master if master is None
+                else master, self.state_dtype if state_dtype is None else state_dtype,
+                self.precision_report)
         if check_only:
             return
         self.precision.configure(where, master, state_dtype, False)
@@ -117,6 +122,9 @@ class Optimizer(torch.optim.Optimizer):
                                 f"bfloat16, got {p.dtype}")
             self.precision.check_param(where, p)
         self._check_8bit(where, self.state_dtype, [param_group])
+        torch_path.check_differentiable(
+            where, dict(self.defaults, **dict(param_group, params=params)), self.master,
+            self.state_dtype, self.precision_report)
         param_group = dict(param_group, params=params)
         if self.precision.seed is not None and "seed" not in param_group:
             param_group["seed"] = self.precision.group_seed(len(self.param_groups))
@@ -134,7 +142,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _fused_group(self, group: Dict[str, Any]) -> bool:
         """Whether the group's hyperparameters suit the fused ops (else torch's
-        implementation steps the group)."""
+        implementation steps the group: differentiable, or a tensor where the ops take
+        a number)."""
+        if group.get("differentiable"):
+            return False
         return not any(isinstance(v, Tensor) for key in self._SCALAR_KEYS
                        for v in (group[key] if isinstance(group[key], tuple) else (group[key],)))
 

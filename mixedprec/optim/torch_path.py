@@ -1,8 +1,8 @@
 """What the optimizer base takes from torch.optim: each class's checks and defaults
 (:func:`torch_defaults`, run again at a step on group settings that changed), and the
 parameters that torch's own functional implementation steps (float64 and complex ones,
-sparse gradients, hyperparameters the fused ops do not take), found by
-:func:`unfused`."""
+sparse gradients, hyperparameters the fused ops do not take, and the groups with
+``differentiable=True``: :func:`check_differentiable`), found by :func:`unfused`."""
 
 import functools
 import inspect
@@ -22,9 +22,6 @@ from .precision import FLOAT_DTYPES, whole_group
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``torch_class``'s defaults for ``kwargs``, after its own argument checks (it is
     built over one empty parameter and dropped), and mixedprec's few more."""
-    if kwargs.get("differentiable"):
-        raise ValueError(f"{where}: differentiable=True is not supported (the step is a fused "
-                         "op without autograd); use torch.optim for a differentiable step")
     defaults = dict(torch_class([torch.empty(0)], **kwargs).defaults)
     lr = defaults["lr"]
     if not isinstance(lr, Tensor) and not math.isfinite(lr):
@@ -73,6 +70,8 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
         try:
             if torch_class is not None:
                 torch_defaults(torch_class, f"{where}: param group {index}", kwargs)
+                check_differentiable(f"{where}: param group {index}", group, opt.master,
+                                     opt.state_dtype, opt.precision_report)
             else:
                 opt._check_group(f"{where}: param group {index}", group)
         except (ValueError, TypeError) as error:
@@ -80,6 +79,33 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
                 raise
             raise type(error)(f"{where}: param group {index}: {error}") from error
         checked[index] = key
+
+
+def check_differentiable(where: str, group: Dict[str, Any], master: str,
+                         state_dtype: torch.dtype, report: Any) -> None:
+    """A group with ``differentiable=True`` is stepped by torch.optim's own implementation
+    with autograd recording it, as torch.optim does (the fused ops have no derivative):
+    its parameters as they are, with state of their dtype (torch's). So it takes no lean
+    mode, no ``state_dtype`` but the default, no fp32 masters of fp16/bf16 parameters
+    (``master="none"`` steps those as torch.optim does) and no precision report: each is
+    refused here, naming it."""
+    if not group.get("differentiable"):
+        return
+    if master not in ("fp32", "none"):
+        why = f"master={master!r}"
+    elif state_dtype != torch.float32:
+        why = f"state_dtype={state_dtype}"
+    elif report is not None:
+        why = "precision_report"
+    elif master == "fp32" and any(isinstance(p, Tensor) and p.dtype in (
+            torch.float16, torch.bfloat16) for p in group["params"]):
+        why = "fp32 masters of fp16/bf16 parameters (master='fp32'; master='none' steps " \
+              "them as torch.optim does)"
+    else:
+        return
+    raise ValueError(f"{where}: differentiable=True steps with torch.optim's own "
+                     "implementation (autograd records the step), which keeps the parameters "
+                     f"as they are, with state of their dtype: not {why}")
 
 
 def step_holders(state_of: Dict[Tensor, Dict[str, Any]], group: Dict[str, Any]) -> Counter:
@@ -137,8 +163,9 @@ def lr_on_device(group: Dict[str, Any], device: torch.device, found_inf: Optiona
 
 def step_pending(opt) -> None:
     """torch's own step of the parameters the fused step left to it (float64, complex,
-    sparse gradients, ...: ``opt._pending``), unless the scaler's ``found_inf`` is set
-    (read on the host: not a mixed-precision hot path); gradients unscaled first."""
+    sparse gradients, differentiable groups, ...: ``opt._pending``), unless the scaler's
+    ``found_inf`` is set (read on the host: not a mixed-precision hot path); gradients
+    unscaled first. A differentiable group's step runs with autograd on, as torch's."""
     pending = list(opt._pending)
     opt._pending.clear()
     found_inf = getattr(opt, "found_inf", None)
@@ -151,7 +178,8 @@ def step_pending(opt) -> None:
         if grad_scale is not None:
             for grad in grads:
                 grad.mul_(inverse(grad_scale.to(grad.device)).to(grad.dtype))
-        opt._torch_step(group, params, grads)
+        with torch.set_grad_enabled(bool(group.get("differentiable"))):
+            opt._torch_step(group, params, grads)
 
 
 def is_fused_param(p: Tensor) -> bool:

@@ -1,12 +1,17 @@
 """mixedprec.optim.Adam/AdamW/SGD against torch.optim: optim_db's configurations step for
 step, torch's fallback dtypes, per-parameter step counts, state_dict interchange both
-ways, the scaler channel, and argument errors."""
+ways, the scaler channel, argument errors, and differentiable=True (torch's own step)."""
 
 import copy
 
 import pytest
 import torch
-from helpers import eager_and_compiled_steps, forbid_host_sync
+from helpers import (
+    assert_state_dict_unchanged,
+    eager_and_compiled_steps,
+    forbid_host_sync,
+    state_dict_snapshot,
+)
 
 import mixedprec
 from mixedprec import optim
@@ -275,7 +280,8 @@ def test_grad_is_unscaled_after_a_scaler_step(name):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lr=float("inf")), "lr to be a finite number"),
     (dict(lr=-1.0), "Invalid learning rate"),
-    (dict(differentiable=True), "differentiable=True"),
+    (dict(differentiable=True, state_dtype=torch.bfloat16), "differentiable=True steps with "
+                                                            "torch.optim's own"),
     (dict(unscale_grads=1), "unscale_grads to be a bool"),
     (dict(master="fp8"), "master to be one of"),
 ])
@@ -409,3 +415,102 @@ def test_fp16_params_written_with_their_own_values_keep_their_masters(name, monk
     else:  # Adam's moments still move it: the element restarts from 3.0
         torch.testing.assert_close(master[0, 0], torch.tensor(3.0), rtol=0, atol=0.011)
         assert torch.equal(p, master.to(torch.float16))
+
+
+# --- differentiable=True: torch.optim's own step, with autograd -------------------------
+
+DIFFERENTIABLE = dict(PAIRS, Adagrad=(optim.Adagrad, torch.optim.Adagrad))
+
+
+@pytest.mark.parametrize("dtype, master", [(torch.float32, "fp32"), (torch.bfloat16, "none")])
+@pytest.mark.parametrize("name", sorted(DIFFERENTIABLE))
+def test_a_differentiable_step_is_torchs_with_its_derivatives(name, dtype, master, device):
+    """differentiable=True: the step (a non-leaf parameter, as in meta-learning) is torch's,
+    bit for bit, with the state torch keeps, and autograd differentiates through it as
+    through torch's: the derivatives with respect to the parameter's leaf and to the
+    tensor its first gradient came from are the same."""
+    kwargs = dict(lr=0.1, weight_decay=0.01) | (dict(momentum=0.9) if name == "SGD" else {})
+    results = []
+    for cls, extra in zip(DIFFERENTIABLE[name], (dict(master=master), {})):
+        gen = torch.Generator().manual_seed(0)
+        leaf = torch.randn(4, 3, generator=gen).to(device, dtype).requires_grad_()
+        source = torch.randn(4, 3, generator=gen).to(device, dtype).requires_grad_()
+        param = leaf * 1.5
+        opt = cls([param], differentiable=True, **kwargs, **extra)
+        param.grad = source * 2
+        opt.step()
+        param.grad = torch.randn(4, 3, generator=gen).to(device, dtype)
+        opt.step()
+        assert param.requires_grad and param.grad_fn is not None  # autograd recorded it
+        derivatives = torch.autograd.grad(param.float().square().sum(), (leaf, source),
+                                          allow_unused=True)
+        results.append((param.detach(), derivatives, opt.state[param]))
+    (ours, ours_d, ours_state), (ref, ref_d, ref_state) = results
+    assert torch.equal(ours, ref)
+    for a, b in zip(ours_d, ref_d):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert ours_state.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        assert torch.equal(ours_state[key], value), key
+        assert ours_state[key].dtype == value.dtype, key
+
+
+def test_a_differentiable_group_steps_beside_fused_ones():
+    """Each group is stepped as it says: one with differentiable=False takes the fused op
+    (no graph) beside differentiable ones, each matching torch.optim's step of it."""
+    leaves, ref_leaves = model_params(), model_params()
+    ours = optim.AdamW([{"params": leaves[:2], "differentiable": False},
+                        {"params": [p * 1.0 for p in leaves[2:]]}], lr=0.01, differentiable=True)
+    theirs = [torch.optim.AdamW(ref_leaves[:2], lr=0.01),
+              torch.optim.AdamW([p * 1.0 for p in ref_leaves[2:]], lr=0.01, differentiable=True)]
+    ours_params = [p for g in ours.param_groups for p in g["params"]]
+    ref_params = [p for opt in theirs for p in opt.param_groups[0]["params"]]
+    for step in range(3):
+        for p, r, g in zip(ours_params, ref_params, grads_for(ours_params, step)):
+            p.grad, r.grad = g.clone(), g.clone()
+        for opt in [ours] + theirs:
+            opt.step()
+    for group, ref in zip(ours.param_groups, theirs):
+        for p, r in zip(group["params"], ref.param_groups[0]["params"]):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+            assert (p.grad_fn is not None) == group["differentiable"]
+
+
+@pytest.mark.parametrize("extra, why", [
+    (dict(master="kahan"), "not master='kahan'"),
+    (dict(master="remainder"), "not master='remainder'"),
+    (dict(state_dtype=torch.bfloat16), "not state_dtype=torch.bfloat16"),
+    (dict(state_dtype=torch.float8_e4m3fn), "not state_dtype=torch.float8_e4m3fn"),
+    (dict(precision_report=True), "not precision_report"),
+    ({}, r"not fp32 masters of fp16/bf16 parameters \(master='fp32'; master='none'")])
+def test_differentiable_refuses_what_torchs_step_cannot_keep(extra, why):
+    """A differentiable group is stepped by torch.optim's implementation: the lean modes,
+    other state dtypes, the precision report and fp32 masters of bf16 parameters are
+    refused, naming them, at construction, in add_param_group and in configure, with
+    nothing changed."""
+    message = f"differentiable=True steps with torch.optim's own implementation.*{why}"
+    bf16 = model_params(torch.bfloat16)
+    with pytest.raises(ValueError, match=f"AdamW: {message}"):
+        optim.AdamW(bf16, differentiable=True, **extra)
+    opt = optim.AdamW(bf16[:2], **extra)
+    train(opt, bf16[:2], 1)
+    before = state_dict_snapshot(bf16[:2], opt)
+    with pytest.raises(ValueError, match=f"AdamW: {message}"):
+        opt.add_param_group({"params": bf16[2:], "differentiable": True})
+    assert len(opt.param_groups) == 1
+    assert_state_dict_unchanged(bf16[:2], opt, before)
+    if "master" not in extra and "state_dtype" not in extra:  # (configure changes those)
+        return
+    opt = optim.AdamW(model_params(torch.bfloat16), differentiable=True, master="none")
+    with pytest.raises(ValueError, match=f"AdamW.configure: param group 0: {message}"):
+        opt.configure(**{k: v for k, v in extra.items() if k != "precision_report"})
+    assert (opt.master, opt.state_dtype) == ("none", torch.float32)
+
+
+def test_in_backward_refuses_a_differentiable_group():
+    params = model_params()
+    opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:], "differentiable": True}])
+    with pytest.raises(ValueError, match="in_backward: AdamW has a param group with "
+                                         "differentiable=True"):
+        optim.in_backward(opt)
+    assert opt.in_backward is None
