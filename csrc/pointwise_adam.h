@@ -67,7 +67,10 @@ struct AdamOp {
   // (Model true); kahan, remainder or stochastic; fp32 or bf16 moments, or 8-bit ones
   // (Eight: root and state_stochastic, as the optimizers give them) with their
   // scales; the unscaled grads written back or not; all without maximize or amsgrad.
-  // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode.
+  // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode: the
+  // gradients as autograd gives them, of the params' dtype, or with fp32 masters of the
+  // model copy's or fp32 (master gradients). Other gradient dtypes (written by hand,
+  // a third of the instantiations each) take the generic code: the same bits, slower.
   template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
   struct Mode {
     static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) |
@@ -86,9 +89,13 @@ struct AdamOp {
     template <typename... Ts>
     static constexpr bool fits() {
       using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+      using Grad = std::tuple_element_t<1, std::tuple<Ts...>>;
       using State = std::tuple_element_t<2, std::tuple<Ts...>>;
+      using Copy = std::tuple_element_t<kModelList, std::tuple<Ts...>>;
       using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>;
-      return (!Model || std::is_same_v<Param, float>) &&
+      return (Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float>
+                    : std::is_same_v<Grad, Param>) &&
+             (!Model || std::is_same_v<Param, float>) &&
              (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
              (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
     }
