@@ -122,21 +122,13 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
   }
 }
 
-// The state dtypes whose kernels a run_optimizer instantiation compiles: every one, or
-// a registration unit's share (ops/adam.h: the 8-bit moments', or the others').
-enum class StatePart { kAll, kWide, kEight };
-template <StatePart Part, typename State>
-constexpr bool kInPart =
-    Part == StatePart::kAll || (Part == StatePart::kEight) == std::is_same_v<State, E4m3>;
-
 // Optimizers: params and grads in any float type; the state lists in fp32, or all
 // in bf16 or all 8-bit (E4m3 codes with block scales from list Op::kScaleList on,
 // lanes.h) where Op::kLeanState (validated before; list 2 tells which); the model copy,
 // when present (list Op::kModelList), in any float type, and params are then fp32
 // masters (validated before). Where Op::kLeanState, list Op::kCompList holds bf16
 // Kahan compensations or int16 remainders (bf16 params, no model copy: validated).
-// Part: the state dtypes it takes (the caller's to route the others elsewhere).
-template <class Engine, typename Op, StatePart Part = StatePart::kAll>
+template <class Engine, typename Op>
 void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op& op,
                    const float* skip) {
   constexpr int D = Op::kDepth;
@@ -148,34 +140,27 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
       MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "mixedprec optimizer", grad_t, [&] {
         auto run = [&](auto state_tag) {
           using state_t = decltype(state_tag);
-          if constexpr (!kInPart<Part, state_t>) {
-            TORCH_INTERNAL_ASSERT(false, "run_optimizer: state dtype outside its part");
-          } else if (!has_model) {
+          if (!has_model) {
             using Types = typename Op::template Storage<param_t, grad_t, float, state_t>;
             run_types<Engine>(Types{}, g, op, skip);
-          } else {
-            MP_DISPATCH_FLOATS(
-                g[Op::kModelList][0].scalar_type(), "mixedprec optimizer", model_t, [&] {
-                  if constexpr (std::is_same_v<param_t, float>) {
-                    using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
-                    run_types<Engine>(Types{}, g, op, skip);
-                  }
-                });
+            return;
           }
+          MP_DISPATCH_FLOATS(
+              g[Op::kModelList][0].scalar_type(), "mixedprec optimizer", model_t, [&] {
+                if constexpr (std::is_same_v<param_t, float>) {
+                  using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
+                  run_types<Engine>(Types{}, g, op, skip);
+                }
+              });
         };
         if constexpr (Op::kLeanState) {
           const auto& comps = g[Op::kCompList];
           if (!comps.empty() && comps[0].scalar_type() == at::kShort) {
             if constexpr (std::is_same_v<param_t, c10::BFloat16>) {
               auto run_remainders = [&](auto state_tag) {
-                using state_t = decltype(state_tag);
-                if constexpr (!kInPart<Part, state_t>) {
-                  TORCH_INTERNAL_ASSERT(false, "run_optimizer: state dtype outside its part");
-                } else {
-                  using Types =
-                      typename Op::template Storage<param_t, grad_t, float, state_t, int16_t>;
-                  run_types<Engine>(Types{}, g, op, skip);
-                }
+                using Types = typename Op::template Storage<param_t, grad_t, float,
+                                                            decltype(state_tag), int16_t>;
+                run_types<Engine>(Types{}, g, op, skip);
               };
               if (fp8_state) return run_remainders(E4m3{});
               if (bf16_state) return run_remainders(c10::BFloat16{});

@@ -1,12 +1,9 @@
-// The CUDA kernels of Adam but its 8-bit moments': one of the registration units
+// The CUDA kernels of Adam: one of the registration units
 // (csrc/ops/unit.h, MP_REGISTER_UNIT), compiled on its own.
 #include <torch/library.h>
 
 #include "../ops/adam.h"
 #include "../ops/unit.h"
 #include "multi_tensor_apply.cuh"
-
-// (the 8-bit moments' kernels are register_adam8.cu's)
-MP_ADAM_8BIT(extern, mixedprec::cuda::CudaEngine)
 
 MP_REGISTER_UNIT(register_adam_ops, mixedprec::cuda::CudaEngine, CUDA, SparseCUDA, SparseCsrCUDA)

@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
 
@@ -16,21 +15,6 @@
 #include "../pointwise_adam.h"
 
 namespace mixedprec {
-
-// fused_adam_'s kernels come in two halves, each compiled in registration units of its
-// own (csrc/README.md): the 8-bit moments' here, explicitly instantiated in
-// cpu/register_adam8.cpp and cuda/register_adam8.cu and declared extern in the units of
-// the others (register_adam.*), so that an edit of AdamOp rebuilds them side by side.
-template <class Engine>
-void run_adam_8bit(const std::array<at::TensorList, AdamOp::kDepth>& lists, const AdamOp& op,
-                   const float* skip) {
-  run_optimizer<Engine, AdamOp, StatePart::kEight>(lists, op, skip);
-}
-#define MP_ADAM_8BIT(KIND, ENGINE)                                                            \
-  KIND template void mixedprec::run_adam_8bit<ENGINE>(                                        \
-      const std::array<at::TensorList, mixedprec::AdamOp::kDepth>&, const mixedprec::AdamOp&, \
-      const float*);
-
 namespace entry {
 
 // The step counter is incremented (on the device, unless found_inf is set) before
@@ -132,24 +116,11 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   op.state_seed = static_cast<uint64_t>(state_seed.value_or(0));
   op.report = precision_tallies.has_value();
   const at::TensorList unscaled = unscale_grads && inv_scale.has_value() ? grads : at::TensorList{};
-  const std::array<at::TensorList, AdamOp::kDepth> lists{
-      params,
-      grads,
-      exp_avgs,
-      exp_avg_sqs,
-      model_params,
-      op.remainder ? rems : comps,
-      salts,
-      max_sqs,
-      unscaled,
-      exp_avg_scales.value_or(at::TensorList{}),
-      exp_avg_sq_scales.value_or(at::TensorList{}),
-      tallies};
-  if (op.root) {  // (8-bit moments: validated above, every exp_avg and exp_avg_sq)
-    run_adam_8bit<Engine>(lists, op, optional_ptr(found_inf));
-  } else {
-    run_optimizer<Engine, AdamOp, StatePart::kWide>(lists, op, optional_ptr(found_inf));
-  }
+  run_optimizer<Engine, AdamOp>(
+      {params, grads, exp_avgs, exp_avg_sqs, model_params, op.remainder ? rems : comps, salts,
+       max_sqs, unscaled, exp_avg_scales.value_or(at::TensorList{}),
+       exp_avg_sq_scales.value_or(at::TensorList{}), tallies},
+      op, optional_ptr(found_inf));
 }
 
 }  // namespace entry
