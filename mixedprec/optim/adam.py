@@ -50,10 +50,10 @@ class Adam(Optimizer):
     ``foreach``, ``fused`` and ``capturable`` are accepted (every step is fused and
     capturable). A group with ``differentiable=True`` is stepped by torch.optim's own
     implementation with autograd on, as torch.optim does (the fused op has no
-    derivative): fp32 state, and no lean mode, fp32 masters of 16-bit parameters or
-    precision report there. Parameters that step together
-    share one step-count tensor inside the optimizer; ``state_dict()`` gives each its
-    own, as torch does.
+    derivative): torch's state, of the parameters' dtype, and no lean mode, other
+    ``state_dtype``, fp32 masters of 16-bit parameters or precision report there.
+    Parameters that step together share one step-count tensor inside the optimizer;
+    ``state_dict()`` gives each its own, as torch does.
     """
 
     _TORCH_CLASS = torch.optim.Adam
