@@ -122,9 +122,8 @@ class Optimizer(torch.optim.Optimizer):
                                 f"bfloat16, got {p.dtype}")
             self.precision.check_param(where, p)
         self._check_8bit(where, self.state_dtype, [param_group])
-        torch_path.check_differentiable(
-            where, dict(self.defaults, **dict(param_group, params=params)), self.master,
-            self.state_dtype, self.precision_report)
+        torch_path.check_differentiable(where, {**self.defaults, **param_group, "params": params},
+                                        self.master, self.state_dtype, self.precision_report)
         param_group = dict(param_group, params=params)
         if self.precision.seed is not None and "seed" not in param_group:
             param_group["seed"] = self.precision.group_seed(len(self.param_groups))
