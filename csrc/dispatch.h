@@ -23,6 +23,7 @@
 #include <map>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pointwise.h"
@@ -122,18 +123,51 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
   }
 }
 
-// Optimizers: params and grads in any float type; the state lists in fp32, or all
-// in bf16 or all 8-bit (E4m3 codes with block scales from list Op::kScaleList on,
-// lanes.h) where Op::kLeanState (validated before; list 2 tells which); the model copy,
-// when present (list Op::kModelList), in any float type, and params are then fp32
-// masters (validated before). Where Op::kLeanState, list Op::kCompList holds bf16
-// Kahan compensations or int16 remainders (bf16 params, no model copy: validated).
+// The gradients' storage types the optimizers' kernels are built for: those autograd
+// gives, of the dtype of `Own` (the params, or with fp32 masters the model copy), and
+// fp32 (master gradients). Another dtype (gradients written by hand) runs as an fp32
+// copy, which holds its values exactly: the same bits for one more pass over those
+// gradients, and 174 CUDA kernels per architecture instead of 228.
+template <typename Own, typename Grad>
+constexpr bool kStoredGrad = std::is_same_v<Grad, Own> || std::is_same_v<Grad, float>;
+
+// Makes group g's gradients fp32 copies where their dtype is not a stored one
+// (kStoredGrad; `own`, the dtype of the params or of the model copy), and every list
+// that holds the same tensors (the unscaled gradients, written) those copies too.
+// Returns what the caller copies back once the kernel ran: (given, copy) pairs of the
+// written gradients.
+template <int D>
+std::vector<std::pair<at::Tensor, at::Tensor>> widen_grads(Lists<D>& g, at::ScalarType own) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;
+  const at::ScalarType grad = g[1][0].scalar_type();
+  if (grad == own || grad == at::kFloat) return written;
+  const std::vector<at::Tensor> given = g[1];
+  for (auto& t : g[1]) t = t.to(at::kFloat);
+  for (int k = 2; k < D; ++k) {
+    if (g[k].empty() || !g[k][0].is_same(given[0])) continue;
+    for (size_t i = 0; i < g[k].size(); ++i) {
+      written.emplace_back(given[i], g[1][i]);
+      g[k][i] = g[1][i];
+    }
+  }
+  return written;
+}
+
+// Optimizers: params in any float type and grads as kStoredGrad says (others are
+// widened first); the state lists in fp32, or all in bf16 or all 8-bit (E4m3 codes
+// with block scales from list Op::kScaleList on, lanes.h) where Op::kLeanState
+// (validated before; list 2 tells which); the model copy, when present (list
+// Op::kModelList), in any float type, and params are then fp32 masters (validated
+// before). Where Op::kLeanState, list Op::kCompList holds bf16 Kahan compensations or
+// int16 remainders (bf16 params, no model copy: validated).
 template <class Engine, typename Op>
 void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op& op,
                    const float* skip) {
   constexpr int D = Op::kDepth;
-  for (const auto& g : group_by_dtype<D>(lists)) {
+  for (auto& g : group_by_dtype<D>(lists)) {
     const bool has_model = !g[Op::kModelList].empty();
+    const auto written =
+        widen_grads<D>(g, (has_model ? g[Op::kModelList][0] : g[0][0]).scalar_type());
     const bool bf16_state = !g[2].empty() && g[2][0].scalar_type() == at::kBFloat16;
     const bool fp8_state = !g[2].empty() && g[2][0].scalar_type() == at::kFloat8_e4m3fn;
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "mixedprec optimizer", param_t, [&] {
@@ -141,13 +175,15 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
         auto run = [&](auto state_tag) {
           using state_t = decltype(state_tag);
           if (!has_model) {
-            using Types = typename Op::template Storage<param_t, grad_t, float, state_t>;
-            run_types<Engine>(Types{}, g, op, skip);
+            if constexpr (kStoredGrad<param_t, grad_t>) {
+              using Types = typename Op::template Storage<param_t, grad_t, float, state_t>;
+              run_types<Engine>(Types{}, g, op, skip);
+            }
             return;
           }
           MP_DISPATCH_FLOATS(
               g[Op::kModelList][0].scalar_type(), "mixedprec optimizer", model_t, [&] {
-                if constexpr (std::is_same_v<param_t, float>) {
+                if constexpr (std::is_same_v<param_t, float> && kStoredGrad<model_t, grad_t>) {
                   using Types = typename Op::template Storage<float, grad_t, model_t, state_t>;
                   run_types<Engine>(Types{}, g, op, skip);
                 }
@@ -156,7 +192,7 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
         if constexpr (Op::kLeanState) {
           const auto& comps = g[Op::kCompList];
           if (!comps.empty() && comps[0].scalar_type() == at::kShort) {
-            if constexpr (std::is_same_v<param_t, c10::BFloat16>) {
+            if constexpr (std::is_same_v<param_t, c10::BFloat16> && kStoredGrad<param_t, grad_t>) {
               auto run_remainders = [&](auto state_tag) {
                 using Types = typename Op::template Storage<param_t, grad_t, float,
                                                             decltype(state_tag), int16_t>;
@@ -174,6 +210,7 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
         run(float{});
       });
     });
+    for (const auto& [given, copy] : written) given.copy_(copy);
   }
 }
 

@@ -69,8 +69,9 @@ struct AdamOp {
   // scales; the unscaled grads written back or not; all without maximize or amsgrad.
   // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode: the
   // gradients as autograd gives them, of the params' dtype, or with fp32 masters of the
-  // model copy's or fp32 (master gradients). Other gradient dtypes (written by hand,
-  // a third of the instantiations each) take the generic code: the same bits, slower.
+  // model copy's or fp32 (master gradients). fp32 gradients of bf16 or fp16 params
+  // take the generic code: the same bits, slower (other dtypes are not built at all:
+  // run_optimizer widens them to fp32, dispatch.h's kStoredGrad).
   template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
   struct Mode {
     static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) |

@@ -357,8 +357,9 @@ def fixed_lists(m: FixedMode, c: Dict) -> int:
 def autograd_grads(types: List[str], model: bool, c: Dict) -> bool:
     """Whether the gradients are as autograd gives them: of the params' dtype, or with
     fp32 masters (`model`: the model copy given) of the model copy's dtype or fp32
-    (master gradients). The fixed modes take only those (Mode::fits); other gradient
-    dtypes run on the generic kernel, by design (`uncommon_grads`)."""
+    (master gradients). The fixed modes take only those (Mode::fits); fp32 gradients
+    of narrower params run on the generic kernel, by design (`uncommon_grads`), and
+    other dtypes are widened to fp32 before any kernel (dispatch.h's kStoredGrad)."""
     grad = types[1]
     return grad in (types[c["kModelList"]], "float") if model else grad == types[0]
 

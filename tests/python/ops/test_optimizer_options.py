@@ -284,6 +284,36 @@ def test_unscale_grads_leaves_the_unscaled_gradients(device, optimizer, maximize
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("found_inf", [0.0, 1.0], ids=["step", "skip"])
+def test_grads_of_another_dtype_step_as_their_fp32_copies(device, optimizer, found_inf):
+    """fp16 gradients of bf16 params (no kernel is built for them: dispatch.h's
+    kStoredGrad) give the bits of the same step on fp32 copies of them, and are written
+    back unscaled in fp16, or left as they were when the step is skipped."""
+    params = make_params(BF16, device)
+    grads = [randn(p.shape, F16, device, seed=10 + i, scale=LOSS_SCALE)
+             for i, p in enumerate(params)]
+    inv_scale = scalar(1 / 3, device)
+    before = [g.clone() for g in grads]
+    op, kwargs = optimizer_call(optimizer, device, params, grads, inv_scale=inv_scale,
+                                found_inf=scalar(found_inf, device), unscale_grads=True)
+    widened = {k: [t.clone() for t in v] if isinstance(v, list) else
+               v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    widened["grads"] = [g.float() for g in before]
+
+    op(**kwargs)
+    op(**widened)
+
+    want = before if found_inf else exact_unscaled_grads(before, inv_scale)
+    for got, w, fp32 in zip(kwargs["grads"], want, widened["grads"]):
+        assert_bitwise_equal(got, w)
+        assert_bitwise_equal(got, fp32.to(F16))
+    for name in kwargs:
+        if name != "grads" and isinstance(kwargs[name], list):
+            for g, w in zip(kwargs[name], widened[name]):
+                assert_bitwise_equal(g, w, msg=name)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_unscale_grads_without_inv_scale_changes_no_grad(device, optimizer):
     params = make_params(F32, device)
     grads = mixed_grads(params, device, seed=10)
