@@ -98,6 +98,43 @@ def extension(cuda: bool):
     )
 
 
+# The units that take longest, in the order ninja is to start them (csrc/README.md):
+# distutils sorts the sources by name, which starts the CPU units first and leaves the
+# CUDA Adam unit, the longest, running alone at the end of a clean build.
+LONGEST_FIRST = ("csrc/cuda/register_adam.cu", "csrc/cuda/register_optimizers.cu",
+                 "csrc/cpu/register_adam.cpp", "csrc/cpu/register_optimizers.cpp")
+
+
+def longest_first(sources):
+    """The indices of `sources` in LONGEST_FIRST's order, the others after in theirs."""
+    def rank(i):
+        name = os.path.relpath(sources[i]).replace(os.sep, "/")
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    return sorted(range(len(sources)), key=rank)
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's, with ninja's build file listing the sources longest first
+    (LONGEST_FIRST); the objects are linked in distutils' order, as before."""
+
+    def build_extension(self, ext):
+        compile_sources = self.compiler.compile
+
+        def compile_longest_first(sources, *args, **kwargs):
+            order = longest_first(sources)
+            objects = compile_sources([sources[i] for i in order], *args, **kwargs)
+            linked = [None] * len(sources)
+            for position, i in enumerate(order):
+                linked[i] = objects[position]
+            return linked
+
+        self.compiler.compile = compile_longest_first
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_sources
+
+
 def announce(cuda: bool) -> None:
     """What is built, how, and with how many jobs, in the build output."""
     os.environ.setdefault("MAX_JOBS", str(build_checks.default_max_jobs(cuda=cuda)))
@@ -119,7 +156,7 @@ write_build_info(CUDA)
 setup(
     packages=find_packages(include=["mixedprec", "mixedprec.*"]),
     ext_modules=[extension(CUDA)],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     # pip then refuses to install the wheel next to another torch release, rather
     # than the import failing on a missing C++ symbol.
