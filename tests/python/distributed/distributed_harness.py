@@ -61,7 +61,9 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple,
 
 # The ranks fork from a server process that has imported torch and mixedprec once, so
 # a call costs no interpreter start or import per rank (spawn costs seconds each). The
-# server is started clean, without the parent's threads or CUDA state.
+# server is started clean, without the parent's threads or CUDA state. The ranks see
+# the environment of the server's start (the first call), not a later os.environ:
+# hand a rank its settings through fn's arguments.
 mp.set_forkserver_preload(["torch", "torch.distributed", "mixedprec"])
 
 
