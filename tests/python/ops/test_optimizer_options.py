@@ -230,6 +230,13 @@ def optimizer_call(optimizer, device, params, grads, model=(), **kw):
                                  **kw)
 
 
+def cloned(kwargs):
+    """An op call's keyword arguments with every tensor, alone or in a list, cloned."""
+    def one(v):
+        return v.clone() if isinstance(v, torch.Tensor) else v
+    return {k: [one(t) for t in v] if isinstance(v, list) else one(v) for k, v in kwargs.items()}
+
+
 def exact_unscaled_grads(grads, inv_scale):
     """What GradScaler.unscale_ leaves, from float64: ``g * inv_scale`` in float32 (the
     float64 product of two float32 values is exact, so rounding it once to float32 is
@@ -266,8 +273,7 @@ def test_unscale_grads_leaves_the_unscaled_gradients(device, optimizer, maximize
     exact = exact_unscaled_grads(grads, inv_scale)
     op, kwargs = optimizer_call(optimizer, device, params, grads, model, inv_scale=inv_scale,
                                 found_inf=scalar(0.0, device), maximize=maximize)
-    plain = {k: [t.clone() for t in v] if isinstance(v, list) else
-             v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    plain = cloned(kwargs)
 
     op(**kwargs, unscale_grads=True)
     op(**plain)
@@ -296,8 +302,7 @@ def test_grads_of_another_dtype_step_as_their_fp32_copies(device, optimizer, fou
     before = [g.clone() for g in grads]
     op, kwargs = optimizer_call(optimizer, device, params, grads, inv_scale=inv_scale,
                                 found_inf=scalar(found_inf, device), unscale_grads=True)
-    widened = {k: [t.clone() for t in v] if isinstance(v, list) else
-               v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    widened = cloned(kwargs)
     widened["grads"] = [g.float() for g in before]
 
     op(**kwargs)
