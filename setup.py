@@ -62,8 +62,13 @@ def write_build_info(cuda: bool) -> None:
 # `make build` keeps (scripts/cuda_resources.py) and tests/python/ops/test_cuda_resources.py
 # gates. --diag-error 20011,20014: a __host__ function called from device code is an
 # error, not a warning: nvcc otherwise compiles the caller's path away (an empty kernel).
+# --threads=2: a unit's architectures compile side by side (cicc and ptxas per
+# architecture are nine tenths of a CUDA unit's time), so an edit that rebuilds one
+# family's units (its CUDA unit the longest) takes both cores; in a full build ninja's
+# jobs fill the cores already, and the extra threads share them. nvcc prints each
+# architecture's ptxas lines together, which scripts/cuda_resources.py relies on.
 NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false", "--resource-usage",
-              "--diag-error=20011,20014"]
+              "--diag-error=20011,20014", "--threads=2"]
 
 
 def extension(cuda: bool):
