@@ -231,7 +231,8 @@ MP_HD void store_block_of(E4m3* p, uint8_t* scale, const float (&x)[kQuantBlock]
 
 // What the functors need of their value type V beyond + - * /: a square root, a
 // flag (per lane) for non-finite values, a choice per lane (select: a where the
-// condition holds, else b; the condition is a comparison of Vs), round_bf16: the
+// condition holds, else b; the condition is a comparison of Vs), ones: 1 in the lanes
+// where a flag holds, else 0 (the flag's bits and those of 1.f), round_bf16: the
 // value bf16 storage would hold (round to nearest even, as every bf16 store here),
 // round_bf16_stochastic: each lane j rounded stochastically with the bits of local
 // element index + j (rounding_bits of key.global(index + j), philox.h), and
@@ -247,6 +248,7 @@ struct Lanes<float> {
   static MP_HD bool not_finite(float x) { return !is_finite(x); }
   static MP_HD bool none() { return false; }
   static MP_HD float select(bool cond, float a, float b) { return cond ? a : b; }
+  static MP_HD float ones(bool cond) { return cond ? 1.f : 0.f; }
   static MP_HD float round_bf16(float x) { return static_cast<float>(c10::BFloat16(x)); }
   static MP_HD float round_bf16_stochastic(float x, const RoundingKey& key, int64_t index) {
     return mixedprec::round_bf16_stochastic(x, rounding_bits(key, key.global(index)));

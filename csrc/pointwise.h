@@ -368,9 +368,10 @@ MP_HD void tally_update(V* tally, const V& start, const V& p, const V& param, co
     kept = Lanes<V>::round_bf16(p);
   }
   const V lost = p - kept, applied = kept - start;
-  const V zero = V{}, one = V{} + 1.f;  // (constants)
-  tally[0] =
-      tally[0] + Lanes<V>::select(applied == zero, Lanes<V>::select(lost != zero, one, zero), zero);
+  const V zero = V{};
+  // (a product of two comparisons' ones, not their &: GCC 12 lowers an & or a nested
+  // select of two 512-bit comparisons lane by lane)
+  tally[0] = tally[0] + Lanes<V>::ones(applied == zero) * Lanes<V>::ones(lost != zero);
   tally[1] = tally[1] + lost * lost;
   tally[2] = tally[2] + applied * applied;
 }

@@ -165,8 +165,10 @@ struct LambStage2Op {
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V ratio = V{} + lr;
     if (adaptive) {
-      const auto both_nonzero = (x[3] != 0.f) & (x[4] != 0.f);
-      ratio = Lanes<V>::select(both_nonzero, lr * (x[3] / x[4]), ratio);
+      // both norms nonzero (a product of ones, not an & of the comparisons: see
+      // pointwise.h's tally_update)
+      const V both_nonzero = Lanes<V>::ones(x[3] != 0.f) * Lanes<V>::ones(x[4] != 0.f);
+      ratio = Lanes<V>::select(both_nonzero != 0.f, lr * (x[3] / x[4]), ratio);
     }
     const V p = x[0] - ratio * x[1];
     x[0] = p;

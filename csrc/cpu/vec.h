@@ -279,6 +279,7 @@ struct Lanes<VecF16> {
   }
   static inline VecI16 none() { return VecI16{}; }
   static inline VecF16 select(VecI16 cond, VecF16 a, VecF16 b) { return cond ? a : b; }
+  static inline VecF16 ones(VecI16 cond) { return (VecF16)(cond & (VecI16)(VecF16{} + 1.f)); }
   // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
   // compensation reads it, which is then NaN as with c10's rounding).
   static inline VecF16 round_bf16(VecF16 x) {
@@ -344,6 +345,7 @@ struct Lanes<VecF8> {
   }
   static inline VecI8 none() { return VecI8{}; }
   static inline VecF8 select(VecI8 cond, VecF8 a, VecF8 b) { return cond ? a : b; }
+  static inline VecF8 ones(VecI8 cond) { return (VecF8)(cond & (VecI8)(VecF8{} + 1.f)); }
   // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
   // compensation reads it, which is then NaN as with c10's rounding).
   static inline VecF8 round_bf16(VecF8 x) {

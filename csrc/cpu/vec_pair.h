@@ -30,6 +30,7 @@ struct PairFlag {  // per-lane flags (Lanes<Pair<H>>::Flag), one per half
     b |= o.b;
     return *this;
   }
+  inline PairFlag operator&(PairFlag o) const { return {a & o.a, b & o.b}; }
 };
 using VecF32 = Pair<VecF16>;
 using VecF8x2 = Pair<VecF8>;
@@ -81,6 +82,7 @@ struct PairLanes {
   static inline Pair<H> select(Flag c, Pair<H> x, Pair<H> y) {
     return {L::select(c.a, x.a, y.a), L::select(c.b, x.b, y.b)};
   }
+  static inline Pair<H> ones(Flag c) { return {L::ones(c.a), L::ones(c.b)}; }
   static inline Pair<H> round_bf16(Pair<H> x) { return {L::round_bf16(x.a), L::round_bf16(x.b)}; }
   static inline Pair<H> join_bf16(Pair<H> param, Pair<H> remainder) {
     return {L::join_bf16(param.a, remainder.a), L::join_bf16(param.b, remainder.b)};
