@@ -558,7 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args)
+        with C.collecting_only_new_objects():  # a gc.collect() per measured step
+            return _run(args)
     finally:
         torch.set_num_threads(threads)
 

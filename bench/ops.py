@@ -1180,11 +1180,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = C.pick_device(args.device)
     threads = torch.get_num_threads()
     try:
-        if device.type == "cpu" and args.scale == 1:
-            return _run_cpu(args, argv, device)
-        if args.threads or device.type != "cuda":
-            torch.set_num_threads(int((args.threads or "1").split(",")[0]))
-        return _run(args, argv, device)
+        with C.collecting_only_new_objects():
+            if device.type == "cpu" and args.scale == 1:
+                return _run_cpu(args, argv, device)
+            if args.threads or device.type != "cuda":
+                torch.set_num_threads(int((args.threads or "1").split(",")[0]))
+            return _run(args, argv, device)
     finally:
         torch.set_num_threads(threads)
 
