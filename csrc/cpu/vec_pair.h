@@ -30,7 +30,6 @@ struct PairFlag {  // per-lane flags (Lanes<Pair<H>>::Flag), one per half
     b |= o.b;
     return *this;
   }
-  inline PairFlag operator&(PairFlag o) const { return {a & o.a, b & o.b}; }
 };
 using VecF32 = Pair<VecF16>;
 using VecF8x2 = Pair<VecF8>;
