@@ -236,7 +236,9 @@ MP_HD void store_block_of(E4m3* p, uint8_t* scale, const float (&x)[kQuantBlock]
 // value bf16 storage would hold (round to nearest even, as every bf16 store here),
 // round_bf16_stochastic: each lane j rounded stochastically with the bits of local
 // element index + j (rounding_bits of key.global(index + j), philox.h), and
-// join_bf16/split_bf16: join_bf16_remainder and split_bf16_remainder per lane.
+// join_bf16/split_bf16: join_bf16_remainder and split_bf16_remainder per lane,
+// mul_add: a * b + c rounded once (fma), and count_zero_nonzero: count + 1 in the lanes
+// where a == 0 and b != 0 (NaN is not 0; the precision report's count, pointwise.h).
 // The CPU engine adds its vector types.
 template <typename V>
 struct Lanes;
@@ -258,6 +260,10 @@ struct Lanes<float> {
   }
   static MP_HD float split_bf16(float master, float& remainder) {
     return split_bf16_remainder(master, remainder);
+  }
+  static MP_HD float mul_add(float a, float b, float c) { return fmaf(a, b, c); }
+  static MP_HD float count_zero_nonzero(float count, float a, float b) {
+    return a == 0.f && b != 0.f ? count + 1.f : count;
   }
 };
 

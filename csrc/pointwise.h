@@ -368,12 +368,9 @@ MP_HD void tally_update(V* tally, const V& start, const V& p, const V& param, co
     kept = Lanes<V>::round_bf16(p);
   }
   const V lost = p - kept, applied = kept - start;
-  const V zero = V{};
-  // (a product of two comparisons' ones, not their &: GCC 12 lowers an & or a nested
-  // select of two 512-bit comparisons lane by lane)
-  tally[0] = tally[0] + Lanes<V>::ones(applied == zero) * Lanes<V>::ones(lost != zero);
-  tally[1] = tally[1] + lost * lost;
-  tally[2] = tally[2] + applied * applied;
+  tally[0] = Lanes<V>::count_zero_nonzero(tally[0], applied, lost);
+  tally[1] = Lanes<V>::mul_add(lost, lost, tally[1]);
+  tally[2] = Lanes<V>::mul_add(applied, applied, tally[2]);
 }
 
 // Options shared by SgdOp and AdamOp, as torch.optim has them:

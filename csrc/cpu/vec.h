@@ -280,6 +280,20 @@ struct Lanes<VecF16> {
   static inline VecI16 none() { return VecI16{}; }
   static inline VecF16 select(VecI16 cond, VecF16 a, VecF16 b) { return cond ? a : b; }
   static inline VecF16 ones(VecI16 cond) { return (VecF16)(cond & (VecI16)(VecF16{} + 1.f)); }
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 mul_add(VecF16 a, VecF16 b,
+                                                                         VecF16 c) {
+    return (VecF16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+  }
+  // One compare, one compare under its mask and one masked add (GCC would lower the
+  // generic form's & of two comparisons lane by lane).
+  __attribute__((target(MP_AVX512_TARGET))) static inline VecF16 count_zero_nonzero(VecF16 count,
+                                                                                    VecF16 a,
+                                                                                    VecF16 b) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __mmask16 both = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask((__m512)a, zero, _CMP_EQ_OQ),
+                                                   (__m512)b, zero, _CMP_NEQ_UQ);
+    return (VecF16)_mm512_mask_add_ps((__m512)count, both, (__m512)count, _mm512_set1_ps(1.f));
+  }
   // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
   // compensation reads it, which is then NaN as with c10's rounding).
   static inline VecF16 round_bf16(VecF16 x) {
@@ -346,6 +360,13 @@ struct Lanes<VecF8> {
   static inline VecI8 none() { return VecI8{}; }
   static inline VecF8 select(VecI8 cond, VecF8 a, VecF8 b) { return cond ? a : b; }
   static inline VecF8 ones(VecI8 cond) { return (VecF8)(cond & (VecI8)(VecF8{} + 1.f)); }
+  __attribute__((target(MP_AVX2_TARGET))) static inline VecF8 mul_add(VecF8 a, VecF8 b, VecF8 c) {
+    return (VecF8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+  }
+  // (256-bit comparisons and their & stay vector code: test_cpu_vectorised)
+  static inline VecF8 count_zero_nonzero(VecF8 count, VecF8 a, VecF8 b) {
+    return count + (VecF8)((a == VecF8{}) & (b != VecF8{}) & (VecI8)(VecF8{} + 1.f));
+  }
   // Round to nearest even in the bits (NaN may come out as inf: only the Kahan
   // compensation reads it, which is then NaN as with c10's rounding).
   static inline VecF8 round_bf16(VecF8 x) {

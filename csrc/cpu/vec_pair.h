@@ -89,6 +89,12 @@ struct PairLanes {
   static inline Pair<H> split_bf16(Pair<H> master, Pair<H>& remainder) {
     return {L::split_bf16(master.a, remainder.a), L::split_bf16(master.b, remainder.b)};
   }
+  static inline Pair<H> mul_add(Pair<H> a, Pair<H> b, Pair<H> c) {
+    return {L::mul_add(a.a, b.a, c.a), L::mul_add(a.b, b.b, c.b)};
+  }
+  static inline Pair<H> count_zero_nonzero(Pair<H> count, Pair<H> a, Pair<H> b) {
+    return {L::count_zero_nonzero(count.a, a.a, b.a), L::count_zero_nonzero(count.b, a.b, b.b)};
+  }
 };
 
 template <>

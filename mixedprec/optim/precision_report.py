@@ -15,9 +15,10 @@ per parameter and on the device, in the same pass (the ``precision_tallies`` of
 * the element updates counted.
 
 ``precision_report=N`` (an int) counts every N-th step only (the first, then N steps
-apart): the step's extra arithmetic is paid on those steps alone. On the CPU, where the
-step is bound by its arithmetic, counting costs a third of the step time or more, so
-a long run is better sampled (docs/lean-precision.md gives the measured costs).
+apart): the step's extra arithmetic is paid on those steps alone. On the CPU, where a
+step can be bound by its arithmetic, counting every step costs up to about 40% of the
+step time (bf16 moments without masters), so a long run is better sampled
+(docs/lean-precision.md gives the measured costs).
 
 fp32 parameters, fp32 masters (``master="fp32"``) and ``master="remainder"`` keep the
 fp32 result exactly and lose nothing. The sums grow over steps with no host read;

@@ -637,6 +637,10 @@ modes = [(m, s, {}) for m in ("fp32", "none", "kahan", "stochastic", "remainder"
 modes += [("fp32", torch.float32, {"amsgrad": True}),
           ("remainder", torch.float32, {"maximize": True}),
           ("none", torch.float32, {"fp32_params": True})]
+# the precision report, whose count and sums each instruction set computes in its own form
+modes += [(m, s, {"precision_report": True})
+          for m, s in (("none", torch.bfloat16), ("none", torch.float8_e4m3fn),
+                       ("kahan", torch.float32), ("stochastic", torch.bfloat16))]
 for master, state_dtype, extra in modes:
     extra = dict(extra)
     dtype = torch.float32 if extra.pop("fp32_params", False) else torch.bfloat16
@@ -653,14 +657,18 @@ for master, state_dtype, extra in modes:
         opt.step()
     grads = [p.grad for p in params]
     key = f"{master} {state_dtype} {sorted(extra)} {dtype}"  # (seed included)
-    out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"]]
+    report = opt.precision_report
+    tallies = [] if report is None else report.tallies(params)
+    out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"], tallies]
 torch.save(out, sys.argv[2])
 """
 
 
 def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tmp_path):
     """The fixed-mode loops of the CPU engine (AVX2, AVX-512) against the baseline
-    build's scalar loop: the same params and state, bit for bit, in every mode."""
+    build's scalar loop: the same params and state, bit for bit, in every mode; with
+    the precision report, the same counts, and sums of squares to 1e-3 (each loop adds
+    its elements in fp32, in its own order, then in float64)."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
@@ -682,10 +690,15 @@ def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tm
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
                        timeout=300)
         results[capability] = torch.load(path)
-    assert len(results["default"]) == 18
+    assert len(results["default"]) == 22
     for capability in vector:
-        for key, (params, state) in results["default"].items():
-            other_params, other_state = results[capability][key]
+        for key, (params, state, tallies) in results["default"].items():
+            other_params, other_state, other_tallies = results[capability][key]
+            assert len(other_tallies) == len(tallies)
+            for j, (a, b) in enumerate(zip(tallies, other_tallies)):
+                assert b[[0, 3]].tolist() == a[[0, 3]].tolist(), f"{capability} {key} tally {j}"
+                torch.testing.assert_close(b[1:3], a[1:3], rtol=1e-3, atol=0,
+                                           msg=f"{capability} {key} tally {j}")
             for j, (a, b) in enumerate(zip(params, other_params)):
                 assert_bitwise_equal(b, a, msg=f"{capability} {key} param {j}")
             for j, entry in state.items():
