@@ -211,13 +211,19 @@ constexpr bool kPerTensorStorageOk =
 // also skip the null tests of the lists in kPresent (cpu/engine.h); the CUDA engine
 // launches one kernel per mode (cuda/multi_tensor_apply.cuh), whose absent lists and
 // other modes' paths then take no registers and no instructions.
-template <typename Op, typename M>
+//
+// Fixed<Op, M, true> is the same with the precision report's counting (the tallies
+// above): the CUDA engine's kernel for a counted call in mode M (the kernels of
+// Fixed<Op, M> hold none of it; multi_tensor_block.cuh's launch_as).
+template <typename Op, typename M, bool Counting = false>
 struct Fixed : Op {
+  using Mode = M;
+  static constexpr bool kCounting = Counting;
   static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
   static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
   static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
   static constexpr bool kWideRounding = M::kWideRounding;
-  static constexpr int kMinBlocks = M::kMinBlocks;
+  static constexpr int kMinBlocks = Counting ? M::kCountingMinBlocks : M::kMinBlocks;
   explicit Fixed(const Op& op) : Op(op) {}
   template <typename V>
   MP_HD auto apply(V* x, int64_t index) const {
@@ -236,8 +242,8 @@ struct Fixed : Op {
 // Whether Op is a Fixed<Op, M>.
 template <typename Op>
 struct IsFixed : std::false_type {};
-template <typename Op, typename M>
-struct IsFixed<Fixed<Op, M>> : std::true_type {};
+template <typename Op, typename M, bool Counting>
+struct IsFixed<Fixed<Op, M, Counting>> : std::true_type {};
 
 // Whether Op declares FixedModes.
 template <typename Op, typename = void>

@@ -87,6 +87,10 @@ struct AdamOp {
     // ptxas alone gives the remainder mode 68 registers, so one block per SM, whose
     // loads and math then take turns rather than overlap (docs/gpu-validation.md).
     static constexpr int kMinBlocks = Eight && (Kahan || Stochastic) ? 1 : 2;
+    // The same for the mode's counting kernel (counts, below): at 64 registers ptxas
+    // spills its stochastic ones and the 8-bit one without kahan (2026-11-29), so they
+    // take one block (104-116 registers); the others fit (57-64).
+    static constexpr int kCountingMinBlocks = Stochastic || Eight ? 1 : 2;
     template <typename... Ts>
     static constexpr bool fits() {
       using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
@@ -99,6 +103,16 @@ struct AdamOp {
              (!Model || std::is_same_v<Param, float>) &&
              (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
              (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
+    }
+    // Whether a counted call (the precision report) in this mode on storage Ts runs a
+    // CUDA kernel of its own (Fixed<AdamOp, Mode, true>, multi_tensor_block.cuh's
+    // launch_as) rather than the generic kernel: bf16 params without masters or
+    // remainders, whose updates the report is for (the other modes lose none and
+    // count in the generic kernel).
+    template <typename... Ts>
+    static constexpr bool counts() {
+      using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+      return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>;
     }
     MP_HD static bool holds(const AdamOp& op) {
       return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&

@@ -250,15 +250,20 @@ def functors(repo: Path = REPO) -> Dict[str, Dict]:
 
 
 class FixedMode(NamedTuple):
-    """The template arguments of AdamOp::Mode (csrc/pointwise_adam.h), in its order."""
+    """The template arguments of AdamOp::Mode (csrc/pointwise_adam.h), in its order, and
+    whether the kernel is the mode's counting one (Fixed<Op, Mode, true>: a counted call,
+    the precision report, where Mode::counts; csrc/cuda/multi_tensor_block.cuh's
+    launch_as)."""
     model: bool
     kahan: bool
     remainder: bool
     stochastic: bool
     eight: bool
+    counting: bool = False
 
     def label(self) -> str:
-        return "Mode<" + ",".join("1" if b else "0" for b in self) + ">"
+        return ("Mode<" + ",".join("1" if b else "0" for b in self[:5]) + ">"
+                + (",true" if self.counting else ""))
 
 
 # What a FixedMode means, encoded below (fixed_lists, fixed_fits, fixed_holds,
@@ -283,7 +288,10 @@ FIXED_SOURCE = {
         "(Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);",
         "return op.kahan == Kahan && op.remainder == Remainder && "
         "op.stochastic == Stochastic && op.root == Eight && op.state_stochastic == Eight && "
-        "!op.maximize && !op.amsgrad;"),
+        "!op.maximize && !op.amsgrad;",
+        "template <typename... Ts> static constexpr bool counts() { "
+        "using Param = std::tuple_element_t<0, std::tuple<Ts...>>; "
+        "return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>; }"),
     # csrc/pointwise.h: Fixed's lists, and in_fixed_mode's choice (the first mode that
     # fits, holds, and has the lists present, per-tensor lists and kMaybe aside)
     "pointwise.h": (
@@ -294,12 +302,19 @@ FIXED_SOURCE = {
         "(lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {",
         "lists &= ~per_tensor_mask<Op>(); int bad = 0; "
         "return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);"),
-    # the lists present: those given not empty
+    # the lists present: those given not empty; launch_as: a Fixed kernel in a fixed
+    # mode, and for a counted call the mode's counting kernel where it counts, else the
+    # generic kernel
     "cuda/multi_tensor_block.cuh": (
-        "for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;",),
+        "for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;",
+        "const bool counted = tallying<Op>(lists); "
+        "in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& functor) {",
+        "if constexpr (M::template counts<Ts...>()) { "
+        "if (counted) return launch(Fixed<Op, M, true>(op)); } else { "
+        "if (counted) return launch(op); } } return launch(functor);"),
 }
 # csrc/cuda/multi_tensor_apply.cuh: the CUDA engine launches Fixed kernels...
-CUDA_LAUNCHES_FIXED = ("in_fixed_mode<Ts...>(op, present_lists(lists),",
+CUDA_LAUNCHES_FIXED = ("launch_as<Ts...>(op, lists, launch);",
                        "pointwise_kernel<F, Ts...><<<")
 # ... or (before 2026-11-28) the generic kernel only
 CUDA_LAUNCHES_GENERIC = "pointwise_kernel<Op, Ts...><<<"
@@ -372,6 +387,11 @@ def fixed_fits(m: FixedMode, types: List[str], c: Dict) -> bool:
             and m.remainder == (comp == "short") and m.eight == (state == "E4m3"))
 
 
+def fixed_counts(m: FixedMode, types: List[str]) -> bool:
+    """Mode::counts<Ts...>(): whether a counted call in mode m runs its counting kernel."""
+    return not m.model and not m.remainder and types[0] == "BFloat16"
+
+
 def fixed_holds(m: FixedMode, flags: Dict) -> bool:
     """Mode::holds(op), on the functor fields a mode sets (the others false)."""
     def on(name):
@@ -386,18 +406,22 @@ def launched_mode(op: str, types: List[str], mode: Dict, layout: Dict,
                   fixed: Dict[str, Dict]) -> Optional[FixedMode]:
     """The fixed mode whose kernel the CUDA engine launches for `mode` on storage
     `types` (in_fixed_mode: the first of Op::FixedModes that fits the types, holds the
-    flags and has exactly the lists present, per-tensor lists and kMaybe aside); None
-    when it launches the generic kernel."""
+    flags and has exactly the lists present, per-tensor lists and kMaybe aside); for a
+    counted call (the tally list given) that mode's counting kernel where it counts,
+    else None; None when it launches the generic kernel (launch_as)."""
     spec = fixed.get(op)
     c = layout["constants"]
-    if spec is None or c.get("kTallyList") in mode["lists"]:
-        return None  # (a tallying call runs the generic kernel: CudaEngine::run)
+    if spec is None:
+        return None
+    counted = c.get("kTallyList") in mode["lists"]
     per_tensor = c.get("kPerTensor", 0)
     present = sum(1 << k for k in mode["lists"]) & ~per_tensor
     for m in spec["modes"]:
         if (fixed_fits(m, types, c) and fixed_holds(m, mode["flags"])
                 and present & ~spec["maybe"] == fixed_lists(m, c) & ~per_tensor):
-            return m
+            if not counted:
+                return m
+            return m._replace(counting=True) if fixed_counts(m, types) else None
     return None
 
 
@@ -461,9 +485,11 @@ def demangle(names: List[str]) -> List[str]:
 
 # pointwise_kernel<mixedprec::AdamOp, c10::BFloat16, ...>, or, for a functor in one of
 # its FixedModes, pointwise_kernel<mixedprec::Fixed<mixedprec::AdamOp,
-# mixedprec::AdamOp::Mode<false, false, false, true, true> >, c10::BFloat16, ...>
+# mixedprec::AdamOp::Mode<false, false, false, true, true>, false>, c10::BFloat16, ...>
+# (true: the mode's counting kernel)
 KERNEL = re.compile(r"pointwise_kernel<mixedprec::(?:Fixed<mixedprec::(?P<fixed>\w+), "
-                    r"mixedprec::(?P=fixed)::Mode<(?P<mode>[\w, ]+)>\s*>|(?P<op>\w+)), "
+                    r"mixedprec::(?P=fixed)::Mode<(?P<mode>[\w, ]+)>"
+                    r"(?:, (?P<counting>true|false))?\s*>|(?P<op>\w+)), "
                     r"(?P<types>.*)>\(mixedprec::cuda::TensorListMeta")
 
 
@@ -479,9 +505,10 @@ def kernel_signature(demangled: str) -> Optional[Tuple[str, List[str], Optional[
     if found.group("fixed") is None:
         return found.group("op"), types, None
     flags = [v.strip() for v in found.group("mode").split(",")]
-    if len(flags) != len(FixedMode._fields) or not all(v in ("true", "false") for v in flags):
+    if len(flags) != len(FixedMode._fields) - 1 or not all(v in ("true", "false") for v in flags):
         return None  # not a mode this script knows: analyse() reports it (unrecognised)
-    return found.group("fixed"), types, FixedMode(*(v == "true" for v in flags))
+    return found.group("fixed"), types, FixedMode(*(v == "true" for v in flags),
+                                                  counting=found.group("counting") == "true")
 
 
 STORAGE_BYTES = {"float": 4, "BFloat16": 2, "Half": 2, "E4m3": 1, "short": 2, "long": 8,
@@ -1410,7 +1437,8 @@ def modes_of(op: str, types: List[str], layout: Dict) -> List[Dict]:
         # rounding words (its codes always round stochastically). The precision report's
         # tally list (kTallyList, after the scales) is absent but in the report modes:
         # bf16 params without masters, with `report` on and the tally list given (the
-        # engine then launches the generic kernel, launched_mode).
+        # engine then launches the mode's counting kernel, or the generic kernel:
+        # launched_mode).
         base = set(range(4 if op == "AdamOp" else 3))
         if eight:
             base |= set(range(scale, depth)) - {c.get("kTallyList")} | {salts}
@@ -1428,8 +1456,9 @@ def modes_of(op: str, types: List[str], layout: Dict) -> List[Dict]:
         elif param == "BFloat16":
             masters = [("none", set(), {}), ("kahan", {comp}, dict(kahan=True)),
                        ("stochastic", {salts}, dict(stochastic=True))]
-            if not eight:
-                masters.append(("none", {c["kTallyList"]}, dict(report=True, rounds_bf16=True)))
+            masters += [(name, more | {c["kTallyList"]}, {**extra, "report": True,
+                                                           "rounds_bf16": True})
+                        for name, more, extra in masters]
         else:
             masters = [("none", set(), {})]
         state_name = {"float": "fp32", "BFloat16": "bf16", "E4m3": "fp8"}[state]
@@ -1595,7 +1624,8 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
     # a Fixed kernel reads only its mode's lists (Fixed::kReads, csrc/pointwise.h)
     reads = c["kReads"]
     if fixed_mode is not None:
-        if op not in fixed or fixed_mode not in fixed[op]["modes"]:
+        if (op not in fixed or fixed_mode._replace(counting=False) not in fixed[op]["modes"]
+                or fixed_mode.counting and not fixed_counts(fixed_mode, types)):
             record["unknown_fixed"] = True  # not one of the source's FixedModes
             return record
         reads &= (fixed_lists(fixed_mode, c) | fixed[op]["maybe"] | c.get("kPerTensor", 0))
@@ -1623,8 +1653,8 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
         params, memory, _ = build_params(op, types, layout, mode, repo)
         path = analyse_mode(cfg, loop, Machine(params, memory, SPECIALS))
         if path["instructions"] is None:
-            # A mode that runs another copy of the loop (a generic kernel's tallying
-            # copy, multi_tensor_block.cuh's unswitched loop): the first main-loop
+            # A mode that runs another copy of the loop (a generic or counting kernel's
+            # tallying copy, multi_tensor_block.cuh's unswitched loop): the first main-loop
             # candidate, in code order, that the mode reaches.
             reached = path["reached"]
             other = next((lp for lp in cfg.memory_loops()[1:] if lp["header"] in reached),
@@ -1656,7 +1686,8 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
 
 
 def kernel_name(op: str, fixed_mode: Optional[FixedMode]) -> str:
-    """'AdamOp' for a generic kernel, 'Fixed<AdamOp,Mode<0,0,0,1,1>>' for a Fixed one."""
+    """'AdamOp' for a generic kernel, 'Fixed<AdamOp,Mode<0,0,0,1,1>>' for a Fixed one,
+    'Fixed<AdamOp,Mode<0,0,0,1,1>,true>' for its counting kernel."""
     return op if fixed_mode is None else f"Fixed<{op},{fixed_mode.label()}>"
 
 

@@ -64,13 +64,9 @@ struct CudaEngine {
       return 0;
     };
     // A functor in one of its FixedModes runs as Fixed<Op, M> (pointwise.h): a kernel
-    // per mode, without the registers and instructions of the lists and flags it lacks;
-    // a call that tallies runs the generic kernel (pointwise.h).
-    if (tallying<Op>(lists)) {
-      launch(op);
-    } else {
-      in_fixed_mode<Ts...>(op, present_lists(lists), launch);
-    }
+    // per mode, without the registers and instructions of the lists and flags it lacks
+    // (a call that tallies: launch_as).
+    launch_as<Ts...>(op, lists, launch);
   }
 
   // In l2norm.cu.

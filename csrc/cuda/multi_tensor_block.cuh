@@ -115,6 +115,28 @@ unsigned present_lists(const std::array<std::vector<at::Tensor>, D>& lists) {
   return mask;
 }
 
+// launch(functor) with op as a CUDA call runs it (CudaEngine::run; the host tests'
+// emulated engine): a Fixed<Op, M> in the first of Op's FixedModes that holds
+// (pointwise.h), else op's generic kernel. A call that tallies (the precision report)
+// runs Fixed<Op, M, true> where M::counts<Ts...>(), else the generic kernel, whose
+// loop has a counting copy: the kernels of Fixed<Op, M> hold none of it.
+template <typename... Ts, typename Op, typename F>
+void launch_as(const Op& op, const Lists<sizeof...(Ts)>& lists, F&& launch) {
+  const bool counted = tallying<Op>(lists);
+  in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& functor) {
+    using Functor = std::decay_t<decltype(functor)>;
+    if constexpr (IsFixed<Functor>::value) {
+      using M = typename Functor::Mode;
+      if constexpr (M::template counts<Ts...>()) {
+        if (counted) return launch(Fixed<Op, M, true>(op));
+      } else {
+        if (counted) return launch(op);
+      }
+    }
+    return launch(functor);
+  });
+}
+
 // The part of a chunk a block owns: its tensor slot, first element and length.
 struct Chunk {
   int slot;
@@ -192,10 +214,14 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
   *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
 }
 
-// Whether a thread sums Op's tallies (pointwise.h): Op tallies and is not a Fixed
-// (CudaEngine::run launches a tallying call's generic kernel).
+// Whether a thread sums Op's tallies (pointwise.h): Op tallies and is its generic
+// kernel or a counting Fixed<Op, M, true> (launch_as).
+template <typename Op, typename = void>
+struct Counting : std::bool_constant<!IsFixed<Op>::value> {};
 template <typename Op>
-constexpr bool kTallied = Tallies<Op>::count > 0 && !IsFixed<Op>::value;
+struct Counting<Op, std::void_t<decltype(Op::kCounting)>> : std::bool_constant<Op::kCounting> {};
+template <typename Op>
+constexpr bool kTallied = Tallies<Op>::count > 0 && Counting<Op>::value;
 
 // Adds every thread's N tallies to the tensor's words: a sum per warp (a shuffle
 // reduction; under the host build, the thread's or the whole warp's call's own), added
@@ -486,13 +512,16 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   if (c.size == 0) return;
   bool bad = false;
   void* const base[sizeof...(Ts)] = {meta.ptrs[K][c.slot]...};
-  // The thread's running tallies (pointwise.h). A call that tallies and one that does
-  // not take two copies of the loop, the second without any tally code: each copy's
-  // `tally` is a constant (a choice between the two pointers would also put the sums
-  // in local memory).
+  // The thread's running tallies (pointwise.h). In the generic kernel a call that
+  // tallies and one that does not take two copies of the loop, the second without any
+  // tally code: each copy's `tally` is a constant (a choice between the two pointers
+  // would also put the sums in local memory). A counting Fixed kernel runs counted
+  // calls only (launch_as): its one copy tallies.
   float sums[Tallies<Op>::count + 1] = {};
   bool tallying = false;
-  if constexpr (kTallied<Op>) tallying = base[Tallies<Op>::list] != nullptr;
+  if constexpr (kTallied<Op>) {
+    tallying = IsFixed<Op>::value || base[Tallies<Op>::list] != nullptr;
+  }
   if constexpr ((kBlocked<Ts> || ...)) {
     at_tensor(op, base);
     bad = !tallying ? apply_blocks<Op, Ts...>(op, base, c.start, c.size, nullptr, seq)

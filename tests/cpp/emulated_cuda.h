@@ -36,8 +36,7 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
-    // (the modes as CudaEngine::run picks them: a Fixed<Op, M> where one holds, but for
-    // a call that tallies)
+    // (the kernels as CudaEngine::run picks them: launch_as)
     auto launch = [&](const auto& fixed) {
       using F = std::decay_t<decltype(fixed)>;
       for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
@@ -55,11 +54,7 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
       });
       return 0;
     };
-    if (tallying<Op>(lists)) {
-      launch(op);
-    } else {
-      mixedprec::in_fixed_mode<Ts...>(op, present_lists(lists), launch);
-    }
+    launch_as<Ts...>(op, lists, launch);
   }
 };
 

@@ -311,63 +311,70 @@ TEST(MemoryTraffic, EverySgdModeIsCoalescedAndMinimal) {
   }
 }
 
-// The precision report's tallies (pointwise.h): the generic kernel that a tallying call
-// runs moves the mode's minimum, coalesced (the sums go to the tensors' words once per
-// warp, not per element), and its tallies equal the CPU engine's: the same counts, the
-// same sums to fp32 rounding (another order of addition).
+// The precision report's tallies (pointwise.h): the kernel a counted call runs (AdamW:
+// its mode's counting kernel, Fixed<AdamOp, M, true>; SGD: the generic kernel; both
+// launch_as) moves the mode's minimum, coalesced (the sums go to the tensors' words
+// once per warp, not per element), and its tallies equal the CPU engine's: the same
+// counts, the same sums to fp32 rounding (another order of addition).
 TEST(MemoryTraffic, TalliesAddNoTrafficAndMatchTheCpuEngine) {
   at::manual_seed(4);
   std::printf("the precision report's tallies:\n");
   for (const Master master : {Master::kNone, Master::kStochastic, Master::kKahan}) {
-    for (const bool sgd : {false, true}) {
-      const std::string what = std::string(sgd ? "sgd " : "adam ") + master_name(master) +
-                               ", bf16 state, precision report";
-      std::vector<Tensor> tallies[2];
-      std::vector<Tensor> params[2];
-      for (int engine = 0; engine < 2; ++engine) {
-        at::manual_seed(5);  // (the same lists for both engines)
-        ModeLists s(master, State::kBf16);
-        for (size_t i = 0; i < s.params.size(); ++i) {
-          tallies[engine].push_back(at::zeros({4}, at::kDouble));
-        }
-        const Tensor step = scalar(3.f);
-        const std::optional<Tensor> sgd_step =
-            s.salts.empty() ? std::optional<Tensor>{} : std::optional<Tensor>(step);
-        auto run = [&](auto engine_tag) {
-          using E = decltype(engine_tag);
-          if (sgd) {
-            entry::fused_sgd_<E>(
-                s.params, s.grads, s.a, s.model, 0.01, 0.9, 0.0, 1e-4, false, false, scalar(0.5f),
-                scalar(0.f), false, s.opt(s.comps), s.opt(s.salts),
-                master == Master::kStochastic ? s.seed : std::nullopt, sgd_step, false,
-                std::nullopt, false, s.opt(s.rems), std::nullopt, std::nullopt, tallies[engine]);
-          } else {
-            entry::fused_adam_<E>(
-                s.params, s.grads, s.a, s.b, s.model, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true,
-                true, scalar(0.5f), scalar(0.f), std::nullopt, s.opt(s.comps), s.opt(s.salts),
-                master == Master::kStochastic ? s.seed : std::nullopt, false, std::nullopt, false,
-                s.opt(s.rems), std::nullopt, std::nullopt, std::nullopt, tallies[engine]);
+    for (const State state : {State::kFp32, State::kBf16, State::kEight}) {
+      for (const bool sgd : {false, true}) {
+        const bool eight = state == State::kEight;
+        const std::string what = std::string(sgd ? "sgd " : "adam ") + master_name(master) + ", " +
+                                 state_name(state) + ", precision report";
+        std::vector<Tensor> tallies[2];
+        std::vector<Tensor> params[2];
+        for (int engine = 0; engine < 2; ++engine) {
+          at::manual_seed(5);  // (the same lists for both engines)
+          ModeLists s(master, state);
+          for (size_t i = 0; i < s.params.size(); ++i) {
+            tallies[engine].push_back(at::zeros({4}, at::kDouble));
           }
-        };
-        if (engine == 0) {
-          run(mixedprec::cpu::CpuEngine{});
-        } else {
-          expect_minimal(traced([&] { run(EmulatedCudaEngine{}); }), elements(),
-                         sgd ? SgdOp::kDepth : AdamOp::kDepth, what);
+          const Tensor step = scalar(3.f);
+          const std::optional<Tensor> sgd_step =
+              s.salts.empty() ? std::optional<Tensor>{} : std::optional<Tensor>(step);
+          const MaybeLists sa = eight ? s.opt(s.sa) : MaybeLists{};
+          const MaybeLists sb = eight ? s.opt(s.sb) : MaybeLists{};
+          const std::optional<int64_t> state_seed = eight ? s.seed : std::nullopt;
+          auto run = [&](auto engine_tag) {
+            using E = decltype(engine_tag);
+            if (sgd) {
+              entry::fused_sgd_<E>(
+                  s.params, s.grads, s.a, s.model, 0.01, 0.9, 0.0, 1e-4, false, false, scalar(0.5f),
+                  scalar(0.f), false, s.opt(s.comps), s.opt(s.salts),
+                  master == Master::kStochastic ? s.seed : std::nullopt, sgd_step, false,
+                  std::nullopt, false, s.opt(s.rems), sa, state_seed, tallies[engine]);
+            } else {
+              entry::fused_adam_<E>(
+                  s.params, s.grads, s.a, s.b, s.model, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true,
+                  true, scalar(0.5f), scalar(0.f), std::nullopt, s.opt(s.comps), s.opt(s.salts),
+                  master == Master::kStochastic ? s.seed : std::nullopt, false, std::nullopt, false,
+                  s.opt(s.rems), sa, sb, state_seed, tallies[engine]);
+            }
+          };
+          if (engine == 0) {
+            run(mixedprec::cpu::CpuEngine{});
+          } else {
+            expect_minimal(traced([&] { run(EmulatedCudaEngine{}); }), elements(),
+                           sgd ? SgdOp::kDepth : AdamOp::kDepth, what);
+          }
+          params[engine] = s.params;
         }
-        params[engine] = s.params;
-      }
-      for (size_t i = 0; i < params[0].size(); ++i) {
-        EXPECT_TRUE(at::equal(params[0][i], params[1][i])) << what << ", param " << i;
-        const Tensor cpu = tallies[0][i], cuda = tallies[1][i];
-        EXPECT_EQ(cpu[3].item<double>(), static_cast<double>(params[0][i].numel())) << what;
-        EXPECT_EQ(cuda[3].item<double>(), cpu[3].item<double>()) << what;
-        EXPECT_EQ(cuda[0].item<double>(), cpu[0].item<double>()) << what << ", param " << i;
-        EXPECT_TRUE(at::allclose(cuda.slice(0, 1, 3), cpu.slice(0, 1, 3), 1e-5, 0)) << what;
-        EXPECT_GT(cpu[2].item<double>(), 0.0) << what;
-      }
-      if (master == Master::kNone) {
-        EXPECT_GT(tallies[0][0][0].item<double>(), 0.0) << what << ": bf16 loses updates";
+        for (size_t i = 0; i < params[0].size(); ++i) {
+          EXPECT_TRUE(at::equal(params[0][i], params[1][i])) << what << ", param " << i;
+          const Tensor cpu = tallies[0][i], cuda = tallies[1][i];
+          EXPECT_EQ(cpu[3].item<double>(), static_cast<double>(params[0][i].numel())) << what;
+          EXPECT_EQ(cuda[3].item<double>(), cpu[3].item<double>()) << what;
+          EXPECT_EQ(cuda[0].item<double>(), cpu[0].item<double>()) << what << ", param " << i;
+          EXPECT_TRUE(at::allclose(cuda.slice(0, 1, 3), cpu.slice(0, 1, 3), 1e-5, 0)) << what;
+          EXPECT_GT(cpu[2].item<double>(), 0.0) << what;
+        }
+        if (master == Master::kNone) {
+          EXPECT_GT(tallies[0][0][0].item<double>(), 0.0) << what << ": bf16 loses updates";
+        }
       }
     }
   }
