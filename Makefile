@@ -47,9 +47,8 @@ TRANSFORMERS_VERSION := 5.24.0
 ACCELERATE_VERSION := 1.15.0
 
 # pytest's workers: one per core (make py-test's -n auto; tests/python/conftest.py gives
-# each worker its share of torch's threads), the tests of an xdist_group on one of them
-# (--dist loadgroup: a module whose session fixture is costly sets it up once).
-# --durations=30: the slowest tests in every run's log, for the time CI takes.
+# each worker its share of torch's threads). --durations=30: the slowest tests in every
+# run's log, for the time CI takes.
 XDIST_VERSION := 3.8.0
 
 # The style gates' versions: a formatter's output changes between releases.
@@ -134,8 +133,8 @@ cpp-test: build build/cpp/build.ninja
 py-test: build
 	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1 \
 		MIXEDPREC_CUDA_RESOURCES=$(CURDIR)/build/cuda-resources.json; fi; \
-	$(TEST_ENV) PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto --dist loadgroup --durations=30 \
-		tests/python $(PYTEST_ARGS)
+	$(TEST_ENV) PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto --durations=30 tests/python \
+		$(PYTEST_ARGS)
 
 clean:
 	rm -rf build mixedprec/_C*.so

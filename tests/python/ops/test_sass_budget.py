@@ -17,11 +17,6 @@ from helpers import load_script
 spe = load_script("scripts/sass_per_element.py")
 CUOBJDUMP = spe.find_cuobjdump()
 
-# One xdist worker runs this module (make py-test's --dist loadgroup), so that the
-# disassembly and its analysis (about 35 s on a 2-core machine) are done once, not once
-# per worker.
-pytestmark = pytest.mark.xdist_group("sass")
-
 # The modes over GATE_FRACTION of their H200 budget (the largest ratio over each mode's
 # storage types, plus 3%): the 8-bit state, stochastic rounding, and Adam with bf16
 # state, which is over its budget without either (see the doc). They may not get worse;
