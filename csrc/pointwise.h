@@ -55,7 +55,6 @@
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "lanes.h"
 
@@ -206,12 +205,6 @@ constexpr bool kPerTensorStorageOk =
     !kPerTensorList<Op, K> || std::is_same<T, float>::value || std::is_same<T, int64_t>::value ||
     (static_cast<int>(K) == Tallies<Op>::list && std::is_same<T, double>::value);
 
-// Whether Op rounds stochastically through a RoundingWords member `rounding` (below).
-template <typename Op, typename = void>
-struct HasRounding : std::false_type {};
-template <typename Op>
-struct HasRounding<Op, std::void_t<decltype(std::declval<Op>().rounding)>> : std::true_type {};
-
 // Op in mode M, one of Op::FixedModes (see above): M's flags are constants in apply,
 // so that the compiler drops what the other modes do, and the engines neither load
 // nor store the lists outside M::kLists and M::kMaybe. The CPU engine's vector passes
@@ -236,21 +229,13 @@ struct Fixed : Op {
   MP_HD auto apply(V* x, int64_t index) const {
     Op op = *this;
     M::fix(op);
-    const auto bad = op.apply(x, index);
-    keep_rounding(op);
-    return bad;
+    return op.apply(x, index);
   }
   template <typename V>
   MP_HD auto apply(V* x, int64_t index, V* tally) const {
     Op op = *this;
     M::fix(op);
-    const auto bad = op.apply(x, index, tally);
-    keep_rounding(op);
-    return bad;
-  }
-  // The stochastic rounding's last Philox block (RoundingWords), drawn on the copy.
-  MP_HD void keep_rounding(const Op& op) const {
-    if constexpr (HasRounding<Op>::value) this->rounding.keep(op.rounding);
+    return op.apply(x, index, tally);
   }
 };
 
@@ -349,17 +334,8 @@ struct CheckFiniteOp {
 // salt being the tensor's position in its param group and the rest the map of its
 // local elements onto the full tensor's (philox.h's RoundingKey::global; 0, 0, 0 for
 // a whole tensor).
-//
-// round(x, index) rounds x stochastically as Lanes<V>::round_bf16_stochastic does. One
-// element at a time (V float: a CUDA thread's elements, the CPU's tails), it keeps the
-// last Philox block it drew and draws again only for another block: a CUDA thread's
-// kILP consecutive elements share one (8 elements a block), which nvcc would otherwise
-// compute once per element. The cache lives in the functor's copy of the thread or
-// pass, and read() empties it (resolve() sets the key before any element).
 struct RoundingWords {
-  RoundingKey key{};                      // seed and step filled by the functor, the rest by read()
-  mutable uint64_t block = ~uint64_t{0};  // the Philox block in `bits`
-  mutable Philox4x32 bits{};
+  RoundingKey key{};  // seed and step filled by the functor, the rest by read()
 
   static constexpr int kWords = 4;
   MP_HD void read(const void* words) {
@@ -368,25 +344,6 @@ struct RoundingWords {
     key.offset = w[1];
     key.run = w[2];
     key.stride = w[3];
-    block = ~uint64_t{0};
-  }
-  // Takes `drawn`'s block (Fixed::apply rounds on a copy of its functor).
-  MP_HD void keep(const RoundingWords& drawn) const {
-    block = drawn.block;
-    bits = drawn.bits;
-  }
-  template <typename V>
-  MP_HD V round(const V& x, int64_t index) const {
-    if constexpr (std::is_same_v<V, float>) {
-      const uint64_t g = static_cast<uint64_t>(key.global(index));
-      if (g >> 3 != block) {
-        block = g >> 3;
-        bits = rounding_block(key, block);
-      }
-      return round_bf16_stochastic(x, bits.half(static_cast<uint32_t>(g & 7)));
-    } else {
-      return Lanes<V>::round_bf16_stochastic(x, key, index);
-    }
   }
 };
 

@@ -82,12 +82,11 @@ struct AdamOp {
     // (engine.h, kWideRounding), for two Philox chains at once.
     static constexpr bool kWideRounding = Stochastic && !Eight;
     // CUDA: blocks of 512 threads per SM that the mode's kernel is compiled for (two:
-    // at most 64 registers a thread, which every mode fits without spilling but
-    // stochastic rounding, which keeps its last Philox block (RoundingWords), and
-    // kahan with 8-bit moments: they take one, 106-122 registers).
+    // at most 64 registers a thread, which every mode fits without spilling but kahan
+    // and stochastic rounding with 8-bit moments: they take one, 106-108 registers).
     // ptxas alone gives the remainder mode 68 registers, so one block per SM, whose
     // loads and math then take turns rather than overlap (docs/gpu-validation.md).
-    static constexpr int kMinBlocks = Stochastic || (Eight && Kahan) ? 1 : 2;
+    static constexpr int kMinBlocks = Eight && (Kahan || Stochastic) ? 1 : 2;
     // The same for the mode's counting kernel (counts, below): at 64 registers ptxas
     // spills its stochastic ones and the 8-bit one without kahan (2026-11-29), so they
     // take one block (104-116 registers); the others fit (57-64).
@@ -194,7 +193,7 @@ struct AdamOp {
     x[4] = p;
     if (kahan) x[5] = p - Lanes<V>::round_bf16(p);
     if (remainder) x[0] = Lanes<V>::split_bf16(p, x[5]);
-    if (stochastic) x[0] = rounding.round(p, index);
+    if (stochastic) x[0] = Lanes<V>::round_bf16_stochastic(p, rounding.key, index);
     if (tally != nullptr && report) {
       tally_update(tally, start, p, x[0], x[5], stochastic, kahan, rounds_bf16 && !remainder);
     }

@@ -211,14 +211,11 @@ def struct_layout(name: str, bodies: Dict[str, str], memo=None) -> Dict:
         if code.startswith(("static", "template", "using", "MP_HD", "return", "public",
                             "private")) or "(" in code or code == ";":
             continue
-        decl = re.match(r"(?:mutable )?((?:const )?[\w:]+\s*\*?)\s*(.*);$", code)
+        decl = re.match(r"((?:const )?[\w:]+\s*\*?)\s*(.*);$", code)
         if not decl:
             continue
         ctype = decl.group(1).replace("const", "").strip()
         names = [re.split(r"[\s={]", part.strip())[0] for part in decl.group(2).split(",")]
-        counts = [int(re.search(r"\[(\d+)\]$", n).group(1)) if n.endswith("]") else 1
-                  for n in names]  # (an array member: its count of elements)
-        names = [n.split("[")[0] for n in names]
         if ctype.endswith("*"):
             size = falign = 8
         elif ctype in SIZES:
@@ -228,13 +225,13 @@ def struct_layout(name: str, bodies: Dict[str, str], memo=None) -> Dict:
             size, falign = inner["size"], inner["align"]
         else:
             raise ValueError(f"{name}: unknown member type {ctype!r}")
-        for field, count in zip(names, counts):
+        for field in names:
             offset = (offset + falign - 1) // falign * falign
             fields[field] = (offset, ctype)
             if ctype in bodies:
                 for sub, (suboff, subtype) in struct_layout(ctype, bodies, memo)["fields"].items():
                     fields[f"{field}.{sub}"] = (offset + suboff, subtype)
-            offset += size * count
+            offset += size
             align = max(align, falign)
     size = max((offset + align - 1) // align * align, 1)  # (an empty struct: 1 byte)
     memo[name] = dict(size=size, align=align, fields=fields, constants=constants)

