@@ -218,7 +218,6 @@ constexpr bool kPerTensorStorageOk =
 template <typename Op, typename M, bool Counting = false>
 struct Fixed : Op {
   using Mode = M;
-  static constexpr bool kCounting = Counting;
   static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
   static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
   static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
@@ -244,6 +243,11 @@ template <typename Op>
 struct IsFixed : std::false_type {};
 template <typename Op, typename M, bool Counting>
 struct IsFixed<Fixed<Op, M, Counting>> : std::true_type {};
+// Whether Op is a counting Fixed<Op, M, true>.
+template <typename Op>
+struct IsCounting : std::false_type {};
+template <typename Op, typename M>
+struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
 
 // Whether Op declares FixedModes.
 template <typename Op, typename = void>

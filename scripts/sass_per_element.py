@@ -309,9 +309,9 @@ FIXED_SOURCE = {
         "for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;",
         "const bool counted = tallying<Op>(lists); "
         "in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& functor) {",
-        "if constexpr (M::template counts<Ts...>()) { "
-        "if (counted) return launch(Fixed<Op, M, true>(op)); } else { "
-        "if (counted) return launch(op); } } return launch(functor);"),
+        "if (counted) { if constexpr (M::template counts<Ts...>()) "
+        "return launch(Fixed<Op, M, true>(op)); return launch(op); } } "
+        "return launch(functor);"),
 }
 # csrc/cuda/multi_tensor_apply.cuh: the CUDA engine launches Fixed kernels...
 CUDA_LAUNCHES_FIXED = ("launch_as<Ts...>(op, lists, launch);",

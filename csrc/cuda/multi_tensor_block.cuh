@@ -127,10 +127,9 @@ void launch_as(const Op& op, const Lists<sizeof...(Ts)>& lists, F&& launch) {
     using Functor = std::decay_t<decltype(functor)>;
     if constexpr (IsFixed<Functor>::value) {
       using M = typename Functor::Mode;
-      if constexpr (M::template counts<Ts...>()) {
-        if (counted) return launch(Fixed<Op, M, true>(op));
-      } else {
-        if (counted) return launch(op);
+      if (counted) {
+        if constexpr (M::template counts<Ts...>()) return launch(Fixed<Op, M, true>(op));
+        return launch(op);
       }
     }
     return launch(functor);
@@ -216,12 +215,8 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
 
 // Whether a thread sums Op's tallies (pointwise.h): Op tallies and is its generic
 // kernel or a counting Fixed<Op, M, true> (launch_as).
-template <typename Op, typename = void>
-struct Counting : std::bool_constant<!IsFixed<Op>::value> {};
 template <typename Op>
-struct Counting<Op, std::void_t<decltype(Op::kCounting)>> : std::bool_constant<Op::kCounting> {};
-template <typename Op>
-constexpr bool kTallied = Tallies<Op>::count > 0 && Counting<Op>::value;
+constexpr bool kTallied = Tallies<Op>::count > 0 && (!IsFixed<Op>::value || IsCounting<Op>::value);
 
 // Adds every thread's N tallies to the tensor's words: a sum per warp (a shuffle
 // reduction; under the host build, the thread's or the whole warp's call's own), added
@@ -520,7 +515,7 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
   float sums[Tallies<Op>::count + 1] = {};
   bool tallying = false;
   if constexpr (kTallied<Op>) {
-    tallying = IsFixed<Op>::value || base[Tallies<Op>::list] != nullptr;
+    tallying = IsCounting<Op>::value || base[Tallies<Op>::list] != nullptr;
   }
   if constexpr ((kBlocked<Ts> || ...)) {
     at_tensor(op, base);
