@@ -328,7 +328,18 @@ struct Lanes<VecF16> {
       lane_bits(key, index, 16, lanes);
       memcpy(&bits, lanes, sizeof(bits));
     }
-    return round_bf16_stochastic_lanes<VecF16>(x, bits);
+    return nan_or_inf(x) == 0 ? round_bf16_stochastic_finite(x, bits)
+                              : round_bf16_stochastic_lanes<VecF16>(x, bits);
+  }
+  // The lanes that are NaN or inf (one vfpclassps), and round_bf16_stochastic_lanes'
+  // case of the other lanes alone: where a vector has none, an add and an and round it,
+  // the same bits as the seven operations of the whole (the 32-lane pass tests both of
+  // its halves at once, vec_pair.h).
+  __attribute__((target(MP_AVX512_TARGET))) static inline __mmask16 nan_or_inf(VecF16 x) {
+    return _mm512_fpclass_ps_mask((__m512)x, 0x01 | 0x08 | 0x10 | 0x80);  // qNaN, ±inf, sNaN
+  }
+  static inline VecF16 round_bf16_stochastic_finite(VecF16 x, VecU16 bits) {
+    return (VecF16)(((VecU16)x + bits) & 0xffff0000u);
   }
   static inline VecF16 join_bf16(VecF16 param, VecF16 remainder) {
     return join_bf16_lanes<VecF16, VecI16, VecU16>(param, remainder);

@@ -261,7 +261,11 @@ import torch
 from mixedprec import ops
 sizes = [1, 7, 8, 37, 1000, 4097, 65536 + 21]
 params = [(torch.arange(n) * 0.37).sin().bfloat16() for n in sizes]
+# non-finite lanes (and a NaN made by the step: inf - inf): their vectors take the whole
+# rounding, the others its finite case alone (vec.h's round_bf16_stochastic_finite)
+params[4][500], params[5][17], params[6][65540] = float("inf"), float("nan"), -float("inf")
 grads = [(torch.arange(n) * 0.11).cos() for n in sizes]
+grads[4][500] = float("inf")
 # whole tensors, pieces at offsets off multiples of 8, runs (of rows) shorter and
 # longer than the vectors
 rows = [[(i,), (i, 8 * i + 3, 0, 0), (i, 5, 13 + 40 * (i % 2), 100)][i % 3]
@@ -284,7 +288,9 @@ import torch
 from mixedprec import ops
 sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40]
 params = [(torch.arange(n) * 0.29).sin().bfloat16() for n in sizes]
+params[5][70], params[6][33], params[7][4100] = float("inf"), float("nan"), -float("inf")
 grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
+grads[5][70] = float("inf")
 rows = [[(i,), (i, 8 * i, 0, 0), (i, 8 * i + 5, 0, 0), (i, 16, 24, 56), (i, 0, 48, 64),
          (i, 8, 40, 40)][i % 6] for i in range(len(sizes))]
 salts = ops.rounding_words(rows)
