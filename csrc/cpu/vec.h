@@ -196,14 +196,23 @@ __attribute__((target(MP_AVX2_TARGET))) inline void consecutive_bits(const Round
 }
 
 // round_bf16_stochastic (pointwise.h) on every lane, lane j with bits[j] (< 2^16):
-// finite lanes get (bits(x) + bits) & 0xffff0000; inf stays inf; NaN becomes c10's
-// bf16 NaN (0x7fc0), as c10::BFloat16(x) gives in the scalar path.
+// finite lanes get (bits(x) + bits) & 0xffff0000 (round_bf16_stochastic_finite, all a
+// vector takes when it has no other lane); inf stays inf; NaN becomes c10's bf16 NaN
+// (0x7fc0), as c10::BFloat16(x) gives in the scalar path.
+template <typename U>
+inline U round_bf16_stochastic_bits(U u, U bits) {
+  return (u + bits) & 0xffff0000u;
+}
+template <typename F, typename U>
+inline F round_bf16_stochastic_finite(F x, U bits) {
+  return (F)round_bf16_stochastic_bits((U)x, bits);
+}
 template <typename F, typename U>
 inline F round_bf16_stochastic_lanes(F x, U bits) {
   const U u = (U)x;
   const auto finite = (F)(u & 0x7fffffffu) <= 3.40282347e+38f;
   const U other = x != x ? U{} + 0x7fc00000u : u;
-  return (F)(finite ? (u + bits) & 0xffff0000u : other);
+  return (F)(finite ? round_bf16_stochastic_bits(u, bits) : other);
 }
 
 // join_bf16_remainder and split_bf16_remainder (pointwise.h) on every lane, in the
@@ -331,15 +340,12 @@ struct Lanes<VecF16> {
     return nan_or_inf(x) == 0 ? round_bf16_stochastic_finite(x, bits)
                               : round_bf16_stochastic_lanes<VecF16>(x, bits);
   }
-  // The lanes that are NaN or inf (one vfpclassps), and round_bf16_stochastic_lanes'
-  // case of the other lanes alone: where a vector has none, an add and an and round it,
-  // the same bits as the seven operations of the whole (the 32-lane pass tests both of
-  // its halves at once, vec_pair.h).
+  // The lanes that are NaN or inf, as a mask (one vfpclassps): a vector without any is
+  // rounded by round_bf16_stochastic_finite alone, an add and an and where the whole
+  // takes seven operations, the same bits (the 32-lane pass tests both of its halves at
+  // once, vec_pair.h).
   __attribute__((target(MP_AVX512_TARGET))) static inline __mmask16 nan_or_inf(VecF16 x) {
     return _mm512_fpclass_ps_mask((__m512)x, 0x01 | 0x08 | 0x10 | 0x80);  // qNaN, ±inf, sNaN
-  }
-  static inline VecF16 round_bf16_stochastic_finite(VecF16 x, VecU16 bits) {
-    return (VecF16)(((VecU16)x + bits) & 0xffff0000u);
   }
   static inline VecF16 join_bf16(VecF16 param, VecF16 remainder) {
     return join_bf16_lanes<VecF16, VecI16, VecU16>(param, remainder);

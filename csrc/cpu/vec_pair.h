@@ -114,8 +114,7 @@ struct Lanes<VecF32> : PairLanes<VecF16> {
     const VecU16 bits_a = (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, low);
     const VecU16 bits_b = (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, high);
     if (_kortestz_mask16_u8(L::nan_or_inf(x.a), L::nan_or_inf(x.b))) {  // (the usual case)
-      return {L::round_bf16_stochastic_finite(x.a, bits_a),
-              L::round_bf16_stochastic_finite(x.b, bits_b)};
+      return {round_bf16_stochastic_finite(x.a, bits_a), round_bf16_stochastic_finite(x.b, bits_b)};
     }
     return {round_bf16_stochastic_lanes<VecF16>(x.a, bits_a),
             round_bf16_stochastic_lanes<VecF16>(x.b, bits_b)};

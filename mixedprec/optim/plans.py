@@ -46,15 +46,6 @@ _data_ptr = Tensor.data_ptr
 _stride = Tensor.stride
 
 
-def _signature_holds(params: List[Tensor], signature) -> bool:
-    """Whether ``params`` have the dtypes, storage addresses and versions of
-    ``signature`` (``_signature``'s), in that order of checks."""
-    dtypes, addresses, versions = signature
-    return (list(map(_version_of, params)) == versions
-            and list(map(_data_ptr, params)) == addresses
-            and list(map(_dtype_of, params)) == dtypes)
-
-
 def _signature(params: List[Tensor]) -> Tuple[List[Any], List[int], List[int]]:
     """Per parameter: its dtype, storage address and version, as three lists."""
     return (list(map(_dtype_of, params)), list(map(_data_ptr, params)),
@@ -145,7 +136,7 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
     the usual case (no master holds a gradient; each gradient has the dtype it had and
     its parameter's strides); else one check per parameter, as
     ``_planned_gradient_by_gradient``."""
-    if not _signature_holds(params, plan.signature):
+    if _signature(params) != plan.signature:
         return None  # converted, moved, re-laid-out or written outside a step
     if plan.with_masters and any(map(is_not, map(_grad_of, plan.with_masters), repeat(None))):
         return _planned_gradient_by_gradient(params, plan)
