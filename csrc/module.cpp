@@ -10,6 +10,16 @@
 #include <Python.h>
 
 #include "multi_tensor_plan.h"
+#include "python_gil.h"
+
+namespace {
+// mixedprec::hold_python_gil (ops/kernel.h).
+void run_holding_gil(void (*f)(void*), void* arg) {
+  const PyGILState_STATE state = PyGILState_Ensure();
+  f(arg);
+  PyGILState_Release(state);
+}
+}  // namespace
 
 extern "C" {
 PyObject* PyInit__C(void) {
@@ -18,6 +28,7 @@ PyObject* PyInit__C(void) {
   };
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
+  mixedprec::hold_python_gil = &run_holding_gil;
   const long chunk = mixedprec::kChunkSize;
   const long max_blocks = mixedprec::kMaxBlocksPerLaunch;
   const long max_tensors = mixedprec::max_tensors_per_launch(1);

@@ -5,6 +5,11 @@
 #include <torch/library.h>
 
 #include "ops/all.h"
+#include "python_gil.h"
+
+namespace mixedprec {
+void (*hold_python_gil)(void (*f)(void*), void* arg) = nullptr;  // python_gil.h
+}  // namespace mixedprec
 
 TORCH_LIBRARY(mixedprec, m) {
   m.def(

@@ -13,6 +13,7 @@
 
 #include "../dispatch.h"
 #include "../pointwise_adam.h"
+#include "kernel.h"
 
 namespace mixedprec {
 namespace entry {
@@ -127,7 +128,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
 
 template <class Engine>
 void register_adam_ops(torch::Library& m) {
-  m.impl("fused_adam_", &entry::fused_adam_<Engine>);
+  m.impl("fused_adam_", kernel<&entry::fused_adam_<Engine>>());
 }
 
 }  // namespace mixedprec

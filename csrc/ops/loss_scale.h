@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../dispatch.h"
+#include "kernel.h"
 
 namespace mixedprec {
 namespace entry {
@@ -54,7 +55,7 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
 // This family's entries on one engine (register_list_ops, ops/all.h).
 template <class Engine>
 void register_loss_scale_ops(torch::Library& m) {
-  m.impl("update_loss_scale_", &entry::update_loss_scale_<Engine>);
+  m.impl("update_loss_scale_", kernel<&entry::update_loss_scale_<Engine>>());
 }
 
 }  // namespace mixedprec

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "../dispatch.h"
+#include "kernel.h"
 
 namespace mixedprec {
 namespace entry {
@@ -87,11 +88,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
 // This family's entries on one engine (register_list_ops, ops/all.h).
 template <class Engine>
 void register_multi_tensor_ops(torch::Library& m) {
-  m.impl("multi_tensor_unscale_", &entry::multi_tensor_unscale_<Engine>);
-  m.impl("multi_tensor_unscale_to_", &entry::multi_tensor_unscale_to_<Engine>);
-  m.impl("multi_tensor_check_finite_", &entry::multi_tensor_check_finite_<Engine>);
-  m.impl("multi_tensor_copy_", &entry::multi_tensor_copy_<Engine>);
-  m.impl("multi_tensor_l2norm", &entry::multi_tensor_l2norm<Engine>);
+  m.impl("multi_tensor_unscale_", kernel<&entry::multi_tensor_unscale_<Engine>>());
+  m.impl("multi_tensor_unscale_to_", kernel<&entry::multi_tensor_unscale_to_<Engine>>());
+  m.impl("multi_tensor_check_finite_", kernel<&entry::multi_tensor_check_finite_<Engine>>());
+  m.impl("multi_tensor_copy_", kernel<&entry::multi_tensor_copy_<Engine>>());
+  m.impl("multi_tensor_l2norm", kernel<&entry::multi_tensor_l2norm<Engine>>());
 }
 
 }  // namespace mixedprec

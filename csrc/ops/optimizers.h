@@ -14,6 +14,7 @@
 
 #include "../dispatch.h"
 #include "../pointwise_optimizers.h"
+#include "kernel.h"
 
 namespace mixedprec {
 
@@ -335,10 +336,10 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
 // This family's entries on one engine (Adam's are in ops/adam.h, a unit of their own).
 template <class Engine>
 void register_other_optimizer_ops(torch::Library& m) {
-  m.impl("fused_sgd_", &entry::fused_sgd_<Engine>);
-  m.impl("fused_lamb_", &entry::fused_lamb_<Engine>);
-  m.impl("fused_adagrad_", &entry::fused_adagrad_<Engine>);
-  m.impl("fused_novograd_", &entry::fused_novograd_<Engine>);
+  m.impl("fused_sgd_", kernel<&entry::fused_sgd_<Engine>>());
+  m.impl("fused_lamb_", kernel<&entry::fused_lamb_<Engine>>());
+  m.impl("fused_adagrad_", kernel<&entry::fused_adagrad_<Engine>>());
+  m.impl("fused_novograd_", kernel<&entry::fused_novograd_<Engine>>());
 }
 
 }  // namespace mixedprec

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "../dispatch.h"
+#include "kernel.h"
 
 namespace mixedprec {
 namespace entry {
@@ -26,7 +27,7 @@ at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool ke
 // This family's entries on one engine (register_list_ops, ops/all.h).
 template <class Engine>
 void register_sum_ops(torch::Library& m) {
-  m.impl("sum_fp32", &entry::sum_fp32<Engine>);
+  m.impl("sum_fp32", kernel<&entry::sum_fp32<Engine>>());
 }
 
 }  // namespace mixedprec
