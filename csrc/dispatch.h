@@ -71,6 +71,22 @@ bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
 // order within a group is kept). Lists may be empty (absent); the first is not.
 template <int D>
 std::vector<Lists<D>> group_by_dtype(const std::array<at::TensorList, D>& lists) {
+  if (lists[0].empty()) return {};
+  // The usual call, one dtype per list: one group, without a lookup per tensor.
+  bool uniform = true;
+  for (int k = 0; k < D && uniform; ++k) {
+    for (const at::Tensor& t : lists[k]) {
+      if (t.scalar_type() != lists[k][0].scalar_type()) {
+        uniform = false;
+        break;
+      }
+    }
+  }
+  if (uniform) {
+    std::vector<Lists<D>> out(1);
+    for (int k = 0; k < D; ++k) out[0][k].assign(lists[k].begin(), lists[k].end());
+    return out;
+  }
   std::map<std::array<int, D>, Lists<D>> groups;
   for (size_t i = 0; i < lists[0].size(); ++i) {
     std::array<int, D> key{};
