@@ -30,9 +30,9 @@ def test_every_kernel_is_registered_through_ops_kernel_h(op):
         assert lines[0].endswith("[ boxed ]"), f"{op} on {key}: {lines[0]}"
 
 
-def sgd_lists(seed, n=6):
-    params = [randn((3 + i, 2), torch.float32, "cpu", seed + i) for i in range(n)]
-    grads = [randn(p.shape, torch.float16, "cpu", seed + 100 + i, 0.1)
+def sgd_lists(seed, device, n=6):
+    params = [randn((3 + i, 2), torch.float32, device, seed + i) for i in range(n)]
+    grads = [randn(p.shape, torch.float16, device, seed + 100 + i, 0.1)
              for i, p in enumerate(params)]
     buffers = [torch.zeros_like(p) for p in params]
     model = [p.half() for p in params]
@@ -40,28 +40,29 @@ def sgd_lists(seed, n=6):
 
 
 def sgd(lists, **kwargs):
-    ops.fused_sgd_(*lists, lr=0.1, momentum=0.9, inv_scale=scalar(0.5, "cpu"),
-                   found_inf=scalar(0.0, "cpu"), **kwargs)
+    device = lists[0][0].device
+    ops.fused_sgd_(*lists, lr=0.1, momentum=0.9, inv_scale=scalar(0.5, device),
+                   found_inf=scalar(0.0, device), **kwargs)
 
 
-def test_a_call_leaves_reference_counts_and_lifetimes_as_it_found_them():
-    lists = sgd_lists(0)
+def test_a_call_leaves_reference_counts_and_lifetimes_as_it_found_them(device):
+    lists = sgd_lists(0, device)
     tensors = [t for lst in lists for t in lst]
     counts = [sys.getrefcount(t) for t in tensors]
     for _ in range(3):
         sgd(lists)
     with pytest.raises(ValueError, match="lr_tensor"):
-        sgd(lists, lr_tensor=torch.ones(2))  # refused after the lists were taken
+        sgd(lists, lr_tensor=torch.ones(2, device=device))  # refused after the lists were taken
     assert [sys.getrefcount(t) for t in tensors] == counts
     refs = [weakref.ref(t) for t in tensors]
     del tensors, lists, counts
     assert all(ref() is None for ref in refs), "a tensor outlived its last Python owner"
 
 
-def test_a_call_whose_tensors_have_other_cpp_owners():
+def test_a_call_whose_tensors_have_other_cpp_owners(device):
     # Gradients that autograd wrote have a C++ owner (their parameter) besides their
     # Python object: releasing the call's references gives back no Python object.
-    params, grads, buffers, model = sgd_lists(1)
+    params, grads, buffers, model = sgd_lists(1, device)
     owners = [torch.zeros_like(g, requires_grad=True) for g in grads]
     for owner, g in zip(owners, grads):
         owner.grad = g
@@ -73,12 +74,12 @@ def test_a_call_whose_tensors_have_other_cpp_owners():
     assert all(o.grad is g for o, g in zip(owners, grads))
 
 
-def test_calls_from_several_threads_at_once():
+def test_calls_from_several_threads_at_once(device):
     steps = 20
-    expected = sgd_lists(2)
+    expected = sgd_lists(2, device)
     for _ in range(steps):
         sgd(expected)
-    runs = [sgd_lists(2) for _ in range(4)]
+    runs = [sgd_lists(2, device) for _ in range(4)]
     errors = []
 
     def run(lists):
