@@ -68,7 +68,8 @@ bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
                              AT_PRIVATE_CASE_TYPE_USING_HINT(at::kBFloat16, ALIAS, __VA_ARGS__))
 
 // Splits parallel lists into groups whose tensors share a dtype per list (the
-// order within a group is kept). Lists may be empty (absent); the first is not.
+// order within a group is kept). Lists may be empty (absent); an empty first list gives
+// no group.
 template <int D>
 std::vector<Lists<D>> group_by_dtype(const std::array<at::TensorList, D>& lists) {
   if (lists[0].empty()) return {};
