@@ -21,6 +21,7 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <iterator>
 
@@ -44,7 +45,7 @@ inline bool returns_python_object(const at::Tensor& t) {
 
 inline bool returns_python_object(const c10::IValue& value) {
   if (value.isTensor()) return returns_python_object(value.toTensor());
-  if (value.isTensorList() || value.isList()) {
+  if (value.isList()) {  // (Tensor[] and Tensor?[] alike)
     for (const c10::IValue& item : value.toListRef()) {
       if (item.isTensor() && returns_python_object(item.toTensor())) return true;
     }
@@ -73,8 +74,8 @@ void call(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::S
     stack->insert(stack->end(), std::make_move_iterator(copy.begin()),
                   std::make_move_iterator(copy.end()));
   }
-  bool python = false;
-  for (const c10::IValue& value : inputs) python = python || returns_python_object(value);
+  const bool python = std::any_of(inputs.begin(), inputs.end(),
+                                  [](const c10::IValue& v) { return returns_python_object(v); });
   if (python && hold_python_gil != nullptr) hold_python_gil(&drop_inputs, &inputs);
 }
 

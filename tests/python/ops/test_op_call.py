@@ -67,7 +67,7 @@ def test_a_call_whose_tensors_have_other_cpp_owners(device):
     for owner, g in zip(owners, grads):
         owner.grad = g
     expected = [p.clone() for p in params]
-    sgd(([e for e in expected], [g.clone() for g in grads], [b.clone() for b in buffers],
+    sgd((expected, [g.clone() for g in grads], [b.clone() for b in buffers],
          [m.clone() for m in model]))
     sgd((params, [o.grad for o in owners], buffers, model))
     assert all(torch.equal(p, e) for p, e in zip(params, expected))
@@ -92,9 +92,7 @@ def test_calls_from_several_threads_at_once(device):
     threads = [threading.Thread(target=run, args=(lists,)) for lists in runs]
     for thread in threads:
         thread.start()
-    spin = 0
-    while any(thread.is_alive() for thread in threads):
-        spin += 1  # Python running in this thread meanwhile
+    while any(thread.is_alive() for thread in threads):  # (Python runs here meanwhile)
         threads[0].join(0.001)
     for thread in threads:
         thread.join(60)
