@@ -255,6 +255,82 @@ struct HasFixedModes : std::false_type {};
 template <typename Op>
 struct HasFixedModes<Op, std::void_t<typename Op::FixedModes>> : std::true_type {};
 
+// The common modes of the optimizers with lean precision, AdamOp and SgdOp (their
+// FixedModes, each Op::Mode an alias of LeanMode<Op, ...>): no master (Model false) or
+// fp32 masters with a model copy (Model true); kahan, remainder or stochastic; fp32 or
+// bf16 state, or 8-bit state (Eight: the op's 8-bit flags, as the optimizers give
+// them) with its block scales; the unscaled grads written back or not; all without
+// maximize and without what Op::plain refuses (AdamOp's amsgrad). Op declares the
+// lists each mode has (kStateLists: params, grads and the state), the model copy's,
+// the comps', the 8-bit scales' (kEightLists) and the unscaled grads' (kUnscaledList),
+// plain/make_plain for its own flags, and fixed_min_blocks.
+// fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode: the
+// gradients as autograd gives them, of the params' dtype, or with fp32 masters of the
+// model copy's or fp32 (master gradients). fp32 gradients of bf16 or fp16 params take
+// the generic code: the same bits, slower (other dtypes are not built at all:
+// run_optimizer widens them to fp32, dispatch.h's kStoredGrad).
+template <typename Op, bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
+struct LeanMode {
+  static constexpr unsigned kLists = Op::kStateLists | (Model ? 1u << Op::kModelList : 0u) |
+                                     (Kahan || Remainder ? 1u << Op::kCompList : 0u) |
+                                     (Eight ? Op::kEightLists : 0u);
+  static constexpr unsigned kMaybe = 1u << Op::kUnscaledList;
+  // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
+  // (engine.h, kWideRounding), for two Philox chains at once.
+  static constexpr bool kWideRounding = Stochastic && !Eight;
+  // CUDA: blocks of 512 threads per SM that the mode's kernel, and its counting kernel
+  // (counts, below), are compiled for: two at most 64 registers a thread, one where
+  // that would spill (Op::fixed_min_blocks says which).
+  static constexpr int kMinBlocks = Op::fixed_min_blocks(false, Kahan, Stochastic, Eight);
+  static constexpr int kCountingMinBlocks = Op::fixed_min_blocks(true, Kahan, Stochastic, Eight);
+  template <typename... Ts>
+  static constexpr bool fits() {
+    using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+    using Grad = std::tuple_element_t<1, std::tuple<Ts...>>;
+    using State = std::tuple_element_t<2, std::tuple<Ts...>>;
+    using Copy = std::tuple_element_t<Op::kModelList, std::tuple<Ts...>>;
+    using Comp = std::tuple_element_t<Op::kCompList, std::tuple<Ts...>>;
+    return (Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float>
+                  : std::is_same_v<Grad, Param>) &&
+           (!Model || std::is_same_v<Param, float>) &&
+           (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
+           (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
+  }
+  // Whether a counted call (the precision report) in this mode on storage Ts runs a
+  // CUDA kernel of its own (Fixed<Op, Mode, true>, multi_tensor_block.cuh's launch_as)
+  // rather than the generic kernel: bf16 params without masters or remainders, whose
+  // updates the report is for (the other modes lose none and count in the generic
+  // kernel).
+  template <typename... Ts>
+  static constexpr bool counts() {
+    using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
+    return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>;
+  }
+  MP_HD static bool holds(const Op& op) {
+    return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&
+           op.state_stochastic == Eight && !op.maximize && Op::plain(op, Eight);
+  }
+  MP_HD static void fix(Op& op) {
+    op.kahan = Kahan;
+    op.remainder = Remainder;
+    op.stochastic = Stochastic;
+    op.state_stochastic = Eight;
+    op.maximize = false;
+    Op::make_plain(op, Eight);
+  }
+};
+
+// The ten FixedModes of an optimizer with lean precision: no master, fp32 masters,
+// kahan, remainder and stochastic rounding, each with fp32 or bf16 state and with
+// 8-bit state.
+template <template <bool, bool, bool, bool, bool> class Mode>
+using LeanModes =
+    TypeList<Mode<false, false, false, false, false>, Mode<true, false, false, false, false>,
+             Mode<false, true, false, false, false>, Mode<false, false, true, false, false>,
+             Mode<false, false, false, true, false>, Mode<false, false, false, false, true>,
+             Mode<true, false, false, false, true>, Mode<false, true, false, false, true>,
+             Mode<false, false, true, false, true>, Mode<false, false, false, true, true>>;
+
 // bad = f(Fixed<Op, M>(op)) when storage Ts fit mode M, op holds it and the lists
 // present (mask `lists`) are M's, M::kMaybe aside; whether it did.
 template <typename M, typename... Ts, typename Op, typename F>

@@ -61,77 +61,31 @@ struct AdamOp {
   RoundingWords rounding;   // filled by resolve() and at_tensor()
   RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
 
-  // The common modes, which the CPU engine compiles once each with their flags as
-  // constants, the lists kLists known present and the others absent but for kMaybe
-  // (engine.h's Fixed): no master (Model false) or fp32 masters with a model copy
-  // (Model true); kahan, remainder or stochastic; fp32 or bf16 moments, or 8-bit ones
-  // (Eight: root and state_stochastic, as the optimizers give them) with their
-  // scales; the unscaled grads written back or not; all without maximize or amsgrad.
-  // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode: the
-  // gradients as autograd gives them, of the params' dtype, or with fp32 masters of the
-  // model copy's or fp32 (master gradients). fp32 gradients of bf16 or fp16 params
-  // take the generic code: the same bits, slower (other dtypes are not built at all:
-  // run_optimizer widens them to fp32, dispatch.h's kStoredGrad).
+  // The lists of its common modes (pointwise.h's LeanMode): params, grads and the two
+  // moments; the scales of both 8-bit moments.
+  static constexpr unsigned kStateLists = 0b1111;
+  static constexpr unsigned kEightLists = 0b011000000000;
+  static constexpr int kUnscaledList = 8;
+  // The common modes are also without amsgrad, and 8-bit moments are their roots.
+  MP_HD static bool plain(const AdamOp& op, bool eight) { return op.root == eight && !op.amsgrad; }
+  MP_HD static void make_plain(AdamOp& op, bool eight) {
+    op.root = eight;
+    op.amsgrad = false;
+  }
+  // CUDA: two blocks of 512 threads per SM (at most 64 registers a thread) for every
+  // mode but kahan and stochastic rounding with 8-bit moments, which would spill there
+  // and take one (106-108 registers); for a counting kernel (the precision report),
+  // one where the stochastic ones and the 8-bit one without kahan would spill at 64
+  // (104-116 registers; 2026-11-29), two for the others (57-64). ptxas alone gives the
+  // remainder mode 68 registers, so one block per SM, whose loads and math then take
+  // turns rather than overlap (docs/gpu-validation.md).
+  static constexpr int fixed_min_blocks(bool counting, bool kahan, bool stochastic, bool eight) {
+    if (counting) return stochastic || eight ? 1 : 2;
+    return eight && (kahan || stochastic) ? 1 : 2;
+  }
   template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
-  struct Mode {
-    static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) |
-                                       (Kahan || Remainder ? 1u << kCompList : 0u) |
-                                       (Eight ? 0b11u << kScaleList : 0u);
-    static constexpr unsigned kMaybe = 1u << 8;
-    // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
-    // (engine.h, kWideRounding), for two Philox chains at once.
-    static constexpr bool kWideRounding = Stochastic && !Eight;
-    // CUDA: blocks of 512 threads per SM that the mode's kernel is compiled for (two:
-    // at most 64 registers a thread, which every mode fits without spilling but kahan
-    // and stochastic rounding with 8-bit moments: they take one, 106-108 registers).
-    // ptxas alone gives the remainder mode 68 registers, so one block per SM, whose
-    // loads and math then take turns rather than overlap (docs/gpu-validation.md).
-    static constexpr int kMinBlocks = Eight && (Kahan || Stochastic) ? 1 : 2;
-    // The same for the mode's counting kernel (counts, below): at 64 registers ptxas
-    // spills its stochastic ones and the 8-bit one without kahan (2026-11-29), so they
-    // take one block (104-116 registers); the others fit (57-64).
-    static constexpr int kCountingMinBlocks = Stochastic || Eight ? 1 : 2;
-    template <typename... Ts>
-    static constexpr bool fits() {
-      using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
-      using Grad = std::tuple_element_t<1, std::tuple<Ts...>>;
-      using State = std::tuple_element_t<2, std::tuple<Ts...>>;
-      using Copy = std::tuple_element_t<kModelList, std::tuple<Ts...>>;
-      using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>;
-      return (Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float>
-                    : std::is_same_v<Grad, Param>) &&
-             (!Model || std::is_same_v<Param, float>) &&
-             (!Stochastic || std::is_same_v<Param, c10::BFloat16>) &&
-             (Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);
-    }
-    // Whether a counted call (the precision report) in this mode on storage Ts runs a
-    // CUDA kernel of its own (Fixed<AdamOp, Mode, true>, multi_tensor_block.cuh's
-    // launch_as) rather than the generic kernel: bf16 params without masters or
-    // remainders, whose updates the report is for (the other modes lose none and
-    // count in the generic kernel).
-    template <typename... Ts>
-    static constexpr bool counts() {
-      using Param = std::tuple_element_t<0, std::tuple<Ts...>>;
-      return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>;
-    }
-    MP_HD static bool holds(const AdamOp& op) {
-      return op.kahan == Kahan && op.remainder == Remainder && op.stochastic == Stochastic &&
-             op.root == Eight && op.state_stochastic == Eight && !op.maximize && !op.amsgrad;
-    }
-    MP_HD static void fix(AdamOp& op) {
-      op.kahan = Kahan;
-      op.remainder = Remainder;
-      op.stochastic = Stochastic;
-      op.root = op.state_stochastic = Eight;
-      op.maximize = op.amsgrad = false;
-    }
-  };
-  using FixedModes =
-      TypeList<Mode<false, false, false, false, false>, Mode<true, false, false, false, false>,
-               Mode<false, true, false, false, false>, Mode<false, false, true, false, false>,
-               Mode<false, false, false, true, false>, Mode<false, false, false, false, true>,
-               Mode<true, false, false, false, true>, Mode<false, true, false, false, true>,
-               Mode<false, false, true, false, true>, Mode<false, false, false, true, true>>;
+  using Mode = LeanMode<AdamOp, Model, Kahan, Remainder, Stochastic, Eight>;
+  using FixedModes = LeanModes<Mode>;
 
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;

@@ -52,6 +52,26 @@ struct SgdOp {
   RoundingWords rounding;   // filled by resolve() and at_tensor()
   RoundingKey state_key{};  // the 8-bit buffers' bits: rounding's, with state_seed
 
+  // The lists of its common modes (pointwise.h's LeanMode): params, grads and the
+  // momentum buffers (SGD without momentum has none: its generic code); the 8-bit
+  // buffers' scales.
+  static constexpr unsigned kStateLists = 0b111;
+  static constexpr unsigned kEightLists = 0b010000000;
+  static constexpr int kUnscaledList = 6;
+  MP_HD static bool plain(const SgdOp&, bool) { return true; }
+  MP_HD static void make_plain(SgdOp&, bool) {}
+  // CUDA: two blocks of 512 threads per SM (at most 64 registers a thread, 40-64) for
+  // every mode but stochastic rounding with 8-bit buffers, which would spill there and
+  // takes one; for a counting kernel (the precision report), one for that mode and for
+  // kahan with 8-bit buffers (both spilled at 64 registers, 2026-11-29), two for the
+  // others.
+  static constexpr int fixed_min_blocks(bool counting, bool kahan, bool stochastic, bool eight) {
+    return eight && (stochastic || (counting && kahan)) ? 1 : 2;
+  }
+  template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight>
+  using Mode = LeanMode<SgdOp, Model, Kahan, Remainder, Stochastic, Eight>;
+  using FixedModes = LeanModes<Mode>;
+
   MP_HD void resolve() {
     if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
     if (lr_ptr != nullptr) lr = *lr_ptr;

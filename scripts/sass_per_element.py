@@ -9,11 +9,12 @@ the names (c++filt) to know the op and its storage types, and for every
 ``pointwise_kernel`` (csrc/cuda/multi_tensor_apply.cuh: every optimizer and list op)
 finds the main loop and counts its instructions per element.
 
-**Which kernel runs.** A functor that declares ``FixedModes`` (AdamOp: its
-``Mode<Model, Kahan, Remainder, Stochastic, Eight>``, csrc/pointwise_adam.h) is also
-instantiated as ``pointwise_kernel<Fixed<AdamOp, AdamOp::Mode<...>>, ...>`` per mode
-and storage types (csrc/pointwise.h, Fixed: AdamOp's fields, the mode's flags
-constant, the lists outside the mode neither loaded nor stored), and the CUDA engine
+**Which kernel runs.** A functor that declares ``FixedModes`` (AdamOp and SgdOp: their
+``Mode<Model, Kahan, Remainder, Stochastic, Eight>``, an alias of csrc/pointwise.h's
+``LeanMode<Op, ...>``) is also instantiated as ``pointwise_kernel<Fixed<Op,
+LeanMode<Op, ...>>, ...>`` per mode and storage types (csrc/pointwise.h, Fixed: the
+functor's fields, the mode's flags constant, the lists outside the mode neither loaded
+nor stored), and the CUDA engine
 launches that kernel whenever the step is in the mode (``in_fixed_mode``: the first of
 the FixedModes whose ``fits`` takes the storage types, whose ``holds`` takes the flags,
 and whose ``kLists`` are the lists present, per-tensor lists and ``kMaybe`` aside); the
@@ -250,7 +251,7 @@ def functors(repo: Path = REPO) -> Dict[str, Dict]:
 
 
 class FixedMode(NamedTuple):
-    """The template arguments of AdamOp::Mode (csrc/pointwise_adam.h), in its order, and
+    """The template arguments of an Op::Mode (csrc/pointwise.h's LeanMode), in its order, and
     whether the kernel is the mode's counting one (Fixed<Op, Mode, true>: a counted call,
     the precision report, where Mode::counts; csrc/cuda/multi_tensor_block.cuh's
     launch_as)."""
@@ -270,28 +271,46 @@ class FixedMode(NamedTuple):
 # launched_mode) as the source says it; fixed_modes checks that the source still says
 # exactly this (whitespace and comments aside) and refuses it otherwise.
 FIXED_SOURCE = {
-    # csrc/pointwise_adam.h, AdamOp::Mode
-    "pointwise_adam.h": (
-        "template <bool Model, bool Kahan, bool Remainder, bool Stochastic, bool Eight> "
-        "struct Mode {",
-        "static constexpr unsigned kLists = 0b1111u | (Model ? 1u << kModelList : 0u) | "
-        "(Kahan || Remainder ? 1u << kCompList : 0u) | (Eight ? 0b11u << kScaleList : 0u);",
+    # csrc/pointwise.h, LeanMode (each Op::Mode), and the ten modes of LeanModes
+    "pointwise.h#LeanMode": (
+        "template <typename Op, bool Model, bool Kahan, bool Remainder, bool Stochastic, "
+        "bool Eight> struct LeanMode {",
+        "static constexpr unsigned kLists = Op::kStateLists | (Model ? 1u << Op::kModelList : 0u) "
+        "| (Kahan || Remainder ? 1u << Op::kCompList : 0u) | (Eight ? Op::kEightLists : 0u); "
+        "static constexpr unsigned kMaybe = 1u << Op::kUnscaledList;",
         "using Param = std::tuple_element_t<0, std::tuple<Ts...>>; "
         "using Grad = std::tuple_element_t<1, std::tuple<Ts...>>; "
         "using State = std::tuple_element_t<2, std::tuple<Ts...>>; "
-        "using Copy = std::tuple_element_t<kModelList, std::tuple<Ts...>>; "
-        "using Comp = std::tuple_element_t<kCompList, std::tuple<Ts...>>; "
+        "using Copy = std::tuple_element_t<Op::kModelList, std::tuple<Ts...>>; "
+        "using Comp = std::tuple_element_t<Op::kCompList, std::tuple<Ts...>>; "
         "return (Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float> "
         ": std::is_same_v<Grad, Param>) && "
         "(!Model || std::is_same_v<Param, float>) && "
         "(!Stochastic || std::is_same_v<Param, c10::BFloat16>) && "
         "(Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);",
         "return op.kahan == Kahan && op.remainder == Remainder && "
-        "op.stochastic == Stochastic && op.root == Eight && op.state_stochastic == Eight && "
-        "!op.maximize && !op.amsgrad;",
+        "op.stochastic == Stochastic && op.state_stochastic == Eight && !op.maximize && "
+        "Op::plain(op, Eight);",
         "template <typename... Ts> static constexpr bool counts() { "
         "using Param = std::tuple_element_t<0, std::tuple<Ts...>>; "
-        "return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>; }"),
+        "return !Model && !Remainder && std::is_same_v<Param, c10::BFloat16>; }",
+        "using LeanModes = TypeList<Mode<false, false, false, false, false>, "
+        "Mode<true, false, false, false, false>, Mode<false, true, false, false, false>, "
+        "Mode<false, false, true, false, false>, Mode<false, false, false, true, false>, "
+        "Mode<false, false, false, false, true>, Mode<true, false, false, false, true>, "
+        "Mode<false, true, false, false, true>, Mode<false, false, true, false, true>, "
+        "Mode<false, false, false, true, true>>;"),
+    # the functors' own part of holds (Op::plain): AdamOp's 8-bit moments are roots,
+    # and none of its modes has amsgrad; SgdOp has nothing more
+    "pointwise_adam.h": (
+        "MP_HD static bool plain(const AdamOp& op, bool eight) { return op.root == eight && "
+        "!op.amsgrad; }",
+        "using Mode = LeanMode<AdamOp, Model, Kahan, Remainder, Stochastic, Eight>; "
+        "using FixedModes = LeanModes<Mode>;"),
+    "pointwise_optimizers.h": (
+        "MP_HD static bool plain(const SgdOp&, bool) { return true; }",
+        "using Mode = LeanMode<SgdOp, Model, Kahan, Remainder, Stochastic, Eight>; "
+        "using FixedModes = LeanModes<Mode>;"),
     # csrc/pointwise.h: Fixed's lists, and in_fixed_mode's choice (the first mode that
     # fits, holds, and has the lists present, per-tensor lists and kMaybe aside)
     "pointwise.h": (
@@ -338,35 +357,41 @@ def fixed_modes(repo: Path = REPO) -> Dict[str, Dict]:
         raise ValueError("csrc/cuda/multi_tensor_apply.cuh: neither the generic launch nor "
                          "in_fixed_mode's: update sass_per_element.CUDA_LAUNCHES_FIXED")
     for header, texts in FIXED_SOURCE.items():
-        code = source_text(repo / "csrc" / header)
+        code = source_text(repo / "csrc" / header.split("#")[0])
         for text in texts:
             if text not in code:
                 raise ValueError(f"csrc/{header} no longer has {text!r}: update "
                                  "sass_per_element's fixed modes (FIXED_SOURCE)")
+    lean = re.search(r"using LeanModes\s*=\s*TypeList<(.*?)>;",
+                     (repo / "csrc/pointwise.h").read_text(), re.S)
+    modes = [FixedMode(*(v.strip() == "true" for v in args.split(",")))
+             for args in re.findall(r"Mode<([\w, ]+)>", lean.group(1))]
+    known = {"AdamOp", "SgdOp"}  # the functors FIXED_SOURCE checks
     out = {}
+    layouts = functors(repo)
     for header in ("pointwise.h", "pointwise_adam.h", "pointwise_optimizers.h"):
         for name, body in struct_bodies((repo / "csrc" / header).read_text()).items():
-            found = re.search(r"using FixedModes\s*=\s*TypeList<(.*?)>;", body, re.S)
+            found = re.search(r"using FixedModes\s*=\s*(.*?);", body, re.S)
             if not found:
                 continue
-            if name != "AdamOp":
-                raise ValueError(f"{name} declares FixedModes: only AdamOp::Mode is known "
-                                 "to sass_per_element (FIXED_SOURCE)")
-            modes = [FixedMode(*(v.strip() == "true" for v in args.split(",")))
-                     for args in re.findall(r"Mode<([\w, ]+)>", found.group(1))]
-            maybe = re.search(r"static constexpr unsigned kMaybe = 1u << (\d+);", body)
-            if not modes or not maybe:
-                raise ValueError(f"{name}: its FixedModes or Mode::kMaybe not understood")
-            out[name] = dict(modes=modes, maybe=1 << int(maybe.group(1)))
+            if name not in known or found.group(1).strip() != "LeanModes<Mode>":
+                raise ValueError(f"{name} declares FixedModes {found.group(1)!r}: only "
+                                 f"LeanModes<Mode> of {sorted(known)} is known to "
+                                 "sass_per_element (FIXED_SOURCE)")
+            c = layouts[name]["constants"]
+            if len(modes) != 10 or not all(k in c for k in ("kStateLists", "kEightLists",
+                                                              "kUnscaledList")):
+                raise ValueError(f"{name}: its FixedModes or their lists not understood")
+            out[name] = dict(modes=modes, maybe=1 << c["kUnscaledList"])
     return out
 
 
 def fixed_lists(m: FixedMode, c: Dict) -> int:
-    """Mode::kLists: params, grads and the moments, the model copy with Model, the comps
-    with Kahan or Remainder, the block scales with Eight."""
-    return (0b1111 | (1 << c["kModelList"] if m.model else 0)
+    """Mode::kLists: params, grads and the state (kStateLists), the model copy with Model,
+    the comps with Kahan or Remainder, the block scales with Eight (kEightLists)."""
+    return (c["kStateLists"] | (1 << c["kModelList"] if m.model else 0)
             | (1 << c["kCompList"] if m.kahan or m.remainder else 0)
-            | (0b11 << c["kScaleList"] if m.eight else 0))
+            | (c["kEightLists"] if m.eight else 0))
 
 
 def autograd_grads(types: List[str], model: bool, c: Dict) -> bool:
@@ -392,14 +417,15 @@ def fixed_counts(m: FixedMode, types: List[str]) -> bool:
     return not m.model and not m.remainder and types[0] == "BFloat16"
 
 
-def fixed_holds(m: FixedMode, flags: Dict) -> bool:
-    """Mode::holds(op), on the functor fields a mode sets (the others false)."""
+def fixed_holds(m: FixedMode, op: str, flags: Dict) -> bool:
+    """Mode::holds(op), on the functor fields a mode sets (the others false); AdamOp's
+    plain: its 8-bit moments are roots, and no mode has amsgrad."""
     def on(name):
         return bool(flags.get(name, False))
+    plain = op != "AdamOp" or (on("root") == m.eight and not on("amsgrad"))
     return (on("kahan") == m.kahan and on("remainder") == m.remainder
-            and on("stochastic") == m.stochastic and on("root") == m.eight
-            and on("state_stochastic") == m.eight and not on("maximize")
-            and not on("amsgrad"))
+            and on("stochastic") == m.stochastic and on("state_stochastic") == m.eight
+            and not on("maximize") and plain)
 
 
 def launched_mode(op: str, types: List[str], mode: Dict, layout: Dict,
@@ -417,7 +443,7 @@ def launched_mode(op: str, types: List[str], mode: Dict, layout: Dict,
     per_tensor = c.get("kPerTensor", 0)
     present = sum(1 << k for k in mode["lists"]) & ~per_tensor
     for m in spec["modes"]:
-        if (fixed_fits(m, types, c) and fixed_holds(m, mode["flags"])
+        if (fixed_fits(m, types, c) and fixed_holds(m, op, mode["flags"])
                 and present & ~spec["maybe"] == fixed_lists(m, c) & ~per_tensor):
             if not counted:
                 return m
@@ -485,10 +511,10 @@ def demangle(names: List[str]) -> List[str]:
 
 # pointwise_kernel<mixedprec::AdamOp, c10::BFloat16, ...>, or, for a functor in one of
 # its FixedModes, pointwise_kernel<mixedprec::Fixed<mixedprec::AdamOp,
-# mixedprec::AdamOp::Mode<false, false, false, true, true>, false>, c10::BFloat16, ...>
-# (true: the mode's counting kernel)
+# mixedprec::LeanMode<mixedprec::AdamOp, false, false, false, true, true>, false>,
+# c10::BFloat16, ...> (true: the mode's counting kernel)
 KERNEL = re.compile(r"pointwise_kernel<mixedprec::(?:Fixed<mixedprec::(?P<fixed>\w+), "
-                    r"mixedprec::(?P=fixed)::Mode<(?P<mode>[\w, ]+)>"
+                    r"mixedprec::LeanMode<mixedprec::(?P=fixed), (?P<mode>[\w, ]+)>"
                     r"(?:, (?P<counting>true|false))?\s*>|(?P<op>\w+)), "
                     r"(?P<types>.*)>\(mixedprec::cuda::TensorListMeta")
 
@@ -1818,7 +1844,7 @@ def violations(records: List[Dict], fraction: float = GATE_FRACTION) -> List[str
     aside); a mode without a feasible iteration (also on a generic kernel it does not
     run on); a mode whose Fixed kernel is not in the listing; and every mode whose path
     per element, on the kernel it runs on, is over `fraction` of its H200 budget (but
-    AdamOp's on gradients autograd does not give: `uncommon_grads`)."""
+    a fixed-mode functor's on gradients autograd does not give: `uncommon_grads`)."""
     out = []
     for r in records:
         if r.get("unrecognised"):

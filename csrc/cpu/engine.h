@@ -7,7 +7,7 @@
 // c10's conversions; so does everything in the baseline x86-64 build (and elsewhere).
 // Each element sees the same fp32 operations in the same order in every version (no
 // FMA contraction: -ffp-contract=off), so every version gives the same bits.
-// Functors with FixedModes (pointwise.h; AdamW's common modes) get one vector loop
+// Functors with FixedModes (pointwise.h; AdamW's and SGD's common modes) get one vector loop
 // per mode that they are in (Fixed, in_fixed_mode): without the tests of absent lists
 // and of the other modes' flags in every step (a fifth to a half of an AdamW step's
 // time on AVX2: bench/README.md, "Fixed modes").
