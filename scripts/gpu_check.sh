@@ -58,7 +58,7 @@
 #   <STEP>_LIMIT           seconds allowed to a step, STEP in capitals with _ for -
 #                          (MEMCHECK_LIMIT=540, BENCH_OPS_LIMIT=120, ...); defaults below
 #   <STEP>_WORKERS         pytest-xdist workers of pytest, memcheck, racecheck, synccheck
-#                          (default 4, 9, 1, 2: 16 processes, sized to run at once)
+#                          (default 3, 10, 1, 2: 16 processes, sized to run at once)
 #   PYTEST_FILTER          pytest -k expression of the pytest step (default "cuda or gpu";
 #                          empty: the whole suite)
 #   KILL_GRACE             seconds between timeout's TERM and its KILL (default 5)
@@ -92,9 +92,11 @@ DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
 # 300 s on 6 workers beside the whole suite (H100, 2026-11-24: 4.7), 186 lean/8-bit tests
 # in about 125 s on 14 workers (H200, 2026-11-27: 9.4); now 170 op tests and 186 lean
 # and 8-bit ones (the Apex faces' tests and sum_fp32's, which drive no kernel of their
-# own, left to pytest), about 2550 worker-seconds, so 9 of the 16 workers and the
-# largest limit; if it is still cut off, the summary says how far it got, and a call of
-# its own with MEMCHECK_LIMIT=540 MEMCHECK_WORKERS=14 finishes it. The CUDA tests: 1906
+# own, left to pytest), about 2550 worker-seconds, so 10 of the 16 workers and the
+# largest limit (9 were cut at 98% by 340 s on the H200s of 2026-11-28 and 29, while
+# pytest's 4 finished in 136-162 s: one of them moved); if it is still cut off, the
+# summary says how far it got, and a call of its own with MEMCHECK_LIMIT=540
+# MEMCHECK_WORKERS=14 finishes it. The CUDA tests: 1906
 # in 130 s on 10 workers (0.7), about 1660 here without memcheck's files; racecheck 31
 # in 68 s on 3;
 # synccheck 152 in 131 s on 2 (now with test_state8.py's 57 more). The benchmarks get what is left, bounded by their own
@@ -170,7 +172,7 @@ define_step() {
       DESC="each op on CPU and CUDA against float64"
       CMD=("$PY" -m mixedprec.selfcheck) ;;
     pytest)
-      n=$(workers_of pytest 4)
+      n=$(workers_of pytest 3)
       KIND=tests
       filter=${PYTEST_FILTER-cuda or gpu}
       DESC="the whole suite, CUDA tests included"
@@ -193,7 +195,7 @@ define_step() {
     memcheck)
       KIND=sanitizer
       DESC="memcheck over the op and optimizer tests"
-      sanitizer_cmd memcheck "$(workers_of memcheck 9)" "" "${OP_TESTS[@]}" "${OPTIM_TESTS[@]}" ;;
+      sanitizer_cmd memcheck "$(workers_of memcheck 10)" "" "${OP_TESTS[@]}" "${OPTIM_TESTS[@]}" ;;
     racecheck)
       KIND=sanitizer
       DESC="racecheck over the L2 norm tests"
