@@ -14,7 +14,7 @@
 
 namespace mixedprec::cuda {
 
-// Op::kMinBlocks (a Fixed functor's, from its mode: pointwise_adam.h), else 0: the
+// Op::kMinBlocks (a Fixed functor's, from its mode: pointwise.h's LeanMode), else 0: the
 // blocks of kBlockSize threads per SM that ptxas must make room for (2: at most 64
 // registers a thread); 0 leaves the registers to ptxas.
 template <typename Op, typename = void>

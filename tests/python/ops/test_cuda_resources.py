@@ -30,7 +30,59 @@ def test_every_kernel_of_the_build_passes_the_gate():
     assert any("AdamOp" in r["demangled"] and "E4m3" in r["demangled"] for r in multi)
     assert any("SgdOp" in r["demangled"] and "E4m3" in r["demangled"] for r in multi)
     assert all(r["registers"] is not None for r in records)
+    # the occupancy rule reads every multi-tensor kernel's name (none escapes it), and
+    # each Fixed mode in ONE_BLOCK is built
+    assert all(gate.KERNEL.search(r["demangled"]) for r in multi)
+    built = {(m["fixed"], tuple(v.strip() == "true" for v in m["mode"].split(",")),
+              m["counting"] == "true")
+             for m in (gate.KERNEL.search(r["demangled"]) for r in multi) if m["fixed"]}
+    assert gate.ONE_BLOCK <= built
     assert gate.violations(records) == []
+
+
+def _record(demangled, registers):
+    return dict(name=demangled, demangled=demangled, arch="sm_90", registers=registers,
+                stack=0, spill_stores=0, spill_loads=0, source="register_optimizers.cu")
+
+
+ADAGRAD = ("void mixedprec::cuda::pointwise_kernel<mixedprec::AdagradOp, float, float, float, "
+           "float>(mixedprec::cuda::TensorListMeta<4>, mixedprec::AdagradOp, float const*, "
+           "float*)")
+
+
+def _sgd_fixed(flags, counting=False):
+    mode = ", ".join("true" if f else "false" for f in flags)
+    functor = (f"mixedprec::Fixed<mixedprec::SgdOp, mixedprec::LeanMode<mixedprec::SgdOp, "
+               f"{mode}>, {'true' if counting else 'false'}>")
+    return (f"void mixedprec::cuda::pointwise_kernel<{functor}, c10::BFloat16, c10::BFloat16, "
+            f"c10::BFloat16, float, c10::BFloat16, long, c10::BFloat16, unsigned char, "
+            f"double>(mixedprec::cuda::TensorListMeta<9>, {functor}, float const*, float*)")
+
+
+def test_blocks_per_sm_from_the_registers():
+    """Registers are given out 8 a thread; an SM holds 65536 of them and 2048 threads."""
+    assert [gate.blocks_per_sm(r) for r in (16, 32, 33, 40, 64, 65, 72, 128)] == [
+        4, 4, 3, 3, 2, 1, 1, 1]
+
+
+def test_the_gate_refuses_a_kernel_that_holds_fewer_blocks_than_recorded():
+    """What the H200 of 2026-11-29 found on the GPU (the generic SGD kernel from two
+    blocks per SM to one, unseen by the tests), refused on the CPU: a kernel of a functor
+    without fixed modes under its GENERIC_FLOOR, a Fixed kernel at one block where
+    ONE_BLOCK does not say so, and one at two where it does."""
+    none_bf16 = (False, False, False, False, False)
+    stochastic_8bit = (False, False, False, True, True)
+    passing = [_record(ADAGRAD, 44), _record(_sgd_fixed(none_bf16), 63),
+               _record(_sgd_fixed(stochastic_8bit), 100),
+               _record(_sgd_fixed(stochastic_8bit, counting=True), 113)]
+    assert gate.violations(passing) == []
+    for planted, words in [(_record(ADAGRAD, 72), "fewer than its 2"),
+                           (_record(_sgd_fixed(none_bf16), 72), "ONE_BLOCK says two"),
+                           (_record(_sgd_fixed(none_bf16, counting=True), 80),
+                            "ONE_BLOCK says two"),
+                           (_record(_sgd_fixed(stochastic_8bit), 64), "ONE_BLOCK says one")]:
+        (found,) = gate.violations([planted])
+        assert words in found and "block(s) of 512 threads per SM" in found, found
 
 
 PLANTED = r"""
