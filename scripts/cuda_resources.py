@@ -30,19 +30,24 @@ checks the same gate in `make test`:
   block (72 registers) where it had had two, and 86% of the copy where it had had 95%.
 """
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Dict, Iterable, List
 
 SOURCE = re.compile(r"nvcc\S*\s(?:.*\s)?-c\s+(\S+\.cu)\b")
 ENTRY = re.compile(r"ptxas info\s*: Compiling entry function '(\S+)' for '(\w+)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"ptxas info\s*: Used (\d+) registers")
-MAX_REGISTERS = 65536 // 512  # the multi-tensor kernels' __launch_bounds__(kBlockSize)
+REGISTERS_PER_SM = 65536
+BLOCK_THREADS = 512  # kBlockSize (csrc/cuda/multi_tensor_block.cuh)
+# the multi-tensor kernels' __launch_bounds__(kBlockSize): one block per SM
+MAX_REGISTERS = REGISTERS_PER_SM // BLOCK_THREADS
 MAX_STACK = 8  # bytes: a subroutine's return address (see the module docstring)
 
 
@@ -94,10 +99,6 @@ def is_multi_tensor(record: Dict) -> bool:
     return "pointwise_kernel" in record.get("demangled", record["name"])
 
 
-REGISTERS_PER_SM = 65536
-BLOCK_THREADS = 512  # kBlockSize (csrc/cuda/multi_tensor_block.cuh)
-
-
 def blocks_per_sm(registers: int) -> int:
     """Blocks of 512 threads an SM (sm_80, sm_90) holds at once with `registers` a thread:
     registers are given out in units of 8 a thread, and an SM holds 2048 threads."""
@@ -126,25 +127,35 @@ ONE_BLOCK = {
     ("SgdOp", (False, False, False, True, True), True),
     ("SgdOp", (False, True, False, False, True), True),
 }
-KERNEL = re.compile(r"pointwise_kernel<mixedprec::(?:Fixed<mixedprec::(?P<fixed>\w+), "
-                    r"mixedprec::LeanMode<mixedprec::(?P=fixed), (?P<mode>[\w, ]+)>, "
-                    r"(?P<counting>true|false)>|(?P<op>\w+))[,>]")
+
+
+def _sass_per_element():
+    """scripts/sass_per_element.py, whose kernel_signature reads a pointwise_kernel's
+    functor, storage types and fixed mode from its name."""
+    path = Path(__file__).with_name("sass_per_element.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kernel_signature = _sass_per_element().kernel_signature
 
 
 def occupancy_findings(record: Dict) -> List[str]:
     """What the occupancy rule (the module docstring) says of one kernel."""
-    found = KERNEL.search(record.get("demangled", ""))
-    if not found or record["registers"] is None:
+    signature = kernel_signature(record.get("demangled", ""))
+    if signature is None or record["registers"] is None:
         return []
+    op, _, mode = signature
     blocks = blocks_per_sm(record["registers"])
     name = f"{record['demangled']} ({record['arch']})"
-    if found.group("op"):
-        floor = GENERIC_FLOOR.get(found.group("op"), 1)
+    if mode is None:
+        floor = GENERIC_FLOOR.get(op, 1)
         return [] if blocks >= floor else [
             f"{name}: {record['registers']} registers, {blocks} block(s) of 512 threads per "
             f"SM, fewer than its {floor} (GENERIC_FLOOR)"]
-    mode = tuple(v.strip() == "true" for v in found.group("mode").split(","))
-    one = (found.group("fixed"), mode, found.group("counting") == "true") in ONE_BLOCK
+    one = (op, tuple(mode[:5]), mode.counting) in ONE_BLOCK
     if (blocks == 1) == one:
         return []
     return [f"{name}: {record['registers']} registers, {blocks} block(s) of 512 threads per "
