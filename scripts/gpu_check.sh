@@ -17,9 +17,11 @@
 #   memcheck     compute-sanitizer memcheck over the CUDA tests of the op files and of the
 #                optimizer files (fused, lean, 8-bit state, remainder, LAMB, stochastic
 #                rounding)
-#   racecheck    compute-sanitizer racecheck over the L2 norm's CUDA tests (the only
-#                kernels with shared memory)
-#   synccheck    compute-sanitizer synccheck over the engine's CUDA tests
+#   racecheck    compute-sanitizer racecheck over the CUDA tests of the kernels with
+#                shared memory: the L2 norm's, and the precision report's counting
+#                kernels (add_tallies' block sums)
+#   synccheck    compute-sanitizer synccheck over the engine's, the 8-bit state's and the
+#                precision report's CUDA tests
 #   bench-ops    bench/ops.py, bounded (two lists, the ops with targets, then one step
 #                of every optimizer mode: --ops modes)
 #   bench-train  bench/train.py, bounded (ResNet-50 and GPT-2-small, AMP/O2/FP32)
@@ -98,8 +100,9 @@ DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
 # summary says how far it got, and a call of its own with MEMCHECK_LIMIT=540
 # MEMCHECK_WORKERS=14 finishes it. The CUDA tests: 1906
 # in 130 s on 10 workers (0.7), about 1660 here without memcheck's files; racecheck 31
-# in 68 s on 3;
-# synccheck 152 in 131 s on 2 (now with test_state8.py's 57 more). The benchmarks get what is left, bounded by their own
+# in 68 s on 3 (now 2 more: the precision report's against float64);
+# synccheck 152 in 131 s on 2 (now with test_state8.py's 57 more, and 2026-11-29 night
+# test_precision_report.py's 42). The benchmarks get what is left, bounded by their own
 # --time-budget.
 default_limit() {
   case $1 in
@@ -147,6 +150,7 @@ OPTIM_TESTS=(tests/python/optim/test_lean.py tests/python/optim/test_state8.py
 # reductions use shared memory: it runs the L2 norm tests of these files and amp_C's.
 ENGINE_TESTS=(tests/python/ops/test_multi_tensor.py tests/python/ops/test_engine_edges.py)
 L2NORM_TESTS=("${ENGINE_TESTS[@]}" tests/python/compat/test_amp_C.py)
+REPORT_TESTS=(tests/python/optim/test_precision_report.py)
 
 # --- the steps' commands ---------------------------------------------------------------
 
@@ -198,13 +202,16 @@ define_step() {
       sanitizer_cmd memcheck "$(workers_of memcheck 10)" "" "${OP_TESTS[@]}" "${OPTIM_TESTS[@]}" ;;
     racecheck)
       KIND=sanitizer
-      DESC="racecheck over the L2 norm tests"
-      sanitizer_cmd racecheck "$(workers_of racecheck 1)" l2norm "${L2NORM_TESTS[@]}" ;;
+      DESC="racecheck over the L2 norm and precision report tests"
+      # (the report's counting kernels all share add_tallies' block sums: its test
+      # against float64 runs AdamW's and SGD's)
+      sanitizer_cmd racecheck "$(workers_of racecheck 1)" "(l2norm or test_counts_against_float64)" \
+        "${L2NORM_TESTS[@]}" "${REPORT_TESTS[@]}" ;;
     synccheck)
       KIND=sanitizer
-      DESC="synccheck over the engine and 8-bit state tests"
+      DESC="synccheck over the engine, 8-bit state and precision report tests"
       sanitizer_cmd synccheck "$(workers_of synccheck 2)" "" "${ENGINE_TESTS[@]}" \
-        tests/python/optim/test_state8.py ;;
+        tests/python/optim/test_state8.py "${REPORT_TESTS[@]}" ;;
     bench-ops)
       # The two lists of the published tables and the ops that have targets, then one
       # optimizer step in every mode (52 a list, GPT-2-medium first); the run stops

@@ -219,25 +219,39 @@ template <typename Op>
 constexpr bool kTallied = Tallies<Op>::count > 0 && (!IsFixed<Op>::value || IsCounting<Op>::value);
 
 // Adds every thread's N tallies to the tensor's words: a sum per warp (a shuffle
-// reduction; under the host build, the thread's or the whole warp's call's own), added
-// by its first lane, and the block's `elements` by its first thread. Every thread of
-// the block calls it.
+// reduction), the warps' sums added up per block in shared memory (in float64, in
+// warp order), and the block's N sums and its `elements` added to the words by its
+// first N + 1 threads: N + 1 float64 atomics per block. (The 16 warps' own atomics,
+// 49 a block, all onto the same few words of a tensor while the whole grid works
+// on it, cost the precision report about a quarter of an AdamW step on an H200,
+// docs/lean-precision.md.) Under the host build each call adds its own sums. Every
+// thread of the block calls it (the block's chunk and the tally list are the block's,
+// so none has left before: __syncthreads).
 template <int N>
 MP_DEVICE void add_tallies(double* words, const float* sums, int64_t elements) {
+#if defined(__CUDACC__)
+  constexpr int kWarps = kBlockSize / kWarpSize;
+  __shared__ float warp_sums[N][kWarps];
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
 #pragma unroll
   for (int t = 0; t < N; ++t) {
     float sum = sums[t];
-#if defined(__CUDACC__)
 #pragma unroll
     for (int d = kWarpSize / 2; d > 0; d >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, d);
-    if (threadIdx.x % kWarpSize == 0 && sum != 0.f) atomicAdd(words + t, static_cast<double>(sum));
-#else
-    words[t] += static_cast<double>(sum);
-#endif
+    if (threadIdx.x % kWarpSize == 0) warp_sums[t][warp] = sum;
   }
-#if defined(__CUDACC__)
-  if (threadIdx.x == 0) atomicAdd(words + N, static_cast<double>(elements));
+  __syncthreads();
+  if (threadIdx.x < N) {
+    double sum = 0.0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += static_cast<double>(warp_sums[threadIdx.x][w]);
+    if (sum != 0.0) atomicAdd(words + threadIdx.x, sum);
+  } else if (threadIdx.x == N) {
+    atomicAdd(words + N, static_cast<double>(elements));
+  }
 #else
+#pragma unroll
+  for (int t = 0; t < N; ++t) words[t] += static_cast<double>(sums[t]);
   if (threadIdx.x == 0) words[N] += static_cast<double>(elements);
 #endif
 }
