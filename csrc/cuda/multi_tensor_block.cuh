@@ -409,17 +409,21 @@ MP_DEVICE void store_lane(void* p, int64_t i, bool vec, int lane, const float (&
   }
 }
 
-// 8-bit list k's codes and scales from the lanes' values x[l][u][j][k] (every lane of
-// the warp calls it, for the reduction; `at[l][u]` is the element index of lane l's
-// span u, -1 when it holds none). rank: the list's place among the 8-bit lists (the
-// second rounds with its bits' bytes swapped, lanes.h).
-template <typename Op, int D>
+// 8-bit list k's codes and scales of spans u0..u1-1 from the lanes' values
+// x[l][u][j][k] (every lane of the warp calls it, for the reduction; `at[l][u]` is the
+// element index of lane l's span u, -1 when it holds none). With op.state_stochastic
+// they round with the lanes' elements' bits (element_bits): `shared[l]`'s when
+// kShared (drawn once for all of an op's 8-bit lists, one span at a time), else drawn
+// here. rank: the list's place among the 8-bit lists (the second rounds with its bits'
+// bytes swapped, lanes.h).
+template <typename Op, int D, bool kShared>
 MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
                            const float (&x)[kHostLanes][kUnroll][kILP][D],
-                           const int64_t (&at)[kHostLanes][kUnroll], int k, int rank) {
+                           const int64_t (&at)[kHostLanes][kUnroll], int u0, int u1,
+                           const uint32_t (&shared)[kHostLanes][kILP], int k, int rank) {
   if (p == nullptr) return;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = u0; u < u1; ++u) {
     uint32_t m[kHostLanes];
     for (int l = 0; l < kHostLanes; ++l) {
       m[l] = 0;
@@ -440,7 +444,12 @@ MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
       const uint32_t bits = e8m0_scale_bits(bits_float(m[l]));
       const float inv = e8m0_inverse(bits);
       uint32_t random[kILP];
-      if (op.state_stochastic) element_bits(op.state_key, i, kILP, random);
+      if constexpr (kShared) {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) random[j] = shared[l][j];
+      } else {
+        if (op.state_stochastic) element_bits(op.state_key, i, kILP, random);
+      }
       Vec<E4m3> codes;
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
@@ -501,10 +510,31 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
         (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
       }
     }
-    ((kBlocked<Ts> ? store_codes<Op, D>(op, static_cast<E4m3*>(out[K]), scales[K], x, at, K,
-                                        block_rank<K, Ts...>())
-                   : void()),
-     ...);
+    constexpr int kEightLists = (static_cast<int>(kBlocked<Ts>) + ...);
+    if constexpr (kEightLists > 1) {
+      // Span by span, the lanes' rounding bits once for all the 8-bit lists (AdamW's two
+      // moments share them, the second's bytes swapped): one Philox call per lane and
+      // span, where a call per list drew each twice.
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        uint32_t random[kHostLanes][kILP] = {};
+        for (int l = 0; l < kHostLanes; ++l) {
+          if (op.state_stochastic && at[l][u] >= 0) {
+            element_bits(op.state_key, at[l][u], kILP, random[l]);
+          }
+        }
+        ((kBlocked<Ts> ? store_codes<Op, D, true>(op, static_cast<E4m3*>(out[K]), scales[K], x, at,
+                                                  u, u + 1, random, K, block_rank<K, Ts...>())
+                       : void()),
+         ...);
+      }
+    } else {
+      const uint32_t none[kHostLanes][kILP] = {};
+      ((kBlocked<Ts> ? store_codes<Op, D, false>(op, static_cast<E4m3*>(out[K]), scales[K], x, at,
+                                                 0, kUnroll, none, K, block_rank<K, Ts...>())
+                     : void()),
+       ...);
+    }
   }
   return bad;
 }
