@@ -222,11 +222,11 @@ constexpr bool kTallied = Tallies<Op>::count > 0 && (!IsFixed<Op>::value || IsCo
 // reduction), the warps' sums added up per block in shared memory (in float64, in
 // warp order), and the block's N sums and its `elements` added to the words by its
 // first N + 1 threads: N + 1 float64 atomics per block. (The 16 warps' own atomics,
-// 49 a block, all onto the same few words of a tensor while the whole grid works
-// on it, cost the precision report about a quarter of an AdamW step on an H200,
-// docs/lean-precision.md.) Under the host build each call adds its own sums. Every
-// thread of the block calls it (the block's chunk and the tally list are the block's,
-// so none has left before: __syncthreads).
+// 49 a block, all onto the same few words of a tensor while the whole grid works on
+// it, are the suspected cause of the report's cost on the H200 of 2026-11-29, a
+// quarter of an AdamW step: docs/lean-precision.md.) Under the host build each call
+// adds its own sums. Every thread of the block calls it (the block's chunk and the
+// tally list are the block's, so none has left before: __syncthreads).
 template <int N>
 MP_DEVICE void add_tallies(double* words, const float* sums, int64_t elements) {
 #if defined(__CUDACC__)
