@@ -479,64 +479,77 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
   const float per[D] = {(kPerTensorList<Op, K> ? per_tensor_value<Ts>(base[K]) : 0.f)...};
   // (first is a multiple of kQuantBlock, so each list is vector-aligned at every lane's
   // first element when it is at the tensor's start)
-  const bool vec = ((kPerTensorList<Op, K> || vector_aligned<Ts>(base[K])) && ...);
+  const bool aligned = ((kPerTensorList<Op, K> || vector_aligned<Ts>(base[K])) && ...);
   const int64_t warp = threadIdx.x / kWarpSize;
   const int64_t step = static_cast<int64_t>(blockDim.x / kWarpSize) * kWarpSpan * kUnroll;
-  bool bad = false;
-  // (the bound is the same for every lane of a warp: all of them reach block_max)
-  for (int64_t span = warp * kWarpSpan * kUnroll; span < n; span += step) {
-    float x[kHostLanes][kUnroll][kILP][D];
-    int64_t at[kHostLanes][kUnroll];  // each lane's first element per span, -1 for none
-    for (int l = 0; l < kHostLanes; ++l) {
-      const int lane = lane_of(l);
+  // With two 8-bit lists (AdamW's moments) the loop twice, `vec` a constant in each:
+  // the vector loads and stores, or the element ones, without the other path's issued
+  // predicated off (a tenth of Adam's 8-bit instructions). SGD's one-list kernels keep
+  // one loop: two copies made ptxas spill 56-152 bytes in its 64-register ones.
+  constexpr bool kTwoCopies = (static_cast<int>(kBlocked<Ts>) + ...) > 1;
+  auto spans = [&](auto vec_value) {
+    const bool vec = static_cast<bool>(vec_value);
+    bool bad = false;
+    // (the bound is the same for every lane of a warp: all of them reach block_max)
+    for (int64_t span = warp * kWarpSpan * kUnroll; span < n; span += step) {
+      float x[kHostLanes][kUnroll][kILP][D];
+      int64_t at[kHostLanes][kUnroll];  // each lane's first element per span, -1 for none
+      for (int l = 0; l < kHostLanes; ++l) {
+        const int lane = lane_of(l);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t e = span + u * kWarpSpan + lane * kILP;
-        at[l][u] = e < n ? first + e : -1;
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t e = span + u * kWarpSpan + lane * kILP;
+          at[l][u] = e < n ? first + e : -1;
 #pragma unroll
-        for (int j = 0; j < kILP; ++j) {
+          for (int j = 0; j < kILP; ++j) {
 #pragma unroll
-          for (int k = 0; k < D; ++k) x[l][u][j][k] = per[k];
-        }
-        if (at[l][u] >= 0) {
-          (load_lane<Ts, D>(in[K], scales[K], at[l][u], vec, lane, x[l][u], K), ...);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (at[l][u] < 0) continue;
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j, tally);
-        (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
-      }
-    }
-    constexpr int kEightLists = (static_cast<int>(kBlocked<Ts>) + ...);
-    if constexpr (kEightLists > 1) {
-      // Span by span, the lanes' rounding bits once for all the 8-bit lists (AdamW's two
-      // moments share them, the second's bytes swapped): one Philox call per lane and
-      // span, where a call per list drew each twice.
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        uint32_t random[kHostLanes][kILP] = {};
-        for (int l = 0; l < kHostLanes; ++l) {
-          if (op.state_stochastic && at[l][u] >= 0) {
-            element_bits(op.state_key, at[l][u], kILP, random[l]);
+            for (int k = 0; k < D; ++k) x[l][u][j][k] = per[k];
+          }
+          if (at[l][u] >= 0) {
+            (load_lane<Ts, D>(in[K], scales[K], at[l][u], vec, lane, x[l][u], K), ...);
           }
         }
-        ((kBlocked<Ts> ? store_codes<Op, D, true>(op, static_cast<E4m3*>(out[K]), scales[K], x, at,
-                                                  u, u + 1, random, K, block_rank<K, Ts...>())
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (at[l][u] < 0) continue;
+#pragma unroll
+          for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j, tally);
+          (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
+        }
+      }
+      constexpr int kEightLists = (static_cast<int>(kBlocked<Ts>) + ...);
+      if constexpr (kEightLists > 1) {
+        // Span by span, the lanes' rounding bits once for all the 8-bit lists (AdamW's two
+        // moments share them, the second's bytes swapped): one Philox call per lane and
+        // span, where a call per list drew each twice.
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          uint32_t random[kHostLanes][kILP] = {};
+          for (int l = 0; l < kHostLanes; ++l) {
+            if (op.state_stochastic && at[l][u] >= 0) {
+              element_bits(op.state_key, at[l][u], kILP, random[l]);
+            }
+          }
+          ((kBlocked<Ts> ? store_codes<Op, D, true>(op, static_cast<E4m3*>(out[K]), scales[K], x,
+                                                    at, u, u + 1, random, K, block_rank<K, Ts...>())
+                         : void()),
+           ...);
+        }
+      } else {
+        const uint32_t none[kHostLanes][kILP] = {};
+        ((kBlocked<Ts> ? store_codes<Op, D, false>(op, static_cast<E4m3*>(out[K]), scales[K], x, at,
+                                                   0, kUnroll, none, K, block_rank<K, Ts...>())
                        : void()),
          ...);
       }
-    } else {
-      const uint32_t none[kHostLanes][kILP] = {};
-      ((kBlocked<Ts> ? store_codes<Op, D, false>(op, static_cast<E4m3*>(out[K]), scales[K], x, at,
-                                                 0, kUnroll, none, K, block_rank<K, Ts...>())
-                     : void()),
-       ...);
     }
+    return bad;
+  };
+  if constexpr (kTwoCopies) {
+    return aligned ? spans(std::true_type{}) : spans(std::false_type{});
+  } else {
+    return spans(aligned);
   }
-  return bad;
 }
 
 // One thread's part of a pointwise launch over lists stored as Ts: nothing when
