@@ -38,6 +38,10 @@ using Lists = std::array<std::vector<at::Tensor>, D>;
 template <typename T>
 constexpr bool kBlocked = std::is_same<T, E4m3>::value;
 
+// How many of the lists stored as Ts are 8-bit.
+template <typename... Ts>
+constexpr int kBlockedLists = (static_cast<int>(kBlocked<Ts>) + ... + 0);
+
 // The rank of list K among the 8-bit lists of Ts (0 for the others): where the CPU
 // block pass keeps its values, and which scale list is its (scale_list).
 template <size_t K, typename... Ts>

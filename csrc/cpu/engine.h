@@ -242,7 +242,7 @@ inline void block_prefetch(const T* p) {
     constexpr int64_t W = sizeof(Vec) / sizeof(float);                                             \
     constexpr int J = static_cast<int>(kQuantBlock / W);                                           \
     constexpr int D = sizeof...(K);                                                                \
-    constexpr int NB = (static_cast<int>(kBlocked<Ts>) + ...);                                     \
+    constexpr int NB = kBlockedLists<Ts...>;                                                       \
     const std::tuple<VecStorage<Op, K, Ts>*...> v{                                                 \
         static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                          \
     const Vec per[D] = {                                                                           \

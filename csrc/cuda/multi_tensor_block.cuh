@@ -486,7 +486,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
   // the vector loads and stores, or the element ones, without the other path's issued
   // predicated off (a tenth of Adam's 8-bit instructions). SGD's one-list kernels keep
   // one loop: two copies made ptxas spill 56-152 bytes in its 64-register ones.
-  constexpr bool kTwoCopies = (static_cast<int>(kBlocked<Ts>) + ...) > 1;
+  constexpr bool kTwoLists = kBlockedLists<Ts...> > 1;
   auto spans = [&](auto vec_value) {
     const bool vec = static_cast<bool>(vec_value);
     bool bad = false;
@@ -517,8 +517,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
           (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
         }
       }
-      constexpr int kEightLists = (static_cast<int>(kBlocked<Ts>) + ...);
-      if constexpr (kEightLists > 1) {
+      if constexpr (kTwoLists) {
         // Span by span, the lanes' rounding bits once for all the 8-bit lists (AdamW's two
         // moments share them, the second's bytes swapped): one Philox call per lane and
         // span, where a call per list drew each twice.
@@ -545,7 +544,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
     }
     return bad;
   };
-  if constexpr (kTwoCopies) {
+  if constexpr (kTwoLists) {
     return aligned ? spans(std::true_type{}) : spans(std::false_type{});
   } else {
     return spans(aligned);
