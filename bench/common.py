@@ -63,7 +63,9 @@ def _nvidia_smi(query: str) -> Optional[str]:
 def environment(device: torch.device) -> Dict[str, Any]:
     """What the result files record about the machine and the software."""
     env: Dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # Milliseconds: the date names the run (bench/lean.py's --merge tells runs apart
+        # by it), and a quick run can take less than a second.
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
         "device_type": device.type,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
