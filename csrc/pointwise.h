@@ -172,8 +172,11 @@ MP_HD float per_tensor_value(const void* p) {
 }
 
 // op.apply on x, the element(s) from `index` on, as the functor asks (see above).
-template <typename Op, typename V>
-MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
+// `index` may also be an IndexedBits (philox.h): the element's index with its
+// stochastic rounding bits, drawn by the CUDA engine for a vector at once
+// (DrawsPerVector below); the functor hands it on to Lanes<float>.
+template <typename Op, typename V, typename Index>
+MP_HD auto apply_at(const Op& op, V* x, Index index) {
   if constexpr (NeedsIndex<Op>::value) {
     return op.apply(x, index);
   } else {
@@ -184,8 +187,8 @@ MP_HD auto apply_at(const Op& op, V* x, int64_t index) {
 
 // op.apply on x with the engine's running sums `tally` (null: not tallying) where Op
 // tallies (see above); else as above, without them.
-template <typename Op, typename V>
-MP_HD auto apply_at(const Op& op, V* x, int64_t index, V* tally) {
+template <typename Op, typename V, typename Index>
+MP_HD auto apply_at(const Op& op, V* x, Index index, V* tally) {
   if constexpr (Tallies<Op>::count > 0) {
     return op.apply(x, index, tally);
   } else {
@@ -224,14 +227,14 @@ struct Fixed : Op {
   static constexpr bool kWideRounding = M::kWideRounding;
   static constexpr int kMinBlocks = Counting ? M::kCountingMinBlocks : M::kMinBlocks;
   explicit Fixed(const Op& op) : Op(op) {}
-  template <typename V>
-  MP_HD auto apply(V* x, int64_t index) const {
+  template <typename V, typename Index>
+  MP_HD auto apply(V* x, Index index) const {
     Op op = *this;
     M::fix(op);
     return op.apply(x, index);
   }
-  template <typename V>
-  MP_HD auto apply(V* x, int64_t index, V* tally) const {
+  template <typename V, typename Index>
+  MP_HD auto apply(V* x, Index index, V* tally) const {
     Op op = *this;
     M::fix(op);
     return op.apply(x, index, tally);
@@ -248,6 +251,17 @@ template <typename Op>
 struct IsCounting : std::false_type {};
 template <typename Op, typename M>
 struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
+
+// Whether Op is a Fixed mode whose params round stochastically (LeanMode's
+// kStochastic: AdamW's and SGD's "stochastic"): the CUDA engine then draws the bits of
+// a vector's elements at once (multi_tensor_block.cuh's apply_vector, philox.h's
+// vector_bits), one Philox call per vector where the functor's own rounding_bits makes
+// one per element, and hands each element its bits (IndexedBits).
+template <typename Op, typename = void>
+struct DrawsPerVector : std::false_type {};
+template <typename Op>
+struct DrawsPerVector<Op, std::enable_if_t<IsFixed<Op>::value>>
+    : std::bool_constant<Op::Mode::kStochastic> {};
 
 // Whether Op declares FixedModes.
 template <typename Op, typename = void>
@@ -278,6 +292,7 @@ struct LeanMode {
   // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
   // (engine.h, kWideRounding), for two Philox chains at once.
   static constexpr bool kWideRounding = Stochastic && !Eight;
+  static constexpr bool kStochastic = Stochastic;
   // CUDA: blocks of 512 threads per SM that the mode's kernel, and its counting kernel
   // (counts, below), are compiled for: two at most 64 registers a thread, one where
   // that would spill (Op::fixed_min_blocks says which).

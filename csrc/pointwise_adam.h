@@ -112,8 +112,8 @@ struct AdamOp {
     state_key = rounding.key;
     state_key.seed = state_seed;
   }
-  template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x, int64_t index, V* tally = nullptr) const {
+  template <typename V, typename Index = int64_t>
+  MP_HD typename Lanes<V>::Flag apply(V* x, Index index, V* tally = nullptr) const {
     V p = x[0];
     if (kahan) p = p + x[5];
     if (remainder) p = Lanes<V>::join_bf16(x[0], x[5]);

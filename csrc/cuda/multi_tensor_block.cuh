@@ -256,6 +256,28 @@ MP_DEVICE void add_tallies(double* words, const float* sums, int64_t elements) {
 #endif
 }
 
+// op on the kILP elements of a vector, local elements index.. of their tensor (their
+// tallies to `tally` as apply_at's); returns whether one was non-finite. A Fixed mode
+// that rounds its params stochastically gets their bits drawn for the vector at once
+// (pointwise.h's DrawsPerVector); the generic kernels, which run only the modes outside
+// FixedModes (amsgrad, maximize, other gradient dtypes), leave the draw per element
+// to the functor.
+template <typename Op, int D>
+MP_DEVICE bool apply_vector(const Op& op, float (&x)[kILP][D], int64_t index, float* tally) {
+  bool bad = false;
+  if constexpr (DrawsPerVector<Op>::value) {
+    uint32_t bits[kILP];
+    vector_bits(op.rounding.key, index, bits);
+#pragma unroll
+    for (int j = 0; j < kILP; ++j)
+      bad |= apply_at(op, x[j], IndexedBits{index + j, bits[j]}, tally);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[j], index + j, tally);
+  }
+  return bad;
+}
+
 // Applies `op` to the n elements at ptrs (list k stored as Ts[k]; a per-tensor list
 // points at its value), elements first..first+n-1 of their tensors; returns whether
 // this thread saw a non-finite input that op reports. Its tallies, when `tally` is
@@ -294,8 +316,7 @@ MP_DEVICE bool apply_chunk(const Op& op, void* const (&ptrs)[sizeof...(Ts)], int
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = base + u * stride;
         if (i >= done) continue;
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[u][j], first + i + j, tally);
+        bad |= apply_vector(op, x[u], first + i, tally);
         (store_vector<Ts, D>(out[K], i, x[u], K, lane), ...);
       }
     }
@@ -512,8 +533,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           if (at[l][u] < 0) continue;
-#pragma unroll
-          for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[l][u][j], at[l][u] + j, tally);
+          bad |= apply_vector(op, x[l][u], at[l][u], tally);
           (store_lane<Ts, D>(out[K], at[l][u], vec, lane, x[l][u], K), ...);
         }
       }
