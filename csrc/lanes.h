@@ -194,6 +194,28 @@ MP_HD void element_bits(const RoundingKey& key, int64_t index, int n, uint32_t* 
   }
 }
 
+// element_bits of N elements (N divides 8) where they lie in one block of 8 consecutive
+// global elements, as every aligned vector of a whole tensor does: one Philox call, its
+// halves picked without a test per element (the CUDA engine's vectors: apply_vector,
+// state_bits). Else element_bits itself, or with kByElement a call per element
+// (rounding_bits), which takes fewer registers: the 64-register CUDA kernels of
+// stochastic params spilled 8-48 bytes with element_bits there (ptxas, 2026-11-30).
+template <bool kByElement, int N>
+MP_HD void vector_bits(const RoundingKey& key, int64_t index, uint32_t (&bits)[N]) {
+  static_assert(8 % N == 0, "a vector within one Philox block");
+  const int64_t g = key.global(index);
+  if (g % N == 0 && key.consecutive(index, N)) {
+    const Philox4x32 out = rounding_block(key, static_cast<uint64_t>(g) >> 3);
+    // (g % N == 0: the mask tells the compiler so, and half()'s selects on j go)
+    const uint32_t h = static_cast<uint32_t>(g & 7) & ~static_cast<uint32_t>(N - 1);
+    for (int j = 0; j < N; ++j) bits[j] = out.half(h | static_cast<uint32_t>(j));
+  } else if constexpr (kByElement) {
+    for (int j = 0; j < N; ++j) bits[j] = rounding_bits(key, key.global(index + j));
+  } else {
+    element_bits(key, index, N, bits);
+  }
+}
+
 // The bits of each element of the block from local element `index` on. The 8-bit
 // state's codes round with them: the first 8-bit list of an op with these bits, the
 // second with their bytes swapped (rotate_bytes), so that the high bits, which decide

@@ -101,30 +101,12 @@ MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
 }
 
 // An element's index with the 16 bits rounding_bits gives it, drawn by the engine for
-// a whole vector of elements at once (vector_bits): functors that round stochastically
+// a whole vector of elements at once (lanes.h's vector_bits): functors that round stochastically
 // take it in place of the index (pointwise.h's apply_at), and Lanes<float> rounds with
 // the bits it carries.
 struct IndexedBits {
   int64_t index;
   uint32_t bits;
 };
-
-// bits[j] = rounding_bits(key, key.global(index + j)), j < N (N divides 8): one Philox
-// call when the N elements lie in one block of 8 consecutive global elements, as every
-// aligned vector of a whole tensor does; else a call per element. (Its words are picked
-// by selects, as in Philox4x32::half.)
-template <int N>
-MP_HD void vector_bits(const RoundingKey& key, int64_t index, uint32_t (&bits)[N]) {
-  static_assert(8 % N == 0, "a vector within one Philox block");
-  const int64_t g = key.global(index);
-  if (g % N == 0 && key.consecutive(index, N)) {
-    const Philox4x32 out = rounding_block(key, static_cast<uint64_t>(g) >> 3);
-    // (g % N == 0: the mask tells the compiler so, and half()'s selects on j go)
-    const uint32_t h = static_cast<uint32_t>(g & 7) & ~static_cast<uint32_t>(N - 1);
-    for (int j = 0; j < N; ++j) bits[j] = out.half(h | static_cast<uint32_t>(j));
-  } else {
-    for (int j = 0; j < N; ++j) bits[j] = rounding_bits(key, key.global(index + j));
-  }
-}
 
 }  // namespace mixedprec

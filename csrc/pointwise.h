@@ -254,7 +254,7 @@ struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
 
 // Whether Op is a Fixed mode whose params round stochastically (LeanMode's
 // kStochastic: AdamW's and SGD's "stochastic"): the CUDA engine then draws the bits of
-// a vector's elements at once (multi_tensor_block.cuh's apply_vector, philox.h's
+// a vector's elements at once (multi_tensor_block.cuh's apply_vector, lanes.h's
 // vector_bits), one Philox call per vector where the functor's own rounding_bits makes
 // one per element, and hands each element its bits (IndexedBits).
 template <typename Op, typename = void>

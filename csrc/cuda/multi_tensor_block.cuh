@@ -267,7 +267,9 @@ MP_DEVICE bool apply_vector(const Op& op, float (&x)[kILP][D], int64_t index, fl
   bool bad = false;
   if constexpr (DrawsPerVector<Op>::value) {
     uint32_t bits[kILP];
-    vector_bits(op.rounding.key, index, bits);
+    // (misaligned vectors: a call per element in the kernels held to 64 registers, which
+    // spill with element_bits' block tracking; element_bits in the others)
+    vector_bits<(Op::kMinBlocks > 1)>(op.rounding.key, index, bits);
 #pragma unroll
     for (int j = 0; j < kILP; ++j)
       bad |= apply_at(op, x[j], IndexedBits{index + j, bits[j]}, tally);
@@ -430,10 +432,23 @@ MP_DEVICE void store_lane(void* p, int64_t i, bool vec, int lane, const float (&
   }
 }
 
+// The 8-bit state's rounding bits of a lane's kILP elements from local element i on:
+// in the Fixed kernels one Philox call where they lie in one Philox block of 8
+// (lanes.h's vector_bits, as apply_vector's), in the generic ones element_bits (a
+// call per block it meets, found element by element).
+template <typename Op>
+MP_DEVICE void state_bits(const Op& op, int64_t i, uint32_t (&random)[kILP]) {
+  if constexpr (IsFixed<Op>::value) {
+    vector_bits<false>(op.state_key, i, random);
+  } else {
+    element_bits(op.state_key, i, kILP, random);
+  }
+}
+
 // 8-bit list k's codes and scales of spans u0..u1-1 from the lanes' values
 // x[l][u][j][k] (every lane of the warp calls it, for the reduction; `at[l][u]` is the
 // element index of lane l's span u, -1 when it holds none). With op.state_stochastic
-// they round with the lanes' elements' bits (element_bits): `shared[l]`'s when
+// they round with the lanes' elements' bits (state_bits): `shared[l]`'s when
 // kShared (drawn once for all of an op's 8-bit lists, one span at a time), else drawn
 // here. rank: the list's place among the 8-bit lists (the second rounds with its bits'
 // bytes swapped, lanes.h).
@@ -469,7 +484,7 @@ MP_DEVICE void store_codes(const Op& op, E4m3* p, uint8_t* scales,
 #pragma unroll
         for (int j = 0; j < kILP; ++j) random[j] = shared[l][j];
       } else {
-        if (op.state_stochastic) element_bits(op.state_key, i, kILP, random);
+        if (op.state_stochastic) state_bits(op, i, random);
       }
       Vec<E4m3> codes;
 #pragma unroll
@@ -546,7 +561,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
           uint32_t random[kHostLanes][kILP] = {};
           for (int l = 0; l < kHostLanes; ++l) {
             if (op.state_stochastic && at[l][u] >= 0) {
-              element_bits(op.state_key, at[l][u], kILP, random[l]);
+              state_bits(op, at[l][u], random[l]);
             }
           }
           ((kBlocked<Ts> ? store_codes<Op, D, true>(op, static_cast<E4m3*>(out[K]), scales[K], x,
