@@ -1407,6 +1407,41 @@ uint32_t mapped_bits(const RoundingKey& key, uint64_t i) {
   return (out.v[(i % 8) / 2] >> (16 * (i % 2))) & 0xffffu;
 }
 
+// vector_bits (the CUDA engine's draw per vector: one Philox call where the N elements
+// lie in one block of 8, else element_bits or a call per element) gives each element the
+// mapping's bits, whatever the key's offset, runs and stride and the index.
+template <bool kByElement, int N>
+void expect_vector_bits(const RoundingKey& key, int64_t index) {
+  uint32_t bits[N];
+  vector_bits<kByElement>(key, index, bits);
+  for (int j = 0; j < N; ++j) {
+    const auto g = static_cast<uint64_t>(key.global(index + j));
+    ASSERT_EQ(bits[j], mapped_bits(key, g))
+        << "by element " << kByElement << " N " << N << " index " << index << " lane " << j
+        << " offset " << key.offset << " run " << key.run;
+  }
+}
+
+TEST(StochasticRounding, VectorBitsAreEachElementsBits) {
+  const int64_t far = (int64_t{1} << 35) - 20;  // block index past 32 bits
+  for (const int64_t offset : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{4}, int64_t{6}, far}) {
+    for (const int64_t run : {0, 3, 4, 5, 8, 13}) {
+      RoundingKey key{0xfedcba9876543210u, 7, 3};
+      key.offset = offset;
+      key.run = run;
+      key.stride = run == 0 ? 0 : 2 * run + 7;
+      for (int64_t index = 0; index < 64; index += 2) {
+        if (index % 4 == 0) {
+          expect_vector_bits<true, 4>(key, index);
+          expect_vector_bits<false, 4>(key, index);
+        }
+        if (index % 8 == 0) expect_vector_bits<false, 8>(key, index);
+        expect_vector_bits<true, 2>(key, index);
+      }
+    }
+  }
+}
+
 #if defined(MP_X86_ISA)
 // One vector of the engine's stochastic rounding, x[0..W) from `index` on.
 #define MP_ROUND_VEC(NAME, TARGET, V)                                                          \
