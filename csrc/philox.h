@@ -101,9 +101,9 @@ MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
 }
 
 // An element's index with the 16 bits rounding_bits gives it, drawn by the engine for
-// a whole vector of elements at once (lanes.h's vector_bits): functors that round stochastically
-// take it in place of the index (pointwise.h's apply_at), and Lanes<float> rounds with
-// the bits it carries.
+// a whole vector of elements at once (lanes.h's vector_bits): functors that round
+// stochastically take it in place of the index (pointwise.h's apply_at), and
+// Lanes<float> rounds with the bits it carries.
 struct IndexedBits {
   int64_t index;
   uint32_t bits;

@@ -36,7 +36,10 @@
 // index is the element's position within its tensor (for a CPU vector, that of its
 // first lane, a multiple of the vector's width; lane j is index + j): stochastic
 // rounding draws its bits from it (a CPU vector, 8 lanes per Philox call). It does
-// not depend on how an engine splits the tensor into chunks or threads.
+// not depend on how an engine splits the tensor into chunks or threads. (The CUDA
+// engine's Fixed kernels of stochastic rounding pass an IndexedBits instead, the index
+// with the bits it drew for the element's whole vector: apply takes the index's type
+// as a template parameter and hands it on to Lanes<float>::round_bf16_stochastic.)
 //
 // Such a functor may also declare `FixedModes`, a TypeList of its common modes (see
 // AdamOp::Mode): both engines compile it once per mode, with the mode's flags as
