@@ -277,8 +277,8 @@ struct Lanes<float> {
   static MP_HD float round_bf16_stochastic(float x, const RoundingKey& key, int64_t index) {
     return mixedprec::round_bf16_stochastic(x, rounding_bits(key, key.global(index)));
   }
-  static MP_HD float round_bf16_stochastic(float x, const RoundingKey&, const IndexedBits& at) {
-    return mixedprec::round_bf16_stochastic(x, at.bits);
+  static MP_HD float round_bf16_stochastic(float x, const RoundingKey&, DrawnBits drawn) {
+    return mixedprec::round_bf16_stochastic(x, drawn.bits);
   }
   static MP_HD float join_bf16(float param, float remainder) {
     return join_bf16_remainder(param, remainder);

@@ -100,12 +100,11 @@ MP_HD uint32_t rounding_bits(const RoundingKey& key, int64_t index) {
   return out.half(static_cast<uint32_t>(i & 7));
 }
 
-// An element's index with the 16 bits rounding_bits gives it, drawn by the engine for
-// a whole vector of elements at once (lanes.h's vector_bits): functors that round
-// stochastically take it in place of the index (pointwise.h's apply_at), and
-// Lanes<float> rounds with the bits it carries.
-struct IndexedBits {
-  int64_t index;
+// The 16 bits rounding_bits gives an element, drawn by the engine for a whole vector
+// of elements at once (lanes.h's vector_bits). Functors that round stochastically take
+// it in place of the element's index (pointwise.h's apply_at), which they read only for
+// these bits, and Lanes<float> rounds with them.
+struct DrawnBits {
   uint32_t bits;
 };
 

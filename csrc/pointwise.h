@@ -37,8 +37,8 @@
 // first lane, a multiple of the vector's width; lane j is index + j): stochastic
 // rounding draws its bits from it (a CPU vector, 8 lanes per Philox call). It does
 // not depend on how an engine splits the tensor into chunks or threads. (The CUDA
-// engine's Fixed kernels of stochastic rounding pass an IndexedBits instead, the index
-// with the bits it drew for the element's whole vector: apply takes the index's type
+// engine's Fixed kernels of stochastic rounding pass a DrawnBits instead, the bits it
+// drew for the element with its whole vector: apply takes the index's type
 // as a template parameter and hands it on to Lanes<float>::round_bf16_stochastic.)
 //
 // Such a functor may also declare `FixedModes`, a TypeList of its common modes (see
@@ -175,8 +175,8 @@ MP_HD float per_tensor_value(const void* p) {
 }
 
 // op.apply on x, the element(s) from `index` on, as the functor asks (see above).
-// `index` may also be an IndexedBits (philox.h): the element's index with its
-// stochastic rounding bits, drawn by the CUDA engine for a vector at once
+// `index` may also be a DrawnBits (philox.h): the element's stochastic rounding bits,
+// drawn by the CUDA engine for a vector at once
 // (DrawsPerVector below); the functor hands it on to Lanes<float>.
 template <typename Op, typename V, typename Index>
 MP_HD auto apply_at(const Op& op, V* x, Index index) {
@@ -259,7 +259,7 @@ struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
 // kStochastic: AdamW's and SGD's "stochastic"): the CUDA engine then draws the bits of
 // a vector's elements at once (multi_tensor_block.cuh's apply_vector, lanes.h's
 // vector_bits), one Philox call per vector where the functor's own rounding_bits makes
-// one per element, and hands each element its bits (IndexedBits).
+// one per element, and hands each element its bits (DrawnBits).
 template <typename Op, typename = void>
 struct DrawsPerVector : std::false_type {};
 template <typename Op>

@@ -271,8 +271,7 @@ MP_DEVICE bool apply_vector(const Op& op, float (&x)[kILP][D], int64_t index, fl
     // spill with element_bits' block tracking; element_bits in the others)
     vector_bits<(Op::kMinBlocks > 1)>(op.rounding.key, index, bits);
 #pragma unroll
-    for (int j = 0; j < kILP; ++j)
-      bad |= apply_at(op, x[j], IndexedBits{index + j, bits[j]}, tally);
+    for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[j], DrawnBits{bits[j]}, tally);
   } else {
 #pragma unroll
     for (int j = 0; j < kILP; ++j) bad |= apply_at(op, x[j], index + j, tally);
