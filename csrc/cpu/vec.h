@@ -500,26 +500,61 @@ MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)
 }
 // 8-bit state (lanes.h): 16 e4m3 codes, decoded; the codes of 16 values (|y| <= 448);
 // a block of J vectors of list k stored with its scale (the engine's block pass).
+// The decode goes through fp16, as avx2x2's (vec_pair.h): a code's sign and magnitude
+// bits, shifted, are the fp16 bits of its value / 2^8, e4m3's subnormals fp16's, the
+// NaN codes made fp16 NaNs; F16C's conversion is exact and does not flush subnormal
+// halves (MXCSR's DAZ is not consulted: tested).
 MP_AVX512 Vec load(const E4m3* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return e4m3_value_lanes<Vec, VecI16, VecU16>((VecU16)_mm512_maskz_cvtepu8_epi32(kAll16, b));
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-0x4080));
+  // magnitude 0x7f (NaN): the code's low 7 bits at the top of the word all ones
+  const __mmask16 nan =
+      _mm256_cmp_epu16_mask(_mm256_slli_epi16(w, 9), _mm256_set1_epi16(-0x200), _MM_CMPINT_NLT);
+  const __m256i words =
+      _mm256_mask_mov_epi16(h, nan, _mm256_or_si256(h, _mm256_set1_epi16(0x7c00)));
+  return (Vec)_mm512_maskz_cvtph_ps(kAll16, words) * 256.f;
 }
 MP_AVX512 void store(E4m3* p, Vec y) {
   const VecU16 c = e4m3_code_lanes<Vec, VecI16, VecU16>(y);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_maskz_cvtepi32_epi8(kAll16, (__m512i)c));
 }
-// The block's largest |value| as bits (integer order: NaN above inf above the finite
-// values, in every version), its scale, and its codes.
-template <int J, int D, typename T>
-MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
-template <int J, int D>
-MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
-                           const uint32_t* random, bool rotate) {
-  VecU16 m = (VecU16)x[0][k] & 0x7fffffffu;
-  for (int j = 1; j < J; ++j) {
-    const VecU16 a = (VecU16)x[j][k] & 0x7fffffffu;
-    m = a > m ? a : m;
+// 16 codes (in 32-bit lanes) stored as bytes.
+MP_AVX512 void store_codes(E4m3* p, __m512i codes) {
+  _mm512_mask_cvtepi32_storeu_epi8(p, kAll16, codes);
+}
+// e4m3_code_stochastic of each lane of y with r's bits (< 2^16), as
+// e4m3_code_stochastic_lanes: the normal codes' bias folded into one add (exact: their
+// magnitudes' bits are at least 968 << 20), the lanes below 2^-6 (the subnormal codes)
+// taken again in float arithmetic only when there are any.
+MP_AVX512 __m512i stochastic_codes(Vec y, __m512i r) {
+  const __m512i u = _mm512_castps_si512((__m512)y);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i t = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_maskz_slli_epi32(kAll16, r, 4)),
+                                     _mm512_set1_epi32(8 - (960 << 20)));
+  __m512i code = _mm512_maskz_srli_epi32(kAll16, t, 20);
+  const __mmask16 small =
+      _mm512_cmp_ps_mask(_mm512_castsi512_ps(a), _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  if (small != 0) {
+    const __m512 f = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.f)),
+        _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_cvtepi32_ps(kAll16, r), _mm512_set1_ps(0.5f)),
+                      _mm512_set1_ps(1.52587890625e-5f)));
+    code = _mm512_mask_cvttps_epi32(code, small, f);
   }
+  code = _mm512_maskz_min_epu32(kAll16, code, _mm512_set1_epi32(0x7e));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask((__m512)y, (__m512)y, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7f));
+  // | the sign, bit 31 >> 24
+  return _mm512_ternarylogic_epi32(code, _mm512_maskz_srli_epi32(kAll16, u, 24),
+                                   _mm512_set1_epi32(0x80), 0xf8);
+}
+// A block of 32 values, lo and hi, of an 8-bit list: its largest |value| as bits (integer
+// order: NaN above inf above the finite values, in every version), its scale, and its
+// codes, to nearest even or stochastically with `random` (byte-swapped when `rotate`).
+MP_AVX512 void store_block_of(E4m3* p, uint8_t* scale, Vec lo, Vec hi, const uint32_t* random,
+                              bool rotate) {
+  const VecU16 a = (VecU16)lo & 0x7fffffffu, b = (VecU16)hi & 0x7fffffffu;
+  const VecU16 m = a > b ? a : b;
   const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 0),
                                         _mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 1));
   __m128i q = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
@@ -527,20 +562,17 @@ MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
   q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
   const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(q))));
   const float inv = e8m0_inverse(bits);
-  for (int j = 0; j < J; ++j) {
+  const Vec y[2] = {lo * inv, hi * inv};
+  // the second 8-bit list's bits byte-swapped (rotate_bytes): bytes 1, 0 of each dword
+  const __m512i swap = _mm512_set4_epi32(0x80800c0d, 0x80800809, 0x80800405, 0x80800001);
+  for (int j = 0; j < 2; ++j) {
     if (random == nullptr) {
-      store(p + 16 * j, x[j][k] * inv);
+      store(p + 16 * j, y[j]);
       continue;
     }
-    VecU16 r;
-    memcpy(&r, random + 16 * j, sizeof(r));
-    if (rotate) r = ((r << 8) | (r >> 8)) & 0xffffu;
-    const Vec y = x[j][k] * inv;
-    const bool small =
-        _mm512_cmp_ps_mask(_mm512_abs_ps((__m512)y), _mm512_set1_ps(0.015625f), _CMP_LT_OQ) != 0;
-    const VecU16 c = e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, r, small);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * j),
-                     _mm512_maskz_cvtepi32_epi8(kAll16, (__m512i)c));
+    __m512i r = _mm512_loadu_si512(random + 16 * j);
+    if (rotate) r = _mm512_shuffle_epi8(r, swap);
+    store_codes(p + 16 * j, stochastic_codes(y[j], r));
   }
   *scale = static_cast<uint8_t>(bits);
 }

@@ -232,6 +232,18 @@ MP_AVX512 void store(int16_t* p, Vec x) {  // as avx512::store(int16_t*): trunca
   _mm512_storeu_si512(p, words(a, b, 0));
 }
 MP_AVX512 bool any(PairFlag<VecF16> flags) { return avx512::any(flags.a | flags.b); }
+// 8-bit state (the engine's block pass, a block one pair): its rounding bits and its
+// blocks' stores as avx512's.
+using avx512::block_bits;
+using avx512::BlockBits;
+template <int J, int D, typename T>
+MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
+template <int J, int D>
+MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
+                           const uint32_t* random, bool rotate) {
+  static_assert(J == 1, "a block is one pair");
+  avx512::store_block_of(p, scale, x[0][k].a, x[0][k].b, random, rotate);
+}
 }  // namespace cpu::avx512x2
 
 namespace cpu::avx2x2 {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -1204,6 +1205,76 @@ TEST(EightBitState, Avx2CodecMatchesTheScalarOne) {
 }
 #endif
 
+#if defined(MP_X86_ISA)
+// The AVX-512 codec (vec.h) against lanes.h's: every code decoded, also with MXCSR's
+// DAZ and FTZ set (torch.set_flush_denormal(True): the decode through fp16 must not
+// flush the subnormal codes), and the stochastic codes of every 251st float bit
+// pattern (with 16 neighbours each) of magnitude at most 448, of inf and NaN, with
+// random bits (the byte-swapped bits of a second list: VectorPassesMatchTheScalarPass).
+__attribute__((target(MP_AVX512_TARGET))) void avx512_decode(const E4m3* p, float* out) {
+  const VecF16 v = cpu::avx512::load(p);
+  memcpy(out, &v, sizeof(v));
+}
+__attribute__((target(MP_AVX512_TARGET))) void avx512_encode(const float* y, const uint32_t* r,
+                                                             E4m3* out) {
+  VecF16 v;
+  memcpy(&v, y, sizeof(v));
+  cpu::avx512::store_codes(out, cpu::avx512::stochastic_codes(v, _mm512_loadu_si512(r)));
+}
+TEST(EightBitState, Avx512CodecMatchesTheScalarOne) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
+    GTEST_SKIP();
+  }
+  E4m3 codes[256];
+  for (int i = 0; i < 256; ++i) codes[i].bits = static_cast<uint8_t>(i);
+  const unsigned csr = _mm_getcsr();
+  for (const unsigned flush : {0u, 0x8040u}) {  // (FTZ | DAZ)
+    float values[256];
+    _mm_setcsr(csr | flush);
+    for (int i = 0; i < 256; i += 16) avx512_decode(codes + i, values + i);
+    _mm_setcsr(csr);
+    for (int i = 0; i < 256; ++i) {
+      const float want = e4m3_value(static_cast<uint32_t>(i));
+      if (want != want) {
+        EXPECT_NE(values[i], values[i]) << i;
+      } else {
+        EXPECT_EQ(values[i], want) << i << " " << flush;
+        EXPECT_EQ(std::signbit(values[i]), std::signbit(want)) << i;
+      }
+    }
+  }
+  std::mt19937 gen(5);
+  int64_t checked = 0;
+  float y[16];
+  uint32_t r[16];
+  E4m3 out[16];
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 251 * 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float f = bits_float(static_cast<uint32_t>(b + 251 * j));
+      y[j] = std::abs(f) <= 448.f || f != f || std::isinf(f) ? f : std::copysign(448.f, f);
+      r[j] = gen() & 0xffffu;
+    }
+    avx512_encode(y, r, out);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(out[j].bits, e4m3_code_stochastic(y[j], r[j])) << y[j];
+    checked += 16;
+  }
+  EXPECT_GT(checked, 1000000);
+  // The normal codes' rounding edges, where one bit of the bits added decides the code:
+  // magnitudes 1 below, at and 1 above bits((code + 960) << 20) - (r << 4) - 8.
+  for (int i = 0; i < 200000; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      r[j] = gen() & 0xffffu;
+      const uint32_t code = 8 + gen() % 118;  // (the normal codes, 0x08-0x7d)
+      const uint32_t edge = ((code + 961u) << 20) - (r[j] << 4) - 8u + (j % 3) - 1u;
+      y[j] = bits_float(edge | (j & 1u) << 31);
+    }
+    avx512_encode(y, r, out);
+    for (int j = 0; j < 16; ++j) ASSERT_EQ(out[j].bits, e4m3_code_stochastic(y[j], r[j])) << y[j];
+  }
+}
+#endif
+
 // Every instruction set gives the scalar path's bytes (the engine's block passes).
 TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   at::manual_seed(21);
@@ -1254,11 +1325,13 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
     }
     if (has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-      const auto avx512 = run([&](void* const* data) {
-        cpu::block_pass_avx512<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
-                               uint8_t, double>(op, data, 0, n, seq);
+      // (a block one pair of vectors, its bf16 params rounded by vcvtne2ps2bf16 where
+      // the CPU has AVX512_BF16)
+      const auto avx512x2 = run([&](void* const* data) {
+        cpu::block_pass_avx512x2<AdamOp, P, P, E4m3, E4m3, float, float, int64_t, float, P, uint8_t,
+                                 uint8_t, double>(op, data, 0, n, seq);
       });
-      for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx512[k], want[k])) << k;
+      for (size_t k = 0; k < want.size(); ++k) EXPECT_TRUE(at::equal(avx512x2[k], want[k])) << k;
     }
 #endif
     EXPECT_FALSE(at::equal(want[1], m0.view(at::kByte)));
