@@ -176,8 +176,8 @@ MP_HD float per_tensor_value(const void* p) {
 
 // op.apply on x, the element(s) from `index` on, as the functor asks (see above).
 // `index` may also be a DrawnBits (philox.h): the element's stochastic rounding bits,
-// drawn by the CUDA engine for a vector at once
-// (DrawsPerVector below); the functor hands it on to Lanes<float>.
+// drawn by the CUDA engine for a vector at once (DrawsPerVector below), or the CPU's
+// DrawnVector (cpu/vec_pair.h); the functor hands it on to Lanes<V>.
 template <typename Op, typename V, typename Index>
 MP_HD auto apply_at(const Op& op, V* x, Index index) {
   if constexpr (NeedsIndex<Op>::value) {
@@ -259,7 +259,8 @@ struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
 // kStochastic: AdamW's and SGD's "stochastic"): the CUDA engine then draws the bits of
 // a vector's elements at once (multi_tensor_block.cuh's apply_vector, lanes.h's
 // vector_bits), one Philox call per vector where the functor's own rounding_bits makes
-// one per element, and hands each element its bits (DrawnBits).
+// one per element, and hands each element its bits (DrawnBits); the CPU engine's
+// AVX-512 pass draws two 32-lane vectors' bits per call (cpu/vec_pair.h's PairedDraws).
 template <typename Op, typename = void>
 struct DrawsPerVector : std::false_type {};
 template <typename Op>

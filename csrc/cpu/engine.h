@@ -132,7 +132,8 @@ inline bool present(const T* p) {
 // Op::kWideRounding (a Fixed's, from its mode), or false: whether the AVX2 pass takes
 // 32 lanes a step (avx2x4, vec_pair.h) rather than 16. Stochastic rounding's Philox
 // chain is latency-bound: one call for 32 elements (4 blocks, two interleaved chains)
-// gives about 1.2x the mode's speed of one call per 16.
+// gives about 1.2x the mode's speed of one call per 16. (The AVX-512 pass stays at 32
+// lanes, where 64 spill, and draws two vectors' bits per call: PairedDraws.)
 template <typename Op, typename = void>
 struct WideRounding : std::false_type {};
 template <typename Op>
@@ -177,6 +178,8 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                     \
     Vec sums[Tallies<Op>::count + 1] = {};                                                  \
     Vec* const tally = tally_sums<Op>(sums);                                                \
+    [[maybe_unused]] typename PairedDraws<Vec>::Drawn drawn[2];                             \
+    [[maybe_unused]] bool drawn_next = false; /* drawn[1] is the next vector's */           \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
@@ -194,7 +197,19 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
                    : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                 \
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
-      bad |= apply_at(op, x, i, tally);                                                     \
+      if constexpr (PairedDraws<Vec>::value && DrawsPerVector<Op>::value) {                 \
+        if (drawn_next) {                                                                   \
+          bad |= apply_at(op, x, drawn[1], tally);                                          \
+          drawn_next = false;                                                               \
+        } else if (i + 2 * W <= end && PairedDraws<Vec>::draw(op.rounding.key, i, drawn)) { \
+          bad |= apply_at(op, x, drawn[0], tally);                                          \
+          drawn_next = true;                                                                \
+        } else {                                                                            \
+          bad |= apply_at(op, x, i, tally);                                                 \
+        }                                                                                   \
+      } else {                                                                              \
+        bad |= apply_at(op, x, i, tally);                                                   \
+      }                                                                                     \
       ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
             ? NS::store(std::get<K>(v) + i, x[K])                                           \
             : void()),                                                                      \

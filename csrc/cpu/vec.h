@@ -158,15 +158,24 @@ MP_AVX512_FN __m256i mix(__m256i p, __m256i c, __m256i k) {
   return _mm256_ternarylogic_epi32(_mm256_shuffle_epi32(p, _MM_SHUFFLE(0, 1, 2, 3)),
                                    _mm256_srli_epi64(c, 32), k, 0x96);
 }
-template <typename V>
-MP_AVX512_FN V rounding_blocks(const RoundingKey& key, uint64_t block) {
+// In N vectors, out[j] the blocks from block + j * (the blocks one V holds) on: the N
+// chains of rounds interleaved (each is a chain of dependent instructions).
+template <int N, typename V>
+MP_AVX512_FN void rounding_blocks(const RoundingKey& key, uint64_t block, V (&out)[N]) {
+  constexpr uint64_t kPerVector = sizeof(V) / 16;  // (a block's four words: 16 bytes)
   const V k = pairs(static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32), V{});
   const V m = pairs(kPhiloxM0, kPhiloxM1, V{});
-  V c = counters(key, block, V{});
+  for (int j = 0; j < N; ++j) out[j] = counters(key, block + j * kPerVector, V{});
   for (uint32_t r = 0; r < 10; ++r) {
-    c = mix(mul(c, m), c, add(k, pairs(r * kPhiloxW0, r * kPhiloxW1, V{})));
+    const V round_key = add(k, pairs(r * kPhiloxW0, r * kPhiloxW1, V{}));
+    for (int j = 0; j < N; ++j) out[j] = mix(mul(out[j], m), out[j], round_key);
   }
-  return c;
+}
+template <typename V>
+MP_AVX512_FN V rounding_blocks(const RoundingKey& key, uint64_t block) {
+  V out[1];
+  rounding_blocks<1>(key, block, out);
+  return out[0];
 }
 #undef MP_AVX512_FN
 }  // namespace philox_avx512

@@ -97,6 +97,13 @@ struct PairLanes {
   }
 };
 
+// The rounding bits of a 32-lane vector's elements, drawn by the pass (PairedDraws):
+// rounding_blocks' four blocks. Functors that round stochastically take it in place of
+// the index, as philox.h's DrawnBits on CUDA.
+struct DrawnVector {
+  __m512i bits;
+};
+
 template <>
 struct Lanes<VecF32> : PairLanes<VecF16> {
   // Blocks g / 8 .. g / 8 + 3 in one call when the 32 lanes' global indices are
@@ -108,7 +115,14 @@ struct Lanes<VecF32> : PairLanes<VecF16> {
       return {L::round_bf16_stochastic(x.a, key, index),
               L::round_bf16_stochastic(x.b, key, index + 16)};
     }
-    const __m512i out = philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8);
+    return with_bits(x, philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8));
+  }
+  // With the bits the pass drew for the vector (PairedDraws below).
+  MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey&, DrawnVector drawn) {
+    return with_bits(x, drawn.bits);
+  }
+  // x rounded with the halves of out (rounding_blocks' four blocks) in lane order.
+  MP_AVX512 static VecF32 with_bits(VecF32 x, __m512i out) {
     const __m256i low = _mm512_maskz_extracti64x4_epi64(0xf, out, 0);
     const __m256i high = _mm512_maskz_extracti64x4_epi64(0xf, out, 1);
     const VecU16 bits_a = (VecU16)_mm512_maskz_cvtepu16_epi32(cpu::avx512::kAll16, low);
@@ -163,6 +177,34 @@ struct Lanes<VecF8x4> : PairLanes<VecF8x2> {
                 v.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits))),
             round_bf16_stochastic_lanes<VecF8>(
                 v.b, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)))};
+  }
+};
+
+// Whether the pass over vectors V draws the stochastic rounding bits of two vectors at
+// once (Fixed modes that round params stochastically, pointwise.h's DrawsPerVector):
+// draw(key, index, out) gives both vectors' bits from one call of two interleaved
+// Philox chains when the 2 * 32 elements from local element index are consecutive
+// from a multiple of 8 in the whole tensor, else returns false (the pass then hands
+// the functor the index, as ever). The chains' latency halves, without the registers
+// of a 64-lane step: the first vector's update runs while the second's bits wait.
+template <typename V>
+struct PairedDraws {
+  static constexpr bool value = false;
+  using Drawn = int64_t;  // (unused)
+  static bool draw(const RoundingKey&, int64_t, Drawn (&)[2]) { return false; }
+};
+template <>
+struct PairedDraws<VecF32> {
+  static constexpr bool value = true;
+  using Drawn = DrawnVector;
+  MP_AVX512 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 64)) return false;
+    __m512i bits[2];
+    philox_avx512::rounding_blocks<2>(key, static_cast<uint64_t>(g) / 8, bits);
+    out[0].bits = bits[0];
+    out[1].bits = bits[1];
+    return true;
   }
 };
 

@@ -300,8 +300,19 @@ ops.fused_sgd_(params, grads, [], [], lr=0.01, sr_salts=salts, sr_seed=2**33 + 1
                step=torch.full((1,), 3.0))
 torch.save(params, sys.argv[1])
 """
+# With bf16 gradients, as autograd gives them to bf16 params: the engines' Fixed
+# stochastic modes (pointwise.h's LeanModes, which fp32 gradients on bf16 params do not
+# fit), whose AVX2 pass takes 32 lanes a step (kWideRounding) and whose AVX-512 pass
+# draws two vectors' bits at once (vec_pair.h's PairedDraws).
+ISA_SCRIPT_SGD_FIXED = SHARDS_32 + """
+buffers = [torch.zeros(n) for n in sizes]
+ops.fused_sgd_(params, [g.bfloat16() for g in grads], buffers, [], lr=0.01, momentum=0.9,
+               first_run=True, sr_salts=salts, sr_seed=2**33 + 11, step=torch.full((1,), 3.0))
+torch.save(params + buffers, sys.argv[1])
+"""
 ISA_SCRIPT_ADAM = SHARDS_32 + """
 m, v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+grads = [g.bfloat16() for g in grads]
 ops.fused_adam_(params, grads, m, v, [], step=torch.full((1,), 2.0), lr=0.01, beta1=0.9,
                 beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
                 bias_correction=True,
@@ -310,11 +321,13 @@ torch.save(params + m + v, sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("script", [ISA_SCRIPT, ISA_SCRIPT_32, ISA_SCRIPT_ADAM],
-                         ids=["16_lanes", "32_lanes", "adam_32_lanes"])
+@pytest.mark.parametrize("script", [ISA_SCRIPT, ISA_SCRIPT_32, ISA_SCRIPT_SGD_FIXED,
+                                    ISA_SCRIPT_ADAM],
+                         ids=["16_lanes", "32_lanes", "sgd_fixed_mode", "adam_fixed_mode"])
 def test_every_instruction_set_draws_the_same_bits(device, tmp_path, script):
     """The CPU engine's AVX-512 (Philox blocks per vector; for stochastic rounding 32
-    lanes a step, 4 blocks per call, vec_pair.h), AVX2 and baseline loops
+    lanes a step, 4 blocks per call, and in the Fixed modes two vectors' bits per call,
+    vec_pair.h), AVX2 and baseline loops
     (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails, shards at offsets
     off multiples of 8 and runs (ending inside a 16- or 32-lane step): the same params
     bit for bit."""
