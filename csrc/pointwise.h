@@ -227,7 +227,6 @@ struct Fixed : Op {
   static constexpr unsigned kReads = Op::kReads & (M::kLists | M::kMaybe | per_tensor_mask<Op>());
   static constexpr unsigned kWrites = Op::kWrites & (M::kLists | M::kMaybe);
   static constexpr unsigned kPresent = M::kLists & ~per_tensor_mask<Op>();
-  static constexpr bool kWideRounding = M::kWideRounding;
   static constexpr int kMinBlocks = Counting ? M::kCountingMinBlocks : M::kMinBlocks;
   explicit Fixed(const Op& op) : Op(op) {}
   template <typename V, typename Index>
@@ -293,9 +292,6 @@ struct LeanMode {
                                      (Kahan || Remainder ? 1u << Op::kCompList : 0u) |
                                      (Eight ? Op::kEightLists : 0u);
   static constexpr unsigned kMaybe = 1u << Op::kUnscaledList;
-  // Rounds params stochastically: the AVX2 loop then takes 32 lanes a step
-  // (engine.h, kWideRounding), for two Philox chains at once.
-  static constexpr bool kWideRounding = Stochastic && !Eight;
   static constexpr bool kStochastic = Stochastic;
   // CUDA: blocks of 512 threads per SM that the mode's kernel, and its counting kernel
   // (counts, below), are compiled for: two at most 64 registers a thread, one where

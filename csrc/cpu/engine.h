@@ -129,19 +129,6 @@ inline bool present(const T* p) {
   return ((KnownPresent<Op>::value >> K) & 1u) != 0 || p != nullptr;
 }
 
-// Op::kWideRounding (a Fixed's, from its mode), or false: whether the AVX2 pass takes
-// 32 lanes a step (avx2x4, vec_pair.h) rather than 16. Stochastic rounding's Philox
-// chain is latency-bound: one call for 32 elements (4 blocks, two interleaved chains)
-// gives about 1.2x the mode's speed of one call per 16. (The AVX-512 pass stays at 32
-// lanes, where 64 spill, and draws two vectors' bits per call: PairedDraws.)
-template <typename Op, typename = void>
-struct WideRounding : std::false_type {};
-template <typename Op>
-struct WideRounding<Op, std::void_t<decltype(Op::kWideRounding)>>
-    : std::integral_constant<bool, Op::kWideRounding> {};
-template <typename Op>
-constexpr bool kWideRounding = WideRounding<Op>::value;
-
 // f(op) as a Fixed in the first of Op's FixedModes that it is in (pointwise.h), the
 // lists present read from the chunk's pointers.
 template <typename... Ts, typename Op, typename F>
@@ -224,7 +211,6 @@ MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
 MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
 MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2)
 MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
-MP_PASS(pass_avx2x4, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x4)
 #endif
 #undef MP_PASS
 
@@ -339,7 +325,8 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
       case Isa::kAvx512:
         // The optimizers: 32 lanes a step (vec_pair.h), which halves the loop's fixed
         // work per element (its tests of absent lists and of the modes, the prefetches,
-        // the pointer steps) and gives stochastic rounding 4 Philox blocks per call; the
+        // the pointer steps) and gives stochastic rounding 4 Philox blocks per call (8,
+        // two vectors' in two chains, in the stochastic Fixed modes: PairedDraws); the
         // last (fewer than 32) elements 16 lanes a step. Same bits: every lane sees the
         // same operations, and the rounding bits depend on the element index only.
         if constexpr (NeedsIndex<Op>::value) {
@@ -352,17 +339,12 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         return pass_avx512<Op, Ts...>(op, data, begin, end, seq);
       case Isa::kAvx2:
         // The same for AVX2: 16 lanes a step (two 8-float vectors), and 2 Philox
-        // blocks per call; the last (fewer than 16) elements 8 at a time.
+        // blocks per call (in the stochastic Fixed modes two vectors' 4 per call:
+        // PairedDraws, vec_pair.h); the last (fewer than 16) elements 8 at a time.
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 16 * 16;
           const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
-            using O = std::decay_t<decltype(o)>;
-            if constexpr (kWideRounding<O>) {  // 32 lanes a step, then 16
-              const int64_t mid32 = begin + (end - begin) / 32 * 32;
-              return pass_avx2x4<O, Ts...>(o, data, begin, mid32, seq) |
-                     pass_avx2x2<O, Ts...>(o, data, mid32, mid, seq);
-            }
-            return pass_avx2x2<O, Ts...>(o, data, begin, mid, seq);
+            return pass_avx2x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, mid, seq);
           });
           return bad | pass_avx2<Op, Ts...>(op, data, mid, end, seq);
         }

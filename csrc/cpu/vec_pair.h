@@ -97,11 +97,13 @@ struct PairLanes {
   }
 };
 
-// The rounding bits of a 32-lane vector's elements, drawn by the pass (PairedDraws):
-// rounding_blocks' four blocks. Functors that round stochastically take it in place of
+// The rounding bits of a vector's elements, drawn by the pass (PairedDraws): the
+// Philox blocks of its lanes (a 32-lane pair's four, a 16-lane AVX2 pair's two) as
+// 16-bit halves in lane order. Functors that round stochastically take it in place of
 // the index, as philox.h's DrawnBits on CUDA.
+template <typename Bits>
 struct DrawnVector {
-  __m512i bits;
+  Bits bits;
 };
 
 template <>
@@ -118,7 +120,8 @@ struct Lanes<VecF32> : PairLanes<VecF16> {
     return with_bits(x, philox_avx512::rounding_blocks<__m512i>(key, static_cast<uint64_t>(g) / 8));
   }
   // With the bits the pass drew for the vector (PairedDraws below).
-  MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey&, DrawnVector drawn) {
+  MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey&,
+                                                DrawnVector<__m512i> drawn) {
     return with_bits(x, drawn.bits);
   }
   // x rounded with the halves of out (rounding_blocks' four blocks) in lane order.
@@ -147,7 +150,15 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
       return {L::round_bf16_stochastic(x.a, key, index),
               L::round_bf16_stochastic(x.b, key, index + 8)};
     }
-    const __m256i out = rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
+    return with_bits(x, rounding_blocks2(key, static_cast<uint64_t>(g) / 8));
+  }
+  // With the bits the pass drew for the vector (PairedDraws below).
+  MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey&,
+                                               DrawnVector<__m256i> drawn) {
+    return with_bits(x, drawn.bits);
+  }
+  // x rounded with the halves of out (two blocks) in lane order.
+  MP_AVX2 static VecF8x2 with_bits(VecF8x2 x, __m256i out) {
     return {round_bf16_stochastic_lanes<VecF8>(
                 x.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out))),
             round_bf16_stochastic_lanes<VecF8>(
@@ -155,38 +166,15 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
   }
 };
 
-// Four AVX2 vectors (32 floats) for the optimizers' stochastic rounding of params
-// (engine.h's kWideRounding): blocks g / 8 .. g / 8 + 3 from one rounding_blocks_avx2<2>
-// call, two interleaved chains, when the lanes' global indices are g .. g + 31 with
-// g % 8 == 0; else each 16-lane half as VecF8x2 does. The same bits as the 16-lane pass.
-using VecF8x4 = Pair<VecF8x2>;
-template <>
-struct Lanes<VecF8x4> : PairLanes<VecF8x2> {
-  MP_AVX2 static VecF8x4 round_bf16_stochastic(VecF8x4 x, const RoundingKey& key, int64_t index) {
-    const int64_t g = key.global(index);
-    if (g % 8 != 0 || !key.consecutive(index, 32)) {
-      return {L::round_bf16_stochastic(x.a, key, index),
-              L::round_bf16_stochastic(x.b, key, index + 16)};
-    }
-    __m256i out[2];
-    rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, out);
-    return {half(x.a, out[0]), half(x.b, out[1])};
-  }
-  MP_AVX2 static VecF8x2 half(VecF8x2 v, __m256i bits) {
-    return {round_bf16_stochastic_lanes<VecF8>(
-                v.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(bits))),
-            round_bf16_stochastic_lanes<VecF8>(
-                v.b, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(bits, 1)))};
-  }
-};
-
 // Whether the pass over vectors V draws the stochastic rounding bits of two vectors at
 // once (Fixed modes that round params stochastically, pointwise.h's DrawsPerVector):
 // draw(key, index, out) gives both vectors' bits from one call of two interleaved
-// Philox chains when the 2 * 32 elements from local element index are consecutive
-// from a multiple of 8 in the whole tensor, else returns false (the pass then hands
-// the functor the index, as ever). The chains' latency halves, without the registers
-// of a 64-lane step: the first vector's update runs while the second's bits wait.
+// Philox chains when the 2W elements from local element index (W lanes a vector: 32
+// on AVX-512, 16 on AVX2) are consecutive from a multiple of 8 in the whole tensor,
+// else returns false (the pass then hands the functor the index, as ever). The chains'
+// latency halves, without the registers of a 2W-lane step (on AVX-512 a 64-lane step
+// spilled; on AVX2 one of 32 lanes was as fast as this): the first vector's update
+// runs while the second's bits wait.
 template <typename V>
 struct PairedDraws {
   static constexpr bool value = false;
@@ -196,12 +184,26 @@ struct PairedDraws {
 template <>
 struct PairedDraws<VecF32> {
   static constexpr bool value = true;
-  using Drawn = DrawnVector;
+  using Drawn = DrawnVector<__m512i>;
   MP_AVX512 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
     const int64_t g = key.global(index);
     if (g % 8 != 0 || !key.consecutive(index, 64)) return false;
     __m512i bits[2];
     philox_avx512::rounding_blocks<2>(key, static_cast<uint64_t>(g) / 8, bits);
+    out[0].bits = bits[0];
+    out[1].bits = bits[1];
+    return true;
+  }
+};
+template <>
+struct PairedDraws<VecF8x2> {
+  static constexpr bool value = true;
+  using Drawn = DrawnVector<__m256i>;
+  MP_AVX2 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 32)) return false;
+    __m256i bits[2];
+    rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, bits);
     out[0].bits = bits[0];
     out[1].bits = bits[1];
     return true;
@@ -436,21 +438,6 @@ MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
   *scale = static_cast<uint8_t>(bits);
 }
 }  // namespace cpu::avx2x2
-
-namespace cpu::avx2x4 {
-using Vec = VecF8x4;
-MP_AVX2 Vec broadcast(float v) { return {avx2x2::broadcast(v), avx2x2::broadcast(v)}; }
-template <typename T>
-MP_AVX2 Vec load(const T* p) {
-  return {avx2x2::load(p), avx2x2::load(p + 16)};
-}
-template <typename T>
-MP_AVX2 void store(T* p, Vec x) {
-  avx2x2::store(p, x.a);
-  avx2x2::store(p + 16, x.b);
-}
-MP_AVX2 bool any(PairFlag<VecF8x2> flags) { return avx2x2::any(flags.a) || avx2x2::any(flags.b); }
-}  // namespace cpu::avx2x4
 
 #undef MP_AVX2
 #undef MP_AVX512

@@ -278,10 +278,10 @@ torch.save(params, sys.argv[1])
 
 
 # The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
-# call), and so does AdamW's stochastic mode on AVX2 (two chains per call, engine.h's
-# kWideRounding): tensors around multiples of 32, shards at offsets that are multiples
-# of 8 (4 blocks at once) or not, runs that end inside a 32-lane step but not a 16-lane
-# one; through SGD's pass and through AdamW's.
+# call), and the Fixed modes' passes draw two vectors' bits per call (vec_pair.h's
+# PairedDraws: 64 elements on AVX-512, 32 on AVX2): tensors around multiples of 32,
+# shards at offsets that are multiples of 8 (4 blocks at once) or not, runs that end
+# inside a 32-lane step but not a 16-lane one; through SGD's pass and through AdamW's.
 SHARDS_32 = """
 import sys
 import torch
@@ -302,8 +302,7 @@ torch.save(params, sys.argv[1])
 """
 # With bf16 gradients, as autograd gives them to bf16 params: the engines' Fixed
 # stochastic modes (pointwise.h's LeanModes, which fp32 gradients on bf16 params do not
-# fit), whose AVX2 pass takes 32 lanes a step (kWideRounding) and whose AVX-512 pass
-# draws two vectors' bits at once (vec_pair.h's PairedDraws).
+# fit), whose passes draw two vectors' bits at once (vec_pair.h's PairedDraws).
 ISA_SCRIPT_SGD_FIXED = SHARDS_32 + """
 buffers = [torch.zeros(n) for n in sizes]
 ops.fused_sgd_(params, [g.bfloat16() for g in grads], buffers, [], lr=0.01, momentum=0.9,
