@@ -239,17 +239,8 @@ inline F split_bf16_lanes(F master, F& remainder) {
   return nan ? master : (F)high;
 }
 
-// e4m3_value and e4m3_code (lanes.h) on every lane, codes in 32-bit lanes (F: the
-// float vector; I, U: the int32 and uint32 vectors of its width).
-template <typename F, typename I, typename U>
-inline F e4m3_value_lanes(U code) {
-  const U mag = code & 0x7fu;
-  const F normal = (F)((mag + 960u) << 20);
-  const F sub = __builtin_convertvector((I)mag, F) * 0.001953125f;
-  F v = mag >= 8u ? normal : sub;
-  v = mag == 0x7fu ? F{} + NAN : v;
-  return (F)((U)v | ((code & 0x80u) << 24));
-}
+// e4m3_code (lanes.h) on every lane, codes in 32-bit lanes (F: the float vector; I, U:
+// the int32 and uint32 vectors of its width). (The decode: e4m3_fp16_words.)
 template <typename F, typename I, typename U>
 inline U e4m3_code_lanes(F y) {
   const U u = (U)y;
@@ -263,16 +254,17 @@ inline U e4m3_code_lanes(F y) {
   return ((u >> 24) & 0x80u) | code;
 }
 
-// e4m3_code_stochastic on every lane, with r's low 16 bits per lane. `small`: whether
-// any lane may be below 2^-6 (the subnormal codes, zero included), whose float
-// arithmetic the caller skips when it knows none is (a NaN lane is not small).
+// e4m3_code_stochastic on every lane, with r's bits per lane (each r < 2^16: the
+// engines' draws). The normal codes' bias is folded into one add (exact: their
+// magnitudes' bits are at least 968 << 20). `small`: whether any lane may be below
+// 2^-6 (the subnormal codes, zero included), whose float arithmetic the caller skips
+// when it knows none is (a NaN lane is not small).
 template <typename F, typename I, typename U>
 inline U e4m3_code_stochastic_lanes(F y, U r, bool small = true) {
   const U u = (U)y;
   const U abs_bits = u & 0x7fffffffu;
   const F a = (F)abs_bits;
-  r &= 0xffffu;
-  U code = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
+  U code = (abs_bits + (r << 4) + (8u - (960u << 20))) >> 20;
   if (small) {
     const U sub = (U) __builtin_convertvector(
         a * 512.f + (__builtin_convertvector((I)r, F) + 0.5f) * 1.52587890625e-5f, I);
@@ -441,6 +433,21 @@ namespace cpu {
 #define MP_AVX512 __attribute__((target(MP_AVX512_TARGET))) inline
 #define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
 
+// The fp16 words of 16 e4m3 codes' values / 2^8 (the 8-bit state's decode, AVX2's and
+// AVX-512's): a code's sign and magnitude bits, shifted, are those words, e4m3's
+// subnormals fp16's, and the NaN codes are made fp16 NaNs. F16C's conversion of them
+// is exact and does not flush the subnormal halves (MXCSR's DAZ is not consulted:
+// tested).
+MP_AVX2 __m256i e4m3_fp16_words(const E4m3* p) {
+  const __m256i sign_extended =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
+                                     _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
+  const __m256i nan =
+      _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+}
+
 namespace avx512 {
 using Vec = VecF16;
 // All lanes, for the masked (maskz) forms of the intrinsics used here: their plain
@@ -507,21 +514,11 @@ MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)
   _mm512_storeu_si512(
       out + 16, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 1)));
 }
-// 8-bit state (lanes.h): 16 e4m3 codes, decoded; the codes of 16 values (|y| <= 448);
-// a block of J vectors of list k stored with its scale (the engine's block pass).
-// The decode goes through fp16, as avx2x2's (vec_pair.h): a code's sign and magnitude
-// bits, shifted, are the fp16 bits of its value / 2^8, e4m3's subnormals fp16's, the
-// NaN codes made fp16 NaNs; F16C's conversion is exact and does not flush subnormal
-// halves (MXCSR's DAZ is not consulted: tested).
+// 8-bit state (lanes.h): 16 e4m3 codes, decoded (through fp16: e4m3_fp16_words); the
+// codes of 16 values (|y| <= 448); a block of J vectors of list k stored with its
+// scale (the engine's block pass).
 MP_AVX512 Vec load(const E4m3* p) {
-  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-0x4080));
-  // magnitude 0x7f (NaN): the code's low 7 bits at the top of the word all ones
-  const __mmask16 nan =
-      _mm256_cmp_epu16_mask(_mm256_slli_epi16(w, 9), _mm256_set1_epi16(-0x200), _MM_CMPINT_NLT);
-  const __m256i words =
-      _mm256_mask_mov_epi16(h, nan, _mm256_or_si256(h, _mm256_set1_epi16(0x7c00)));
-  return (Vec)_mm512_maskz_cvtph_ps(kAll16, words) * 256.f;
+  return (Vec)_mm512_maskz_cvtph_ps(kAll16, e4m3_fp16_words(p)) * 256.f;
 }
 MP_AVX512 void store(E4m3* p, Vec y) {
   const VecU16 c = e4m3_code_lanes<Vec, VecI16, VecU16>(y);
@@ -531,31 +528,15 @@ MP_AVX512 void store(E4m3* p, Vec y) {
 MP_AVX512 void store_codes(E4m3* p, __m512i codes) {
   _mm512_mask_cvtepi32_storeu_epi8(p, kAll16, codes);
 }
-// e4m3_code_stochastic of each lane of y with r's bits (< 2^16), as
-// e4m3_code_stochastic_lanes: the normal codes' bias folded into one add (exact: their
-// magnitudes' bits are at least 968 << 20), the lanes below 2^-6 (the subnormal codes)
-// taken again in float arithmetic only when there are any.
-MP_AVX512 __m512i stochastic_codes(Vec y, __m512i r) {
-  const __m512i u = _mm512_castps_si512((__m512)y);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i t = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_maskz_slli_epi32(kAll16, r, 4)),
-                                     _mm512_set1_epi32(8 - (960 << 20)));
-  __m512i code = _mm512_maskz_srli_epi32(kAll16, t, 20);
-  const __mmask16 small =
-      _mm512_cmp_ps_mask(_mm512_castsi512_ps(a), _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
-  if (small != 0) {
-    const __m512 f = _mm512_add_ps(
-        _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.f)),
-        _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_cvtepi32_ps(kAll16, r), _mm512_set1_ps(0.5f)),
-                      _mm512_set1_ps(1.52587890625e-5f)));
-    code = _mm512_mask_cvttps_epi32(code, small, f);
-  }
-  code = _mm512_maskz_min_epu32(kAll16, code, _mm512_set1_epi32(0x7e));
-  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask((__m512)y, (__m512)y, _CMP_UNORD_Q),
-                               _mm512_set1_epi32(0x7f));
-  // | the sign, bit 31 >> 24
-  return _mm512_ternarylogic_epi32(code, _mm512_maskz_srli_epi32(kAll16, u, 24),
-                                   _mm512_set1_epi32(0x80), 0xf8);
+// e4m3_code_stochastic_lanes of 16 values with their bits (< 2^16), its subnormal
+// arithmetic only where a lane is below 2^-6. (flatten: the generic lanes function,
+// which carries no target, is inlined here at any optimisation level; an out-of-line
+// copy would take its 512-bit vectors by another calling convention.)
+__attribute__((target(MP_AVX512_TARGET), flatten)) inline __m512i stochastic_codes(Vec y,
+                                                                                   __m512i r) {
+  const bool small =
+      _mm512_cmp_ps_mask(_mm512_abs_ps((__m512)y), _mm512_set1_ps(0.015625f), _CMP_LT_OQ) != 0;
+  return (__m512i)e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, (VecU16)r, small);
 }
 // A block of 32 values, lo and hi, of an 8-bit list: its largest |value| as bits (integer
 // order: NaN above inf above the finite values, in every version), its scale, and its

@@ -99,8 +99,9 @@ struct PairLanes {
 
 // The rounding bits of a vector's elements, drawn by the pass (PairedDraws): the
 // Philox blocks of its lanes (a 32-lane pair's four, a 16-lane AVX2 pair's two) as
-// 16-bit halves in lane order. Functors that round stochastically take it in place of
-// the index, as philox.h's DrawnBits on CUDA.
+// 16-bit halves in lane order, in a vector of Bits (VecU16, VecU8: a GCC vector type,
+// whose attribute a template argument keeps, where __m512i's would be dropped). Functors that round
+// stochastically take it in place of the index, as philox.h's DrawnBits on CUDA.
 template <typename Bits>
 struct DrawnVector {
   Bits bits;
@@ -121,8 +122,8 @@ struct Lanes<VecF32> : PairLanes<VecF16> {
   }
   // With the bits the pass drew for the vector (PairedDraws below).
   MP_AVX512 static VecF32 round_bf16_stochastic(VecF32 x, const RoundingKey&,
-                                                DrawnVector<__m512i> drawn) {
-    return with_bits(x, drawn.bits);
+                                                DrawnVector<VecU16> drawn) {
+    return with_bits(x, (__m512i)drawn.bits);
   }
   // x rounded with the halves of out (rounding_blocks' four blocks) in lane order.
   MP_AVX512 static VecF32 with_bits(VecF32 x, __m512i out) {
@@ -154,8 +155,8 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
   }
   // With the bits the pass drew for the vector (PairedDraws below).
   MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey&,
-                                               DrawnVector<__m256i> drawn) {
-    return with_bits(x, drawn.bits);
+                                               DrawnVector<VecU8> drawn) {
+    return with_bits(x, (__m256i)drawn.bits);
   }
   // x rounded with the halves of out (two blocks) in lane order.
   MP_AVX2 static VecF8x2 with_bits(VecF8x2 x, __m256i out) {
@@ -184,28 +185,28 @@ struct PairedDraws {
 template <>
 struct PairedDraws<VecF32> {
   static constexpr bool value = true;
-  using Drawn = DrawnVector<__m512i>;
+  using Drawn = DrawnVector<VecU16>;
   MP_AVX512 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
     const int64_t g = key.global(index);
     if (g % 8 != 0 || !key.consecutive(index, 64)) return false;
     __m512i bits[2];
     philox_avx512::rounding_blocks<2>(key, static_cast<uint64_t>(g) / 8, bits);
-    out[0].bits = bits[0];
-    out[1].bits = bits[1];
+    out[0].bits = (VecU16)bits[0];
+    out[1].bits = (VecU16)bits[1];
     return true;
   }
 };
 template <>
 struct PairedDraws<VecF8x2> {
   static constexpr bool value = true;
-  using Drawn = DrawnVector<__m256i>;
+  using Drawn = DrawnVector<VecU8>;
   MP_AVX2 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
     const int64_t g = key.global(index);
     if (g % 8 != 0 || !key.consecutive(index, 32)) return false;
     __m256i bits[2];
     rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, bits);
-    out[0].bits = bits[0];
-    out[1].bits = bits[1];
+    out[0].bits = (VecU8)bits[0];
+    out[1].bits = (VecU8)bits[1];
     return true;
   }
 };
@@ -342,13 +343,7 @@ MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint16_t (&out)[k
 // same codes as e4m3_code in every case (tested over all floats).
 // 16 codes decoded.
 MP_AVX2 Vec load(const E4m3* p) {
-  const __m256i sign_extended =
-      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i h = _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
-                               _mm256_set1_epi16(static_cast<int16_t>(0xbf80)));
-  const __m256i nan =
-      _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
-  h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+  const __m256i h = e4m3_fp16_words(p);  // (vec.h)
   return {(VecF8)_mm256_cvtph_ps(_mm256_castsi256_si128(h)) * 256.f,
           (VecF8)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)) * 256.f};
 }
