@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "lanes.h"
 
@@ -74,10 +76,14 @@ void Checker::check(const at::Tensor& t, ArgName name, unsigned dtypes, Access a
                    dtype_names(dtypes), ", got ", dtype_name(t.scalar_type()));
   // Its bytes, for no_overlap(). const_data_ptr: no copy-on-write materialisation.
   // Empty tensors and tensors without data (meta) hold no bytes.
-  if (t.numel() == 0 || t.const_data_ptr() == nullptr) return;
+  if (t.numel() == 0) return;
+  const void* data = t.const_data_ptr();
+  if (data == nullptr) return;
   int64_t span = 1;  // elements from the first to the last one, inclusive
-  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * t.stride(d);
-  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) span += (sizes[d] - 1) * strides[d];
+  const auto begin = reinterpret_cast<uintptr_t>(data);
   const auto end = begin + static_cast<uintptr_t>(span) * t.element_size();
   ranges_.push_back(Range{begin, end, name, ranges_.size(), access == Access::kWrite});
   any_written_ = any_written_ || access == Access::kWrite;
@@ -108,8 +114,15 @@ bool same_view(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+void Checker::reserve(size_t more) {
+  if (ranges_.size() + more > ranges_.capacity()) {
+    ranges_.reserve(std::max(ranges_.size() + more, 2 * ranges_.capacity()));
+  }
+}
+
 void Checker::list(at::TensorList l, const char* name, unsigned dtypes, Access access,
                    at::TensorList twins) {
+  reserve(l.size());
   for (size_t i = 0; i < l.size(); ++i) {
     const ArgName n{name, static_cast<int64_t>(i)};
     const size_t ranges_before = ranges_.size();
@@ -153,6 +166,7 @@ void Checker::same_dtypes(at::TensorList a, const char* a_name, at::TensorList b
 
 void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
                          int64_t words, unsigned word_dtypes, Access access) {
+  reserve(l.size());
   TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
                     " to hold one tensor for each of the ", of.size(), " tensors of ", of_name,
                     ", got ", l.size(), " tensors");
@@ -176,14 +190,17 @@ void Checker::value(bool ok, const char* name, const char* expected, double got)
 
 void Checker::no_overlap() {
   if (!any_written_) return;  // reads may share memory
-  std::sort(ranges_.begin(), ranges_.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // Address order, sorting (begin, position) pairs: a third of a Range's bytes to move.
+  std::vector<std::pair<uintptr_t, size_t>> order(ranges_.size());
+  for (size_t i = 0; i < ranges_.size(); ++i) order[i] = {ranges_[i].begin, i};
+  std::sort(order.begin(), order.end());
   // Sweep in address order, keeping the range that reaches furthest and the written
   // one that does. A range that starts before either ends overlaps it; every
   // overlapping pair with a written member is caught so, at its later-starting one.
   const Range* reach = nullptr;
   const Range* reach_written = nullptr;
-  for (const Range& r : ranges_) {
+  for (const auto& key : order) {
+    const Range& r = ranges_[key.second];
     const Range* hit = nullptr;
     if (r.written && reach != nullptr && r.begin < reach->end) hit = reach;
     if (!r.written && reach_written != nullptr && r.begin < reach_written->end) {

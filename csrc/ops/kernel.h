@@ -1,17 +1,18 @@
 // How every entry is registered with the dispatcher: kernel<&entry::foo_<Engine>>()
-// in the families' register_*_ops. The entry runs as torch's boxed-from-unboxed
-// wrapper would run it, on a copy of the call's arguments; the arguments themselves
-// are then released holding Python's GIL once, where torch would take it once per
-// tensor.
+// in the families' register_*_ops. The entry is called as torch's boxed-from-unboxed
+// wrapper would call it, with two differences, both for the step's fixed cost on many
+// small tensors (bench/README.md, "The op call's tensor references"):
 //
-// Why: in torch 2.11 (c10/util/intrusive_ptr.h; older releases are left as they
-// were, below) a tensor that Python alone owns (a parameter, a state tensor)
-// gets a C++ reference from a call through torch.ops, and releasing that reference
-// (its count going from 2 to 1) gives its Python object back, taking the GIL, which
-// torch.ops released for the call. On ResNet-50's 161 tensors, fused_sgd_'s 644 took
-// ~33 us of a ~72 us call (bench/README.md, "The op call's tensor references"). A
-// copy of the stack copies its list values, not the tensors in them, and the entry's
-// own copies of the tensors never bring a count to 1.
+// - A Tensor[] argument reaches the entry as a TensorList of the stack's own tensors,
+//   borrowed: no copy of the list and no reference count touched per tensor (torch's
+//   wrapper copies each list into a std::vector, one increment and one decrement per
+//   tensor: 644 of them in fused_sgd_ on ResNet-50's 161 params with masters).
+// - The call's arguments are released afterwards holding Python's GIL once, where
+//   torch would take it once per tensor. In torch 2.11 (c10/util/intrusive_ptr.h;
+//   older releases are left as they were, below) a tensor that Python alone owns (a
+//   parameter, a state tensor) gets a C++ reference from a call through torch.ops,
+//   and releasing that reference (its count going from 2 to 1) gives its Python object
+//   back, taking the GIL, which torch.ops released for the call.
 #pragma once
 
 #include <ATen/core/boxing/KernelFunction.h>
@@ -24,6 +25,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <iterator>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../python_gil.h"
 
@@ -58,22 +64,91 @@ inline void drop_inputs(void* arg) {
   inputs->clear();
 }
 
+// A Tensor[] argument as the entry's TensorList: the stack's tensors, borrowed (each
+// pointer taken without an increment and given back without a decrement; the stack
+// holds them for the call).
+class BorrowedList {
+ public:
+  explicit BorrowedList(const c10::IValue& list) {
+    const auto items = list.toListRef();
+    tensors_.reserve(items.size());
+    for (const c10::IValue& item : items) {
+      tensors_.emplace_back(c10::intrusive_ptr<at::TensorImpl, c10::UndefinedTensorImpl>::reclaim(
+          item.unsafeToTensorImpl()));
+    }
+  }
+  BorrowedList(const BorrowedList&) = delete;
+  BorrowedList& operator=(const BorrowedList&) = delete;
+  ~BorrowedList() {
+    for (at::Tensor& t : tensors_) (void)t.unsafeReleaseTensorImpl();
+  }
+  at::TensorList get() const { return tensors_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+// An argument of the entry's parameter type T, read from the stack: Tensor[] and
+// Tensor[]? borrowed, anything else converted as torch's wrapper converts it (from a
+// copy of the value, so that the stack keeps its references until they are released).
+template <class T>
+struct Arg {
+  using Value = std::decay_t<decltype(c10::impl::ivalue_to_arg<T, false>::call(
+      std::declval<c10::IValue&>()))>;
+  explicit Arg(const c10::IValue& v) : value(convert(v)) {}
+  static Value convert(c10::IValue v) { return c10::impl::ivalue_to_arg<T, false>::call(v); }
+  Value& get() { return value; }
+  Value value;
+};
+
+template <>
+struct Arg<at::TensorList> {
+  explicit Arg(const c10::IValue& v) : list(v) {}
+  at::TensorList get() const { return list.get(); }
+  BorrowedList list;
+};
+
+template <>
+struct Arg<std::optional<at::TensorList>> {
+  explicit Arg(const c10::IValue& v) {
+    if (!v.isNone()) list.emplace(v);
+  }
+  std::optional<at::TensorList> get() const {
+    return list.has_value() ? std::optional<at::TensorList>(list->get()) : std::nullopt;
+  }
+  std::optional<BorrowedList> list;
+};
+
+template <class T>
+using ArgOf = Arg<std::remove_cv_t<std::remove_reference_t<T>>>;
+
+// fn(args...) with each argument read from `inputs`; its outputs pushed onto `stack`.
+template <auto fn, class... Params, size_t... I>
+void call_with(const torch::jit::Stack& inputs, torch::jit::Stack* stack,
+               c10::guts::typelist::typelist<Params...> /*params*/,
+               std::index_sequence<I...> /*indices*/) {
+  // (Through a pointer read at run time, so that each unit emits the entry it
+  // registers: the C++ tests link those instantiations, tests/cpp/cpu_entries.h.)
+  static decltype(fn) volatile entry = fn;
+  std::tuple<ArgOf<Params>...> args(inputs[I]...);  // (each Arg built in place)
+  using Return = typename c10::guts::infer_function_traits_t<decltype(fn)>::return_type;
+  if constexpr (std::is_void_v<Return>) {
+    entry(std::get<I>(args).get()...);
+  } else {
+    c10::impl::push_outputs<Return, false>::call(entry(std::get<I>(args).get()...), stack);
+  }
+}
+
 template <auto fn>
-void call(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  // (From a pointer held at run time, so that each unit emits the entry it registers:
-  // the C++ tests link those instantiations, tests/cpp/cpu_entries.h.)
-  static const c10::KernelFunction unboxed =
-      c10::KernelFunction::makeFromUnboxedRuntimeFunction(fn);
+void call(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, torch::jit::Stack* stack) {
+  using Traits = c10::guts::infer_function_traits_t<decltype(fn)>;
   const auto n = static_cast<std::ptrdiff_t>(op.schema().arguments().size());
+  TORCH_INTERNAL_ASSERT(n == static_cast<std::ptrdiff_t>(Traits::number_of_parameters));
   torch::jit::Stack inputs(std::make_move_iterator(stack->end() - n),
                            std::make_move_iterator(stack->end()));
   stack->erase(stack->end() - n, stack->end());
-  {
-    torch::jit::Stack copy(inputs.begin(), inputs.end());  // lists: their pointers only
-    unboxed.callBoxed(op, keys, &copy);                    // takes the copy, leaves outputs
-    stack->insert(stack->end(), std::make_move_iterator(copy.begin()),
-                  std::make_move_iterator(copy.end()));
-  }
+  call_with<fn>(inputs, stack, typename Traits::parameter_types{},
+                std::make_index_sequence<Traits::number_of_parameters>());
   const bool python = std::any_of(inputs.begin(), inputs.end(),
                                   [](const c10::IValue& v) { return returns_python_object(v); });
   if (python && hold_python_gil != nullptr) hold_python_gil(&drop_inputs, &inputs);

@@ -1,8 +1,9 @@
 """An op call through torch.ops holds no reference after it returns, and releases the
 ones it took holding Python's GIL once (csrc/ops/kernel.h): every kernel is registered
-that way, a call leaves each tensor's reference count and lifetime as it found them
-(after an error too), and calls from several Python threads at once give the same
-results as one at a time."""
+that way, a call leaves each tensor's reference counts (Python's, and C++'s: a list's
+tensors reach the entry borrowed) and lifetime as it found them (after an error too),
+and calls from several Python threads at once give the same results as one at a
+time."""
 
 import sys
 import threading
@@ -49,11 +50,13 @@ def test_a_call_leaves_reference_counts_and_lifetimes_as_it_found_them(device):
     lists = sgd_lists(0, device)
     tensors = [t for lst in lists for t in lst]
     counts = [sys.getrefcount(t) for t in tensors]
+    uses = [t._use_count() for t in tensors]  # (C++ references: the lists are borrowed)
     for _ in range(3):
         sgd(lists)
     with pytest.raises(ValueError, match="lr_tensor"):
         sgd(lists, lr_tensor=torch.ones(2, device=device))  # refused after the lists were taken
     assert [sys.getrefcount(t) for t in tensors] == counts
+    assert [t._use_count() for t in tensors] == uses
     refs = [weakref.ref(t) for t in tensors]
     del tensors, lists, counts
     assert all(ref() is None for ref in refs), "a tensor outlived its last Python owner"
