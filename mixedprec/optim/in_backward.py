@@ -38,6 +38,7 @@ import contextlib
 import inspect
 import math
 import threading
+import weakref
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
@@ -94,11 +95,11 @@ class InBackward:
 
             self._allreduce = default_hooks.allreduce_hook  # (DDP's own, averaged)
             self._ddp_buckets: Dict[Tuple[int, ...], int] = {}
-            self.ddp.register_comm_hook(None, self._ddp_hook)
+            self.ddp.register_comm_hook(None, _weak_comm_hook(self._ddp_hook, self._allreduce))
         else:
             self._make_buckets(params, bucket_cap_mb * 2**20)
-            self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
-                           for _, p in params]
+            hook = _weak_hook(self._ready)
+            self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in params]
         optimizer.in_backward = self
 
     def _make_buckets(self, params: List[Tuple[int, Tensor]], cap: float) -> None:
@@ -258,6 +259,31 @@ class InBackward:
         _state.count_applied(self.optimizer, None)
         # (torch's LR schedulers warn unless they see step() called; it was)
         self.optimizer._opt_called = True
+
+
+def _weak_hook(method):
+    """A parameter's hook calling ``method`` (a handle's) while the handle lives (its
+    optimizer holds it). A tensor's hooks are held by its C++ autograd data, which
+    Python's garbage collector does not see through: a hook holding the handle, whose
+    buckets hold the parameter, would keep the model and the optimizer alive for good."""
+    method = weakref.WeakMethod(method)
+
+    def hook(p: Tensor) -> None:
+        bound = method()
+        if bound is not None:
+            bound(p)
+    return hook
+
+
+def _weak_comm_hook(method, allreduce):
+    """DDP's comm hook as :func:`_weak_hook` (DDP's C++ reducer holds it, and the handle
+    holds the DDP model): ``method`` while the handle lives, else DDP's all-reduce."""
+    method = weakref.WeakMethod(method)
+
+    def hook(process_group, bucket):  # (DDP checks the names; no annotations)
+        bound = method()
+        return (allreduce if bound is None else bound)(process_group, bucket)
+    return hook
 
 
 def _is_ddp(model: Any) -> bool:

@@ -2,7 +2,11 @@
 buckets steps once DDP has averaged it (in_backward(..., model=ddp_model)), bit for bit
 DDP with step(), in the modes with the most per-step keys (remainder + 8-bit Adam
 moments; stochastic rounding with SGD's group step count), the ranks equal; and
-gradient accumulation under no_sync()."""
+gradient accumulation under no_sync(); and a dropped DDP model and optimizer are
+collected without remove()."""
+
+import gc
+import weakref
 
 import pytest
 import torch
@@ -68,7 +72,23 @@ def ranks(rank, world_size):
     results["view"] = [train(rank, world_size, cls, kwargs, attach, True, view=True)
                        for attach in (False, True)]
     results["fsdp"] = fsdp_refusal()
+    results["collected"] = collected(rank)
     return results
+
+
+def collected(rank):
+    """Whether a DDP model, its module and its optimizer stepping inside backward are
+    all collected once dropped, without remove() (DDP's C++ reducer holds the comm hook,
+    out of the garbage collector's sight: the hook holds the handle weakly)."""
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    optim.in_backward(opt, model=ddp)
+    loss_of(ddp, rank, 0).backward()
+    refs = [weakref.ref(x) for x in (ddp, model, opt, opt.in_backward)]
+    del model, ddp, opt
+    gc.collect()
+    return [r() is None for r in refs]
 
 
 def fsdp_refusal():
@@ -90,7 +110,7 @@ def fsdp_refusal():
 def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
     results = run_ranks(ranks, WORLD_SIZE)
     for key, value in results[0].items():
-        if key == "fsdp":
+        if key in ("fsdp", "collected"):
             continue
         stepped, inside = value
         assert len(stepped) == len(inside), key
@@ -105,3 +125,4 @@ def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
         message, hooked, detached = results[rank]["fsdp"]
         assert "DTensor parameter (FSDP2 reduce-scatters gradients" in message
         assert not hooked and detached
+        assert results[rank]["collected"] == [True] * 4

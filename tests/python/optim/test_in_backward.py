@@ -7,6 +7,8 @@ fp16 among them, with the reason for that choice checked: a step cannot be undon
 exactly."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -286,6 +288,25 @@ def test_remove_goes_back_to_step(device):
         opt.step()
     assert_same(ref, inb)
     optim.in_backward(inb[1])  # (and back again)
+
+
+def test_the_handle_lives_with_its_optimizer_and_lets_both_go(device):
+    # The hooks hold the handle weakly (a tensor's hooks live in its C++ autograd data,
+    # out of the garbage collector's sight): the optimizer keeps the handle, and once
+    # model, optimizer and handle are dropped, without remove(), all are collected.
+    ref, inb = pair(device, optim.AdamW, "remainder", E4M3)
+    handle = optim.in_backward(inb[1], bucket_cap_mb=ONE_EACH)
+    alive = weakref.ref(handle)
+    del handle
+    gc.collect()
+    assert alive() is inb[1].in_backward is not None
+    train_pair(device, ref, inb, steps=2)
+    assert_same(ref, inb)
+    refs = [weakref.ref(x) for x in (inb[0], inb[1], inb[1].in_backward,
+                                     next(inb[0].parameters()))]
+    del inb
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 def test_no_host_sync_in_backward(device, monkeypatch):
