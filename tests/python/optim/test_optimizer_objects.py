@@ -625,6 +625,33 @@ def test_kept_op_call_equals_the_full_path(device, cls, kwargs, dtype, master):
 
 
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_kept_op_call_holds_its_tensor_lists_boxed_once(device, cls, kwargs):
+    # torch.ops hands a torch.ScriptList to the op as it is, where a Python list is
+    # converted tensor by tensor at every call: the kept lists of tensors are
+    # ScriptLists, of the very tensors that the model and the state hold.
+    model = make_model(device, torch.float16)
+    opt = cls(model.parameters(), master="fp32", **kwargs)
+    lockstep([(model, opt)], 2)
+    held = {id(p) for p in model.parameters()} | {
+        id(v) for state in opt.state.values() for v in state.values()
+        if isinstance(v, torch.Tensor)}
+    boxed = []
+
+    def walk(lists):
+        if isinstance(lists, tuple):
+            for item in lists:
+                walk(item)
+        elif isinstance(lists, torch.ScriptList):
+            boxed.append(lists)
+        elif isinstance(lists, list):
+            assert not any(isinstance(t, torch.Tensor) for t in lists), "a list of tensors"
+    for plan in opt.plans.plans.values():
+        walk(plan.lists)
+    assert len(boxed) >= 3  # (masters, moments or buffers, model params)
+    assert all(id(t) in held for lst in boxed for t in lst)
+
+
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_kept_op_call_after_load_state_dict_and_add_param_group(device, cls, kwargs):
     model, other = make_model(device, torch.float16), make_model(device, torch.float16, seed=7)
     opt = cls(model.parameters(), master="fp32", **kwargs)
