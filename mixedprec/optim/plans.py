@@ -22,7 +22,7 @@ class Plan(NamedTuple):
     # converted, moved, re-laid-out (all of which give it new storage) or written
     # elsewhere takes the full path
     signature: Tuple[List[Any], List[int], List[int]]
-    strides: List[Tuple[int, ...]]  # per group param: its strides (its gradient's must match)
+    strides: List[Tuple[int, ...]]  # per group param: its strides (see _follows)
     masters: List[Optional[Tensor]]  # per group param: its fp32 master, if any
     stepped: List[bool]  # per group param: whether it had a gradient
     # the op's lists other than the gradients (those of tensors boxed once: _boxed);
@@ -33,9 +33,9 @@ class Plan(NamedTuple):
     # per-parameter checks (the step's fixed cost: 161 tensors take ~0.1 ms of Python):
     all_stepped: bool  # every group param had a gradient
     with_masters: List[Tensor]  # the masters in ``masters`` (their .grad: read instead)
-    # the gradients read (the params that stepped): ([their dtypes], [their parameters'
-    # strides])
-    grad_meta: Tuple[List[Any], List[Tuple[int, ...]]]
+    # the gradients read (the params that stepped): ([their dtypes], [whether their
+    # parameters are contiguous], [(position, strides) of the parameters that are not])
+    grad_meta: Tuple[List[Any], List[bool], List[Tuple[int, Tuple[int, ...]]]]
 
 
 # Per-tensor reads as C calls mapped over a list (map with a method descriptor or an
@@ -45,7 +45,7 @@ _grad_of = attrgetter("grad")
 _dtype_of = attrgetter("dtype")
 _version_of = attrgetter("_version")
 _data_ptr = Tensor.data_ptr
-_stride = Tensor.stride
+_is_contiguous = Tensor.is_contiguous
 
 
 # What a plan's lists of tensors may be boxed as (below): the tensor types that hold
@@ -111,11 +111,13 @@ class PlanCache:
         masters = [state.get("master_param") for state in states]
         grads = [update_grad(p, m) for p, m in zip(params, masters)]
         stepped = [g is not None for g in grads]
-        read = [(p, g) for p, g in zip(params, grads) if g is not None]
+        read = [p for p, g in zip(params, grads) if g is not None]
+        contiguous = [p.is_contiguous() for p in read]
         return Plan((id(state_of), len(state_of), master), _signature(params),
                      [p.stride() for p in params], masters, stepped, _boxed(lists), device,
                      all(stepped), [m for m in masters if m is not None],
-                     ([g.dtype for _, g in read], [p.stride() for p, _ in read]))
+                     ([g.dtype for g in grads if g is not None], contiguous,
+                      [(i, p.stride()) for i, p in enumerate(read) if not contiguous[i]]))
 
     def planned(self, param_groups: List[Dict[str, Any]], state_of: Dict[Tensor, Any],
                 master: str, holds: Callable[[Dict[str, Any], Plan], bool]):
@@ -155,7 +157,7 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
     """(the gradients the update reads, whether some are masters') when ``params`` and
     their gradients are as ``plan`` was made from, else None. A few list comparisons in
     the usual case (no master holds a gradient; each gradient has the dtype it had and
-    its parameter's strides); else one check per parameter, as
+    its parameter's memory order, :func:`_follows`); else one check per parameter, as
     ``_planned_gradient_by_gradient``."""
     if _signature(params) != plan.signature:
         return None  # converted, moved, re-laid-out or written outside a step
@@ -166,11 +168,13 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
         return None  # a parameter gained or lost its gradient
     if not plan.all_stepped:
         grads = list(compress(grads, plan.stepped))
-    dtypes, strides = plan.grad_meta
+    dtypes, contiguous, strided = plan.grad_meta
     try:
-        if list(map(_dtype_of, grads)) == dtypes and list(map(_stride, grads)) == strides:
+        if list(map(_dtype_of, grads)) == dtypes and \
+                list(map(_is_contiguous, grads)) == contiguous and \
+                all(grads[i].stride() == strides for i, strides in strided):
             return grads, False
-    except RuntimeError:  # stride(): a gradient of another layout (sparse) has none
+    except RuntimeError:  # a gradient of another layout (sparse) has no strides
         pass
     return _planned_gradient_by_gradient(params, plan)
 
@@ -178,8 +182,8 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
 def _planned_gradient_by_gradient(params: List[Tensor], plan: Plan
                                   ) -> Optional[Tuple[List[Tensor], bool]]:
     """``_planned_gradients``' answer, one gradient at a time: a master's gradient is
-    read where set, and each gradient the update reads must be a dense float one with
-    its parameter's strides (else the full path converts it or raises)."""
+    read where set, and each gradient the update reads must be a dense float one in
+    its parameter's memory order (else the full path converts it or raises)."""
     grads: List[Tensor] = []
     from_master = False
     for p, m, stepped, strides in zip(params, plan.masters, plan.stepped, plan.strides):
@@ -188,7 +192,15 @@ def _planned_gradient_by_gradient(params: List[Tensor], plan: Plan
         if (grad is not None) != stepped:
             return None
         if grad is not None:
-            if grad.is_sparse or grad.dtype not in FLOAT_DTYPES or grad.stride() != strides:
+            if grad.is_sparse or grad.dtype not in FLOAT_DTYPES or \
+                    not _follows(grad, p, strides):
                 return None  # the full path converts it or raises the error
             grads.append(grad)
     return grads, from_master
+
+
+def _follows(grad: Tensor, p: Tensor, strides: Tuple[int, ...]) -> bool:
+    """Whether the op reads ``grad`` element for element with ``p`` (of ``strides``):
+    both contiguous, or the same strides (:func:`mixedprec.masters.same_layout`; the
+    shapes are torch's to keep equal)."""
+    return (grad.is_contiguous() and p.is_contiguous()) or grad.stride() == strides
