@@ -62,7 +62,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     the input's shape) added and the ReLU applied when ``fuse_relu``; on the
     channels-first path (``[N, C, ...]`` input without ``channel_last``) ``z`` and
     ``fuse_relu`` are ignored, as Apex's kernels ignored them. Nothing is fused: the
-    addition and the ReLU are separate PyTorch operations."""
+    addition and the ReLU are separate PyTorch operations.
+
+    On the CPU (gloo), where ``torch.nn.SyncBatchNorm`` refuses to synchronise, the
+    statistics are synchronised here (:func:`_sync_batch_norm`), as Apex's Python
+    SyncBatchNorm did on any device its process group served."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, channel_last=False,
@@ -75,11 +79,62 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, input: Tensor, z: Optional[Tensor] = None) -> Tensor:
         channel_last = self.channel_last or input.dim() == 2
         if not channel_last:
-            return super().forward(input)
-        out = super().forward(input.movedim(-1, 1)).movedim(1, -1)
+            return self._normalize(input)
+        out = self._normalize(input.movedim(-1, 1)).movedim(1, -1)
         if z is not None:
             out = out + z
         return torch.relu(out) if self.fuse_relu else out
+
+
+    def _normalize(self, input: Tensor) -> Tensor:
+        """Batch norm of ``[N, C, ...]`` input, synchronised in training as
+        ``torch.nn.SyncBatchNorm``, also on the devices it refuses (the CPU)."""
+        if input.device.type in _TORCH_SYNC_DEVICES or not self.training or \
+                not (dist.is_available() and dist.is_initialized()):
+            return super().forward(input)
+        group = self.process_group or dist.group.WORLD
+        if dist.get_world_size(group) == 1:  # (torch's own path without synchronising)
+            return nn.modules.batchnorm._BatchNorm.forward(self, input)
+        return _sync_batch_norm(self, input, group)
+
+
+#: The devices on which torch.nn.SyncBatchNorm synchronises (it refuses the others).
+_TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+
+
+def _sync_batch_norm(bn: nn.SyncBatchNorm, x: Tensor, group: Any) -> Tensor:
+    """``bn`` (training) on ``[N, C, ...]`` input ``x``, its statistics over the whole
+    batch of ``group``'s ranks, in fp32 (fp64 for fp64 input): two differentiable
+    all-reduces (the channels' sums and the element count, then the sums of squared
+    deviations from the mean), so that autograd all-reduces their gradients back; the
+    running statistics updated as torch.nn.SyncBatchNorm updates them (the unbiased
+    variance)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    bn._check_input_dim(x)
+    bn._check_non_zero_input_channels(x)
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.track_running_stats:
+        bn.num_batches_tracked.add_(1)
+        if bn.momentum is None:  # (a cumulative average, as torch's)
+            factor = 1.0 / bn.num_batches_tracked.item()  # sync-ok: the CPU
+    dims = [0] + list(range(2, x.dim()))
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    count = torch.full((1,), x.numel() // x.shape[1], dtype=xf.dtype, device=x.device)
+    sums = all_reduce(torch.cat([xf.sum(dims), count]), group=group)
+    n = sums[-1]
+    mean = sums[:-1] / n
+    centered = xf - mean.view(shape)
+    var = all_reduce(centered.square().sum(dims), group=group) / n
+    out = centered * torch.rsqrt(var + bn.eps).view(shape)
+    if bn.weight is not None:
+        out = out * bn.weight.view(shape) + bn.bias.view(shape)
+    if bn.track_running_stats:
+        with torch.no_grad():
+            bn.running_mean.mul_(1 - factor).add_(mean * factor)
+            bn.running_var.mul_(1 - factor).add_(var * (n / (n - 1)) * factor)
+    return out.to(x.dtype)
 
 
 def convert_syncbn_model(
