@@ -15,7 +15,7 @@
 //   back, taking the GIL, which torch.ops released for the call.
 #pragma once
 
-#include <ATen/core/boxing/KernelFunction.h>
+#include <ATen/core/boxing/impl/make_boxed_from_unboxed_functor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/DispatchKeySet.h>

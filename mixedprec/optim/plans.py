@@ -52,6 +52,8 @@ _is_contiguous = Tensor.is_contiguous
 # their own data. Subclasses (DTensor, fake tensors) stay Python lists, for their own
 # dispatch.
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+# TorchScript's list (torch 1.10 on); without it, plans keep Python lists.
+_ScriptList = getattr(torch._C, "ScriptList", None)
 
 
 def _boxed(lists: Any) -> Any:
@@ -62,8 +64,9 @@ def _boxed(lists: Any) -> Any:
     masters, ~18 us a step (bench/README.md, "A plan's lists, boxed once")."""
     if isinstance(lists, tuple):
         return tuple(map(_boxed, lists))
-    if isinstance(lists, list) and lists and all(type(t) in _PLAIN_TENSORS for t in lists):
-        return torch._C.ScriptList(lists)
+    if _ScriptList is not None and isinstance(lists, list) and lists and \
+            all(type(t) in _PLAIN_TENSORS for t in lists):
+        return _ScriptList(lists)
     return lists
 
 
