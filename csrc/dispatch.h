@@ -20,6 +20,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <tuple>
 #include <type_traits>
@@ -31,8 +32,19 @@
 
 namespace mixedprec {
 
+// An engine's lists: views of the call's lists (an op's Tensor[] arguments), or of
+// tensors a driver holds (Groups: a split by dtype; widen_grads' copies).
 template <int D>
-using Lists = std::array<std::vector<at::Tensor>, D>;
+using Lists = std::array<at::TensorList, D>;
+
+// The groups of group_by_dtype: views, and the tensors of the groups a split made.
+template <int D>
+struct Groups {
+  std::vector<Lists<D>> lists;
+  std::deque<std::array<std::vector<at::Tensor>, D>> held;  // (a deque: views stay valid)
+  auto begin() { return lists.begin(); }
+  auto end() { return lists.end(); }
+};
 
 // Whether list storage T holds 8-bit codes with one scale per block (lanes.h's E4m3).
 template <typename T>
@@ -61,7 +73,7 @@ constexpr int scale_list() {
 
 // Whether a call tallies (pointwise.h): Op has a tally list and it is given.
 template <typename Op, size_t D>
-bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
+bool tallying(const std::array<at::TensorList, D>& lists) {
   return Tallies<Op>::list >= 0 && !lists[Tallies<Op>::list < 0 ? 0 : Tallies<Op>::list].empty();
 }
 
@@ -73,10 +85,12 @@ bool tallying(const std::array<std::vector<at::Tensor>, D>& lists) {
 
 // Splits parallel lists into groups whose tensors share a dtype per list (the
 // order within a group is kept). Lists may be empty (absent); an empty first list gives
-// no group.
+// no group. The usual call, one dtype per list, is one group of views of the lists
+// themselves: no tensor is copied (nor its reference count touched).
 template <int D>
-std::vector<Lists<D>> group_by_dtype(const std::array<at::TensorList, D>& lists) {
-  if (lists[0].empty()) return {};
+Groups<D> group_by_dtype(const std::array<at::TensorList, D>& lists) {
+  Groups<D> out;
+  if (lists[0].empty()) return out;
   // The usual call, one dtype per list: one group, without a lookup per tensor.
   bool uniform = true;
   for (int k = 0; k < D && uniform; ++k) {
@@ -88,23 +102,25 @@ std::vector<Lists<D>> group_by_dtype(const std::array<at::TensorList, D>& lists)
     }
   }
   if (uniform) {
-    std::vector<Lists<D>> out(1);
-    for (int k = 0; k < D; ++k) out[0][k].assign(lists[k].begin(), lists[k].end());
+    out.lists.push_back(lists);
     return out;
   }
-  std::map<std::array<int, D>, Lists<D>> groups;
+  std::map<std::array<int, D>, std::array<std::vector<at::Tensor>, D>> groups;
   for (size_t i = 0; i < lists[0].size(); ++i) {
     std::array<int, D> key{};
     for (int k = 0; k < D; ++k) {
       key[k] = lists[k].empty() ? -1 : static_cast<int>(lists[k][i].scalar_type());
     }
-    Lists<D>& group = groups[key];
+    auto& group = groups[key];
     for (int k = 0; k < D; ++k) {
       if (!lists[k].empty()) group[k].push_back(lists[k][i]);
     }
   }
-  std::vector<Lists<D>> out;
-  for (auto& entry : groups) out.push_back(std::move(entry.second));
+  for (auto& entry : groups) {
+    const auto& held = out.held.emplace_back(std::move(entry.second));
+    Lists<D>& views = out.lists.emplace_back();
+    for (int k = 0; k < D; ++k) views[k] = held[k];
+  }
   return out;
 }
 
@@ -152,25 +168,26 @@ void run_types(TypeList<Ts...>, const Lists<sizeof...(Ts)>& lists, const Op& op,
 template <typename Own, typename Grad>
 constexpr bool kStoredGrad = std::is_same_v<Grad, Own> || std::is_same_v<Grad, float>;
 
-// Makes group g's gradients fp32 copies where their dtype is not a stored one
-// (kStoredGrad; `own`, the dtype of the params or of the model copy), and every list
-// that holds the same tensors (the unscaled gradients, written) those copies too.
-// Returns what the caller copies back once the kernel ran: (given, copy) pairs of the
-// written gradients.
+// Makes group g's gradients fp32 copies (held in `copies`) where their dtype is not a
+// stored one (kStoredGrad; `own`, the dtype of the params or of the model copy), and
+// every list that holds the same tensors (the unscaled gradients, written) those copies
+// too. Returns what the caller copies back once the kernel ran: (given, copy) pairs of
+// the written gradients.
 template <int D>
-std::vector<std::pair<at::Tensor, at::Tensor>> widen_grads(Lists<D>& g, at::ScalarType own) {
+std::vector<std::pair<at::Tensor, at::Tensor>> widen_grads(Lists<D>& g, at::ScalarType own,
+                                                           std::vector<at::Tensor>& copies) {
   std::vector<std::pair<at::Tensor, at::Tensor>> written;
   const at::ScalarType grad = g[1][0].scalar_type();
   if (grad == own || grad == at::kFloat) return written;
-  const std::vector<at::Tensor> given = g[1];
-  for (auto& t : g[1]) t = t.to(at::kFloat);
+  const at::TensorList given = g[1];
+  copies.reserve(given.size());
+  for (const auto& t : given) copies.push_back(t.to(at::kFloat));
   for (int k = 2; k < D; ++k) {
     if (g[k].empty() || !g[k][0].is_same(given[0])) continue;
-    for (size_t i = 0; i < g[k].size(); ++i) {
-      written.emplace_back(given[i], g[1][i]);
-      g[k][i] = g[1][i];
-    }
+    for (size_t i = 0; i < g[k].size(); ++i) written.emplace_back(given[i], copies[i]);
+    g[k] = copies;
   }
+  g[1] = copies;
   return written;
 }
 
@@ -187,8 +204,9 @@ void run_optimizer(const std::array<at::TensorList, Op::kDepth>& lists, const Op
   constexpr int D = Op::kDepth;
   for (auto& g : group_by_dtype<D>(lists)) {
     const bool has_model = !g[Op::kModelList].empty();
+    std::vector<at::Tensor> widened;  // (the fp32 copies the group then views)
     const auto written =
-        widen_grads<D>(g, (has_model ? g[Op::kModelList][0] : g[0][0]).scalar_type());
+        widen_grads<D>(g, (has_model ? g[Op::kModelList][0] : g[0][0]).scalar_type(), widened);
     const bool bf16_state = !g[2].empty() && g[2][0].scalar_type() == at::kBFloat16;
     const bool fp8_state = !g[2].empty() && g[2][0].scalar_type() == at::kFloat8_e4m3fn;
     MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "mixedprec optimizer", param_t, [&] {

@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> CudaEngine::l2norm(at::TensorList tensors,
   for (const auto& group : layout.groups) {
     MP_DISPATCH_FLOATS(group.dtype, "multi_tensor_l2norm", scalar_t, [&] {
       for_each_launch<1>(
-          group.lists, [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
+          group.lists(), [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
             l2norm_chunks_kernel<scalar_t><<<num_blocks, kBlockSize, 0, stream>>>(
                 meta, inv_scale, partial.data_ptr<float>(), group.first_partial + first_block);
             C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -109,7 +109,7 @@ void for_each_launch(const Lists<D>& lists, LaunchFn&& launch) {
 
 // The mask of the lists given (not empty): which a FixedMode's must match.
 template <size_t D>
-unsigned present_lists(const std::array<std::vector<at::Tensor>, D>& lists) {
+unsigned present_lists(const std::array<at::TensorList, D>& lists) {
   unsigned mask = 0;
   for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;
   return mask;
@@ -634,8 +634,9 @@ MP_DEVICE void pointwise_block(const TensorListMeta<sizeof...(Ts)>& meta, Op op,
 struct L2NormLayout {
   struct Group {
     at::ScalarType dtype;
-    Lists<1> lists;
+    std::vector<at::Tensor> tensors;
     int64_t first_partial;
+    Lists<1> lists() const { return {tensors}; }
   };
   std::vector<Group> groups;
   std::vector<int64_t> first_partial;  // per tensor
@@ -649,11 +650,11 @@ inline L2NormLayout l2norm_layout(at::TensorList tensors) {
     L2NormLayout::Group group{dtype, {}, layout.total_chunks};
     for (size_t t = 0; t < tensors.size(); ++t) {
       if (tensors[t].scalar_type() != dtype) continue;
-      group.lists[0].push_back(tensors[t]);
+      group.tensors.push_back(tensors[t]);
       layout.first_partial[t] = layout.total_chunks;
       layout.total_chunks += num_chunks(tensors[t].numel());
     }
-    if (!group.lists[0].empty()) layout.groups.push_back(std::move(group));
+    if (!group.tensors.empty()) layout.groups.push_back(std::move(group));
   }
   return layout;
 }

@@ -269,11 +269,8 @@ void expect_affine_per_tensor() {
     out.push_back(at::empty({sizes[i]}, at::kFloat));
     want.push_back(data.back().to(at::kFloat) * scales[i] + shifts[i]);  // in fp32
   }
-  Lists<4> lists;
-  lists[0] = data;
-  lists[1] = out;
-  for (const Tensor& s : scales.unbind(0)) lists[2].push_back(s);
-  for (const Tensor& s : shifts.unbind(0)) lists[3].push_back(s);
+  const std::vector<Tensor> scale_list = scales.unbind(0), shift_list = shifts.unbind(0);
+  const Lists<4> lists{data, out, scale_list, shift_list};
   const Tensor found_inf = scalar(0.f);
   using Engine = cpu::CpuEngine;
   Engine::run<AffinePerTensorOp, T, float, float, float>(lists, AffinePerTensorOp{}, nullptr,

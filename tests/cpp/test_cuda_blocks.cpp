@@ -674,10 +674,8 @@ TEST(CudaBlocks, PerTensorListsMatchTheCpuEngine) {
   const Tensor shifts = at::randn({n + 1}).narrow(0, 1, n);
   auto run = [&](auto engine, const std::vector<Tensor>& d, const Tensor& skip) {
     using Engine = decltype(engine);
-    Lists<3> lists;
-    lists[0] = d;
-    lists[1] = scales.unbind(0);
-    lists[2] = shifts.unbind(0);
+    const std::vector<Tensor> scale_list = scales.unbind(0), shift_list = shifts.unbind(0);
+    const Lists<3> lists{d, scale_list, shift_list};
     const Tensor found_inf = scalar(0.f);
     Engine::template run<AffinePerTensorOp, c10::Half, float, float>(
         lists, AffinePerTensorOp{}, skip.data_ptr<float>(), found_inf.data_ptr<float>());
@@ -711,7 +709,7 @@ TEST(CudaBlocks, L2NormPartialsOfEachTensorAreContiguous) {
   std::vector<double> partial(layout.total_chunks, std::nan(""));
   for (const auto& group : layout.groups) {
     for_each_launch<1>(
-        group.lists, [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
+        group.lists(), [&](const TensorListMeta<1>& meta, int num_blocks, int64_t first_block) {
           blockDim.x = kBlockSize;
           for (int b = 0; b < num_blocks; ++b) {
             blockIdx.x = static_cast<unsigned>(b);

@@ -414,9 +414,7 @@ TEST(MemoryTraffic, AdagradAndNovoGradAreCoalescedAndMinimal) {
 // of list 0 and of the 8-bit list 1, with its scale).
 struct PerThreadBlocksEngine : mixedprec::cpu::CpuEngine {
   static void run_planted(const Tensor& values, const Tensor& codes, const Tensor& scales) {
-    Lists<2> lists;
-    lists[0] = {values};
-    lists[1] = {codes};
+    const Lists<2> lists{at::TensorList(values), at::TensorList(codes)};
     for_each_launch<2>(lists, [&](const TensorListMeta<2>& meta, int num_blocks, int64_t) {
       ++g_launches;
       blockDim.x = kBlockSize;
