@@ -6,6 +6,7 @@ gradient accumulation under no_sync(); and a dropped DDP model and optimizer are
 collected without remove()."""
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -87,7 +88,11 @@ def collected(rank):
     loss_of(ddp, rank, 0).backward()
     refs = [weakref.ref(x) for x in (ddp, model, opt, opt.in_backward)]
     del model, ddp, opt
-    gc.collect()
+    for _ in range(50):  # (gloo's threads may still hold a finished all-reduce's callback)
+        gc.collect()
+        if all(r() is None for r in refs):
+            break
+        time.sleep(0.02)
     return [r() is None for r in refs]
 
 
