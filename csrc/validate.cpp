@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "lanes.h"
 
@@ -114,15 +112,8 @@ bool same_view(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-void Checker::reserve(size_t more) {
-  if (ranges_.size() + more > ranges_.capacity()) {
-    ranges_.reserve(std::max(ranges_.size() + more, 2 * ranges_.capacity()));
-  }
-}
-
 void Checker::list(at::TensorList l, const char* name, unsigned dtypes, Access access,
                    at::TensorList twins) {
-  reserve(l.size());
   for (size_t i = 0; i < l.size(); ++i) {
     const ArgName n{name, static_cast<int64_t>(i)};
     const size_t ranges_before = ranges_.size();
@@ -166,7 +157,6 @@ void Checker::same_dtypes(at::TensorList a, const char* a_name, at::TensorList b
 
 void Checker::per_tensor(at::TensorList l, const char* name, at::TensorList of, const char* of_name,
                          int64_t words, unsigned word_dtypes, Access access) {
-  reserve(l.size());
   TORCH_CHECK_VALUE(l.size() == of.size(), op_, ": expected ", name,
                     " to hold one tensor for each of the ", of.size(), " tensors of ", of_name,
                     ", got ", l.size(), " tensors");
@@ -190,17 +180,14 @@ void Checker::value(bool ok, const char* name, const char* expected, double got)
 
 void Checker::no_overlap() {
   if (!any_written_) return;  // reads may share memory
-  // Address order, sorting (begin, position) pairs: a third of a Range's bytes to move.
-  std::vector<std::pair<uintptr_t, size_t>> order(ranges_.size());
-  for (size_t i = 0; i < ranges_.size(); ++i) order[i] = {ranges_[i].begin, i};
-  std::sort(order.begin(), order.end());
+  std::sort(ranges_.begin(), ranges_.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
   // Sweep in address order, keeping the range that reaches furthest and the written
   // one that does. A range that starts before either ends overlaps it; every
   // overlapping pair with a written member is caught so, at its later-starting one.
   const Range* reach = nullptr;
   const Range* reach_written = nullptr;
-  for (const auto& key : order) {
-    const Range& r = ranges_[key.second];
+  for (const Range& r : ranges_) {
     const Range* hit = nullptr;
     if (r.written && reach != nullptr && r.begin < reach->end) hit = reach;
     if (!r.written && reach_written != nullptr && r.begin < reach_written->end) {

@@ -79,8 +79,6 @@ class Checker {
 
  private:
   void check(const at::Tensor& t, ArgName name, unsigned dtypes, Access access);
-  // Room for `more` ranges (a list's), growing geometrically.
-  void reserve(size_t more);
 
   // The bytes [begin, end) an argument spans (all on one device: checked before).
   struct Range {
