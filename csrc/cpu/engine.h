@@ -43,6 +43,13 @@ constexpr bool streamed_list() {
   return (((Op::kReads | Op::kWrites) >> K) & 1u) && !kPerTensorList<Op, K>;
 }
 
+// Whether list k of Op holds values already rounded to its storage when stored: the
+// params of RoundedParams' modes (pointwise.h).
+template <typename Op, size_t K>
+constexpr bool stored_rounded() {
+  return K == 0 && RoundedParams<Op>::value;
+}
+
 // The sum of a vector's lanes (the tallies' running sums, pointwise.h), in lane order.
 inline float lane_sum(const float& v) { return v; }
 template <typename V>
@@ -198,7 +205,8 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
         bad |= apply_at(op, x, i, tally);                                                   \
       }                                                                                     \
       ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
-            ? NS::store(std::get<K>(v) + i, x[K])                                           \
+            ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + i, x[K])        \
+                                       : NS::store(std::get<K>(v) + i, x[K]))               \
             : void()),                                                                      \
        ...);                                                                                \
     }                                                                                       \
@@ -273,7 +281,8 @@ inline void block_prefetch(const T* p) {
                          : Vec{})...};                                                             \
         bad |= apply_at(op, x, at, tally);                                                         \
         ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))             \
-              ? NS::store(std::get<K>(v) + at, x[K])                                               \
+              ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + at, x[K])            \
+                                         : NS::store(std::get<K>(v) + at, x[K]))                   \
               : void()),                                                                           \
          ...);                                                                                     \
         ((kBlocked<Ts> ? (void)(kept[j][block_rank<K, Ts...>()] = x[K]) : void()), ...);           \

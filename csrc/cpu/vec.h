@@ -566,6 +566,11 @@ MP_AVX512 void store_block_of(E4m3* p, uint8_t* scale, Vec lo, Vec hi, const uin
   }
   *scale = static_cast<uint8_t>(bits);
 }
+// A value already rounded to T (engine.h's RoundedParams): stored as any other here.
+template <typename T>
+MP_AVX512 void store_rounded(T* p, Vec x) {
+  store(p, x);
+}
 }  // namespace avx512
 
 namespace avx2 {
@@ -584,15 +589,24 @@ MP_AVX2 void store(c10::Half* p, Vec x) {
   const __m128i h = _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
+// x's bf16 bits, rounded to nearest even, in the low half of each 32-bit lane: for
+// lanes that are not NaN (bf16_words: every lane).
+MP_AVX2 __m256i bf16_words_unless_nan(Vec x) {
+  const __m256i u = _mm256_castps_si256((__m256)x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                           16);
+}
 // x's bf16 bits, rounded to nearest even, NaN as 0x7fc0, in the low half of each
 // 32-bit lane.
 MP_AVX2 __m256i bf16_words(Vec x) {
-  const __m256i u = _mm256_castps_si256((__m256)x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)x, (__m256)x, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm256_blendv_epi8(bf16_words_unless_nan(x), _mm256_set1_epi32(0x7fc0), nan);
+}
+// Whether a lane of a or b is NaN (one comparison for both).
+MP_AVX2 bool any_nan(Vec a, Vec b) {
+  const __m256 nan = _mm256_cmp_ps((__m256)a, (__m256)b, _CMP_UNORD_Q);
+  return !_mm256_testz_ps(nan, nan);
 }
 // The 16-bit words of a's and b's 32-bit lanes (each < 2^16), in order: packus works
 // per 128-bit half, hence the permute.
@@ -615,6 +629,11 @@ MP_AVX2 void store(int16_t* p, Vec x) {
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 MP_AVX2 Vec load(const uint8_t*) { return Vec{}; }
 MP_AVX2 void store(uint8_t*, Vec) {}
+// A value already rounded to T (engine.h's RoundedParams): stored as any other here.
+template <typename T>
+MP_AVX2 void store_rounded(T* p, Vec x) {
+  store(p, x);
+}
 }  // namespace avx2
 
 #undef MP_AVX512
@@ -640,6 +659,10 @@ inline void store(T* p, float x) {
   *p = static_cast<T>(x);
 }
 inline void store(E4m3* p, float y) { p->bits = static_cast<uint8_t>(e4m3_code(y)); }
+template <typename T>
+inline void store_rounded(T* p, float x) {
+  store(p, x);
+}
 inline bool any(bool flag) { return flag; }
 using BlockBits = uint32_t[kQuantBlock];
 inline void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {

@@ -641,9 +641,16 @@ modes += [("fp32", torch.float32, {"amsgrad": True}),
 modes += [(m, s, {"precision_report": True})
           for m, s in (("none", torch.bfloat16), ("none", torch.float8_e4m3fn),
                        ("kahan", torch.float32), ("stochastic", torch.bfloat16))]
+# gradients with inf and NaN: params and state that become NaN, whose stored bf16 is c10's
+# 0x7fc0 whatever NaN the arithmetic made (x86's is negative: inf / inf)
+modes += [(m, s, {"nonfinite": True})
+          for m, s in (("none", torch.bfloat16), ("kahan", torch.bfloat16),
+                       ("remainder", torch.float32), ("stochastic", torch.bfloat16),
+                       ("fp32", torch.bfloat16), ("remainder", torch.float8_e4m3fn))]
 for master, state_dtype, extra in modes:
     extra = dict(extra)
     dtype = torch.float32 if extra.pop("fp32_params", False) else torch.bfloat16
+    nonfinite = extra.pop("nonfinite", False)
     params = [torch.nn.Parameter(x.to(dtype)) for x in inputs["params"]]
     if master == "stochastic" or state_dtype == torch.float8_e4m3fn:
         extra["seed"] = 7
@@ -652,11 +659,15 @@ for master, state_dtype, extra in modes:
     for k, grads in enumerate(inputs["grads"]):
         for p, g in zip(params, grads):
             p.grad = g.to(dtype)
+        if nonfinite and k == 1:  # both halves of a 16-lane pair, and a vector tail
+            flat = params[0].grad.view(-1)
+            flat[3], flat[25], flat[40] = float("inf"), -float("inf"), float("nan")
+            params[4].grad[-11] = float("inf")  # (in the last 8-lane vector)
         if k == len(inputs["grads"]) - 1:  # as torch.amp.GradScaler sets them
             opt.grad_scale, opt.found_inf = torch.full((1,), 4.0), torch.zeros(1)
         opt.step()
     grads = [p.grad for p in params]
-    key = f"{master} {state_dtype} {sorted(extra)} {dtype}"  # (seed included)
+    key = f"{master} {state_dtype} {sorted(extra)} {dtype} {nonfinite}"  # (seed included)
     report = opt.precision_report
     tallies = [] if report is None else report.tallies(params)
     out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"], tallies]
@@ -666,9 +677,10 @@ torch.save(out, sys.argv[2])
 
 def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tmp_path):
     """The fixed-mode loops of the CPU engine (AVX2, AVX-512) against the baseline
-    build's scalar loop: the same params and state, bit for bit, in every mode; with
-    the precision report, the same counts, and sums of squares to 1e-3 (each loop adds
-    its elements in fp32, in its own order, then in float64)."""
+    build's scalar loop: the same params and state, bit for bit, in every mode, also
+    from gradients with inf and NaN; with the precision report, the same counts, and
+    sums of squares to 1e-3 (each loop adds its elements in fp32, in its own order, then
+    in float64)."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
@@ -690,7 +702,7 @@ def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tm
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
                        timeout=300)
         results[capability] = torch.load(path)
-    assert len(results["default"]) == 22
+    assert len(results["default"]) == 28
     for capability in vector:
         for key, (params, state, tallies) in results["default"].items():
             other_params, other_state, other_tallies = results[capability][key]
