@@ -158,12 +158,16 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
                                                DrawnVector<VecU8> drawn) {
     return with_bits(x, (__m256i)drawn.bits);
   }
-  // x rounded with the halves of out (two blocks) in lane order.
+  // x rounded with the halves of out (two blocks) in lane order: by
+  // round_bf16_stochastic_finite alone where no lane is inf or NaN (x - x is NaN just
+  // there: one test of both halves), as the AVX-512 passes do.
   MP_AVX2 static VecF8x2 with_bits(VecF8x2 x, __m256i out) {
-    return {round_bf16_stochastic_lanes<VecF8>(
-                x.a, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out))),
-            round_bf16_stochastic_lanes<VecF8>(
-                x.b, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(out, 1)))};
+    const VecU8 a = (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out));
+    const VecU8 b = (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(out, 1));
+    if (!cpu::avx2::any_nan(x.a - x.a, x.b - x.b)) {
+      return {round_bf16_stochastic_finite(x.a, a), round_bf16_stochastic_finite(x.b, b)};
+    }
+    return {round_bf16_stochastic_lanes<VecF8>(x.a, a), round_bf16_stochastic_lanes<VecF8>(x.b, b)};
   }
 };
 
