@@ -231,12 +231,18 @@ inline F join_bf16_lanes(F param, F remainder) {
   return (F)((U)param + (U) __builtin_convertvector(remainder, I));
 }
 template <typename F, typename I, typename U>
-inline F split_bf16_lanes(F master, F& remainder) {
+inline F split_bf16_unless_nan(F master, F& remainder) {  // (for lanes that are not NaN)
   const U u = (U)master;
   const U high = (u + 0x8000u) & 0xffff0000u;
+  remainder = __builtin_convertvector((I)(u - high), F);
+  return (F)high;
+}
+template <typename F, typename I, typename U>
+inline F split_bf16_lanes(F master, F& remainder) {
   const I nan = master != master;
-  remainder = nan ? F{} : __builtin_convertvector((I)(u - high), F);
-  return nan ? master : (F)high;
+  const F high = split_bf16_unless_nan<F, I, U>(master, remainder);
+  remainder = nan ? F{} : remainder;
+  return nan ? master : high;
 }
 
 // e4m3_code (lanes.h) on every lane, codes in 32-bit lanes (F: the float vector; I, U:

@@ -158,6 +158,14 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
                                                DrawnVector<VecU8> drawn) {
     return with_bits(x, (__m256i)drawn.bits);
   }
+  // split_bf16 without its NaN selects where no lane of the 16 is NaN.
+  MP_AVX2 static VecF8x2 split_bf16(VecF8x2 master, VecF8x2& remainder) {
+    if (cpu::avx2::any_nan(master.a, master.b)) {
+      return PairLanes<VecF8>::split_bf16(master, remainder);
+    }
+    return {split_bf16_unless_nan<VecF8, VecI8, VecU8>(master.a, remainder.a),
+            split_bf16_unless_nan<VecF8, VecI8, VecU8>(master.b, remainder.b)};
+  }
   // x rounded with the halves of out (two blocks) in lane order: by
   // round_bf16_stochastic_finite alone where no lane is inf or NaN (x - x is NaN just
   // there: one test of both halves), as the AVX-512 passes do.
