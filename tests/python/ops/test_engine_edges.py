@@ -629,7 +629,7 @@ def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
 # may have or not).
 LEAN_ISA_SCRIPT = """
 import sys, torch
-from mixedprec.optim import AdamW
+from mixedprec.optim import SGD, AdamW
 inputs = torch.load(sys.argv[1])
 out = {}
 modes = [(m, s, {}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
@@ -648,15 +648,26 @@ modes += [(m, s, {"nonfinite": True})
                        ("remainder", torch.float32), ("stochastic", torch.bfloat16),
                        ("stochastic", torch.float32), ("fp32", torch.bfloat16),
                        ("remainder", torch.float8_e4m3fn))]
+# SGD with momentum, whose Fixed modes take the same passes, stores and splits
+modes += [(m, s, {"sgd": True}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
+          for s in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)]
+modes += [(m, s, {"sgd": True, "nonfinite": True})
+          for m, s in (("none", torch.bfloat16), ("remainder", torch.float32),
+                       ("stochastic", torch.float32))]
 for master, state_dtype, extra in modes:
     extra = dict(extra)
     dtype = torch.float32 if extra.pop("fp32_params", False) else torch.bfloat16
     nonfinite = extra.pop("nonfinite", False)
+    sgd = extra.pop("sgd", False)
     params = [torch.nn.Parameter(x.to(dtype)) for x in inputs["params"]]
     if master == "stochastic" or state_dtype == torch.float8_e4m3fn:
         extra["seed"] = 7
-    opt = AdamW(params, lr=1e-2, weight_decay=0.1, master=master, state_dtype=state_dtype,
-                **extra)
+    if sgd:
+        opt = SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, master=master,
+                  state_dtype=state_dtype, **extra)
+    else:
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1, master=master,
+                    state_dtype=state_dtype, **extra)
     for k, grads in enumerate(inputs["grads"]):
         for p, g in zip(params, grads):
             p.grad = g.to(dtype)
@@ -666,14 +677,14 @@ for master, state_dtype, extra in modes:
             params[4].grad[-11] = float("inf")  # (in the last 8-lane vector)
             # and a NaN of the largest payload in fp32 state, which the update carries
             # to the param (0x7fffffff: rounding's carry must not reach the sign)
-            state = opt.state[params[0]].get("exp_avg")
+            state = opt.state[params[0]].get("exp_avg" if not sgd else "momentum_buffer")
             if state is not None and state.dtype == torch.float32:
                 state.view(-1)[77] = torch.tensor(0x7fffffff, dtype=torch.int32).view(torch.float32)
         if k == len(inputs["grads"]) - 1:  # as torch.amp.GradScaler sets them
             opt.grad_scale, opt.found_inf = torch.full((1,), 4.0), torch.zeros(1)
         opt.step()
     grads = [p.grad for p in params]
-    key = f"{master} {state_dtype} {sorted(extra)} {dtype} {nonfinite}"  # (seed included)
+    key = f"{sgd} {master} {state_dtype} {sorted(extra)} {dtype} {nonfinite}"  # (seed too)
     report = opt.precision_report
     tallies = [] if report is None else report.tallies(params)
     out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"], tallies]
@@ -683,10 +694,10 @@ torch.save(out, sys.argv[2])
 
 def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tmp_path):
     """The fixed-mode loops of the CPU engine (AVX2, AVX-512) against the baseline
-    build's scalar loop: the same params and state, bit for bit, in every mode, also
-    from gradients with inf and NaN; with the precision report, the same counts, and
-    sums of squares to 1e-3 (each loop adds its elements in fp32, in its own order, then
-    in float64)."""
+    build's scalar loop: the same params and state, bit for bit, in every mode of AdamW
+    and of SGD with momentum, also from gradients with inf and NaN; with the precision
+    report, the same counts, and sums of squares to 1e-3 (each loop adds its elements in
+    fp32, in its own order, then in float64)."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
@@ -708,7 +719,7 @@ def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tm
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
                        timeout=300)
         results[capability] = torch.load(path)
-    assert len(results["default"]) == 29
+    assert len(results["default"]) == 47
     for capability in vector:
         for key, (params, state, tallies) in results["default"].items():
             other_params, other_state, other_tallies = results[capability][key]
