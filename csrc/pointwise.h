@@ -267,16 +267,6 @@ template <typename Op>
 struct DrawsPerVector<Op, std::enable_if_t<IsFixed<Op>::value>>
     : std::bool_constant<Op::Mode::kStochastic> {};
 
-// Whether Op is a Fixed mode whose functor leaves list 0, the params, already rounded
-// to their storage (LeanMode's kRoundedParams: "remainder", "stochastic"): the CPU
-// engine's AVX2 passes then store them without rounding again (cpu/vec_pair.h's
-// store_rounded).
-template <typename Op, typename = void>
-struct RoundedParams : std::false_type {};
-template <typename Op>
-struct RoundedParams<Op, std::enable_if_t<IsFixed<Op>::value>>
-    : std::bool_constant<Op::Mode::kRoundedParams> {};
-
 // Whether Op declares FixedModes.
 template <typename Op, typename = void>
 struct HasFixedModes : std::false_type {};
@@ -304,7 +294,9 @@ struct LeanMode {
                                      (Eight ? Op::kEightLists : 0u);
   static constexpr unsigned kMaybe = 1u << Op::kUnscaledList;
   static constexpr bool kStochastic = Stochastic;
-  // The functor leaves the params (list 0) rounded to their bf16 storage already.
+  // The functor leaves the params (list 0) rounded to their bf16 storage already ("remainder",
+  // "stochastic"): the CPU engine's AVX2 passes store them without rounding them again
+  // (cpu/engine.h's stored_rounded).
   static constexpr bool kRoundedParams = Remainder || Stochastic;
   // CUDA: blocks of 512 threads per SM that the mode's kernel, and its counting kernel
   // (counts, below), are compiled for: two at most 64 registers a thread, one where

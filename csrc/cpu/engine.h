@@ -43,11 +43,13 @@ constexpr bool streamed_list() {
   return (((Op::kReads | Op::kWrites) >> K) & 1u) && !kPerTensorList<Op, K>;
 }
 
-// Whether list k of Op holds values already rounded to its storage when stored: the
-// params of RoundedParams' modes (pointwise.h).
+// Whether list k of Op holds values already rounded to its storage when stored (NS::
+// store_rounded): the params of the Fixed modes whose functor rounds them
+// (pointwise.h's LeanMode::kRoundedParams).
 template <typename Op, size_t K>
 constexpr bool stored_rounded() {
-  return K == 0 && RoundedParams<Op>::value;
+  if constexpr (IsFixed<Op>::value) return K == 0 && Op::Mode::kRoundedParams;
+  return false;
 }
 
 // The sum of a vector's lanes (the tallies' running sums, pointwise.h), in lane order.

@@ -572,7 +572,7 @@ MP_AVX512 void store_block_of(E4m3* p, uint8_t* scale, Vec lo, Vec hi, const uin
   }
   *scale = static_cast<uint8_t>(bits);
 }
-// A value already rounded to T (engine.h's RoundedParams): stored as any other here.
+// A value already rounded to T (engine.h's stored_rounded): stored as any other here.
 template <typename T>
 MP_AVX512 void store_rounded(T* p, Vec x) {
   store(p, x);
@@ -635,7 +635,7 @@ MP_AVX2 void store(int16_t* p, Vec x) {
 MP_AVX2 bool any(VecI8 flags) { return !_mm256_testz_si256((__m256i)flags, (__m256i)flags); }
 MP_AVX2 Vec load(const uint8_t*) { return Vec{}; }
 MP_AVX2 void store(uint8_t*, Vec) {}
-// A value already rounded to T (engine.h's RoundedParams): stored as any other here.
+// A value already rounded to T (engine.h's stored_rounded): stored as any other here.
 template <typename T>
 MP_AVX2 void store_rounded(T* p, Vec x) {
   store(p, x);

@@ -326,15 +326,15 @@ MP_AVX2 void store(T* p, Vec x) {
 // lane is NaN (2026-11-30: AdamW with bf16 moments 17% faster with the AVX2 paths
 // forced on Zen 5, bench/README.md).
 MP_AVX2 void store(c10::BFloat16* p, Vec x) {
+  __m256i bits;
   if (avx2::any_nan(x.a, x.b)) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        avx2::words(avx2::bf16_words(x.a), avx2::bf16_words(x.b)));
-    return;
+    bits = avx2::words(avx2::bf16_words(x.a), avx2::bf16_words(x.b));
+  } else {
+    bits = avx2::words(avx2::bf16_words_unless_nan(x.a), avx2::bf16_words_unless_nan(x.b));
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), avx2::words(avx2::bf16_words_unless_nan(x.a),
-                                                                 avx2::bf16_words_unless_nan(x.b)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
 }
-// bf16 values already rounded (engine.h's RoundedParams): their top halves, unless a
+// bf16 values already rounded (engine.h's stored_rounded): their top halves, unless a
 // lane is NaN, which c10 stores as 0x7fc0 (2026-11-30: AdamW "remainder" 12% faster
 // with the AVX2 paths forced on Zen 5).
 MP_AVX2 void store_rounded(c10::BFloat16* p, Vec x) {
