@@ -52,6 +52,22 @@ constexpr bool stored_rounded() {
   return false;
 }
 
+// Whether Op on storage Ts runs the AVX2 pair pass with its elements even and odd
+// (vec_pair.h's avx2x2_even_odd): a Fixed mode that does not round stochastically
+// (whose elements' math does not depend on their index), every streamed list bf16 or
+// int16.
+template <typename Op, typename... Ts, size_t... K>
+constexpr bool even_odd_pass(std::index_sequence<K...>) {
+  if constexpr (IsFixed<Op>::value && !DrawsPerVector<Op>::value) {
+    return ((!streamed_list<Op, K>() || std::is_same_v<Ts, c10::BFloat16> ||
+             std::is_same_v<Ts, int16_t>) &&
+            ...);
+  }
+  return false;
+}
+template <typename Op, typename... Ts>
+constexpr bool kEvenOddPass = even_odd_pass<Op, Ts...>(std::index_sequence_for<Ts...>{});
+
 // The sum of a vector's lanes (the tallies' running sums, pointwise.h), in lane order.
 inline float lane_sum(const float& v) { return v; }
 template <typename V>
@@ -221,6 +237,7 @@ MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
 MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
 MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2)
 MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
+MP_PASS(pass_avx2x2_even_odd, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2_even_odd)
 #endif
 #undef MP_PASS
 
@@ -355,7 +372,12 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 16 * 16;
           const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
-            return pass_avx2x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, mid, seq);
+            using Fixed = std::decay_t<decltype(o)>;
+            if constexpr (kEvenOddPass<Fixed, Ts...>) {
+              return pass_avx2x2_even_odd<Fixed, Ts...>(o, data, begin, mid, seq);
+            } else {
+              return pass_avx2x2<Fixed, Ts...>(o, data, begin, mid, seq);
+            }
           });
           return bad | pass_avx2<Op, Ts...>(op, data, mid, end, seq);
         }
