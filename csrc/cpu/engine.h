@@ -372,11 +372,11 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 16 * 16;
           const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
-            using Fixed = std::decay_t<decltype(o)>;
-            if constexpr (kEvenOddPass<Fixed, Ts...>) {
-              return pass_avx2x2_even_odd<Fixed, Ts...>(o, data, begin, mid, seq);
+            using Mode = std::decay_t<decltype(o)>;  // a Fixed<Op, M>, or Op in no mode
+            if constexpr (kEvenOddPass<Mode, Ts...>) {
+              return pass_avx2x2_even_odd<Mode, Ts...>(o, data, begin, mid, seq);
             } else {
-              return pass_avx2x2<Fixed, Ts...>(o, data, begin, mid, seq);
+              return pass_avx2x2<Mode, Ts...>(o, data, begin, mid, seq);
             }
           });
           return bad | pass_avx2<Op, Ts...>(op, data, mid, end, seq);
