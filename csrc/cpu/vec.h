@@ -595,13 +595,16 @@ MP_AVX2 void store(c10::Half* p, Vec x) {
   const __m128i h = _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
-// x's bf16 bits, rounded to nearest even, in the low half of each 32-bit lane: for
-// lanes that are not NaN (bf16_words: every lane).
-MP_AVX2 __m256i bf16_words_unless_nan(Vec x) {
+// x's bf16 bits, rounded to nearest even, in the high half of each 32-bit lane (the
+// low half holds what rounding left there): for lanes that are not NaN.
+MP_AVX2 __m256i bf16_rounded_unless_nan(Vec x) {
   const __m256i u = _mm256_castps_si256((__m256)x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-                           16);
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+}
+// The same in the low half of each 32-bit lane (bf16_words: every lane).
+MP_AVX2 __m256i bf16_words_unless_nan(Vec x) {
+  return _mm256_srli_epi32(bf16_rounded_unless_nan(x), 16);
 }
 // x's bf16 bits, rounded to nearest even, NaN as 0x7fc0, in the low half of each
 // 32-bit lane.

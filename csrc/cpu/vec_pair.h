@@ -506,13 +506,7 @@ MP_AVX2 void store(c10::BFloat16* p, Vec x) {
   if (avx2::any_nan(x.a, x.b)) {
     return put(p, avx2::bf16_words(x.a), _mm256_slli_epi32(avx2::bf16_words(x.b), 16));
   }
-  const __m256i a = (__m256i)x.a, b = (__m256i)x.b, one = _mm256_set1_epi32(1),
-                half = _mm256_set1_epi32(0x7fff);
-  const __m256i ra =
-      _mm256_add_epi32(_mm256_add_epi32(a, half), _mm256_and_si256(_mm256_srli_epi32(a, 16), one));
-  const __m256i rb =
-      _mm256_add_epi32(_mm256_add_epi32(b, half), _mm256_and_si256(_mm256_srli_epi32(b, 16), one));
-  put(p, _mm256_srli_epi32(ra, 16), rb);
+  put(p, avx2::bf16_words_unless_nan(x.a), avx2::bf16_rounded_unless_nan(x.b));
 }
 MP_AVX2 void store_rounded(c10::BFloat16* p, Vec x) {  // as avx2x2's: top halves
   if (avx2::any_nan(x.a, x.b)) return store(p, x);
@@ -521,7 +515,6 @@ MP_AVX2 void store_rounded(c10::BFloat16* p, Vec x) {  // as avx2x2's: top halve
 MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2x2's: truncated, low words
   put(p, _mm256_cvttps_epi32((__m256)x.a), _mm256_slli_epi32(_mm256_cvttps_epi32((__m256)x.b), 16));
 }
-MP_AVX2 void store_rounded(int16_t* p, Vec x) { store(p, x); }
 // Other storage is never streamed here (kEvenOddPass); these only make the pass's
 // expressions for its absent lists compile.
 template <typename T>
@@ -530,8 +523,11 @@ MP_AVX2 Vec load(const T*) {
 }
 template <typename T>
 MP_AVX2 void store(T*, Vec) {}
+// (other storage, int16 among it: stored as any other value)
 template <typename T>
-MP_AVX2 void store_rounded(T*, Vec) {}
+MP_AVX2 void store_rounded(T* p, Vec x) {
+  store(p, x);
+}
 }  // namespace cpu::avx2x2_even_odd
 
 #undef MP_AVX2
