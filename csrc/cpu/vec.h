@@ -586,9 +586,17 @@ MP_AVX2 Vec load(const float* p) { return (Vec)_mm256_loadu_ps(p); }
 MP_AVX2 Vec load(const c10::Half* p) {
   return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+// The 8 words in both 128-bit halves (vbroadcasti128, a load), each moved by one
+// vpshufb to the high half of its lane: one shuffle, where a widening load and a shift
+// took two operations (three pipe cycles in llvm-mca's Zen 3 model) on the two pipes
+// that Zen 3 gives shifts and shuffles.
 MP_AVX2 Vec load(const c10::BFloat16* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return (Vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i to_high =
+      _mm256_setr_epi8(-128, -128, 0, 1, -128, -128, 2, 3, -128, -128, 4, 5, -128, -128, 6, 7, -128,
+                       -128, 8, 9, -128, -128, 10, 11, -128, -128, 12, 13, -128, -128, 14, 15);
+  return (Vec)_mm256_shuffle_epi8(b, to_high);
 }
 MP_AVX2 void store(float* p, Vec x) { _mm256_storeu_ps(p, (__m256)x); }
 MP_AVX2 void store(c10::Half* p, Vec x) {
@@ -596,11 +604,15 @@ MP_AVX2 void store(c10::Half* p, Vec x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
 // x's bf16 bits, rounded to nearest even, in the high half of each 32-bit lane (the
-// low half holds what rounding left there): for lanes that are not NaN.
+// low half holds what rounding left there): for lanes that are not NaN. x + 0x8000,
+// less one where the low half is a tie (0x8000) below an even word, which then stays:
+// x + 0x7fff + bit 16 of x without its shift (Zen 3 runs shifts on two of its four FP
+// pipes, with the shuffles; an and, a compare and integer adds on all four).
 MP_AVX2 __m256i bf16_rounded_unless_nan(Vec x) {
   const __m256i u = _mm256_castps_si256((__m256)x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i tie_to_even = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x1ffff)),
+                                                 _mm256_set1_epi32(0x8000));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), tie_to_even);
 }
 // The same in the low half of each 32-bit lane (bf16_words: every lane).
 MP_AVX2 __m256i bf16_words_unless_nan(Vec x) {
