@@ -53,8 +53,10 @@ MP_HD float round_bf16_stochastic(float x, uint32_t bits) {
 // [-0x8000, 0x7fff] and the pair is the master bit for bit. The param differs from
 // round_bf16(master) only at exact ties (low half 0x8000 on an even high half). inf
 // splits into (inf, 0); a finite master past bf16's range into (inf, remainder < 0),
-// exact too; NaN into (NaN, 0), payload and sign not kept. The remainder travels as
-// a float (an exact integer) between the engine's loads and stores.
+// exact too; NaN into (NaN, 0), payload and sign not kept. The remainder travels
+// between the engines' loads and stores as a float (an exact integer) in scalar code,
+// and as its sign-extended bits in the CPU's vector lanes (cpu/vec.h's
+// join_bf16_lanes): a functor hands it to Lanes' join_bf16 and split_bf16 only.
 MP_HD float join_bf16_remainder(float param, float remainder) {
   uint32_t u;
   memcpy(&u, &param, sizeof(u));

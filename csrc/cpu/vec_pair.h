@@ -163,8 +163,8 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
     if (cpu::avx2::any_nan(master.a, master.b)) {
       return PairLanes<VecF8>::split_bf16(master, remainder);
     }
-    return {split_bf16_unless_nan<VecF8, VecI8, VecU8>(master.a, remainder.a),
-            split_bf16_unless_nan<VecF8, VecI8, VecU8>(master.b, remainder.b)};
+    return {split_bf16_unless_nan<VecF8, VecU8>(master.a, remainder.a),
+            split_bf16_unless_nan<VecF8, VecU8>(master.b, remainder.b)};
   }
   // x rounded with the halves of out (two blocks) in lane order: by
   // round_bf16_stochastic_finite alone where no lane is inf or NaN (x - x is NaN just
@@ -283,10 +283,8 @@ MP_AVX512_BF16 void store(c10::BFloat16* p, Vec x) {
   _mm512_storeu_si512(p, words(bf16_high(x.a), bf16_high(x.b), 1));
 }
 #undef MP_AVX512_BF16
-MP_AVX512 void store(int16_t* p, Vec x) {  // as avx512::store(int16_t*): truncated, low words
-  const __m512i a = (__m512i) __builtin_convertvector(x.a, VecI16);
-  const __m512i b = (__m512i) __builtin_convertvector(x.b, VecI16);
-  _mm512_storeu_si512(p, words(a, b, 0));
+MP_AVX512 void store(int16_t* p, Vec x) {  // as avx512::store(int16_t*): the low words
+  _mm512_storeu_si512(p, words((__m512i)x.a, (__m512i)x.b, 0));
 }
 MP_AVX512 bool any(PairFlag<VecF16> flags) { return avx512::any(flags.a | flags.b); }
 // 8-bit state (the engine's block pass, a block one pair): its rounding bits and its
@@ -343,11 +341,9 @@ MP_AVX2 void store_rounded(c10::BFloat16* p, Vec x) {
       reinterpret_cast<__m256i*>(p),
       avx2::words(_mm256_srli_epi32((__m256i)x.a, 16), _mm256_srli_epi32((__m256i)x.b, 16)));
 }
-MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2::store(int16_t*): truncated, low words
-  const __m256i low = _mm256_set1_epi32(0xffff);
-  const __m256i a = _mm256_and_si256(_mm256_cvttps_epi32((__m256)x.a), low);
-  const __m256i b = _mm256_and_si256(_mm256_cvttps_epi32((__m256)x.b), low);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), avx2::words(a, b));
+MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2::store(int16_t*): the words (in range)
+  const __m256i words = _mm256_packs_epi32((__m256i)x.a, (__m256i)x.b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(words, 0b11011000));
 }
 MP_AVX2 bool any(PairFlag<VecF8> flags) { return avx2::any(flags.a | flags.b); }
 // A block's rounding bits as 16-bit halves (lanes.h's block_bits' values): 4 Philox
@@ -496,10 +492,9 @@ MP_AVX2 Vec load(const c10::BFloat16* p) {
   const __m256i w = bits(p);
   return {(VecF8)_mm256_slli_epi32(w, 16), (VecF8)_mm256_and_si256(w, _mm256_set1_epi32(-65536))};
 }
-MP_AVX2 Vec load(const int16_t* p) {  // exact floats of the words, sign-extended
+MP_AVX2 Vec load(const int16_t* p) {  // the words sign-extended (join_bf16_lanes)
   const __m256i w = bits(p);
-  return {(VecF8)_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16)),
-          (VecF8)_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 16))};
+  return {(VecF8)_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 16), (VecF8)_mm256_srai_epi32(w, 16)};
 }
 // Rounded to nearest even, NaN as 0x7fc0, as avx2x2's store.
 MP_AVX2 void store(c10::BFloat16* p, Vec x) {
@@ -512,8 +507,8 @@ MP_AVX2 void store_rounded(c10::BFloat16* p, Vec x) {  // as avx2x2's: top halve
   if (avx2::any_nan(x.a, x.b)) return store(p, x);
   put(p, _mm256_srli_epi32((__m256i)x.a, 16), (__m256i)x.b);
 }
-MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2x2's: truncated, low words
-  put(p, _mm256_cvttps_epi32((__m256)x.a), _mm256_slli_epi32(_mm256_cvttps_epi32((__m256)x.b), 16));
+MP_AVX2 void store(int16_t* p, Vec x) {  // as avx2x2's: the low words
+  put(p, (__m256i)x.a, _mm256_slli_epi32((__m256i)x.b, 16));
 }
 // Other storage is never streamed here (kEvenOddPass); these only make the pass's
 // expressions for its absent lists compile.
