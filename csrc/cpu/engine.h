@@ -53,12 +53,10 @@ constexpr bool stored_rounded() {
 }
 
 // Whether Op on storage Ts runs the AVX2 pair pass with its elements even and odd
-// (vec_pair.h's avx2x2_even_odd): a Fixed mode that does not round stochastically
-// (whose elements' math does not depend on their index), every streamed list bf16 or
-// int16.
+// (vec_pair.h's avx2x2_even_odd): a Fixed mode, every streamed list bf16 or int16.
 template <typename Op, typename... Ts, size_t... K>
 constexpr bool even_odd_pass(std::index_sequence<K...>) {
-  if constexpr (IsFixed<Op>::value && !DrawsPerVector<Op>::value) {
+  if constexpr (IsFixed<Op>::value) {
     return ((!streamed_list<Op, K>() || std::is_same_v<Ts, c10::BFloat16> ||
              std::is_same_v<Ts, int16_t>) &&
             ...);
@@ -174,8 +172,11 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 // A per-tensor list is broadcast once, before the loop. `flatten` inlines the calls
 // of the loop (op.apply and, through it, the Lanes functions that carry a target
 // attribute, such as sqrt, which GCC would not inline into apply, a function without
-// one: they were calls through the PLT, per vector); elementwise stays a call.
-#define MP_PASS(NAME, TARGET, NS)                                                           \
+// one: they were calls through the PLT, per vector); elementwise stays a call. DRAWS:
+// how a stochastic Fixed mode gets its rounding bits, two vectors' at once (vec_pair.h's
+// PairedDraws of the pass's vector, or EvenOddDraws for the pass whose pair holds its
+// elements even and odd).
+#define MP_PASS(NAME, TARGET, NS, DRAWS)                                                    \
   template <typename Op, typename... Ts, size_t... K>                                       \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,               \
                   std::index_sequence<K...> seq) {                                          \
@@ -190,7 +191,7 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                     \
     Vec sums[Tallies<Op>::count + 1] = {};                                                  \
     Vec* const tally = tally_sums<Op>(sums);                                                \
-    [[maybe_unused]] typename PairedDraws<Vec>::Drawn drawn[2];                             \
+    [[maybe_unused]] typename DRAWS::Drawn drawn[2];                                        \
     [[maybe_unused]] bool drawn_next = false; /* drawn[1] is the next vector's */           \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
@@ -209,15 +210,15 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
                    : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                 \
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
-      if constexpr (PairedDraws<Vec>::value && DrawsPerVector<Op>::value) {                 \
+      if constexpr (DRAWS::value && DrawsPerVector<Op>::value) {                            \
         if (drawn_next) {                                                                   \
           bad |= apply_at(op, x, drawn[1], tally);                                          \
           drawn_next = false;                                                               \
-        } else if (i + 2 * W <= end && PairedDraws<Vec>::draw(op.rounding.key, i, drawn)) { \
+        } else if (i + 2 * W <= end && DRAWS::draw(op.rounding.key, i, drawn)) {            \
           bad |= apply_at(op, x, drawn[0], tally);                                          \
           drawn_next = true;                                                                \
         } else {                                                                            \
-          bad |= apply_at(op, x, i, tally);                                                 \
+          bad |= apply_at(op, x, DRAWS::index(i), tally);                                   \
         }                                                                                   \
       } else {                                                                              \
         bad |= apply_at(op, x, i, tally);                                                   \
@@ -233,11 +234,14 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
   }
 
 #if defined(MP_X86_ISA)
-MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2)
-MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512)
-MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2)
-MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
-MP_PASS(pass_avx2x2_even_odd, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2_even_odd)
+MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2, PairedDraws<VecF8>)
+MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512,
+        PairedDraws<VecF16>)
+MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2,
+        PairedDraws<VecF32>)
+MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2, PairedDraws<VecF8x2>)
+MP_PASS(pass_avx2x2_even_odd, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2_even_odd,
+        EvenOddDraws)
 #endif
 #undef MP_PASS
 

@@ -230,7 +230,7 @@ inline F round_bf16_stochastic_lanes(F x, U bits) {
 // those bits in a float vector's lanes, not as the floats of their values (as the
 // scalar code does): loads and stores then convert nothing, and the join and the split
 // are integer operations alone, two conversions fewer on each side of the update's
-// chain (2026-11-30, Zen 3: AdamW "remainder" 4-12% faster, bench/README.md).
+// chain (2026-11-30, Zen 3: AdamW "remainder" 11-18% faster, bench/README.md).
 template <typename F, typename U>
 inline F join_bf16_lanes(F param, F remainder) {
   return (F)((U)param + (U)remainder);

@@ -139,6 +139,17 @@ struct Lanes<VecF32> : PairLanes<VecF16> {
   }
 };
 
+// What the even/odd pass (avx2x2_even_odd below) hands a functor that rounds
+// stochastically in place of the index: the bits it drew for the vector (EvenOddDraws),
+// or, for a vector it drew none for, its first element's index. Its pair holds elements
+// 0, 2, .., 14 in a and 1, 3, .., 15 in b, which these tell Lanes<VecF8x2> apart.
+struct EvenOddDrawn {
+  VecU8 bits;  // the 16 elements' halves in element order, as DrawnVector's
+};
+struct EvenOddIndex {
+  int64_t index;
+};
+
 #define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
 template <>
 struct Lanes<VecF8x2> : PairLanes<VecF8> {
@@ -166,12 +177,40 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
     return {split_bf16_unless_nan<VecF8, VecU8>(master.a, remainder.a),
             split_bf16_unless_nan<VecF8, VecU8>(master.b, remainder.b)};
   }
+  // The even/odd pass's pair (EvenOddDrawn, EvenOddIndex above): the halves of its 16
+  // elements in element order, a 32-bit lane holding those of elements 2k and 2k + 1,
+  // are the even elements' bits in the low words and the odd's in the high: one and and
+  // one shift where the pair in element order widens each half.
+  MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey&, EvenOddDrawn drawn) {
+    return with_bits_even_odd(x, (__m256i)drawn.bits);
+  }
+  MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey& key, EvenOddIndex at) {
+    const int64_t g = key.global(at.index);
+    if (g % 8 == 0 && key.consecutive(at.index, 16)) {
+      return with_bits_even_odd(x, rounding_blocks2(key, static_cast<uint64_t>(g) / 8));
+    }
+    uint16_t halves[16];
+    if (key.consecutive(at.index, 16)) {
+      consecutive_bits<16>(key, g, halves);
+    } else {
+      uint32_t lanes[16];
+      lane_bits(key, at.index, 16, lanes);
+      for (int j = 0; j < 16; ++j) halves[j] = static_cast<uint16_t>(lanes[j]);
+    }
+    return with_bits_even_odd(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+  }
+  MP_AVX2 static VecF8x2 with_bits_even_odd(VecF8x2 x, __m256i out) {
+    return with_bits(x, (VecU8)_mm256_and_si256(out, _mm256_set1_epi32(0xffff)),
+                     (VecU8)_mm256_srli_epi32(out, 16));
+  }
   // x rounded with the halves of out (two blocks) in lane order: by
   // round_bf16_stochastic_finite alone where no lane is inf or NaN (x - x is NaN just
   // there: one test of both halves), as the AVX-512 passes do.
   MP_AVX2 static VecF8x2 with_bits(VecF8x2 x, __m256i out) {
-    const VecU8 a = (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out));
-    const VecU8 b = (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(out, 1));
+    return with_bits(x, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(out)),
+                     (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(out, 1)));
+  }
+  MP_AVX2 static VecF8x2 with_bits(VecF8x2 x, VecU8 a, VecU8 b) {  // (each lane's bits)
     if (!cpu::avx2::any_nan(x.a - x.a, x.b - x.b)) {
       return {round_bf16_stochastic_finite(x.a, a), round_bf16_stochastic_finite(x.b, b)};
     }
@@ -188,11 +227,13 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
 // latency halves, without the registers of a 2W-lane step (on AVX-512 a 64-lane step
 // spilled; on AVX2 one of 32 lanes was as fast as this): the first vector's update
 // runs while the second's bits wait.
+// index(i): what the pass hands the functor for a vector it drew no bits for.
 template <typename V>
 struct PairedDraws {
   static constexpr bool value = false;
   using Drawn = int64_t;  // (unused)
   static bool draw(const RoundingKey&, int64_t, Drawn (&)[2]) { return false; }
+  static int64_t index(int64_t i) { return i; }
 };
 template <>
 struct PairedDraws<VecF32> {
@@ -207,6 +248,7 @@ struct PairedDraws<VecF32> {
     out[1].bits = (VecU16)bits[1];
     return true;
   }
+  static int64_t index(int64_t i) { return i; }
 };
 template <>
 struct PairedDraws<VecF8x2> {
@@ -221,6 +263,20 @@ struct PairedDraws<VecF8x2> {
     out[1].bits = (VecU8)bits[1];
     return true;
   }
+  static int64_t index(int64_t i) { return i; }
+};
+// The same draws for the even/odd pass, in its own types (EvenOddDrawn, EvenOddIndex).
+struct EvenOddDraws {
+  static constexpr bool value = true;
+  using Drawn = EvenOddDrawn;
+  MP_AVX2 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
+    PairedDraws<VecF8x2>::Drawn drawn[2];
+    if (!PairedDraws<VecF8x2>::draw(key, index, drawn)) return false;
+    out[0].bits = drawn[0].bits;
+    out[1].bits = drawn[1].bits;
+    return true;
+  }
+  static EvenOddIndex index(int64_t i) { return {i}; }
 };
 
 template <>
@@ -471,13 +527,13 @@ MP_AVX2 void store_rounded(T* p, Vec x) {
 }  // namespace cpu::avx2x2
 
 // The AVX2 pair pass of the Fixed modes whose every streamed list is 16 bits wide (bf16
-// or int16) and whose elements are not told apart by their index (not "stochastic"):
-// a pair holds its 16 elements even and odd, a = elements 0, 2, .., 14 and b = 1, 3,
-// .., 15, which every lane's math leaves as it is. Then a load is one 32-byte load and
-// two word operations, with no widening, and a store one word blend, with no pack and
-// no lane-crossing permute: on Zen 3, where two FP pipes take the pair pass's shifts,
-// shuffles and divisions, AdamW "none", "kahan" and "remainder" with bf16 moments
-// 8-15% faster (bench/README.md, "Zen 3, natively"). engine.h's kEvenOddPass picks it.
+// or int16): a pair holds its 16 elements even and odd, a = elements 0, 2, .., 14 and
+// b = 1, 3, .., 15, which every lane's math leaves as it is (stochastic rounding's
+// bits, the one thing told by the index, come in that order too: EvenOddDraws). Then a load is one
+// 32-byte load and two word operations, with no widening, and a store one word blend, with no pack
+// and no lane-crossing permute: on Zen 3, where two FP pipes take the pair pass's shifts, shuffles
+// and divisions, AdamW "none", "kahan" and "remainder" with bf16 moments 8-15% faster
+// (bench/README.md, "Zen 3, natively"). engine.h's kEvenOddPass picks it.
 namespace cpu::avx2x2_even_odd {
 using Vec = VecF8x2;
 using avx2x2::any;
