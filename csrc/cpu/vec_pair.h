@@ -153,16 +153,27 @@ struct EvenOddIndex {
 #define MP_AVX2 __attribute__((target(MP_AVX2_TARGET))) inline
 template <>
 struct Lanes<VecF8x2> : PairLanes<VecF8> {
-  // Blocks g / 8 and g / 8 + 1 from one rounding_blocks2 call (the single AVX2 vector
-  // uses only its first) when the 16 lanes' global indices are g .. g + 15 with
-  // g % 8 == 0; else each half as the 8-float vector does.
   MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey& key, int64_t index) {
+    return with_bits(x, halves(key, index));
+  }
+  // The halves of local elements index .. index + 15 in element order: blocks g / 8
+  // and g / 8 + 1 from one rounding_blocks2 call (the single AVX2 vector uses only its
+  // first) when their global indices are g .. g + 15 with g % 8 == 0; else
+  // consecutive_bits, or lane by lane where a run ends among them.
+  MP_AVX2 static __m256i halves(const RoundingKey& key, int64_t index) {
     const int64_t g = key.global(index);
-    if (g % 8 != 0 || !key.consecutive(index, 16)) {
-      return {L::round_bf16_stochastic(x.a, key, index),
-              L::round_bf16_stochastic(x.b, key, index + 8)};
+    if (g % 8 == 0 && key.consecutive(index, 16)) {
+      return rounding_blocks2(key, static_cast<uint64_t>(g) / 8);
     }
-    return with_bits(x, rounding_blocks2(key, static_cast<uint64_t>(g) / 8));
+    uint16_t out[16];
+    if (key.consecutive(index, 16)) {
+      consecutive_bits<16>(key, g, out);
+    } else {
+      uint32_t lanes[16];
+      lane_bits(key, index, 16, lanes);
+      for (int j = 0; j < 16; ++j) out[j] = static_cast<uint16_t>(lanes[j]);
+    }
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out));
   }
   // With the bits the pass drew for the vector (PairedDraws below).
   MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey&,
@@ -185,19 +196,7 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
     return with_bits_even_odd(x, (__m256i)drawn.bits);
   }
   MP_AVX2 static VecF8x2 round_bf16_stochastic(VecF8x2 x, const RoundingKey& key, EvenOddIndex at) {
-    const int64_t g = key.global(at.index);
-    if (g % 8 == 0 && key.consecutive(at.index, 16)) {
-      return with_bits_even_odd(x, rounding_blocks2(key, static_cast<uint64_t>(g) / 8));
-    }
-    uint16_t halves[16];
-    if (key.consecutive(at.index, 16)) {
-      consecutive_bits<16>(key, g, halves);
-    } else {
-      uint32_t lanes[16];
-      lane_bits(key, at.index, 16, lanes);
-      for (int j = 0; j < 16; ++j) halves[j] = static_cast<uint16_t>(lanes[j]);
-    }
-    return with_bits_even_odd(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+    return with_bits_even_odd(x, halves(key, at.index));
   }
   MP_AVX2 static VecF8x2 with_bits_even_odd(VecF8x2 x, __m256i out) {
     return with_bits(x, (VecU8)_mm256_and_si256(out, _mm256_set1_epi32(0xffff)),
