@@ -629,7 +629,7 @@ def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
 # may have or not).
 LEAN_ISA_SCRIPT = """
 import sys, torch
-from mixedprec.optim import SGD, AdamW
+from mixedprec.optim import SGD, Adam, AdamW
 inputs = torch.load(sys.argv[1])
 out = {}
 modes = [(m, s, {}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
@@ -648,6 +648,10 @@ modes += [(m, s, {"nonfinite": True})
                        ("remainder", torch.float32), ("stochastic", torch.bfloat16),
                        ("stochastic", torch.float32), ("fp32", torch.bfloat16),
                        ("remainder", torch.float8_e4m3fn))]
+# Adam's weight decay (added to the gradient), none, and a beta1 of one half or less (the
+# other form of torch's lerp, outside the Fixed modes)
+modes += [("none", torch.bfloat16, {"adam": True}), ("remainder", torch.bfloat16,
+          {"weight_decay": 0.0}), ("kahan", torch.bfloat16, {"betas": (0.3, 0.99)})]
 # SGD with momentum, whose Fixed modes take the same passes, stores and splits
 modes += [(m, s, {"sgd": True}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
           for s in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)]
@@ -659,15 +663,17 @@ for master, state_dtype, extra in modes:
     dtype = torch.float32 if extra.pop("fp32_params", False) else torch.bfloat16
     nonfinite = extra.pop("nonfinite", False)
     sgd = extra.pop("sgd", False)
+    adam = extra.pop("adam", False)
+    extra.setdefault("weight_decay", 0.1)
     params = [torch.nn.Parameter(x.to(dtype)) for x in inputs["params"]]
     if master == "stochastic" or state_dtype == torch.float8_e4m3fn:
         extra["seed"] = 7
     if sgd:
-        opt = SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, master=master,
+        opt = SGD(params, lr=1e-2, momentum=0.9, master=master,
                   state_dtype=state_dtype, **extra)
     else:
-        opt = AdamW(params, lr=1e-2, weight_decay=0.1, master=master,
-                    state_dtype=state_dtype, **extra)
+        opt = (Adam if adam else AdamW)(params, lr=1e-2, master=master,
+                                        state_dtype=state_dtype, **extra)
     for k, grads in enumerate(inputs["grads"]):
         for p, g in zip(params, grads):
             p.grad = g.to(dtype)
@@ -684,7 +690,7 @@ for master, state_dtype, extra in modes:
             opt.grad_scale, opt.found_inf = torch.full((1,), 4.0), torch.zeros(1)
         opt.step()
     grads = [p.grad for p in params]
-    key = f"{sgd} {master} {state_dtype} {sorted(extra)} {dtype} {nonfinite}"  # (seed too)
+    key = f"{sgd} {adam} {master} {state_dtype} {sorted(extra.items())} {dtype} {nonfinite}"
     report = opt.precision_report
     tallies = [] if report is None else report.tallies(params)
     out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"], tallies]
@@ -719,7 +725,7 @@ def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tm
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
                        timeout=300)
         results[capability] = torch.load(path)
-    assert len(results["default"]) == 47
+    assert len(results["default"]) == 50
     for capability in vector:
         for key, (params, state, tallies) in results["default"].items():
             other_params, other_state, other_tallies = results[capability][key]
