@@ -253,8 +253,7 @@ def functors(repo: Path = REPO) -> Dict[str, Dict]:
 class FixedMode(NamedTuple):
     """The template arguments of an Op::Mode (csrc/pointwise.h's LeanMode), in its order, and
     whether the kernel is the mode's counting one (Fixed<Op, Mode, true>: a counted call,
-    the precision report, where Mode::counts; csrc/cuda/multi_tensor_block.cuh's
-    launch_as)."""
+    the precision report, where Mode::counts; csrc/pointwise.h's in_counted_mode)."""
     model: bool
     kahan: bool
     remainder: bool
@@ -322,16 +321,16 @@ FIXED_SOURCE = {
         "(lists & ~M::kMaybe) == Fixed<Op, M>::kPresent) {",
         "lists &= ~per_tensor_mask<Op>(); int bad = 0; "
         "return (try_mode<M, Ts...>(op, lists, f, bad) || ...) ? bad : f(op);"),
-    # the lists present: those given not empty; launch_as: a Fixed kernel in a fixed
-    # mode, and for a counted call the mode's counting kernel where it counts, else the
-    # generic kernel
+    # the lists present: those given not empty; launch_as: in_counted_mode's choice
     "cuda/multi_tensor_block.cuh": (
         "for (size_t k = 0; k < D; ++k) mask |= lists[k].empty() ? 0u : 1u << k;",
-        "const bool counted = tallying<Op>(lists); "
-        "in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& functor) {",
+        "in_counted_mode<Ts...>(op, present_lists(lists), tallying<Op>(lists), launch);"),
+    # in_counted_mode: a Fixed kernel in a fixed mode, and for a counted call the
+    # mode's counting kernel where it counts, else the generic kernel
+    "pointwise.h#in_counted_mode": (
+        "if constexpr (IsFixed<Functor>::value) { using M = typename Functor::Mode; "
         "if (counted) { if constexpr (M::template counts<Ts...>()) "
-        "return launch(Fixed<Op, M, true>(op)); return launch(op); } } "
-        "return launch(functor);"),
+        "return f(Fixed<Op, M, true>(op)); return f(op); } } return f(functor);",),
 }
 # csrc/cuda/multi_tensor_apply.cuh: the CUDA engine launches Fixed kernels...
 CUDA_LAUNCHES_FIXED = ("launch_as<Ts...>(op, lists, launch);",

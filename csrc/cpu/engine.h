@@ -79,11 +79,12 @@ inline float lane_sum(const Pair<H>& v) {
   return lane_sum(v.a) + lane_sum(v.b);
 }
 
-// Where a pass keeps Op's running tallies (pointwise.h): `sums` when Op tallies (whether
-// it does is the functor's flag, set with the list given), else null.
+// Where a pass keeps Op's running tallies (pointwise.h): `sums` when its loop sums them
+// (kTallied: whether a call does is the functor's flag, set with the list given), else
+// null.
 template <typename Op, typename V>
 inline V* tally_sums(V* sums) {
-  if constexpr (Tallies<Op>::count > 0) {
+  if constexpr (kTallied<Op>) {
     return sums;
   } else {
     (void)sums;
@@ -95,7 +96,7 @@ inline V* tally_sums(V* sums) {
 // its tally list is given (data: the chunk's words, run_lists).
 template <typename Op, typename V>
 inline void add_tallies(void* const* data, const V* sums, int64_t elements) {
-  if constexpr (Tallies<Op>::count > 0) {
+  if constexpr (kTallied<Op>) {
     double* words = static_cast<double*>(data[Tallies<Op>::list]);
     if (words == nullptr) return;
     for (int t = 0; t < Tallies<Op>::count; ++t) words[t] += lane_sum(sums[t]);
@@ -152,13 +153,16 @@ inline bool present(const T* p) {
   return ((KnownPresent<Op>::value >> K) & 1u) != 0 || p != nullptr;
 }
 
-// f(op) as a Fixed in the first of Op's FixedModes that it is in (pointwise.h), the
-// lists present read from the chunk's pointers.
+// f(functor) for what the chunk's call of op runs as (pointwise.h's in_counted_mode):
+// the lists present, and whether it counts (its tally list given), read from the
+// chunk's pointers.
 template <typename... Ts, typename Op, typename F>
 int in_fixed_mode(const Op& op, void* const* data, F&& f) {
   unsigned lists = 0;
   for (int k = 0; k < Op::kDepth; ++k) lists |= data[k] != nullptr ? 1u << k : 0u;
-  return mixedprec::in_fixed_mode<Ts...>(op, lists, f);
+  bool counted = false;
+  if constexpr (Tallies<Op>::count > 0) counted = data[Tallies<Op>::list] != nullptr;
+  return in_counted_mode<Ts...>(op, lists, counted, f);
 }
 
 // The type the vector passes take list K as: its storage, or float for a per-tensor

@@ -117,23 +117,12 @@ unsigned present_lists(const std::array<at::TensorList, D>& lists) {
 
 // launch(functor) with op as a CUDA call runs it (CudaEngine::run; the host tests'
 // emulated engine): a Fixed<Op, M> in the first of Op's FixedModes that holds
-// (pointwise.h), else op's generic kernel. A call that tallies (the precision report)
-// runs Fixed<Op, M, true> where M::counts<Ts...>(), else the generic kernel, whose
-// loop has a counting copy: the kernels of Fixed<Op, M> hold none of it.
+// (pointwise.h), else op's generic kernel; a call that tallies (the precision report)
+// as pointwise.h's in_counted_mode says, so that the kernels of Fixed<Op, M> hold
+// none of the counting.
 template <typename... Ts, typename Op, typename F>
 void launch_as(const Op& op, const Lists<sizeof...(Ts)>& lists, F&& launch) {
-  const bool counted = tallying<Op>(lists);
-  in_fixed_mode<Ts...>(op, present_lists(lists), [&](const auto& functor) {
-    using Functor = std::decay_t<decltype(functor)>;
-    if constexpr (IsFixed<Functor>::value) {
-      using M = typename Functor::Mode;
-      if (counted) {
-        if constexpr (M::template counts<Ts...>()) return launch(Fixed<Op, M, true>(op));
-        return launch(op);
-      }
-    }
-    return launch(functor);
-  });
+  in_counted_mode<Ts...>(op, present_lists(lists), tallying<Op>(lists), launch);
 }
 
 // The part of a chunk a block owns: its tensor slot, first element and length.
@@ -212,11 +201,6 @@ MP_DEVICE void store_vector(void* p, int64_t i, const float (&x)[kILP][D], int k
   MP_TRACE(k, lane, static_cast<T*>(p) + i, static_cast<int>(sizeof(Vec<T>)), true);
   *reinterpret_cast<Vec<T>*>(static_cast<T*>(p) + i) = v;
 }
-
-// Whether a thread sums Op's tallies (pointwise.h): Op tallies and is its generic
-// kernel or a counting Fixed<Op, M, true> (launch_as).
-template <typename Op>
-constexpr bool kTallied = Tallies<Op>::count > 0 && (!IsFixed<Op>::value || IsCounting<Op>::value);
 
 // Adds every thread's N tallies to the tensor's words: a sum per warp (a shuffle
 // reduction), the warps' sums added up per block in shared memory (in float64, in
