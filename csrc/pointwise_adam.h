@@ -58,14 +58,14 @@ struct AdamOp {
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
-  // Also by resolve(), so that apply's choices are flags and the loops hold fewer tests
-  // (AdamW with bf16 moments on Zen 3: 5-10% faster, bench/README.md): l2_decay, Adam's weight
-  // decay (added to the gradient); param_decay, the params' factor, AdamW's `decay` or 1
-  // (p * 1 gives p's bits back, or, for a NaN, the quiet NaN that the update's
-  // subtraction, its next use, makes of it anyway); low_avg_weight, which of its two
-  // forms torch's lerp takes for 1 - beta1.
-  bool l2_decay = false, low_avg_weight = true;
-  float param_decay = 1.f;
+  // So that apply holds one test for the weight decay, and the Fixed modes none for
+  // lerp's form (AdamW with bf16 moments on Zen 3: 5-10% faster, bench/README.md),
+  // resolve() makes `decay`
+  // AdamW's factor on the params, 1 for Adam (p * 1 gives p's bits back, or, for a NaN,
+  // the quiet NaN that the update's subtraction, its next use, makes of it anyway), and
+  // `wd_f` Adam's weight decay (added to the gradient), 0 for AdamW; and low_avg_weight
+  // says which of its two forms torch's lerp takes for 1 - beta1.
+  bool low_avg_weight = true;
   RoundingWords rounding;   // filled by resolve() and at_tensor()
   RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
 
@@ -113,14 +113,12 @@ struct AdamOp {
     }
     step_size = static_cast<float>(rate / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
-    decay = static_cast<float>(1.0 - rate * weight_decay);
+    decay = static_cast<float>(decoupled_weight_decay ? 1.0 - rate * weight_decay : 1.0);
     avg_weight = static_cast<float>(1.0 - beta1);
     beta2_f = static_cast<float>(beta2);
     sq_weight = static_cast<float>(1.0 - beta2);
     eps_f = static_cast<float>(eps);
-    wd_f = static_cast<float>(weight_decay);
-    l2_decay = !decoupled_weight_decay && wd_f != 0.f;
-    param_decay = decoupled_weight_decay ? decay : 1.f;
+    wd_f = static_cast<float>(decoupled_weight_decay ? 0.0 : weight_decay);
     low_avg_weight = avg_weight < 0.5f;
   }
   MP_HD void at_tensor(const void* const* ptrs) {
@@ -137,8 +135,8 @@ struct AdamOp {
     V g = x[1] * inv_scale;
     x[8] = g;
     if (maximize) g = -g;
-    if (l2_decay) g = g + wd_f * p;
-    p = p * param_decay;
+    if (wd_f != 0.f) g = g + wd_f * p;
+    p = p * decay;
     // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
     const float w = avg_weight;
     const V m = low_avg_weight ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
