@@ -279,10 +279,10 @@ struct HasFixedModes<Op, std::void_t<typename Op::FixedModes>> : std::true_type 
 // fp32 masters with a model copy (Model true); kahan, remainder or stochastic; fp32 or
 // bf16 state, or 8-bit state (Eight: the op's 8-bit flags, as the optimizers give
 // them) with its block scales; the unscaled grads written back or not; all without
-// maximize and without what Op::plain refuses (AdamOp's amsgrad, and a beta1 of one half
-// or less). Op declares the lists each mode has (kStateLists: params, grads and the
-// state), the model copy's, the comps', the 8-bit scales' (kEightLists) and the unscaled
-// grads' (kUnscaledList), plain/make_plain for its own flags, and fixed_min_blocks.
+// maximize and without what Op::plain refuses (AdamOp's amsgrad). Op declares the
+// lists each mode has (kStateLists: params, grads and the state), the model copy's,
+// the comps', the 8-bit scales' (kEightLists) and the unscaled grads' (kUnscaledList),
+// plain/make_plain for its own flags, and fixed_min_blocks.
 // fits<Ts...>() says whether storage Ts (Storage's order) can be in the mode: the
 // gradients as autograd gives them, of the params' dtype, or with fp32 masters of the
 // model copy's or fp32 (master gradients). fp32 gradients of bf16 or fp16 params take

@@ -58,14 +58,6 @@ struct AdamOp {
   // rounded to float, as torch.optim does (rounding beta2 first loses digits).
   float inv_scale = 1.f, step_size = 0.f, bias_correction2_sqrt = 1.f;
   float decay = 1.f, avg_weight = 0.f, beta2_f = 0.f, sq_weight = 0.f, eps_f = 0.f, wd_f = 0.f;
-  // So that apply holds one test for the weight decay, and the Fixed modes none for
-  // lerp's form (AdamW with bf16 moments on Zen 3: 5-10% faster, bench/README.md),
-  // resolve() makes `decay`
-  // AdamW's factor on the params, 1 for Adam (p * 1 gives p's bits back, or, for a NaN,
-  // the quiet NaN that the update's subtraction, its next use, makes of it anyway), and
-  // `wd_f` Adam's weight decay (added to the gradient), 0 for AdamW; and low_avg_weight
-  // says which of its two forms torch's lerp takes for 1 - beta1.
-  bool low_avg_weight = true;
   RoundingWords rounding;   // filled by resolve() and at_tensor()
   RoundingKey state_key{};  // the 8-bit moments' bits: rounding's, with state_seed
 
@@ -74,16 +66,11 @@ struct AdamOp {
   static constexpr unsigned kStateLists = 0b1111;
   static constexpr unsigned kEightLists = 0b011000000000;
   static constexpr int kUnscaledList = 8;
-  // The common modes are also without amsgrad, 8-bit moments are their roots, and
-  // 1 - beta1 is below one half (beta1 above it, as every Adam's), so that lerp's form
-  // is a constant there.
-  MP_HD static bool plain(const AdamOp& op, bool eight) {
-    return op.root == eight && !op.amsgrad && static_cast<float>(1.0 - op.beta1) < 0.5f;
-  }
+  // The common modes are also without amsgrad, and 8-bit moments are their roots.
+  MP_HD static bool plain(const AdamOp& op, bool eight) { return op.root == eight && !op.amsgrad; }
   MP_HD static void make_plain(AdamOp& op, bool eight) {
     op.root = eight;
     op.amsgrad = false;
-    op.low_avg_weight = true;
   }
   // CUDA: two blocks of 512 threads per SM (at most 64 registers a thread) for every
   // mode but kahan and stochastic rounding with 8-bit moments, which would spill there
@@ -113,13 +100,12 @@ struct AdamOp {
     }
     step_size = static_cast<float>(rate / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
-    decay = static_cast<float>(decoupled_weight_decay ? 1.0 - rate * weight_decay : 1.0);
+    decay = static_cast<float>(1.0 - rate * weight_decay);
     avg_weight = static_cast<float>(1.0 - beta1);
     beta2_f = static_cast<float>(beta2);
     sq_weight = static_cast<float>(1.0 - beta2);
     eps_f = static_cast<float>(eps);
-    wd_f = static_cast<float>(decoupled_weight_decay ? 0.0 : weight_decay);
-    low_avg_weight = avg_weight < 0.5f;
+    wd_f = static_cast<float>(weight_decay);
   }
   MP_HD void at_tensor(const void* const* ptrs) {
     if (stochastic || state_stochastic) rounding.read(ptrs[6]);
@@ -135,11 +121,16 @@ struct AdamOp {
     V g = x[1] * inv_scale;
     x[8] = g;
     if (maximize) g = -g;
-    if (wd_f != 0.f) g = g + wd_f * p;
-    p = p * decay;
+    if (wd_f != 0.f) {
+      if (decoupled_weight_decay) {
+        p = p * decay;
+      } else {
+        g = g + wd_f * p;
+      }
+    }
     // exp_avg.lerp_(grad, 1 - beta1), in the form torch's lerp uses for weights < 0.5.
     const float w = avg_weight;
-    const V m = low_avg_weight ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
+    const V m = w < 0.5f ? x[2] + w * (g - x[2]) : g - (g - x[2]) * (1.f - w);
     const V v_old = root ? x[3] * x[3] : x[3];
     const V v = v_old * beta2_f + sq_weight * (g * g);
     V v_denom = v;

@@ -300,11 +300,10 @@ FIXED_SOURCE = {
         "Mode<false, true, false, false, true>, Mode<false, false, true, false, true>, "
         "Mode<false, false, false, true, true>>;"),
     # the functors' own part of holds (Op::plain): AdamOp's 8-bit moments are roots,
-    # none of its modes has amsgrad, and 1 - beta1 is below one half; SgdOp has nothing
-    # more
+    # and none of its modes has amsgrad; SgdOp has nothing more
     "pointwise_adam.h": (
         "MP_HD static bool plain(const AdamOp& op, bool eight) { return op.root == eight && "
-        "!op.amsgrad && static_cast<float>(1.0 - op.beta1) < 0.5f; }",
+        "!op.amsgrad; }",
         "using Mode = LeanMode<AdamOp, Model, Kahan, Remainder, Stochastic, Eight>; "
         "using FixedModes = LeanModes<Mode>;"),
     "pointwise_optimizers.h": (
@@ -419,13 +418,10 @@ def fixed_counts(m: FixedMode, types: List[str]) -> bool:
 
 def fixed_holds(m: FixedMode, op: str, flags: Dict) -> bool:
     """Mode::holds(op), on the functor fields a mode sets (the others false); AdamOp's
-    plain: its 8-bit moments are roots, no mode has amsgrad, and 1 - beta1 (in float)
-    is below one half."""
+    plain: its 8-bit moments are roots, and no mode has amsgrad."""
     def on(name):
         return bool(flags.get(name, False))
-    beta1 = flags.get("beta1", FIELD_VALUES["beta1"])
-    low_weight = struct.unpack("<f", struct.pack("<f", 1.0 - beta1))[0] < 0.5
-    plain = op != "AdamOp" or (on("root") == m.eight and not on("amsgrad") and low_weight)
+    plain = op != "AdamOp" or (on("root") == m.eight and not on("amsgrad"))
     return (on("kahan") == m.kahan and on("remainder") == m.remainder
             and on("stochastic") == m.stochastic and on("state_stochastic") == m.eight
             and not on("maximize") and plain)
