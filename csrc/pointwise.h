@@ -395,8 +395,8 @@ constexpr bool kTallied = Tallies<Op>::count > 0 && (!IsFixed<Op>::value || IsCo
 // a call that tallies (`counted`: the precision report) runs Fixed<Op, M, true> where
 // M::counts<Ts...>(), else op itself, whose generic loop counts. So the loops and
 // kernels of Fixed<Op, M>, which the calls without the report run, hold none of the
-// counting (on Zen 3, AdamW's CPU step with fp32 moments 6% faster, bf16 moments
-// 3-4%: bench/README.md).
+// counting (on Zen 3, AdamW's CPU step in the lean modes 3-10% faster:
+// bench/README.md).
 template <typename... Ts, typename Op, typename F>
 int in_counted_mode(const Op& op, unsigned lists, bool counted, F&& f) {
   return in_fixed_mode<Ts...>(op, lists, [&](const auto& functor) {

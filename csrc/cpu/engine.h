@@ -8,7 +8,7 @@
 // Each element sees the same fp32 operations in the same order in every version (no
 // FMA contraction: -ffp-contract=off), so every version gives the same bits.
 // Functors with FixedModes (pointwise.h; AdamW's and SGD's common modes) get one vector loop
-// per mode that they are in (Fixed, in_fixed_mode): without the tests of absent lists
+// per mode that they are in (Fixed, in_counted_mode): without the tests of absent lists
 // and of the other modes' flags in every step (a fifth to a half of an AdamW step's
 // time on AVX2: bench/README.md, "Fixed modes").
 #pragma once
@@ -157,12 +157,12 @@ inline bool present(const T* p) {
 // the lists present, and whether it counts (its tally list given), read from the
 // chunk's pointers.
 template <typename... Ts, typename Op, typename F>
-int in_fixed_mode(const Op& op, void* const* data, F&& f) {
+int in_counted_mode(const Op& op, void* const* data, F&& f) {
   unsigned lists = 0;
   for (int k = 0; k < Op::kDepth; ++k) lists |= data[k] != nullptr ? 1u << k : 0u;
   bool counted = false;
   if constexpr (Tallies<Op>::count > 0) counted = data[Tallies<Op>::list] != nullptr;
-  return in_counted_mode<Ts...>(op, lists, counted, f);
+  return mixedprec::in_counted_mode<Ts...>(op, lists, counted, f);
 }
 
 // The type the vector passes take list K as: its storage, or float for a per-tensor
@@ -344,11 +344,11 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         // A block is one pair of 16-float vectors (vec_pair.h): bf16 params rounded by
         // vcvtne2ps2bf16 where the CPU has AVX512_BF16, master="stochastic"'s bits 32
         // per Philox call; 11-27% faster than 16 lanes a step (bench/README.md).
-        return in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+        return in_counted_mode<Ts...>(op, data, [&](const auto& o) {
           return block_pass_avx512x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, end, seq);
         });
       case Isa::kAvx2:
-        return in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+        return in_counted_mode<Ts...>(op, data, [&](const auto& o) {
           return block_pass_avx2x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, end, seq);
         });
       default: break;
@@ -367,7 +367,7 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         // same operations, and the rounding bits depend on the element index only.
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 32 * 32;
-          const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+          const int bad = in_counted_mode<Ts...>(op, data, [&](const auto& o) {
             return pass_avx512x2<std::decay_t<decltype(o)>, Ts...>(o, data, begin, mid, seq);
           });
           return bad | pass_avx512<Op, Ts...>(op, data, mid, end, seq);
@@ -379,7 +379,7 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
         // PairedDraws, vec_pair.h); the last (fewer than 16) elements 8 at a time.
         if constexpr (NeedsIndex<Op>::value) {
           const int64_t mid = begin + (end - begin) / 16 * 16;
-          const int bad = in_fixed_mode<Ts...>(op, data, [&](const auto& o) {
+          const int bad = in_counted_mode<Ts...>(op, data, [&](const auto& o) {
             using Mode = std::decay_t<decltype(o)>;  // a Fixed<Op, M>, or Op in no mode
             if constexpr (kEvenOddPass<Mode, Ts...>) {
               return pass_avx2x2_even_odd<Mode, Ts...>(o, data, begin, mid, seq);

@@ -527,12 +527,13 @@ MP_AVX2 void store_rounded(T* p, Vec x) {
 
 // The AVX2 pair pass of the Fixed modes whose every streamed list is 16 bits wide (bf16
 // or int16): a pair holds its 16 elements even and odd, a = elements 0, 2, .., 14 and
-// b = 1, 3, .., 15, which every lane's math leaves as it is (stochastic rounding's
-// bits, the one thing told by the index, come in that order too: EvenOddDraws). Then a load is one
-// 32-byte load and two word operations, with no widening, and a store one word blend, with no pack
-// and no lane-crossing permute: on Zen 3, where two FP pipes take the pair pass's shifts, shuffles
-// and divisions, AdamW "none", "kahan" and "remainder" with bf16 moments 8-15% faster
-// (bench/README.md, "Zen 3, natively"). engine.h's kEvenOddPass picks it.
+// b = 1, 3, .., 15, which every lane's math leaves as it is (stochastic rounding's bits,
+// the one thing told by the index, come in that order too: EvenOddDraws). Then a load
+// is one 32-byte load and two word operations, with no widening, and a store one word
+// blend, with no pack and no lane-crossing permute: on Zen 3, where two FP pipes take
+// the pair pass's shifts, shuffles and divisions, AdamW "none", "kahan" and "remainder"
+// with bf16 moments 8-15% faster (bench/README.md, "Zen 3, natively"). engine.h's
+// kEvenOddPass picks it.
 namespace cpu::avx2x2_even_odd {
 using Vec = VecF8x2;
 using avx2x2::any;

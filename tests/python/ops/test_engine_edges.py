@@ -649,7 +649,7 @@ modes += [(m, s, {"nonfinite": True})
                        ("stochastic", torch.float32), ("fp32", torch.bfloat16),
                        ("remainder", torch.float8_e4m3fn))]
 # Adam's weight decay (added to the gradient), none, and a beta1 of one half or less (the
-# other form of torch's lerp, outside the Fixed modes)
+# other form of torch's lerp)
 modes += [("none", torch.bfloat16, {"adam": True}), ("remainder", torch.bfloat16,
           {"weight_decay": 0.0}), ("kahan", torch.bfloat16, {"betas": (0.3, 0.99)})]
 # SGD with momentum, whose Fixed modes take the same passes, stores and splits

@@ -83,9 +83,9 @@ def test_optim_db_configurations_match_torch(name, kwargs, device):
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("name", ["Adam", "AdamW"])
 def test_adam_betas_and_weight_decay_step_as_torch(name, weight_decay, betas, device):
-    """Both forms of torch's lerp for the first moment (1 - beta1 below one half, the
-    engines' common modes; at or above it, their generic code) and both kinds of weight
-    decay, none included, against torch.optim."""
+    """Both forms of torch's lerp for the first moment (for 1 - beta1 below one half,
+    and at or above it) and both kinds of weight decay, none included, against
+    torch.optim."""
     ours_cls, torch_cls = PAIRS[name]
     kwargs = {"lr": 0.01, "betas": betas, "weight_decay": weight_decay}
     params = model_params(device=device)
@@ -95,10 +95,10 @@ def test_adam_betas_and_weight_decay_step_as_torch(name, weight_decay, betas, de
     train(theirs, ref, 6)
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    ours_state = ours.state_dict()["state"]
     for i, s in theirs.state_dict()["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(ours.state_dict()["state"][i][key], s[key], rtol=1e-5,
-                                       atol=1e-7)
+            torch.testing.assert_close(ours_state[i][key], s[key], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))
