@@ -100,6 +100,10 @@ class InBackward:
             self._make_buckets(params, bucket_cap_mb * 2**20)
             hook = _weak_hook(self._ready)
             self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in params]
+        # The hooks go with the handle: at remove(), or when the optimizer and the handle
+        # are collected while the model lives on (else each parameter would keep a dead
+        # hook, called at every backward).
+        self._unhook = weakref.finalize(self, _remove_hooks, self._hooks)
         optimizer.in_backward = self
 
     def _make_buckets(self, params: List[Tuple[int, Tensor]], cap: float) -> None:
@@ -117,9 +121,7 @@ class InBackward:
         if self.ddp is not None:
             raise RuntimeError("InBackward.remove: DDP cannot unregister a comm hook; build "
                                "the DistributedDataParallel model again to step() it")
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._unhook()
         parts = self.optimizer.plans.parts
         parts[:] = [c for c in parts if all(c is not b.cache for b in self.buckets)]
         if self.optimizer.in_backward is self:
@@ -273,6 +275,12 @@ def _weak_hook(method):
         if bound is not None:
             bound(p)
     return hook
+
+
+def _remove_hooks(hooks: List[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
 
 
 def _weak_comm_hook(method, allreduce):

@@ -309,6 +309,27 @@ def test_the_handle_lives_with_its_optimizer_and_lets_both_go(device):
     assert [r() for r in refs] == [None] * len(refs)
 
 
+def test_a_dropped_optimizer_leaves_no_hook_on_the_model(device):
+    # Optimizer and handle collected, the model kept (a new optimizer for the same model,
+    # as a sweep builds): its parameters hold no hook of theirs, and the model trains on
+    # with step(); remove() takes the hooks off too.
+    model, opt = pair(device)[0]
+    params = list(model.parameters())
+
+    def hooks():
+        return [len(p._post_accumulate_grad_hooks or {}) for p in params]
+    optim.in_backward(opt, bucket_cap_mb=ONE_EACH)
+    assert hooks() == [1] * len(params)
+    del opt
+    gc.collect()
+    assert hooks() == [0] * len(params)
+    opt = make_optimizer(optim.AdamW, model.parameters())
+    loss_of(model, 0, device).backward()
+    opt.step()
+    optim.in_backward(opt).remove()
+    assert hooks() == [0] * len(params)
+
+
 def test_no_host_sync_in_backward(device, monkeypatch):
     model, opt = pair(device, optim.AdamW, "remainder", E4M3)[1]
     optim.in_backward(opt, bucket_cap_mb=ONE_EACH)
