@@ -38,6 +38,9 @@ the run bounded. Reported: the median per mode, p20-p80, the ratio torch median 
 median (> 1: faster than torch), bytes per parameter (parameters + optimizer state: the
 bytes their storages hold, see ``_storage_bytes``) and the bytes one step must move per
 element (reads and writes of parameters, state and the gradient), with the effective GB/s.
+``--start-step N`` sets torch's and mixedprec's step counts to N after the first step
+(through the state dict, as a resume does), for a long run's steps: from about 16,600 on
+(beta2 0.999) sqrt(1 - beta2^step) is 1 in float, and the CPU skips dividing by it.
 
 GPT-2-medium (355M elements) needs ~16 bytes per element per mode; every mode at once
 would not fit the 24 GB CPU machines, so by default its list is cut to its first
@@ -177,10 +180,20 @@ def peer_versions(modes: Sequence[str]) -> Dict[str, str]:
     return out
 
 
+def _set_step(opt, step: int) -> None:
+    """Every parameter's step count set to ``step`` (through the state dict, as a resume
+    would: torch's and mixedprec's optimizers keep one per parameter)."""
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = torch.full_like(st["step"], float(step))
+    opt.load_state_dict(sd)
+
+
 class Case:
     """One mode's optimizer over its own parameters, the gradients shared."""
 
-    def __init__(self, mode: str, shapes, grads: List[torch.Tensor], seed: int):
+    def __init__(self, mode: str, shapes, grads: List[torch.Tensor], seed: int,
+                 start_step: int = 0):
         spec = parse_mode(mode)
         gen = torch.Generator().manual_seed(seed)
         self.params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(spec["param_dtype"]))
@@ -205,6 +218,8 @@ class Case:
         t0 = time.perf_counter()
         self.opt.step()  # state creation (torchao: its compilation), outside the timing
         self.first_step_s = time.perf_counter() - t0
+        if start_step and spec["kind"] != "peer":
+            _set_step(self.opt, start_step)
         self.spec = spec
         # "+reportN": a timed call is N steps, one of them counted (reported per step)
         report = spec.get("precision_report")
@@ -230,7 +245,8 @@ class Case:
 
 
 def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, warmup: int,
-            seed: int, log, mode_budget: float = float("inf")) -> Dict[str, Any]:
+            seed: int, log, mode_budget: float = float("inf"),
+            start_step: int = 0) -> Dict[str, Any]:
     """Builds every mode over ``shapes`` and times them interleaved, per thread count; a
     mode leaves the repetitions once its steps have taken ``mode_budget`` seconds and it
     has ``MIN_REPS``."""
@@ -242,7 +258,8 @@ def measure(shapes, modes: Sequence[str], threads: Sequence[int], reps: int, war
     for i, mode in enumerate(modes):
         spec = parse_mode(mode)
         try:
-            cases[mode] = Case(mode, shapes, grads[spec["param_dtype"]], seed + 10 + i)
+            cases[mode] = Case(mode, shapes, grads[spec["param_dtype"]], seed + 10 + i,
+                               start_step)
             status[mode] = "ok"
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -308,6 +325,9 @@ def markdown(data: Dict[str, Any]) -> str:
               + (f"; a mode stops after {C.fmt(data['config']['mode_budget'], 0)} s of its "
                  f"own steps (at least {MIN_REPS} repetitions; its count in brackets)"
                  if data["config"].get("mode_budget") not in (None, float("inf")) else "")]
+    if data["config"].get("start_step"):
+        lines += [f"- the timed steps start from step {data['config']['start_step']} (torch's "
+                  "and mixedprec's step counts set after the first step; the peers' not)"]
     if data.get("peer_versions"):
         lines += ["- peers: " + ", ".join(f"{k} {v}" for k, v in
                                           data["peer_versions"].items())]
@@ -421,6 +441,11 @@ def parse_args(argv):
     ap.add_argument("--gpt2-layers", type=int, default=2,
                     help="GPT-2-medium blocks kept (24: the whole list, ~16 B/elem/mode)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-step", type=int, default=0,
+                    help="the step count the timed steps start from, torch's and mixedprec's "
+                         "(default: a fresh state; a long run's steps, e.g. 20000, have "
+                         "sqrt(1 - beta2^step) at 1 in float, where the CPU skips that "
+                         "division)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny lists, 2 reps")
     ap.add_argument("--note", default="", help="a line for the report")
     ap.add_argument("--out")
@@ -460,13 +485,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         numel = sum(B.numel(s) for s in shapes)
         print(f"{name}: {len(shapes)} tensors, {numel:,} elements ({source})", flush=True)
         res = measure(shapes, modes, threads, args.reps, args.warmup, args.seed, print,
-                      args.mode_budget)
+                      args.mode_budget, args.start_step)
         results[name] = dict(label=B.LIST_LABELS[name], source=source, tensors=len(shapes),
                              numel=numel, threads=res)
         gc.collect()
     data = dict(env=C.environment(device), smoke=args.quick, note=args.note,
                 config=dict(modes=modes, threads=threads, reps=args.reps, warmup=args.warmup,
                             mode_budget=args.mode_budget, gpt2_layers=args.gpt2_layers,
+                            start_step=args.start_step,
                             lr=LR, weight_decay=WD),
                 peer_versions=peer_versions(modes), results=results)
     stem = out / "lean-speed-cpu"

@@ -1020,6 +1020,24 @@ def test_lean_speed_quick(tmp_path):
     assert md.count("the reference was disturbed") == 1 and "**2 threads: torch's step" in md
 
 
+def test_lean_speed_start_step(tmp_path):
+    """``--start-step``: torch's and mixedprec's step counts are set after the first step
+    (each optimizer then at start + the steps taken), and the report says so."""
+    mod = _load("lean_speed")
+    grads = [torch.full((4, 8), 1e-2)]
+    for mode in ("torch", "none+bf16"):
+        case = mod.Case(mode, [(4, 8)], [g.to(mod.parse_mode(mode)["param_dtype"])
+                                         for g in grads], seed=0, start_step=20_000)
+        case.step()
+        steps = {float(st["step"]) for st in case.opt.state_dict()["state"].values()}
+        assert steps == {20_001.0}, mode
+    assert mod.main(["--quick", "--out", str(tmp_path), "--lists", "resnet50", "--threads",
+                     "1", "--modes", "none", "--start-step", "20000"]) == 0
+    data = json.loads((tmp_path / "lean-speed-cpu.json").read_text())
+    assert data["config"]["start_step"] == 20_000
+    assert "start from step 20000" in (tmp_path / "lean-speed-cpu.md").read_text()
+
+
 def test_lean_speed_mode_names(tmp_path, monkeypatch):
     """Modes are named MASTER[+STATE]: an unknown name is refused naming what is
     accepted; the 8-bit moments (STATE fp8) are a mode by name and run."""
