@@ -2,6 +2,8 @@
 against torch.optim (fp32 params, and fp16/bf16 models over fp32 masters), unscale
 folded in, first_run, and skipping on found_inf."""
 
+import math
+
 import pytest
 import torch
 from helpers import (
@@ -191,6 +193,53 @@ def test_fused_adam_without_bias_correction(device, adamw):
     for p, rp, rc in zip(params, ref_p, with_correction):
         torch.testing.assert_close(p.double(), rp, **MASTER_TOL)
         assert not torch.allclose(p.double(), rc, **MASTER_TOL)  # the flag matters here
+
+
+def _f32(x):
+    """A double rounded to float, as the op's resolve() rounds its constants."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("step", [4, 100_000])
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+@pytest.mark.parametrize("adamw", [False, True], ids=["adam", "adamw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_adam_is_fp32_math_bit_for_bit(device, dtype, adamw, beta2, step):
+    """One step from step count `step`, bit for bit torch's fused step in IEEE float32
+    (each operation in float64 rounded to float: correctly rounded; its constants formed
+    in double and rounded once): early, and late, where sqrt(1 - beta2^step) rounds to 1
+    in float and the CPU skips dividing by it."""
+    lr, beta1, eps, wd = 1e-2, 0.9, 1e-8, 1e-2
+    params = make_params(dtype, device)
+    grads = make_grads(params, dtype, device, seed=10)
+    m, v = adam_state(params, device, seed=20)
+    bc2_sqrt = _f32(math.sqrt(1 - beta2 ** (step + 1)))
+    assert (bc2_sqrt == 1.0) == (step > 10_000)
+    step_size = _f32(lr / (1 - beta1 ** (step + 1)))
+    w = _f32(1 - beta1)
+
+    def f(x):  # (torch's own sqrt of a float tensor may not be correctly rounded: MKL's)
+        return x.to(torch.float32).double()
+    want = []
+    for p, g, mm, vv in zip(params, grads, m, v):
+        p, g, mm, vv = p.double(), g.double(), mm.double(), vv.double()
+        if adamw:
+            p = f(p * _f32(1 - lr * wd))
+        else:
+            g = f(g + f(_f32(wd) * p))
+        mm = f(mm + f(w * f(g - mm)))
+        vv = f(f(vv * _f32(beta2)) + f(_f32(1 - beta2) * f(g * g)))
+        denom = f(f(f(vv.sqrt()) / bc2_sqrt) + _f32(eps))
+        p = f(p - f(step_size * f(mm / denom)))
+        want.append((p.to(dtype), mm.float(), vv.float()))
+
+    ops.fused_adam_(params, grads, m, v, [], step=scalar(float(step), device), lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                    decoupled_weight_decay=adamw)
+
+    for got, wanted in zip(zip(params, m, v), want):
+        for a, b in zip(got, wanted):
+            assert_bitwise_equal(a, b)
 
 
 def mixed_lists(device, seed=0):
