@@ -39,7 +39,7 @@ median (> 1: faster than torch), bytes per parameter (parameters + optimizer sta
 bytes their storages hold, see ``_storage_bytes``) and the bytes one step must move per
 element (reads and writes of parameters, state and the gradient), with the effective GB/s.
 ``--start-step N`` sets torch's and mixedprec's step counts to N after the first step
-(through the state dict, as a resume does), for a long run's steps: from about 16,600 on
+(through the state dict, as a resume does), for a long run's steps: from step 16,628 on
 (beta2 0.999) sqrt(1 - beta2^step) is 1 in float, and the CPU skips dividing by it.
 
 GPT-2-medium (355M elements) needs ~16 bytes per element per mode; every mode at once

@@ -108,7 +108,7 @@ struct AdamOp {
     wd_f = static_cast<float>(weight_decay);
   }
   // root_v / bias_correction2_sqrt. Once sqrt(1 - beta2^step) rounds to 1 in float (from
-  // about step 16,600 at beta2 0.999, 330 at 0.95; always without bias correction) the
+  // step 16,628 at beta2 0.999, 325 at 0.95; always without bias correction) the
   // CPU skips the division, exact then: two of a vector pair's six divisions and square
   // roots, 7-13% of a 16-bit mode's step on Zen 3 (bench/README.md, "A long run's
   // steps"). The GPU's step is bound by memory: its kernels divide as before.
