@@ -652,6 +652,12 @@ modes += [(m, s, {"nonfinite": True})
 # other form of torch's lerp)
 modes += [("none", torch.bfloat16, {"adam": True}), ("remainder", torch.bfloat16,
           {"weight_decay": 0.0}), ("kahan", torch.bfloat16, {"betas": (0.3, 0.99)})]
+# a long run's steps, where sqrt(1 - beta2^step) is 1 in float and the CPU skips the
+# division by it (each pass: the pair passes, the 8-bit block pass, the generic one)
+modes += [(m, s, {"start_step": 20000})
+          for m, s in (("none", torch.bfloat16), ("kahan", torch.float32),
+                       ("stochastic", torch.bfloat16), ("remainder", torch.float8_e4m3fn))]
+modes += [("fp32", torch.bfloat16, {"start_step": 20000, "amsgrad": True})]
 # SGD with momentum, whose Fixed modes take the same passes, stores and splits
 modes += [(m, s, {"sgd": True}) for m in ("fp32", "none", "kahan", "stochastic", "remainder")
           for s in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)]
@@ -664,6 +670,7 @@ for master, state_dtype, extra in modes:
     nonfinite = extra.pop("nonfinite", False)
     sgd = extra.pop("sgd", False)
     adam = extra.pop("adam", False)
+    start_step = extra.pop("start_step", 0)
     extra.setdefault("weight_decay", 0.1)
     params = [torch.nn.Parameter(x.to(dtype)) for x in inputs["params"]]
     if master == "stochastic" or state_dtype == torch.float8_e4m3fn:
@@ -689,8 +696,14 @@ for master, state_dtype, extra in modes:
         if k == len(inputs["grads"]) - 1:  # as torch.amp.GradScaler sets them
             opt.grad_scale, opt.found_inf = torch.full((1,), 4.0), torch.zeros(1)
         opt.step()
+        if start_step and k == 0:  # (through the state dict, as a resume)
+            sd = opt.state_dict()
+            for st in sd["state"].values():
+                st["step"] = torch.full_like(st["step"], float(start_step))
+            opt.load_state_dict(sd)
     grads = [p.grad for p in params]
-    key = f"{sgd} {adam} {master} {state_dtype} {sorted(extra.items())} {dtype} {nonfinite}"
+    key = (f"{sgd} {adam} {master} {state_dtype} {sorted(extra.items())} {dtype} {nonfinite} "
+           f"{start_step}")
     report = opt.precision_report
     tallies = [] if report is None else report.tallies(params)
     out[key] = [[p.detach() for p in params] + grads, opt.state_dict()["state"], tallies]
@@ -725,7 +738,7 @@ def test_every_instruction_set_gives_the_same_bits_in_every_lean_mode(device, tm
                        env=dict(os.environ, ATEN_CPU_CAPABILITY=capability), check=True,
                        timeout=300)
         results[capability] = torch.load(path)
-    assert len(results["default"]) == 50
+    assert len(results["default"]) == 55
     for capability in vector:
         for key, (params, state, tallies) in results["default"].items():
             other_params, other_state, other_tallies = results[capability][key]
