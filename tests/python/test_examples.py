@@ -180,7 +180,8 @@ def test_main_amp_torchrun_two_processes_gloo(tmp_path):
     # A fixed local port rather than --standalone, whose rendezvous can hang at exit
     # in sandboxes.
     log = run(["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", MAIN_AMP,
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+               "--log-dir", tmp_path / "torchrun", MAIN_AMP,
                *TINY, "--cpu", "--opt-level", "O2", "--bf16", "--checkpoint-dir",
                tmp_path / "ckpt"], tmp_path)
     check_main_amp_log(log)
@@ -233,9 +234,10 @@ FSDP_TINY = ["--dim", "32", "--layers", "2", "--seq", "32", "--batch", "4", "--s
 
 
 def torchrun(nproc, *args, cwd):
+    # (--log-dir: torchrun's agent otherwise leaves a torchelastic_* directory in /tmp)
     return run(["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}", FSDP_TRAIN,
-                *FSDP_TINY, *args], cwd)
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                "--log-dir", cwd / "torchrun", FSDP_TRAIN, *FSDP_TINY, *args], cwd)
 
 
 def losses(log):
