@@ -89,7 +89,7 @@ class InBackward:
         self._stepped: List[bool] = []
         self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
         self._lock = threading.Lock()  # (DDP's callbacks may run on its threads)
-        self._hooks: List[Any] = []
+        hooks: List[Any] = []
         if self.ddp is not None:  # DDP's buckets; a bucket steps once it is averaged
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -99,11 +99,11 @@ class InBackward:
         else:
             self._make_buckets(params, bucket_cap_mb * 2**20)
             hook = _weak_hook(self._ready)
-            self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in params]
+            hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in params]
         # The hooks go with the handle: at remove(), or when the optimizer and the handle
         # are collected while the model lives on (else each parameter would keep a dead
         # hook, called at every backward).
-        self._unhook = weakref.finalize(self, _remove_hooks, self._hooks)
+        self._unhook = weakref.finalize(self, _remove_hooks, hooks)
         optimizer.in_backward = self
 
     def _make_buckets(self, params: List[Tuple[int, Tensor]], cap: float) -> None:
@@ -280,7 +280,6 @@ def _weak_hook(method):
 def _remove_hooks(hooks: List[Any]) -> None:
     for hook in hooks:
         hook.remove()
-    hooks.clear()
 
 
 def _weak_comm_hook(method, allreduce):
