@@ -1,10 +1,10 @@
-// The schemas of every mixedprec operator: the single source of truth.
-// Backends register their kernels (the entries of csrc/ops/*.h) in
-// csrc/cpu/register.cpp and csrc/cuda/register.cu; fake (Meta) kernels and autograd
-// live in mixedprec/ops.py.
+// The schemas of every mixedprec operator: the single source of truth. It includes no
+// op family, so that an edit of an entry or a functor does not rebuild it. The backends
+// register their kernels (the entries of csrc/ops/*.h) in their units (ops/unit.h:
+// csrc/cpu/register*.cpp, csrc/cuda/register*.cu), the CPU's also those of calls
+// without tensors; fake (Meta) kernels and autograd live in mixedprec/ops.py.
 #include <torch/library.h>
 
-#include "ops/all.h"
 #include "python_gil.h"
 
 namespace mixedprec {
@@ -70,10 +70,4 @@ TORCH_LIBRARY(mixedprec, m) {
       "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
       "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
       "Tensor? inv_scale, Tensor? found_inf) -> ()");
-}
-
-// A call without any tensor argument (e.g. multi_tensor_copy_([], [])) has no
-// dispatch key; the dispatcher then runs the CompositeExplicitAutograd kernel.
-TORCH_LIBRARY_IMPL(mixedprec, CompositeExplicitAutograd, m) {
-  mixedprec::register_kernels<mixedprec::NoTensorEngine>(m);
 }

@@ -8,3 +8,4 @@
 #include "engine.h"
 
 MP_REGISTER_UNIT(register_list_ops, mixedprec::cpu::CpuEngine, CPU, SparseCPU, SparseCsrCPU)
+MP_REGISTER_NO_TENSOR_UNIT(register_list_ops)

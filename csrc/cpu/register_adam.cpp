@@ -7,3 +7,4 @@
 #include "engine.h"
 
 MP_REGISTER_UNIT(register_adam_ops, mixedprec::cpu::CpuEngine, CPU, SparseCPU, SparseCsrCPU)
+MP_REGISTER_NO_TENSOR_UNIT(register_adam_ops)

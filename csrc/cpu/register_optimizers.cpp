@@ -8,3 +8,4 @@
 
 MP_REGISTER_UNIT(register_other_optimizer_ops, mixedprec::cpu::CpuEngine, CPU, SparseCPU,
                  SparseCsrCPU)
+MP_REGISTER_NO_TENSOR_UNIT(register_other_optimizer_ops)

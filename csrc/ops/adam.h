@@ -2,7 +2,7 @@
 // csrc/pointwise_adam.h): it checks its arguments before anything is written, makes the
 // data's device current, and runs on the engine. The signature follows the schema in
 // csrc/ops.cpp. A family of its own, the largest: the backends compile it as a unit of
-// its own (ops/all.h).
+// its own (ops/unit.h).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -52,7 +52,7 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
 
 }  // namespace entry
 
-// This family's entries on one engine (register_list_ops, ops/all.h).
+// This family's entries on one engine (register_list_ops, ops/lists.h).
 template <class Engine>
 void register_loss_scale_ops(torch::Library& m) {
   m.impl("update_loss_scale_", kernel<&entry::update_loss_scale_<Engine>>());

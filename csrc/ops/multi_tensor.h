@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
 
 }  // namespace entry
 
-// This family's entries on one engine (register_list_ops, ops/all.h).
+// This family's entries on one engine (register_list_ops, ops/lists.h).
 template <class Engine>
 void register_multi_tensor_ops(torch::Library& m) {
   m.impl("multi_tensor_unscale_", kernel<&entry::multi_tensor_unscale_<Engine>>());

@@ -24,7 +24,7 @@ at::Tensor sum_fp32(const at::Tensor& self, at::OptionalIntArrayRef dim, bool ke
 
 }  // namespace entry
 
-// This family's entries on one engine (register_list_ops, ops/all.h).
+// This family's entries on one engine (register_list_ops, ops/lists.h).
 template <class Engine>
 void register_sum_ops(torch::Library& m) {
   m.impl("sum_fp32", kernel<&entry::sum_fp32<Engine>>());

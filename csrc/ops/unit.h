@@ -13,3 +13,11 @@
   TORCH_LIBRARY_IMPL(mixedprec, dense, m) { mixedprec::family<engine>(m); }  \
   TORCH_LIBRARY_IMPL(mixedprec, sparse, m) { mixedprec::family<engine>(m); } \
   TORCH_LIBRARY_IMPL(mixedprec, sparse_csr, m) { mixedprec::family<engine>(m); }
+
+// `family` on NoTensorEngine (dispatch.h) for the calls that hold no tensor at all, which
+// have no dispatch key: the dispatcher sends them to the CompositeExplicitAutograd
+// kernel. Registered by the CPU's units, which every build has.
+#define MP_REGISTER_NO_TENSOR_UNIT(family)                      \
+  TORCH_LIBRARY_IMPL(mixedprec, CompositeExplicitAutograd, m) { \
+    mixedprec::family<mixedprec::NoTensorEngine>(m);            \
+  }

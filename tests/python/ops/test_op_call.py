@@ -26,7 +26,8 @@ def test_every_kernel_is_registered_through_ops_kernel_h(op):
     for key in expected_dispatch_keys():
         if key == "Meta":
             continue  # (mixedprec/ops.py's fake kernels, Python)
-        lines = [line for line in dump.splitlines() if line.startswith(f"{key}: ")]
+        lines = [line for line in dump.splitlines()
+                 if line.startswith((f"{key}: ", f"{key}[alias]: "))]
         assert len(lines) == 1, f"{op}: no {key} kernel in\n{dump}"
         assert lines[0].endswith("[ boxed ]"), f"{op} on {key}: {lines[0]}"
 

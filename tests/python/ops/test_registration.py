@@ -35,7 +35,9 @@ def test_the_contract_ops_are_registered():
 
 
 def expected_dispatch_keys():
-    keys = ["CPU", "Meta"]
+    # CompositeExplicitAutograd: the kernel of calls that hold no tensor (the CPU's
+    # registration units give each family's, csrc/ops/unit.h).
+    keys = ["CPU", "Meta", "CompositeExplicitAutograd"]
     # The Makefile sets MIXEDPREC_EXPECT_CUDA=1 when it built the CUDA kernels, so
     # that a machine without a GPU still proves they were compiled and linked.
     if os.environ.get("MIXEDPREC_EXPECT_CUDA") == "1" or torch.cuda.is_available():
