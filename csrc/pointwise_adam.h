@@ -107,18 +107,6 @@ struct AdamOp {
     eps_f = static_cast<float>(eps);
     wd_f = static_cast<float>(weight_decay);
   }
-  // root_v / bias_correction2_sqrt. Once sqrt(1 - beta2^step) rounds to 1 in float (from
-  // step 16,628 at beta2 0.999, 325 at 0.95; always without bias correction) the
-  // CPU skips the division, exact then: two of a vector pair's six divisions and square
-  // roots, 7-13% of a 16-bit mode's step on Zen 3 (bench/README.md, "A long run's
-  // steps"). The GPU's step is bound by memory: its kernels divide as before.
-  template <typename V>
-  MP_HD V bias_corrected(const V& root_v) const {
-#if !defined(__CUDA_ARCH__)
-    if (bias_correction2_sqrt == 1.f) return root_v;
-#endif
-    return root_v / bias_correction2_sqrt;
-  }
   MP_HD void at_tensor(const void* const* ptrs) {
     if (stochastic || state_stochastic) rounding.read(ptrs[6]);
     state_key = rounding.key;
@@ -151,7 +139,10 @@ struct AdamOp {
       x[7] = v_denom;
     }
     const V root_v = Lanes<V>::sqrt(v_denom);
-    const V denom = bias_corrected(root_v) + eps_f;
+    // (sqrt(1 - beta2^step) rounds to 1 from step 16,628 at beta2 0.999, 325 at 0.95:
+    // two of a vector pair's six divisions and square roots, 7-13% of a 16-bit mode's
+    // step on Zen 3)
+    const V denom = divided(root_v, bias_correction2_sqrt) + eps_f;
     p = p - step_size * (m / denom);
     x[0] = p;
     x[2] = m;

@@ -155,11 +155,11 @@ struct LambStage1Op {
   template <typename V>
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     const V p = x[0];
-    V g = x[1] * inv_scale / clip;
+    V g = divided(x[1] * inv_scale, clip);
     if (!decoupled_weight_decay) g = g + wd_f * p;
     const V m = x[2] * beta1_f + avg_weight * g;
     const V v = x[3] * beta2_f + sq_weight * (g * g);
-    V u = (m / bias_correction1) / (Lanes<V>::sqrt(v / bias_correction2) + eps_f);
+    V u = divided(m, bias_correction1) / (Lanes<V>::sqrt(divided(v, bias_correction2)) + eps_f);
     if (decoupled_weight_decay) u = u + wd_f * p;
     x[2] = m;
     x[3] = v;
@@ -270,15 +270,15 @@ struct NovoGradOp {
   MP_HD typename Lanes<V>::Flag apply(V* x) const {
     V p = x[0];
     V g = x[1] * inv_scale;
-    const V denom = x[3] / bias_correction2 + eps;
+    const V denom = divided(x[3], bias_correction2) + eps;
     V m;
     if (reg_inside_moment) {
       g = g / denom + weight_decay * p;
       m = x[2] * beta1_f + grad_weight * g;
-      p = p - lr * (m / bias_correction1);
+      p = p - lr * divided(m, bias_correction1);
     } else {
       m = x[2] * beta1_f + grad_weight * g;
-      p = p - lr * ((m / bias_correction1) / denom + weight_decay * p);
+      p = p - lr * (divided(m, bias_correction1) / denom + weight_decay * p);
     }
     x[0] = p;
     x[2] = m;

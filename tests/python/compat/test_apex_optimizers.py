@@ -729,7 +729,10 @@ def test_fused_novograd_matches_the_reference(device, dtype, master_weights, con
 
 @pytest.mark.parametrize("norm_type", [2, 0])
 @pytest.mark.parametrize("masters", [False, True], ids=["params", "masters"])
-def test_fused_novograd_op_matches_the_reference(device, norm_type, masters):
+@pytest.mark.parametrize("start", [4, 20_000])
+def test_fused_novograd_op_matches_the_reference(device, norm_type, masters, start):
+    """From step 4, and from step 20,000, where both bias corrections round to 1 in
+    float (the CPU then skips dividing by them: pointwise.h's `divided`)."""
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     sizes = [ops.CHUNK_SIZE + 3, 7, 0, 130]
     dtypes = [f32, f16, bf16, f16]
@@ -743,14 +746,14 @@ def test_fused_novograd_op_matches_the_reference(device, norm_type, masters):
              for i, (n, dt) in enumerate(zip(sizes, [bf16, f32, f16, f16]))]
     exp_avgs = [randn(n, f32, device, seed=20 + i, scale=0.1) for i, n in enumerate(sizes)]
     exp_avg_sq = randn(len(sizes), f32, device, seed=30).abs() * 10
-    step = scalar(4.0, device)
+    step = scalar(float(start), device)
     kw = dict(beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=1e-2, norm_type=norm_type)
-    want_p, want_m, want_v, _ = ref_novograd(params, grads, exp_avgs, exp_avg_sq, 4, 1e-2,
+    want_p, want_m, want_v, _ = ref_novograd(params, grads, exp_avgs, exp_avg_sq, start, 1e-2,
                                              inv_scale=1 / 256, **kw)
     ops.fused_novograd_(params, grads, exp_avgs, model, exp_avg_sq=exp_avg_sq, step=step,
                         lr=1e-2, inv_scale=scalar(1 / 256, device),
                         found_inf=scalar(0.0, device), **kw)
-    assert step.item() == 5.0
+    assert step.item() == start + 1
     torch.testing.assert_close(exp_avg_sq.double(), want_v, **TIGHT)
     for i in range(len(sizes)):
         torch.testing.assert_close(params[i].double(), want_p[i], **TOLERANCES[params[i].dtype])

@@ -59,10 +59,14 @@ def lamb_lists(device, dtype, masters, seed):
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("clip", [pytest.param(True, id="clipped"),
                                   pytest.param(False, id="unclipped")])
-def test_op_tracks_the_float64_reference(device, dtype, masters, config, clip):
+@pytest.mark.parametrize("start", [0, 20_000])
+def test_op_tracks_the_float64_reference(device, dtype, masters, config, clip, start):
+    """From step 0, and from step 20,000, where both bias corrections round to 1 in
+    float (the CPU then skips dividing by them, and by the clip factor where nothing is
+    clipped: pointwise.h's `divided`)."""
     params, model, m, v = lamb_lists(device, dtype, masters, seed=0)
     ref = [[t.double() for t in ts] for ts in (params, m, v)]
-    step = scalar(0.0, device)
+    step = scalar(float(start), device)
     inv_scale = 0.25
     for k in range(STEPS):
         grads = [randn(p.shape, (F16, BF16, F32)[i % 3], device, 1000 * k + i, scale=4.0)
@@ -75,12 +79,13 @@ def test_op_tracks_the_float64_reference(device, dtype, masters, config, clip):
         decoupled = config.get("decoupled_weight_decay", True)
         kwargs = {key: value for key, value in config.items()
                   if key != "decoupled_weight_decay"}
-        ref_p, ref_m, ref_v, _ = ref_lamb(ref[0], grads, ref[1], ref[2], k, 1e-2, eps=1e-6,
+        ref_p, ref_m, ref_v, _ = ref_lamb(ref[0], grads, ref[1], ref[2], start + k, 1e-2,
+                                          eps=1e-6,
                                           decoupled_weight_decay=decoupled,
                                           global_grad_norm=norm, max_grad_norm=max_grad_norm,
                                           inv_scale=inv_scale, **kwargs)
         ref = [ref_p, ref_m, ref_v]
-    assert step.item() == STEPS
+    assert step.item() == start + STEPS
     tol = TOL if dtype == F32 or masters else dict(rtol=2e-2, atol=1e-3)
     for got, want in zip(params, ref[0]):
         torch.testing.assert_close(got.double(), want, **tol)
