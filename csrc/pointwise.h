@@ -144,11 +144,11 @@ MP_HD double pow_step(double base, double step) {
 
 // x / d, for a d that is the same for every element (a bias correction, a clip factor):
 // on the CPU without the division where d is exactly 1, which leaves x as it is. A bias
-// correction 1 - beta^step rounds to 1 in float from step 165 at beta 0.9, 16,628 at
-// 0.999 (Adam's sqrt(1 - beta2^step) too), and always without bias correction; a clip
-// factor is 1 where nothing is clipped. The CPU loops are bound by the divider there
-// (Zen 3: 3.8 cycles a vdivps; bench/README.md, "A long run's steps"); the GPU's step
-// is bound by memory, and its kernels divide as before.
+// correction 1 - beta^step rounds to 1 in float from step 165 at beta 0.9 and 17,321 at
+// 0.999 (its square root, Adam's and NovoGrad's, from 16,628), and is 1 without bias
+// correction; a clip factor is 1 where nothing is clipped. The CPU loops are bound by
+// the divider there (Zen 3: 3.8 cycles a vdivps; bench/README.md, "A long run's
+// steps"); the GPU's step is bound by memory, and its kernels divide as before.
 template <typename V>
 MP_HD V divided(const V& x, float d) {
 #if !defined(__CUDA_ARCH__)
