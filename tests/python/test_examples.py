@@ -133,6 +133,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def torchrun(nproc, script, *args, cwd):
+    """`script` under torchrun, `nproc` processes on this host: a fixed local port rather
+    than --standalone, whose rendezvous can hang at exit in sandboxes; --log-dir, as
+    torchrun's agent otherwise leaves a torchelastic_* directory in /tmp."""
+    return run(["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                "--log-dir", cwd / "torchrun", script, *args], cwd)
+
+
 def check_main_amp_log(log, iterations=2):
     assert f"Epoch: [0][{iterations}/{iterations}]" in log
     assert "images/s" in log
@@ -177,13 +186,8 @@ def test_main_amp_O2_bf16_synthetic_and_resume(tmp_path):
 def test_main_amp_torchrun_two_processes_gloo(tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    # A fixed local port rather than --standalone, whose rendezvous can hang at exit
-    # in sandboxes.
-    log = run(["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "--log-dir", tmp_path / "torchrun", MAIN_AMP,
-               *TINY, "--cpu", "--opt-level", "O2", "--bf16", "--checkpoint-dir",
-               tmp_path / "ckpt"], tmp_path)
+    log = torchrun(2, MAIN_AMP, *TINY, "--cpu", "--opt-level", "O2", "--bf16",
+                   "--checkpoint-dir", tmp_path / "ckpt", cwd=tmp_path)
     check_main_amp_log(log)
     # Two processes of batch 4: the reported speed counts both.
     assert log.count("Epoch: [0][2/2]") == 1  # rank 0 prints, rank 1 does not
@@ -233,11 +237,8 @@ FSDP_TRAIN = EXAMPLES / "fsdp" / "train.py"
 FSDP_TINY = ["--dim", "32", "--layers", "2", "--seq", "32", "--batch", "4", "--save-every", "3"]
 
 
-def torchrun(nproc, *args, cwd):
-    # (--log-dir: torchrun's agent otherwise leaves a torchelastic_* directory in /tmp)
-    return run(["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-                "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-                "--log-dir", cwd / "torchrun", FSDP_TRAIN, *FSDP_TINY, *args], cwd)
+def fsdp_run(nproc, *args, cwd):
+    return torchrun(nproc, FSDP_TRAIN, *FSDP_TINY, *args, cwd=cwd)
 
 
 def losses(log):
@@ -253,13 +254,13 @@ def test_fsdp_example_resumes_from_its_checkpoint(tmp_path, precision):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     precision = ["--precision", *precision]
-    straight = torchrun(2, "--steps", "6", *precision, "--checkpoint-dir", tmp_path / "a",
+    straight = fsdp_run(2, "--steps", "6", *precision, "--checkpoint-dir", tmp_path / "a",
                         cwd=tmp_path)
     # The run interrupted after step 3: its checkpoint is the straight run's of step 3
     # (the schedule does not depend on --steps), taken instead of a third launch.
     shutil.copytree(tmp_path / "a" / "step_3", tmp_path / "b" / "step_3")
     (tmp_path / "b" / "latest").write_text("step_3")
-    resumed = torchrun(2, "--steps", "6", *precision, "--resume",
+    resumed = fsdp_run(2, "--steps", "6", *precision, "--resume",
                        "--checkpoint-dir", tmp_path / "b", cwd=tmp_path)
     assert "from step 3" in resumed
     # the interrupted run continues exactly: the same loss, to the printed digits
@@ -267,6 +268,6 @@ def test_fsdp_example_resumes_from_its_checkpoint(tmp_path, precision):
                                 losses(resumed)[-1]]
     assert losses(resumed)[-1].startswith("step 6 loss ")
     # ... and a checkpoint of two processes loads into one (resharded by DCP) and trains on
-    single = torchrun(1, "--steps", "8", *precision, "--resume",
+    single = fsdp_run(1, "--steps", "8", *precision, "--resume",
                       "--checkpoint-dir", tmp_path / "a", cwd=tmp_path)
     assert "from step 6" in single and losses(single)[-1].startswith("step 8 loss ")
