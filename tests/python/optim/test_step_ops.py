@@ -8,7 +8,7 @@ A planned step of FusedSGD, FusedAdam, optim.SGD or optim.AdamW dispatches its f
 once per 213-256 tensors, csrc/multi_tensor_plan.h, and FusedAdam/AdamW once more for
 the step count) and ``applied_steps += 1`` (``add_``); with a scaler's ``grad_scale``
 and ``found_inf`` (as torch.amp.GradScaler and mixedprec.GradScaler drive it), ``1 /
-grad_scale`` once per device (one ``div``: loss_scale.inverse) and the count's ``eq``
+grad_scale`` once per device (one ``reciprocal``: loss_scale.inverse) and the count's ``eq``
 and ``add_`` instead: 2 ops, or 4 with a scaler, for one group. torch's
 ``SGD(fused=True)`` dispatches 1 (``_fused_sgd_``), its ``AdamW(fused=True)`` 2, or 3 with
 a scaler (``_foreach_add_`` of the step counts, ``_fused_adamw_``, ``_foreach_sub_``
@@ -95,14 +95,14 @@ def test_a_planned_step_dispatches_its_fused_op_and_at_most_three_more(name, dty
                                                                        scaled):
     ops = planned_step_ops(name, dtype, masters, scaled)
     # (fp16 params keep fp32 masters: the same one call, with the model copy)
-    expected = ["div", FUSED_OP[name], "eq", "add_"] if scaled else [FUSED_OP[name], "add_"]
+    expected = ["reciprocal", FUSED_OP[name], "eq", "add_"] if scaled else [FUSED_OP[name], "add_"]
     assert ops == expected
 
 
 @pytest.mark.parametrize("name", ["FusedSGD", "optim.AdamW"])
 def test_each_group_adds_its_fused_op_and_the_scale_is_inverted_once(name):
     ops = planned_step_ops(name, F16, True, True, groups=2)
-    assert ops == ["div", FUSED_OP[name], FUSED_OP[name], "eq", "add_"]
+    assert ops == ["reciprocal", FUSED_OP[name], FUSED_OP[name], "eq", "add_"]
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
@@ -136,5 +136,5 @@ def test_a_stochastic_sgd_step_adds_its_rounding_step_count(scaled):
     def make(ps, _):
         return optim.SGD(ps, lr=0.01, momentum=0.9, master="stochastic", seed=1)
     ops = planned_step_ops(make, torch.bfloat16, False, scaled)
-    assert ops == (["div", "eq", "add_", "fused_sgd_", "eq", "add_"] if scaled
+    assert ops == (["reciprocal", "eq", "add_", "fused_sgd_", "eq", "add_"] if scaled
                    else ["add_", "fused_sgd_", "add_"])

@@ -7,7 +7,7 @@ from helpers import scalar
 from references import ref_update_loss_scale
 
 from mixedprec import ops
-from mixedprec.loss_scale import LossScale
+from mixedprec.loss_scale import LossScale, inverse
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -33,6 +33,27 @@ def run_sequence(device, flags, initial_scale, **config):
                      (hysteresis_tracker, torch.int32)):
         assert t.dtype == dtype and t.shape == (1,) and t.device.type == device
     return seen
+
+
+def test_inverse_has_the_bits_of_the_float64_reciprocal(device):
+    """inverse's float32 reciprocal against torch.amp.GradScaler's
+    ``scale.double().reciprocal().float()``: every exponent of both signs, with 2**14
+    mantissas each (the first and last ones among them), so subnormal and overflowing
+    quotients, zeros, infinities and NaNs too; and a 0-dim scale, as the scalers hold."""
+    exponents = torch.arange(512, dtype=torch.int64).reshape(-1, 1) << 23
+    mantissas = torch.cat([torch.arange(0, 2**23, 2**9 + 1), torch.arange(2**23 - 64, 2**23)])
+    bits = (exponents | mantissas).flatten()
+    scales = (bits - (bits >> 31 << 32)).to(torch.int32).view(torch.float32).to(device)
+    got, expected = inverse(scales), scales.double().reciprocal().float()
+    assert got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    for value in (1.0, 65536.0, 3.0, 2.0**-126, 2.0**-149):
+        scale = torch.tensor(value, device=device)
+        assert inverse(scale).shape == () and torch.equal(
+            inverse(scale), scale.double().reciprocal().float())
+    scale = torch.tensor(3.0, dtype=torch.float64, device=device)  # (a float64 divisor)
+    assert inverse(scale).dtype == torch.float32 and inverse(scale).item() == float(
+        torch.tensor(1 / 3.0, dtype=torch.float32))
 
 
 def random_flags(seed, n, p_overflow):
