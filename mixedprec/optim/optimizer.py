@@ -283,7 +283,10 @@ class Optimizer(torch.optim.Optimizer):
         # Check every group before touching any state, so a bad gradient changes nothing.
         work = [(group, self._grads_by_device(group)) for group in groups]
         plans: Dict[int, Plan] = {}
+        # (no plan for a group that torch's implementation steps in part: each step must
+        # find those parameters again)
         compiling = torch.compiler.is_compiling()
+        pending = {id(group) for group, _ in self._pending}
         for index, (group, by_device) in enumerate(work):
             for device, items in by_device.items():
                 for i, (p, state) in enumerate(zip(items.params, items.states)):
@@ -293,9 +296,10 @@ class Optimizer(torch.optim.Optimizer):
                 for p, state in zip(items.params, items.states):
                     if not state:  # nothing kept (SGD without momentum on an fp32 param)
                         self.state.pop(p, None)
-                if lists is not None and len(by_device) == 1 and not compiling:
+                if lists is not None and len(by_device) == 1 and not compiling and \
+                        id(group) not in pending:
                     plans[index] = cache.make(group, lists, device, self.state, self.master)
-            if not by_device and not compiling:  # no gradients in this group
+            if not by_device and not compiling and id(group) not in pending:  # no gradients
                 plans[index] = cache.make(group, None, None, self.state, self.master)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():

@@ -132,6 +132,23 @@ def test_float64_and_complex_step_as_torch(name, dtype):
         torch.testing.assert_close(p, r, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_a_group_stepped_in_part_by_torch_steps_every_time(name):
+    """One group of float32 and float64 parameters: the fused op steps the first, torch's
+    implementation the others, at every step (a planned step must not leave them out:
+    it reads no parameter's version counter without fp32 masters, so such a group is
+    never planned)."""
+    ours_cls, torch_cls = PAIRS[name]
+    kwargs = dict(lr=0.01, weight_decay=0.1, **({"momentum": 0.9} if name == "SGD" else {}))
+    params = model_params() + model_params(dtype=torch.float64, seed=1)
+    ref = clone(params)
+    train(ours_cls(params, **kwargs), params, 5)
+    train(torch_cls(ref, **kwargs), ref, 5)
+    for p, r in zip(params, ref):
+        tolerance = 0 if p.dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(p, r, rtol=tolerance, atol=tolerance)
+
+
 def test_sgd_sparse_gradients_step_as_torch():
     weight = torch.randn(10, 3, requires_grad=True)
     ref = weight.detach().clone().requires_grad_()
