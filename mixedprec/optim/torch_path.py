@@ -57,16 +57,19 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
     step; the others through the class's checks (torch's constructor, or the class's
     ``_check_group``), again only when they changed (``checked``: group index -> the
     settings last passed; ``add_param_group`` fills it, ``when`` its name)."""
-    where = f"{type(opt).__name__}.{when}"
     torch_class = opt._TORCH_CLASS
+    accepted = _hyperparameter_names(torch_class) if torch_class else opt.defaults
     for index, group in enumerate(opt.param_groups):
-        check_lr(f"{where}: param group {index}", group.get("lr"))
-        accepted = _hyperparameter_names(torch_class) if torch_class else opt.defaults
-        kwargs = {k: v for k, v in group.items() if k in accepted and k != "lr"}
+        lr = group.get("lr")
+        if type(lr) is not float or not 0.0 <= lr < math.inf:  # (a float in range passes)
+            check_lr(f"{type(opt).__name__}.{when}: param group {index}", lr)
+        # (in the group's order: a key added or moved costs one more check, no more)
         key = tuple((k, ("tensor", id(v)) if isinstance(v, Tensor) else v)
-                    for k, v in sorted(kwargs.items(), key=lambda item: item[0]))
+                    for k, v in group.items() if k in accepted and k != "lr")
         if checked.get(index) == key:
             continue
+        where = f"{type(opt).__name__}.{when}"
+        kwargs = {k: group[k] for k, _ in key}
         try:
             if torch_class is not None:
                 torch_defaults(torch_class, f"{where}: param group {index}", kwargs)
