@@ -356,6 +356,10 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
 #endif
     return block_pass_scalar<Op, Ts...>(op, data, begin, end, seq);
   } else {
+    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
+    // Fewer elements than the narrowest vector (a bias, a norm's weight, a scalar): the
+    // vector passes would load no vector and end in elementwise, as this does at once.
+    if (end - begin < 8) return elementwise(op, p, begin, end, seq);
 #if defined(MP_X86_ISA)
     switch (cpu_isa()) {
       case Isa::kAvx512:
@@ -393,7 +397,6 @@ int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
       default: break;
     }
 #endif
-    const std::tuple<Ts*...> p{static_cast<Ts*>(data[K])...};
     return elementwise(op, p, begin, end, seq);
   }
 }
@@ -431,11 +434,17 @@ struct CpuEngine {
     Op op = op_in;
     op.resolve();
     std::vector<int64_t> numels;
-    for (const auto& t : lists[0]) numels.push_back(t.numel());
+    numels.reserve(lists[0].size());
+    int64_t total = 0;
+    for (const auto& t : lists[0]) total += numels.emplace_back(t.numel());
     const auto plans = plan_launches(numels, 0, 0);
     if (plans.empty()) return;
     const LaunchPlan& plan = plans.front();
     const int64_t num_chunks = static_cast<int64_t>(plan.block_slot.size());
+    // Chunks per thread, at least: a thread gets about a chunk's worth of elements or
+    // none (many small tensors, a chunk each, run on the calling thread: waking the
+    // others costs more than their work).
+    const int64_t grain = (kChunkSize * num_chunks + total - 1) / std::max<int64_t>(total, 1);
     std::vector<char> bad(num_chunks, 0);
     // Tallies (pointwise.h): each chunk sums into words of its own, added to its
     // tensor's in chunk order after the passes (the same sums whatever the threads).
@@ -443,7 +452,7 @@ struct CpuEngine {
     constexpr int kWords = Tallies<Op>::count + 1;
     const bool tallies = tallying<Op>(lists);
     std::vector<double> words(tallies ? num_chunks * kWords : 0, 0.0);
-    at::parallel_for(0, num_chunks, 1, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, num_chunks, grain, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
         const int t = plan.tensors[plan.block_slot[b]];
         const int64_t begin = static_cast<int64_t>(plan.block_chunk[b]) * kChunkSize;
