@@ -37,7 +37,7 @@ def run_sequence(device, flags, initial_scale, **config):
 
 def test_inverse_has_the_bits_of_the_float64_reciprocal(device):
     """inverse's float32 reciprocal against torch.amp.GradScaler's
-    ``scale.double().reciprocal().float()``: every exponent of both signs, with 2**14
+    ``scale.double().reciprocal().float()``: every exponent of both signs, with 16,417
     mantissas each (the first and last ones among them), so subnormal and overflowing
     quotients, zeros, infinities and NaNs too; and a 0-dim scale, as the scalers hold."""
     exponents = torch.arange(512, dtype=torch.int64).reshape(-1, 1) << 23
