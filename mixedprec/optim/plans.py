@@ -167,8 +167,8 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
     their gradients are as ``plan`` was made from, else None. A few list comparisons in
     the usual case (no master holds a gradient; each gradient has the dtype it had and
     its parameter's memory order, :func:`_follows`); else one check per parameter, as
-    ``_planned_gradient_by_gradient``. (A step's fixed cost: each map over ResNet-50's
-    161 parameters takes ~10 us, so none is made that the plan makes needless.)"""
+    ``_planned_gradient_by_gradient``. (The step's fixed cost: each map over ResNet-50's
+    161 parameters takes ~10 us, and none is made that the plan does not need.)"""
     addresses, versions = plan.signature
     if list(map(_data_ptr, params)) != addresses or \
             (versions is not None and list(map(_version_of, params)) != versions):
