@@ -699,6 +699,35 @@ def test_kept_op_call_after_load_state_dict_and_add_param_group(device, cls, kwa
     assert opt.state[extra]["master_param"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype, master", MODEL_DTYPES + [
+    pytest.param(torch.bfloat16, "none", id="bf16-none"),
+    pytest.param(torch.bfloat16, "remainder", id="bf16-remainder")])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_kept_op_call_after_a_parameter_is_written_outside_a_step(device, cls, kwargs, dtype,
+                                                                  master):
+    # An in-place write under no_grad (its version counter moves): with fp32 masters the
+    # next step takes the full path, whose masters take the written values; without, the
+    # op call is kept (it reads the parameters as they are, and nothing it holds was
+    # made from their values). Either way the steps are the full path's.
+    model = make_model(device, dtype)
+    opt = cls(model.parameters(), master=master, **kwargs)
+    twin, twin_opt = full_path_twin(cls, kwargs, model, master)
+    lockstep([(model, opt), (twin, twin_opt)], 3)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        with torch.no_grad():
+            m.fc1.weight.mul_(0.5)
+        o.zero_grad(set_to_none=True)
+        backward(m, 3)
+    kept = opt.plans.planned(opt.param_groups, opt.state, opt.master, opt._plan_holds)
+    masters = any(state.get("master_param") is not None for state in opt.state.values())
+    assert masters == (dtype != torch.float32 and master == "fp32")
+    assert (kept is None) == masters
+    opt.step()
+    twin_opt.step()
+    lockstep([(model, opt), (twin, twin_opt)], 2, start=4)
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_kept_op_call_after_the_model_is_cast_or_the_state_reset(device, cls, kwargs):
     model = make_model(device)
