@@ -288,6 +288,7 @@ class Optimizer(torch.optim.Optimizer):
         compiling = torch.compiler.is_compiling()
         pending = {id(group) for group, _ in self._pending}
         for index, (group, by_device) in enumerate(work):
+            plannable = not compiling and id(group) not in pending
             for device, items in by_device.items():
                 for i, (p, state) in enumerate(zip(items.params, items.states)):
                     if state is None:  # first step of p: its state starts now
@@ -296,10 +297,9 @@ class Optimizer(torch.optim.Optimizer):
                 for p, state in zip(items.params, items.states):
                     if not state:  # nothing kept (SGD without momentum on an fp32 param)
                         self.state.pop(p, None)
-                if lists is not None and len(by_device) == 1 and not compiling and \
-                        id(group) not in pending:
+                if lists is not None and len(by_device) == 1 and plannable:
                     plans[index] = cache.make(group, lists, device, self.state, self.master)
-            if not by_device and not compiling and id(group) not in pending:  # no gradients
+            if not by_device and plannable:  # no gradients in this group
                 plans[index] = cache.make(group, None, None, self.state, self.master)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():

@@ -37,7 +37,6 @@ class Plan(NamedTuple):
     # per-parameter checks (the step's fixed cost: 161 tensors take ~0.1 ms of Python):
     all_stepped: bool  # every group param had a gradient
     with_masters: List[Tensor]  # the masters in ``masters`` (their .grad: read instead)
-    no_grads: List[None]  # None for each of ``with_masters``: their .grad as planned
     # the gradients read (the params that stepped): ([their dtypes], [whether their
     # parameters are contiguous], [(position, strides) of the parameters that are not])
     grad_meta: Tuple[List[Any], List[bool], List[Tuple[int, Tuple[int, ...]]]]
@@ -124,7 +123,7 @@ class PlanCache:
         return Plan((id(state_of), len(state_of), master),
                      _signature(params, versions=bool(with_masters)),
                      [p.stride() for p in params], masters, stepped, _boxed(lists), device,
-                     all(stepped), with_masters, [None] * len(with_masters),
+                     all(stepped), with_masters,
                      ([g.dtype for g in grads if g is not None], contiguous,
                       [(i, p.stride()) for i, p in enumerate(read) if not contiguous[i]]))
 
@@ -169,12 +168,11 @@ def _planned_gradients(params: List[Tensor], plan: Plan) -> Optional[Tuple[List[
     its parameter's memory order, :func:`_follows`); else one check per parameter, as
     ``_planned_gradient_by_gradient``. (The step's fixed cost: each map over ResNet-50's
     161 parameters takes ~10 us, and none is made that the plan does not need.)"""
-    addresses, versions = plan.signature
-    if list(map(_data_ptr, params)) != addresses or \
-            (versions is not None and list(map(_version_of, params)) != versions):
+    if _signature(params, plan.signature[1] is not None) != plan.signature:
         return None  # converted, moved, re-laid-out, or written outside a step
     # (a master's .grad that is a tensor compares unequal to None, without a device read)
-    if plan.with_masters and list(map(_grad_of, plan.with_masters)) != plan.no_grads:
+    masters = plan.with_masters
+    if masters and list(map(_grad_of, masters)) != [None] * len(masters):
         return _planned_gradient_by_gradient(params, plan)
     grads = list(map(_grad_of, params))
     if not plan.all_stepped:
