@@ -282,10 +282,11 @@ FIXED_SOURCE = {
         "using State = std::tuple_element_t<2, std::tuple<Ts...>>; "
         "using Copy = std::tuple_element_t<Op::kModelList, std::tuple<Ts...>>; "
         "using Comp = std::tuple_element_t<Op::kCompList, std::tuple<Ts...>>; "
-        "return (Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float> "
-        ": std::is_same_v<Grad, Param>) && "
+        "return (Model ? (std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float>) && "
+        "!std::is_same_v<Copy, float> "
+        ": std::is_same_v<Grad, Param> && std::is_same_v<Copy, float>) && "
         "(!Model || std::is_same_v<Param, float>) && "
-        "(!Stochastic || std::is_same_v<Param, c10::BFloat16>) && "
+        "(!(Kahan || Stochastic) || std::is_same_v<Param, c10::BFloat16>) && "
         "(Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);",
         "return op.kahan == Kahan && op.remainder == Remainder && "
         "op.stochastic == Stochastic && op.state_stochastic == Eight && !op.maximize && "
@@ -406,8 +407,9 @@ def autograd_grads(types: List[str], model: bool, c: Dict) -> bool:
 def fixed_fits(m: FixedMode, types: List[str], c: Dict) -> bool:
     """Mode::fits<Ts...>(), on the demangled storage types (int16_t is short)."""
     param, state, comp = types[0], types[2], types[c["kCompList"]]
-    return (autograd_grads(types, m.model, c) and (not m.model or param == "float")
-            and (not m.stochastic or param == "BFloat16")
+    return (autograd_grads(types, m.model, c) and m.model == (types[c["kModelList"]] != "float")
+            and (not m.model or param == "float")
+            and (not (m.kahan or m.stochastic) or param == "BFloat16")
             and m.remainder == (comp == "short") and m.eight == (state == "E4m3"))
 
 
