@@ -504,8 +504,13 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
   // With two 8-bit lists (AdamW's moments) the loop twice, `vec` a constant in each:
   // the vector loads and stores, or the element ones, without the other path's issued
   // predicated off (a tenth of Adam's 8-bit instructions). SGD's one-list kernels keep
-  // one loop: two copies made ptxas spill 56-152 bytes in its 64-register ones.
+  // one loop: two copies made ptxas spill 56-152 bytes in its 64-register ones. So do
+  // the generic kernels (the modes no Fixed kernel runs: amsgrad, maximize, gradients
+  // written by hand, a counted call in a mode that loses no update): their loop holds
+  // every mode's code, and its two copies (four with the tallying ones) were half of
+  // ptxas's time and a quarter of cicc's in the CUDA Adam unit (csrc/README.md).
   constexpr bool kTwoLists = kBlockedLists<Ts...> > 1;
+  constexpr bool kTwoLoops = kTwoLists && IsFixed<Op>::value;
   auto spans = [&](auto vec_value) {
     const bool vec = static_cast<bool>(vec_value);
     bool bad = false;
@@ -562,7 +567,7 @@ MP_DEVICE bool apply_blocks(const Op& op, void* const (&base)[sizeof...(Ts)], in
     }
     return bad;
   };
-  if constexpr (kTwoLists) {
+  if constexpr (kTwoLoops) {
     return aligned ? spans(std::true_type{}) : spans(std::false_type{});
   } else {
     return spans(aligned);
