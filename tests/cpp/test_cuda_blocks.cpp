@@ -488,7 +488,9 @@ TEST(CudaBlocks, RemaindersMatchTheCpuEngine) {
 // 8-bit state (lanes.h): float8_e4m3fn moments and momentum with float8_e8m0fnu
 // block scales, beside fp32 masters with an fp16 model copy, bf16 params with
 // remainders and bf16 params rounded stochastically; the emulated CUDA blocks give
-// the CPU engine's bytes, and a skipped step writes nothing.
+// the CPU engine's bytes, and a skipped step writes nothing. Adam's run too with
+// maximize, which no fixed mode holds: the generic kernel's block loop, one for both
+// alignments (multi_tensor_block.cuh's apply_blocks), on aligned and misaligned starts.
 TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
   at::manual_seed(15);
   const std::vector<std::pair<int64_t, int64_t>> sizes = {
@@ -533,7 +535,8 @@ TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
     const auto m1 = codes(params), m2 = codes(params), s1 = scales(params), s2 = scales(params);
     auto adam = [&](auto engine, std::vector<Tensor> p, std::vector<Tensor> m,
                     std::vector<Tensor> r, std::vector<Tensor> a, std::vector<Tensor> b,
-                    std::vector<Tensor> sa, std::vector<Tensor> sb, const Tensor& found_inf) {
+                    std::vector<Tensor> sa, std::vector<Tensor> sb, const Tensor& found_inf,
+                    bool maximize = false) {
       using Engine = decltype(engine);
       const Tensor step = scalar(0.f);
       for (int i = 0; i < 3; ++i) {
@@ -541,8 +544,8 @@ TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
             p, grads, a, b, m, step, 1e-3, 0.9, 0.999, 1e-8, 1e-2, true, true, scalar(0.5f),
             found_inf, std::nullopt, std::nullopt,
             salts.empty() ? std::nullopt : std::optional<at::TensorList>(salts),
-            salts.empty() ? std::nullopt : std::optional<int64_t>(11), false, std::nullopt, false,
-            r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
+            salts.empty() ? std::nullopt : std::optional<int64_t>(11), maximize, std::nullopt,
+            false, r.empty() ? std::nullopt : std::optional<at::TensorList>(r),
             std::optional<at::TensorList>(sa), std::optional<at::TensorList>(sb),
             salts.empty() ? std::nullopt : std::optional<int64_t>(21));
       }
@@ -576,6 +579,17 @@ TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
     }
     EXPECT_FALSE(at::equal(cpu[0].back(), params.back())) << "no step was taken";
     EXPECT_FALSE(at::equal(cpu[5].back(), s1.back().view(at::kByte))) << "no scale was written";
+    const auto cpu_max = adam(CpuEngine{}, clones(params), clones(model), clones(rems), clones(m1),
+                              clones(m2), clones(s1), clones(s2), scalar(0.f), true);
+    const auto emulated_max =
+        adam(EmulatedCudaEngine{}, clones(params), clones(model), clones(rems), clones(m1),
+             clones(m2), clones(s1), clones(s2), scalar(0.f), true);
+    for (int k = 0; k < 7; ++k) {
+      expect_bitwise_equal(
+          emulated_max[k], cpu_max[k],
+          std::string("maximize ") + names[k] + std::to_string(static_cast<int>(mode)));
+    }
+    EXPECT_FALSE(at::equal(cpu_max[0].back(), cpu[0].back())) << "maximize changed nothing";
     const auto skipped = adam(EmulatedCudaEngine{}, clones(params), clones(model), clones(rems),
                               clones(m1), clones(m2), clones(s1), clones(s2), scalar(1.f));
     expect_bitwise_equal(skipped[0], params, "skipped params");
