@@ -282,9 +282,9 @@ FIXED_SOURCE = {
         "using State = std::tuple_element_t<2, std::tuple<Ts...>>; "
         "using Copy = std::tuple_element_t<Op::kModelList, std::tuple<Ts...>>; "
         "using Comp = std::tuple_element_t<Op::kCompList, std::tuple<Ts...>>; "
-        "return (Model ? (std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float>) && "
-        "!std::is_same_v<Copy, float> "
-        ": std::is_same_v<Grad, Param> && std::is_same_v<Copy, float>) && "
+        "return Model != std::is_same_v<Copy, float> && "
+        "(Model ? std::is_same_v<Grad, Copy> || std::is_same_v<Grad, float> "
+        ": std::is_same_v<Grad, Param>) && "
         "(!Model || std::is_same_v<Param, float>) && "
         "(!(Kahan || Stochastic) || std::is_same_v<Param, c10::BFloat16>) && "
         "(Remainder == std::is_same_v<Comp, int16_t>) && (Eight == std::is_same_v<State, E4m3>);",
