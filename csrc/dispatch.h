@@ -14,8 +14,8 @@
 // that name on the device; and Guard, which makes a device current.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <cmath>

@@ -1,6 +1,7 @@
 // The CPU engine's L2 norm (multi_tensor_l2norm): squares summed in double.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 

@@ -1,5 +1,6 @@
 // The CUDA engine's L2 norm (multi_tensor_l2norm): three fixed-order float32 stages.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 
@@ -70,7 +71,7 @@ __global__ void l2norm_total_kernel(const float* squares, int64_t n, float* norm
 std::tuple<at::Tensor, at::Tensor> CudaEngine::l2norm(at::TensorList tensors,
                                                       const float* inv_scale, bool per_tensor,
                                                       at::Device device) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
   const int64_t n = static_cast<int64_t>(tensors.size());
 

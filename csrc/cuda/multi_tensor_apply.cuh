@@ -6,9 +6,9 @@
 // multi_tensor_block.cuh; this file holds the kernels and their launches.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "multi_tensor_block.cuh"
 
@@ -53,7 +53,7 @@ struct CudaEngine {
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,
                   float* found_inf) {
     constexpr int D = sizeof...(Ts);
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     auto launch = [&](const auto& functor) {
       using F = std::decay_t<decltype(functor)>;
       for_each_launch<D>(lists, [&](const TensorListMeta<D>& meta, int num_blocks, int64_t) {
@@ -74,13 +74,13 @@ struct CudaEngine {
                                                    bool per_tensor, at::Device device);
 
   static void increment_step(float* step, const float* found_inf) {
-    increment_step_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(step, found_inf);
+    increment_step_kernel<><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(step, found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
   static void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                                 const float* found_inf, const LossScaleArgs& args) {
-    update_loss_scale_kernel<><<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+    update_loss_scale_kernel<><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
         scale, growth_tracker, hysteresis_tracker, found_inf, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

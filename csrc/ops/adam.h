@@ -5,7 +5,7 @@
 // its own (ops/unit.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 // device (csrc/pointwise.h's update_loss_scale). Signature: the schema in csrc/ops.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <cmath>

@@ -4,7 +4,9 @@
 // Signatures follow the schemas in csrc/ops.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <optional>

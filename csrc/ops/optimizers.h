@@ -4,7 +4,11 @@
 // follow the schemas in csrc/ops.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cmath>

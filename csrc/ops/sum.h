@@ -2,7 +2,8 @@
 // Signature: the schema in csrc/ops.cpp.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/sum.h>
 #include <torch/library.h>
 
 #include "../dispatch.h"

@@ -87,6 +87,8 @@ EXCEPTIONS: List[Tuple[str, str, str]] = [
      "PyTorch's own test suite (pytorch/pytorch's test/), which scripts/torch_suite.py runs"),
     ("docs/compatibility.md", "ATen/ATen.h",
      "a header of torch's C++ API, quoted for its error message"),
+    ("csrc/README.md", "{ATen,c10,torch}/*",
+     "torch's C++ headers (torch/include in its wheel), which the extension includes"),
 ]
 
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)

@@ -186,6 +186,24 @@ def test_build_isolation_stops_before_anything_is_downloaded():
     build_checks.check_not_isolated_early(["/opt/venv/lib/python3.11/site-packages"])
 
 
+# torch's umbrella headers, which a unit of the extension need not parse: in a CUDA unit
+# the headers are parsed four times (cudafe++, cicc for each architecture, g++), and
+# ATen/ATen.h with ATen/cuda/CUDAContext.h cost the CUDA Adam unit about 30 s of a core.
+UMBRELLA_HEADERS = ("ATen/ATen.h", "ATen/cuda/CUDAContext.h", "torch/extension.h",
+                    "torch/torch.h")
+
+
+def test_the_extension_includes_torch_headers_narrowly():
+    """Each source of the extension includes ATen/core/Tensor.h and the ATen/ops/ header of
+    each function it calls, not an umbrella header (csrc/README.md, "Adding an op")."""
+    found = [f"{path.relative_to(REPO)}: {header}"
+             for path in sorted((REPO / "csrc").rglob("*"))
+             if path.suffix in (".h", ".cpp", ".cu", ".cuh")
+             for header in UMBRELLA_HEADERS
+             if f"#include <{header}>" in path.read_text()]
+    assert not found, found
+
+
 def test_the_venv_holds_the_bytecode_of_its_packages():
     """Before: uv installed the venv's packages without their bytecode, and these machines
     set PYTHONDONTWRITEBYTECODE, so every process compiled torch's modules again (pytest
