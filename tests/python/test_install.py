@@ -11,10 +11,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+# What `make test` runs in: the repository's .venv (a test of what its install made).
+in_repo_venv = pytest.mark.skipif(Path(sys.prefix).resolve() != (REPO / ".venv").resolve(),
+                                  reason="runs in the repository's .venv (make test)")
+
+
+@in_repo_venv
 def test_the_venv_imports_mixedprec_without_pythonpath():
     """Before: `.venv/bin/python -c "import mixedprec"` failed unless PYTHONPATH was set."""
-    if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
-        pytest.skip("runs in the repository's .venv (make test)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", "import mixedprec; print(mixedprec.__file__)"],
                          cwd=tempfile.gettempdir(), env=env, capture_output=True, text=True,
@@ -204,12 +208,11 @@ def test_the_extension_includes_torch_headers_narrowly():
     assert not found, found
 
 
+@in_repo_venv
 def test_the_venv_holds_the_bytecode_of_its_packages():
     """Before: uv installed the venv's packages without their bytecode, and these machines
     set PYTHONDONTWRITEBYTECODE, so every process compiled torch's modules again (pytest
     17.5 min against 8.7). The Makefile's install compiles it, as pip does."""
-    if Path(sys.prefix).resolve() != (REPO / ".venv").resolve():
-        pytest.skip("runs in the repository's .venv (make test)")
     import importlib.util
 
     import torch
