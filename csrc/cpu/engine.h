@@ -195,8 +195,9 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                     \
     Vec sums[Tallies<Op>::count + 1] = {};                                                  \
     Vec* const tally = tally_sums<Op>(sums);                                                \
-    [[maybe_unused]] typename DRAWS::Drawn drawn[2];                                        \
-    [[maybe_unused]] bool drawn_next = false; /* drawn[1] is the next vector's */           \
+    [[maybe_unused]] typename DRAWS::Drawn drawn[DRAWS::kAhead];                            \
+    /* drawn[drawn_next .. drawn_count - 1]: the next vectors' bits */                      \
+    [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                   \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
@@ -215,12 +216,11 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
       if constexpr (DRAWS::value && DrawsPerVector<Op>::value) {                            \
-        if (drawn_next) {                                                                   \
-          bad |= apply_at(op, x, drawn[1], tally);                                          \
-          drawn_next = false;                                                               \
-        } else if (i + 2 * W <= end && DRAWS::draw(op.rounding.key, i, drawn)) {            \
+        if (drawn_next < drawn_count) {                                                     \
+          bad |= apply_at(op, x, drawn[drawn_next++], tally);                               \
+        } else if ((drawn_count = DRAWS::draw(op.rounding.key, i, end, drawn)) > 0) {       \
           bad |= apply_at(op, x, drawn[0], tally);                                          \
-          drawn_next = true;                                                                \
+          drawn_next = 1;                                                                   \
         } else {                                                                            \
           bad |= apply_at(op, x, DRAWS::index(i), tally);                                   \
         }                                                                                   \
@@ -286,14 +286,22 @@ inline void block_prefetch(const T* p) {
     typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                            \
     Vec sums[Tallies<Op>::count + 1] = {};                                                         \
     Vec* const tally = tally_sums<Op>(sums);                                                       \
-    NS::BlockBits random;                                                                          \
+    NS::BlockBits random[NS::kBlocksAhead];                                                        \
+    int next_bits = NS::kBlocksAhead; /* random[next_bits]: the next block's bits */               \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                           \
       const int64_t b = i / kQuantBlock;                                                           \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                                   \
             ? block_prefetch<VecStorage<Op, K, Ts>>(std::get<K>(v) + i)                            \
             : void()),                                                                             \
        ...);                                                                                       \
-      if (op.state_stochastic) NS::block_bits(op.state_key, i, random);                            \
+      const auto* bits = random[0];                                                                \
+      if (op.state_stochastic) {                                                                   \
+        if (next_bits == NS::kBlocksAhead) {                                                       \
+          NS::blocks_bits(op.state_key, i, end, random);                                           \
+          next_bits = 0;                                                                           \
+        }                                                                                          \
+        bits = random[next_bits++];                                                                \
+      }                                                                                            \
       const float scale[D] = {                                                                     \
           (kBlocked<Ts> && present<Op, K>(std::get<K>(v))                                          \
                ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])      \
@@ -317,7 +325,7 @@ inline void block_prefetch(const T* p) {
       ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))                \
             ? NS::store_block<J, NB>(                                                              \
                   std::get<K>(v) + i, static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
-                  kept, block_rank<K, Ts...>(), op.state_stochastic ? random : nullptr,            \
+                  kept, block_rank<K, Ts...>(), op.state_stochastic ? bits : nullptr,              \
                   block_rank<K, Ts...>() != 0)                                                     \
             : void()),                                                                             \
        ...);                                                                                       \

@@ -526,6 +526,12 @@ MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)
   _mm512_storeu_si512(
       out + 16, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 1)));
 }
+// The bits of the next kBlocksAhead blocks (the engine's block pass): one.
+constexpr int kBlocksAhead = 1;
+MP_AVX512 void blocks_bits(const RoundingKey& key, int64_t index, int64_t,
+                           BlockBits (&out)[kBlocksAhead]) {
+  avx512::block_bits(key, index, out[0]);
+}
 // 8-bit state (lanes.h): 16 e4m3 codes, decoded (through fp16: e4m3_fp16_words); the
 // codes of 16 values (|y| <= 448); a block of J vectors of list k stored with its
 // scale (the engine's block pass).
@@ -694,6 +700,11 @@ inline bool any(bool flag) { return flag; }
 using BlockBits = uint32_t[kQuantBlock];
 inline void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)[kQuantBlock]) {
   mixedprec::block_bits(key, index, out);
+}
+constexpr int kBlocksAhead = 1;
+inline void blocks_bits(const RoundingKey& key, int64_t index, int64_t,
+                        BlockBits (&out)[kBlocksAhead]) {
+  scalar::block_bits(key, index, out[0]);
 }
 template <int J, int D, typename T>
 inline void store_block(T*, uint8_t*, const float (&)[J][D], int, const uint32_t*, bool) {}

@@ -217,63 +217,77 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
   }
 };
 
-// Whether the pass over vectors V draws the stochastic rounding bits of two vectors at
-// once (Fixed modes that round params stochastically, pointwise.h's DrawsPerVector):
-// draw(key, index, out) gives both vectors' bits from one call of two interleaved
-// Philox chains when the 2W elements from local element index (W lanes a vector: 32
-// on AVX-512, 16 on AVX2) are consecutive from a multiple of 8 in the whole tensor,
-// else returns false (the pass then hands the functor the index, as ever). The chains'
-// latency halves, without the registers of a 2W-lane step (on AVX-512 a 64-lane step
-// spilled; on AVX2 one of 32 lanes was as fast as this): the first vector's update
-// runs while the second's bits wait.
+// Whether the pass over vectors V draws the stochastic rounding bits of several vectors
+// at once (Fixed modes that round params stochastically, pointwise.h's DrawsPerVector):
+// draw(key, index, end, out) gives the bits of the next kAhead vectors (or of two, near
+// `end`) from one call of as many interleaved Philox chains, and returns how many, when
+// those elements from local element index (W lanes a vector: 32 on AVX-512, 16 on AVX2)
+// are consecutive from a multiple of 8 in the whole tensor; else 0 (the pass then hands
+// the functor the index, as ever). One chain is ten dependent rounds, a few cycles
+// each, which the update's own chain cannot hide; side by side, the chains run at the
+// multiplier's and the shuffles' throughput. On AVX-512 two (a 64-lane step spilled);
+// on AVX2 eight, 128 elements a call (bench/README.md, "Philox bits drawn ahead").
 // index(i): what the pass hands the functor for a vector it drew no bits for.
 template <typename V>
 struct PairedDraws {
   static constexpr bool value = false;
+  static constexpr int kAhead = 1;
   using Drawn = int64_t;  // (unused)
-  static bool draw(const RoundingKey&, int64_t, Drawn (&)[2]) { return false; }
+  static int draw(const RoundingKey&, int64_t, int64_t, Drawn (&)[kAhead]) { return 0; }
   static int64_t index(int64_t i) { return i; }
 };
 template <>
 struct PairedDraws<VecF32> {
   static constexpr bool value = true;
+  static constexpr int kAhead = 2;
   using Drawn = DrawnVector<VecU16>;
-  MP_AVX512 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
+  MP_AVX512 static int draw(const RoundingKey& key, int64_t index, int64_t end,
+                            Drawn (&out)[kAhead]) {
     const int64_t g = key.global(index);
-    if (g % 8 != 0 || !key.consecutive(index, 64)) return false;
+    if (index + 64 > end || g % 8 != 0 || !key.consecutive(index, 64)) return 0;
     __m512i bits[2];
     philox_avx512::rounding_blocks<2>(key, static_cast<uint64_t>(g) / 8, bits);
     out[0].bits = (VecU16)bits[0];
     out[1].bits = (VecU16)bits[1];
-    return true;
+    return 2;
   }
   static int64_t index(int64_t i) { return i; }
 };
 template <>
 struct PairedDraws<VecF8x2> {
   static constexpr bool value = true;
+  static constexpr int kAhead = 8;
   using Drawn = DrawnVector<VecU8>;
-  MP_AVX2 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
+  // The bits of N vectors (a chain each) when they are consecutive from a multiple of 8.
+  template <int N>
+  MP_AVX2 static int draw_n(const RoundingKey& key, int64_t index, Drawn* out) {
     const int64_t g = key.global(index);
-    if (g % 8 != 0 || !key.consecutive(index, 32)) return false;
-    __m256i bits[2];
-    rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, bits);
-    out[0].bits = (VecU8)bits[0];
-    out[1].bits = (VecU8)bits[1];
-    return true;
+    if (g % 8 != 0 || !key.consecutive(index, 16 * N)) return 0;
+    __m256i bits[N];
+    rounding_blocks_avx2<N>(key, static_cast<uint64_t>(g) / 8, bits);
+    for (int j = 0; j < N; ++j) out[j].bits = (VecU8)bits[j];
+    return N;
+  }
+  MP_AVX2 static int draw(const RoundingKey& key, int64_t index, int64_t end,
+                          Drawn (&out)[kAhead]) {
+    if (index + 16 * kAhead <= end) {
+      if (const int n = draw_n<kAhead>(key, index, out)) return n;
+    }
+    return index + 32 <= end ? draw_n<2>(key, index, out) : 0;
   }
   static int64_t index(int64_t i) { return i; }
 };
 // The same draws for the even/odd pass, in its own types (EvenOddDrawn, EvenOddIndex).
 struct EvenOddDraws {
   static constexpr bool value = true;
+  static constexpr int kAhead = PairedDraws<VecF8x2>::kAhead;
   using Drawn = EvenOddDrawn;
-  MP_AVX2 static bool draw(const RoundingKey& key, int64_t index, Drawn (&out)[2]) {
-    PairedDraws<VecF8x2>::Drawn drawn[2];
-    if (!PairedDraws<VecF8x2>::draw(key, index, drawn)) return false;
-    out[0].bits = drawn[0].bits;
-    out[1].bits = drawn[1].bits;
-    return true;
+  MP_AVX2 static int draw(const RoundingKey& key, int64_t index, int64_t end,
+                          Drawn (&out)[kAhead]) {
+    PairedDraws<VecF8x2>::Drawn drawn[kAhead];
+    const int n = PairedDraws<VecF8x2>::draw(key, index, end, drawn);
+    for (int j = 0; j < n; ++j) out[j].bits = drawn[j].bits;
+    return n;
   }
   static EvenOddIndex index(int64_t i) { return {i}; }
 };
@@ -346,6 +360,8 @@ MP_AVX512 bool any(PairFlag<VecF16> flags) { return avx512::any(flags.a | flags.
 // blocks' stores as avx512's.
 using avx512::block_bits;
 using avx512::BlockBits;
+using avx512::blocks_bits;
+using avx512::kBlocksAhead;
 template <int J, int D, typename T>
 MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
 template <int J, int D>
@@ -404,8 +420,10 @@ MP_AVX2 bool any(PairFlag<VecF8> flags) { return avx2::any(flags.a | flags.b); }
 // A block's rounding bits as 16-bit halves (lanes.h's block_bits' values): 4 Philox
 // blocks in two interleaved chains (rounding_blocks_avx2), whose output is already the halves in
 // element order, when the block's elements are consecutive from a multiple of 8 in the whole tensor
-// (as a whole tensor's and a Shard(0) shard's are), else lanes.h's.
+// (as a whole tensor's and a Shard(0) shard's are), else lanes.h's. blocks_bits: those of
+// kBlocksAhead blocks in eight chains side by side (PairedDraws above says why).
 using BlockBits = uint16_t[kQuantBlock];
+constexpr int kBlocksAhead = 4;
 MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint16_t (&out)[kQuantBlock]) {
   const int64_t g = key.global(index);
   if (g % 8 != 0 || !key.consecutive(index, kQuantBlock)) {
@@ -418,6 +436,21 @@ MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint16_t (&out)[k
   rounding_blocks_avx2<2>(key, static_cast<uint64_t>(g) / 8, bits);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bits[0]);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), bits[1]);
+}
+MP_AVX2 void blocks_bits(const RoundingKey& key, int64_t index, int64_t end,
+                         BlockBits (&out)[kBlocksAhead]) {
+  constexpr int kChains = 2 * kBlocksAhead;  // (a chain: 16 elements)
+  const int64_t g = key.global(index);
+  if (index + kBlocksAhead * kQuantBlock <= end && g % 8 == 0 &&
+      key.consecutive(index, kBlocksAhead * kQuantBlock)) {
+    __m256i bits[kChains];
+    rounding_blocks_avx2<kChains>(key, static_cast<uint64_t>(g) / 8, bits);
+    for (int j = 0; j < kChains; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[j / 2] + 16 * (j % 2)), bits[j]);
+    return;
+  }
+  for (int b = 0; b < kBlocksAhead && index + b * kQuantBlock < end; ++b)
+    block_bits(key, index + b * kQuantBlock, out[b]);
 }
 // 8-bit state (lanes.h) through fp16: an e4m3fn code's sign and magnitude bits,
 // shifted, are the fp16 bits of its value / 2^8 (fp16's subnormals are e4m3's; the

@@ -278,15 +278,17 @@ torch.save(params, sys.argv[1])
 
 
 # The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
-# call), and the Fixed modes' passes draw two vectors' bits per call (vec_pair.h's
-# PairedDraws: 64 elements on AVX-512, 32 on AVX2): tensors around multiples of 32,
-# shards at offsets that are multiples of 8 (4 blocks at once) or not, runs that end
-# inside a 32-lane step but not a 16-lane one; through SGD's pass and through AdamW's.
+# call), and the Fixed modes' passes draw several vectors' bits per call (vec_pair.h's
+# PairedDraws: 64 elements on AVX-512; on AVX2 128, or 32 near a chunk's end or where a
+# run is shorter): tensors around multiples of 32 and 128, shards at offsets that are
+# multiples of 8 (4 blocks at once) or not, runs that end inside a 32-lane step but not
+# a 16-lane one, and runs of 40 and 48 (two vectors' bits at once, not eight); through
+# SGD's pass and through AdamW's.
 SHARDS_32 = """
 import sys
 import torch
 from mixedprec import ops
-sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40]
+sizes = [31, 32, 33, 48, 95, 200, 1029, 4096 + 40, 300, 257, 1000, 640, 383, 129]
 params = [(torch.arange(n) * 0.29).sin().bfloat16() for n in sizes]
 params[5][70], params[6][33], params[7][4100] = float("inf"), float("nan"), -float("inf")
 grads = [(torch.arange(n) * 0.13).cos() for n in sizes]
@@ -302,7 +304,7 @@ torch.save(params, sys.argv[1])
 """
 # With bf16 gradients, as autograd gives them to bf16 params: the engines' Fixed
 # stochastic modes (pointwise.h's LeanModes, which fp32 gradients on bf16 params do not
-# fit), whose passes draw two vectors' bits at once (vec_pair.h's PairedDraws).
+# fit), whose passes draw several vectors' bits at once (vec_pair.h's PairedDraws).
 ISA_SCRIPT_SGD_FIXED = SHARDS_32 + """
 buffers = [torch.zeros(n) for n in sizes]
 ops.fused_sgd_(params, [g.bfloat16() for g in grads], buffers, [], lr=0.01, momentum=0.9,
@@ -346,7 +348,8 @@ torch.save(params + m + v + sgd_params + buffers, sys.argv[1])
 def test_every_instruction_set_draws_the_same_bits(device, tmp_path, script):
     """The CPU engine's AVX-512 (Philox blocks per vector; for stochastic rounding 32
     lanes a step, 4 blocks per call, and in the Fixed modes two vectors' bits per call,
-    vec_pair.h), AVX2 and baseline loops
+    vec_pair.h), AVX2 (in the Fixed modes eight vectors' bits per call, or two) and
+    baseline loops
     (ATEN_CPU_CAPABILITY lowers the choice), vector lanes and tails, shards at offsets
     off multiples of 8 and runs (ending inside a 16- or 32-lane step): the same params
     bit for bit."""
