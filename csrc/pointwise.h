@@ -275,8 +275,9 @@ struct IsCounting<Fixed<Op, M, true>> : std::true_type {};
 // a vector's elements at once (multi_tensor_block.cuh's apply_vector, lanes.h's
 // vector_bits), one Philox call per vector where the functor's own rounding_bits makes
 // one per element, and hands each element its bits (DrawnBits); the CPU engine's
-// AVX-512 and AVX2 passes draw two vectors' bits per call (cpu/vec_pair.h's
-// PairedDraws).
+// AVX-512 and AVX2 passes draw several vectors' bits per call (two on AVX-512, eight on
+// AVX2, in its 8-bit block pass too: cpu/vec_pair.h's PairedDraws, cpu/engine.h's
+// apply_drawn).
 template <typename Op, typename = void>
 struct DrawsPerVector : std::false_type {};
 template <typename Op>

@@ -171,15 +171,42 @@ int in_counted_mode(const Op& op, void* const* data, F&& f) {
 template <typename Op, size_t K, typename T>
 using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
 
+// The DRAWS of a pass that draws no rounding bits ahead (the functor draws its own).
+struct NoDraws {
+  static constexpr bool value = false;
+  static constexpr int kAhead = 1;
+  using Drawn = int64_t;  // (unused)
+};
+
+// op.apply_at on vector x of element i, where the pass draws rounding bits ahead
+// (DRAWS, in a Fixed mode that rounds stochastically: DrawsPerVector) with those it drew
+// for x: drawn[next .. count - 1] are the next vectors', and when none is left it draws
+// up to DRAWS::kAhead more (of those before `end`), or hands op the index.
+template <typename DRAWS, typename Op, typename V, typename T>
+inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
+                        typename DRAWS::Drawn (&drawn)[DRAWS::kAhead], int& next, int& count) {
+  if constexpr (DRAWS::value && DrawsPerVector<Op>::value) {
+    if (next < count) return apply_at(op, x, drawn[next++], tally);
+    if ((count = DRAWS::draw(op.rounding.key, i, end, drawn)) > 0) {
+      next = 1;
+      return apply_at(op, x, drawn[0], tally);
+    }
+    return apply_at(op, x, DRAWS::index(i), tally);
+  } else {
+    (void)end, (void)drawn, (void)next, (void)count;
+    return apply_at(op, x, i, tally);
+  }
+}
+
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
 // the rest one at a time. op comes by value, so that its fields are loop invariants.
 // A per-tensor list is broadcast once, before the loop. `flatten` inlines the calls
 // of the loop (op.apply and, through it, the Lanes functions that carry a target
 // attribute, such as sqrt, which GCC would not inline into apply, a function without
 // one: they were calls through the PLT, per vector); elementwise stays a call. DRAWS:
-// how a stochastic Fixed mode gets its rounding bits, two vectors' at once (vec_pair.h's
-// PairedDraws of the pass's vector, or EvenOddDraws for the pass whose pair holds its
-// elements even and odd).
+// how a stochastic Fixed mode gets its rounding bits, several vectors' at once, up to
+// DRAWS::kAhead (apply_drawn; vec_pair.h's PairedDraws of the pass's vector, or
+// EvenOddDraws for the pass whose pair holds its elements even and odd).
 #define MP_PASS(NAME, TARGET, NS, DRAWS)                                                    \
   template <typename Op, typename... Ts, size_t... K>                                       \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,               \
@@ -215,18 +242,7 @@ using VecStorage = std::conditional_t<kPerTensorList<Op, K>, float, T>;
                    : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                 \
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
-      if constexpr (DRAWS::value && DrawsPerVector<Op>::value) {                            \
-        if (drawn_next < drawn_count) {                                                     \
-          bad |= apply_at(op, x, drawn[drawn_next++], tally);                               \
-        } else if ((drawn_count = DRAWS::draw(op.rounding.key, i, end, drawn)) > 0) {       \
-          bad |= apply_at(op, x, drawn[0], tally);                                          \
-          drawn_next = 1;                                                                   \
-        } else {                                                                            \
-          bad |= apply_at(op, x, DRAWS::index(i), tally);                                   \
-        }                                                                                   \
-      } else {                                                                              \
-        bad |= apply_at(op, x, i, tally);                                                   \
-      }                                                                                     \
+      bad |= apply_drawn<DRAWS>(op, x, i, end, tally, drawn, drawn_next, drawn_count);      \
       ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
             ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + i, x[K])        \
                                        : NS::store(std::get<K>(v) + i, x[K]))               \
@@ -269,8 +285,11 @@ inline void block_prefetch(const T* p) {
 // is known: its largest magnitude gives the new scale, then the codes
 // (NS::store_block). The scale lists are not offset by the element index: block
 // i / kQuantBlock of each is read and written. NS::BlockBits holds a block's rounding
-// bits in the form NS::store_block takes them.
-#define MP_BLOCK_PASS(NAME, TARGET, NS)                                                            \
+// bits in the form NS::store_block takes them; NS::blocks_bits draws those of the next
+// NS::kBlocksAhead blocks at once (of those before `end`). DRAWS: the params' rounding
+// bits, as MP_PASS's (AVX2's eight vectors', four blocks, at once; the others per
+// vector, in the functor).
+#define MP_BLOCK_PASS(NAME, TARGET, NS, DRAWS)                                                     \
   template <typename Op, typename... Ts, size_t... K>                                              \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                      \
                   std::index_sequence<K...>) {                                                     \
@@ -288,6 +307,8 @@ inline void block_prefetch(const T* p) {
     Vec* const tally = tally_sums<Op>(sums);                                                       \
     NS::BlockBits random[NS::kBlocksAhead];                                                        \
     int next_bits = NS::kBlocksAhead; /* random[next_bits]: the next block's bits */               \
+    [[maybe_unused]] typename DRAWS::Drawn drawn[DRAWS::kAhead]; /* the params' (MP_PASS) */       \
+    [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                          \
     for (int64_t i = begin; i < end; i += kQuantBlock) {                                           \
       const int64_t b = i / kQuantBlock;                                                           \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                                   \
@@ -314,7 +335,7 @@ inline void block_prefetch(const T* p) {
                          ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]                \
                                          : NS::load(std::get<K>(v) + at))                          \
                          : Vec{})...};                                                             \
-        bad |= apply_at(op, x, at, tally);                                                         \
+        bad |= apply_drawn<DRAWS>(op, x, at, end, tally, drawn, drawn_next, drawn_count);          \
         ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))             \
               ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + at, x[K])            \
                                          : NS::store(std::get<K>(v) + at, x[K]))                   \
@@ -335,11 +356,12 @@ inline void block_prefetch(const T* p) {
   }
 
 #if defined(MP_X86_ISA)
-MP_BLOCK_PASS(block_pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2)
+MP_BLOCK_PASS(block_pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2,
+              PairedDraws<VecF8x2>)
 MP_BLOCK_PASS(block_pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)),
-              avx512x2)
+              avx512x2, NoDraws)
 #endif
-MP_BLOCK_PASS(block_pass_scalar, , scalar)
+MP_BLOCK_PASS(block_pass_scalar, , scalar, NoDraws)
 #undef MP_BLOCK_PASS
 
 template <typename Op, typename... Ts, size_t... K>
