@@ -254,9 +254,8 @@ inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
   }
 
 #if defined(MP_X86_ISA)
-MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2, PairedDraws<VecF8>)
-MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512,
-        PairedDraws<VecF16>)
+MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2, NoDraws)
+MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512, NoDraws)
 MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2,
         PairedDraws<VecF32>)
 MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2, PairedDraws<VecF8x2>)

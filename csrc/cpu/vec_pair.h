@@ -227,15 +227,10 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
 // each, which the update's own chain cannot hide; side by side, the chains run at the
 // multiplier's and the shuffles' throughput. On AVX-512 two (a 64-lane step spilled);
 // on AVX2 eight, 128 elements a call (bench/README.md, "Philox bits drawn ahead").
-// index(i): what the pass hands the functor for a vector it drew no bits for.
+// index(i): what the pass hands the functor for a vector it drew no bits for. (A pass
+// that draws none: engine.h's NoDraws.)
 template <typename V>
-struct PairedDraws {
-  static constexpr bool value = false;
-  static constexpr int kAhead = 1;
-  using Drawn = int64_t;  // (unused)
-  static int draw(const RoundingKey&, int64_t, int64_t, Drawn (&)[kAhead]) { return 0; }
-  static int64_t index(int64_t i) { return i; }
-};
+struct PairedDraws;
 template <>
 struct PairedDraws<VecF32> {
   static constexpr bool value = true;
