@@ -314,7 +314,7 @@ inline void block_prefetch(const T* p) {
             ? block_prefetch<VecStorage<Op, K, Ts>>(std::get<K>(v) + i)                            \
             : void()),                                                                             \
        ...);                                                                                       \
-      const auto* bits = random[0];                                                                \
+      decltype(&random[0][0]) bits = nullptr; /* the 8-bit lists' rounding bits, if stochastic */  \
       if (op.state_stochastic) {                                                                   \
         if (next_bits == NS::kBlocksAhead) {                                                       \
           NS::blocks_bits(op.state_key, i, end, random);                                           \
@@ -345,8 +345,7 @@ inline void block_prefetch(const T* p) {
       ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))                \
             ? NS::store_block<J, NB>(                                                              \
                   std::get<K>(v) + i, static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + b, \
-                  kept, block_rank<K, Ts...>(), op.state_stochastic ? bits : nullptr,              \
-                  block_rank<K, Ts...>() != 0)                                                     \
+                  kept, block_rank<K, Ts...>(), bits, block_rank<K, Ts...>() != 0)                 \
             : void()),                                                                             \
        ...);                                                                                       \
     }                                                                                              \

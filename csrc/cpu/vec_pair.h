@@ -434,14 +434,13 @@ MP_AVX2 void block_bits(const RoundingKey& key, int64_t index, uint16_t (&out)[k
 }
 MP_AVX2 void blocks_bits(const RoundingKey& key, int64_t index, int64_t end,
                          BlockBits (&out)[kBlocksAhead]) {
-  constexpr int kChains = 2 * kBlocksAhead;  // (a chain: 16 elements)
-  const int64_t g = key.global(index);
-  if (index + kBlocksAhead * kQuantBlock <= end && g % 8 == 0 &&
-      key.consecutive(index, kBlocksAhead * kQuantBlock)) {
-    __m256i bits[kChains];
-    rounding_blocks_avx2<kChains>(key, static_cast<uint64_t>(g) / 8, bits);
-    for (int j = 0; j < kChains; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[j / 2] + 16 * (j % 2)), bits[j]);
+  constexpr int kVectors = 2 * kBlocksAhead;  // (16 elements a vector, a chain each)
+  PairedDraws<VecF8x2>::Drawn drawn[kVectors];
+  if (index + kBlocksAhead * kQuantBlock <= end &&
+      PairedDraws<VecF8x2>::draw_n<kVectors>(key, index, drawn)) {
+    for (int j = 0; j < kVectors; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[j / 2] + 16 * (j % 2)),
+                          (__m256i)drawn[j].bits);
     return;
   }
   for (int b = 0; b < kBlocksAhead && index + b * kQuantBlock < end; ++b)
