@@ -526,11 +526,28 @@ MP_AVX512 void block_bits(const RoundingKey& key, int64_t index, uint32_t (&out)
   _mm512_storeu_si512(
       out + 16, _mm512_maskz_cvtepu16_epi32(kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v, 1)));
 }
-// The bits of the next kBlocksAhead blocks (the engine's block pass): one.
-constexpr int kBlocksAhead = 1;
-MP_AVX512 void blocks_bits(const RoundingKey& key, int64_t index, int64_t,
+// The bits of the next kBlocksAhead blocks (the engine's block pass: a group of
+// vec_pair.h's kGroup blocks), of those before `end`: in kBlocksAhead chains of
+// Philox rounds side by side when the blocks' elements are consecutive from a multiple
+// of 8 in the whole tensor, else a block at a time.
+constexpr int kBlocksAhead = 8;
+MP_AVX512 void blocks_bits(const RoundingKey& key, int64_t index, int64_t end,
                            BlockBits (&out)[kBlocksAhead]) {
-  avx512::block_bits(key, index, out[0]);
+  const int64_t g = key.global(index);
+  if (g % 8 != 0 || index + kBlocksAhead * kQuantBlock > end ||
+      !key.consecutive(index, kBlocksAhead * kQuantBlock)) {
+    for (int b = 0; b < kBlocksAhead && index + b * kQuantBlock < end; ++b)
+      avx512::block_bits(key, index + b * kQuantBlock, out[b]);
+    return;
+  }
+  __m512i v[kBlocksAhead];
+  philox_avx512::rounding_blocks<kBlocksAhead>(key, static_cast<uint64_t>(g) / 8, v);
+  for (int b = 0; b < kBlocksAhead; ++b) {
+    _mm512_storeu_si512(out[b], _mm512_maskz_cvtepu16_epi32(
+                                    kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v[b], 0)));
+    _mm512_storeu_si512(out[b] + 16, _mm512_maskz_cvtepu16_epi32(
+                                         kAll16, _mm512_maskz_extracti64x4_epi64(kAll8, v[b], 1)));
+  }
 }
 // 8-bit state (lanes.h): 16 e4m3 codes, decoded (through fp16: e4m3_fp16_words); the
 // codes of 16 values (|y| <= 448); a block of J vectors of list k stored with its
@@ -556,21 +573,11 @@ __attribute__((target(MP_AVX512_TARGET), flatten)) inline __m512i stochastic_cod
       _mm512_cmp_ps_mask(_mm512_abs_ps((__m512)y), _mm512_set1_ps(0.015625f), _CMP_LT_OQ) != 0;
   return (__m512i)e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, (VecU16)r, small);
 }
-// A block of 32 values, lo and hi, of an 8-bit list: its largest |value| as bits (integer
-// order: NaN above inf above the finite values, in every version), its scale, and its
-// codes, to nearest even or stochastically with `random` (byte-swapped when `rotate`).
-MP_AVX512 void store_block_of(E4m3* p, uint8_t* scale, Vec lo, Vec hi, const uint32_t* random,
-                              bool rotate) {
-  const VecU16 a = (VecU16)lo & 0x7fffffffu, b = (VecU16)hi & 0x7fffffffu;
-  const VecU16 m = a > b ? a : b;
-  const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 0),
-                                        _mm512_maskz_extracti64x4_epi64(kAll8, (__m512i)m, 1));
-  __m128i q = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-  q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 0, 3, 2)));
-  q = _mm_max_epu32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1)));
-  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(q))));
-  const float inv = e8m0_inverse(bits);
-  const Vec y[2] = {lo * inv, hi * inv};
+// The codes of 32 values of an 8-bit list, lo and hi, already divided by their block's
+// scale (y: |y| <= 448): to nearest even, or stochastically with `random` (byte-swapped
+// when `rotate`). (The block's scale: vec_pair.h's store_blocks.)
+MP_AVX512 void store_block_codes(E4m3* p, Vec lo, Vec hi, const uint32_t* random, bool rotate) {
+  const Vec y[2] = {lo, hi};
   // the second 8-bit list's bits byte-swapped (rotate_bytes): bytes 1, 0 of each dword
   const __m512i swap = _mm512_set4_epi32(0x80800c0d, 0x80800809, 0x80800405, 0x80800001);
   for (int j = 0; j < 2; ++j) {
@@ -582,7 +589,6 @@ MP_AVX512 void store_block_of(E4m3* p, uint8_t* scale, Vec lo, Vec hi, const uin
     if (rotate) r = _mm512_shuffle_epi8(r, swap);
     store_codes(p + 16 * j, stochastic_codes(y[j], r));
   }
-  *scale = static_cast<uint8_t>(bits);
 }
 // A value already rounded to T (engine.h's stored_rounded): stored as any other here.
 template <typename T>
@@ -706,13 +712,15 @@ inline void blocks_bits(const RoundingKey& key, int64_t index, int64_t,
                         BlockBits (&out)[kBlocksAhead]) {
   scalar::block_bits(key, index, out[0]);
 }
-template <int J, int D, typename T>
-inline void store_block(T*, uint8_t*, const float (&)[J][D], int, const uint32_t*, bool) {}
-template <int J, int D>
-inline void store_block(E4m3* p, uint8_t* scale, const float (&x)[J][D], int k,
-                        const uint32_t* random, bool rotate) {
-  static_assert(J == kQuantBlock, "one float a time: a block is kQuantBlock steps");
-  store_block_of<D>(p, scale, x, k, random, rotate);
+// A group of kGroup blocks (the engine's block pass): one.
+constexpr int kGroup = 1;
+template <int G, int J, int D, typename T>
+inline void store_blocks(T*, uint8_t*, const float (&)[G][J][D], int, const uint32_t*, bool, int) {}
+template <int G, int J, int D>
+inline void store_blocks(E4m3* p, uint8_t* scale, const float (&x)[G][J][D], int k,
+                         const uint32_t* random, bool rotate, int) {
+  static_assert(G == 1 && J == kQuantBlock, "one float a time: a block is kQuantBlock steps");
+  store_block_of<D>(p, scale, x[0], k, random, rotate);
 }
 
 }  // namespace mixedprec::cpu::scalar

@@ -357,13 +357,76 @@ using avx512::block_bits;
 using avx512::BlockBits;
 using avx512::blocks_bits;
 using avx512::kBlocksAhead;
-template <int J, int D, typename T>
-MP_AVX512 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint32_t*, bool) {}
-template <int J, int D>
-MP_AVX512 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
-                           const uint32_t* random, bool rotate) {
-  static_assert(J == 1, "a block is one pair");
-  avx512::store_block_of(p, scale, x[0][k].a, x[0][k].b, random, rotate);
+// A group of kGroup blocks (the engine's block pass) of list k, n of them filled, x[q]
+// block q's pair: each block's largest |value| as bits (integer order: NaN above inf
+// above the finite values, in every version), all the group's at once: the halves'
+// maxima side by side, reduced across the blocks in four steps of two-source shuffles,
+// so that lane q holds block q's; then their scales (e8m0_scale_bits, lanes.h) in the
+// same lanes, the n scale bytes in one masked store, and each block's codes
+// (avx512::store_block_codes). Where a block's scale took one reduction, a trip
+// through a general register and back, and its scalar arithmetic in turn, the group's
+// take a few vector operations a block, and no block's codes wait on a chain of its
+// own (bench/README.md, "The 8-bit block pass in groups").
+constexpr int kGroup = 8;
+MP_AVX512 __m512i max_u32(__m512i a, __m512i b) {
+  return _mm512_maskz_max_epu32(avx512::kAll16, a, b);
+}
+static_assert(kBlocksAhead == kGroup, "a group's rounding bits are drawn at once");
+template <int G, int J, int D, typename T>
+MP_AVX512 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint32_t*, bool,
+                            int) {}
+template <int G, int J, int D>
+MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int k,
+                            const uint32_t* random, bool rotate, int n) {
+  static_assert(G == 8 && J == 1, "a group is eight blocks of one pair");
+  // (the masked forms of the intrinsics, as in vec.h: GCC 12 warns of the plain ones)
+  constexpr __mmask16 kAll16 = avx512::kAll16;
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  __m512i m[G];  // block q's 16 maxima of its halves' magnitudes (0 past n)
+  for (int q = 0; q < G; ++q) {
+    m[q] = _mm512_setzero_si512();
+    if (q < n) {
+      m[q] = max_u32(_mm512_and_si512((__m512i)x[q][0][k].a, magnitude),
+                              _mm512_and_si512((__m512i)x[q][0][k].b, magnitude));
+    }
+  }
+  // t[h]: 128-bit lanes 0, 1 block 2h's (8 maxima), 2, 3 block 2h + 1's
+  __m512i t[4];
+  for (int h = 0; h < 4; ++h) {
+    t[h] = max_u32(_mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // u[h]: 128-bit lane c block 4h + c's (4 maxima)
+  __m512i u[2];
+  for (int h = 0; h < 2; ++h) {
+    u[h] = max_u32(_mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // 128-bit lane c: block c's 2 maxima, then block c + 4's; then each its largest, twice
+  __m512i w = max_u32(_mm512_maskz_unpacklo_epi64(avx512::kAll8, u[0], u[1]), _mm512_maskz_unpackhi_epi64(avx512::kAll8, u[0], u[1]));
+  w = max_u32(w, _mm512_maskz_shuffle_epi32(kAll16, w, _MM_PERM_CDAB));
+  // lane q: block q's largest magnitude
+  const __m512i a = _mm512_maskz_permutexvar_epi32(
+      kAll16, 
+      _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), w);
+  // e8m0_scale_bits on every lane: 127 unless a > 0 (not for 0 or NaN)
+  const __mmask16 positive = _mm512_cmp_ps_mask((__m512)a, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __mmask16 above = _mm512_cmpgt_epi32_mask(
+      _mm512_and_si512(a, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x600000));
+  __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(kAll16, a, 23), _mm512_set1_epi32(8));
+  e = _mm512_mask_add_epi32(e, above, e, _mm512_set1_epi32(1));
+  e = _mm512_maskz_min_epi32(
+      kAll16, _mm512_maskz_max_epi32(kAll16, e, _mm512_set1_epi32(1)), _mm512_set1_epi32(253));
+  const __m512i bits = _mm512_mask_mov_epi32(_mm512_set1_epi32(127), positive, e);
+  _mm512_mask_cvtepi32_storeu_epi8(scale, static_cast<__mmask16>((1u << n) - 1u), bits);
+  alignas(64) float inverse[16];  // e8m0_inverse: 2^(127 - bits)
+  _mm512_store_si512(inverse, _mm512_maskz_slli_epi32(
+                                  kAll16, _mm512_sub_epi32(_mm512_set1_epi32(254), bits), 23));
+  for (int q = 0; q < n; ++q) {
+    avx512::store_block_codes(p + q * kQuantBlock, x[q][0][k].a * inverse[q],
+                              x[q][0][k].b * inverse[q],
+                              random == nullptr ? nullptr : random + q * kQuantBlock, rotate);
+  }
 }
 // (vcvtne2ps2bf16 leaves nothing to gain from a value already rounded: stored as any
 // other.)
@@ -503,12 +566,15 @@ MP_AVX2 bool any_small(VecF8 y) {
 // order: NaN above inf above the finite values, in every version), its scale, and its
 // codes in one 32-byte store; rounded to nearest even, or stochastically (as avx2's
 // lanes, then packed).
-template <int J, int D, typename T>
-MP_AVX2 void store_block(T*, uint8_t*, const Vec (&)[J][D], int, const uint16_t*, bool) {}
-template <int J, int D>
-MP_AVX2 void store_block(E4m3* p, uint8_t* scale, const Vec (&x)[J][D], int k,
-                         const uint16_t* random, bool rotate) {
-  static_assert(J == 2, "a block is two pairs");
+// A group (the engine's block pass) is one block.
+constexpr int kGroup = 1;
+template <int G, int J, int D, typename T>
+MP_AVX2 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint16_t*, bool, int) {}
+template <int G, int J, int D>
+MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&group)[G][J][D], int k,
+                          const uint16_t* random, bool rotate, int) {
+  static_assert(G == 1 && J == 2, "a group is one block of two pairs");
+  const Vec(&x)[J][D] = group[0];
   const VecU8 a0 = (VecU8)x[0][k].a & 0x7fffffffu, a1 = (VecU8)x[0][k].b & 0x7fffffffu;
   const VecU8 a2 = (VecU8)x[1][k].a & 0x7fffffffu, a3 = (VecU8)x[1][k].b & 0x7fffffffu;
   const __m256i m8 = _mm256_max_epu32(_mm256_max_epu32((__m256i)a0, (__m256i)a1),

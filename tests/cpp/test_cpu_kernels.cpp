@@ -1341,6 +1341,16 @@ TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   op.state_key.salt = 3;
   op.state_key.step = 7;
   check(float{});
+  // A shard's elements (RoundingKey's runs): blocks off a multiple of 8 in the whole
+  // tensor, and groups of blocks (vec_pair.h's kGroup) across the end of a run, whose
+  // bits are drawn a block at a time; then a multiple of 8 off the full tensor's start.
+  op.state_key.offset = 3;
+  op.state_key.run = 1000;
+  op.state_key.stride = 4096;
+  check(float{});
+  op.state_key.offset = 8 * 5;
+  op.state_key.run = 0;
+  check(c10::BFloat16{});
 }
 
 // 8-bit moments: scales come with 8-bit states only, both of Adam's together, one
