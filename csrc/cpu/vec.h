@@ -269,9 +269,12 @@ inline U e4m3_code_lanes(F y) {
 // engines' draws). The normal codes' bias is folded into one add (exact: their
 // magnitudes' bits are at least 968 << 20). `small`: whether any lane may be below
 // 2^-6 (the subnormal codes, zero included), whose float arithmetic the caller skips
-// when it knows none is (a NaN lane is not small).
+// when it knows none is (a NaN lane is not small); `finite`: whether the caller knows
+// every lane finite, hence at most 448 (a block's values over its scale, when the
+// block's largest is finite), whose codes then need no saturation and no NaN code:
+// a value of 448 or less rounds to 0x7e or less.
 template <typename F, typename I, typename U>
-inline U e4m3_code_stochastic_lanes(F y, U r, bool small = true) {
+inline U e4m3_code_stochastic_lanes(F y, U r, bool small = true, bool finite = false) {
   const U u = (U)y;
   const U abs_bits = u & 0x7fffffffu;
   const F a = (F)abs_bits;
@@ -281,8 +284,10 @@ inline U e4m3_code_stochastic_lanes(F y, U r, bool small = true) {
         a * 512.f + (__builtin_convertvector((I)r, F) + 0.5f) * 1.52587890625e-5f, I);
     code = a < 0.015625f ? sub : code;
   }
-  code = code > 0x7eu ? U{} + 0x7eu : code;
-  code = a != a ? U{} + 0x7fu : code;
+  if (!finite) {
+    code = code > 0x7eu ? U{} + 0x7eu : code;
+    code = a != a ? U{} + 0x7fu : code;
+  }
   return ((u >> 24) & 0x80u) | code;
 }
 
@@ -567,16 +572,18 @@ MP_AVX512 void store_codes(E4m3* p, __m512i codes) {
 // arithmetic only where a lane is below 2^-6. (flatten: the generic lanes function,
 // which carries no target, is inlined here at any optimisation level; an out-of-line
 // copy would take its 512-bit vectors by another calling convention.)
-__attribute__((target(MP_AVX512_TARGET), flatten)) inline __m512i stochastic_codes(Vec y,
-                                                                                   __m512i r) {
+__attribute__((target(MP_AVX512_TARGET), flatten)) inline __m512i stochastic_codes(
+    Vec y, __m512i r, bool finite = false) {
   const bool small =
       _mm512_cmp_ps_mask(_mm512_abs_ps((__m512)y), _mm512_set1_ps(0.015625f), _CMP_LT_OQ) != 0;
-  return (__m512i)e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, (VecU16)r, small);
+  return (__m512i)e4m3_code_stochastic_lanes<Vec, VecI16, VecU16>(y, (VecU16)r, small, finite);
 }
 // The codes of 32 values of an 8-bit list, lo and hi, already divided by their block's
 // scale (y: |y| <= 448): to nearest even, or stochastically with `random` (byte-swapped
-// when `rotate`). (The block's scale: vec_pair.h's store_blocks.)
-MP_AVX512 void store_block_codes(E4m3* p, Vec lo, Vec hi, const uint32_t* random, bool rotate) {
+// when `rotate`; `finite`: the block's values are, as e4m3_code_stochastic_lanes takes
+// it). (The block's scale: vec_pair.h's store_blocks.)
+MP_AVX512 void store_block_codes(E4m3* p, Vec lo, Vec hi, const uint32_t* random, bool rotate,
+                                 bool finite) {
   const Vec y[2] = {lo, hi};
   // the second 8-bit list's bits byte-swapped (rotate_bytes): bytes 1, 0 of each dword
   const __m512i swap = _mm512_set4_epi32(0x80800c0d, 0x80800809, 0x80800405, 0x80800001);
@@ -587,7 +594,7 @@ MP_AVX512 void store_block_codes(E4m3* p, Vec lo, Vec hi, const uint32_t* random
     }
     __m512i r = _mm512_loadu_si512(random + 16 * j);
     if (rotate) r = _mm512_shuffle_epi8(r, swap);
-    store_codes(p + 16 * j, stochastic_codes(y[j], r));
+    store_codes(p + 16 * j, stochastic_codes(y[j], r, finite));
   }
 }
 // A value already rounded to T (engine.h's stored_rounded): stored as any other here.

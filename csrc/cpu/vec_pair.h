@@ -418,6 +418,8 @@ MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], in
   e = _mm512_maskz_min_epi32(
       kAll16, _mm512_maskz_max_epi32(kAll16, e, _mm512_set1_epi32(1)), _mm512_set1_epi32(253));
   const __m512i bits = _mm512_mask_mov_epi32(_mm512_set1_epi32(127), positive, e);
+  // the blocks whose largest magnitude is finite (so is every value of theirs)
+  const __mmask16 finite = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f7fffff));
   _mm512_mask_cvtepi32_storeu_epi8(scale, static_cast<__mmask16>((1u << n) - 1u), bits);
   alignas(64) float inverse[16];  // e8m0_inverse: 2^(127 - bits)
   _mm512_store_si512(inverse, _mm512_maskz_slli_epi32(
@@ -425,7 +427,8 @@ MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], in
   for (int q = 0; q < n; ++q) {
     avx512::store_block_codes(p + q * kQuantBlock, x[q][0][k].a * inverse[q],
                               x[q][0][k].b * inverse[q],
-                              random == nullptr ? nullptr : random + q * kQuantBlock, rotate);
+                              random == nullptr ? nullptr : random + q * kQuantBlock, rotate,
+                              ((finite >> q) & 1u) != 0);
   }
 }
 // (vcvtne2ps2bf16 leaves nothing to gain from a value already rounded: stored as any
