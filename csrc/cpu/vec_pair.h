@@ -565,28 +565,14 @@ MP_AVX2 bool any_small(VecF8 y) {
   const __m256 a = _mm256_and_ps((__m256)y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
   return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ)) != 0;
 }
-// A block (J = 2 pairs, 32 elements) of list k: the largest |value| as bits (integer
-// order: NaN above inf above the finite values, in every version), its scale, and its
-// codes in one 32-byte store; rounded to nearest even, or stochastically (as avx2's
-// lanes, then packed).
-// A group (the engine's block pass) is one block.
-constexpr int kGroup = 1;
-template <int G, int J, int D, typename T>
-MP_AVX2 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint16_t*, bool, int) {}
-template <int G, int J, int D>
-MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&group)[G][J][D], int k,
-                          const uint16_t* random, bool rotate, int) {
-  static_assert(G == 1 && J == 2, "a group is one block of two pairs");
-  const Vec(&x)[J][D] = group[0];
-  const VecU8 a0 = (VecU8)x[0][k].a & 0x7fffffffu, a1 = (VecU8)x[0][k].b & 0x7fffffffu;
-  const VecU8 a2 = (VecU8)x[1][k].a & 0x7fffffffu, a3 = (VecU8)x[1][k].b & 0x7fffffffu;
-  const __m256i m8 = _mm256_max_epu32(_mm256_max_epu32((__m256i)a0, (__m256i)a1),
-                                      _mm256_max_epu32((__m256i)a2, (__m256i)a3));
-  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
-  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
-  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
-  const uint32_t bits = e8m0_scale_bits(bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m))));
-  const float inv = e8m0_inverse(bits);
+// The codes of a block (J = 2 pairs, 32 elements) of list k whose scale's inverse is
+// `inv`, in one 32-byte store: rounded to nearest even, or stochastically (as avx2's
+// lanes, then packed; `finite`: the block's values are, as e4m3_code_stochastic_lanes
+// takes it).
+template <int J, int D>
+MP_AVX2 void store_block_codes(E4m3* p, const Vec (&x)[J][D], int k, float inv,
+                               const uint16_t* random, bool rotate, bool finite) {
+  static_assert(J == 2, "a block is two pairs");
   __m256i codes;
   if (random == nullptr) {
     // Words of elements 0..15 and 16..31; packus interleaves the 128-bit halves.
@@ -602,9 +588,10 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&group)[G][J][D], 
       if (rotate) r = _mm256_shuffle_epi8(r, swap);
       const VecF8 ya = x[j][k].a * inv, yb = x[j][k].b * inv;
       c[2 * j] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
-          ya, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), any_small(ya));
+          ya, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), any_small(ya), finite);
       c[2 * j + 1] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
-          yb, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), any_small(yb));
+          yb, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), any_small(yb),
+          finite);
     }
     // Dwords to bytes; per 128-bit half the 4-byte groups come as q = 0..3 of that
     // half's elements, put in order by one dword permutation.
@@ -612,7 +599,65 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&group)[G][J][D], 
     codes = _mm256_permutevar8x32_epi32(codes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes);
-  *scale = static_cast<uint8_t>(bits);
+}
+// A group of kGroup blocks (the engine's block pass; the kBlocksAhead whose bits are
+// drawn at once) of list k, n of them filled, as avx512x2's store_blocks: each block's
+// largest |value| as bits (integer order), all the group's together (three steps of
+// shuffles across the blocks' maxima), their scales in the same lanes, then each
+// block's codes.
+constexpr int kGroup = 4;
+static_assert(kBlocksAhead == kGroup, "a group's rounding bits are drawn at once");
+template <int G, int J, int D, typename T>
+MP_AVX2 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint16_t*, bool, int) {}
+template <int G, int J, int D>
+MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int k,
+                          const uint16_t* random, bool rotate, int n) {
+  static_assert(G == 4 && J == 2, "a group is four blocks of two pairs");
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i m[G];  // block q's 8 maxima of its four vectors' magnitudes (0 past n)
+  for (int q = 0; q < G; ++q) {
+    m[q] = _mm256_setzero_si256();
+    if (q < n) {
+      m[q] = _mm256_max_epu32(
+          _mm256_max_epu32(_mm256_and_si256((__m256i)x[q][0][k].a, magnitude),
+                           _mm256_and_si256((__m256i)x[q][0][k].b, magnitude)),
+          _mm256_max_epu32(_mm256_and_si256((__m256i)x[q][1][k].a, magnitude),
+                           _mm256_and_si256((__m256i)x[q][1][k].b, magnitude)));
+    }
+  }
+  // t[h]: 128-bit half 0 block 2h's 4 maxima, half 1 block 2h + 1's
+  __m256i t[2];
+  for (int h = 0; h < 2; ++h) {
+    t[h] = _mm256_max_epu32(_mm256_permute2x128_si256(m[2 * h], m[2 * h + 1], 0x20),
+                            _mm256_permute2x128_si256(m[2 * h], m[2 * h + 1], 0x31));
+  }
+  // half h: block h's 2 maxima, then block h + 2's; then each its largest, twice
+  __m256i w = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  w = _mm256_max_epu32(w, _mm256_shuffle_epi32(w, _MM_SHUFFLE(2, 3, 0, 1)));
+  // lane q: block q's largest magnitude (q < 4)
+  const __m256i a = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 2, 6, 0, 0, 0, 0));
+  // e8m0_scale_bits on every lane: 127 unless a > 0 (not for 0 or NaN)
+  const __m256i positive =
+      _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(a), _mm256_setzero_ps(), _CMP_GT_OQ));
+  const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7fffff)),
+                                           _mm256_set1_epi32(0x600000));
+  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_add_epi32(above, _mm256_set1_epi32(8)));
+  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(1)), _mm256_set1_epi32(253));
+  const __m256i bits = _mm256_blendv_epi8(_mm256_set1_epi32(127), e, positive);
+  // the blocks whose largest magnitude is finite (so is every value of theirs)
+  const int finite = _mm256_movemask_ps(
+      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), a)));
+  alignas(32) uint32_t bytes[8];
+  alignas(32) float inverse[8];  // e8m0_inverse: 2^(127 - bits)
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), bits);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(inverse),
+                     _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(254), bits), 23));
+  for (int q = 0; q < n; ++q) {
+    scale[q] = static_cast<uint8_t>(bytes[q]);
+    store_block_codes<J, D>(p + q * kQuantBlock, x[q], k, inverse[q],
+                            random == nullptr ? nullptr : random + q * kQuantBlock, rotate,
+                            ((finite >> q) & 1) != 0);
+  }
 }
 // (other storage: stored as any other value)
 template <typename T>
