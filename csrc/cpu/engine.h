@@ -287,8 +287,8 @@ inline void block_prefetch(const T* p) {
 // written. NS::BlockBits holds a block's rounding bits in the form NS::store_blocks
 // takes them; NS::blocks_bits draws those of the next NS::kBlocksAhead blocks at once
 // (of those before `end`; a whole number of groups). DRAWS: the params' rounding bits,
-// as MP_PASS's (AVX2's eight vectors', four blocks, at once; the others per vector, in
-// the functor).
+// as MP_PASS's (AVX2's eight vectors', four blocks, at once; AVX-512's two, two blocks;
+// the scalar pass's per element, in the functor).
 #define MP_BLOCK_PASS(NAME, TARGET, NS, DRAWS)                                                     \
   template <typename Op, typename... Ts, size_t... K>                                              \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                      \
@@ -366,7 +366,7 @@ inline void block_prefetch(const T* p) {
 MP_BLOCK_PASS(block_pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2,
               PairedDraws<VecF8x2>)
 MP_BLOCK_PASS(block_pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)),
-              avx512x2, NoDraws)
+              avx512x2, PairedDraws<VecF32>)
 #endif
 MP_BLOCK_PASS(block_pass_scalar, , scalar, NoDraws)
 #undef MP_BLOCK_PASS
