@@ -289,77 +289,77 @@ inline void block_prefetch(const T* p) {
 // (of those before `end`; a whole number of groups). DRAWS: the params' rounding bits,
 // as MP_PASS's (AVX2's eight vectors', four blocks, at once; AVX-512's two, two blocks;
 // the scalar pass's per element, in the functor).
-#define MP_BLOCK_PASS(NAME, TARGET, NS, DRAWS)                                                     \
-  template <typename Op, typename... Ts, size_t... K>                                              \
-  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                      \
-                  std::index_sequence<K...>) {                                                     \
-    using Vec = NS::Vec;                                                                           \
-    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                             \
-    constexpr int J = static_cast<int>(kQuantBlock / W);                                           \
-    constexpr int D = sizeof...(K);                                                                \
-    constexpr int NB = kBlockedLists<Ts...>;                                                       \
-    constexpr int G = NS::kGroup;                                                                  \
-    static_assert(NS::kBlocksAhead % G == 0, "the bits of whole groups are drawn at once");        \
-    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                                 \
-        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                          \
-    const Vec per[D] = {                                                                           \
-        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};        \
-    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                            \
-    Vec sums[Tallies<Op>::count + 1] = {};                                                         \
-    Vec* const tally = tally_sums<Op>(sums);                                                       \
-    NS::BlockBits random[NS::kBlocksAhead];                                                        \
-    int next_bits = NS::kBlocksAhead; /* random[next_bits]: the next group's bits */               \
-    [[maybe_unused]] typename DRAWS::Drawn drawn[DRAWS::kAhead]; /* the params' (MP_PASS) */       \
-    [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                          \
-    for (int64_t first = begin; first < end; first += G * kQuantBlock) {                           \
-      const int n = static_cast<int>(std::min<int64_t>(G, (end - first) / kQuantBlock));           \
-      decltype(&random[0][0]) bits = nullptr; /* the 8-bit lists' rounding bits, if stochastic */  \
-      if (op.state_stochastic) {                                                                   \
-        if (next_bits == NS::kBlocksAhead) {                                                       \
-          NS::blocks_bits(op.state_key, first, end, random);                                       \
-          next_bits = 0;                                                                           \
-        }                                                                                          \
-        bits = random[next_bits];                                                                  \
-        next_bits += G;                                                                            \
-      }                                                                                            \
-      Vec kept[G][J][NB];                                                                          \
-      for (int q = 0; q < n; ++q) {                                                                \
-        const int64_t i = first + q * kQuantBlock;                                                 \
-        const int64_t b = i / kQuantBlock;                                                         \
-        ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                                 \
-              ? block_prefetch<VecStorage<Op, K, Ts>>(std::get<K>(v) + i)                          \
-              : void()),                                                                           \
-         ...);                                                                                     \
-        const float scale[D] = {                                                                   \
-            (kBlocked<Ts> && present<Op, K>(std::get<K>(v))                                        \
-                 ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])    \
-                 : 1.f)...};                                                                       \
-        for (int j = 0; j < J; ++j) {                                                              \
-          const int64_t at = i + j * W;                                                            \
-          Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                              \
-                       : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                    \
-                           ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]              \
-                                           : NS::load(std::get<K>(v) + at))                        \
-                           : Vec{})...};                                                           \
-          bad |= apply_drawn<DRAWS>(op, x, at, end, tally, drawn, drawn_next, drawn_count);        \
-          ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))           \
-                ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + at, x[K])          \
-                                           : NS::store(std::get<K>(v) + at, x[K]))                 \
-                : void()),                                                                         \
-           ...);                                                                                   \
-          ((kBlocked<Ts> ? (void)(kept[q][j][block_rank<K, Ts...>()] = x[K]) : void()), ...);      \
-        }                                                                                          \
-      }                                                                                            \
-      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))                \
-            ? NS::store_blocks<G, J, NB>(                                                          \
-                  std::get<K>(v) + first,                                                          \
-                  static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + first / kQuantBlock,   \
-                  kept, block_rank<K, Ts...>(), bits, block_rank<K, Ts...>() != 0, n)              \
-            : void()),                                                                             \
-       ...);                                                                                       \
-    }                                                                                              \
-    add_tallies<Op>(data, sums, end - begin);                                                      \
-    return NS::any(bad) ? 1 : 0;                                                                   \
+#define MP_BLOCK_PASS(NAME, TARGET, NS, DRAWS)                                                    \
+  template <typename Op, typename... Ts, size_t... K>                                             \
+  TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                     \
+                  std::index_sequence<K...>) {                                                    \
+    using Vec = NS::Vec;                                                                          \
+    constexpr int64_t W = sizeof(Vec) / sizeof(float);                                            \
+    constexpr int J = static_cast<int>(kQuantBlock / W);                                          \
+    constexpr int D = sizeof...(K);                                                               \
+    constexpr int NB = kBlockedLists<Ts...>;                                                      \
+    constexpr int G = NS::kGroup;                                                                 \
+    static_assert(NS::kBlocksAhead % G == 0, "the bits of whole groups are drawn at once");       \
+    const std::tuple<VecStorage<Op, K, Ts>*...> v{                                                \
+        static_cast<VecStorage<Op, K, Ts>*>(data[K])...};                                         \
+    const Vec per[D] = {                                                                          \
+        (kPerTensorList<Op, K> ? NS::broadcast(per_tensor_value<Ts>(data[K])) : Vec{})...};       \
+    typename Lanes<Vec>::Flag bad = Lanes<Vec>::none();                                           \
+    Vec sums[Tallies<Op>::count + 1] = {};                                                        \
+    Vec* const tally = tally_sums<Op>(sums);                                                      \
+    NS::BlockBits random[NS::kBlocksAhead];                                                       \
+    int next_bits = NS::kBlocksAhead; /* random[next_bits]: the next group's bits */              \
+    [[maybe_unused]] typename DRAWS::Drawn drawn[DRAWS::kAhead]; /* the params' (MP_PASS) */      \
+    [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                         \
+    for (int64_t first = begin; first < end; first += G * kQuantBlock) {                          \
+      const int n = static_cast<int>(std::min<int64_t>(G, (end - first) / kQuantBlock));          \
+      decltype(&random[0][0]) bits = nullptr; /* the 8-bit lists' rounding bits, if stochastic */ \
+      if (op.state_stochastic) {                                                                  \
+        if (next_bits == NS::kBlocksAhead) {                                                      \
+          NS::blocks_bits(op.state_key, first, end, random);                                      \
+          next_bits = 0;                                                                          \
+        }                                                                                         \
+        bits = random[next_bits];                                                                 \
+        next_bits += G;                                                                           \
+      }                                                                                           \
+      Vec kept[G][J][NB];                                                                         \
+      for (int q = 0; q < n; ++q) {                                                               \
+        const int64_t i = first + q * kQuantBlock;                                                \
+        const int64_t b = i / kQuantBlock;                                                        \
+        ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                                \
+              ? block_prefetch<VecStorage<Op, K, Ts>>(std::get<K>(v) + i)                         \
+              : void()),                                                                          \
+         ...);                                                                                    \
+        const float scale[D] = {                                                                  \
+            (kBlocked<Ts> && present<Op, K>(std::get<K>(v))                                       \
+                 ? e8m0_value(static_cast<const uint8_t*>(data[scale_list<Op, K, Ts...>()])[b])   \
+                 : 1.f)...};                                                                      \
+        for (int j = 0; j < J; ++j) {                                                             \
+          const int64_t at = i + j * W;                                                           \
+          Vec x[D] = {(kPerTensorList<Op, K> ? per[K]                                             \
+                       : loaded_list<Op, K>() && present<Op, K>(std::get<K>(v))                   \
+                           ? (kBlocked<Ts> ? NS::load(std::get<K>(v) + at) * scale[K]             \
+                                           : NS::load(std::get<K>(v) + at))                       \
+                           : Vec{})...};                                                          \
+          bad |= apply_drawn<DRAWS>(op, x, at, end, tally, drawn, drawn_next, drawn_count);       \
+          ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))          \
+                ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + at, x[K])         \
+                                           : NS::store(std::get<K>(v) + at, x[K]))                \
+                : void()),                                                                        \
+           ...);                                                                                  \
+          ((kBlocked<Ts> ? (void)(kept[q][j][block_rank<K, Ts...>()] = x[K]) : void()), ...);     \
+        }                                                                                         \
+      }                                                                                           \
+      ((((Op::kWrites >> K) & 1u) && kBlocked<Ts> && present<Op, K>(std::get<K>(v))               \
+            ? NS::store_blocks<G, J, NB>(                                                         \
+                  std::get<K>(v) + first,                                                         \
+                  static_cast<uint8_t*>(data[scale_list<Op, K, Ts...>()]) + first / kQuantBlock,  \
+                  kept, block_rank<K, Ts...>(), bits, block_rank<K, Ts...>() != 0, n)             \
+            : void()),                                                                            \
+       ...);                                                                                      \
+    }                                                                                             \
+    add_tallies<Op>(data, sums, end - begin);                                                     \
+    return NS::any(bad) ? 1 : 0;                                                                  \
   }
 
 #if defined(MP_X86_ISA)

@@ -373,8 +373,8 @@ MP_AVX512 __m512i max_u32(__m512i a, __m512i b) {
 }
 static_assert(kBlocksAhead == kGroup, "a group's rounding bits are drawn at once");
 template <int G, int J, int D, typename T>
-MP_AVX512 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint32_t*, bool,
-                            int) {}
+MP_AVX512 void store_blocks(T*, uint8_t*, const Vec (&)[G][J][D], int, const uint32_t*, bool, int) {
+}
 template <int G, int J, int D>
 MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int k,
                             const uint32_t* random, bool rotate, int n) {
@@ -387,48 +387,49 @@ MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], in
     m[q] = _mm512_setzero_si512();
     if (q < n) {
       m[q] = max_u32(_mm512_and_si512((__m512i)x[q][0][k].a, magnitude),
-                              _mm512_and_si512((__m512i)x[q][0][k].b, magnitude));
+                     _mm512_and_si512((__m512i)x[q][0][k].b, magnitude));
     }
   }
   // t[h]: 128-bit lanes 0, 1 block 2h's (8 maxima), 2, 3 block 2h + 1's
   __m512i t[4];
   for (int h = 0; h < 4; ++h) {
-    t[h] = max_u32(_mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    t[h] = max_u32(
+        _mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_maskz_shuffle_i32x4(kAll16, m[2 * h], m[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   }
   // u[h]: 128-bit lane c block 4h + c's (4 maxima)
   __m512i u[2];
   for (int h = 0; h < 2; ++h) {
-    u[h] = max_u32(_mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    u[h] = max_u32(
+        _mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm512_maskz_shuffle_i32x4(kAll16, t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
   // 128-bit lane c: block c's 2 maxima, then block c + 4's; then each its largest, twice
-  __m512i w = max_u32(_mm512_maskz_unpacklo_epi64(avx512::kAll8, u[0], u[1]), _mm512_maskz_unpackhi_epi64(avx512::kAll8, u[0], u[1]));
+  __m512i w = max_u32(_mm512_maskz_unpacklo_epi64(avx512::kAll8, u[0], u[1]),
+                      _mm512_maskz_unpackhi_epi64(avx512::kAll8, u[0], u[1]));
   w = max_u32(w, _mm512_maskz_shuffle_epi32(kAll16, w, _MM_PERM_CDAB));
   // lane q: block q's largest magnitude
   const __m512i a = _mm512_maskz_permutexvar_epi32(
-      kAll16, 
-      _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), w);
+      kAll16, _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), w);
   // e8m0_scale_bits on every lane: 127 unless a > 0 (not for 0 or NaN)
   const __mmask16 positive = _mm512_cmp_ps_mask((__m512)a, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __mmask16 above = _mm512_cmpgt_epi32_mask(
-      _mm512_and_si512(a, _mm512_set1_epi32(0x7fffff)), _mm512_set1_epi32(0x600000));
+  const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_and_si512(a, _mm512_set1_epi32(0x7fffff)),
+                                                  _mm512_set1_epi32(0x600000));
   __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(kAll16, a, 23), _mm512_set1_epi32(8));
   e = _mm512_mask_add_epi32(e, above, e, _mm512_set1_epi32(1));
-  e = _mm512_maskz_min_epi32(
-      kAll16, _mm512_maskz_max_epi32(kAll16, e, _mm512_set1_epi32(1)), _mm512_set1_epi32(253));
+  e = _mm512_maskz_min_epi32(kAll16, _mm512_maskz_max_epi32(kAll16, e, _mm512_set1_epi32(1)),
+                             _mm512_set1_epi32(253));
   const __m512i bits = _mm512_mask_mov_epi32(_mm512_set1_epi32(127), positive, e);
   // the blocks whose largest magnitude is finite (so is every value of theirs)
   const __mmask16 finite = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f7fffff));
   _mm512_mask_cvtepi32_storeu_epi8(scale, static_cast<__mmask16>((1u << n) - 1u), bits);
   alignas(64) float inverse[16];  // e8m0_inverse: 2^(127 - bits)
-  _mm512_store_si512(inverse, _mm512_maskz_slli_epi32(
-                                  kAll16, _mm512_sub_epi32(_mm512_set1_epi32(254), bits), 23));
+  _mm512_store_si512(
+      inverse, _mm512_maskz_slli_epi32(kAll16, _mm512_sub_epi32(_mm512_set1_epi32(254), bits), 23));
   for (int q = 0; q < n; ++q) {
-    avx512::store_block_codes(p + q * kQuantBlock, x[q][0][k].a * inverse[q],
-                              x[q][0][k].b * inverse[q],
-                              random == nullptr ? nullptr : random + q * kQuantBlock, rotate,
-                              ((finite >> q) & 1u) != 0);
+    avx512::store_block_codes(
+        p + q * kQuantBlock, x[q][0][k].a * inverse[q], x[q][0][k].b * inverse[q],
+        random == nullptr ? nullptr : random + q * kQuantBlock, rotate, ((finite >> q) & 1u) != 0);
   }
 }
 // (vcvtne2ps2bf16 leaves nothing to gain from a value already rounded: stored as any
@@ -590,8 +591,7 @@ MP_AVX2 void store_block_codes(E4m3* p, const Vec (&x)[J][D], int k, float inv,
       c[2 * j] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
           ya, (VecU8)_mm256_cvtepu16_epi32(_mm256_castsi256_si128(r)), any_small(ya), finite);
       c[2 * j + 1] = (__m256i)e4m3_code_stochastic_lanes<VecF8, VecI8, VecU8>(
-          yb, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), any_small(yb),
-          finite);
+          yb, (VecU8)_mm256_cvtepu16_epi32(_mm256_extracti128_si256(r, 1)), any_small(yb), finite);
     }
     // Dwords to bytes; per 128-bit half the 4-byte groups come as q = 0..3 of that
     // half's elements, put in order by one dword permutation.
@@ -618,11 +618,10 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int 
   for (int q = 0; q < G; ++q) {
     m[q] = _mm256_setzero_si256();
     if (q < n) {
-      m[q] = _mm256_max_epu32(
-          _mm256_max_epu32(_mm256_and_si256((__m256i)x[q][0][k].a, magnitude),
-                           _mm256_and_si256((__m256i)x[q][0][k].b, magnitude)),
-          _mm256_max_epu32(_mm256_and_si256((__m256i)x[q][1][k].a, magnitude),
-                           _mm256_and_si256((__m256i)x[q][1][k].b, magnitude)));
+      m[q] = _mm256_max_epu32(_mm256_max_epu32(_mm256_and_si256((__m256i)x[q][0][k].a, magnitude),
+                                               _mm256_and_si256((__m256i)x[q][0][k].b, magnitude)),
+                              _mm256_max_epu32(_mm256_and_si256((__m256i)x[q][1][k].a, magnitude),
+                                               _mm256_and_si256((__m256i)x[q][1][k].b, magnitude)));
     }
   }
   // t[h]: 128-bit half 0 block 2h's 4 maxima, half 1 block 2h + 1's
@@ -632,7 +631,8 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int 
                             _mm256_permute2x128_si256(m[2 * h], m[2 * h + 1], 0x31));
   }
   // half h: block h's 2 maxima, then block h + 2's; then each its largest, twice
-  __m256i w = _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
+  __m256i w =
+      _mm256_max_epu32(_mm256_unpacklo_epi64(t[0], t[1]), _mm256_unpackhi_epi64(t[0], t[1]));
   w = _mm256_max_epu32(w, _mm256_shuffle_epi32(w, _MM_SHUFFLE(2, 3, 0, 1)));
   // lane q: block q's largest magnitude (q < 4)
   const __m256i a = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 2, 6, 0, 0, 0, 0));
@@ -641,12 +641,13 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int 
       _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(a), _mm256_setzero_ps(), _CMP_GT_OQ));
   const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7fffff)),
                                            _mm256_set1_epi32(0x600000));
-  __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_add_epi32(above, _mm256_set1_epi32(8)));
+  __m256i e =
+      _mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_add_epi32(above, _mm256_set1_epi32(8)));
   e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(1)), _mm256_set1_epi32(253));
   const __m256i bits = _mm256_blendv_epi8(_mm256_set1_epi32(127), e, positive);
   // the blocks whose largest magnitude is finite (so is every value of theirs)
-  const int finite = _mm256_movemask_ps(
-      _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), a)));
+  const int finite =
+      _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), a)));
   alignas(32) uint32_t bytes[8];
   alignas(32) float inverse[8];  // e8m0_inverse: 2^(127 - bits)
   _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), bits);

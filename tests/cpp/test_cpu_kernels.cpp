@@ -1272,6 +1272,110 @@ TEST(EightBitState, Avx512CodecMatchesTheScalarOne) {
 }
 #endif
 
+#if defined(MP_X86_ISA)
+// A group of blocks' codes and scales (vec_pair.h's store_blocks: the group's scales
+// found together, and the codes of the blocks whose largest magnitude is finite without
+// saturation or NaN codes) against lanes.h's store_block_of, block by block: n of the
+// group filled, list k of two, nearest or stochastic codes, the second list's bits
+// byte-swapped. values[q * 32 + j]: element j of block q.
+__attribute__((target(MP_AVX512_TARGET))) void avx512_group_store(const float* values, int n, int k,
+                                                                  const uint32_t* random,
+                                                                  E4m3* codes, uint8_t* scales) {
+  VecF32 x[cpu::avx512x2::kGroup][1][2] = {};
+  for (int q = 0; q < n; ++q) {
+    memcpy(&x[q][0][k].a, values + q * kQuantBlock, 64);
+    memcpy(&x[q][0][k].b, values + q * kQuantBlock + 16, 64);
+  }
+  cpu::avx512x2::store_blocks<cpu::avx512x2::kGroup, 1, 2>(codes, scales, x, k, random, k != 0, n);
+}
+__attribute__((target(MP_AVX2_TARGET))) void avx2_group_store(const float* values, int n, int k,
+                                                              const uint32_t* random, E4m3* codes,
+                                                              uint8_t* scales) {
+  constexpr int G = cpu::avx2x2::kGroup;
+  VecF8x2 x[G][2][2] = {};
+  uint16_t bits[G * kQuantBlock];
+  for (int q = 0; q < n; ++q) {
+    for (int j = 0; j < 2; ++j) {
+      memcpy(&x[q][j][k].a, values + q * kQuantBlock + 16 * j, 32);
+      memcpy(&x[q][j][k].b, values + q * kQuantBlock + 16 * j + 8, 32);
+    }
+  }
+  for (int i = 0; random != nullptr && i < G * kQuantBlock; ++i)
+    bits[i] = static_cast<uint16_t>(random[i]);
+  cpu::avx2x2::store_blocks<G, 2, 2>(codes, scales, x, k, random == nullptr ? nullptr : bits,
+                                     k != 0, n);
+}
+TEST(EightBitState, GroupStoresMatchTheScalarBlockStore) {
+  const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+  const bool has_avx512 = has_avx2 && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (!has_avx2) GTEST_SKIP();
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> power(-140, 120);
+  constexpr int kBlocks = 8;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float values[kBlocks * kQuantBlock];
+  uint32_t random[kBlocks * kQuantBlock];
+  for (int round = 0; round < 200; ++round) {
+    for (int q = 0; q < kBlocks; ++q) {
+      const float scale = std::ldexp(1.f, power(gen));
+      for (int j = 0; j < kQuantBlock; ++j) values[q * kQuantBlock + j] = normal(gen) * scale;
+    }
+    // special blocks: a NaN, an inf, zeros, the largest float, a block at 448 times a
+    // power of two, subnormal values
+    float* v = values + (round % kBlocks) * kQuantBlock;
+    switch (round % 7) {
+      case 0: v[round % kQuantBlock] = NAN; break;
+      case 1: v[round % kQuantBlock] = round % 2 ? kInf : -kInf; break;
+      case 2: std::fill(v, v + kQuantBlock, 0.f); break;
+      case 3: v[3] = std::numeric_limits<float>::max(); break;
+      case 4: v[5] = -448.f * std::ldexp(1.f, round % 40 - 20); break;
+      case 5:
+        for (int j = 0; j < kQuantBlock; ++j) v[j] = std::ldexp(normal(gen), -140);
+        break;
+      default: break;
+    }
+    for (auto& r : random) r = static_cast<uint32_t>(gen()) & 0xffffu;
+    for (int k = 0; k < 2; ++k) {
+      for (const uint32_t* bits :
+           {static_cast<const uint32_t*>(nullptr), static_cast<const uint32_t*>(random)}) {
+        E4m3 want[kBlocks * kQuantBlock];
+        uint8_t want_scales[kBlocks];
+        for (int q = 0; q < kBlocks; ++q) {
+          float x[kQuantBlock][2] = {};
+          for (int j = 0; j < kQuantBlock; ++j) x[j][k] = values[q * kQuantBlock + j];
+          store_block_of<2>(want + q * kQuantBlock, want_scales + q, x, k,
+                            bits == nullptr ? nullptr : bits + q * kQuantBlock, k != 0);
+        }
+        auto check = [&](auto group_store, int group, const char* isa) {
+          for (int first = 0; first < kBlocks; first += group) {
+            const int n = std::min(group, 1 + round % group);  // a partial group too
+            E4m3 got[kBlocks * kQuantBlock] = {};
+            uint8_t got_scales[kBlocks] = {};
+            group_store(values + first * kQuantBlock, n, k,
+                        bits == nullptr ? nullptr : bits + first * kQuantBlock, got, got_scales);
+            for (int q = 0; q < n; ++q) {
+              ASSERT_EQ(got_scales[q], want_scales[first + q])
+                  << isa << " round " << round << " block " << first + q;
+              for (int j = 0; j < kQuantBlock; ++j) {
+                ASSERT_EQ(got[q * kQuantBlock + j].bits, want[(first + q) * kQuantBlock + j].bits)
+                    << isa << " round " << round << " block " << first + q << " element " << j
+                    << " value " << values[(first + q) * kQuantBlock + j];
+              }
+            }
+          }
+        };
+        check(avx2_group_store, cpu::avx2x2::kGroup, "avx2");
+        if (has_avx512) check(avx512_group_store, cpu::avx512x2::kGroup, "avx512");
+      }
+    }
+  }
+}
+#endif
+
 // Every instruction set gives the scalar path's bytes (the engine's block passes).
 TEST(EightBitState, VectorPassesMatchTheScalarPass) {
   at::manual_seed(21);
