@@ -366,7 +366,7 @@ using avx512::kBlocksAhead;
 // (avx512::store_block_codes). Where a block's scale took one reduction, a trip
 // through a general register and back, and its scalar arithmetic in turn, the group's
 // take a few vector operations a block, and no block's codes wait on a chain of its
-// own (bench/README.md, "The 8-bit block pass in groups").
+// own (bench/README.md, "The 8-bit block pass in groups of blocks").
 constexpr int kGroup = 8;
 MP_AVX512 __m512i max_u32(__m512i a, __m512i b) {
   return _mm512_maskz_max_epu32(avx512::kAll16, a, b);
