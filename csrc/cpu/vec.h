@@ -250,6 +250,19 @@ inline F split_bf16_lanes(F master, F& remainder) {
   return nan ? master : high;
 }
 
+// e8m0_scale_bits (lanes.h) on every lane: the scale bytes of blocks whose largest
+// magnitudes' bits are a (sign clear; the engines' group stores, vec_pair.h), 127 for 0
+// and NaN, in 32-bit lanes (F: the float vector; I, U: the int32 and uint32 vectors of
+// its width).
+template <typename F, typename I, typename U>
+inline U e8m0_scale_bits_lanes(U a) {
+  // (the comparison is -1 where the mantissa is above 0x600000: e = E - 127 - 7 there)
+  I e = (I)(a >> 23) - 8 - (I)((a & 0x7fffffu) > 0x600000u);
+  e = e < 1 ? I{} + 1 : e;
+  e = e > 253 ? I{} + 253 : e;
+  return (U)((F)a > 0.f ? e : I{} + 127);
+}
+
 // e4m3_code (lanes.h) on every lane, codes in 32-bit lanes (F: the float vector; I, U:
 // the int32 and uint32 vectors of its width). (The decode: e4m3_fp16_words.)
 template <typename F, typename I, typename U>

@@ -411,15 +411,7 @@ MP_AVX512 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], in
   // lane q: block q's largest magnitude
   const __m512i a = _mm512_maskz_permutexvar_epi32(
       kAll16, _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0), w);
-  // e8m0_scale_bits on every lane: 127 unless a > 0 (not for 0 or NaN)
-  const __mmask16 positive = _mm512_cmp_ps_mask((__m512)a, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __mmask16 above = _mm512_cmpgt_epi32_mask(_mm512_and_si512(a, _mm512_set1_epi32(0x7fffff)),
-                                                  _mm512_set1_epi32(0x600000));
-  __m512i e = _mm512_sub_epi32(_mm512_maskz_srli_epi32(kAll16, a, 23), _mm512_set1_epi32(8));
-  e = _mm512_mask_add_epi32(e, above, e, _mm512_set1_epi32(1));
-  e = _mm512_maskz_min_epi32(kAll16, _mm512_maskz_max_epi32(kAll16, e, _mm512_set1_epi32(1)),
-                             _mm512_set1_epi32(253));
-  const __m512i bits = _mm512_mask_mov_epi32(_mm512_set1_epi32(127), positive, e);
+  const __m512i bits = (__m512i)e8m0_scale_bits_lanes<VecF16, VecI16, VecU16>((VecU16)a);
   // the blocks whose largest magnitude is finite (so is every value of theirs)
   const __mmask16 finite = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f7fffff));
   _mm512_mask_cvtepi32_storeu_epi8(scale, static_cast<__mmask16>((1u << n) - 1u), bits);
@@ -636,15 +628,7 @@ MP_AVX2 void store_blocks(E4m3* p, uint8_t* scale, const Vec (&x)[G][J][D], int 
   w = _mm256_max_epu32(w, _mm256_shuffle_epi32(w, _MM_SHUFFLE(2, 3, 0, 1)));
   // lane q: block q's largest magnitude (q < 4)
   const __m256i a = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 2, 6, 0, 0, 0, 0));
-  // e8m0_scale_bits on every lane: 127 unless a > 0 (not for 0 or NaN)
-  const __m256i positive =
-      _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(a), _mm256_setzero_ps(), _CMP_GT_OQ));
-  const __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7fffff)),
-                                           _mm256_set1_epi32(0x600000));
-  __m256i e =
-      _mm256_sub_epi32(_mm256_srli_epi32(a, 23), _mm256_add_epi32(above, _mm256_set1_epi32(8)));
-  e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(1)), _mm256_set1_epi32(253));
-  const __m256i bits = _mm256_blendv_epi8(_mm256_set1_epi32(127), e, positive);
+  const __m256i bits = (__m256i)e8m0_scale_bits_lanes<VecF8, VecI8, VecU8>((VecU8)a);
   // the blocks whose largest magnitude is finite (so is every value of theirs)
   const int finite =
       _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800000), a)));
