@@ -29,9 +29,10 @@
 #   bench-lean   bench/lean.py on the GPU (issue #11's modes; not in the default run:
 #                name it in a call of its own)
 #   bench-memory bench/memory.py on the GPU, GPT-2-medium's shape (issue #32's bytes per
-#                parameter from max_memory_allocated; not in the default run)
-# With no STEP: selfcheck, then pytest+memcheck+racecheck+synccheck at once (they share
-# the 16 cores and the GPU; none of them times anything), then the benchmarks alone;
+#                parameter from max_memory_allocated; it measures bytes, not time)
+# With no STEP: selfcheck, then pytest+memcheck+racecheck+synccheck+bench-memory at once
+# (they share the 16 cores and the GPU; none of them times anything), then the timed
+# benchmarks alone;
 # with the extension carried over (MIXEDPREC_PREBUILT=1) the limits add up to 530 s
 # (560 s with the seconds timeout may take to stop each), under the 600 s a call on the
 # lent machines may take; building in place instead takes a call of its own. A STEP written A+B+... runs
@@ -87,7 +88,11 @@ export PY CUDA_BIN SANITIZER
 
 ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
   bench-lean bench-memory)
-DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck bench)
+# bench-memory beside the tests: its numbers are bytes (max_memory_allocated is the
+# process's own), which sharing the machine leaves as they are, and its 120 s fit within
+# memcheck's 340 (2026-11-28: this grouping, then bench-ops and bench-train, one call of
+# 448 s).
+DEFAULT_STEPS=(selfcheck pytest+memcheck+racecheck+synccheck+bench-memory bench)
 
 # Default limits, in seconds, and workers, from the runs so far (worker-seconds per test:
 # the step's time x its workers / its tests). memcheck is the long pole: 382 op tests in

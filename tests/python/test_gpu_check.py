@@ -138,7 +138,7 @@ def test_the_default_plan(tmp_path):
     out, stages = dry_run(OUT=str(tmp_path))
     names = [[name for name, _, _ in stage] for stage in stages]
     assert names == [["environment"], ["build"], ["selfcheck"],
-                     ["pytest", "memcheck", "racecheck", "synccheck"],
+                     ["pytest", "memcheck", "racecheck", "synccheck", "bench-memory"],
                      ["bench-ops"], ["bench-train"]]
     commands = {name: command for stage in stages for name, _, command in stage}
     assert commands["build"] == "build"
@@ -166,6 +166,13 @@ def test_the_default_plan(tmp_path):
     assert limit - float(ops[ops.index("--time-budget") + 1]) >= 15
     assert commands["bench-train"].split()[1] == "bench/train.py"
     assert "--time-budget" in commands["bench-train"]
+    # issue 32's bytes per parameter from max_memory_allocated, beside the tests: it
+    # times nothing, and its limit is within the stage's longest
+    memory = commands["bench-memory"].split()
+    assert memory[1] == "bench/memory.py" and "--device cuda" in commands["bench-memory"]
+    stage4 = next(stage for stage in stages if stage[0][0] == "pytest")
+    assert max(lim for _, lim, _ in stage4) > next(
+        lim for name, lim, _ in stage4 if name == "bench-memory")
     # Every test file the plan names exists (the tests moved into folders once).
     for command in commands.values():
         for word in command.split():
