@@ -138,9 +138,10 @@ build/cpp/build.ninja: tests/cpp/CMakeLists.txt $(VENV_STAMP)
 	cmake -S tests/cpp -B build/cpp -G Ninja -DPython3_EXECUTABLE=$(PY) \
 		-DMIXEDPREC_EXT_OBJECTS=$(CURDIR)/build/ext
 
-# The suite's own objects (tests/cpp/test_*.cpp), which need no extension object.
+# The suite's own objects (tests/cpp/test_*.cpp), which need no extension object, and
+# the C++20 compile check of the op entries (tests/cpp/cxx20_entries.cpp).
 cpp-test-objects: build/cpp/build.ninja
-	cmake --build build/cpp -j $(MAX_JOBS) --target mixedprec_test_objects
+	cmake --build build/cpp -j $(MAX_JOBS) --target mixedprec_test_objects mixedprec_cxx20_check
 
 # The suite links build/ext's objects of the extension's C++ sources.
 cpp-test: build build/cpp/build.ninja

@@ -82,7 +82,8 @@ def extension(cuda: bool):
     # convention of an out-of-line copy does not apply.
     # No -std: torch's BuildExtension adds the standard its headers need (C++17 up to
     # torch 2.11, C++20 in 2.15, whose ATen.h stops a C++17 build); the sources are
-    # C++17 and build as either.
+    # C++17 and build as either (CI's torch builds them as C++17; the GoogleTest build
+    # compiles the op entries as C++20 too: tests/cpp/cxx20_entries.cpp).
     # -g0: no debug information (Python's CFLAGS ask for -g): the same machine code,
     # objects a fifteenth the size, and a build that spends its time compiling, not
     # writing DWARF for torch's headers.

@@ -125,7 +125,7 @@ using ArgOf = Arg<std::remove_cv_t<std::remove_reference_t<T>>>;
 // fn(args...) with each argument read from `inputs`; its outputs pushed onto `stack`.
 template <auto fn, class... Params, size_t... I>
 void call_with(const torch::jit::Stack& inputs, torch::jit::Stack* stack,
-               c10::guts::typelist::typelist<Params...> /*params*/,
+               c10::guts::typelist::typelist<Params...>* /*params: a null tag*/,
                std::index_sequence<I...> /*indices*/) {
   // (Through a pointer read at run time, so that each unit emits the entry it
   // registers: the C++ tests link those instantiations, tests/cpp/cpu_entries.h.)
@@ -147,7 +147,9 @@ void call(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, torch::ji
   torch::jit::Stack inputs(std::make_move_iterator(stack->end() - n),
                            std::make_move_iterator(stack->end()));
   stack->erase(stack->end() - n, stack->end());
-  call_with<fn>(inputs, stack, typename Traits::parameter_types{},
+  // (typelist is never constructed: its default constructor is deleted, which C++20,
+  // torch 2.15's standard, no longer lets `{}` pass as an aggregate's initialization)
+  call_with<fn>(inputs, stack, static_cast<typename Traits::parameter_types*>(nullptr),
                 std::make_index_sequence<Traits::number_of_parameters>());
   const bool python = std::any_of(inputs.begin(), inputs.end(),
                                   [](const c10::IValue& v) { return returns_python_object(v); });
