@@ -119,8 +119,9 @@ def repo_files() -> frozenset:
     """The repository's files, from the root: tracked or untracked but not ignored (git
     ls-files -c -o --exclude-standard), present in the working tree. Where this is no
     git checkout of its own (make compat's copy under build/), every file outside .git,
-    .venv*, build and shared. Build outputs and ignored run outputs are not the
-    repository's: a doc that cites one cites it through EXCEPTIONS."""
+    .venv*, build and shared that .gitignore's patterns leave (the extension built in
+    place there). Build outputs and ignored run outputs are not the repository's: a doc
+    that cites one cites it through EXCEPTIONS."""
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -139,7 +140,32 @@ def repo_files() -> frozenset:
                        and not d.startswith(".venv")]
         dirs[:] = [d for d in dirs if d not in ("__pycache__", ".pytest_cache")]
         out.update((here / f).as_posix() for f in files)
-    return frozenset(out)
+    return frozenset(f for f in out if not ignored(f))
+
+
+def ignored(path: str) -> bool:
+    """Whether .gitignore's patterns ignore path (from the root): a pattern with a /
+    matches from the root, one without matches any name on the way; a trailing /
+    means a directory. (The repository's .gitignore uses no negation.)"""
+    gitignore = REPO / ".gitignore"
+    if not gitignore.is_file():
+        return False
+    parts = path.split("/")
+    for pattern in gitignore.read_text(encoding="utf-8").split("\n"):
+        pattern = pattern.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        directory = pattern.endswith("/")
+        pattern = pattern.rstrip("/")
+        if "/" in pattern:
+            depth = pattern.count("/") + 1
+            if fnmatch.fnmatch("/".join(parts[:depth]), pattern.lstrip("/")) and \
+                    (len(parts) > depth or not directory):
+                return True
+        elif any(fnmatch.fnmatch(part, pattern)
+                 for part in (parts[:-1] if directory else parts)):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -404,6 +430,18 @@ def test_the_markdown_files_are_found():
     for expected in ("README.md", "bench/README.md", "csrc/README.md", "docs/lean-precision.md"):
         assert expected in files
     assert not any(f.startswith(("build/", ".venv")) for f in files)
+
+
+def test_gitignored_files_are_not_the_repositorys():
+    """Where there is no git checkout (make compat's copy), the walk leaves out what
+    .gitignore ignores, as git ls-files does: the extension built in place there."""
+    for path in ("mixedprec/_build_info.py", "mixedprec/_C.abi3.so", "build/ext/x.o",
+                 "bench/results/cpu-smoke/ops.json", "mixedprec/__pycache__/ops.cpython-311.pyc",
+                 ".venv-compat-2.15.0/bin/python"):
+        assert ignored(path), path
+    for path in ("mixedprec/optim/adam.py", "bench/results/lean-speed-report/x.json",
+                 "csrc/cpu/engine.h", "README.md", "tests/cpp/CMakeLists.txt"):
+        assert not ignored(path), path
 
 
 def test_every_link_and_anchor_resolves():

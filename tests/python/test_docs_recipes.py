@@ -25,6 +25,8 @@ listed here, or listed but no longer marked (or gone), fails
 ``mixed-precision.md-2-leaner-state-master-and-state_dtype``.
 """
 
+import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -116,6 +118,24 @@ def all_blocks() -> List[Block]:
 BLOCKS = all_blocks()
 
 
+def missing_packages(code: str) -> List[str]:
+    """The top-level packages the block imports that this interpreter cannot import
+    (an integration's framework, which the Makefile's venv installs as a test
+    dependency). Such a recipe is skipped, as tests/python/integrations/ are, naming
+    the package: the recipe is still run wherever the package is there."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []  # (the run reports it)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return sorted(n for n in names if importlib.util.find_spec(n) is None)
+
+
 def recipe_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO)
@@ -133,6 +153,9 @@ def recipe_env() -> dict:
 def test_recipe_runs_as_written(block, tmp_path):
     if block.id in FRAGMENTS:
         pytest.skip(f"{block.file}:{block.line}: fragment: {FRAGMENTS[block.id]}")
+    missing = missing_packages(block.code)
+    if missing:
+        pytest.skip(f"{block.file}:{block.line}: needs {', '.join(missing)} (not installed)")
     script = tmp_path / "recipe.py"
     script.write_text(block.code, encoding="utf-8")
     try:
@@ -146,6 +169,17 @@ def test_recipe_runs_as_written(block, tmp_path):
     assert done.returncode == 0, (
         f"{block.file}:{block.line} ({block.id}) exited with {done.returncode}:\n"
         f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}")
+
+
+def test_a_recipe_is_skipped_only_for_a_package_not_installed():
+    """missing_packages names what is absent, and nothing that is here (torch,
+    mixedprec, the standard library): a recipe is never skipped for those."""
+    code = ("import os, torch\nimport mixedprec.optim as mo\nfrom torch import nn\n"
+            "import no_such_package_here.sub\nfrom no_such_other import x\nfrom . import y\n")
+    assert missing_packages(code) == ["no_such_other", "no_such_package_here"]
+    frameworks = ("lightning", "transformers", "accelerate")
+    assert not [b.id for b in BLOCKS if b.id not in FRAGMENTS and missing_packages(b.code)
+                and not any(f in b.code for f in frameworks)]
 
 
 def test_the_fragments_are_marked_and_listed():
