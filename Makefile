@@ -172,8 +172,8 @@ COMPAT_VENV := $(CURDIR)/.venv-compat-$(TORCH)
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_DIR := $(CURDIR)/build/compat-$(TORCH)
 COMPAT_LOG := $(CURDIR)/build/compat-$(TORCH).log
-# (bump the v1 when the list of packages below changes)
-COMPAT_STAMP := $(COMPAT_VENV)/.deps-v1$(if $(strip $(COMPAT_EXTRAS)),-$(subst $() ,-,$(strip $(COMPAT_EXTRAS))))
+# (bump the v2 when the list of packages below changes)
+COMPAT_STAMP := $(COMPAT_VENV)/.deps-v2$(if $(strip $(COMPAT_EXTRAS)),-$(subst $() ,-,$(strip $(COMPAT_EXTRAS))))
 
 # Prints "1 <why>" when the CUDA kernels are to be built, else "0 <why>".
 define COMPAT_CUDA_PY
@@ -205,7 +205,8 @@ compat:
 	@test -n "$(TORCH)" || { echo "usage: make compat TORCH=2.15.0" >&2; exit 2; }
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
 	test -f $(COMPAT_STAMP) || { \
-		$(COMPAT_PY) -m pip install --progress-bar off "torch==$(TORCH)" numpy pytest \
+		$(COMPAT_PY) -m pip install --progress-bar off "torch==$(TORCH)" numpy \
+			pytest==$(PYTEST_VERSION) pytest-xdist==$(XDIST_VERSION) expecttest \
 			ninja setuptools wheel $(COMPAT_EXTRAS) || { \
 			echo "compat: torch $(TORCH): pip could not install it (output above)"; exit 1; }; \
 		touch "$(COMPAT_STAMP)"; }
@@ -221,7 +222,8 @@ compat:
 	@cd $(COMPAT_DIR) && cuda="$$(cat build-kind)" && \
 	if [ "$${cuda%% *}" = 1 ]; then export MIXEDPREC_EXPECT_CUDA=1; fi; \
 	{ PYTHONPATH=$(COMPAT_DIR) $(COMPAT_PY) -m pytest tests/python -q -rfEs \
-		-p no:cacheprovider; echo $$? > pytest-rc; } 2>&1 | tee $(COMPAT_LOG); \
+		-p no:cacheprovider -n auto --dist loadgroup; echo $$? > pytest-rc; } 2>&1 | \
+		tee $(COMPAT_LOG); \
 	rc=$$(cat pytest-rc); \
 	echo "compat: torch $$($(COMPAT_PY) -c 'import torch; print(torch.__version__)')," \
 		"Python $$($(COMPAT_PY) -c 'import platform; print(platform.python_version())')," \

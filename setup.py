@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def want_cuda() -> bool:
     try:
         build_checks.check_not_isolated(torch.__file__)
+        build_checks.check_torch_version(torch.__version__)
         return build_checks.want_cuda(torch_cuda=torch.version.cuda,
                                       torch_version=torch.__version__,
                                       cuda_home=cpp_extension.CUDA_HOME)

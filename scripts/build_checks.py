@@ -116,6 +116,24 @@ def default_max_jobs(cpus: Optional[int] = None, mem_bytes: Optional[int] = None
     return max(1, min(cpus, by_memory))
 
 
+# The oldest torch the extension builds against: its 8-bit state's block scales are
+# float8_e8m0fnu tensors (csrc/validate.cpp, mixedprec/optim/state8.py), a dtype torch
+# has had since 2.7.
+MIN_TORCH = (2, 7)
+
+
+def check_torch_version(torch_version: str) -> None:
+    """A torch older than MIN_TORCH: the build would fail deep in the compiler's
+    output (2.6: at::kFloat8_e8m0fnu is not a member of at)."""
+    found = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch_version).group(1, 2))
+    if found < MIN_TORCH:
+        want = ".".join(map(str, MIN_TORCH))
+        raise BuildError(
+            f"mixedprec: needs torch {want} or later (its 8-bit optimizer state's block "
+            f"scales are torch.float8_e8m0fnu, new in {want}), found torch {torch_version}: "
+            f'install a newer one (`{PIP} "torch>={want}"`), then build again')
+
+
 def torch_requirement(torch_version: str) -> str:
     """The requirement a wheel built against ``torch_version`` carries: the same minor
     release (the extension links against torch's C++ library, whose ABI changes from
@@ -134,6 +152,7 @@ def main() -> int:
         from torch.utils import cpp_extension
 
         check_not_isolated(torch.__file__)
+        check_torch_version(torch.__version__)
         return int(want_cuda(torch_cuda=torch.version.cuda, torch_version=torch.__version__,
                              cuda_home=cpp_extension.CUDA_HOME))
     except BuildError as e:

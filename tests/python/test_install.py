@@ -129,6 +129,15 @@ def test_default_max_jobs_fits_memory(cpus, mem_gib, cuda, expected):
     assert build_checks.default_max_jobs(cpus, mem_gib * 2**30, cuda) == expected
 
 
+def test_a_torch_too_old_is_refused_with_the_version_needed():
+    with pytest.raises(build_checks.BuildError, match=r"torch 2\.7 or later.*found torch 2\.6\.0"):
+        build_checks.check_torch_version("2.6.0+cu124")
+    with pytest.raises(build_checks.BuildError, match="float8_e8m0fnu"):
+        build_checks.check_torch_version("1.13.1")
+    for ok in ("2.7.0", "2.7.1+cpu", "2.11.0+cu130", "2.15.0+cu132", "3.0.0"):
+        build_checks.check_torch_version(ok)
+
+
 def test_wheels_pin_the_torch_minor_release_they_were_built_for():
     assert build_checks.torch_requirement("2.11.0+cu130") == "torch==2.11.*"
     assert build_checks.torch_requirement("2.15.1") == "torch==2.15.*"
