@@ -122,11 +122,16 @@ def default_max_jobs(cpus: Optional[int] = None, mem_bytes: Optional[int] = None
 MIN_TORCH = (2, 7)
 
 
+def torch_major_minor(torch_version: str) -> Tuple[int, int]:
+    """(major, minor) of a torch version string such as "2.11.0+cu130"."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch_version).group(1, 2)
+    return int(major), int(minor)
+
+
 def check_torch_version(torch_version: str) -> None:
     """A torch older than MIN_TORCH: the build would fail deep in the compiler's
     output (2.6: at::kFloat8_e8m0fnu is not a member of at)."""
-    found = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch_version).group(1, 2))
-    if found < MIN_TORCH:
+    if torch_major_minor(torch_version) < MIN_TORCH:
         want = ".".join(map(str, MIN_TORCH))
         raise BuildError(
             f"mixedprec: needs torch {want} or later (its 8-bit optimizer state's block "
@@ -138,7 +143,7 @@ def torch_requirement(torch_version: str) -> str:
     """The requirement a wheel built against ``torch_version`` carries: the same minor
     release (the extension links against torch's C++ library, whose ABI changes from
     one minor release to the next)."""
-    major, minor = re.match(r"(\d+)\.(\d+)", torch_version).group(1, 2)
+    major, minor = torch_major_minor(torch_version)
     return f"torch=={major}.{minor}.*"
 
 

@@ -399,6 +399,12 @@ def eager_and_compiled_steps(make_optimizer, steps=3):
 REPO = Path(__file__).resolve().parents[2]
 
 
+def missing_modules(*names):
+    """The names among ``names`` (top-level modules) that this interpreter cannot import:
+    optional test dependencies, whose tests skip naming them."""
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
 def load_script(path: str):
     """The repository's script at ``path`` (relative to the root, e.g.
     "scripts/cuda_resources.py"), imported as a module of its file's name."""

@@ -143,18 +143,21 @@ def repo_files() -> frozenset:
     return frozenset(f for f in out if not ignored(f))
 
 
+@functools.lru_cache(maxsize=None)
+def gitignore_patterns() -> Tuple[str, ...]:
+    gitignore = REPO / ".gitignore"
+    if not gitignore.is_file():
+        return ()
+    lines = (line.strip() for line in gitignore.read_text(encoding="utf-8").split("\n"))
+    return tuple(line for line in lines if line and not line.startswith("#"))
+
+
 def ignored(path: str) -> bool:
     """Whether .gitignore's patterns ignore path (from the root): a pattern with a /
     matches from the root, one without matches any name on the way; a trailing /
     means a directory. (The repository's .gitignore uses no negation.)"""
-    gitignore = REPO / ".gitignore"
-    if not gitignore.is_file():
-        return False
     parts = path.split("/")
-    for pattern in gitignore.read_text(encoding="utf-8").split("\n"):
-        pattern = pattern.strip()
-        if not pattern or pattern.startswith("#"):
-            continue
+    for pattern in gitignore_patterns():
         directory = pattern.endswith("/")
         pattern = pattern.rstrip("/")
         if "/" in pattern:

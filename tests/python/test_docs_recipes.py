@@ -26,7 +26,6 @@ listed here, or listed but no longer marked (or gone), fails
 """
 
 import ast
-import importlib.util
 import os
 import re
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import List, NamedTuple
 
 import pytest
+from helpers import missing_modules
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 120  # seconds, per recipe
@@ -133,7 +133,7 @@ def missing_packages(code: str) -> List[str]:
             names.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module.split(".")[0])
-    return sorted(n for n in names if importlib.util.find_spec(n) is None)
+    return sorted(missing_modules(*names))
 
 
 def recipe_env() -> dict:

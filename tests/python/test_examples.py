@@ -5,7 +5,6 @@ gloo) and the FP16_Optimizer recipe; and that scripts/gpu_check.sh parses. They
 skip when an example's dependencies (torchvision, scikit-learn, matplotlib, tqdm)
 are not installed."""
 
-import importlib.util
 import json
 import math
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import missing_modules
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -24,7 +24,7 @@ TIMEOUT = 240
 
 
 def needs(*modules):
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = missing_modules(*modules)
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
