@@ -312,6 +312,12 @@ class Optimizer(torch.optim.Optimizer):
         if counts:
             _state.count_applied(self, scaling[1])
 
+    def _patch_step_function(self) -> None:
+        """torch's (its ``__init__`` and ``__setstate__`` call it): the class's step
+        wrapped for the step hooks and the profiler, by :func:`torch_path.hook_step`."""
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        torch_path.hook_step(type(self))
+
     # --- what a subclass gives -----------------------------------------------------------
     def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
         """One group's update on one device; returns the op's lists other than the

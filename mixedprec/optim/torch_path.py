@@ -19,6 +19,34 @@ from ..loss_scale import inverse
 from .precision import FLOAT_DTYPES, whole_group
 
 
+def hook_step(cls: type) -> None:
+    """Wraps ``cls.step`` once, as torch.optim.Optimizer does each class's
+    (``_patch_step_function``): the step hooks, global and the optimizer's, and the
+    profiler's ``Optimizer.step#Class.step`` range, by torch's own wrapper
+    (``profile_hook_step``), but only when a hook is registered, a profiler records or
+    torch.compile traces; else straight to the step. torch's enters a
+    ``record_function`` at every step, whether anything records or not: about 15 us of
+    host time a step (bench/README.md, "torch's step wrapper, entered only when something
+    records")."""
+    step = cls.step
+    if getattr(step, "hooked", False):
+        return
+    hooked = torch.optim.Optimizer.profile_hook_step(step)
+    global_hooks = (getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}),
+                    getattr(torch_optimizer, "_global_optimizer_post_hooks", {}))
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
+                global_hooks[0] or global_hooks[1] or torch.compiler.is_compiling() or \
+                torch._C._autograd._profiler_enabled():
+            return hooked(self, *args, **kwargs)
+        return step(self, *args, **kwargs)
+
+    wrapper.hooked = True
+    cls.step = wrapper
+
+
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``torch_class``'s defaults for ``kwargs``, after its own argument checks (it is
     built over one empty parameter and dropped), and mixedprec's few more."""

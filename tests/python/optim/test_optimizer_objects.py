@@ -24,6 +24,10 @@ from helpers import (
     torch_optimizer,
 )
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import optim
@@ -437,6 +441,79 @@ def test_load_state_dict_runs_the_optimizer_hooks(cls, kwargs):
     opt.load_state_dict(opt.state_dict())
 
     assert calls == ["pre", "post"]
+
+
+# --- torch's step hooks and profiler range ----------------------------------------------
+# torch.optim.Optimizer wraps each class's step to run the step hooks inside a profiler
+# range; mixedprec's wrapper (torch_path.hook_step) enters torch's only when there is a
+# hook, a profiler or a trace, the same calls in the same order.
+HOOKED = OPTIMIZERS + [pytest.param(optim.LAMB, {"lr": 1e-2}, id="lamb")]  # (its own step)
+
+
+def _hook_calls(opt, steps=2):
+    calls = []
+    handles = [
+        register_optimizer_step_pre_hook(
+            lambda o, a, k: calls.append(("global pre", type(o).__name__))),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", type(o).__name__))),
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", type(o).__name__))),
+        register_optimizer_step_post_hook(
+            lambda o, a, k: calls.append(("global post", type(o).__name__))),
+    ]
+    try:
+        for _ in range(steps):
+            opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("cls, kwargs", HOOKED)
+def test_step_hooks_run_once_a_step_as_torchs(cls, kwargs):
+    model, opt = _trained("cpu", cls, kwargs, steps=1)
+    twin = torch.optim.SGD(fp32_twin(model).parameters(), lr=0.1)
+    backward(model, 1)
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+
+    name = cls.__name__
+    assert _hook_calls(opt) == [(kind, name) for kind, _ in _hook_calls(twin)]
+    assert [kind for kind, _ in _hook_calls(twin, steps=1)] == [
+        "global pre", "pre", "post", "global post"]
+    assert _hook_calls(opt, steps=0) == []
+
+
+@pytest.mark.parametrize("cls, kwargs", HOOKED)
+def test_the_profiler_records_each_step_as_torchs(cls, kwargs):
+    _, opt = _trained("cpu", cls, kwargs, steps=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            opt.step()
+    names = [event.name for event in prof.events()]
+    assert names.count(f"Optimizer.step#{cls.__name__}.step") == 3
+
+
+@pytest.mark.parametrize("cls, kwargs", HOOKED)
+def test_a_step_enters_no_profiler_range_unless_something_records(cls, kwargs, monkeypatch):
+    """torch's wrapper enters a record_function at every step (host time); here only with a
+    hook registered (or a profiler: above)."""
+    _, opt = _trained("cpu", cls, kwargs, steps=1)
+    entered = []
+    real = torch.autograd.profiler.record_function
+
+    def counted(name, *args):
+        entered.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counted)
+    opt.step()
+    assert entered == []
+    handle = opt.register_step_post_hook(lambda *a: None)
+    opt.step()
+    handle.remove()
+    opt.step()
+    assert entered == [f"Optimizer.step#{cls.__name__}.step"]
 
 
 # --- grad_scale and found_inf, as a GradScaler sets them -------------------------------
