@@ -495,6 +495,20 @@ def test_the_profiler_records_each_step_as_torchs(cls, kwargs):
 
 
 @pytest.mark.parametrize("cls, kwargs", HOOKED)
+def test_a_profiler_of_every_thread_still_sees_the_step(cls, kwargs, monkeypatch):
+    """Without a profiler of this thread (``_profiler_enabled``: thread-local), the step
+    runs in torch's fast range, which a profiler of every thread (an on-demand one)
+    records: here this thread's profiler, hidden from the wrapper's check."""
+    _, opt = _trained("cpu", cls, kwargs, steps=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        monkeypatch.setattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+        opt.step()
+        monkeypatch.undo()
+    names = [event.name for event in prof.events()]
+    assert names.count(f"Optimizer.step#{cls.__name__}.step") == 1
+
+
+@pytest.mark.parametrize("cls, kwargs", HOOKED)
 def test_a_step_enters_no_profiler_range_unless_something_records(cls, kwargs, monkeypatch):
     """torch's wrapper enters a record_function at every step (host time); here only with a
     hook registered (or a profiler: above)."""
