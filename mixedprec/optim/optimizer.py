@@ -313,10 +313,10 @@ class Optimizer(torch.optim.Optimizer):
             _state.count_applied(self, scaling[1])
 
     def _patch_step_function(self) -> None:
-        """torch's (its ``__init__`` and ``__setstate__`` call it): the class's step
-        wrapped for the step hooks and the profiler, by :func:`torch_path.hook_step`."""
-        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        """torch's (its ``__init__`` and ``__setstate__`` call it), with the class's step
+        wrapped first by :func:`torch_path.hook_step`, which torch's then leaves as it is."""
         torch_path.hook_step(type(self))
+        super()._patch_step_function()
 
     # --- what a subclass gives -----------------------------------------------------------
     def _step_group(self, group, device, items: Work, inv_scale, found_inf) -> Optional[tuple]:
