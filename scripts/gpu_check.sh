@@ -30,6 +30,10 @@
 #                name it in a call of its own)
 #   bench-memory bench/memory.py on the GPU, GPT-2-medium's shape (issue #32's bytes per
 #                parameter from max_memory_allocated; it measures bytes, not time)
+#   bench-host   bench/host_step.py on the GPU: the host's time to queue one optimizer
+#                step on ResNet-50's 161 tensors, the ops running and replaced by a
+#                no-op, and one step's latency, against torch's fused SGD and AdamW
+#                (issue #30 part 5; not in the default run: name it in a call of its own)
 # With no STEP: selfcheck, then pytest+memcheck+racecheck+synccheck+bench-memory at once
 # (they share the 16 cores and the GPU; none of them times anything), then the timed
 # benchmarks alone;
@@ -87,7 +91,7 @@ BUDGET=560
 export PY CUDA_BIN SANITIZER
 
 ALL_STEPS=(selfcheck pytest ctest memcheck racecheck synccheck bench-ops bench-train bench
-  bench-lean bench-memory)
+  bench-lean bench-memory bench-host)
 # bench-memory beside the tests: its numbers are bytes (max_memory_allocated is the
 # process's own), which sharing the machine leaves as they are, and its 120 s fit within
 # memcheck's 340 (2026-11-28: this grouping, then bench-ops and bench-train, one call of
@@ -123,6 +127,7 @@ default_limit() {
     bench-train) echo 50 ;;
     bench-lean) echo 300 ;;
     bench-memory) echo 120 ;;
+    bench-host) echo 60 ;;
   esac
 }
 
@@ -238,6 +243,12 @@ define_step() {
     bench-memory)
       DESC="bench/memory.py on the GPU: GPT-2-medium's shape, six configurations"
       CMD=("$PY" bench/memory.py --device cuda --preset gpt2-medium) ;;
+    bench-host)
+      # The latency of bench-ops' optimizer-level rows is the host's time until the
+      # fused kernel starts plus the kernels' time: this says how much of it is the
+      # host's, and how much of that is Python (noop: the fused op replaced by a no-op).
+      DESC="bench/host_step.py on the GPU: host time and latency of one step, ResNet-50's 161 tensors"
+      CMD=("$PY" bench/host_step.py --device cuda --reps 40 --json "$OUTDIR/host_step.json") ;;
   esac
 }
 

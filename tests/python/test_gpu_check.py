@@ -202,6 +202,11 @@ def test_the_plan_follows_the_named_steps_and_limits():
     # Without memcheck in the run, pytest runs every file's CUDA tests.
     _, stages = dry_run("pytest", PYTEST_WORKERS="3")
     assert stages[2][0][0] == "pytest" and "--ignore" not in stages[2][0][2]
+    # bench-host (named only): host_step.py on the GPU, its JSON beside the logs.
+    _, stages = dry_run("bench-host")
+    assert [(n, lim) for n, lim, _ in stages[2]] == [("bench-host", 60)]
+    assert "bench/host_step.py --device cuda" in stages[2][0][2]
+    assert "host_step.json" in stages[2][0][2]
 
 
 # --- runs on a fake machine -------------------------------------------------------------
