@@ -51,15 +51,19 @@ class Adam(Optimizer):
     capturable). A group with ``differentiable=True`` is stepped by torch.optim's own
     implementation with autograd on, as torch.optim does (the fused op has no
     derivative): torch's state, of the parameters' dtype, and no lean mode, other
-    ``state_dtype``, fp32 masters of 16-bit parameters or precision report there.
-    Parameters that step together share one step-count tensor inside the optimizer;
-    ``state_dict()`` gives each its own, as torch does.
+    ``state_dtype``, fp32 masters of 16-bit parameters or precision report there. So
+    are float64 and complex parameters, those that are not dense and a group with
+    tensor ``betas``, ``weight_decay`` or ``eps`` (for fp16/bf16 ones: master="none"
+    only, ``torch_path.check_torch_stepped``). Parameters that step together share one
+    step-count tensor inside the optimizer; ``state_dict()`` gives each its own, as
+    torch does.
     """
 
     _TORCH_CLASS = torch.optim.Adam
     _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
                    "kahan_comp", "remainder", "exp_avg_scale", "exp_avg_sq_root",
                    "exp_avg_sq_root_scale")
+    _TORCH_STEP_KEEPS = "params"
     _LEAN = True
     _8BIT_KEYS = state8.ADAM_KEYS
     _NEWER_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,

@@ -48,6 +48,11 @@ class Optimizer(torch.optim.Optimizer):
     _NOT_IN_BACKWARD = ""
     #: Group hyperparameters torch lets be tensors and the fused ops take as numbers.
     _SCALAR_KEYS: Tuple[str, ...] = ()
+    #: What ``_torch_step`` (torch.optim's implementation, for what the fused ops do not
+    #: take) keeps: None where there is none, "params" (the parameters as they are, with
+    #: state of their dtype) or "fp32 masters" (that, on the fp32 masters of fp16/bf16
+    #: parameters under master="fp32"); torch_path.check_torch_stepped refuses the rest.
+    _TORCH_STEP_KEEPS: Optional[str] = None
 
     def __init__(self, params, defaults: Dict[str, Any], *, master: str = "fp32",
                  state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None,
@@ -94,11 +99,14 @@ class Optimizer(torch.optim.Optimizer):
         self.precision.configure(where, master, state_dtype, bool(self.state), apply=False)
         if state_dtype is not None:
             self._check_8bit(where, state_dtype)
+        kept = (self.master if master is None else master,
+                self.state_dtype if state_dtype is None else state_dtype, self.precision_report)
         for index, group in enumerate(self.param_groups):
-            torch_path.check_differentiable(
-                f"{where}: param group {index}", group, self.master if master is None
-                else master, self.state_dtype if state_dtype is None else state_dtype,
-                self.precision_report)
+            torch_path.check_differentiable(f"{where}: param group {index}", group, *kept)
+            if not group.get("differentiable"):
+                torch_path.check_torch_stepped(f"{where}: param group {index}", group["params"],
+                                               *kept, self._fused_group(group),
+                                               self._TORCH_STEP_KEEPS)
         if check_only:
             return
         self.precision.configure(where, master, state_dtype, False)
@@ -124,6 +132,10 @@ class Optimizer(torch.optim.Optimizer):
         self._check_8bit(where, self.state_dtype, [param_group])
         torch_path.check_differentiable(where, {**self.defaults, **param_group, "params": params},
                                         self.master, self.state_dtype, self.precision_report)
+        if not param_group.get("differentiable", self.defaults.get("differentiable")):
+            torch_path.check_torch_stepped(
+                where, params, self.master, self.state_dtype, self.precision_report,
+                self._fused_group({**self.defaults, **param_group}), self._TORCH_STEP_KEEPS)
         param_group = dict(param_group, params=params)
         if self.precision.seed is not None and "seed" not in param_group:
             param_group["seed"] = self.precision.group_seed(len(self.param_groups))
@@ -164,6 +176,10 @@ class Optimizer(torch.optim.Optimizer):
         where = type(self).__name__
         unfused = torch_path.unfused(self, group)
         self._check_unfused(group, unfused)
+        if unfused and not group.get("differentiable"):  # (parameters changed since added)
+            torch_path.check_torch_stepped(f"{where}.step", unfused, self.master,
+                                           self.state_dtype, self.precision_report,
+                                           self._fused_group(group), self._TORCH_STEP_KEEPS)
         if unfused:
             self._pending.append((group, unfused))
         if not self._fused_group(group):

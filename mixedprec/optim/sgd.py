@@ -24,7 +24,9 @@ class SGD(Optimizer):
     ``state_dict`` (``momentum_buffer`` per parameter, none without momentum), stepped
     by fused op calls without host synchronisation. Step for step equal to
     torch.optim.SGD on fp32 parameters. Sparse gradients, float64 and complex
-    parameters and a tensor ``weight_decay`` go through torch's own implementation.
+    parameters, parameters that are not dense and a tensor ``weight_decay`` go through
+    torch's own implementation (for fp16/bf16 ones: master="none" only,
+    ``torch_path.check_torch_stepped``).
 
     Keyword-only extras as :class:`mixedprec.optim.Adam`: ``master``, ``state_dtype``
     (the momentum buffers' dtype; with ``torch.float8_e4m3fn`` eligible parameters keep
@@ -40,6 +42,7 @@ class SGD(Optimizer):
     _TORCH_CLASS = torch.optim.SGD
     _STATE_KEYS = ("momentum_buffer", "master_param", "kahan_comp", "remainder",
                    "momentum_buffer_scale")
+    _TORCH_STEP_KEEPS = "params"
     _LEAN = True
     _8BIT_KEYS = state8.SGD_KEYS
     _NEWER_KEYS = dict(nesterov=False, maximize=False, foreach=None, differentiable=False,

@@ -15,6 +15,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch import Tensor
 
 from .. import ops
+from ..distributed import _local
 from ..loss_scale import inverse
 from .precision import FLOAT_DTYPES, whole_group
 
@@ -218,8 +219,62 @@ def step_pending(opt) -> None:
 
 def is_fused_param(p: Tensor) -> bool:
     """Whether the fused ops step ``p`` (a strided view, such as every other column, is
-    not dense: torch's implementation steps it)."""
-    return p.dtype in FLOAT_DTYPES and ops.is_dense(p)
+    not dense: torch's implementation steps it; a DTensor by its local shard, which the
+    ops step)."""
+    return p.dtype in FLOAT_DTYPES and ops.is_dense(_local(p))
+
+
+def check_torch_stepped(where: str, params: Sequence[Any], master: str,
+                        state_dtype: torch.dtype, report: Any, fused_group: bool,
+                        keeps: Optional[str]) -> None:
+    """The parameters that torch.optim's own implementation steps (``_torch_step``): all of
+    a group that the fused ops do not take (``fused_group`` False: a tensor where they take
+    a number; a ``differentiable`` group is :func:`check_differentiable`'s), and those
+    that are not fused (:func:`is_fused_param`: float64, sparse, strided but not dense).
+    ``keeps``: what the class's torch step keeps (its ``_TORCH_STEP_KEEPS``): None, no such
+    step; "params", each parameter as it is, with state and arithmetic of its dtype;
+    "fp32 masters", that with the fp32 masters of fp16 and bf16 parameters under
+    ``master="fp32"``. Refused here, before any update and naming it, is what would
+    otherwise fail after other parameters stepped (no torch step) or be dropped: fp32
+    masters or a bf16 mode of an fp16/bf16 parameter (``master="none"`` is stepped as
+    torch.optim steps it), a ``state_dtype`` other than the default and the parameter's,
+    and the precision report. (An fp32 parameter is its own master and keeps fp32 state,
+    as those that 8-bit moments leave out do.)"""
+    for p in params:
+        p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
+        sparse_grad = isinstance(p, Tensor) and p.grad is not None and p.grad.is_sparse
+        if not isinstance(p, Tensor) or fused_group and is_fused_param(p) and not sparse_grad:
+            continue
+        local = _local(p)
+        low = p.dtype in (torch.float16, torch.bfloat16)
+        if keeps is None:
+            why = "which it has not"
+        elif low and master != "none" and not (master == "fp32" and keeps == "fp32 masters"):
+            why = f"which keeps it as it is, with state of its dtype: not master={master!r}"
+        elif low and state_dtype not in (torch.float32, p.dtype):
+            why = f"which keeps its state in its dtype: not state_dtype={state_dtype}"
+        elif low and report is not None:
+            why = "which does not count for the precision report"
+        else:
+            continue
+        error, strided = ValueError, False
+        if not fused_group:
+            what = "is in a param group with a tensor where the fused ops take a number"
+        elif p.dtype not in FLOAT_DTYPES or local.layout != torch.strided:
+            kind = "dtype" if p.dtype not in FLOAT_DTYPES else "layout"
+            error, what = TypeError, f"has a {kind} that the fused ops do not take"
+        elif not ops.is_dense(local):
+            strided, what = True, f"is not dense (strides {tuple(local.stride())}" \
+                f"{' of its local shard' if local is not p else ''}), which the fused ops " \
+                "do not take"
+        else:
+            error, what = TypeError, "has a sparse gradient, which the fused ops do not take"
+        fixes = ["make it contiguous"] if strided else []
+        if keeps and low:
+            fixes.append(f"use master='none' and state_dtype={p.dtype}")
+        raise error(f"{where}: a {p.dtype} parameter of shape {tuple(p.shape)} {what}, so it "
+                    f"needs torch.optim's implementation of the step, {why}"
+                    + (f" ({' or '.join(fixes)})" if fixes else ""))
 
 
 def unfused(opt, group: Dict[str, Any]) -> List[Tensor]:

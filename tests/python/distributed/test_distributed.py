@@ -505,3 +505,43 @@ def partial_and_sharded_norms(rank, world):
 def test_l2norm_of_partial_and_sharded_dtensors(backend):
     """A Partial DTensor's norm is that of the sum it stands for, not of its parts."""
     assert run_ranks(partial_and_sharded_norms, 2, device=backend) == [True, True]
+
+
+# -- 7. Shards that are not dense --------------------------------------------------------------
+
+def strided_shards(rank, world):
+    """A DTensor whose local shard is every other column of a larger tensor (as FSDP2's
+    shards of some shapes are on torch 2.7): torch.optim's step takes the fp32 one, as
+    it steps torch.optim.SGD's copy; a bf16 one with fp32 masters is refused, naming
+    the shard, as that step would drop the masters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(device().type, (world,))
+    local = torch.randn(4, 12, generator=torch.Generator().manual_seed(rank),
+                        device=device())[:, ::2]
+    ours = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)]))
+    ref = nn.Parameter(DTensor.from_local(local.detach().clone(), mesh, [Shard(0)]))
+    assert not ours.to_local().is_contiguous() and ref.to_local().is_contiguous()
+    a = mixedprec.optim.SGD([ours], lr=0.1, momentum=0.9)
+    b = torch.optim.SGD([ref], lr=0.1, momentum=0.9, foreach=False)
+    for step in range(3):
+        g = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(step))
+        grad = DTensor.from_local(g[4 * rank:4 * rank + 4].to(device()), mesh, [Shard(0)])
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+    assert torch.equal(ours.to_local(), ref.to_local())
+    half = nn.Parameter(DTensor.from_local(local.to(torch.bfloat16)[:, ::2], mesh, [Shard(0)]))
+    try:
+        mixedprec.optim.SGD([half], lr=0.1)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+def test_a_shard_that_is_not_dense_steps_as_torch_or_is_refused(backend):
+    for message in run_ranks(strided_shards, 2, device=backend):
+        assert message.startswith("SGD: a torch.bfloat16 parameter of shape (8, 3) is not "
+                                  "dense (strides (6, 2) of its local shard)"), message
+        assert "not master='fp32'" in message

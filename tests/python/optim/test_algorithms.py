@@ -148,6 +148,50 @@ def test_adagrad_torch_path_steps_the_fp32_masters(kwargs):
     assert_bitwise_equal(p.detach(), ref.detach().to(BF16))
 
 
+def test_adagrad_keeps_the_fp32_masters_of_strided_parameters():
+    """Adagrad's torch step keeps fp32 masters (above): a bf16 parameter the fused ops do
+    not take (every other column of a larger tensor) gets them under master="fp32"."""
+    base = torch.randn(6, 10).to(BF16)
+    p = torch.nn.Parameter(base[:, ::2])
+    ref = torch.nn.Parameter(p.detach().float())
+    opt = optim.Adagrad([p], lr=0.05)
+    torch_opt = torch.optim.Adagrad([ref], lr=0.05, foreach=False)
+    for step in range(3):
+        g = torch.randn(6, 5, generator=torch.Generator().manual_seed(step)).to(BF16)
+        p.grad, ref.grad = g.clone(), g.float()
+        opt.step()
+        torch_opt.step()
+    assert_bitwise_equal(opt.state[p]["master_param"], ref.detach())
+    assert_bitwise_equal(p.detach(), ref.detach().to(BF16))
+
+
+@pytest.mark.parametrize("cls", [optim.LAMB, optim.NovoGrad], ids=["LAMB", "NovoGrad"])
+def test_what_the_fused_ops_do_not_take_is_refused_before_any_update(cls):
+    """LAMB and NovoGrad have no torch.optim step to hand such parameters to: a float64
+    one and one that is not dense are refused at construction, a sparse gradient in the
+    step, before any parameter or state changed (it failed after the fused update)."""
+    name = cls.__name__
+    with pytest.raises(TypeError, match=f"^{name}: a torch.float64 parameter of shape \\(3,\\) "
+                                        "has a dtype that the fused ops do not take, so it "
+                                        "needs torch.optim's implementation of the step, "
+                                        "which it has not$"):
+        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match=f"^{name}: a torch.float32 parameter of shape "
+                                         "\\(6, 5\\) is not dense .* which it has not "
+                                         "\\(make it contiguous\\)$"):
+        cls([torch.nn.Parameter(torch.randn(6, 10)[:, ::2])])
+    net = model()
+    opt = cls(net.parameters(), lr=0.01)
+    train(net, opt, 1)
+    before = snapshot((net, opt))
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    net[-1].bias.grad = net[-1].bias.grad.to_sparse()
+    with pytest.raises(TypeError, match=f"^{name}.step: .* has a sparse gradient"):
+        opt.step()
+    assert_unchanged((net, opt), before)
+
+
 # --- LAMB and NovoGrad: the Apex faces' math under torch-style names --------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])

@@ -553,6 +553,86 @@ def test_differentiable_refuses_what_torchs_step_cannot_keep(extra, why):
     assert (opt.master, opt.state_dtype) == ("none", torch.float32)
 
 
+def strided_bf16(rows=6, seed=1):
+    """A bf16 parameter that is every other column of a larger tensor: not dense."""
+    base = torch.randn(rows, 10, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.Parameter(base.to(torch.bfloat16)[:, ::2])
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({}, "not master='fp32'"),
+    (dict(master="remainder"), "not master='remainder'"),
+    (dict(master="none", state_dtype=torch.float8_e4m3fn),
+     "not state_dtype=torch.float8_e4m3fn"),
+    (dict(master="none", precision_report=True), "does not count for the precision report")])
+def test_strided_bf16_parameters_refuse_what_torchs_step_cannot_keep(extra, why):
+    """A parameter the fused ops do not take (not dense) is stepped by torch.optim's
+    implementation, which keeps it as it is, with state of its dtype: fp32 masters, the
+    bf16 modes, 8-bit state and the precision report are refused for an fp16/bf16 one,
+    naming them and the fixes, at construction, in add_param_group, in configure and in
+    a step after the parameter became one, with nothing changed (they were dropped)."""
+    message = (r"a torch.bfloat16 parameter of shape \(6, 5\) is not dense \(strides "
+               r"\(10, 2\)\), which the fused ops do not take, so it needs torch.optim's "
+               f"implementation of the step, .*{why}" + r" \(make it contiguous or use "
+               r"master='none' and state_dtype=torch.bfloat16\)")
+    with pytest.raises(ValueError, match=f"^AdamW: {message}"):
+        optim.AdamW([strided_bf16()], **extra)
+    dense = model_params(torch.bfloat16)
+    opt = optim.AdamW(dense, **extra)
+    train(opt, dense, 1)
+    before = state_dict_snapshot(dense, opt)
+    with pytest.raises(ValueError, match=f"^AdamW: {message}"):
+        opt.add_param_group({"params": [strided_bf16()]})
+    assert len(opt.param_groups) == 1
+    p = dense[0]  # now every other column of a larger tensor
+    p.data = torch.randn(7, 10).to(torch.bfloat16)[:, ::2]
+    p.grad = torch.ones_like(p)
+    before = state_dict_snapshot(dense, opt)
+    with pytest.raises(ValueError, match=r"^AdamW.step: a torch.bfloat16 parameter of shape "
+                                         r"\(7, 5\) is not dense"):
+        opt.step()
+    assert_state_dict_unchanged(dense, opt, before)
+    if "precision_report" in extra:  # (configure sets master and state_dtype)
+        return
+    opt = optim.AdamW([strided_bf16()], master="none", state_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"^AdamW.configure: param group 0: {message}"):
+        opt.configure(**{"master": "fp32", **extra})
+    assert (opt.master, opt.state_dtype) == ("none", torch.bfloat16)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_strided_bf16_parameters_step_as_torch_without_masters(name, state_dtype):
+    """What is kept: with master="none" and the default state or the parameter's dtype,
+    torch.optim's step of the parameter as it is (state in bf16, as torch's)."""
+    ours_cls, torch_cls = PAIRS[name]
+    ours, ref = strided_bf16(), strided_bf16()
+    a = ours_cls([ours], lr=0.01, master="none", state_dtype=state_dtype)
+    b = torch_cls([ref], lr=0.01, foreach=False)
+    for step in range(3):
+        g = torch.randn(6, 5, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(ours, ref)
+    assert all(v.dtype == torch.bfloat16 for v in a.state[ours].values()
+               if isinstance(v, torch.Tensor) and v.dim())
+
+
+def test_tensor_hyperparameters_refuse_fp32_masters_of_bf16_parameters():
+    """A group with a tensor where the fused ops take a number (Adam's betas) is torch's
+    to step: its bf16 parameters get no fp32 masters there, which is refused, naming it;
+    master="none" steps them as torch.optim does."""
+    betas = (torch.tensor(0.9), torch.tensor(0.999))
+    with pytest.raises(ValueError, match=r"^AdamW: a torch.bfloat16 parameter of shape "
+                                         r"\(7, 5\) is in a param group with a tensor where "
+                                         r"the fused ops take a number, .*not master='fp32' "
+                                         r"\(use master='none' and state_dtype=torch.bfloat16\)"):
+        optim.AdamW(model_params(torch.bfloat16), betas=betas)
+    params = model_params(torch.bfloat16)
+    train(optim.AdamW(params, betas=betas, master="none"), params, 2)
+
+
 def test_in_backward_refuses_a_differentiable_group():
     params = model_params()
     opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:], "differentiable": True}])
