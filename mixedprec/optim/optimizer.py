@@ -104,9 +104,8 @@ class Optimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             torch_path.check_differentiable(f"{where}: param group {index}", group, *kept)
             if not group.get("differentiable"):
-                torch_path.check_torch_stepped(f"{where}: param group {index}", group["params"],
-                                               *kept, self._fused_group(group),
-                                               self._TORCH_STEP_KEEPS)
+                torch_path.check_torch_stepped(self, f"{where}: param group {index}",
+                                               group["params"], *kept, self._fused_group(group))
         if check_only:
             return
         self.precision.configure(where, master, state_dtype, False)
@@ -134,8 +133,8 @@ class Optimizer(torch.optim.Optimizer):
                                         self.master, self.state_dtype, self.precision_report)
         if not param_group.get("differentiable", self.defaults.get("differentiable")):
             torch_path.check_torch_stepped(
-                where, params, self.master, self.state_dtype, self.precision_report,
-                self._fused_group({**self.defaults, **param_group}), self._TORCH_STEP_KEEPS)
+                self, where, params, self.master, self.state_dtype, self.precision_report,
+                self._fused_group({**self.defaults, **param_group}))
         param_group = dict(param_group, params=params)
         if self.precision.seed is not None and "seed" not in param_group:
             param_group["seed"] = self.precision.group_seed(len(self.param_groups))
@@ -177,9 +176,9 @@ class Optimizer(torch.optim.Optimizer):
         unfused = torch_path.unfused(self, group)
         self._check_unfused(group, unfused)
         if unfused and not group.get("differentiable"):  # (parameters changed since added)
-            torch_path.check_torch_stepped(f"{where}.step", unfused, self.master,
+            torch_path.check_torch_stepped(self, f"{where}.step", unfused, self.master,
                                            self.state_dtype, self.precision_report,
-                                           self._fused_group(group), self._TORCH_STEP_KEEPS)
+                                           self._fused_group(group))
         if unfused:
             self._pending.append((group, unfused))
         if not self._fused_group(group):

@@ -224,14 +224,14 @@ def is_fused_param(p: Tensor) -> bool:
     return p.dtype in FLOAT_DTYPES and ops.is_dense(_local(p))
 
 
-def check_torch_stepped(where: str, params: Sequence[Any], master: str,
-                        state_dtype: torch.dtype, report: Any, fused_group: bool,
-                        keeps: Optional[str]) -> None:
-    """The parameters that torch.optim's own implementation steps (``_torch_step``): all of
-    a group that the fused ops do not take (``fused_group`` False: a tensor where they take
-    a number; a ``differentiable`` group is :func:`check_differentiable`'s), and those
-    that are not fused (:func:`is_fused_param`: float64, sparse, strided but not dense).
-    ``keeps``: what the class's torch step keeps (its ``_TORCH_STEP_KEEPS``): None, no such
+def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
+                        state_dtype: torch.dtype, report: Any, fused_group: bool) -> None:
+    """The parameters of ``opt`` that torch.optim's own implementation steps
+    (``_torch_step``): all of a group that the fused ops do not take (``fused_group``
+    False: a tensor where they take a number; a ``differentiable`` group is
+    :func:`check_differentiable`'s), those that are not fused (``opt._fused_dtype``:
+    float64, sparse, strided but not dense) and those with a sparse gradient. What the
+    class's torch step keeps is its ``_TORCH_STEP_KEEPS``: None, no such
     step; "params", each parameter as it is, with state and arithmetic of its dtype;
     "fp32 masters", that with the fp32 masters of fp16 and bf16 parameters under
     ``master="fp32"``. Refused here, before any update and naming it, is what would
@@ -240,10 +240,11 @@ def check_torch_stepped(where: str, params: Sequence[Any], master: str,
     torch.optim steps it), a ``state_dtype`` other than the default and the parameter's,
     and the precision report. (An fp32 parameter is its own master and keeps fp32 state,
     as those that 8-bit moments leave out do.)"""
+    keeps = opt._TORCH_STEP_KEEPS
     for p in params:
         p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
         sparse_grad = isinstance(p, Tensor) and p.grad is not None and p.grad.is_sparse
-        if not isinstance(p, Tensor) or fused_group and is_fused_param(p) and not sparse_grad:
+        if not isinstance(p, Tensor) or fused_group and opt._fused_dtype(p) and not sparse_grad:
             continue
         local = _local(p)
         low = p.dtype in (torch.float16, torch.bfloat16)
