@@ -231,15 +231,16 @@ def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
     False: a tensor where they take a number; a ``differentiable`` group is
     :func:`check_differentiable`'s), those that are not fused (``opt._fused_dtype``:
     float64, sparse, strided but not dense) and those with a sparse gradient. What the
-    class's torch step keeps is its ``_TORCH_STEP_KEEPS``: None, no such
-    step; "params", each parameter as it is, with state and arithmetic of its dtype;
-    "fp32 masters", that with the fp32 masters of fp16 and bf16 parameters under
-    ``master="fp32"``. Refused here, before any update and naming it, is what would
-    otherwise fail after other parameters stepped (no torch step) or be dropped: fp32
-    masters or a bf16 mode of an fp16/bf16 parameter (``master="none"`` is stepped as
-    torch.optim steps it), a ``state_dtype`` other than the default and the parameter's,
-    and the precision report. (An fp32 parameter is its own master and keeps fp32 state,
-    as those that 8-bit moments leave out do.)"""
+    class's torch step keeps is its ``_TORCH_STEP_KEEPS``: None, no such step; "params",
+    each parameter as it is, with state and arithmetic of its dtype; "fp32 masters",
+    that with the fp32 masters of fp16 and bf16 parameters under ``master="fp32"`` (but
+    for a sparse gradient, which it applies to the parameter). Refused here, before any
+    update and naming it, is what would otherwise fail after other parameters stepped
+    (no torch step) or be dropped: fp32 masters or a bf16 mode of an fp16/bf16
+    parameter (``master="none"`` is stepped as torch.optim steps it), a ``state_dtype``
+    other than the default and the parameter's, and the precision report. (An fp32
+    parameter is its own master and keeps fp32 state, as those that 8-bit moments leave
+    out do.)"""
     keeps = opt._TORCH_STEP_KEEPS
     for p in params:
         p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
@@ -250,7 +251,8 @@ def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
         low = p.dtype in (torch.float16, torch.bfloat16)
         if keeps is None:
             why = "which it has not"
-        elif low and master != "none" and not (master == "fp32" and keeps == "fp32 masters"):
+        elif low and master != "none" and not (
+                master == "fp32" and keeps == "fp32 masters" and not sparse_grad):
             why = f"which keeps it as it is, with state of its dtype: not master={master!r}"
         elif low and state_dtype not in (torch.float32, p.dtype):
             why = f"which keeps its state in its dtype: not state_dtype={state_dtype}"

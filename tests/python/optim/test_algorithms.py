@@ -165,6 +165,27 @@ def test_adagrad_keeps_the_fp32_masters_of_strided_parameters():
     assert_bitwise_equal(p.detach(), ref.detach().to(BF16))
 
 
+def test_adagrad_refuses_the_fp32_masters_of_a_sparse_gradients_parameter():
+    """Adagrad's torch step applies a sparse gradient to the parameter itself (torch's
+    functional Adagrad, no master): a bf16 parameter with one is refused at the step
+    under master="fp32", nothing changed; master="none" steps it as torch does."""
+    p = torch.nn.Parameter(torch.randn(6, 4).to(BF16))
+    opt = optim.Adagrad([p], lr=0.1)
+    p.grad = torch.ones(6, 4, dtype=BF16).to_sparse()
+    before = snapshot((p, opt))
+    with pytest.raises(TypeError, match=r"^Adagrad.step: a torch.bfloat16 parameter of shape "
+                                         r"\(6, 4\) has a sparse gradient, .* not "
+                                         r"master='fp32' \(use master='none' and "
+                                         r"state_dtype=torch.bfloat16\)$"):
+        opt.step()
+    assert_unchanged((p, opt), before)
+    ref = torch.nn.Parameter(p.detach().clone())
+    ref.grad = p.grad.clone()
+    optim.Adagrad([p], lr=0.1, master="none").step()
+    torch.optim.Adagrad([ref], lr=0.1).step()
+    assert_bitwise_equal(p.detach(), ref.detach())
+
+
 @pytest.mark.parametrize("cls", [optim.LAMB, optim.NovoGrad], ids=["LAMB", "NovoGrad"])
 def test_what_the_fused_ops_do_not_take_is_refused_before_any_update(cls):
     """LAMB and NovoGrad have no torch.optim step to hand such parameters to: a float64
