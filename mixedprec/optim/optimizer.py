@@ -103,9 +103,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_dtype if state_dtype is None else state_dtype, self.precision_report)
         for index, group in enumerate(self.param_groups):
             torch_path.check_differentiable(f"{where}: param group {index}", group, *kept)
-            if not group.get("differentiable"):
-                torch_path.check_torch_stepped(self, f"{where}: param group {index}",
-                                               group["params"], *kept, self._fused_group(group))
+            torch_path.check_torch_stepped(self, f"{where}: param group {index}", group, *kept)
         if check_only:
             return
         self.precision.configure(where, master, state_dtype, False)
@@ -129,12 +127,11 @@ class Optimizer(torch.optim.Optimizer):
                                 f"bfloat16, got {p.dtype}")
             self.precision.check_param(where, p)
         self._check_8bit(where, self.state_dtype, [param_group])
-        torch_path.check_differentiable(where, {**self.defaults, **param_group, "params": params},
-                                        self.master, self.state_dtype, self.precision_report)
-        if not param_group.get("differentiable", self.defaults.get("differentiable")):
-            torch_path.check_torch_stepped(
-                self, where, params, self.master, self.state_dtype, self.precision_report,
-                self._fused_group({**self.defaults, **param_group}))
+        whole = {**self.defaults, **param_group, "params": params}
+        torch_path.check_differentiable(where, whole, self.master, self.state_dtype,
+                                        self.precision_report)
+        torch_path.check_torch_stepped(self, where, whole, self.master, self.state_dtype,
+                                       self.precision_report)
         param_group = dict(param_group, params=params)
         if self.precision.seed is not None and "seed" not in param_group:
             param_group["seed"] = self.precision.group_seed(len(self.param_groups))
@@ -175,10 +172,9 @@ class Optimizer(torch.optim.Optimizer):
         where = type(self).__name__
         unfused = torch_path.unfused(self, group)
         self._check_unfused(group, unfused)
-        if unfused and not group.get("differentiable"):  # (parameters changed since added)
-            torch_path.check_torch_stepped(self, f"{where}.step", unfused, self.master,
-                                           self.state_dtype, self.precision_report,
-                                           self._fused_group(group))
+        if unfused:  # (parameters changed since they were added)
+            torch_path.check_torch_stepped(self, f"{where}.step", group, self.master,
+                                           self.state_dtype, self.precision_report, unfused)
         if unfused:
             self._pending.append((group, unfused))
         if not self._fused_group(group):

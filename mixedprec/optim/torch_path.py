@@ -224,14 +224,22 @@ def is_fused_param(p: Tensor) -> bool:
     return p.dtype in FLOAT_DTYPES and ops.is_dense(_local(p))
 
 
-def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
-                        state_dtype: torch.dtype, report: Any, fused_group: bool) -> None:
-    """The parameters of ``opt`` that torch.optim's own implementation steps
-    (``_torch_step``): all of a group that the fused ops do not take (``fused_group``
-    False: a tensor where they take a number; a ``differentiable`` group is
-    :func:`check_differentiable`'s), those that are not fused (``opt._fused_dtype``:
-    float64, sparse, strided but not dense) and those with a sparse gradient. What the
-    class's torch step keeps is its ``_TORCH_STEP_KEEPS``: None, no such step; "params",
+def torch_steps(opt, p: Tensor, fused_group: bool) -> bool:
+    """Whether torch.optim's own implementation (``opt._torch_step``) steps ``p``, of a
+    group the fused ops take (``fused_group``: ``opt._fused_group``) or not: all of a group
+    they do not take, those that are not fused (``opt._fused_dtype``: float64, sparse,
+    strided but not dense) and those with a sparse gradient."""
+    return not fused_group or not opt._fused_dtype(p) or (
+        p.grad is not None and p.grad.is_sparse)
+
+
+def check_torch_stepped(opt, where: str, group: Dict[str, Any], master: str,
+                        state_dtype: torch.dtype, report: Any,
+                        params: Optional[Sequence[Any]] = None) -> None:
+    """The parameters of ``group`` (or ``params`` of it) that torch.optim's own
+    implementation steps (:func:`torch_steps`; a ``differentiable`` group is
+    :func:`check_differentiable`'s, and passes here). What the class's torch step
+    keeps is its ``_TORCH_STEP_KEEPS``: None, no such step; "params",
     each parameter as it is, with state and arithmetic of its dtype; "fp32 masters",
     that with the fp32 masters of fp16 and bf16 parameters under ``master="fp32"`` (but
     for a sparse gradient, which it applies to the parameter). Refused here, before any
@@ -241,13 +249,14 @@ def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
     other than the default and the parameter's, and the precision report. (An fp32
     parameter is its own master and keeps fp32 state, as those that 8-bit moments leave
     out do.)"""
-    keeps = opt._TORCH_STEP_KEEPS
-    for p in params:
+    if group.get("differentiable"):
+        return
+    keeps, fused_group = opt._TORCH_STEP_KEEPS, opt._fused_group(group)
+    for p in group["params"] if params is None else params:
         p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
-        sparse_grad = isinstance(p, Tensor) and p.grad is not None and p.grad.is_sparse
-        if not isinstance(p, Tensor) or fused_group and opt._fused_dtype(p) and not sparse_grad:
+        if not isinstance(p, Tensor) or not torch_steps(opt, p, fused_group):
             continue
-        local = _local(p)
+        sparse_grad, local = p.grad is not None and p.grad.is_sparse, _local(p)
         low = p.dtype in (torch.float16, torch.bfloat16)
         if keeps is None:
             why = "which it has not"
@@ -282,10 +291,9 @@ def check_torch_stepped(opt, where: str, params: Sequence[Any], master: str,
 
 def unfused(opt, group: Dict[str, Any]) -> List[Tensor]:
     """The group's parameters with gradients that torch's implementation steps."""
-    if not opt._fused_group(group):
-        return [p for p in group["params"] if p.grad is not None]
-    return [p for p in group["params"] if p.grad is not None and (
-        not opt._fused_dtype(p) or p.grad.is_sparse)]
+    fused_group = opt._fused_group(group)
+    return [p for p in group["params"] if p.grad is not None and
+            torch_steps(opt, p, fused_group)]
 
 
 def refuse_meta(where: str, group: Dict[str, Any], params: List[Tensor]) -> None:
