@@ -15,7 +15,7 @@
 # built in place (mixedprec/_C*.so), its objects in build/ext. Variables:
 #   MIXEDPREC_CUDA=0   build the CPU kernels only
 #   TORCH_CUDA_ARCH_LIST=9.0  the CUDA kernels for Hopper only (setup.py's default adds
-#             sm_80 and PTX): about half the CUDA compile, for an edit loop; `touch
+#             sm_80 and PTX): one ptxas fewer per unit, for an edit loop; `touch
 #             setup.py` after switching it (the build's stamp does not record it)
 #   MAX_JOBS=N         parallel compile jobs (default 2)
 #   PYTHON=python3.12  the interpreter that creates .venv

@@ -9,7 +9,9 @@ Environment variables:
   MIXEDPREC_CUDA=0        build the CPU kernels only (default: CUDA kernels are built
                           whenever the CUDA toolkit and a CUDA build of torch are
                           present; no GPU is needed to build them).
-  TORCH_CUDA_ARCH_LIST    GPU architectures to build for (default: DEFAULT_ARCH_LIST).
+  TORCH_CUDA_ARCH_LIST    GPU architectures to build for, as torch reads it (default:
+                          DEFAULT_GENCODE, Ampere's and Hopper's machine code from one
+                          PTX).
   MAX_JOBS                parallel compile jobs (default: what the cores and the memory
                           allow, build_checks.default_max_jobs).
 """
@@ -32,8 +34,23 @@ from setuptools import find_packages, setup  # noqa: E402
 import torch  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
-# Ampere and Hopper machine code, plus PTX of the newest for later GPUs to JIT.
-DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+# The GPU code when TORCH_CUDA_ARCH_LIST is not set: Ampere's (sm_80) and Hopper's
+# (sm_90) machine code, both compiled by ptxas from one compute_80 PTX, and that PTX for
+# later GPUs to JIT. nvcc's front end (cicc) runs once per virtual architecture, a
+# quarter of a CUDA unit's time (`nvcc --time` on csrc/cuda/register_adam.cu,
+# 2026-12-02: cicc 51-52 s for each of compute_80 and compute_90, ptxas 41-47 s per
+# architecture, the host side 28 s), so "8.0;9.0+PTX" ran it twice for code the
+# kernels do not need: they use nothing that compute_90's PTX adds. ptxas still
+# schedules and allocates sm_90's code for Hopper. Against sm_90 code from compute_90
+# PTX (2026-12-02, the Adam and SGD units): no stack frame and no spill in either,
+# registers within 4 either way, and per element (scripts/sass_per_element.py) fewer
+# instructions in 114 of the 158 modes, as many in 43, and 4.6% more in one (SGD,
+# kahan with 8-bit state: bf16 widened by byte permutes where compute_90 converts).
+# The four CUDA units alone, on the 2-core Xeon: 258 s (480 s of a core) before,
+# 163-178 s (295-327) after. A kernel that needs compute_90's PTX (TMA, clusters) needs
+# a unit built for sm_90 alone. TORCH_CUDA_ARCH_LIST, when set, is read as torch reads
+# it ("8.0;9.0+PTX": a PTX, and a front-end pass, per architecture).
+DEFAULT_GENCODE = "-gencode=arch=compute_80,code=[sm_80,sm_90,compute_80]"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -63,11 +80,12 @@ def write_build_info(cuda: bool) -> None:
 # `make build` keeps (scripts/cuda_resources.py) and tests/python/ops/test_cuda_resources.py
 # gates. --diag-error 20011,20014: a __host__ function called from device code is an
 # error, not a warning: nvcc otherwise compiles the caller's path away (an empty kernel).
-# --threads=2: a unit's architectures compile side by side (cicc and ptxas per
-# architecture are nine tenths of a CUDA unit's time), so an edit that rebuilds one
-# family's units (its CUDA unit the longest) takes both cores; in a full build ninja's
-# jobs fill the cores already, and the extra threads share them. nvcc prints each
-# architecture's ptxas lines together, which scripts/cuda_resources.py relies on.
+# --threads=2: a unit's independent steps run side by side (its host compilation beside
+# cicc, then ptxas for each architecture: with cicc, nine tenths of a CUDA unit's time),
+# so an edit that rebuilds one family's units (its CUDA unit the longest) takes both
+# cores; in a full build ninja's jobs fill the cores already, and the extra threads
+# share them. nvcc prints each architecture's ptxas lines together, which
+# scripts/cuda_resources.py relies on.
 NVCC_FLAGS = ["-O3", "-lineinfo", "-fmad=false", "--resource-usage",
               "--diag-error=20011,20014", "--threads=2"]
 
@@ -99,7 +117,8 @@ def extension(cuda: bool):
     return cpp_extension.CUDAExtension(
         "mixedprec._C",
         sources,
-        extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"], "nvcc": NVCC_FLAGS},
+        extra_compile_args={"cxx": cxx + ["-DMIXEDPREC_WITH_CUDA"],
+                            "nvcc": NVCC_FLAGS + ([] if arch_list() else [DEFAULT_GENCODE])},
         extra_link_args=link,
         py_limited_api=True,
     )
@@ -142,11 +161,17 @@ class BuildExtension(cpp_extension.BuildExtension):
             self.compiler.compile = compile_sources
 
 
+def arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST, "" when it is not set (torch reads an empty one so too)."""
+    return os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+
+
 def announce(cuda: bool) -> None:
     """What is built, how, and with how many jobs, in the build output."""
     os.environ.setdefault("MAX_JOBS", str(build_checks.default_max_jobs(cuda=cuda)))
-    what = (f"CPU and CUDA kernels for {os.environ['TORCH_CUDA_ARCH_LIST']}" if cuda
-            else "CPU kernels only")
+    archs = (f"TORCH_CUDA_ARCH_LIST={arch_list()}" if arch_list()
+             else "sm_80 and sm_90 from compute_80 PTX")
+    what = f"CPU and CUDA kernels for {archs}" if cuda else "CPU kernels only"
     print(f"mixedprec: building {what} against torch {torch.__version__}, "
           f"MAX_JOBS={os.environ['MAX_JOBS']}", file=sys.stderr)
     if shutil.which("ninja") is None:
@@ -155,8 +180,6 @@ def announce(cuda: bool) -> None:
 
 
 CUDA = want_cuda()
-if CUDA:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
 announce(CUDA)
 write_build_info(CUDA)
 

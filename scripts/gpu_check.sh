@@ -57,7 +57,7 @@
 # compute-sanitizer from the machine; downloads nothing. Variables:
 #   PYTHON                 interpreter (default python3)
 #   MAX_JOBS               parallel compile jobs (default 16)
-#   TORCH_CUDA_ARCH_LIST   GPU architectures (default: setup.py's DEFAULT_ARCH_LIST)
+#   TORCH_CUDA_ARCH_LIST   GPU architectures (default: setup.py's DEFAULT_GENCODE)
 #   MIXEDPREC_PREBUILT=1   use the mixedprec/_C*.so already in place (built on another
 #                          machine against the same torch; the library is
 #                          py_limited_api, so any Python 3 loads it) instead of

@@ -147,3 +147,31 @@ def test_a_build_that_recompiles_one_file_keeps_the_other_files_records(tmp_path
     nothing.write_text("ninja: no work to do.\n")
     assert gate.main(["cuda_resources.py", str(nothing), str(out)]) == 0
     assert len(json.loads(out.read_text())) == 2
+
+
+def test_the_default_build_compiles_both_architectures_from_one_ptx(tmp_path):
+    """setup.py's DEFAULT_GENCODE: sm_80 and sm_90 machine code in every CUDA unit, from
+    one compute_80 PTX that the extension also carries for later GPUs (one cicc pass a
+    unit). A build that fell back to torch's own flags (a PTX and a front-end pass per
+    architecture), or lost an architecture, fails here."""
+    if os.environ.get("MIXEDPREC_EXPECT_CUDA") != "1":
+        pytest.skip("no CUDA build expected here (make py-test sets MIXEDPREC_EXPECT_CUDA)")
+    if os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip():
+        pytest.skip("TORCH_CUDA_ARCH_LIST is set: the build followed it, not the default")
+    spe = load_script("scripts/sass_per_element.py")
+    tool, so = spe.find_cuobjdump(), spe.default_so()
+    if tool is None or so is None:
+        pytest.skip("no cuobjdump, or no built extension")
+    copy = tmp_path / Path(so).name  # (a build may relink the .so meanwhile)
+    shutil.copyfile(so, copy)
+
+    def listed(kind):
+        out = subprocess.run([tool, f"--list-{kind}", str(copy)], capture_output=True,
+                             text=True, check=True).stdout
+        return sorted(line.split(".")[-2] for line in out.splitlines() if line.strip())
+
+    elf, ptx = listed("elf"), listed("ptx")
+    units = len(ptx)
+    assert units >= 4, ptx  # the CUDA units (csrc/cuda/*.cu), each with kernels
+    assert elf == ["sm_80"] * units + ["sm_90"] * units
+    assert ptx == ["sm_80"] * units  # (cuobjdump names a PTX by its virtual architecture)
