@@ -116,8 +116,9 @@ class Optimizer(torch.optim.Optimizer):
         where = type(self).__name__
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        for p in params:  # checked before torch adds the group, so a bad one changes nothing
-            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
+                   for p in params]
+        for p in tensors:  # checked before torch adds the group, so a bad one changes nothing
             if not isinstance(p, Tensor) or not self._fused_dtype(p):
                 continue  # (torch's own checks, or torch's implementation steps it)
             if p.layout != torch.strided:
@@ -127,7 +128,7 @@ class Optimizer(torch.optim.Optimizer):
                                 f"bfloat16, got {p.dtype}")
             self.precision.check_param(where, p)
         self._check_8bit(where, self.state_dtype, [param_group])
-        whole = {**self.defaults, **param_group, "params": params}
+        whole = {**self.defaults, **param_group, "params": tensors}
         torch_path.check_differentiable(where, whole, self.master, self.state_dtype,
                                         self.precision_report)
         torch_path.check_torch_stepped(self, where, whole, self.master, self.state_dtype,
@@ -172,10 +173,9 @@ class Optimizer(torch.optim.Optimizer):
         where = type(self).__name__
         unfused = torch_path.unfused(self, group)
         self._check_unfused(group, unfused)
-        if unfused:  # (parameters changed since they were added)
+        if unfused:  # (checked again: parameters may have changed since they were added)
             torch_path.check_torch_stepped(self, f"{where}.step", group, self.master,
                                            self.state_dtype, self.precision_report, unfused)
-        if unfused:
             self._pending.append((group, unfused))
         if not self._fused_group(group):
             return {}

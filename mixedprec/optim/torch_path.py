@@ -253,7 +253,6 @@ def check_torch_stepped(opt, where: str, group: Dict[str, Any], master: str,
         return
     keeps, fused_group = opt._TORCH_STEP_KEEPS, opt._fused_group(group)
     for p in group["params"] if params is None else params:
-        p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
         if not isinstance(p, Tensor) or not torch_steps(opt, p, fused_group):
             continue
         sparse_grad, local = p.grad is not None and p.grad.is_sparse, _local(p)
