@@ -166,6 +166,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
                 f"a {name} does not keep (it keeps {list(opt._STATE_KEYS)}): the state "
                 f"dict was saved by another optimizer")
         p = id_to_param[key]
+        saved_state = _widened_moments(opt, p, saved_state)
         new_state[p] = {k: opt._loaded_value(p, key, k, v) for k, v in saved_state.items()}
         _check_loaded_modes(opt, p, key, saved_state)
         state8.check_pairs(f"{name}.load_state_dict: state[{key}]", new_state[p])
@@ -234,9 +235,58 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
             raise ValueError(f"{where} has shape {tuple(value.shape)}, expected "
                              f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
         if value.dtype != expected:
+            hint = ""
+            if _PARAM_STATE.get(key, 0) is None or key in state8.SCALE_OF:  # (a moment)
+                hint = ("; moments load into wider ones exactly (16-bit into float32, "
+                        "8-bit into float32 or bfloat16), never into narrower ones: load "
+                        f"it with state_dtype={value.dtype}")
             raise ValueError(f"{where} has dtype {value.dtype}, expected {expected} (the "
-                             f"optimizer's setting: state_dtype={opt.state_dtype})")
+                             f"optimizer's setting: state_dtype={opt.state_dtype}){hint}")
     return value.to(p.device, copy=True)
+
+
+# 16-bit moments that loading widens exactly into float32 moments (8-bit ones:
+# _widened_moments).
+_WIDENED_16 = (torch.bfloat16, torch.float16)
+
+
+def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
+    """``saved`` (a parameter's saved state, left as it is) with its moments widened
+    where this optimizer keeps them wider, exactly: bf16 or fp16 moments into float32
+    (torch.optim's own state dict of a bf16 or fp16 model), and 8-bit moments (codes
+    and scales: ``state8.decode``, the root squared for ``exp_avg_sq``) into float32 or,
+    where every value is a bf16, bfloat16. Narrower moments than saved are left, for
+    :func:`loaded_value` to refuse (rounding them is not loading them); so are entries
+    it refuses anyway (another shape, codes without scales, DTensor codes)."""
+    if not opt._fused_dtype(p) or (opt.state_dtype == state8.E4M3 and state8.eligible(p)):
+        return saved  # (torch's layout takes any dtype; 8-bit moments are narrowest)
+    target = opt.precision.moment_dtype()
+    out = dict(saved)
+    for key, scale_key in state8.SCALE_OF.items():
+        codes, scales = out.get(key), out.get(scale_key)
+        name = "exp_avg_sq" if key == "exp_avg_sq_root" else key
+        if not (isinstance(codes, Tensor) and codes.dtype == state8.E4M3 and
+                isinstance(scales, Tensor) and tuple(codes.shape) == tuple(p.shape) and
+                tuple(scales.shape) == state8.scale_shape(p) and name in opt._STATE_KEYS and
+                (name == key or name not in out) and type(codes) is Tensor and
+                type(scales) is Tensor):
+            continue
+        values = state8.decode(codes, scales)
+        if key == "exp_avg_sq_root":
+            values = values * values
+        if target != torch.float32:
+            narrowed = values.to(target)
+            if not torch.equal(narrowed.float(), values):  # sync-ok: loading a state dict
+                continue
+            values = narrowed
+        del out[key], out[scale_key]
+        out[name] = values
+    for key, kept in _PARAM_STATE.items():
+        value = out.get(key)
+        if (kept is None and isinstance(value, Tensor) and value.dtype in _WIDENED_16 and
+                target == torch.float32 and tuple(value.shape) == tuple(p.shape)):
+            out[key] = value.to(target)
+    return out
 
 
 def _check_loaded_modes(opt, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:

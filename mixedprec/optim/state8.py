@@ -72,6 +72,18 @@ def new_scales(like: Tensor) -> Tensor:
                               shape=torch.Size((rows, cols)), stride=(cols, 1))
 
 
+def decode(codes: Tensor, scales: Tensor) -> Tensor:
+    """The float32 values of 8-bit state (plain tensors): each code's value times its
+    block's scale, 2^(byte - 127). Exact: an e4m3 value times a power of two is a
+    float32 (a square of one too, as the second moment's root is squared)."""
+    byte = scales.reshape(-1, 1).view(torch.uint8).to(torch.int32)
+    # 2^(byte - 127) from its bits: byte << 23 for 1..254; 2^-127 (subnormal) for 0,
+    # and NaN for 255, as float8_e8m0fnu reads them
+    bits = torch.where(byte == 0, 1 << 22, torch.where(byte == 255, 0x7FC00000, byte << 23))
+    values = codes.reshape(-1, BLOCK).to(torch.float32) * bits.view(torch.float32)
+    return values.reshape(codes.shape)
+
+
 def uses_8bit(p: Tensor, state: Dict[str, Any], key: str) -> bool:
     """Whether ``p`` steps with 8-bit moments: its ``key`` entry (codes) is 8-bit, or
     it has none yet and is eligible. 8-bit state of a parameter no longer contiguous

@@ -258,16 +258,24 @@ def test_load_state_dict_checks_the_lean_dtypes():
     lean.step()
     saved = lean.state_dict()
     plain = optim.AdamW(make_params("cpu", torch.bfloat16), master="none", **ADAM)  # fp32 moments
-    with pytest.raises(ValueError, match=r"'exp_avg'.*bfloat16.*expected torch.float32"):
-        plain.load_state_dict(saved)
-    fp32_moments = copy.deepcopy(saved)
-    for state in fp32_moments["state"].values():
-        state["exp_avg"], state["exp_avg_sq"] = state["exp_avg"].float(), \
-            state["exp_avg_sq"].float()
     with pytest.raises(ValueError, match="'kahan_comp'.* Kahan compensation, which "
                        "master='none' cannot keep exactly"):
-        plain.load_state_dict(fp32_moments)
+        plain.load_state_dict(saved)  # (its bf16 moments would load, widened)
     assert not plain.state  # nothing loaded
+    no_comps = copy.deepcopy(saved)
+    for state in no_comps["state"].values():
+        del state["kahan_comp"]
+    plain.load_state_dict(no_comps)
+    for i, p in enumerate(plain.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert plain.state[p][key].dtype == torch.float32
+            assert torch.equal(plain.state[p][key], no_comps["state"][i][key].float())
+    narrow = optim.AdamW(make_params("cpu", torch.bfloat16), master="none",
+                         state_dtype=torch.bfloat16, **ADAM)
+    with pytest.raises(ValueError, match=r"'exp_avg'.*float32.*expected torch.bfloat16.*load it "
+                       r"with state_dtype=torch.float32"):
+        narrow.load_state_dict(plain.state_dict())
+    assert not narrow.state
     bad_comp = copy.deepcopy(saved)
     bad_comp["state"][0]["kahan_comp"] = bad_comp["state"][0]["kahan_comp"].float()
     fresh = optim.AdamW(make_params("cpu", torch.bfloat16), master="kahan",

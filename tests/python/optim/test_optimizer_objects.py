@@ -397,15 +397,15 @@ def _bad_state_dict(sd, defect, key):
         sd["state"][0]["master_param"] = sd["state"][0]["master_param"][:-1].clone()
     elif defect == "moment_shape":
         sd["state"][2][key] = sd["state"][2][key].reshape(1, -1).clone()
-    elif defect == "moment_fp16":
-        sd["state"][1][key] = sd["state"][1][key].half()
+    elif defect == "moment_fp64":  # (wider than kept: 16-bit moments would load, widened)
+        sd["state"][1][key] = sd["state"][1][key].double()
     elif defect == "master_bf16":
         sd["state"][3]["master_param"] = sd["state"][3]["master_param"].bfloat16()
     return sd
 
 
 @pytest.mark.parametrize("defect", ["extra_group", "missing_param", "master_shape",
-                                    "moment_shape", "moment_fp16", "master_bf16"])
+                                    "moment_shape", "moment_fp64", "master_bf16"])
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_load_state_dict_errors_change_nothing(device, cls, kwargs, defect):
     model, opt = _trained(device, cls, kwargs, steps=3)

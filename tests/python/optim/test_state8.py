@@ -22,6 +22,7 @@ from helpers import (
 from references import (
     ref_adam,
     ref_adam8,
+    ref_dequantize8,
     ref_e4m3_stochastic,
     ref_quantize8,
     ref_rounding_bits,
@@ -464,8 +465,6 @@ def test_loading_checks_8bit_state_per_param(cls, kwargs):
             opt.load_state_dict(state_dict)
         assert_state_dict_unchanged(model, opt, before)
 
-    refused(opt32, sd8, rf"state\[0\]\['{key}'\] has dtype torch.float8_e4m3fn, expected "
-                        "torch.float32")
     refused(opt8, sd32, rf"state\[0\]\['{key}'\] has dtype torch.float32, expected "
                         "torch.float8_e4m3fn")
     missing = copy.deepcopy(sd8)
@@ -479,6 +478,41 @@ def test_loading_checks_8bit_state_per_param(cls, kwargs):
     extra["state"][len(ELIGIBLE)].update({k: v for k, v in sd8["state"][0].items()
                                           if k in state8.ONLY_8BIT})
     refused(opt8, extra, "not eligible")
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_8bit_moments_load_into_wider_ones_exactly_and_step_the_same(device, cls, kwargs,
+                                                                     state_dtype):
+    """8-bit codes and scales load into float32 or bf16 moments as their values (the
+    root squared: exp_avg_sq), exactly, and the next step is the 8-bit optimizer's, bit
+    for bit in the parameters (both update from the same values in float32). (The
+    ineligible parameters' float32 moments would not load into bf16 ones: left out.)"""
+    params = make_params(device, BF16)[:len(ELIGIBLE)]
+    opt8 = cls(params, state_dtype=E4M3, **kwargs)
+    for step in range(3):
+        feed(params, step)
+        opt8.step()
+    saved = _save_load(opt8.state_dict())
+    fresh = [nn.Parameter(p.detach().clone()) for p in params]
+    wide = cls(fresh, state_dtype=state_dtype, **kwargs)
+    wide.load_state_dict(saved)
+    keys = {"exp_avg": "exp_avg", "exp_avg_sq_root": "exp_avg_sq"} if cls is AdamW else {
+        "momentum_buffer": "momentum_buffer"}
+    for i, q in enumerate(fresh):
+        state = wide.state[q]
+        assert not any(k in state for k in state8.ONLY_8BIT)
+        for key, name in keys.items():
+            value = ref_dequantize8(saved["state"][i][key], saved["state"][i][state8.SCALE_OF[key]])
+            value = value * value if key == "exp_avg_sq_root" else value
+            assert state[name].dtype == state_dtype and state[name].device == q.device
+            assert torch.equal(state[name].cpu().double(), value), name
+    for ps, o in ((params, opt8), (fresh, wide)):
+        feed(ps, 3)
+        o.step()
+    for p, q in zip(params, fresh):
+        assert_bitwise_equal(q.detach(), p.detach())
+        assert_bitwise_equal(wide.state[q]["master_param"], opt8.state[p]["master_param"])
 
 
 def test_channels_last_after_8bit_state_is_refused_before_writing():

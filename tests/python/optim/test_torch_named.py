@@ -223,6 +223,55 @@ def test_state_dict_moves_to_torch_and_back(name):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_torchs_state_dict_of_a_16bit_model_loads_into_float32_moments(name, dtype):
+    """torch.optim keeps a bf16 or fp16 model's moments in its dtype; mixedprec's
+    optimizers keep float32 ones by default, and load torch's widened, exactly: they
+    then step as if they had held those values all along."""
+    ours_cls, torch_cls = PAIRS[name]
+    kwargs = dict(lr=0.02, weight_decay=0.01, **({"momentum": 0.9} if name == "SGD" else {}))
+    theirs_params = model_params(dtype)
+    theirs = torch_cls(theirs_params, **kwargs)
+    train(theirs, theirs_params, 3)
+    saved = theirs.state_dict()
+    before = copy.deepcopy(saved)
+    params = clone(theirs_params)
+    ours = ours_cls(params, **kwargs)
+    ours.load_state_dict(saved)
+    widened = {k: v.float() for k, v in saved["state"][0].items() if k != "step"}
+    assert widened  # (moments or a momentum buffer)
+    for key, value in widened.items():
+        assert ours.state[params[0]][key].dtype == torch.float32
+        assert torch.equal(ours.state[params[0]][key], value), key
+    torch.testing.assert_close(saved, before, rtol=0, atol=0)  # the state dict is left as it is
+    # then as torch.optim in float32 from those values (its load casts them to fp32 too)
+    reference = [p.detach().float().requires_grad_() for p in theirs_params]
+    ref_opt = torch_cls(reference, **kwargs)
+    ref_opt.load_state_dict(saved)
+    grads = grads_for(params, 3)
+    for opt, ps in ((ours, params), (ref_opt, reference)):
+        for p, g in zip(ps, grads):
+            p.grad = g.to(p.dtype)
+        opt.step()
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(ours.state[p]["master_param"], r, rtol=1e-5, atol=1e-6)
+
+
+def test_narrower_moments_are_refused_naming_the_state_dtype_to_load_them_with():
+    theirs_params = model_params()
+    theirs = torch.optim.AdamW(theirs_params)
+    train(theirs, theirs_params, 1)
+    params = clone(theirs_params)
+    ours = optim.AdamW(params, master="none", state_dtype=torch.bfloat16)
+    before = state_dict_snapshot(params, ours)
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has dtype torch.float32, "
+                       r"expected torch.bfloat16 .*never into narrower ones: load it with "
+                       r"state_dtype=torch.float32"):
+        ours.load_state_dict(theirs.state_dict())
+    assert_state_dict_unchanged(params, ours, before)
+
+
 def test_loaded_state_dict_steps_are_not_shared():
     params = model_params()
     opt = optim.Adam(params)
