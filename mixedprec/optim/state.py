@@ -236,7 +236,7 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
                              f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
         if value.dtype != expected:
             hint = ""
-            if _PARAM_STATE.get(key, 0) is None or key in state8.SCALE_OF:  # (a moment)
+            if _PARAM_STATE.get(key, 0) is None or key in (*state8.SCALE_OF, "sum"):
                 hint = ("; moments load into wider ones exactly (16-bit into float32, "
                         "8-bit into float32 or bfloat16), never into narrower ones: load "
                         f"it with state_dtype={value.dtype}")
@@ -252,12 +252,13 @@ _WIDENED_16 = (torch.bfloat16, torch.float16)
 
 def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
     """``saved`` (a parameter's saved state, left as it is) with its moments widened
-    where this optimizer keeps them wider, exactly: bf16 or fp16 moments into float32
-    (torch.optim's own state dict of a bf16 or fp16 model), and 8-bit moments (codes
-    and scales: ``state8.decode``, the root squared for ``exp_avg_sq``) into float32 or,
-    where every value is a bf16, bfloat16. Narrower moments than saved are left, for
-    :func:`loaded_value` to refuse (rounding them is not loading them); so are entries
-    it refuses anyway (another shape, codes without scales, DTensor codes)."""
+    where this optimizer keeps them wider, exactly: bf16 or fp16 moments (and Adagrad's
+    sums) into float32 (torch.optim's own state dict of a bf16 or fp16 model), and
+    8-bit moments (codes and scales: ``state8.decode``, the root squared for
+    ``exp_avg_sq``) into float32 or, where every value is a bf16, bfloat16. Narrower
+    moments than saved are left, for :func:`loaded_value` to refuse (rounding them is
+    not loading them); so are entries it refuses anyway (another shape, codes without
+    scales, DTensor codes)."""
     if not opt._fused_dtype(p) or (opt.state_dtype == state8.E4M3 and state8.eligible(p)):
         return saved  # (torch's layout takes any dtype; 8-bit moments are narrowest)
     target = opt.precision.moment_dtype()
@@ -283,9 +284,10 @@ def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
         out[name] = values
     for key, kept in _PARAM_STATE.items():
         value = out.get(key)
-        if (kept is None and isinstance(value, Tensor) and value.dtype in _WIDENED_16 and
-                target == torch.float32 and tuple(value.shape) == tuple(p.shape)):
-            out[key] = value.to(target)
+        wide = target if kept is None else kept if key == "sum" else None  # (Adagrad's: fp32)
+        if (wide == torch.float32 and isinstance(value, Tensor) and value.dtype in _WIDENED_16
+                and tuple(value.shape) == tuple(p.shape)):
+            out[key] = value.to(wide)
     return out
 
 

@@ -95,6 +95,23 @@ def test_adagrad_state_dict_loads_both_ways_with_torch():
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
 
+def test_adagrad_loads_torchs_bf16_sums_widened():
+    """torch's Adagrad keeps a bf16 model's sums in bf16; ours keeps float32 ones and
+    loads torch's widened, exactly."""
+    theirs = model().bfloat16()
+    ref = torch.optim.Adagrad(theirs.parameters(), lr=0.1)
+    train(theirs, ref, 2)
+    saved = ref.state_dict()
+    ours = copy.deepcopy(theirs)
+    opt = optim.Adagrad(ours.parameters(), lr=0.1)
+    opt.load_state_dict(saved)
+    for i, p in enumerate(ours.parameters()):
+        assert saved["state"][i]["sum"].dtype == torch.bfloat16
+        assert opt.state[p]["sum"].dtype == torch.float32
+        assert torch.equal(opt.state[p]["sum"], saved["state"][i]["sum"].float())
+    train(ours, opt, 1, first=2)
+
+
 def _adagrad64(p, grads, lr, eps, weight_decay, decoupled):
     """Adagrad in float64 from fp32 values ``p`` over the gradients of each step."""
     p, total = p.double(), torch.zeros_like(p, dtype=torch.float64)
