@@ -19,6 +19,8 @@ this module (nowhere else does it).
 * :func:`update_grad`: the fp32 master's ``.grad`` when set, else ``p.grad``.
 * :func:`nonfinite_per_tensor`: which gradients hold inf or NaN, one flag each, on the
   device (the overflow report's per-parameter attribution).
+* :func:`global_norm`: the L2 norm of all gradients together, unscaled on the fly
+  (the scaler's clipping), on the device.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -29,7 +31,7 @@ from torch import Tensor
 from . import ops
 
 __all__ = ["OP_DTYPES", "by_device", "by_device_and_dtype", "update_grad", "check_finite_",
-           "unscale_", "nonfinite_per_tensor"]
+           "unscale_", "nonfinite_per_tensor", "global_norm"]
 
 # The dtypes the multi-tensor ops take; others (float64) go through torch's kernels.
 OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -186,3 +188,33 @@ def nonfinite_per_tensor(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = 
             flags.append(torch.stack([~torch.isfinite(values[i]).all() for i in rest]))
         out.append((fast + rest, torch.cat(flags)))
     return out
+
+
+@torch.no_grad()
+def global_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None,
+                device: Optional[torch.device] = None) -> Tensor:
+    """The L2 norm of all ``grads`` together, each element times ``inv_scale`` (None: 1)
+    in float32 first, as a float32 0-dim tensor on ``device`` (default: ``inv_scale``'s,
+    else the first gradient's, else the CPU; 0 for no gradients). One
+    ``multi_tensor_l2norm`` per device over the float32, float16 and bfloat16 gradients
+    (a sparse gradient: its coalesced values; one that is not dense: a dense copy),
+    torch's ``vector_norm`` for the rest (float64); the devices' norms combined in
+    float32. inf or NaN where a gradient holds one. No host reads."""
+    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
+              for g in grads]
+    if device is None:
+        device = inv_scale.device if inv_scale is not None else (
+            values[0].device if values else torch.device("cpu"))
+    norms = []
+    for on, (on_device,) in by_device(values).items():
+        inv = None if inv_scale is None else _to(inv_scale, on).reshape(1).float()
+        ours = [_dense(g) for g in on_device if _ours(g)]
+        if ours:
+            norms.append(ops.multi_tensor_l2norm(ours, inv)[0].reshape(()))
+        for g in (g for g in on_device if not _ours(g)):
+            g = g.double() if inv is None else g.double() * inv.double()
+            norms.append(torch.linalg.vector_norm(g).float())
+    if not norms:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = [_to(n, device) for n in norms]
+    return norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()

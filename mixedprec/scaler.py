@@ -203,7 +203,59 @@ class GradScaler(torch.amp.GradScaler):
                 if any(bool(f) for f in flags):  # sync-ok: skip_on_host's one read
                     state["stage"] = OptState.STEPPED
                     return None
+        clip = self._per_optimizer_states[id(optimizer)].pop("clip", None) \
+            if self._enabled else None
+        if clip is not None:  # (torch's step multiplies its scale by this, then deletes it)
+            optimizer.grad_scale = getattr(optimizer, "grad_scale", 1) / clip
         return super().step(optimizer, *args, **kwargs)
+
+    @_not_traced
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
+                        norm_type: float = 2.0) -> Tensor:
+        """Clips ``optimizer``'s gradients to ``max_norm`` by their global norm, unscaled,
+        as ``unscale_(optimizer)`` and then ``torch.nn.utils.clip_grad_norm_`` would, and
+        returns that norm (float32, on the scale's device; inf or NaN after an
+        overflow, whose step is then skipped as usual). Call it after ``backward()`` and
+        before :meth:`step`, at most once per optimizer between updates.
+
+        An optimizer that unscales inside its step (:mod:`mixedprec.optim`'s, the Apex
+        faces, torch's fused ones) keeps its gradients scaled and unwritten: one read
+        takes the 2-norm of every gradient times ``1 / scale`` (``grads.global_norm``)
+        and sets the overflow flag, and :meth:`step` has the optimizer divide them by
+        ``scale / clip_coef`` instead of ``scale`` (``clip_coef`` as torch's:
+        ``max_norm / (norm + 1e-6)``, at most 1). So the fp16 gradients of an fp16
+        model with fp32 masters are clipped too, which :meth:`unscale_` refuses (as
+        torch's does). Other optimizers, other norms, and gradients that
+        :meth:`unscale_` has unscaled already: torch's ``clip_grad_norm_`` after
+        :meth:`unscale_`. No host read."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError("GradScaler.clip_grad_norm_: expected max_norm to be a number, "
+                            f"got {type(max_norm).__name__}")
+        params = [p for group in optimizer.param_groups for p in group["params"]
+                  if p.grad is not None]
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        if state.get("clipped"):
+            raise RuntimeError("clip_grad_norm_() has already been called on this optimizer "
+                               "since the last update().")
+        if (state["stage"] is OptState.UNSCALED or float(norm_type) != 2.0 or
+                not getattr(optimizer, "_step_supports_amp_scaling", False)):
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)  # (fp16 gradients: its ValueError)
+            state["clipped"] = True
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        inv_scale = self._core.inv_scale()
+        total = grads.global_norm(self._grads(optimizer, True), inv_scale, self._scale.device)
+        state["found_inf_per_device"] = {self._scale.device: (~torch.isfinite(total)).float()}
+        state["checked"] = True  # (the step's overflow check: this one)
+        self._record(optimizer, inv_scale)
+        state["clip"] = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        state["clipped"] = True
+        return total
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         self._core.place(dev)

@@ -49,9 +49,9 @@ FRAGMENTS = {
         "a legacy script's lines, under the apex alias; noop_flag, src, dst, scale are its own",
     "migrating-from-apex.md-3-checkpoints":
         "the checkpoint lines of an amp script (its model and optimizer)",
-    "mixed-precision.md-7-a-whole-step-in-a-cuda-graph":
+    "mixed-precision.md-8-a-whole-step-in-a-cuda-graph":
         "needs a CUDA GPU; step, optimizer, x, y and loader as described below",
-    "mixed-precision.md-9-amp-apexs-opt-levels":
+    "mixed-precision.md-10-amp-apexs-opt-levels":
         "the last lines of the loop above, with clipping",
     "schedules.md-2-the-overflow-report":
         "an interactive session's output after a run of 1000 steps",
