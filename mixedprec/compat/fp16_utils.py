@@ -810,14 +810,10 @@ class FP16_Optimizer:  # Apex's name
         if float(norm_type) != 2.0:
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type).to(self._device)
         else:
-            by_device = _grads.by_device([p.grad for p in params])
-            norms = [ops.multi_tensor_l2norm(on_device)[0].to(self._device).reshape(())
-                     for (on_device,) in by_device.values()]
-            norms = norms or [torch.zeros((), dtype=torch.float32, device=self._device)]
-            total = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+            total = _grads.global_norm([p.grad for p in params], device=self._device)
             clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
             with torch.no_grad():
-                for device, (on_device,) in by_device.items():
+                for device, (on_device,) in _grads.by_device([p.grad for p in params]).items():
                     torch._foreach_mul_(on_device, clip_coef.to(device))
         if self.dynamic_loss_scale:
             total = torch.where(self._found_inf > 0, -1.0, total)
