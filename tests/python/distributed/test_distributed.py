@@ -507,6 +507,44 @@ def test_l2norm_of_partial_and_sharded_dtensors(backend):
     assert run_ranks(partial_and_sharded_norms, 2, device=backend) == [True, True]
 
 
+def fsdp_clipping(rank, world):
+    """FSDP2 with the scaler's clip_grad_norm_ beside one process that unscales and
+    clips with torch's clip_grad_norm_."""
+    kind = device().type
+    model = fsdp(mlp())
+    opt = mixedprec.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = mixedprec.GradScaler(kind, init_scale=2.0**8)
+    single = mlp()
+    ref = mixedprec.optim.AdamW(single.parameters(), lr=1e-2)
+    ref_scaler = mixedprec.GradScaler(kind, init_scale=2.0**8)
+    norms = []
+    for step in range(STEPS):
+        scaler.scale(loss_of(model, *batch(step, rank, world))).backward()
+        norm = scaler.clip_grad_norm_(opt, 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref_scaler.scale(loss_of(single, *batch(step))).backward()
+        ref_scaler.unscale_(ref)
+        ref_norm = torch.nn.utils.clip_grad_norm_(single.parameters(), 0.05)
+        ref_scaler.step(ref)
+        ref_scaler.update()
+        ref.zero_grad()
+        norms.append((float(norm), float(ref_norm), all_equal(norm.reshape(1))))
+    for a, b in zip(full(model.parameters()), single.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    return norms
+
+
+def test_fsdp2_clips_by_the_norm_of_the_whole_gradients(backend):
+    """The norm of sharded gradients is that of the whole ones (every rank the same),
+    and the clipped steps are those of one process."""
+    for norms in run_ranks(fsdp_clipping, 2, device=backend):
+        for norm, ref_norm, agreed in norms:
+            assert agreed and ref_norm > 0.05  # (each step clipped)
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm
+
+
 # -- 7. Shards that are not dense --------------------------------------------------------------
 
 def strided_shards(rank, world):
