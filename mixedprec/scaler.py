@@ -3,6 +3,7 @@ and ceiling: ``torch.amp.GradScaler``'s face on the one loss-scale core
 (:class:`mixedprec.loss_scale.LossScale`)."""
 
 import math
+import numbers
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -228,7 +229,7 @@ class GradScaler(torch.amp.GradScaler):
         torch's does). Other optimizers, other norms, and gradients that
         :meth:`unscale_` has unscaled already: torch's ``clip_grad_norm_`` after
         :meth:`unscale_`. No host read."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
             raise TypeError("GradScaler.clip_grad_norm_: expected max_norm to be a number, "
                             f"got {type(max_norm).__name__}")
         params = [p for group in optimizer.param_groups for p in group["params"]
