@@ -647,7 +647,7 @@ def test_fused_adagrad_load_state_dict_errors_change_nothing():
     with pytest.raises(ValueError, match="exp_avg"):
         opt.load_state_dict(adam.state_dict())
     bad = copy.deepcopy(opt.state_dict())
-    bad["state"][0]["sum"] = bad["state"][0]["sum"].half()
+    bad["state"][0]["sum"] = bad["state"][0]["sum"].double()  # (fp16 sums load, widened)
     with pytest.raises(ValueError, match="float32"):
         opt.load_state_dict(bad)
     assert_same_snapshot(full_snapshot(params, opt), before, "after failed loads")
