@@ -43,6 +43,9 @@ FRAGMENT = re.compile(r"^#\s*fragment:\s*(.+?)\s*$")
 # The blocks that are not complete programs, by case id, with the reason their first
 # line gives.
 FRAGMENTS = {
+    "integrations.md-3-lightning":
+        'a LightningModule\'s method, under MixedPrecision("16-mixed", "cuda", '
+        'scaler=mixedprec.GradScaler("cuda"))',
     "lean-precision.md-1-through-amp":
         "the amp.initialize call of a script, with its model",
     "migrating-from-apex.md-2-amp_c-and-multi_tensor_applier":

@@ -78,7 +78,8 @@ def trainer(epochs, precision=None, scaler=None, callbacks=(), tmp_path=None):
                      enable_model_summary=False, default_root_dir=tmp_path)
 
 
-def plain_loop(epochs, master, state_dtype, dtype=None, scaler=None, inject_inf=False):
+def plain_loop(epochs, master, state_dtype, dtype=None, scaler=None, inject_inf=False,
+               clip=None):
     """What the Trainer stands for, written out: the parameters after `epochs`."""
     net = make_model(sizes=SIZES)
     if dtype is not None:
@@ -97,6 +98,8 @@ def plain_loop(epochs, master, state_dtype, dtype=None, scaler=None, inject_inf=
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = loss_of(net, x, y, step, inject_inf)
                 scaler.scale(loss).backward()
+                if clip is not None:
+                    scaler.clip_grad_norm_(opt, clip)
                 scaler.step(opt)
                 scaler.update()
             step += 1
@@ -144,6 +147,36 @@ def test_16_mixed_with_mixedprec_grad_scaler_skips_the_overflowing_step():
     # are 2 clean steps: 2**10 again; the skipped step is not counted
     assert scaler.get_scale() == 2.0**10 and scaler._growth_tracker.item() == 2
     assert module.trainer.optimizers[0].state[module.net[0].weight]["step"] == 2 * BATCHES - 1
+
+
+CLIP = 0.05  # below every step's gradient norm here: each step is clipped
+
+
+class ClippingModule(Module):
+    """Clips through the scaler: Lightning's own clip_gradients refuses, under 16-mixed,
+    an optimizer that unscales inside its step."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None):
+        self.norms.append(self.trainer.precision_plugin.scaler.clip_grad_norm_(optimizer, CLIP))
+
+
+def test_16_mixed_clips_through_the_scaler_in_configure_gradient_clipping():
+    scaler = mixedprec.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    module = ClippingModule(inject_inf=True)
+    module.norms = []
+    trainer(2, scaler=scaler).fit(module, data())
+    expected, _ = plain_loop(2, "fp32", torch.float32, inject_inf=True, clip=CLIP,
+                             scaler=mixedprec.GradScaler("cpu", init_scale=2.0**10,
+                                                         growth_interval=3))
+    assert_same_params(module.parameters(), expected)
+    assert len(module.norms) == 2 * BATCHES
+    finite = [float(n) for i, n in enumerate(module.norms) if i != INF_STEP]
+    assert min(finite) > CLIP and not math.isfinite(float(module.norms[INF_STEP]))
+    unclipped, _ = plain_loop(2, "fp32", torch.float32, inject_inf=True,
+                              scaler=mixedprec.GradScaler("cpu", init_scale=2.0**10,
+                                                          growth_interval=3))
+    assert not torch.equal(unclipped[0], expected[0])
 
 
 RESUMES = [
