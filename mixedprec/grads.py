@@ -81,6 +81,13 @@ def _dense(t: Tensor) -> Tensor:
     return t if ops.is_dense(t) else t.contiguous()
 
 
+def _read_values(grads: Sequence[Tensor]) -> List[Tensor]:
+    """What a read-only pass reads of each gradient: a sparse one's coalesced values (the
+    values its update sums), the others as they are."""
+    return [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
+            for g in grads]
+
+
 def _flag(flags: Flags, found_inf: Tensor, device: torch.device) -> Tensor:
     """The overflow flag for ``device``: ``found_inf`` on its own device, a fresh zero
     flag (kept in ``flags``) elsewhere."""
@@ -113,8 +120,7 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, merge: bool = True
     flag (``found_inf`` on its own); ``merge=False`` leaves the others out of
     ``found_inf`` (torch's GradScaler keeps them per device)."""
     flags = {found_inf.device: found_inf}
-    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
-              for g in grads]  # (a sparse gradient: the values its update sums)
+    values = _read_values(grads)
     for device, (on_device,) in by_device(values).items():
         flag = _flag(flags, found_inf, device)
         ours = [_dense(g) for g in on_device if _ours(g)]
@@ -172,8 +178,7 @@ def nonfinite_per_tensor(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = 
     that is not dense as a dense copy) times ``inv_scale`` (so a scaled gradient's
     squares do not overflow); torch for the rest (float64). Flagged: a gradient holding
     inf or NaN, or one whose unscaled L2 norm exceeds float32's range. No host reads."""
-    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
-              for g in grads]
+    values = _read_values(grads)
     out = []
     for device, (on_device, positions) in by_device(values, list(range(len(values)))).items():
         fast = [i for i, g in zip(positions, on_device) if _ours(g)]
@@ -200,8 +205,7 @@ def global_norm(grads: Sequence[Tensor], inv_scale: Optional[Tensor] = None,
     (a sparse gradient: its coalesced values; one that is not dense: a dense copy),
     torch's ``vector_norm`` for the rest (float64); the devices' norms combined in
     float32. inf or NaN where a gradient holds one. No host reads."""
-    values = [(g if g.is_coalesced() else g.coalesce())._values() if g.is_sparse else g
-              for g in grads]
+    values = _read_values(grads)
     if device is None:
         device = inv_scale.device if inv_scale is not None else (
             values[0].device if values else torch.device("cpu"))

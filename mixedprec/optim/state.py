@@ -236,7 +236,7 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
                              f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
         if value.dtype != expected:
             hint = ""
-            if _PARAM_STATE.get(key, 0) is None or key in (*state8.SCALE_OF, "sum"):
+            if key in _WIDENED_KEYS or key in state8.SCALE_OF:  # (a moment)
                 hint = ("; moments load into wider ones exactly (16-bit into float32, "
                         "8-bit into float32 or bfloat16), never into narrower ones: load "
                         f"it with state_dtype={value.dtype}")
@@ -248,6 +248,9 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
 # 16-bit moments that loading widens exactly into float32 moments (8-bit ones:
 # _widened_moments).
 _WIDENED_16 = (torch.bfloat16, torch.float16)
+# The entries loading widens: the moments, whose dtype is the state_dtype's (None in
+# _PARAM_STATE), and Adagrad's float32 sums.
+_WIDENED_KEYS = tuple(k for k, kept in _PARAM_STATE.items() if kept is None) + ("sum",)
 
 
 def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
@@ -266,11 +269,10 @@ def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
     for key, scale_key in state8.SCALE_OF.items():
         codes, scales = out.get(key), out.get(scale_key)
         name = "exp_avg_sq" if key == "exp_avg_sq_root" else key
-        if not (isinstance(codes, Tensor) and codes.dtype == state8.E4M3 and
-                isinstance(scales, Tensor) and tuple(codes.shape) == tuple(p.shape) and
+        if not (type(codes) is Tensor and type(scales) is Tensor and  # (no DTensor)
+                codes.dtype == state8.E4M3 and tuple(codes.shape) == tuple(p.shape) and
                 tuple(scales.shape) == state8.scale_shape(p) and name in opt._STATE_KEYS and
-                (name == key or name not in out) and type(codes) is Tensor and
-                type(scales) is Tensor):
+                (name == key or name not in out)):
             continue
         values = state8.decode(codes, scales)
         if key == "exp_avg_sq_root":
@@ -282,9 +284,9 @@ def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
             values = narrowed
         del out[key], out[scale_key]
         out[name] = values
-    for key, kept in _PARAM_STATE.items():
+    for key in _WIDENED_KEYS:
         value = out.get(key)
-        wide = target if kept is None else kept if key == "sum" else None  # (Adagrad's: fp32)
+        wide = _PARAM_STATE[key] or target  # (Adagrad's sums: float32)
         if (wide == torch.float32 and isinstance(value, Tensor) and value.dtype in _WIDENED_16
                 and tuple(value.shape) == tuple(p.shape)):
             out[key] = value.to(wide)
