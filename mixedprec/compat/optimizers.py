@@ -39,7 +39,8 @@ clipping, and the step clears it.
 """
 
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -137,6 +138,68 @@ class _ApexFace:
 
     def __getstate__(self) -> Dict[str, Any]:
         return dict(super().__getstate__(), set_grad_none=self.set_grad_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the core class; a param group whose ``lr`` is a negative number
+        steps as in Apex (see :meth:`_negative_lr_step`)."""
+        return self._negative_lr_step(lambda: super(_ApexFace, self).step(closure))
+
+    def _negative_lr_step(self, run: Callable[[], Any],
+                          outputs: Optional[List[Optional[List[Tensor]]]] = None) -> Any:
+        """Runs ``run`` (the step) so that a group with a negative number as ``lr`` moves
+        its parameters as Apex's kernels did, ``p -= lr * update`` with that lr: up the
+        update. Apex checked ``lr`` only when built, and a schedule could go below zero
+        afterwards (pytorch-pretrained-BERT's ``warmup_linear`` past its ``t_total``);
+        the fused ops take ``lr >= 0`` only. Such a group steps at ``-lr`` and its
+        update is then reversed: every update here is ``lr`` times a direction that does
+        not depend on ``lr`` (the state advances the same), so the target becomes
+        ``2 * before - after`` (to rounding; a skipped step stays put). The fp16 copies
+        (the model parameters of fp32 masters, step's ``outputs``, a list per group)
+        are written from it. Not with the bf16 master modes, whose targets carry
+        hidden bits: a ValueError, nothing changed."""
+        flipped = [i for i, g in enumerate(self.param_groups) if _negative_number(g.get("lr"))]
+        if not flipped:
+            return run()
+        if self.master in BF16_MODES:
+            raise ValueError(f"{type(self).__name__}.step: param group {flipped[0]} has a "
+                             f"negative lr ({self.param_groups[flipped[0]]['lr']}), which "
+                             f"master={self.master!r} cannot apply (Apex had no such mode); "
+                             "expected lr >= 0")
+        before = []
+        for i in flipped:
+            for p in self.param_groups[i]["params"]:
+                state = self.state.get(p)
+                master = state.get("master_param") if state else None
+                if master is not None:  # brought up to its parameter, as the step would
+                    master = self.masters.get(p, state, self.precision)
+                before.append((p, (p if master is None else master).detach().clone()))
+        for i in flipped:
+            self.param_groups[i]["lr"] = -self.param_groups[i]["lr"]
+        try:
+            result = run()
+        finally:
+            for i in flipped:
+                self.param_groups[i]["lr"] = -self.param_groups[i]["lr"]
+        for p, old in before:
+            state = self.state.get(p)
+            master = state.get("master_param") if state else None
+            target = p if master is None else master
+            # (through .data, as the fused update writes: no version bump)
+            target.data.copy_(old.float().mul_(2).sub_(target.float()))
+            if master is not None:
+                p.data.copy_(master)
+        for i in flipped:
+            if outputs is not None and outputs[i] is not None:
+                for p, out in zip(self.param_groups[i]["params"], outputs[i]):
+                    out.data.copy_(p)
+        return result
+
+
+def _negative_number(lr: Any) -> bool:
+    """A finite negative Python or numpy number (a tensor lr is the core's business)."""
+    return isinstance(lr, (int, float)) and not isinstance(lr, bool) and \
+        -math.inf < lr < 0
 
 
 def _check_apex(where: str, amsgrad: bool = False, **values: Any) -> None:
@@ -351,7 +414,15 @@ class FusedAdam(_ApexFace, Adam):
           multiplied by ``scale``); with ``max_grad_norm`` > 0 the gradients are clipped
           to it. Left out, the norms are computed on the device.
 
-        Everything is checked before anything is updated. No host synchronisation."""
+        Everything is checked before anything is updated. No host synchronisation.
+        A negative ``lr`` steps as in Apex (:meth:`_negative_lr_step`)."""
+        if output_params is not None:  # (a generator is read once, here)
+            output_params = _per_group("FusedAdam.step", "output_params", output_params,
+                                       len(self.param_groups))
+        return self._negative_lr_step(lambda: self._apex_step(
+            closure, grads, output_params, scale, grad_norms), output_params)
+
+    def _apex_step(self, closure, grads, output_params, scale, grad_norms):
         legacy_args = (grads, output_params, scale, grad_norms)
         clipping = any(g.get("max_grad_norm", 0) > 0 for g in self.param_groups)
         adjusting = self._amp_scale_adjustment != 1.0 and hasattr(self, "_amp_stash")
