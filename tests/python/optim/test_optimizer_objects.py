@@ -297,6 +297,51 @@ def test_lr_scheduler(device, cls, kwargs, scheduler):
     assert not torch.allclose(model.fc1.weight, unscheduled.fc1.weight)
 
 
+@pytest.mark.parametrize("scheduler", ["one_cycle", "cyclic", "swa"])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS + [
+    pytest.param(optim.Adam, {"lr": 1e-2}, id="adam")])
+def test_schedules_that_rewrite_momentum_and_betas(device, cls, kwargs, scheduler):
+    """torch's OneCycleLR and CyclicLR rewrite each group's momentum (SGD) or betas[0]
+    (Adam) at every step, SWALR anneals lr towards swa_lr after a first schedule: the
+    op call kept from the previous step must take each new value, as torch.optim does
+    (PyTorch's test_lrscheduler.py only checks the values written, not the steps)."""
+    def make_schedulers(opt):
+        if scheduler == "one_cycle":
+            return [torch.optim.lr_scheduler.OneCycleLR(
+                opt, max_lr=kwargs["lr"], total_steps=12, base_momentum=0.8,
+                max_momentum=0.95)]
+        if scheduler == "cyclic":
+            return [torch.optim.lr_scheduler.CyclicLR(
+                opt, base_lr=kwargs["lr"] / 10, max_lr=kwargs["lr"], step_size_up=3,
+                base_momentum=0.8, max_momentum=0.95)]
+        return [torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8),
+                torch.optim.swa_utils.SWALR(opt, swa_lr=kwargs["lr"] / 5, anneal_epochs=3)]
+
+    model = make_model(device, torch.bfloat16)
+    twin = fp32_twin(model)
+    opt = cls(model.parameters(), master="fp32", **kwargs)
+    twin_opt = torch_optimizer(cls, twin.parameters(), kwargs)
+    scheds, twin_scheds = make_schedulers(opt), make_schedulers(twin_opt)
+    momentum = "betas" if "betas" in opt.defaults else "momentum"
+    seen = set()
+    for step in range(12):
+        opt.zero_grad()
+        backward(model, step)
+        feed_grads(model, twin)
+        opt.step()
+        twin_opt.step()
+        # SWALR takes over from the first schedule after 5 steps
+        which = 0 if len(scheds) == 1 or step < 5 else 1
+        scheds[which].step()
+        twin_scheds[which].step()
+        group, twin_group = opt.param_groups[0], twin_opt.param_groups[0]
+        assert group["lr"] == twin_group["lr"]
+        assert group[momentum] == twin_group[momentum]
+        seen.add((group["lr"], str(group[momentum])))
+    assert len(seen) > 6  # (the schedule moved lr, and momentum or beta1 with it)
+    assert_tracks_torch(model, opt, twin, twin_opt)
+
+
 @pytest.mark.parametrize("dtype, master", MODEL_DTYPES)
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_add_param_group_later(device, dtype, master, cls, kwargs):
