@@ -3,6 +3,7 @@
     python scripts/torch_suite.py --torch-tests /tmp/pytorch --suite gradscaler
     python scripts/torch_suite.py --torch-tests /tmp/pytorch --suite optim
     python scripts/torch_suite.py --torch-tests /tmp/pytorch --suite optim --optim-classes torch
+    python scripts/torch_suite.py --torch-tests /tmp/pytorch --suite lrscheduler
     python scripts/torch_suite.py --torch-tests /tmp/pytorch --list --json /tmp/suite.json
 
 ``--torch-tests`` is a PyTorch checkout (the folder holding ``test/``, or ``test/``
@@ -25,6 +26,12 @@ Suites (see docs/torch-suite.md):
   ``torch.testing._internal.common_optimizers.optim_db`` becomes ``mixedprec.optim``'s
   class of that name; ``--optim-classes torch`` puts torch's own classes there (the
   control, which must pass everything).
+* ``lrscheduler`` and ``swa``: test/optim/test_lrscheduler.py and
+  test/optim/test_swa_utils.py, every test (neither is parametrised over devices).
+  ``torch.optim.Adam``, ``AdamW``, ``SGD`` and ``Adagrad`` become ``mixedprec.optim``'s
+  classes of those names before the file is imported (it takes them with ``from
+  torch.optim import ...``), so torch's schedulers, SWALR and AveragedModel drive
+  mixedprec's optimizers; ``--optim-classes torch`` leaves torch's (the control).
 
 Only the CPU device is instantiated (``PYTORCH_TESTING_DEVICE_ONLY_FOR=cpu``). The
 script prints passed/failed/error/skipped counts per suite and exits 1 if any selected
@@ -57,10 +64,20 @@ SUITES = {
     "optim": {"file": "test_optim.py",
               "what": "test/test_optim.py tests parametrised over Adam, AdamW, SGD, Adagrad "
                       "on the CPU"},
+    "lrscheduler": {"file": os.path.join("optim", "test_lrscheduler.py"),
+                    "what": "test/optim/test_lrscheduler.py, every test, with torch.optim's "
+                            "Adam, AdamW, SGD, Adagrad replaced"},
+    "swa": {"file": os.path.join("optim", "test_swa_utils.py"),
+            "what": "test/optim/test_swa_utils.py, every test, with torch.optim's Adam, "
+                    "AdamW, SGD, Adagrad replaced"},
 }
 # Files a suite's module imports from the test folder (test_optim.py imports optim/*).
 SUITE_PATHS = {"gradscaler": ["test/test_torch.py"],
-               "optim": ["test/test_optim.py", "test/optim"]}
+               "optim": ["test/test_optim.py", "test/optim"],
+               "lrscheduler": ["test/optim/__init__.py", "test/optim/test_lrscheduler.py"],
+               "swa": ["test/optim/__init__.py", "test/optim/test_swa_utils.py"]}
+# The suites that replace torch.optim's classes themselves and keep every test of the file.
+WHOLE_FILE = ("lrscheduler", "swa")
 OPTIM_NAMES = ("Adam", "AdamW", "SGD", "Adagrad")
 
 # The selection, on the name pytest gives a test function (after the last '::').
@@ -165,6 +182,24 @@ def substitute_optimizers(which: str) -> Dict[str, str]:
     return done
 
 
+def substitute_torch_optim(which: str) -> Dict[str, str]:
+    """Sets ``torch.optim.Adam``, ``AdamW``, ``SGD`` and ``Adagrad`` to the classes of
+    ``which`` ('mixedprec': mixedprec.optim, imported first so that its classes are built
+    on torch's; 'torch': unchanged); returns {name: qualified class}."""
+    import torch.optim
+    if which == "torch":
+        module = torch.optim
+    else:
+        import importlib
+        module = importlib.import_module("mixedprec.optim")
+    done = {}
+    for name in OPTIM_NAMES:
+        cls = getattr(module, name)
+        setattr(torch.optim, name, cls)
+        done[name] = f"{cls.__module__}.{cls.__qualname__}"
+    return done
+
+
 def pytest_configure(config):
     cfg = _config()
     if cfg is None:
@@ -174,6 +209,8 @@ def pytest_configure(config):
     state = config._torch_suite
     if cfg["suite"] == "gradscaler":
         state["substituted"]["GradScaler"] = substitute_scaler(cfg["scaler"])
+    elif cfg["suite"] in WHOLE_FILE:
+        state["substituted"].update(substitute_torch_optim(cfg["optim_classes"]))
     else:
         state["substituted"].update(substitute_optimizers(cfg["optim_classes"]))
 
@@ -211,6 +248,8 @@ def pytest_collection_modifyitems(session, config, items):
         name = item.name.split("[")[0]
         if cfg["suite"] == "gradscaler":
             why = select_gradscaler(name, _source(item), cfg["by_name_only"])
+        elif cfg["suite"] in WHOLE_FILE:
+            why = "file"
         else:
             why = select_optim(name)
         if why:
@@ -412,11 +451,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="a PyTorch checkout (the folder with test/) or its test/ folder")
     parser.add_argument("--ref", help="take the test files from this commit or tag of the "
                         "checkout's git history (e.g. v2.11.0)")
-    parser.add_argument("--suite", choices=["gradscaler", "optim", "all"], default="all")
+    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument("--scaler", choices=["mixedprec", "torch"], default="mixedprec",
                         help="the GradScaler put in torch's places (torch: the control)")
     parser.add_argument("--optim-classes", choices=["mixedprec", "torch"], default="mixedprec",
-                        help="the Adam/AdamW/SGD/Adagrad put in optim_db (torch: the control)")
+                        help="the Adam/AdamW/SGD/Adagrad put in optim_db, or in torch.optim "
+                        "for lrscheduler and swa (torch: the control)")
     parser.add_argument("--by-name-only", action="store_true",
                         help="gradscaler: only tests named grad_scal*/GradScaler, not those "
                         "whose source uses a GradScaler")
@@ -438,8 +478,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import torch
 
-    suites = ["gradscaler", "optim"] if args.suite == "all" else [args.suite]
-    if "optim" in suites and args.optim_classes == "mixedprec":
+    suites = list(SUITES) if args.suite == "all" else [args.suite]
+    if set(suites) & {"optim", *WHOLE_FILE} and args.optim_classes == "mixedprec":
         import importlib.util
         if importlib.util.find_spec("mixedprec.optim") is None:
             print("mixedprec.optim does not exist yet: run the optim suite with "
