@@ -41,9 +41,15 @@ def _number(owner: str, name: str, value: Any) -> float:
     return value
 
 
+# The trackers and their settings are int32 on the device (update_loss_scale_ takes
+# growth_interval and hysteresis in [1, INT32_MAX]).
+INT32_MAX = 2**31 - 1
+
+
 def _positive_int(owner: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: expected {name} to be an int >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+        raise ValueError(f"{owner}: expected {name} to be an int in [1, 2**31 - 1], "
+                         f"got {value!r}")
     return value
 
 
@@ -206,6 +212,25 @@ class LossScale:
         else:
             self.scale.fill_(value)
 
+    def check_new_scale(self, name: str, value: Any) -> float:
+        """A new scale given as a number: finite and > 0 (:func:`check_scale`) and, for
+        a dynamic scale, in [min_scale, max_scale]; raises naming ``name`` else."""
+        value = check_scale(self.owner, name, value)
+        if self.dynamic and not self.min_scale <= value <= self.max_scale:
+            raise ValueError(f"{self.owner}: expected {name} in [min_scale, max_scale] = "
+                             f"[{self.min_scale}, {self.max_scale}], got {value}")
+        return value
+
+    def held(self, value: Tensor) -> Tensor:
+        """A new scale given as a one-element float tensor, as a float32 0-dim tensor on
+        its device held there to [min_scale, max_scale] (a NaN: the current scale), for
+        a dynamic scale; no host read. A static scale takes it as it is."""
+        value = value.detach().reshape(()).to(torch.float32)
+        if not self.dynamic:
+            return value
+        current = self.place(value.device)
+        return torch.where(value.isnan(), current, value.clamp(self.min_scale, self.max_scale))
+
     def trackers(self) -> Dict[str, int]:
         """The growth and hysteresis trackers as Python ints (reads the device once
         placed: for checkpoints)."""
@@ -242,9 +267,10 @@ class LossScale:
                 value = int(value)  # e.g. a checkpoint that went through a float format
             # The hysteresis tracker counts below 0 while overflows follow each other.
             low = 0 if name == "growth_tracker" else -(2**31)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int) or \
+                    not low <= value <= INT32_MAX:
                 raise ValueError(f"{self.owner}: expected the saved {name} to be an int "
-                                 f">= {low}, got {value!r}")
+                                 f"in [{low}, 2**31 - 1], got {value!r}")
             trackers[name] = value
         if check_only:
             return

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from . import grads
-from .loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale
+from .loss_scale import DEFAULT_MIN_SCALE, LossScale
 from .overflow import OverflowReport
 
 __all__ = ["GradScaler", "MissingStateKeys"]
@@ -279,8 +279,10 @@ class GradScaler(torch.amp.GradScaler):
         return out
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        flags = grads.unscale_(self._grads(optimizer, allow_fp16), found_inf, inv_scale,
-                               merge=False)
+        # (no gradient, no flag: torch's then raises "No inf checks were recorded", which
+        # catches a forgotten backward(), instead of counting a clean step)
+        found = self._grads(optimizer, allow_fp16)
+        flags = grads.unscale_(found, found_inf, inv_scale, merge=False) if found else {}
         self._record(optimizer, None)  # (unscaled now)
         return flags
 
@@ -300,7 +302,8 @@ class GradScaler(torch.amp.GradScaler):
             return state["found_inf_per_device"]
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
-        flags = grads.check_finite_(self._grads(optimizer, True), found_inf, merge=False)
+        found = self._grads(optimizer, True)  # (none: no flag, as _unscale_grads_)
+        flags = grads.check_finite_(found, found_inf, merge=False) if found else {}
         self._record(optimizer, self._core.inv_scale())
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
         return flags
@@ -311,12 +314,16 @@ class GradScaler(torch.amp.GradScaler):
         steps: on overflow the hysteresis tracker counts down and, once it reaches 0,
         the scale backs off (not below ``min_scale``); after ``growth_interval`` clean
         steps it grows (not above ``max_scale``). ``new_scale`` sets it directly, as in
-        torch (a number is checked to be finite and > 0)."""
+        torch: a number must be finite and in [min_scale, max_scale]; a one-element
+        tensor is held to that range on the device (a NaN leaves the scale as it was)."""
         if not self._enabled:
             return
         if new_scale is not None:
             if not isinstance(new_scale, Tensor):
-                new_scale = check_scale("GradScaler.update", "new_scale", new_scale)
+                new_scale = self._core.check_new_scale("new_scale", new_scale)
+            elif new_scale.numel() == 1 and new_scale.is_floating_point() and \
+                    not new_scale.requires_grad:  # (else torch's own assertion, below)
+                new_scale = self._core.held(new_scale)
             super().update(new_scale)
             return
         _scale, _ = self._check_scale_growth_tracker("update")

@@ -270,7 +270,10 @@ class Optimizer(torch.optim.Optimizer):
         param group, or of ``groups`` (:class:`~mixedprec.optim.torch_path.Subset` s of
         them, planned in ``cache``: a bucket stepping inside backward, which counts the
         applied step itself)."""
-        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        found_inf = getattr(self, "found_inf", None)
+        # (torch's scaler hands a 0, not a tensor, when it checked no gradient: no flag)
+        scaling = (getattr(self, "grad_scale", None),
+                   found_inf if isinstance(found_inf, Tensor) else None)
         counts = groups is None
         groups = self.param_groups if groups is None else groups
         cache = self.plans if cache is None else cache

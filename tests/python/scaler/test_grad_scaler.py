@@ -691,6 +691,9 @@ def test_grad_scaler_rejects_an_unusable_init_scale(value):
     (dict(min_scale=4.0, max_scale=2.0), "min_scale <= max_scale"),
     (dict(max_scale=NAN), "max_scale"),
     (dict(growth_factor=NAN), "growth_factor"),
+    # (the device's trackers and update_loss_scale_'s settings are int32)
+    (dict(growth_interval=2**31), "growth_interval"),
+    (dict(hysteresis=2**31), "hysteresis"),
 ])
 def test_grad_scaler_checks_settings_at_construction(kwargs, name):
     with pytest.raises((ValueError, TypeError), match=name):
@@ -701,6 +704,7 @@ def test_grad_scaler_checks_settings_at_construction(kwargs, name):
     ("set_backoff_factor", -1.0), ("set_growth_interval", 0), ("set_hysteresis", 0),
     ("set_min_scale", 0.0), ("set_max_scale", NAN), ("set_growth_factor", NAN),
     ("set_growth_factor", 1.0), ("set_backoff_factor", 1.0),
+    ("set_growth_interval", 2**31), ("set_hysteresis", 2**70),
 ])
 def test_grad_scaler_setters_check_and_change_nothing(setter, value):
     scaler = GradScaler("cpu", init_scale=4.0)
@@ -713,6 +717,8 @@ def test_grad_scaler_setters_check_and_change_nothing(setter, value):
 @pytest.mark.parametrize("key, value", [
     ("hysteresis", 0), ("growth_interval", 0), ("backoff_factor", -1.0), ("scale", 0.0),
     ("scale", NAN), ("min_scale", 8.0), ("max_scale", NAN), ("_growth_tracker", -1),
+    ("_growth_tracker", 2**31), ("_hysteresis_tracker", 2**40), ("_hysteresis_tracker", -2**31 - 1),
+    ("growth_interval", 2**31),
 ])
 def test_grad_scaler_load_state_dict_checks_first(key, value):
     source = GradScaler("cpu", init_scale=4.0, hysteresis=2, max_scale=64.0)
@@ -723,6 +729,54 @@ def test_grad_scaler_load_state_dict_checks_first(key, value):
     with pytest.raises(ValueError):
         target.load_state_dict(sd)
     assert target.state_dict() == before
+
+
+@pytest.mark.parametrize("value", [1e-30, 1e9, 0.0, -4.0, NAN, INF])
+def test_update_refuses_a_new_scale_number_outside_the_floor_and_ceiling(value):
+    """Before: 1e-30 (below the floor that init_scale must respect) was taken."""
+    scaler = GradScaler("cpu", init_scale=4.0, max_scale=2.0**20)
+    scaler.scale(torch.ones(()))
+    before = scaler.state_dict()
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(value)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0.0, DEFAULT_MIN_SCALE), (-4.0, DEFAULT_MIN_SCALE), (1e-30, DEFAULT_MIN_SCALE),
+    (2.0**30, 2.0**20), (NAN, 4.0), (INF, 2.0**20), (8.0, 8.0)])
+def test_update_holds_a_new_scale_tensor_to_the_floor_and_ceiling(device, monkeypatch,
+                                                                   value, expected):
+    """A tensor new_scale is read on the device only: held to [min_scale, max_scale]
+    there (a NaN keeps the scale), where it was copied as it was (0, negative, NaN)."""
+    scaler = GradScaler(device, init_scale=4.0, max_scale=2.0**20)
+    scaler.scale(torch.ones((), device=device))
+    new_scale = torch.tensor(value, device=device)
+    with forbid_host_sync(monkeypatch):
+        scaler.update(new_scale)
+    assert scaler.get_scale() == expected
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD([p], lr=0.1), lambda p: torch.optim.AdamW([p], fused=True),
+    lambda p: mixedprec.optim.AdamW([p]), lambda p: mixedprec.optim.SGD([p], lr=0.1),
+    lambda p: FusedAdam([p])], ids=["torch-sgd", "torch-fused-adamw", "adamw", "sgd",
+                                    "apex-fused-adam"])
+def test_a_step_that_checked_no_gradient_raises_as_torchs(make):
+    """A forgotten backward(): torch's scaler raises (at step, or at update for an
+    optimizer that unscales inside its step); mixedprec's counted a clean step and
+    grew the scale. Both scalers now raise the same error, and the scale is unchanged."""
+    raised = []
+    for scaler_cls in (torch.amp.GradScaler, GradScaler):
+        p = nn.Parameter(torch.randn(3))
+        opt, scaler = make(p), scaler_cls("cpu", growth_interval=1)
+        scaler.scale(p.sum())
+        with pytest.raises(AssertionError, match="No inf checks were recorded") as error:
+            scaler.step(opt)
+            scaler.update()
+        raised.append(str(error.value))
+        assert scaler.get_scale() == 2.0**16
+    assert raised[0] == raised[1]
 
 
 def overflowing_step(model, opt, scaler, device):
