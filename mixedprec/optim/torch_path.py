@@ -61,6 +61,15 @@ def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str,
     dampening = defaults.get("dampening", 0.0)
     if not isinstance(dampening, Tensor) and not math.isfinite(dampening):
         raise ValueError(f"{where}: expected dampening to be a finite number, got {dampening}")
+    # The fused ops' rules where torch's checks let more through (torch takes inf, and
+    # NaN where it tests only `< 0`): so a group set so by hand is refused before any
+    # group steps, not by the op after earlier groups have.
+    for name in ("eps", "weight_decay", "momentum"):
+        if name in defaults:
+            check_nonnegative(where, name, defaults[name])
+    betas = defaults.get("betas")
+    if betas is not None and (not isinstance(betas, (tuple, list)) or len(betas) != 2):
+        raise ValueError(f"{where}: expected betas to be two numbers in [0, 1), got {betas!r}")
     return defaults
 
 
@@ -324,11 +333,11 @@ class Subset(dict):
 
 
 def check_nonnegative(where: str, name: str, value: Any) -> None:
-    """A hyperparameter that must be a number >= 0."""
+    """A hyperparameter that must be a finite number >= 0."""
     if isinstance(value, (Tensor, bool)) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected {name} to be a float, got {type(value).__name__}")
-    if not value >= 0.0:
-        raise ValueError(f"{where}: expected {name} >= 0, got {value}")
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"{where}: expected {name} to be a finite number >= 0, got {value}")
 
 
 def check_betas(where: str, betas: Any) -> None:

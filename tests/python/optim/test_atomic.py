@@ -163,6 +163,42 @@ def test_a_bad_group_is_refused_before_any_group_is_updated(bad, match, planned)
     assert_params_and_state_same(before, state_dict_snapshot(params, opt))
 
 
+# Values torch's constructors take (inf; NaN where they test only `< 0`; a third beta)
+# but the fused ops refuse: before, the op refused them inside step, after the earlier
+# groups had stepped and every group's state had been made.
+OP_REFUSED = [
+    (optim.AdamW, {}, "eps", float("inf")), (optim.Adam, {}, "weight_decay", float("inf")),
+    (optim.Adam, {}, "betas", (0.9, 0.99, 0.5)),
+    (optim.SGD, dict(momentum=0.9), "momentum", float("nan")),
+    (optim.SGD, dict(momentum=0.9), "momentum", float("inf")),
+    (optim.SGD, {}, "weight_decay", float("nan")), (optim.Adagrad, {}, "eps", float("inf")),
+    (optim.LAMB, {}, "eps", float("inf")), (optim.NovoGrad, {}, "weight_decay", float("inf"))]
+
+
+@pytest.mark.parametrize("cls, kwargs, key, value", OP_REFUSED)
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_group_value_the_op_refuses_is_refused_before_any_group_steps(cls, kwargs, key, value,
+                                                                         planned):
+    params = new_params()
+    opt = cls([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, **kwargs)
+    if planned:
+        feed(params, 0)
+        opt.step()
+    before = state_dict_snapshot(params, opt)
+    opt.param_groups[1][key] = value
+    feed(params, 1)
+    with pytest.raises(ValueError, match=f"{cls.__name__}.step: param group 1: expected {key}"):
+        opt.step()
+    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
+    assert len(opt.state) == len(before[1]["state"])  # (no state made for the refused step)
+
+
+@pytest.mark.parametrize("cls, kwargs, key, value", OP_REFUSED)
+def test_a_value_the_op_refuses_is_refused_at_construction(cls, kwargs, key, value):
+    with pytest.raises(ValueError, match=f"{cls.__name__}: expected {key}"):
+        cls(new_params(), lr=1e-3, **dict(kwargs, **{key: value}))
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-3])
 @pytest.mark.parametrize("cls, kwargs", [(optim.AdamW, {}), (optim.SGD, dict(momentum=0.9)),
                                          (optim.AdamW, dict(master="stochastic", seed=1))])
