@@ -33,6 +33,7 @@ class Adagrad(Optimizer):
 
     _TORCH_CLASS = torch.optim.Adagrad
     _STATE_KEYS = ("step", "sum", "master_param")
+    _STATE_TOGETHER = (("step",), ("sum",))
     _TORCH_STEP_KEEPS = "fp32 masters"
     _NEWER_KEYS = dict(foreach=None, maximize=False, differentiable=False, fused=None,
                        decoupled_weight_decay=False)

@@ -63,6 +63,7 @@ class Adam(Optimizer):
     _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param",
                    "kahan_comp", "remainder", "exp_avg_scale", "exp_avg_sq_root",
                    "exp_avg_sq_root_scale")
+    _STATE_TOGETHER = (("step",), ("exp_avg",), ("exp_avg_sq", "exp_avg_sq_root"))
     _TORCH_STEP_KEEPS = "params"
     _LEAN = True
     _8BIT_KEYS = state8.ADAM_KEYS

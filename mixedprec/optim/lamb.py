@@ -11,7 +11,7 @@ from ..grads import update_grad
 from .optimizer import Optimizer
 from .plans import PlanCache
 from .precision import FLOAT_DTYPES, Work
-from .torch_path import check_betas, check_lr, check_nonnegative
+from .torch_path import check_betas, check_flag, check_lr, check_nonnegative
 
 __all__ = ["LAMB"]
 
@@ -35,6 +35,7 @@ class LAMB(Optimizer):
     """
 
     _STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")
+    _STATE_TOGETHER = (("exp_avg",), ("exp_avg_sq",))
     _NOT_IN_BACKWARD = ("its update needs every gradient first (the global gradient norm "
                         "it clips by)")
 
@@ -56,6 +57,8 @@ class LAMB(Optimizer):
         for name in ("eps", "weight_decay", "max_grad_norm"):
             check_nonnegative(where, name, group[name])
         check_betas(where, group["betas"])
+        for name in ("bias_correction", "grad_averaging", "use_nvlamb", "decoupled_weight_decay"):
+            check_flag(where, name, group[name])
 
     @torch.no_grad()
     def step(self, closure=None):

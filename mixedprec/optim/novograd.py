@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import ops
 from .optimizer import Optimizer
 from .precision import Work
-from .torch_path import check_betas, check_lr, check_nonnegative
+from .torch_path import check_betas, check_flag, check_lr, check_nonnegative
 
 __all__ = ["NovoGrad"]
 
@@ -55,6 +55,8 @@ class NovoGrad(Optimizer):
         for name in ("eps", "weight_decay"):
             check_nonnegative(where, name, group[name])
         check_betas(where, group["betas"])
+        for name in ("bias_correction", "grad_averaging", "reg_inside_moment", "init_zero"):
+            check_flag(where, name, group[name])
         if group["norm_type"] not in (0, 2):
             raise ValueError(f"{where}: expected norm_type 0 (inf-norm) or 2 (L2), got "
                              f"{group['norm_type']!r}")

@@ -39,6 +39,10 @@ class Optimizer(torch.optim.Optimizer):
     _TORCH_CLASS: Any = None
     #: The per-parameter state entries kept (load_state_dict checks).
     _STATE_KEYS: Tuple[str, ...] = ("master_param",)
+    # A parameter's state entries that come together (each a tuple of names, one of which
+    # must be there), as the class makes them at its first step: a loaded entry with some
+    # but not all is refused (of those in _STATE_KEYS: a face's may lack the step).
+    _STATE_TOGETHER: Tuple[Tuple[str, ...], ...] = ()
     #: Whether it takes the lean modes, and the state entries of its 8-bit moments.
     _LEAN = False
     _8BIT_KEYS: Tuple[str, ...] = ()

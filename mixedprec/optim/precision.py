@@ -81,6 +81,11 @@ def rounding_seed(where: str, master: str, state_dtype: torch.dtype, seed: Any
         return None
     if seed is None:
         return int(torch.randint(0, 2**62, (), dtype=torch.int64))  # sync-ok: a CPU draw
+    return check_seed(where, seed)
+
+
+def check_seed(where: str, seed: Any) -> int:
+    """A seed of stochastic rounding: an int in [0, 2**63) (the op's int64)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"{where}: expected seed to be an int, got {type(seed).__name__}")
     if not 0 <= seed < 2**63:

@@ -134,6 +134,11 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
         raise ValueError(f"{name}.load_state_dict: expected a state dict with 'state' and "
                          f"'param_groups', got one without {missing}")
     saved_groups = state_dict["param_groups"]
+    if not isinstance(state_dict["state"], dict) or not isinstance(saved_groups, (list, tuple)) \
+            or not all(isinstance(g, dict) and "params" in g for g in saved_groups):
+        raise ValueError(f"{name}.load_state_dict: expected 'state' to be a dict and "
+                         "'param_groups' a list of dicts with 'params', got "
+                         f"{type(state_dict['state']).__name__} and {saved_groups!r:.200}")
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"{name}.load_state_dict: the state dict has {len(saved_groups)} param groups, "
@@ -159,6 +164,7 @@ def load(opt, state_dict: Dict[str, Any]) -> None:
     for key, saved_state in state_dict["state"].items():
         if key not in id_to_param:
             raise ValueError(f"{name}.load_state_dict: state for unknown param id {key}")
+        _check_together(opt, key, saved_state)
         unknown = sorted(k for k in saved_state if k not in opt._STATE_KEYS)
         if unknown:
             raise ValueError(
@@ -225,9 +231,17 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
             return value.to("cpu", torch.float32, copy=True)
         return value.to(p.device, p.dtype if value.is_floating_point() else value.dtype,
                         copy=True)
-    if not isinstance(value, Tensor):
-        return value
     where = f"{type(opt).__name__}.load_state_dict: state[{param_id}][{key!r}]"
+    if not isinstance(value, Tensor) or value.layout != torch.strided:
+        # (a momentum buffer may be None, or sparse: torch's SGD makes one from a sparse
+        # gradient, and its step takes it back)
+        if (key in _PARAM_STATE or key in state8.ONLY_8BIT) and key != "momentum_buffer":
+            got = type(value).__name__ if not isinstance(value, Tensor) else \
+                f"a tensor of layout {value.layout}"
+            raise ValueError(f"{where} must be a dense tensor, got {got}")
+        if key == "momentum_buffer" and not isinstance(value, (Tensor, type(None))):
+            raise ValueError(f"{where} must be a tensor or None, got {type(value).__name__}")
+        return value
     if key in _PARAM_STATE or key in state8.ONLY_8BIT:
         shape, expected = state8.expected(p, key, opt.state_dtype, where) or (
             tuple(p.shape), _PARAM_STATE[key])
@@ -291,6 +305,27 @@ def _widened_moments(opt, p: Tensor, saved: Dict[str, Any]) -> Dict[str, Any]:
                 and tuple(value.shape) == tuple(p.shape)):
             out[key] = value.to(wide)
     return out
+
+
+def _check_together(opt, param_id: Any, saved: Any) -> None:
+    """Refuses a parameter's saved state that is not a dict, or that has some of the
+    entries the class makes together (``_STATE_TOGETHER``, those it keeps) but not all:
+    a truncated or edited state dict, whose missing entries would start again from zero
+    (a step count with old moments: the wrong bias correction)."""
+    name = type(opt).__name__
+    if not isinstance(saved, dict):
+        raise ValueError(f"{name}.load_state_dict: the state of param {param_id} must be a "
+                         f"dict, got {type(saved).__name__}")
+    together = [names for names in opt._STATE_TOGETHER
+                if any(n in opt._STATE_KEYS for n in names)]
+    present = [any(n in saved for n in names) for names in together]
+    if any(present) and not all(present):
+        missing = [" or ".join(repr(n) for n in names)
+                   for names, there in zip(together, present) if not there]
+        raise ValueError(f"{name}.load_state_dict: the state of param {param_id} has no "
+                         f"{', '.join(missing)} (the optimizer keeps "
+                         f"{', '.join('/'.join(names) for names in together)} together): "
+                         "the state dict was truncated or edited")
 
 
 def _check_loaded_modes(opt, p: Tensor, param_id: Any, saved: Dict[str, Any]) -> None:

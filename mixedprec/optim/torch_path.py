@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import ops
 from ..distributed import _local
 from ..loss_scale import inverse
-from .precision import FLOAT_DTYPES, whole_group
+from .precision import FLOAT_DTYPES, check_seed, whole_group
 
 
 def hook_step(cls: type) -> None:
@@ -54,6 +54,9 @@ def hook_step(cls: type) -> None:
 def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """``torch_class``'s defaults for ``kwargs``, after its own argument checks (it is
     built over one empty parameter and dropped), and mixedprec's few more."""
+    betas = kwargs.get("betas")
+    if betas is not None and (not isinstance(betas, (tuple, list)) or len(betas) != 2):
+        raise ValueError(f"{where}: expected betas to be two numbers in [0, 1), got {betas!r}")
     defaults = dict(torch_class([torch.empty(0)], **kwargs).defaults)
     lr = defaults["lr"]
     if not isinstance(lr, Tensor) and not math.isfinite(lr):
@@ -67,9 +70,6 @@ def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str,
     for name in ("eps", "weight_decay", "momentum"):
         if name in defaults:
             check_nonnegative(where, name, defaults[name])
-    betas = defaults.get("betas")
-    if betas is not None and (not isinstance(betas, (tuple, list)) or len(betas) != 2):
-        raise ValueError(f"{where}: expected betas to be two numbers in [0, 1), got {betas!r}")
     return defaults
 
 
@@ -83,9 +83,10 @@ def _hyperparameter_names(torch_class) -> frozenset:
 def check_lr(where: str, lr: Any) -> None:
     """``lr``: a number >= 0 or a one-element floating tensor."""
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point():
+        if lr.numel() != 1 or not lr.is_floating_point() or lr.is_meta:
             raise ValueError(f"{where}: expected a tensor lr to hold one floating-point value, "
-                             f"got {lr.dtype} of shape {tuple(lr.shape)}")
+                             f"got {lr.dtype} of shape {tuple(lr.shape)}"
+                             + (" on the meta device (no value)" if lr.is_meta else ""))
     elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or \
             not 0 <= lr < float("inf"):
         raise ValueError(f"{where}: expected lr to be a finite number >= 0 or a tensor, "
@@ -105,13 +106,16 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
         if type(lr) is not float or not 0.0 <= lr < math.inf:  # (a float in range passes)
             check_lr(f"{type(opt).__name__}.{when}: param group {index}", lr)
         # (in the group's order: a key added or moved costs one more check, no more)
+        # (and mixedprec's own "seed", which the ops take as an int64)
         key = tuple((k, ("tensor", id(v)) if isinstance(v, Tensor) else v)
-                    for k, v in group.items() if k in accepted and k != "lr")
+                    for k, v in group.items() if k in accepted and k != "lr" or k == "seed")
         if checked.get(index) == key:
             continue
         where = f"{type(opt).__name__}.{when}"
-        kwargs = {k: group[k] for k, _ in key}
+        kwargs = {k: group[k] for k, _ in key if k != "seed"}
         try:
+            if group.get("seed") is not None:
+                check_seed(f"{where}: param group {index}", group["seed"])
             if torch_class is not None:
                 torch_defaults(torch_class, f"{where}: param group {index}", kwargs)
                 check_differentiable(f"{where}: param group {index}", group, opt.master,
@@ -338,6 +342,13 @@ def check_nonnegative(where: str, name: str, value: Any) -> None:
         raise TypeError(f"{where}: expected {name} to be a float, got {type(value).__name__}")
     if not 0.0 <= value < math.inf:
         raise ValueError(f"{where}: expected {name} to be a finite number >= 0, got {value}")
+
+
+def check_flag(where: str, name: str, value: Any) -> None:
+    """A hyperparameter that must be a bool (or an int, as Apex's 1 and 0: the ops take
+    those, not a string or None)."""
+    if not isinstance(value, int):
+        raise TypeError(f"{where}: expected {name} to be a bool, got {value!r}")
 
 
 def check_betas(where: str, betas: Any) -> None:

@@ -82,6 +82,65 @@ def test_a_bad_step_count_is_refused_with_nothing_loaded(cls, value):
     assert other.param_groups[0]["lr"] == 1e-3
 
 
+def _drop(key, param=2):
+    return lambda state: state[param].pop(key)
+
+
+def _set(key, value, param=2):
+    return lambda state: state[param].__setitem__(
+        key, value(state[param][key]) if callable(value) else value)
+
+
+@pytest.mark.parametrize("cls, kwargs, edit, match", [
+    (optim.AdamW, {}, _drop("step"), r"state of param 2 has no 'step'"),
+    (optim.AdamW, {}, _drop("exp_avg"), r"state of param 2 has no 'exp_avg'"),
+    (optim.AdamW, {}, _drop("exp_avg_sq"), r"has no 'exp_avg_sq' or 'exp_avg_sq_root'"),
+    (optim.AdamW, dict(state_dtype=E4M3, seed=1), _drop("exp_avg_sq_root", param=0),
+     r"state of param 0 has no 'exp_avg_sq' or 'exp_avg_sq_root'"),
+    (optim.Adagrad, {}, _drop("sum"), r"state of param 2 has no 'sum'"),
+    (optim.LAMB, {}, _drop("exp_avg_sq"), r"state of param 2 has no 'exp_avg_sq'"),
+    (optim.AdamW, {}, _set("exp_avg", 5), r"state\[2\]\['exp_avg'\] must be a dense tensor, "
+                                          "got int"),
+    (optim.AdamW, {}, _set("exp_avg", torch.Tensor.to_sparse),
+     r"state\[2\]\['exp_avg'\] must be a dense tensor, got a tensor of layout "
+     "torch.sparse_coo"),
+    (optim.SGD, dict(momentum=0.9), _set("momentum_buffer", "x"),
+     r"\['momentum_buffer'\] must be a tensor or None, got str"),
+])
+def test_a_truncated_or_edited_state_is_refused_with_nothing_loaded(cls, kwargs, edit, match):
+    """Before: a missing step count restarted at 1 over the old moments (the wrong bias
+    correction), a missing moment restarted at zero, and an int or a sparse moment failed
+    at the next step, all after load_state_dict had accepted them. torch.optim raises
+    KeyError for the missing ones, at load or at the step."""
+    params = new_params()
+    opt = cls(params, lr=1e-3, **kwargs)
+    for step in range(2):
+        feed(params, step)
+        opt.step()
+    before = state_dict_snapshot(params, opt)
+    bad = copy.deepcopy(opt.state_dict())
+    edit(bad["state"])  # (mostly the last param: the others would load first)
+    with pytest.raises(ValueError, match=f"{cls.__name__}.load_state_dict: .*{match}"):
+        opt.load_state_dict(bad)
+    assert_same(before, state_dict_snapshot(params, opt))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(state=None), "expected 'state' to be a dict"),
+    (dict(param_groups=[{"lr": 0.1}]), "'param_groups' a list of dicts with 'params'"),
+    (dict(state={2: [1.0]}), "the state of param 2 must be a dict, got list")])
+def test_a_malformed_state_dict_is_refused_naming_what_it_lacks(bad, match):
+    """Before: AttributeError, KeyError or TypeError from inside the load."""
+    params = new_params()
+    opt = optim.AdamW(params, lr=1e-3)
+    feed(params, 0)
+    opt.step()
+    before = state_dict_snapshot(params, opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(dict(opt.state_dict(), **bad))
+    assert_same(before, state_dict_snapshot(params, opt))
+
+
 def test_8bit_moments_with_amsgrad_are_refused_by_load_state_dict():
     params = new_params()
     opt = optim.Adam(params, lr=1e-3, state_dtype=E4M3, seed=1)
@@ -159,6 +218,32 @@ def test_a_bad_group_is_refused_before_any_group_is_updated(bad, match, planned)
     opt.param_groups[1].update(bad)
     feed(params, 1)
     with pytest.raises(ValueError, match=f"AdamW.step: {match}"):
+        opt.step()
+    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
+
+
+@pytest.mark.parametrize("cls, kwargs, key, value, error, match", [
+    (optim.LAMB, {}, "grad_averaging", "yes", TypeError, "expected grad_averaging to be a bool"),
+    (optim.NovoGrad, {}, "init_zero", None, TypeError, "expected init_zero to be a bool"),
+    (optim.AdamW, dict(master="stochastic", seed=1), "seed", "1", TypeError,
+     "expected seed to be an int"),
+    (optim.SGD, dict(momentum=0.9, master="stochastic", seed=1), "seed", 2**70, ValueError,
+     r"expected seed in \[0, 2\*\*63\)"),
+    (optim.AdamW, {}, "lr", torch.tensor(1e-3, device="meta"), ValueError,
+     "expected a tensor lr .* on the meta device"),
+    (optim.AdamW, {}, "betas", (0.9,), ValueError, "expected betas to be two numbers")])
+def test_other_group_values_are_refused_before_any_group_steps(cls, kwargs, key, value, error,
+                                                                match):
+    """Before: the op (or torch's constructor) raised a bare dispatcher error, a meta copy
+    error or an IndexError, the first three after group 0 had stepped."""
+    params = new_params()
+    opt = cls([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, **kwargs)
+    feed(params, 0)
+    opt.step()
+    before = state_dict_snapshot(params, opt)
+    opt.param_groups[1][key] = value
+    feed(params, 1)
+    with pytest.raises(error, match=f"{cls.__name__}.step: param group 1: {match}"):
         opt.step()
     assert_params_and_state_same(before, state_dict_snapshot(params, opt))
 
