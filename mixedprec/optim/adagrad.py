@@ -73,6 +73,13 @@ class Adagrad(Optimizer):
         self._run_plan(group, calls, items.grads, inv_scale, found_inf)
         return tuple(calls)
 
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """torch's Adagrad refuses weight decay with a sparse gradient (after the other
+        parameters have stepped): refused here before any group steps, in its words."""
+        if group["weight_decay"] != 0 and any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{type(self).__name__}.step: weight_decay option is not "
+                               "compatible with sparse gradients")
+
     def _run_plan(self, group, calls, grads, inv_scale, found_inf) -> None:
         for where, targets, sums, model, step in calls:
             picked = pick(grads, where)

@@ -122,6 +122,13 @@ class Optimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
                    for p in params]
+        seen: Dict[int, int] = {}
+        for i, p in enumerate(tensors):
+            first = seen.setdefault(id(p), i) if isinstance(p, Tensor) else i
+            if first != i:  # (torch warns and steps it twice; the fused op refused it mid-step)
+                raise ValueError(f"{where}: a param group holds one parameter twice (at {first} "
+                                 f"and {i}); the fused step updates each parameter once: list "
+                                 "it once")
         for p in tensors:  # checked before torch adds the group, so a bad one changes nothing
             if not isinstance(p, Tensor) or not self._fused_dtype(p):
                 continue  # (torch's own checks, or torch's implementation steps it)

@@ -2,7 +2,7 @@
 buffers start) for fp32, fp16 and bf16 parameters, with fp32 masters or the lean modes
 as keyword-only extras."""
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.optim.sgd as torch_sgd
@@ -137,6 +137,24 @@ class SGD(Optimizer):
                        precision_tallies=counted(self.precision_report, tallies),
                        **self.precision.op_lean_args(group, targets, comps, salts,
                                                      scales is not None))
+
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """What torch's SGD fails on with a sparse gradient (``add(sparse, dense)``, after
+        the other parameters have stepped): weight decay, and Nesterov momentum over a
+        dense buffer; refused before any group steps."""
+        for p in params:
+            if not p.grad.is_sparse:
+                continue
+            buffer = self.state.get(p, {}).get("momentum_buffer")
+            if group["weight_decay"] != 0:
+                why = f"weight_decay={group['weight_decay']}"
+            elif group["nesterov"] and isinstance(buffer, Tensor) and not buffer.is_sparse:
+                why = "nesterov=True over a dense momentum buffer"
+            else:
+                continue
+            raise RuntimeError(f"{type(self).__name__}.step: a parameter of shape "
+                               f"{tuple(p.shape)} has a sparse gradient, which torch.optim's "
+                               f"SGD steps, and it does not take {why} with one")
 
     def _torch_step(self, group, params: List[Tensor], grads: List[Tensor]) -> None:
         momentum = group["momentum"]

@@ -476,3 +476,64 @@ def test_a_conversion_of_a_tensor_subclass_parameter_is_refused():
                                          "only, not for a Sharded parameter"):
         other.load_state_dict(opt.state_dict())
     assert other.state == {}
+
+
+# --- what torch's implementation would fail on, after the fused part had stepped --------
+
+@pytest.mark.parametrize("cls, kwargs, match", [
+    (optim.SGD, dict(momentum=0.9, weight_decay=0.1), "does not take weight_decay=0.1"),
+    (optim.SGD, dict(momentum=0.9, nesterov=True), "nesterov=True over a dense momentum"),
+    (optim.Adagrad, dict(weight_decay=0.1), "weight_decay option is not compatible with sparse"),
+])
+def test_a_sparse_gradient_torch_cannot_step_is_refused_first(cls, kwargs, match):
+    """Before: the dense parameters, their state and applied_steps were updated, then
+    torch's own step of the sparse gradient raised (add(sparse, dense), or Adagrad's
+    refusal); torch.optim fails on the same inputs."""
+    dense, sparse = (torch.randn(4, 3, requires_grad=True) for _ in range(2))
+    opt = cls([dense, sparse], lr=0.1, **kwargs)
+    dense.grad, sparse.grad = torch.randn(4, 3), torch.randn(4, 3)
+    opt.step()  # (dense momentum buffers for both)
+    before = state_dict_snapshot([dense, sparse], opt)
+    dense.grad, sparse.grad = torch.randn(4, 3), torch.randn(4, 3).to_sparse()
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    assert_same(before, state_dict_snapshot([dense, sparse], opt))
+    theirs = torch.optim.SGD if cls is optim.SGD else torch.optim.Adagrad
+    torch_opt = theirs([dense.detach().clone().requires_grad_(),
+                        sparse.detach().clone().requires_grad_()], lr=0.1, **kwargs)
+    for q, g in zip(torch_opt.param_groups[0]["params"], (torch.randn(4, 3),) * 2):
+        q.grad = g
+    torch_opt.step()
+    torch_opt.param_groups[0]["params"][1].grad = torch.randn(4, 3).to_sparse()
+    with pytest.raises(RuntimeError):  # (torch's too, once it reaches that parameter)
+        torch_opt.step()
+
+
+def test_a_sparse_gradient_torch_can_step_still_steps():
+    """SGD with momentum (no weight decay, no Nesterov) over a sparse gradient, as torch."""
+    ours = [torch.randn(4, 3, requires_grad=True) for _ in range(2)]
+    theirs = [p.detach().clone().requires_grad_() for p in ours]
+    mine, torchs = optim.SGD(ours, lr=0.1, momentum=0.9), torch.optim.SGD(theirs, lr=0.1,
+                                                                         momentum=0.9)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(4, 3, generator=gen), torch.randn(4, 3, generator=gen).to_sparse()]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        mine.step()
+        torchs.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_parameter_twice_in_a_group_is_refused_when_added():
+    """torch warns and steps it twice; the fused op refused it inside step(), after the
+    other groups had stepped and their state had been made."""
+    other, twice = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"AdamW: a param group holds one parameter twice "
+                                         r"\(at 0 and 1\)"):
+        optim.AdamW([{"params": [other]}, {"params": [twice, twice]}], lr=0.1)
+    opt = optim.AdamW([other], lr=0.1)
+    with pytest.raises(ValueError, match="holds one parameter twice"):
+        opt.add_param_group({"params": [twice, other.detach(), twice]})
+    assert len(opt.param_groups) == 1
