@@ -122,13 +122,6 @@ class Optimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, param)
                    for p in params]
-        seen: Dict[int, int] = {}
-        for i, p in enumerate(tensors):
-            first = seen.setdefault(id(p), i) if isinstance(p, Tensor) else i
-            if first != i:  # (torch warns and steps it twice; the fused op refused it mid-step)
-                raise ValueError(f"{where}: a param group holds one parameter twice (at {first} "
-                                 f"and {i}); the fused step updates each parameter once: list "
-                                 "it once")
         for p in tensors:  # checked before torch adds the group, so a bad one changes nothing
             if not isinstance(p, Tensor) or not self._fused_dtype(p):
                 continue  # (torch's own checks, or torch's implementation steps it)
@@ -182,6 +175,7 @@ class Optimizer(torch.optim.Optimizer):
         torch's implementation). One pass per parameter: this is the step's fixed cost.
         The gradient the update reads: :func:`mixedprec.grads.update_grad`."""
         where = type(self).__name__
+        torch_path.check_once(f"{where}.step", group["params"])
         unfused = torch_path.unfused(self, group)
         self._check_unfused(group, unfused)
         if unfused:  # (checked again: parameters may have changed since they were added)

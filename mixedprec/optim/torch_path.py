@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import ops
 from ..distributed import _local
+from ..grads import update_grad
 from ..loss_scale import inverse
 from .precision import FLOAT_DTYPES, check_seed, whole_group
 
@@ -67,8 +68,9 @@ def torch_defaults(torch_class, where: str, kwargs: Dict[str, Any]) -> Dict[str,
     # The fused ops' rules where torch's checks let more through (torch takes inf, and
     # NaN where it tests only `< 0`): so a group set so by hand is refused before any
     # group steps, not by the op after earlier groups have.
+    # (a tensor value, as torch's schedulers may write, is not read here: no host read)
     for name in ("eps", "weight_decay", "momentum"):
-        if name in defaults:
+        if name in defaults and not isinstance(defaults[name], Tensor):
             check_nonnegative(where, name, defaults[name])
     return defaults
 
@@ -123,10 +125,20 @@ def check_groups(opt, checked: Dict[int, Tuple[Any, ...]], when: str = "step") -
             else:
                 opt._check_group(f"{where}: param group {index}", group)
         except (ValueError, TypeError) as error:
+            if when == "step" and not _has_gradients(opt, group):
+                continue  # (checked again at its next step, uncached)
             if str(error).startswith(where):
                 raise
             raise type(error)(f"{where}: param group {index}: {error}") from error
         checked[index] = key
+
+
+def _has_gradients(opt, group: Dict[str, Any]) -> bool:
+    """Whether a step updates anything of ``group``: a group without gradients steps
+    nothing, so its settings may be anything then, as torch's step takes them (a
+    schedule cycling beta1 over 1..22 in PyTorch's test_cycle_lr_with_adam)."""
+    return any(update_grad(p, (opt.state.get(p) or {}).get("master_param")) is not None
+               for p in group["params"])
 
 
 def check_differentiable(where: str, group: Dict[str, Any], master: str,
@@ -342,6 +354,22 @@ def check_nonnegative(where: str, name: str, value: Any) -> None:
         raise TypeError(f"{where}: expected {name} to be a float, got {type(value).__name__}")
     if not 0.0 <= value < math.inf:
         raise ValueError(f"{where}: expected {name} to be a finite number >= 0, got {value}")
+
+
+def check_once(where: str, params: Sequence[Tensor]) -> None:
+    """A param group's parameters, each once. torch warns when such a group is added
+    (as it does here) and steps the parameter twice; the fused op takes each tensor
+    once, and refused the pair mid-step, after the other groups had stepped: refused
+    here, with every group's other checks, before any group steps."""
+    if len(set(map(id, params))) == len(params):
+        return
+    seen: Dict[int, int] = {}
+    for i, p in enumerate(params):
+        first = seen.setdefault(id(p), i)
+        if first != i:
+            raise ValueError(f"{where}: a param group holds one parameter twice (at {first} "
+                             f"and {i}); the fused step updates each parameter once: list it "
+                             "once")
 
 
 def check_flag(where: str, name: str, value: Any) -> None:

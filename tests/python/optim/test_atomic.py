@@ -248,6 +248,24 @@ def test_other_group_values_are_refused_before_any_group_steps(cls, kwargs, key,
     assert_params_and_state_same(before, state_dict_snapshot(params, opt))
 
 
+def test_a_group_without_gradients_takes_any_setting():
+    """A group that steps nothing takes any value, as torch's step does (PyTorch's
+    test_cycle_lr_with_adam cycles beta1 over 1..22 without gradients); the same value
+    is refused, with nothing changed, at the first step that would update the group."""
+    params = new_params()
+    opt = optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3)
+    feed(params, 0)
+    opt.step()
+    opt.param_groups[1]["betas"] = (22.0, 0.999)
+    params[2].grad = None
+    opt.step()  # (group 1 has no gradient: nothing of it changes)
+    before = state_dict_snapshot(params, opt)
+    feed(params, 1)
+    with pytest.raises(ValueError, match="Adam.step: param group 1: Invalid beta parameter"):
+        opt.step()
+    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
+
+
 # Values torch's constructors take (inf; NaN where they test only `< 0`; a third beta)
 # but the fused ops refuse: before, the op refused them inside step, after the earlier
 # groups had stepped and every group's state had been made.
@@ -526,14 +544,17 @@ def test_a_sparse_gradient_torch_can_step_still_steps():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_a_parameter_twice_in_a_group_is_refused_when_added():
-    """torch warns and steps it twice; the fused op refused it inside step(), after the
-    other groups had stepped and their state had been made."""
-    other, twice = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-    with pytest.raises(ValueError, match=r"AdamW: a param group holds one parameter twice "
+def test_a_parameter_twice_in_a_group_is_refused_before_any_group_steps():
+    """torch warns when such a group is added (so does mixedprec: torch's own warning) and
+    steps the parameter twice; the fused op refused it inside step(), after the other
+    groups had stepped and their state had been made."""
+    params = new_params()
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = optim.AdamW([{"params": params[:2]}, {"params": [params[2], params[2]]}], lr=0.1)
+    feed(params, 0)
+    before = state_dict_snapshot(params, opt)
+    with pytest.raises(ValueError, match=r"AdamW.step: a param group holds one parameter twice "
                                          r"\(at 0 and 1\)"):
-        optim.AdamW([{"params": [other]}, {"params": [twice, twice]}], lr=0.1)
-    opt = optim.AdamW([other], lr=0.1)
-    with pytest.raises(ValueError, match="holds one parameter twice"):
-        opt.add_param_group({"params": [twice, other.detach(), twice]})
-    assert len(opt.param_groups) == 1
+        opt.step()
+    assert_same(before, state_dict_snapshot(params, opt))
+    assert not opt.state
