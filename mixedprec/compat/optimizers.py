@@ -546,7 +546,10 @@ class FusedAdam(_ApexFace, Adam):
             else:  # Apex's convention: the norm of the gradients as given
                 total = torch.as_tensor(norm, dtype=torch.float32).to(device).reshape(()) \
                     * factor
-            factor = factor * torch.clamp(max_norm / (total.reshape(()) + 1e-6), max=1.0)
+            # Apex's rule: clip only where (norm + 1e-6) / max_grad_norm > 1, so a NaN or
+            # negative norm given clips nothing (a clamp made it NaN or flipped the update)
+            total = total.reshape(()) + 1e-6
+            factor = factor * torch.where(total > max_norm, max_norm / total, 1.0)
         calls = self._calls(group, device, items, outputs)  # (outputs: never lean)
         self._run_plan(group, calls, items.grads, factor.reshape(()), found_inf)
 

@@ -157,6 +157,22 @@ def test_legacy_step_grads_scale_clipping_output_params(device, given_norms):
         torch.testing.assert_close(out, p.detach().half(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm", [float("nan"), -1.0, 0.5])
+def test_a_given_norm_that_is_nan_negative_or_small_clips_nothing(norm):
+    """Apex clipped only where (norm / scale + 1e-6) / max_grad_norm > 1: a NaN or a
+    negative grad_norms entry stepped unclipped. Before, the clip factor was clamped
+    instead, and made every weight NaN or reversed the update."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(4))
+    b = a.detach().clone().requires_grad_()
+    opt, twin = FusedAdam([a], lr=1e-2, max_grad_norm=1.0), FusedAdam([b], lr=1e-2)
+    grad = torch.randn(4)
+    opt.step(grads=[grad.clone()], grad_norms=[norm])
+    b.grad = grad.clone()
+    twin.step()
+    assert torch.equal(a, b)
+
+
 def test_legacy_step_reads_p_grad_and_one_group_list():
     """``grads`` as one flat list for a single group (Apex's backward compatibility); a
     None entry falls back to ``p.grad``; ``scale`` None is 1."""
