@@ -31,7 +31,14 @@ What it takes, and what it refuses and why:
 * Not possible: clipping by the global gradient norm (it needs every gradient before
   the first update); ``clip_grad_norm_`` after backward finds no gradients.
 * A bad gradient found in a bucket raises out of ``backward()`` after the buckets
-  before it have stepped; hyperparameters are checked before the first bucket.
+  before it have stepped; hyperparameters are checked before the first bucket, and so
+  is a parameter that requires grad but did not when the handle was made (no hook
+  steps it: attach again).
+* One optimizer steps a parameter inside backward (a second one over it is refused).
+* ``torch.utils.checkpoint(use_reentrant=True)`` runs a nested backward inside the
+  outer one: it is part of the same step. One around the last layers, whose nested
+  backward runs before the outer one's first gradient, is refused once the outer one
+  goes on (``use_reentrant=False`` has no nested backward).
 """
 
 import contextlib
@@ -84,7 +91,11 @@ class InBackward:
         self._group_of = {id(p): index for index, p in params}
         self._sizes = [len(group["params"]) for group in optimizer.param_groups]
         self._accumulating = False
-        self._task = -1  # the backward (autograd graph task) being stepped, -1: none
+        # The backward being stepped: its autograd graph tasks, the outer one first (a
+        # reentrant checkpoint runs a nested backward, a task of its own, inside it);
+        # empty: none. The newest task begun, to tell an outer task from a new backward.
+        self._tasks: List[int] = []
+        self._newest = -1
         self._left: List[int] = []  # per bucket: its params not yet ready in that backward
         self._stepped: List[bool] = []
         self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
@@ -100,10 +111,13 @@ class InBackward:
             self._make_buckets(params, bucket_cap_mb * 2**20)
             hook = _weak_hook(self._ready)
             hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in params]
-        # The hooks go with the handle: at remove(), or when the optimizer and the handle
-        # are collected while the model lives on (else each parameter would keep a dead
-        # hook, called at every backward).
-        self._unhook = weakref.finalize(self, _remove_hooks, hooks)
+        # The hooks go with the handle (and its _STEPPERS entries): at remove(), or when
+        # the optimizer and the handle are collected while the model lives on (else each
+        # parameter would keep a dead hook, called at every backward).
+        mine = weakref.ref(self)
+        for _, p in params:  # (for _check: one optimizer steps a parameter inside backward)
+            _STEPPERS[id(p)] = mine
+        self._unhook = weakref.finalize(self, _release, hooks, [id(p) for _, p in params], mine)
         optimizer.in_backward = self
 
     def _make_buckets(self, params: List[Tuple[int, Tensor]], cap: float) -> None:
@@ -191,14 +205,34 @@ class InBackward:
         """At a backward's first hook: the checks, before any bucket steps; the group
         step counts as they are; the end-of-backward callback queued."""
         task = torch._C._current_graph_task_id()
-        if task == self._task:
+        if task in self._tasks:
             return
         opt = self.optimizer
         name = type(opt).__name__
+        if self._tasks:  # a nested backward (a reentrant checkpoint's): the same step
+            self._tasks.append(task)
+            self._newest = max(self._newest, task)
+            return
+        if task < self._newest:
+            # (task ids grow: a smaller one is an outer backward whose nested one, which
+            # began first, was taken for the whole; the step counted it already)
+            raise RuntimeError(
+                f"{name}: a nested backward ran before the first gradient of its outer one "
+                "(torch.utils.checkpoint with use_reentrant=True around the last layers), so "
+                "the step inside backward could not tell where backward ends; use "
+                "use_reentrant=False, or checkpoint fewer of the last layers")
         if [len(group["params"]) for group in opt.param_groups] != self._sizes:
             raise RuntimeError(f"{name}: param groups were added or changed after "
                                "in_backward(); call .remove() on its handle and "
                                "mixedprec.optim.in_backward(optimizer) again")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in self._group_of:
+                    raise RuntimeError(
+                        f"{name}: a parameter of shape {tuple(p.shape)} requires grad but did "
+                        "not when in_backward() was called, so no hook steps it; call "
+                        ".remove() on its handle and mixedprec.optim.in_backward(optimizer) "
+                        "again after unfreezing")
         if getattr(opt, "grad_scale", None) is not None:
             raise RuntimeError(f"{name}: a loss scaler's grad_scale is set; the step inside "
                                "backward takes no loss scaler (train in bf16)")
@@ -207,7 +241,8 @@ class InBackward:
         self._stepped = [False] * len(self.buckets)
         self._group_steps = {i: group["step"] for i, group in enumerate(opt.param_groups)
                              if "step" in group}
-        self._task = task
+        self._tasks = [task]
+        self._newest = max(self._newest, task)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _step(self, index: int, params: List[Tensor]) -> None:
@@ -254,7 +289,7 @@ class InBackward:
             if any(self._stepped):
                 self._count()
         finally:
-            self._task = -1
+            self._tasks = []
 
     def _count(self) -> None:
         """``applied_steps`` counts the backward's step."""
@@ -277,9 +312,13 @@ def _weak_hook(method):
     return hook
 
 
-def _remove_hooks(hooks: List[Any]) -> None:
+def _release(hooks: List[Any], ids: List[int], handle: Any) -> None:
+    """A handle's hooks removed, and its parameters' entries in ``_STEPPERS``."""
     for hook in hooks:
         hook.remove()
+    for i in ids:
+        if _STEPPERS.get(i) is handle:
+            del _STEPPERS[i]
 
 
 def _weak_comm_hook(method, allreduce):
@@ -291,6 +330,21 @@ def _weak_comm_hook(method, allreduce):
         bound = method()
         return (allreduce if bound is None else bound)(process_group, bucket)
     return hook
+
+
+# id(parameter) -> the handle that steps it inside backward (weakly). A live handle's
+# optimizer holds its parameters, so an id here is not reused while its handle lives.
+_STEPPERS: Dict[int, Any] = {}
+
+
+def _stepper(p: Tensor) -> Any:
+    """The live handle that steps ``p`` inside backward, if any."""
+    ref = _STEPPERS.get(id(p))
+    handle = ref() if ref is not None else None
+    if handle is None or handle.optimizer.in_backward is not handle or \
+            id(p) not in handle._group_of:
+        return None
+    return handle
 
 
 def _is_ddp(model: Any) -> bool:
@@ -334,6 +388,11 @@ def _check(opt: Optimizer, bucket_cap_mb: float, model: Any) -> List[Tuple[int, 
                     "scaler: an overflow found late in backward would come after earlier "
                     "buckets stepped, and their steps cannot be undone exactly. Use "
                     "bfloat16 parameters, or step() with a GradScaler")
+            if _stepper(p) is not None:
+                raise ValueError(f"in_backward: a parameter of shape {tuple(p.shape)} of this "
+                                 f"{name} already steps inside backward with another "
+                                 f"optimizer ({type(_stepper(p).optimizer).__name__}); one "
+                                 "optimizer steps a parameter inside backward")
             if p.requires_grad:
                 params.append((index, p))
     if model is None and torch.distributed.is_available() and \

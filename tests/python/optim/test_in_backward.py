@@ -450,3 +450,81 @@ def test_a_bad_lr_is_refused_before_any_update(device):
     opt.param_groups[0]["lr"] = 1e-2  # (and the next backward steps again)
     loss_of(model, 2, device).backward()
     assert int(opt.applied_steps) == 2
+
+
+# --- what an outside audit found (2026-12-02) ---------------------------------------------
+
+def checkpointed_loss(model, step, device, last):
+    """loss_of with torch.utils.checkpoint(use_reentrant=True) around the middle layers,
+    or (``last``) around the last ones: each runs a nested backward of its own."""
+    from torch.utils.checkpoint import checkpoint
+    x, y = batch(step, device, next(model.parameters()).dtype)
+    head, tail = (model[:2], model[2:]) if last else (model[:2], None)
+    h = model[0](x)
+    if last:
+        out = checkpoint(tail, checkpoint(head[1], h, use_reentrant=True), use_reentrant=True)
+    else:
+        out = model[4](model[3](checkpoint(model[2], model[1](h), use_reentrant=True)))
+    return (out.float() - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("cls, master", [(optim.SGD, "stochastic"), (optim.AdamW, "fp32")])
+def test_a_reentrant_checkpoint_inside_is_one_step(device, cls, master):
+    """Before: the checkpoint's nested backward (a graph task of its own) was taken for a
+    new backward: applied_steps and SGD's group step count advanced two or three times
+    per backward, and master='stochastic' drew other rounding bits than step()."""
+    ref, inb = pair(device, cls, master)
+    optim.in_backward(inb[1], bucket_cap_mb=ONE_EACH)
+    for step in range(3):
+        checkpointed_loss(ref[0], step, device, last=False).backward()
+        ref[1].step()
+        ref[1].zero_grad()
+        checkpointed_loss(inb[0], step, device, last=False).backward()
+    assert int(inb[1].applied_steps) == 3
+    assert_same(ref, inb)
+
+
+def test_a_reentrant_checkpoint_of_the_last_layers_is_refused(device):
+    """A nested backward that runs before its outer one's first gradient cannot be told
+    from a whole backward until the outer one goes on: refused then, naming the fix."""
+    model, opt = pair(device)[1]
+    optim.in_backward(opt, bucket_cap_mb=ONE_EACH)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        checkpointed_loss(model, 0, device, last=True).backward()
+
+
+def test_a_parameter_unfrozen_after_attaching_is_refused_before_any_update(device):
+    """Before: it never stepped (no hook), its gradient kept accumulating, and
+    applied_steps counted on."""
+    model, opt = pair(device)[1]
+    model[0].weight.requires_grad_(False)
+    handle = optim.in_backward(opt, bucket_cap_mb=ONE_EACH)
+    loss_of(model, 0, device).backward()
+    model[0].weight.requires_grad_(True)
+    before = copy.deepcopy(full_snapshot(model, opt))
+    with pytest.raises(RuntimeError, match="requires grad but did not when in_backward"):
+        loss_of(model, 1, device).backward()
+    assert_same_snapshot(full_snapshot(model, opt), before)
+    handle.remove()
+    optim.in_backward(opt, bucket_cap_mb=ONE_EACH)  # (attached again, it steps it)
+    weight = model[0].weight.detach().clone()
+    model.zero_grad(set_to_none=True)
+    loss_of(model, 1, device).backward()
+    assert not torch.equal(weight, model[0].weight)
+
+
+def test_a_parameter_steps_inside_backward_for_one_optimizer():
+    """Before: a second optimizer over the same parameters was attached, found their
+    gradients freed by the first, stepped nothing and counted a step."""
+    model = make_model(sizes=SIZES)
+    first = optim.AdamW(model.parameters())
+    handle = optim.in_backward(first)
+    second = optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="already steps inside backward with another "
+                                         r"optimizer \(AdamW\)"):
+        optim.in_backward(second)
+    assert second.in_backward is None
+    handle.remove()
+    optim.in_backward(second)  # (once the first lets go)
+    del handle, first
+    gc.collect()
