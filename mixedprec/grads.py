@@ -70,6 +70,24 @@ def update_grad(p: Tensor, master: Optional[Tensor]) -> Optional[Tensor]:
     return p.grad
 
 
+# What an unscale takes: the multi-tensor ops' dtypes and float64 (torch's kernel).
+_UNSCALED = frozenset(OP_DTYPES + (torch.float64,))
+
+
+def _check_unscaled(grads: Sequence[Any], out: Optional[Sequence[Any]]) -> None:
+    """Refuses, before anything is written, a gradient that is not a float tensor of
+    those dtypes, and an ``out`` of another length."""
+    bad = [i for i, g in enumerate(grads) if getattr(g, "dtype", None) not in _UNSCALED]
+    if bad:
+        g = grads[bad[0]]
+        raise TypeError(f"unscale_: expected grads[{bad[0]}] to be a float32, float16, "
+                        "bfloat16 or float64 tensor, got "
+                        f"{g.dtype if isinstance(g, Tensor) else type(g).__name__}")
+    if out is not None and len(out) != len(grads):
+        raise ValueError(f"unscale_: expected out to hold one tensor per gradient "
+                         f"({len(grads)}), got {len(out)}")
+
+
 def _ours(t: Tensor) -> bool:
     """Whether the multi-tensor ops take ``t``: as it is when it is dense, else as a
     dense copy (:func:`_dense`). The rest (float64) goes through torch's kernels."""
@@ -142,6 +160,9 @@ def unscale_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Optional[Ten
     copy, unscaled there and copied back), torch's kernel for the rest (float64);
     ``out`` takes pairs that the multi-tensor ops take (dense, one device and layout),
     one ``multi_tensor_unscale_to_`` per device. ``inv_scale`` None means 1."""
+    grads = list(grads)
+    out = None if out is None else list(out)
+    _check_unscaled(grads, out)
     flags = {found_inf.device: found_inf}
     inv_on = {} if inv_scale is None else {inv_scale.device: inv_scale}
 

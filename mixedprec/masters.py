@@ -76,10 +76,29 @@ def follow_layout(t: Tensor, like: Tensor) -> Tensor:
     return out
 
 
+def _check_pairs(where: str, a_name: str, a: Sequence[Any], b_name: str,
+                 b: Sequence[Any]) -> None:
+    """Two lists of tensors paired element for element: the same length, each pair
+    tensors of as many elements."""
+    if len(a) != len(b):
+        raise ValueError(f"{where}: expected {a_name} and {b_name} of one length, got "
+                         f"{len(a)} and {len(b)}")
+    for i, (x, y) in enumerate(zip(a, b)):
+        if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+            raise TypeError(f"{where}: expected {a_name}[{i}] and {b_name}[{i}] to be "
+                            f"tensors, got {type(x).__name__} and {type(y).__name__}")
+        if x.numel() != y.numel():
+            raise ValueError(f"{where}: {a_name}[{i}] has shape {tuple(x.shape)}, "
+                             f"{b_name}[{i}] {tuple(y.shape)}: expected as many elements")
+
+
 @torch.no_grad()
 def copy_to_model(masters: Sequence[Tensor], params: Sequence[Tensor]) -> None:
     """``params[i].copy_(masters[i])`` with the cast, one ``multi_tensor_copy_`` per
-    device for the pairs it takes."""
+    device for the pairs it takes. The lists and each pair's sizes are checked before
+    anything is written."""
+    masters, params = list(masters), list(params)
+    _check_pairs("copy_to_model", "masters", masters, "params", params)
     src, dst, slow = [], [], []
     for s, d in zip(masters, params):
         s, d = s.detach(), d.detach()
@@ -103,6 +122,8 @@ def unscale_into_masters(params: Sequence[Tensor], masters: Sequence[Tensor],
     holds inf or NaN (:func:`mixedprec.grads.unscale_`, which also says how devices are
     handled). Parameters without gradient leave their master's as it is (``None``
     unless accumulating). ``inv_scale`` None means 1."""
+    params, masters = list(params), list(masters)
+    _check_pairs("unscale_into_masters", "params", params, "masters", masters)
     src: List[Tensor] = []
     dst: List[Tensor] = []
     owners: List[Tensor] = []

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedprec
-from mixedprec import amp, grads
+from mixedprec import amp, grads, masters
 
 INF = float("inf")
 NAN = float("nan")
@@ -443,3 +443,35 @@ def test_amp_handle_unscales_a_sparse_gradient():
                                                                            torch.zeros(3))
     finally:
         handle._deactivate()
+
+
+# --- bad input: refused before anything is written (an outside audit, 2026-12-02) ------
+
+def test_unscale_refuses_a_gradient_it_cannot_take_before_writing():
+    """Before: the float gradients before it were unscaled in place, then torch's kernel
+    raised a bare NotImplementedError."""
+    given = [torch.full((3,), 4.0), torch.ones(2, dtype=torch.int64)]
+    found_inf = torch.zeros(())
+    with pytest.raises(TypeError, match=r"unscale_: expected grads\[1\] to be a float32"):
+        grads.unscale_(given, found_inf, torch.tensor(0.5))
+    assert torch.equal(given[0], torch.full((3,), 4.0)) and float(found_inf) == 0.0
+    with pytest.raises(ValueError, match="expected out to hold one tensor per gradient"):
+        grads.unscale_([torch.ones(3)], found_inf, None, out=[torch.ones(3), torch.ones(3)])
+
+
+def test_copy_to_model_checks_every_pair_before_writing():
+    """Before: the pairs before a mismatched one were written, then reshape raised; lists
+    of two lengths were cut to the shorter."""
+    params = [torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"masters\[1\] has shape \(5,\), params\[1\] \(4,\)"):
+        masters.copy_to_model([torch.ones(3), torch.ones(5)], params)
+    assert not params[0].any()
+    with pytest.raises(ValueError, match="expected masters and params of one length, got 1 "
+                                         "and 2"):
+        masters.copy_to_model([torch.ones(3)], params)
+    with pytest.raises(TypeError, match=r"expected masters\[0\] and params\[0\] to be tensors"):
+        masters.copy_to_model([1.0], params[:1])
+    halves = [torch.zeros(3, dtype=torch.float16, requires_grad=True)]
+    halves[0].grad = torch.ones(3, dtype=torch.float16)
+    with pytest.raises(ValueError, match="expected params and masters of one length"):
+        masters.unscale_into_masters(halves, [], torch.zeros(()), None)
