@@ -801,10 +801,19 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
     ``delay_unscale=True`` the gradients stay scaled and unchecked until the next exit
     of the same loss. Apex's ``model`` and ``delay_overflow_check`` have no effect."""
     optimizer_list = _as_list(optimizers)
+    for o in optimizer_list:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError("amp.scale_loss: expected optimizers to be an optimizer or a list "
+                            f"of them, got {type(o).__name__}")
     amps = [_optimizer_amp.get(o) for o in optimizer_list]
     if not amps or all(a is None and o in _disabled for a, o in zip(amps, optimizer_list)):
         yield loss  # amp is off for these optimizers (initialize(enabled=False))
         return
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"amp.scale_loss: expected loss to be a tensor, got "
+                        f"{type(loss).__name__}")
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+        raise TypeError(f"amp.scale_loss: expected loss_id to be an int, got {loss_id!r}")
     if any(a is None for a in amps):
         raise ValueError("amp.scale_loss: every optimizer must have been passed to amp.initialize")
     scalers = amps[0].state.loss_scalers

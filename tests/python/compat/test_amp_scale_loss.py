@@ -167,6 +167,26 @@ def test_scaled_loss_has_the_shape_of_the_loss():
         scaled.backward(torch.ones_like(loss))  # fails when the shapes differ
 
 
+@pytest.mark.parametrize("args, kwargs, match", [
+    (("loss", "opt"), dict(loss_id="0"), "expected loss_id to be an int, got '0'"),
+    (("loss", "opt"), dict(loss_id=0.5), "expected loss_id to be an int, got 0.5"),
+    ((3.0, "opt"), {}, "expected loss to be a tensor, got float"),
+    (("loss", None), {}, "expected optimizers to be an optimizer or a list of them, got "
+                         "NoneType")])
+def test_scale_loss_names_a_bad_argument(args, kwargs, match):
+    """Before: a bare TypeError from a comparison or an index, an AttributeError
+    ('device'), or 'cannot create weak reference to NoneType'."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    loss = model(torch.ones(2, 4)).float().mean()
+    given = {"loss": loss, "opt": opt}
+    args = tuple(given.get(a, a) if isinstance(a, str) else a for a in args)
+    with pytest.raises(TypeError, match=f"amp.scale_loss: {match}"):
+        with amp.scale_loss(*args, **kwargs):
+            pass
+
+
 # --- skipped steps ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("opt_name", OPT_NAMES)
