@@ -899,11 +899,12 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
                          f"amp.state_dict()), got {type(state_dict).__name__}")
 
     def number(key: str) -> int:
-        tail = key[len("loss_scaler"):]
-        return int(tail) if tail.isdigit() else -1
+        return int(key[len("loss_scaler"):])
 
+    # (loss_scaler<i> only: another key after the prefix is unexpected, below)
     scalers = sorted((k for k in state_dict if isinstance(k, str)
-                      and k.startswith("loss_scaler")), key=number)
+                      and k.startswith("loss_scaler") and k[len("loss_scaler"):].isdigit()),
+                     key=number)
     unexpected = [k for k in state_dict if k not in scalers and not (
         isinstance(k, str) and k.startswith("master_params"))]
     if unexpected:

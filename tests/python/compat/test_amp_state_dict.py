@@ -151,7 +151,10 @@ def test_load_state_dict_applies_all_or_nothing(bad, match):
     (lambda sd: sd.__setitem__("loss_scaler1", [8.0, 0]),
      "expected loss_scaler1 to be a dict with 'loss_scale' and 'unskipped'"),
     (lambda sd: sd.__setitem__("scaler", {}), r"unexpected keys \['scaler'\]"),
-], ids=["no_unskipped", "no_loss_scale", "a_list", "unexpected_key"])
+    # (before: taken for scaler 0, shifting the real entries by one)
+    (lambda sd: sd.__setitem__("loss_scalerX", {"loss_scale": 4.0, "unskipped": 0}),
+     r"unexpected keys \['loss_scalerX'\]"),
+], ids=["no_unskipped", "no_loss_scale", "a_list", "unexpected_key", "loss_scaler_not_a_number"])
 def test_load_state_dict_names_a_missing_key(change, match):
     """A key missing from amp's state dict (or from one of its entries) is named, and
     nothing is loaded."""
