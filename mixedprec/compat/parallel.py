@@ -13,6 +13,7 @@ Apex's argument names; :class:`LARC` keeps Apex's algorithm but computes the nor
 with :func:`mixedprec.ops.multi_tensor_l2norm` and never synchronises with the host.
 """
 
+import math
 import subprocess
 import sys
 import warnings
@@ -295,6 +296,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 stacklevel=2,
             )
             gradient_predivide_factor = gradient_average_split_factor
+        if isinstance(message_size, bool) or not isinstance(message_size, (int, float)) or \
+                not 0 <= message_size < math.inf:
+            raise ValueError("DistributedDataParallel: expected message_size to be a number of "
+                             f"elements >= 0, got {message_size!r}")
+        if isinstance(gradient_predivide_factor, bool) or \
+                not isinstance(gradient_predivide_factor, (int, float)) or \
+                not 0 < gradient_predivide_factor < math.inf:
+            raise ValueError("DistributedDataParallel: expected gradient_predivide_factor to be "
+                             f"a finite number > 0, got {gradient_predivide_factor!r}")
         if "bucket_cap_mb" not in ddp_kwargs:
             ddp_kwargs["bucket_cap_mb"] = _bucket_cap_mb(module, message_size, delay_allreduce)
         if retain_allreduce_buffers:
@@ -341,7 +351,9 @@ def _bucket_cap_mb(module: nn.Module, message_size: int, delay_allreduce: bool) 
         total = sum(p.numel() * p.element_size() for p in params)
         return (total + _MB) / _MB  # one bucket holds them all
     element_size = params[0].element_size() if params else 4
-    return message_size * element_size / _MB
+    # (0: each parameter reduced on its own, as Apex did; torch's DDP takes no 0 cap, so
+    # one byte)
+    return max(message_size * element_size, 1) / _MB
 
 
 class Reducer:

@@ -424,3 +424,26 @@ def test_apex_positional_arguments_and_unknown_keywords():
     ]
     with pytest.raises(TypeError):
         DistributedDataParallel(make_model(**TINY), not_an_argument=1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(message_size=-5), "expected message_size to be a number of elements >= 0"),
+    (dict(message_size="big"), "expected message_size"),
+    (dict(gradient_predivide_factor=0), "expected gradient_predivide_factor to be a finite "
+                                        "number > 0"),
+    (dict(gradient_predivide_factor=float("nan")), "expected gradient_predivide_factor")])
+def test_distributed_data_parallel_refuses_bad_sizes_and_factors_first(kwargs, match):
+    """Before: a negative message_size was taken, and a factor of 0 raised a bare
+    ZeroDivisionError in the comm hook during backward. (Refused before torch's DDP is
+    built: no process group is needed to see it.)"""
+    with pytest.raises(ValueError, match=f"DistributedDataParallel: {match}"):
+        DistributedDataParallel(make_model(**TINY), **kwargs)
+
+
+def test_a_message_size_of_zero_reduces_each_parameter_alone():
+    """Apex took message_size=0 (each parameter its own all-reduce); torch's DDP takes no
+    zero bucket cap and failed with 'bucket_cap_mb should be set by now'."""
+    from mixedprec.compat.parallel import _bucket_cap_mb
+
+    cap = _bucket_cap_mb(make_model(**TINY), 0, delay_allreduce=False)
+    assert 0 < cap <= 1 / 2**20
