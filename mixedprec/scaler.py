@@ -229,9 +229,14 @@ class GradScaler(torch.amp.GradScaler):
         torch's does). Other optimizers, other norms, and gradients that
         :meth:`unscale_` has unscaled already: torch's ``clip_grad_norm_`` after
         :meth:`unscale_`. No host read."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-            raise TypeError("GradScaler.clip_grad_norm_: expected max_norm to be a number, "
-                            f"got {type(max_norm).__name__}")
+        if isinstance(max_norm, Tensor):  # (as torch's clip_grad_norm_ takes: on the device)
+            if max_norm.numel() != 1 or not max_norm.is_floating_point():
+                raise TypeError("GradScaler.clip_grad_norm_: expected a tensor max_norm to "
+                                f"hold one float, got {max_norm.dtype} of shape "
+                                f"{tuple(max_norm.shape)}")
+        elif isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+            raise TypeError("GradScaler.clip_grad_norm_: expected max_norm to be a number or "
+                            f"a one-element tensor, got {type(max_norm).__name__}")
         params = [p for group in optimizer.param_groups for p in group["params"]
                   if p.grad is not None]
         if not self._enabled:
@@ -254,6 +259,8 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = {self._scale.device: (~torch.isfinite(total)).float()}
         state["checked"] = True  # (the step's overflow check: this one)
         self._record(optimizer, inv_scale)
+        if isinstance(max_norm, Tensor):
+            max_norm = max_norm.detach().to(total.device, torch.float32).reshape(())
         state["clip"] = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         state["clipped"] = True
         return total

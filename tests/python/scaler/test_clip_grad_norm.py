@@ -4,6 +4,8 @@ the fp16 gradients of an fp16 model with fp32 masters too), against unscaling an
 clipping in float32; torch's clip_grad_norm_ after unscale_ for other optimizers; an
 overflow skips the step; the order of calls is checked; no host read."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_bitwise_equal, forbid_host_sync, make_model, randn
@@ -154,7 +156,8 @@ def test_the_order_of_calls_is_checked(device):
     opt = optim.AdamW(model.parameters())
     scaler = GradScaler(device)
     backward(model, scaler, 0, device, torch.float16)
-    with pytest.raises(TypeError, match="max_norm to be a number, got str"):
+    with pytest.raises(TypeError, match="max_norm to be a number or a one-element tensor, "
+                                        "got str"):
         scaler.clip_grad_norm_(opt, "1.0")
     scaler.clip_grad_norm_(opt, 1.0)
     with pytest.raises(RuntimeError, match="already been called on this optimizer"):
@@ -198,3 +201,29 @@ def test_clipping_and_the_step_do_not_sync(device, monkeypatch):
             scaler.clip_grad_norm_(opt, 1.0)
             scaler.step(opt)
             scaler.update()
+
+
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS[:2] + [(torch.optim.SGD, dict(lr=0.05))])
+def test_a_tensor_max_norm_clips_as_the_number(device, monkeypatch, cls, kwargs):
+    """torch's clip_grad_norm_ takes a tensor max_norm; so does this one (before, a
+    TypeError), read on the device only: the step equals that with the number."""
+    runs = []
+    for as_tensor in (False, True):
+        model = make_model(device, torch.float16 if cls is not torch.optim.SGD else
+                           torch.float32, sizes=SIZES)
+        opt = cls(model.parameters(), **kwargs)
+        scaler = GradScaler(device, init_scale=2.0**10)
+        dtype = next(model.parameters()).dtype
+        backward(model, scaler, 0, device, dtype)
+        max_norm = torch.tensor(0.05, device=device) if as_tensor else 0.05
+        with forbid_host_sync(monkeypatch) if cls is not torch.optim.SGD else \
+                contextlib.nullcontext():
+            norm = scaler.clip_grad_norm_(opt, max_norm)
+        scaler.step(opt)
+        scaler.update()
+        runs.append((norm, [p.detach().clone() for p in model.parameters()]))
+    assert_bitwise_equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert_bitwise_equal(a, b)
+    with pytest.raises(TypeError, match="expected a tensor max_norm to hold one float"):
+        GradScaler(device).clip_grad_norm_(opt, torch.ones(2, device=device))
