@@ -236,16 +236,25 @@ def test_other_group_values_are_refused_before_any_group_steps(cls, kwargs, key,
                                                                 match):
     """Before: the op (or torch's constructor) raised a bare dispatcher error, a meta copy
     error or an IndexError, the first three after group 0 had stepped."""
+    assert_refused_at_step(cls, kwargs, key, value, error, match, planned=True)
+
+
+def assert_refused_at_step(cls, kwargs, key, value, error, match, planned):
+    """Group 1 of two given ``key=value``: the step raises ``error`` matching ``match``
+    (after "Class.step: param group 1: ") with nothing changed and no state made, after
+    a first step (``planned``: the next one reuses its op calls) or before any."""
     params = new_params()
     opt = cls([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, **kwargs)
-    feed(params, 0)
-    opt.step()
+    if planned:
+        feed(params, 0)
+        opt.step()
     before = state_dict_snapshot(params, opt)
     opt.param_groups[1][key] = value
     feed(params, 1)
     with pytest.raises(error, match=f"{cls.__name__}.step: param group 1: {match}"):
         opt.step()
     assert_params_and_state_same(before, state_dict_snapshot(params, opt))
+    assert len(opt.state) == len(before[1]["state"])  # (no state made for the refused step)
 
 
 def test_a_group_without_gradients_takes_any_setting():
@@ -282,18 +291,7 @@ OP_REFUSED = [
 @pytest.mark.parametrize("planned", [False, True])
 def test_a_group_value_the_op_refuses_is_refused_before_any_group_steps(cls, kwargs, key, value,
                                                                          planned):
-    params = new_params()
-    opt = cls([{"params": params[:2]}, {"params": params[2:]}], lr=1e-3, **kwargs)
-    if planned:
-        feed(params, 0)
-        opt.step()
-    before = state_dict_snapshot(params, opt)
-    opt.param_groups[1][key] = value
-    feed(params, 1)
-    with pytest.raises(ValueError, match=f"{cls.__name__}.step: param group 1: expected {key}"):
-        opt.step()
-    assert_params_and_state_same(before, state_dict_snapshot(params, opt))
-    assert len(opt.state) == len(before[1]["state"])  # (no state made for the refused step)
+    assert_refused_at_step(cls, kwargs, key, value, ValueError, f"expected {key}", planned)
 
 
 @pytest.mark.parametrize("cls, kwargs, key, value", OP_REFUSED)
