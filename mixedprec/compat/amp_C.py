@@ -28,7 +28,8 @@ Functions of Apex's ``amp_C`` that are not listed in ``__all__`` are not provide
 looking one up raises ``AttributeError`` naming it.
 """
 
-from typing import List, Optional, Sequence, Tuple
+import numbers
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -63,7 +64,22 @@ def _lists(fn: str, tensor_lists: TensorLists, depths: Tuple[int, ...]) -> List[
     if len(lists) not in depths:
         expected = " or ".join(str(d) for d in depths)
         raise ValueError(f"{fn}: expected tensor_lists to hold {expected} lists, got {len(lists)}")
+    for i, tl in enumerate(lists):
+        for j, t in enumerate(tl):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{fn}: expected tensor_lists[{i}][{j}] to be a tensor, got "
+                                f"{type(t).__name__}")
     return lists
+
+
+def _number(fn: str, name: str, value: Any) -> float:
+    """A scalar argument as Apex's bindings took it (a C++ float): a real number, numpy's
+    included, or a one-element tensor (read on the host, as there)."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return float(value)  # sync-ok: Apex's binding read it so too
+    if isinstance(value, Tensor) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{fn}: expected {name} to be a number, got {type(value).__name__}")
+    return float(value)
 
 
 def _device(lists: List[List[Tensor]], noop_flag: Tensor) -> torch.device:
@@ -119,7 +135,8 @@ def multi_tensor_scale(
     src, dst = _lists("multi_tensor_scale", tensor_lists, (2,))
     device = _device([src, dst], noop_flag)
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-    ops.multi_tensor_unscale_to_(src, dst, found_inf, _scalar(scale, device))
+    ops.multi_tensor_unscale_to_(src, dst, found_inf,
+                                 _scalar(_number("multi_tensor_scale", "scale", scale), device))
     _raise_flag(noop_flag, found_inf)
 
 
@@ -198,6 +215,9 @@ def multi_tensor_unscale_l2norm(
     element multiplied by ``inv_scale`` (a one-element float32 tensor, or None)."""
     _check_flag("multi_tensor_l2norm", noop_flag)
     (tensors,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
+    if per_tensor is not None and not isinstance(per_tensor, (bool, int)):
+        raise TypeError(f"multi_tensor_l2norm: expected per_tensor to be a bool, got "
+                        f"{per_tensor!r}")
     if not tensors:
         device = noop_flag.device
         empty = torch.empty(0, dtype=torch.float32, device=device)

@@ -2,6 +2,7 @@
 each function against a float64 reference on CPU and CUDA, the int32 noop_flag
 (set on inf/NaN by scale/axpby/l2norm, skipping sgd/adam, never cleared, kept int32)."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
@@ -435,3 +436,27 @@ def test_no_host_synchronization_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_flag(noop_flag, 0)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda z, a, b: amp_C.multi_tensor_scale(2048 * 32, z, [a, b], "x"),
+     "multi_tensor_scale: expected scale to be a number, got str"),
+    (lambda z, a, b: amp_C.multi_tensor_scale(2048 * 32, z, [[1.0], [2.0]], 2.0),
+     r"multi_tensor_scale: expected tensor_lists\[0\]\[0\] to be a tensor, got float"),
+    (lambda z, a, b: amp_C.multi_tensor_l2norm(2048 * 32, z, [a], "yes"),
+     "multi_tensor_l2norm: expected per_tensor to be a bool, got 'yes'")])
+def test_bad_scalars_and_list_entries_are_named(call, match):
+    """Before: a bare ValueError (float('x')), an AttributeError ('device'), and a string
+    per_tensor taken as True. Nothing is written."""
+    z, a, b = torch.zeros(1, dtype=torch.int32), [torch.randn(3)], [torch.zeros(3)]
+    with pytest.raises(TypeError, match=match):
+        call(z, a, b)
+    assert not b[0].any() and int(z) == 0
+
+
+@pytest.mark.parametrize("scale", [2.0, 2, np.float32(2.0), torch.tensor(2.0)],
+                         ids=["float", "int", "numpy", "tensor"])
+def test_multi_tensor_scale_takes_what_apexs_binding_took(scale):
+    z, a, b = torch.zeros(1, dtype=torch.int32), [torch.randn(3)], [torch.zeros(3)]
+    amp_C.multi_tensor_scale(2048 * 32, z, [a, b], scale)
+    assert torch.equal(b[0], a[0] * 2)
