@@ -222,9 +222,17 @@ class LRScheduler(_torch.LRScheduler):
 
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Every attribute but the optimizer; tensors cloned."""
-        return {key: value.clone() if isinstance(value, Tensor) else value
-                for key, value in vars(self).items() if key != "optimizer"}
+        """Every attribute but the optimizer; tensors cloned. And ``_pending``: the
+        optimizer's applied steps since the last :meth:`step` (0 or 1 as a rule; on the
+        device), from which loading sets ``_seen`` against the optimizer's count then,
+        whatever that count restarted from (a checkpoint through torch.distributed.
+        checkpoint does not keep ``applied_steps``: the count restarts at 0, and a saved
+        ``_seen`` the new count reaches would stall the schedule for a step)."""
+        out = {key: value.clone() if isinstance(value, Tensor) else value
+               for key, value in vars(self).items() if key != "optimizer"}
+        out["_pending"] = (self.optimizer.applied_steps.to(self._seen.device) - self._seen
+                           ).clamp(min=0)
+        return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s values (``last_epoch`` may also be an int, as in
@@ -254,7 +262,7 @@ class LRScheduler(_torch.LRScheduler):
         """One saved entry, checked, as it will be set (subclasses add theirs)."""
         groups = len(self.optimizer.param_groups)
         device = self.last_epoch.device
-        if key in ("last_epoch", "_seen"):  # (-1: torch's, for a scheduler not yet begun)
+        if key in ("last_epoch", "_seen", "_pending"):  # (-1: torch's, not yet begun)
             value = _int(where, key, value, -1 if key == "last_epoch" else 0)
             return torch.tensor(value, dtype=torch.int64)
         if key == "base_lrs":
@@ -268,6 +276,11 @@ class LRScheduler(_torch.LRScheduler):
 
     def _load_checked(self, entries: Dict[str, Any]) -> None:
         """Sets what :meth:`_check_state` returned (nothing here can fail)."""
+        pending = entries.pop("_pending", None)
+        if pending is not None:  # (_seen against the optimizer's count now: state_dict)
+            count = self.optimizer.applied_steps
+            entries["_seen"] = count.detach().to(self._seen.device) - pending.to(
+                self._seen.device)
         for key, value in entries.items():
             current = getattr(self, key, None)
             if (isinstance(current, Tensor) and isinstance(value, Tensor)

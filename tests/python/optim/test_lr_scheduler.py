@@ -188,6 +188,38 @@ def test_scheduler_state_dict_resumes():
     assert int(sched_c.last_epoch) == 9
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["applied-steps-kept", "count-restarts"])
+@pytest.mark.parametrize("saved_after", [1, 2, 3])
+def test_a_resume_whose_count_restarts_steps_the_schedule_on(kept, saved_after):
+    """torch.distributed.checkpoint keeps an optimizer's 'state' and 'param_groups' only:
+    the applied-step count restarts at 0. Before, a scheduler whose saved _seen the new
+    count reached (saved after one step: the count is 1 again after one) did not advance
+    that step, and the schedule fell one step behind."""
+    lrs_of = []
+    for resume in (False, True):
+        params = make_params(0)
+        opt = optim.AdamW(groups(params), lr=0.1)
+        sched = ours.StepLR(opt, step_size=1, gamma=0.5)
+        seen = []
+        for step in range(saved_after + 3):
+            if resume and step == saved_after:
+                saved_opt, saved_sched = opt.state_dict(), sched.state_dict()
+                if not kept:
+                    del saved_opt["applied_steps"]
+                params = make_params(0)
+                opt = optim.AdamW(groups(params), lr=0.1)
+                opt.load_state_dict(saved_opt)
+                sched = ours.StepLR(opt, step_size=1, gamma=0.5)
+                sched.load_state_dict(saved_sched)
+            for p, g in zip(params, grads(params, step)):
+                p.grad = g
+            opt.step()
+            sched.step()
+            seen.append(lrs(sched))
+        lrs_of.append(seen)
+    assert lrs_of[1] == lrs_of[0]
+
+
 def test_errors():
     params = make_params()
     with pytest.raises(TypeError, match="applied_steps"):
