@@ -319,11 +319,15 @@ class LambdaLR(LRScheduler):
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         e = _epoch(epoch)
         out = []
-        for base, fn in zip(self.base_lrs, self.lr_lambdas):
+        for i, (base, fn) in enumerate(zip(self.base_lrs, self.lr_lambdas)):
             factor = fn(e)
             if not isinstance(factor, Tensor):  # (a constant: no copy from the host)
                 factor = torch.full_like(e, float(factor))
-            out.append(factor.to(torch.float64) * base)
+            elif factor.numel() != 1:  # (one value, of any shape: torch's takes it so)
+                raise ValueError(f"{type(self).__name__}: expected lr_lambda of group {i} to "
+                                 "return a number or a one-element tensor, got shape "
+                                 f"{tuple(factor.shape)}")
+            out.append(factor.to(torch.float64).reshape(()) * base)
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -526,3 +526,21 @@ def test_torch_schedulers_state_dicts_load(schedule, steps):
     for _ in range(9 - steps):  # (torch's step(epoch) is deprecated)
         sched_b.step()
     assert lrs(sched) == pytest.approx(sched_b.get_last_lr(), rel=1e-12)
+
+
+def test_a_lambda_of_one_element_tensors_is_taken_and_of_more_refused_first():
+    """torch's LambdaLR takes an lr_lambda returning a one-element tensor of shape [1].
+    Before, ours raised a shape error while writing the lrs, after the param groups had
+    already been changed (lr made a tensor, initial_lr added)."""
+    params = make_params(0)
+    opt = optim.AdamW(params, lr=0.1)
+    sched = ours.LambdaLR(opt, lambda e: torch.tensor([0.5], device=e.device))
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.05)
+    other = optim.AdamW(make_params(0), lr=0.1)
+    before = dict(other.param_groups[0])
+    with pytest.raises(ValueError, match="expected lr_lambda of group 0 to return a number or "
+                                         r"a one-element tensor, got shape \(2,\)"):
+        ours.LambdaLR(other, lambda e: torch.tensor([0.5, 0.5]))
+    assert other.param_groups[0].keys() == before.keys()
+    assert other.param_groups[0]["lr"] == 0.1
+    del sched
