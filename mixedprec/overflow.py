@@ -159,7 +159,7 @@ class OverflowReport:
 
     def summary(self, names: Any = None, top: int = 5) -> str:
         """:meth:`report` as one readable line (see :func:`format_report`)."""
-        return format_report(self.report(names), top)
+        return format_report(self.report(names), check_top(f"{self.owner}.summary", top))
 
     def __getstate__(self) -> Dict[str, Any]:
         # Pickled empty: the counts belong to this process's parameters.
@@ -169,9 +169,17 @@ class OverflowReport:
         self.__init__(owner=state.get("owner", "OverflowReport"))
 
 
+def check_top(where: str, top: Any) -> int:
+    """A summary's ``top``: how many entries it names, an int >= 0."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"{where}: expected top to be an int >= 0, got {top!r}")
+    return top
+
+
 def format_report(report: Dict[str, Any], top: int = 5) -> str:
     """One line: ``"12 of 1000 steps skipped (1.2%); scale 1024 (min 512, max 65536, 7
     backoffs, 1 growth); overflows: fc1.weight 9, fc2.bias 3"`` (the ``top`` most)."""
+    top = check_top("format_report", top)
     steps, skipped = report["steps"], report["skipped"]
     share = f" ({100.0 * skipped / steps:.1f}%)" if steps else ""
     parts = [f"{skipped} of {steps} steps skipped{share}"]

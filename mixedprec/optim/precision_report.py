@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor
-from ..overflow import _name_map
+from ..overflow import _name_map, check_top
 
 __all__ = ["PrecisionReport", "format_precision_report", "totals"]
 
@@ -152,7 +152,8 @@ class PrecisionReport:
 
     def summary(self, names: Any = None, top: int = 3) -> str:
         """:meth:`report` as one readable line (:func:`format_precision_report`)."""
-        return format_precision_report(self.report(names), top)
+        return format_precision_report(self.report(names),
+                                       check_top(f"{self.owner}.summary", top))
 
     def __getstate__(self) -> Dict[str, Any]:
         # Pickled empty: the tallies belong to this process's parameters.
@@ -173,6 +174,7 @@ def totals(report: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
 def format_precision_report(report: Dict[str, Dict[str, Any]], top: int = 3) -> str:
     """One line: ``"lost updates: 31.2% of 1.2e+06 in 4 of 6 parameters; most:
     fc1.weight 48.0% (lost/applied 0.62), ...; keep them with master='remainder'"``."""
+    top = check_top("format_precision_report", top)
     overall = totals(report)
     elements = overall["elements"]
     if not elements:

@@ -156,6 +156,9 @@ def test_report_by_name_reset_and_format(device):
     line = opt.precision_report.summary(model.named_parameters())
     assert line.startswith("lost updates: ") and "0.weight" in line and "remainder" in line
     assert format_precision_report({}) == "lost updates: none counted yet"
+    for top in (-1, "x", 1.5, None):  # (before: wrong counts, or bare slice errors)
+        with pytest.raises(ValueError, match="summary: expected top to be an int >= 0"):
+            opt.precision_report.summary(model, top=top)
     unnamed = opt.precision_report.report()
     assert list(unnamed)[0] == "<param 0, shape (64, 64)>"
     opt.precision_report.reset()

@@ -93,6 +93,11 @@ def test_names_and_summary():
     assert line.endswith("overflows: 2.weight 3, 0.weight 1 and 2 more")
     assert "5 backoffs" in line
     assert format_report({"steps": 0, "skipped": 0, "overflows": {}}) == "0 of 0 steps skipped"
+    # (before: -1 named all but one and said "and 7 more", "x" or 1.5 gave a bare slice
+    # error, None a comparison error)
+    for top in (-1, "x", 1.5, None, True):
+        with pytest.raises(ValueError, match="summary: expected top to be an int >= 0"):
+            scaler.overflow_report.summary(model, top=top)
 
 
 def test_off_by_default_and_errors():
