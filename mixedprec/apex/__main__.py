@@ -100,6 +100,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not argv or argv == ["-m"]:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
+    if argv[0].startswith("-") and argv[0] != "-m":  # (python's own options go before -m)
+        print(f"python -m mixedprec.apex: unknown option {argv[0]!r} (pass python's options "
+              "to python itself: python -u -m mixedprec.apex script.py)\n" + USAGE,
+              file=sys.stderr)
+        sys.exit(2)
+    if argv[0] != "-m" and not os.path.exists(argv[0]):  # (as python: a message, exit 2)
+        print(f"python -m mixedprec.apex: can't open file {os.path.abspath(argv[0])!r}: "
+              "[Errno 2] No such file or directory", file=sys.stderr)
+        sys.exit(2)
     from mixedprec.compat.fp16_utils import redirect_half_casts
 
     redirect_half_casts()

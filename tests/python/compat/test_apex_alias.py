@@ -6,6 +6,7 @@ beside a (fake) installed Apex that keeps all but what Apex removed, and
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -411,6 +412,19 @@ def test_runs_a_legacy_script(tmp_path):
     shim = next(line.split(" ", 1)[1] for line in result.stdout.splitlines()
                 if line.startswith("shim "))
     assert not os.path.exists(shim), "the shim directory was not removed"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.py"], "can't open file .*missing.py.*No such file or directory"),
+    (["-u", "train.py"], "unknown option '-u'")])
+def test_a_missing_script_or_an_option_of_pythons_is_named_with_exit_2(tmp_path, args,
+                                                                      message):
+    """As python itself: a missing script is one line and exit code 2. Before: a
+    FileNotFoundError traceback and exit code 1, and '-u' taken for the script's path."""
+    result = run_alias(args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_runs_a_module(tmp_path):
