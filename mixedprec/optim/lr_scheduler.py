@@ -73,6 +73,8 @@ def _int(where: str, name: str, value: Any, least: int) -> int:
         raise TypeError(f"{where}: expected {name} to be an int >= {least}, got {_shown(value)}")
     if value < least:
         raise ValueError(f"{where}: expected {name} to be an int >= {least}, got {value!r}")
+    if value >= 2**63:  # (an int64 on the device)
+        raise ValueError(f"{where}: expected {name} to be an int < 2**63, got {value!r}")
     return int(value)
 
 
@@ -253,7 +255,8 @@ class LRScheduler(_torch.LRScheduler):
         for key, value in state_dict.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where}: expected the keys to be str, got {_shown(key)}")
-            if key == "optimizer" or callable(getattr(type(self), key, None)):
+            if key == "optimizer" or key.startswith("__") or \
+                    callable(getattr(type(self), key, None)):
                 raise ValueError(f"{where}: {key!r} is not an entry of a scheduler's state")
             out[key] = self._check_entry(where, key, value)
         return out

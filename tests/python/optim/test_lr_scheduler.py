@@ -474,6 +474,10 @@ BAD_ENTRIES = [
                                                          "state_dict to be a dict"),
     ("StepLR", "optimizer", None, ValueError, "'optimizer' is not an entry"),
     ("StepLR", "step", 3, ValueError, "'step' is not an entry"),
+    # (before: "__dict__" wiped the scheduler, and 10**30 overflowed in the tensor)
+    ("StepLR", "__dict__", {}, ValueError, "'__dict__' is not an entry"),
+    ("StepLR", "last_epoch", 10**30, ValueError, r"expected last_epoch to be an int < "
+                                                 r"2\*\*63"),
 ]
 
 
