@@ -228,7 +228,10 @@ class LossScale:
         value = value.detach().reshape(()).to(torch.float32)
         if not self.dynamic:
             return value
-        current = self.place(value.device)
+        # (the current scale read where the value is, never moved or made here: a new
+        # scale on another device, or before the first scale(), is the caller's to refuse)
+        current = value.new_full((), self._init[0]) if self.scale is None else \
+            self.scale.to(value.device)
         return torch.where(value.isnan(), current, value.clamp(self.min_scale, self.max_scale))
 
     def trackers(self) -> Dict[str, int]:

@@ -388,10 +388,11 @@ def _check(opt: Optimizer, bucket_cap_mb: float, model: Any) -> List[Tuple[int, 
                     "scaler: an overflow found late in backward would come after earlier "
                     "buckets stepped, and their steps cannot be undone exactly. Use "
                     "bfloat16 parameters, or step() with a GradScaler")
-            if _stepper(p) is not None:
+            other = _stepper(p)
+            if other is not None:
                 raise ValueError(f"in_backward: a parameter of shape {tuple(p.shape)} of this "
                                  f"{name} already steps inside backward with another "
-                                 f"optimizer ({type(_stepper(p).optimizer).__name__}); one "
+                                 f"optimizer ({type(other.optimizer).__name__}); one "
                                  "optimizer steps a parameter inside backward")
             if p.requires_grad:
                 params.append((index, p))

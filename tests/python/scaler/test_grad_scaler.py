@@ -757,6 +757,15 @@ def test_update_holds_a_new_scale_tensor_to_the_floor_and_ceiling(device, monkey
     assert scaler.get_scale() == expected
 
 
+def test_update_with_a_tensor_before_the_first_scale_raises_torchs_error_and_places_nothing():
+    """The range is applied without making or moving the scale: torch's assertion (no
+    scale yet) still fires, with nothing created."""
+    scaler = GradScaler("cpu", init_scale=4.0)
+    with pytest.raises(AssertionError, match="_scale is None"):
+        scaler.update(torch.tensor(8.0))
+    assert scaler._scale is None and scaler.get_scale() == 4.0
+
+
 @pytest.mark.parametrize("make", [
     lambda p: torch.optim.SGD([p], lr=0.1), lambda p: torch.optim.AdamW([p], fused=True),
     lambda p: mixedprec.optim.AdamW([p]), lambda p: mixedprec.optim.SGD([p], lr=0.1),
