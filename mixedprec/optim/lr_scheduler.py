@@ -27,6 +27,10 @@ from torch's (docs/schedules.md):
 * ``step(epoch)`` (deprecated in torch) sets ``last_epoch`` to ``epoch``.
 * :class:`SequentialLR` takes schedulers of this module only; they are not stepped
   themselves.
+* Schedules do not chain: a scheduler stepped again after another one stepped the same
+  optimizer (torch's ``ChainedScheduler``, or two ``step()`` calls an iteration) raises,
+  since each writes its closed-form lr and the last would win. One schedule after
+  another (a new scheduler that takes over for good) is fine.
 * Arguments, ``step(epoch)`` and the entries ``load_state_dict`` reads are checked
   (torch checks few): a bad one raises a TypeError or ValueError that names it, before
   anything changes. Milestones are ints >= 0 (any iterable, as torch takes them;
@@ -37,6 +41,7 @@ from torch's (docs/schedules.md):
 import math
 import numbers
 import types
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterable, List, Sequence, Union
@@ -119,6 +124,18 @@ def _lengths(where: str, name: str, value: Any, length: int) -> list:
     return list(value)
 
 
+class _Steppers:
+    """An optimizer's schedulers in the order they stepped it: the one that stepped last,
+    and those that another stepped after (held weakly: one that is gone is forgotten)."""
+
+    def __init__(self) -> None:
+        self.last: Any = None  # a weakref.ref
+        self.replaced: "weakref.WeakSet" = weakref.WeakSet()
+
+
+_STEPPERS: "weakref.WeakKeyDictionary[Optimizer, _Steppers]" = weakref.WeakKeyDictionary()
+
+
 class LRScheduler(_torch.LRScheduler):
     """The base: ``last_epoch`` and the lrs on the device (see the module docstring).
     Subclasses define :meth:`_lrs_at` and check their own saved entries in
@@ -182,7 +199,24 @@ class LRScheduler(_torch.LRScheduler):
         """Advances ``last_epoch`` by one if the optimizer applied a step since the
         previous call (on the device), and writes the lrs into the param groups.
         ``step(epoch)`` sets ``last_epoch`` to ``epoch`` (an int >= 0, or a one-element
-        integer tensor, not read on the host)."""
+        integer tensor, not read on the host).
+
+        A scheduler stepped after another one stepped its optimizer raises (schedules do
+        not chain: the module docstring), before anything changes."""
+        steppers = None
+        if not torch.compiler.is_compiling():  # (host bookkeeping: not traced)
+            steppers = _STEPPERS.setdefault(self.optimizer, _Steppers())
+            if self in steppers.replaced:
+                last = steppers.last() if steppers.last is not None else None
+                other = type(last).__name__ if last is not None else "another scheduler"
+                name = type(self).__name__
+                raise RuntimeError(
+                    f"{name}.step: {other} has stepped this optimizer since this {name} "
+                    "last did, and mixedprec's schedules do not chain: each writes its "
+                    "closed-form lr, so the last one stepped would win, where torch's "
+                    "chained schedulers multiply. Write the product as one LambdaLR "
+                    "(lr_lambda=lambda e: warmup(e) * decay(e)), or use SequentialLR for one "
+                    "schedule after another (docs/schedules.md)")
         if epoch is None:
             count = self.optimizer.applied_steps
             if count.device != self._seen.device:  # the model moved: follow it, once
@@ -200,6 +234,11 @@ class LRScheduler(_torch.LRScheduler):
             epoch = _int(f"{type(self).__name__}.step", "epoch", epoch, 0)
             self.last_epoch.fill_(epoch)
         self._write(self.get_lr())
+        if steppers is not None:
+            last = steppers.last() if steppers.last is not None else None
+            if last is not None and last is not self:
+                steppers.replaced.add(last)
+            steppers.last = weakref.ref(self)
 
     def _write(self, values: List[Tensor]) -> None:
         for group, value in zip(self.optimizer.param_groups, values):

@@ -548,3 +548,45 @@ def test_a_lambda_of_one_element_tensors_is_taken_and_of_more_refused_first():
     assert other.param_groups[0].keys() == before.keys()
     assert other.param_groups[0]["lr"] == 0.1
     del sched
+
+
+def test_chained_schedules_are_refused_before_anything_changes():
+    """torch's ChainedScheduler (or two step() calls an iteration) over mixedprec's
+    schedules would give the last one's lr, not the product: the scheduler stepped again
+    after another one raises, and the lr and its epoch stay as they were."""
+    params = make_params()
+    opt = optim.SGD(params, lr=0.1)
+    warmup = ours.LinearLR(opt, start_factor=0.5, total_iters=4)
+    decay = ours.StepLR(opt, step_size=1, gamma=0.5)
+    chained = theirs.ChainedScheduler([warmup, decay])
+    for p, g in zip(params, grads(params, 0)):
+        p.grad = g
+    opt.step()
+    chained.step()  # warmup, then decay: each once
+    lr, epoch = opt.param_groups[0]["lr"].clone(), warmup.last_epoch.clone()
+    opt.step()
+    with pytest.raises(RuntimeError, match="LinearLR.step: StepLR has stepped this "
+                                           "optimizer.*do not chain.*SequentialLR"):
+        chained.step()
+    assert torch.equal(opt.param_groups[0]["lr"], lr)
+    assert torch.equal(warmup.last_epoch, epoch)
+
+
+def test_a_scheduler_that_takes_over_for_good_is_not_chained():
+    """One schedule after another by hand (the first never stepped again) is fine, and
+    so are a scheduler's own steps, SequentialLR's, and a new optimizer's."""
+    params = make_params()
+    opt = optim.SGD(params, lr=0.1)
+    first = ours.LinearLR(opt, start_factor=0.5, total_iters=2)
+    second = ours.CosineAnnealingLR(opt, T_max=8)
+    for i in range(6):
+        for p, g in zip(params, grads(params, i)):
+            p.grad = g
+        opt.step()
+        (first if i < 2 else second).step()
+    assert lrs(second) == pytest.approx([0.1 * (1 + np.cos(np.pi * 4 / 8)) / 2])
+    sequential = SCHEDULES["warmup-cosine"](ours, optim.SGD(make_params(), lr=0.1))
+    for _ in range(3):
+        sequential.step()
+    with pytest.raises(RuntimeError, match="CosineAnnealingLR has stepped"):
+        first.step()  # (replaced by `second` for good)
