@@ -240,6 +240,21 @@ class LRScheduler(_torch.LRScheduler):
                 steppers.replaced.add(last)
             steppers.last = weakref.ref(self)
 
+    # -- what torch's own SequentialLR calls --------------------------------------------
+    def _initial_step(self) -> None:
+        """torch's SequentialLR undoes its schedulers' first step (``last_epoch -= 1``),
+        then calls this on the first: the schedule one step on, as at construction."""
+        self.last_epoch.add_(1)
+        self._write(self.get_lr())
+
+    def _update_lr(self, epoch: Union[int, Tensor, None] = None) -> None:
+        """torch's SequentialLR starts a scheduler at its milestone with
+        ``_update_lr(0)``: :meth:`step` at that epoch."""
+        if epoch is None:
+            self._initial_step()
+        else:
+            self.step(epoch)
+
     def _write(self, values: List[Tensor]) -> None:
         for group, value in zip(self.optimizer.param_groups, values):
             lr = group["lr"]

@@ -590,3 +590,45 @@ def test_a_scheduler_that_takes_over_for_good_is_not_chained():
         sequential.step()
     with pytest.raises(RuntimeError, match="CosineAnnealingLR has stepped"):
         first.step()  # (replaced by `second` for good)
+
+
+def sequential_with_torchs(L, o):
+    """torch's own SequentialLR over the schedules of module ``L``: warmup, then cosine."""
+    return theirs.SequentialLR(o, [L.LinearLR(o, start_factor=0.1, total_iters=3),
+                                   L.CosineAnnealingLR(o, T_max=5, eta_min=1e-3)],
+                               milestones=[3])
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_torch_sequential_lr_over_ours_equals_torch(opt_name):
+    """torch's own SequentialLR over mixedprec's schedules (it undoes their first step,
+    restarts the first with _initial_step and starts the next with _update_lr(0)) gives
+    torch's lrs and parameters."""
+    mine, torchs, kwargs = OPTIMIZERS[opt_name]
+    a, b = make_params(), make_params()
+    opt_a, opt_b = mine(groups(a), lr=0.1, **kwargs), torchs(groups(b), lr=0.1, **kwargs)
+    sched_a, sched_b = sequential_with_torchs(ours, opt_a), sequential_with_torchs(theirs, opt_b)
+    for step in range(10):
+        assert lrs(sched_a) == pytest.approx(lrs(sched_b), rel=1e-12)
+        step_both(step, (a, b), (opt_a, opt_b), (sched_a, sched_b))
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q)
+
+
+def test_torch_sequential_lr_over_ours_resumes():
+    """Its state dict, loaded into new schedulers after the optimizer's (torch's order:
+    build both, then load both), carries on as the run without the resume."""
+    a, b = make_params(), make_params()
+    opt_a, opt_b = optim.AdamW(groups(a), lr=0.1), optim.AdamW(groups(b), lr=0.1)
+    sched_a, sched_b = sequential_with_torchs(ours, opt_a), sequential_with_torchs(ours, opt_b)
+    for step in range(10):
+        if step in (2, 6):
+            saved = opt_b.state_dict(), sched_b.state_dict()
+            opt_b = optim.AdamW(groups(b), lr=0.1)
+            sched_b = sequential_with_torchs(ours, opt_b)
+            opt_b.load_state_dict(saved[0])
+            sched_b.load_state_dict(saved[1])
+        step_both(step, (a, b), (opt_a, opt_b), (sched_a, sched_b))
+        assert lrs(sched_b) == lrs(sched_a)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
