@@ -3,9 +3,11 @@ steps, so that a step skipped by a loss scaler (``found_inf`` set) does not adva
 schedule, and no step reads a device value on the host.
 
 torch.optim.lr_scheduler's names, signatures and defaults: :class:`LambdaLR`,
-:class:`LinearLR`, :class:`StepLR`, :class:`MultiStepLR`, :class:`CosineAnnealingLR`
-and :class:`SequentialLR` (warmup then cosine: ``SequentialLR(opt, [LinearLR(...),
-CosineAnnealingLR(...)], milestones=[warmup])``). Each is a
+:class:`LinearLR`, :class:`ConstantLR`, :class:`StepLR`, :class:`MultiStepLR`,
+:class:`ExponentialLR`, :class:`PolynomialLR`, :class:`CosineAnnealingLR`,
+:class:`CosineAnnealingWarmRestarts` and :class:`SequentialLR` (warmup then cosine:
+``SequentialLR(opt, [LinearLR(...), CosineAnnealingLR(...)], milestones=[warmup])``).
+Each is a
 ``torch.optim.lr_scheduler.LRScheduler`` (for the code that checks that). What differs
 from torch's (docs/schedules.md):
 
@@ -51,8 +53,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch
 
-__all__ = ["LRScheduler", "LambdaLR", "LinearLR", "StepLR", "MultiStepLR",
-           "CosineAnnealingLR", "SequentialLR"]
+__all__ = ["LRScheduler", "LambdaLR", "LinearLR", "ConstantLR", "StepLR", "MultiStepLR",
+           "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+           "SequentialLR"]
 
 
 # -- checks of arguments and saved entries (each names what it checks) ----------------
@@ -544,6 +547,130 @@ class CosineAnnealingLR(LRScheduler):
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         wave = (1 + torch.cos(_epoch(epoch) * (math.pi / self.T_max))) / 2
         return [wave * (base - self.eta_min) + self.eta_min for base in self.base_lrs]
+
+
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """``torch.optim.lr_scheduler.CosineAnnealingWarmRestarts``: half a cosine from the
+    initial lr down to ``eta_min`` over ``T_0`` steps, then again from the top over
+    ``T_0 * T_mult``, ``T_0 * T_mult**2``, ... steps. The cycle a step is in comes from
+    the cycles' first steps on the device, in integers (no logarithm to round)."""
+
+    def __init__(self, optimizer: Optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0,
+                 last_epoch: int = -1) -> None:  # noqa: D107
+        where = "CosineAnnealingWarmRestarts"
+        self.T_0 = self._check_entry(where, "T_0", T_0)
+        self.T_mult = self._check_entry(where, "T_mult", T_mult)
+        self.eta_min = self._check_entry(where, "eta_min", eta_min)
+        self._cycles = self._cycle_starts()  # (moved to the count's device once)
+        super().__init__(optimizer, last_epoch)
+
+    def _cycle_starts(self) -> Tensor:
+        """Each cycle's first step and its length (2 x n int64), up to 2**62."""
+        starts, lengths, start, length = [], [], 0, self.T_0
+        while start < 2**62:
+            starts.append(start)
+            lengths.append(length)
+            if self.T_mult == 1:  # (one cycle: the epoch modulo T_0 instead)
+                break
+            start, length = start + length, length * self.T_mult
+        return torch.tensor([starts, lengths], dtype=torch.int64)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "T_0":
+            return _int(where, key, value, 1)
+        if key == "T_mult":
+            return _int(where, key, value, 1)
+        if key == "eta_min":
+            return _real(where, key, value)
+        if key == "_cycles":  # (derived from T_0 and T_mult: rebuilt on loading)
+            return None
+        return super()._check_entry(where, key, value)
+
+    def _load_checked(self, entries: Dict[str, Any]) -> None:
+        entries = dict(entries)
+        entries.pop("_cycles", None)
+        super()._load_checked(entries)
+        self._cycles = self._cycle_starts().to(self.last_epoch.device)
+
+    def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
+        if self._cycles.device != epoch.device:
+            self._cycles = self._cycles.to(epoch.device)
+        if self.T_mult == 1:
+            t_cur, t_i = torch.remainder(epoch, self.T_0), self.T_0
+        else:
+            cycle = (epoch >= self._cycles[0, 1:]).sum().reshape(1)  # (no host read)
+            start, length = self._cycles.index_select(1, cycle).unbind(0)
+            t_cur, t_i = epoch - start.reshape(()), length.reshape(()).to(torch.float64)
+        wave = (1 + torch.cos(_epoch(t_cur) * math.pi / t_i)) / 2
+        return [wave * (base - self.eta_min) + self.eta_min for base in self.base_lrs]
+
+
+class ConstantLR(LRScheduler):
+    """``torch.optim.lr_scheduler.ConstantLR``: the lr times ``factor`` for the first
+    ``total_iters`` steps, then the initial lr."""
+
+    def __init__(self, optimizer: Optimizer, factor: float = 1.0 / 3, total_iters: int = 5,
+                 last_epoch: int = -1) -> None:  # noqa: D107
+        self.factor = self._check_entry("ConstantLR", "factor", factor)
+        self.total_iters = self._check_entry("ConstantLR", "total_iters", total_iters)
+        super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "factor":
+            value = _real(where, key, value)
+            if not 0 <= value <= 1:
+                raise ValueError(f"{where}: expected factor in [0, 1], got {value!r}")
+            return value
+        if key == "total_iters":
+            return _int(where, key, value, 0)
+        return super()._check_entry(where, key, value)
+
+    def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
+        e = _epoch(epoch)
+        factor = torch.where(epoch < self.total_iters, torch.full_like(e, self.factor),
+                             torch.ones_like(e))
+        return [factor * base for base in self.base_lrs]
+
+
+class ExponentialLR(LRScheduler):
+    """``torch.optim.lr_scheduler.ExponentialLR``: the lr times ``gamma`` every step."""
+
+    def __init__(self, optimizer: Optimizer, gamma: float,
+                 last_epoch: int = -1) -> None:  # noqa: D107
+        self.gamma = self._check_entry("ExponentialLR", "gamma", gamma)
+        super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "gamma":
+            return _real(where, key, value)
+        return super()._check_entry(where, key, value)
+
+    def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
+        factor = torch.pow(self.gamma, _epoch(epoch))
+        return [factor * base for base in self.base_lrs]
+
+
+class PolynomialLR(LRScheduler):
+    """``torch.optim.lr_scheduler.PolynomialLR``: the lr times ``(1 - t / total_iters) **
+    power`` at step ``t``, 0 from ``total_iters`` on."""
+
+    def __init__(self, optimizer: Optimizer, total_iters: int = 5, power: float = 1.0,
+                 last_epoch: int = -1) -> None:  # noqa: D107
+        self.total_iters = self._check_entry("PolynomialLR", "total_iters", total_iters)
+        self.power = self._check_entry("PolynomialLR", "power", power)
+        super().__init__(optimizer, last_epoch)
+
+    def _check_entry(self, where: str, key: str, value: Any) -> Any:
+        if key == "total_iters":
+            return _int(where, key, value, 1)
+        if key == "power":
+            return _real(where, key, value)
+        return super()._check_entry(where, key, value)
+
+    def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
+        left = 1.0 - _epoch(epoch).clamp(max=self.total_iters) / self.total_iters
+        factor = torch.pow(left, self.power)
+        return [factor * base for base in self.base_lrs]
 
 
 class SequentialLR(LRScheduler):

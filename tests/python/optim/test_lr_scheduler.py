@@ -26,6 +26,13 @@ SCHEDULES = {
     "CosineAnnealingLR": lambda L, o: L.CosineAnnealingLR(o, T_max=8, eta_min=1e-3),
     "StepLR": lambda L, o: L.StepLR(o, step_size=3, gamma=0.5),
     "MultiStepLR": lambda L, o: L.MultiStepLR(o, milestones=[5, 2, 9, 5], gamma=0.5),
+    "ConstantLR": lambda L, o: L.ConstantLR(o, factor=0.25, total_iters=4),
+    "ExponentialLR": lambda L, o: L.ExponentialLR(o, gamma=0.8),
+    "PolynomialLR": lambda L, o: L.PolynomialLR(o, total_iters=9, power=1.5),
+    "CosineAnnealingWarmRestarts": lambda L, o: L.CosineAnnealingWarmRestarts(o, T_0=3,
+                                                                              eta_min=1e-3),
+    "CosineAnnealingWarmRestarts-T_mult": lambda L, o: L.CosineAnnealingWarmRestarts(
+        o, T_0=2, T_mult=2, eta_min=1e-3),
     "warmup-cosine": lambda L, o: L.SequentialLR(
         o, [L.LinearLR(o, start_factor=0.1, total_iters=3),
             L.CosineAnnealingLR(o, T_max=9, eta_min=1e-3)], milestones=[3]),
@@ -351,6 +358,21 @@ BAD_ARGUMENTS = {
                                     TypeError, "expected T_max to be an int >= 1"),
     "CosineAnnealingLR-eta_min-str": (lambda o: ours.CosineAnnealingLR(o, 10, eta_min="0"),
                                       TypeError, "expected eta_min to be a real number"),
+    "ConstantLR-factor-2": (lambda o: ours.ConstantLR(o, factor=2.0),
+                            ValueError, r"expected factor in \[0, 1\], got 2.0"),
+    "ConstantLR-total_iters-float": (lambda o: ours.ConstantLR(o, total_iters=2.5),
+                                     TypeError, "expected total_iters to be an int >= 0"),
+    "ExponentialLR-gamma-nan": (lambda o: ours.ExponentialLR(o, gamma=float("nan")),
+                                ValueError, "expected gamma to be a finite real number"),
+    "PolynomialLR-total_iters-0": (lambda o: ours.PolynomialLR(o, total_iters=0),
+                                   ValueError, "expected total_iters to be an int >= 1"),
+    "PolynomialLR-power-str": (lambda o: ours.PolynomialLR(o, power="2"),
+                               TypeError, "expected power to be a real number"),
+    "CosineAnnealingWarmRestarts-T_0-0": (lambda o: ours.CosineAnnealingWarmRestarts(o, 0),
+                                          ValueError, "expected T_0 to be an int >= 1"),
+    "CosineAnnealingWarmRestarts-T_mult-float": (
+        lambda o: ours.CosineAnnealingWarmRestarts(o, 2, T_mult=1.5),
+        TypeError, "expected T_mult to be an int >= 1"),
     "LambdaLR-lr_lambda-number": (lambda o: ours.LambdaLR(o, lr_lambda=0.5),
                                   TypeError, "expected lr_lambda to be a function"),
     "LambdaLR-lr_lambda-raises": (lambda o: ours.LambdaLR(o, lambda e: 1 / 0),
@@ -459,6 +481,10 @@ BAD_ENTRIES = [
     ("LinearLR", "total_iters", 0, ValueError, "expected total_iters to be an int >= 1"),
     ("CosineAnnealingLR", "T_max", 0, ValueError, "expected T_max to be an int >= 1"),
     ("CosineAnnealingLR", "eta_min", "x", TypeError, "expected eta_min to be a real number"),
+    ("ConstantLR", "factor", -0.5, ValueError, r"expected factor in \[0, 1\]"),
+    ("PolynomialLR", "power", float("inf"), ValueError, "expected power to be a finite"),
+    ("CosineAnnealingWarmRestarts-T_mult", "T_mult", 0, ValueError, "expected T_mult to be an "
+                                                                     "int >= 1"),
     ("LambdaLR", "lr_lambdas", [None], ValueError, "expected lr_lambdas to be a list of 2"),
     ("LambdaLR", "lr_lambdas", [5, None], TypeError, r"expected lr_lambdas\[0\] to be None "
                                                      "or a dict"),
@@ -509,7 +535,8 @@ def test_a_state_dict_that_is_not_a_dict():
 
 @pytest.mark.parametrize("steps", [1, 5])
 @pytest.mark.parametrize("schedule", ["StepLR", "MultiStepLR", "LinearLR", "CosineAnnealingLR",
-                                      "LambdaLR", "warmup-cosine"])
+                                      "LambdaLR", "warmup-cosine", "ConstantLR", "ExponentialLR",
+                                      "PolynomialLR", "CosineAnnealingWarmRestarts-T_mult"])
 def test_torch_schedulers_state_dicts_load(schedule, steps):
     """A torch scheduler's state dict (an int last_epoch, float lrs, MultiStepLR's Counter
     of milestones; in SequentialLR's, last_epoch -1 for a scheduler not yet begun): loaded,
@@ -632,3 +659,26 @@ def test_torch_sequential_lr_over_ours_resumes():
         assert lrs(sched_b) == lrs(sched_a)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t_0, t_mult", [(3, 1), (2, 2), (5, 3)])
+def test_warm_restarts_far_on_and_at_each_restart(t_0, t_mult):
+    """CosineAnnealingWarmRestarts.step(epoch) against the cycles counted in Python ints,
+    at every restart and beside it (torch's step(epoch) finds the cycle by a float
+    logarithm), and far on."""
+    opt = optim.SGD(make_params(), lr=0.1)
+    sched = ours.CosineAnnealingWarmRestarts(opt, T_0=t_0, T_mult=t_mult, eta_min=0.01)
+    epochs, start, length = [10**15 + 7, 10**15 + 8], 0, t_0
+    for _ in range(12):  # (the first 12 restarts)
+        epochs += [start - 1, start, start + 1]
+        start, length = start + length, length * t_mult
+    for epoch in filter(lambda e: e >= 0, epochs):
+        start, length = 0, t_0
+        while epoch >= start + length:
+            if t_mult == 1:
+                start += length * ((epoch - start) // length)
+            else:
+                start, length = start + length, length * t_mult
+        want = 0.01 + (0.1 - 0.01) * (1 + np.cos(np.pi * (epoch - start) / length)) / 2
+        sched.step(epoch)
+        assert lrs(sched) == pytest.approx([want], rel=1e-12, abs=1e-15), epoch
