@@ -16,7 +16,15 @@ What it takes, and what it refuses and why:
   per backward, after it.
 * DDP: ``in_backward(optimizer, model=ddp_model)`` steps DDP's own buckets, each once
   DDP has averaged it (a comm hook), bit for bit DDP with ``step()``. DDP keeps its
-  buckets, so there the gradients are zeroed, not freed: no memory is saved.
+  buckets, so there the gradients are zeroed, not freed: no memory is saved. The
+  optimizer may hold some of the model's parameters (another one, stepped with
+  ``step()``, the rest: their gradients stay as DDP averaged them). With
+  ``find_unused_parameters=True`` (and no ``static_graph``) DDP knows which parameters
+  got no gradient on any rank only after its last bucket, so the buckets step at the end
+  of backward (those parameters do not, as in ``step()``), after DDP has given out the
+  gradients; they are then freed. A DDP model takes one comm hook: one optimizer steps
+  its parameters inside backward, and no other comm hook (bf16 compression, PowerSGD)
+  goes with it.
 * Refused: LAMB and NovoGrad (their update needs every gradient first: LAMB's global
   gradient norm, NovoGrad's per-group second moments); fp16 parameters (they need a
   loss scaler, and an overflow found late in backward comes after earlier buckets
@@ -101,12 +109,31 @@ class InBackward:
         self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
         self._lock = threading.Lock()  # (DDP's callbacks may run on its threads)
         hooks: List[Any] = []
+        # DDP that finds unused parameters knows which got no gradient on any rank (and
+        # must not step, as step() skips their None gradients) only after its last
+        # bucket: there the buckets step at the end of backward, after DDP's own.
+        self._deferred = self.ddp is not None and bool(
+            getattr(self.ddp, "find_unused_parameters", False)) and not getattr(
+            self.ddp, "static_graph", False)
         if self.ddp is not None:  # DDP's buckets; a bucket steps once it is averaged
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             self._allreduce = default_hooks.allreduce_hook  # (DDP's own, averaged)
             self._ddp_buckets: Dict[Tuple[int, ...], int] = {}
-            self.ddp.register_comm_hook(None, _weak_comm_hook(self._ddp_hook, self._allreduce))
+            try:
+                self.ddp.register_comm_hook(None, _weak_comm_hook(self._ddp_hook,
+                                                                  self._allreduce))
+            except RuntimeError as error:
+                if "only be called once" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "in_backward: this DistributedDataParallel model has a comm hook already "
+                    "(another optimizer's in_backward, or a communication hook such as "
+                    "bf16 compression or PowerSGD), and DDP takes one: in_backward(model=) "
+                    "steps in it. Step the DDP model's parameters inside backward with one "
+                    "optimizer and no other comm hook, or use step()") from None
+            if self._deferred:
+                self._make_buckets(params, bucket_cap_mb * 2**20)
         else:
             self._make_buckets(params, bucket_cap_mb * 2**20)
             hook = _weak_hook(self._ready)
@@ -171,6 +198,8 @@ class InBackward:
         if self._accumulating:
             return averaged
         self._begin()
+        if self._deferred:  # (the buckets step after DDP's end of backward: _finish)
+            return averaged
         params = bucket.parameters()
         key = tuple(map(id, params))
         index = self._ddp_buckets.get(key)
@@ -185,16 +214,27 @@ class InBackward:
 
         def step(future: torch.futures.Future) -> Tensor:
             buffer = future.value()
+            mine = self.buckets[index].params
+            if not mine:  # (none of this optimizer's: DDP's gradients as they are)
+                return buffer
             with self._lock:
                 kept = [p.grad for p in params]
-                for p, grad in zip(params, bucket.gradients()):
-                    p.grad = grad  # (views of the averaged bucket)
+                grads = bucket.gradients()  # (views of the averaged bucket)
+                for p, grad in zip(params, grads):
+                    p.grad = grad
                 try:
-                    self._step(index, self.buckets[index].params)
+                    self._step(index, mine)
                 finally:
                     for p, grad in zip(params, kept):
                         p.grad = grad
-                buffer.zero_()
+                # The stepped gradients zeroed, which DDP then copies into p.grad (so the
+                # next backward accumulates from zero); a parameter of another optimizer
+                # keeps its averaged gradient.
+                if len(mine) == len(params):
+                    buffer.zero_()
+                else:
+                    torch._foreach_zero_([grad for p, grad in zip(params, grads)
+                                          if id(p) in self._group_of])
             return buffer
 
         if bucket.is_last():  # (the step is counted once per backward; DDP waits for all)
@@ -279,6 +319,9 @@ class InBackward:
         """End of backward: buckets with parameters that got no gradient in it step those
         that have one (accumulated earlier), and ``applied_steps`` counts the step."""
         try:
+            if self._deferred:  # after DDP's own end of backward, queued after this one
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp)
+                return
             if self.ddp is not None:  # (counted by the last bucket's hook)
                 return
             for index, bucket in enumerate(self.buckets):
@@ -290,6 +333,18 @@ class InBackward:
                 self._count()
         finally:
             self._tasks = []
+
+    def _after_ddp(self) -> None:
+        """DDP finding unused parameters: after its end of backward, which has given the
+        parameters some rank used their averaged gradients and left the others' as they
+        were (None after a step here), the buckets step those with a gradient, and
+        ``applied_steps`` counts the step."""
+        for index, bucket in enumerate(self.buckets):
+            ready = [p for p in bucket.params if p.grad is not None]
+            if ready:
+                self._step(index, ready)
+        if any(self._stepped):
+            self._count()
 
     def _count(self) -> None:
         """``applied_steps`` counts the backward's step."""
@@ -416,5 +471,6 @@ def in_backward(optimizer: Optimizer, *, bucket_cap_mb: float = 25.0,
     meanwhile. With ``model``, a ``DistributedDataParallel`` model of the optimizer's
     parameters, DDP's own buckets step, each once DDP has averaged it (its comm hook:
     DDP keeps its buckets, so gradients take the memory they take under DDP; they are
-    zeroed rather than freed). What it refuses and why: the module docstring."""
+    zeroed rather than freed; with ``find_unused_parameters=True``, at the end of
+    backward). What it refuses and why: the module docstring."""
     return InBackward(optimizer, bucket_cap_mb, model)

@@ -261,7 +261,11 @@ class Optimizer(torch.optim.Optimizer):
         if self.in_backward is not None:
             raise RuntimeError(f"{type(self).__name__}.step: this optimizer steps inside "
                                "backward (mixedprec.optim.in_backward): loss.backward() "
-                               "has stepped it; call .remove() on the handle to step here")
+                               "steps it; call .remove() on the handle to step here. "
+                               "(torch.distributed.checkpoint's get_state_dict and "
+                               "set_state_dict call step() to make an optimizer's state "
+                               "before its first step: load or save before in_backward(), "
+                               "or after the first backward.)")
         self._pending.clear()
         if not torch.compiler.is_compiling():  # (a compiled step guards on the values)
             torch_path.check_groups(self, self._checked)

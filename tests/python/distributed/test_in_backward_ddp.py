@@ -2,8 +2,11 @@
 buckets steps once DDP has averaged it (in_backward(..., model=ddp_model)), bit for bit
 DDP with step(), in the modes with the most per-step keys (remainder + 8-bit Adam
 moments; stochastic rounding with SGD's group step count), the ranks equal; and
-gradient accumulation under no_sync(); and a dropped DDP model and optimizer are
-collected without remove()."""
+gradient accumulation under no_sync(); a dropped DDP model and optimizer are
+collected without remove(); an optimizer of some of the model's parameters leaves the
+others' averaged gradients to theirs; find_unused_parameters=True steps no parameter
+that got no gradient on any rank, bit for bit step(); and a second comm hook is refused
+by name."""
 
 import gc
 import time
@@ -74,7 +77,76 @@ def ranks(rank, world_size):
                        for attach in (False, True)]
     results["fsdp"] = fsdp_refusal()
     results["collected"] = collected(rank)
+    results["partial"] = [partial(rank, attach) for attach in (False, True)]
+    results["unused"] = [unused(rank, cls, kwargs, attach)
+                         for cls, kwargs in CONFIGS[:2] for attach in (False, True)]
+    results["hooked"] = second_comm_hook()
     return results
+
+
+def partial(rank, attach):
+    """The first layer inside backward (AdamW), the rest stepped by torch's SGD with
+    step(): the rest train on DDP's averaged gradients as without in_backward."""
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+    ddp = DDP(model)  # (one bucket: both optimizers' parameters in it)
+    params = list(model.parameters())
+    first = optim.AdamW(params[:2], lr=1e-2)
+    rest = torch.optim.SGD(params[2:], lr=0.1)
+    handle = optim.in_backward(first, model=ddp) if attach else None
+    for step in range(3):
+        loss_of(ddp, rank, step).backward()
+        if handle is None:
+            first.step()
+            first.zero_grad()
+        rest.step()
+        rest.zero_grad()
+    return tensors(model, first)
+
+
+class WithSide(nn.Module):
+    """make_model's layers, and a side layer used in the first step only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+        self.side = nn.Linear(SIZES[0], SIZES[-1]).to(torch.bfloat16)
+
+    def forward(self, x, side):
+        return self.body(x) + self.side(x) if side else self.body(x)
+
+
+def unused(rank, cls, kwargs, attach):
+    """DDP with find_unused_parameters=True: a layer unused in a step (on every rank)
+    does not step there, as step() skips its None gradient."""
+    torch.manual_seed(0)
+    model = WithSide()
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
+    handle = optim.in_backward(opt, model=ddp) if attach else None
+    for step in range(3):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(5, SIZES[0], generator=g).to(torch.bfloat16)
+        y = torch.randn(5, SIZES[-1], generator=g)
+        (ddp(x, step == 0).float() - y).pow(2).mean().backward()
+        if handle is None:
+            opt.step()
+            opt.zero_grad()
+    return tensors(model, opt) + [opt.applied_steps.clone()]
+
+
+def second_comm_hook():
+    """A second in_backward on one DDP model (DDP takes one comm hook): the error, and
+    whether the second optimizer was left attached."""
+    model = make_model(dtype=torch.bfloat16, sizes=SIZES, activation=nn.GELU)
+    ddp = DDP(model)
+    params = list(model.parameters())
+    optim.in_backward(optim.AdamW(params[:2]), model=ddp)
+    other = optim.AdamW(params[2:])
+    try:
+        optim.in_backward(other, model=ddp)
+    except RuntimeError as error:
+        return str(error), other.in_backward is None
+    return None
 
 
 def collected(rank):
@@ -115,7 +187,7 @@ def fsdp_refusal():
 def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
     results = run_ranks(ranks, WORLD_SIZE)
     for key, value in results[0].items():
-        if key in ("fsdp", "collected"):
+        if key in ("fsdp", "collected", "unused", "hooked"):
             continue
         stepped, inside = value
         assert len(stepped) == len(inside), key
@@ -131,3 +203,12 @@ def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
         assert "DTensor parameter (FSDP2 reduce-scatters gradients" in message
         assert not hooked and detached
         assert results[rank]["collected"] == [True] * 4
+        message, detached = results[rank]["hooked"]
+        assert "has a comm hook already" in message and detached
+        # find_unused_parameters: each config without and with in_backward, bit for bit
+        runs = results[rank]["unused"]
+        for stepped, inside in (runs[0:2], runs[2:4]):
+            assert len(stepped) == len(inside)
+            for i, (a, b) in enumerate(zip(stepped, inside)):
+                assert a.dtype == b.dtype and torch.equal(a, b), ("unused", rank, i)
+
