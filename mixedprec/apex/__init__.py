@@ -19,13 +19,14 @@ placed first). What it supplies depends on whether a real Apex is installed:
   file layout at its last release with amp (``apex.fp16_utils.fp16_optimizer``,
   ``apex.parallel.LARC``, ``apex.amp.handle``, ...), ``apex.optimizers.fp16_optimizer``
   of Apex's releases before late 2019, and the top-level extension
-  modules ``amp_C`` (:mod:`mixedprec.amp_C`) and ``apex_C``
-  (:mod:`mixedprec.apex_C`). Other Apex packages (``apex.transformer``,
+  modules ``amp_C`` (:mod:`mixedprec.amp_C`), ``apex_C`` (:mod:`mixedprec.apex_C`)
+  and ``fused_adam_cuda`` (:mod:`mixedprec.compat.fused_adam_cuda`, the FusedAdam
+  kernel of Apex's releases before late 2019). Other Apex packages (``apex.transformer``,
   ``apex.mlp``, ...) raise ``ModuleNotFoundError`` saying so.
 * **A real Apex installed** (one that ``import apex`` finds on :data:`sys.path`):
   the alias supplies only what Apex removed, :data:`REMOVED` (``apex.amp``,
   ``apex.fp16_utils``, ``apex.parallel`` and their submodules,
-  ``apex.optimizers.fp16_optimizer``). ``apex`` itself, ``apex.optimizers``,
+  ``apex.optimizers.fp16_optimizer``, ``fused_adam_cuda``). ``apex`` itself, ``apex.optimizers``,
   ``apex.normalization``, ``apex.contrib``, every other ``apex.*``, ``amp_C`` and
   ``apex_C`` are the real Apex's.
 
@@ -180,14 +181,17 @@ MODULES: Dict[str, Entry] = {
     # Apex's top-level extension modules: mixedprec's modules themselves.
     "amp_C": Entry(_FACES + "amp_C", whole=True),
     "apex_C": Entry(_FACES + "apex_C", whole=True),
+    # Apex's FusedAdam before late 2019, kept in their own trees by OpenNMT-py and fairseq
+    "fused_adam_cuda": Entry(_FACES + "fused_adam_cuda", whole=True),
 }
 
 #: The Apex packages and modules Apex deleted: the alias supplies them (and their
 #: submodules) even when a real Apex is installed.
-REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel", "apex.optimizers.fp16_optimizer")
+REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel", "apex.optimizers.fp16_optimizer",
+           "fused_adam_cuda")
 
 _APEX = "apex"
-_TOP = (_APEX, "amp_C", "apex_C")
+_TOP = (_APEX, "amp_C", "apex_C", "fused_adam_cuda")
 _MARK = "__mixedprec_alias__"  # set on the module objects the alias makes
 
 

@@ -14,7 +14,8 @@ back to Apex's float16.
 The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python
 script.py args...`` would set them. For child Python processes (multiprocessing
 spawn, ``torch.distributed.launch``, ``subprocess``), a temporary directory with
-small files, ``apex/__init__.py``, ``amp_C.py`` and ``apex_C.py``, goes first on
+small files, ``apex/__init__.py``, ``amp_C.py``, ``apex_C.py`` and
+``fused_adam_cuda.py``, goes first on
 ``PYTHONPATH`` and on ``sys.path``: when a child imports one of them, it installs the
 alias there and hands over to what the name resolves to (mixedprec's module, or a real
 Apex's when one is installed: see :mod:`mixedprec.apex`). The directory is removed
@@ -46,7 +47,7 @@ def _write_shim(directory: str) -> None:
     os.makedirs(os.path.join(directory, "apex"))
     with open(os.path.join(directory, "apex", "__init__.py"), "w") as f:
         f.write(_SHIM.format(name="apex"))
-    for name in ("amp_C", "apex_C"):
+    for name in ("amp_C", "apex_C", "fused_adam_cuda"):
         with open(os.path.join(directory, f"{name}.py"), "w") as f:
             f.write(_SHIM.format(name=name))
 
