@@ -648,6 +648,29 @@ def _configure(optimizer: Optimizer, props: "Properties", check_only: bool = Fal
         raise
 
 
+_warned_fp16_on_cpu = False
+
+
+def _warn_fp16_on_cpu(props: "Properties", models: List[nn.Module]) -> None:
+    """Once a process: float16 on CPU parameters takes PyTorch's slow float16 kernels on
+    most CPUs (a legacy script's O1 ran 7 times slower than in fp32 on a Xeon with
+    AVX512-FP16; the same in bfloat16 took fp32's time)."""
+    global _warned_fp16_on_cpu
+    dtype = props.cast_model_type  # (O1: the autocast dtype, the opt levels' half unless set)
+    if dtype is None and props.patch_torch_functions:
+        dtype = props.half_dtype
+    if _warned_fp16_on_cpu or dtype is not torch.float16:
+        return
+    if any(p.device.type == "cpu" for m in models for p in m.parameters()):
+        _warned_fp16_on_cpu = True
+        warnings.warn(
+            f"amp.initialize: opt_level {props.opt_level} casts to float16 on the CPU, where "
+            "PyTorch's float16 kernels are slow on most CPUs (several times fp32's time); "
+            "bfloat16 is fast there: `python -m mixedprec.apex --half-dtype bfloat16 "
+            "script.py` (or MIXEDPREC_HALF_DTYPE=bfloat16) runs the script in bfloat16, "
+            "loss scaling unchanged", stacklevel=3)
+
+
 def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
@@ -750,6 +773,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                               for _ in range(num_losses)], verbosity, names, overflow_report)
     if verbosity:
         logger.info("amp: %s", props)
+    _warn_fp16_on_cpu(props, model_list)
 
     # At O1 cast_model_type picks the autocast dtype; the weights stay fp32.
     dtype = None if props.patch_torch_functions else props.cast_model_type

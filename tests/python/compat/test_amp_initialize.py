@@ -9,6 +9,7 @@ skips on a machine without a GPU."""
 import copy
 import io
 import types
+import warnings
 
 import pytest
 import torch
@@ -309,3 +310,26 @@ def test_enabled_false_after_an_enabled_initialize():
     amp.initialize(first, torch.optim.SGD(first.parameters(), lr=0.1), opt_level="O1",
                    verbosity=0)
     check_disabled(*fresh())
+
+
+@pytest.mark.parametrize("opt_level, half, warns", [
+    ("O1", None, True), ("O2", None, True), ("O0", None, False), ("O2", "bfloat16", False)])
+def test_float16_on_the_cpu_warns_once_naming_bfloat16(opt_level, half, warns, monkeypatch):
+    """float16 on CPU parameters takes PyTorch's slow float16 kernels: one warning a
+    process that names the bfloat16 switch; none at O0 or in bfloat16."""
+    from mixedprec.compat import amp as face
+
+    if half is not None:
+        monkeypatch.setenv("MIXEDPREC_HALF_DTYPE", half)
+    monkeypatch.setattr(face, "_warned_fp16_on_cpu", False)
+    for attempt in range(2):
+        model = make_mlp(attempt)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+        said = [w for w in caught if "float16 on the CPU" in str(w.message)]
+        assert len(said) == (1 if warns and attempt == 0 else 0), attempt
+        if said:
+            assert "--half-dtype bfloat16" in str(said[0].message)
+            assert said[0].filename == __file__
