@@ -205,7 +205,16 @@ class LRScheduler(_torch.LRScheduler):
         integer tensor, not read on the host).
 
         A scheduler stepped after another one stepped its optimizer raises (schedules do
-        not chain: the module docstring), before anything changes."""
+        not chain: the module docstring), and so does one whose optimizer has gained a
+        param group since (torch's raise too), before anything changes."""
+        groups, lrs = len(self.optimizer.param_groups), len(self.base_lrs)
+        if groups != lrs:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}.step: the optimizer has {groups} param groups, and this {name} "
+                f"schedules {lrs} (a group added by add_param_group after it was made, as "
+                "a fine-tuning callback that unfreezes layers does); make the scheduler "
+                "again after adding the group")
         steppers = None
         if not torch.compiler.is_compiling():  # (host bookkeeping: not traced)
             steppers = _STEPPERS.setdefault(self.optimizer, _Steppers())

@@ -682,3 +682,21 @@ def test_warm_restarts_far_on_and_at_each_restart(t_0, t_mult):
         want = 0.01 + (0.1 - 0.01) * (1 + np.cos(np.pi * (epoch - start) / length)) / 2
         sched.step(epoch)
         assert lrs(sched) == pytest.approx([want], rel=1e-12, abs=1e-15), epoch
+
+
+def test_a_param_group_added_after_the_scheduler_is_named_before_anything_changes():
+    """add_param_group after the scheduler (a fine-tuning callback unfreezing layers):
+    torch's schedulers raise at the next step; ours say why, and change nothing, where
+    they left the new group unscheduled."""
+    params = make_params()
+    opt = optim.SGD(params[:2], lr=0.1)
+    sched = ours.LambdaLR(opt, lambda e: 0.5 ** e)
+    opt.add_param_group({"params": params[2:], "lr": 0.01})
+    for p, g in zip(params, grads(params, 0)):
+        p.grad = g
+    opt.step()
+    before = plain(sched.state_dict()), opt_state(opt)
+    with pytest.raises(ValueError, match="LambdaLR.step: the optimizer has 2 param groups, "
+                                         "and this LambdaLR schedules 1"):
+        sched.step()
+    assert (plain(sched.state_dict()), opt_state(opt)) == before
