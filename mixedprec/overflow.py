@@ -60,6 +60,9 @@ class OverflowReport:
         self.scale_min: Optional[Tensor] = None
         self.scale_max: Optional[Tensor] = None
         self.scale: Optional[Tensor] = None  # the scale after the last recorded update
+        # name -> count loaded (load_state_dict), given to a parameter's row when its name
+        # (or "<param N, shape (..)>" for an unnamed one) first appears
+        self._loaded: Dict[str, int] = {}
 
     def _place(self, device: torch.device) -> None:
         if self.steps is None:
@@ -78,8 +81,10 @@ class OverflowReport:
                     self._rows[id(p)] = len(self._params)
                     self._params.append(p)
             grow = len(self._params) - self.counts.numel()
-            if grow:
-                self.counts = torch.cat([self.counts, self.counts.new_zeros(grow)])
+            if grow:  # (new rows: 0, or the count a checkpoint gave the name)
+                first = [self._loaded.pop(self._name(row), 0)
+                         for row in range(self.counts.numel(), len(self._params))]
+                self.counts = torch.cat([self.counts, ops.int64_tensor(first, device)])
             rows = ops.int64_tensor([self._rows[id(p)] for p in params], device)
             self._index[key] = rows
         return rows
@@ -129,6 +134,11 @@ class OverflowReport:
             torch.maximum(self.scale_max, after, out=self.scale_max)
         self.scale = after
 
+    def _name(self, row: int, names_of: Optional[Dict[int, str]] = None) -> str:
+        p = self._params[row]
+        name = (self._names if names_of is None else names_of).get(id(p))
+        return name if name is not None else f"<param {row}, shape {tuple(p.shape)}>"
+
     def report(self, names: Any = None, scale: bool = True) -> Dict[str, Any]:
         """Reads the counts (one host read): ``{"steps", "skipped", "overflows": {name:
         count, most first, only parameters that overflowed}}`` and, with ``scale``,
@@ -143,9 +153,7 @@ class OverflowReport:
             overflows = sorted(((c, row) for row, c in enumerate(counts) if c),
                                key=lambda item: (-item[0], item[1]))
             out.update(steps=steps, skipped=skipped, overflows={
-                names_of.get(id(self._params[row]),
-                             f"<param {row}, shape {tuple(self._params[row].shape)}>"): c
-                for c, row in overflows})
+                self._name(row, names_of): c for c, row in overflows})
         if scale:
             history = None
             if self.scale is not None:
@@ -160,6 +168,63 @@ class OverflowReport:
     def summary(self, names: Any = None, top: int = 5) -> str:
         """:meth:`report` as one readable line (see :func:`format_report`)."""
         return format_report(self.report(names), check_top(f"{self.owner}.summary", top))
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """:meth:`report` (one host read), for a checkpoint: the counts by parameter name
+        (the constructor's names; an unnamed parameter as ``"<param N, shape (..)>"``,
+        N its place in the order the parameters first overflowed or were checked)."""
+        return self.report()
+
+    def load_state_dict(self, state: Any, device: Any) -> None:
+        """Carries :meth:`state_dict`'s counts on, on ``device``: the steps, skips and scale
+        history at once, each parameter's count when its name first appears (an unnamed
+        one's: at its place). Every value is checked first: a bad one raises a TypeError
+        or ValueError that names it, and nothing changes."""
+        where = f"{self.owner}.load_state_dict"
+
+        def count(name: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: expected {name} to be an int >= 0, got {value!r:.60}")
+            return value
+
+        if not isinstance(state, dict) or not isinstance(state.get("overflows"), dict):
+            raise TypeError(f"{where}: expected a dict with steps, skipped and overflows (what "
+                            f"state_dict() gives), got {state!r:.80}")
+        steps, skipped = count("steps", state.get("steps")), count("skipped", state.get("skipped"))
+        if skipped > steps:
+            raise ValueError(f"{where}: expected skipped <= steps, got {skipped} > {steps}")
+        loaded = {}
+        for name, value in state["overflows"].items():
+            if not isinstance(name, str):
+                raise TypeError(f"{where}: expected the overflows' keys to be names, got "
+                                f"{name!r:.60}")
+            loaded[name] = count(f"overflows[{name!r}]", value)
+        history = state.get("scale")
+        if history is not None:
+            if not isinstance(history, dict):
+                raise TypeError(f"{where}: expected scale to be None or a dict, got "
+                                f"{history!r:.60}")
+            for key in ("current", "min", "max"):
+                value = history.get(key)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not 0 < value < math.inf:
+                    raise ValueError(f"{where}: expected scale[{key!r}] to be a finite number "
+                                     f"> 0, got {value!r:.60}")
+            moves = [count(f"scale[{key!r}]", history.get(key)) for key in ("backoffs", "growths")]
+        names = self._names  # (the constructor's stay)
+        self.__init__(owner=self.owner)
+        self._names = names
+        self._place(torch.device(device))
+        self.steps.fill_(steps)
+        self.skipped.fill_(skipped)
+        self._loaded = loaded
+        if history is not None:
+            self.backoffs.fill_(moves[0])
+            self.growths.fill_(moves[1])
+            self.scale, self.scale_min, self.scale_max = (
+                torch.full((), float(history[key]), dtype=torch.float64, device=device)
+                for key in ("current", "min", "max"))
 
     def __getstate__(self) -> Dict[str, Any]:
         # Pickled empty: the counts belong to this process's parameters.

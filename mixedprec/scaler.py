@@ -405,13 +405,16 @@ class GradScaler(torch.amp.GradScaler):
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """torch's keys, plus ``hysteresis``, ``min_scale``, ``max_scale`` and
-        ``_hysteresis_tracker``."""
+        ``_hysteresis_tracker``; and ``overflow_report``, the report's counts, with the
+        report on (so that they carry on over a resume)."""
         state = super().state_dict()
         if self._enabled:
             core = self._core
             state.update(hysteresis=core.hysteresis, min_scale=core.min_scale,
                          max_scale=core.max_scale,
                          _hysteresis_tracker=core.trackers()["hysteresis_tracker"])
+            if self.overflow_report is not None:
+                state["overflow_report"] = self.overflow_report.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -433,8 +436,14 @@ class GradScaler(torch.amp.GradScaler):
         settings = {k: state_dict.get(k, getattr(core, k))
                     for k in ("growth_factor", "backoff_factor", "growth_interval",
                               "hysteresis", "min_scale", "max_scale")}
+        report = state_dict.get("overflow_report") if self.overflow_report is not None else None
+        if report is not None:  # (checked before anything changes: a copy loads first)
+            OverflowReport(owner="GradScaler.load_state_dict: overflow_report").load_state_dict(
+                report, "cpu")
         core.load(state_dict["scale"], state_dict["_growth_tracker"],
                   state_dict.get("_hysteresis_tracker", settings["hysteresis"]), **settings)
+        if report is not None:
+            self.overflow_report.load_state_dict(report, self._device)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = super().__getstate__()  # torch's check that no step is half done

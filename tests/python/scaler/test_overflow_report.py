@@ -18,9 +18,9 @@ INJECT = {1: ["2.weight"], 3: ["0.bias!", "2.weight"], 4: ["2.bias"], 7: ["2.wei
           8: ["0.weight!"]}
 
 
-def run(model, opt, scaler, steps=10, monkeypatch=None, scales=None):
+def run(model, opt, scaler, steps=10, monkeypatch=None, scales=None, first=0):
     named = dict(model.named_parameters())
-    for step in range(steps):
+    for step in range(first, first + steps):
         opt.zero_grad()
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step)).to(
             next(model.parameters()).dtype)
@@ -121,3 +121,51 @@ def test_pickled_scaler_keeps_an_empty_report():
     run(model, opt, scaler, steps=2)
     again = pickle.loads(pickle.dumps(scaler))
     assert again.report()["steps"] == 0 and scaler.report()["steps"] == 2
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_the_counts_carry_over_a_resume(named):
+    """state_dict() holds the report's counts, and a new scaler (a new model: the same
+    names, or the same order for unnamed parameters) carries them on: the report after 4
+    steps, a resume and 6 more equals that of 10 steps in one run; a torch GradScaler
+    loads the state dict too."""
+    def fresh(model):
+        return mixedprec.GradScaler("cpu", init_scale=2.0**8, growth_interval=2,
+                                    overflow_report=model if named else True)
+
+    whole_model = make_model(sizes=SIZES)
+    whole = fresh(whole_model)
+    run(whole_model, torch.optim.SGD(whole_model.parameters(), lr=1e-3), whole)
+
+    model = make_model(sizes=SIZES)
+    first = fresh(model)
+    run(model, torch.optim.SGD(model.parameters(), lr=1e-3), first, steps=4)
+    saved = first.state_dict()
+    assert saved["overflow_report"] == first.report()
+    model = make_model(sizes=SIZES)  # (new parameters)
+    second = fresh(model)
+    second.load_state_dict(saved)
+    assert second.report()["steps"] == 4 and second.report()["scale"] is not None
+    run(model, torch.optim.SGD(model.parameters(), lr=1e-3), second, steps=6, first=4)
+    names = model if not named else None
+    assert second.report(names) == whole.report(whole_model if not named else None)
+    torch.amp.GradScaler("cpu").load_state_dict(saved)
+
+
+@pytest.mark.parametrize("report, error, message", [
+    ({"steps": 3, "skipped": 4, "overflows": {}}, ValueError, "expected skipped <= steps"),
+    ({"steps": -1, "skipped": 0, "overflows": {}}, ValueError, "expected steps to be an int"),
+    ({"steps": 3, "skipped": 1}, TypeError, "expected a dict with steps"),
+    ({"steps": 3, "skipped": 1, "overflows": {"a": 1.5}}, ValueError,
+     r"expected overflows\['a'\] to be an int"),
+    ({"steps": 3, "skipped": 1, "overflows": {}, "scale": {"current": 0.0}}, ValueError,
+     r"expected scale\['current'\] to be a finite number > 0"),
+])
+def test_a_bad_saved_report_is_named_and_changes_nothing(report, error, message):
+    model = make_model(sizes=SIZES)
+    scaler = mixedprec.GradScaler("cpu", init_scale=2.0**8, overflow_report=model)
+    run(model, torch.optim.SGD(model.parameters(), lr=1e-3), scaler, steps=3)
+    before, state = scaler.report(), scaler.state_dict()
+    with pytest.raises(error, match=f"overflow_report.load_state_dict: {message}"):
+        scaler.load_state_dict(dict(state, scale=state["scale"] * 2, overflow_report=report))
+    assert scaler.report() == before and scaler.get_scale() == state["scale"]
