@@ -218,23 +218,24 @@ class LRScheduler(_torch.LRScheduler):
         steppers = None
         if not torch.compiler.is_compiling():  # (host bookkeeping: not traced)
             steppers = _STEPPERS.setdefault(self.optimizer, _Steppers())
-            if self in steppers.replaced:
-                last = steppers.last() if steppers.last is not None else None
-                other = type(last).__name__ if last is not None else "another scheduler"
-                name = type(self).__name__
+            last = steppers.last() if steppers.last is not None else None
+            if self in steppers.replaced and last is not None:
+                # (one that replaced this one and is gone since, a learning-rate finder's
+                # say, no longer counts)
+                name, other = type(self).__name__, type(last).__name__
                 raise RuntimeError(
                     f"{name}.step: {other} has stepped this optimizer since this {name} "
                     "last did, and mixedprec's schedules do not chain: each writes its "
                     "closed-form lr, so the last one stepped would win, where torch's "
                     "chained schedulers multiply. Write the product as one LambdaLR "
                     "(lr_lambda=lambda e: warmup(e) * decay(e)), or use SequentialLR for one "
-                    "schedule after another (docs/schedules.md)")
+                    f"schedule after another; a {other} that is done with can be deleted "
+                    "(docs/schedules.md)")
+        count = self.optimizer.applied_steps
+        if count.device != self._seen.device:  # the model moved: follow it, once
+            self._to(count.device)
         if epoch is None:
-            count = self.optimizer.applied_steps
-            if count.device != self._seen.device:  # the model moved: follow it, once
-                self._to(count.device)
             self.last_epoch.add_((count != self._seen).to(torch.int64))
-            self._seen.copy_(count)
         elif isinstance(epoch, Tensor):
             if (epoch.numel() != 1 or epoch.dtype == torch.bool
                     or epoch.dtype.is_floating_point or epoch.dtype.is_complex):
@@ -245,9 +246,10 @@ class LRScheduler(_torch.LRScheduler):
         else:
             epoch = _int(f"{type(self).__name__}.step", "epoch", epoch, 0)
             self.last_epoch.fill_(epoch)
+        self._seen.copy_(count)  # (step(epoch) too: the next step() counts from here)
         self._write(self.get_lr())
         if steppers is not None:
-            last = steppers.last() if steppers.last is not None else None
+            steppers.replaced.discard(self)
             if last is not None and last is not self:
                 steppers.replaced.add(last)
             steppers.last = weakref.ref(self)
@@ -578,7 +580,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         starts, lengths, start, length = [], [], 0, self.T_0
         while start < 2**62:
             starts.append(start)
-            lengths.append(length)
+            lengths.append(min(length, 2**62))  # (no step reaches past 2**62)
             if self.T_mult == 1:  # (one cycle: the epoch modulo T_0 instead)
                 break
             start, length = start + length, length * self.T_mult

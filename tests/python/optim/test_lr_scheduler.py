@@ -700,3 +700,44 @@ def test_a_param_group_added_after_the_scheduler_is_named_before_anything_change
                                          "and this LambdaLR schedules 1"):
         sched.step()
     assert (plain(sched.state_dict()), opt_state(opt)) == before
+
+
+def test_step_epoch_counts_the_next_step_from_there():
+    """After step(epoch) (torch's SequentialLR starts each next scheduler with it), a
+    step() without an applied optimizer step since holds: a step skipped right after a
+    milestone of torch's SequentialLR keeps the lr."""
+    params = make_params()
+    opt = optim.SGD(params, lr=1.0)
+    first, second = ours.ConstantLR(opt, factor=0.5, total_iters=10), ours.StepLR(opt, 1, 0.5)
+    sched = theirs.SequentialLR(opt, [first, second], milestones=[2])
+    for call in range(5):
+        if call != 2:  # (call 2, right after the milestone: a step the scaler skipped)
+            for p, g in zip(params, grads(params, call)):
+                p.grad = g
+            opt.step()
+        sched.step()
+        assert lrs(second if call >= 1 else first) == pytest.approx(
+            [[0.5, 1.0, 1.0, 0.5, 0.25][call]]), call
+
+
+def test_a_scheduler_gone_no_longer_replaces_one():
+    """A learning-rate finder's temporary scheduler, stepped and deleted: the main one
+    steps on (while it lives, the main one's step raises)."""
+    params = make_params()
+    opt = optim.SGD(params, lr=0.1)
+    main = ours.StepLR(opt, step_size=2, gamma=0.5)
+    main.step()
+    finder = ours.ExponentialLR(opt, gamma=2.0)
+    finder.step()
+    with pytest.raises(RuntimeError, match="ExponentialLR that is done with can be deleted"):
+        main.step()
+    del finder
+    main.step()
+    assert int(main.last_epoch) == 0 and lrs(main) == pytest.approx([0.1])
+
+
+def test_warm_restarts_with_cycles_past_int64_are_made():
+    for t_0, t_mult in ((2**40, 2**30), (2**63 - 1, 2)):
+        sched = ours.CosineAnnealingWarmRestarts(optim.SGD(make_params(), lr=0.1), t_0, t_mult)
+        sched.step(5)
+        assert lrs(sched)[0] == pytest.approx(0.05 * (1 + np.cos(np.pi * 5 / t_0)))
