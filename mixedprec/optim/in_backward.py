@@ -19,12 +19,12 @@ What it takes, and what it refuses and why:
   buckets, so there the gradients are zeroed, not freed: no memory is saved. The
   optimizer may hold some of the model's parameters (another one, stepped with
   ``step()``, the rest: their gradients stay as DDP averaged them). With
-  ``find_unused_parameters=True`` (and no ``static_graph``) DDP knows which parameters
+  ``find_unused_parameters=True`` or ``static_graph=True`` DDP knows which parameters
   got no gradient on any rank only after its last bucket, so the buckets step at the end
   of backward (those parameters do not, as in ``step()``), after DDP has given out the
   gradients; they are then freed. A DDP model takes one comm hook: one optimizer steps
   its parameters inside backward, and no other comm hook (bf16 compression, PowerSGD)
-  goes with it.
+  goes with it (one registered before is refused by name; one after, by DDP).
 * Refused: LAMB and NovoGrad (their update needs every gradient first: LAMB's global
   gradient norm, NovoGrad's per-group second moments); fp16 parameters (they need a
   loss scaler, and an overflow found late in backward comes after earlier buckets
@@ -109,23 +109,27 @@ class InBackward:
         self._group_steps: Dict[int, Any] = {}  # group -> its "step" as backward began
         self._lock = threading.Lock()  # (DDP's callbacks may run on its threads)
         hooks: List[Any] = []
-        # DDP that finds unused parameters knows which got no gradient on any rank (and
-        # must not step, as step() skips their None gradients) only after its last
-        # bucket: there the buckets step at the end of backward, after DDP's own.
+        # DDP that finds unused parameters (or a static graph's) knows which got no
+        # gradient on any rank (and must not step, as step() skips their None gradients)
+        # only after its last bucket: there the buckets step at the end of backward,
+        # after DDP's own.
         self._deferred = self.ddp is not None and bool(
-            getattr(self.ddp, "find_unused_parameters", False)) and not getattr(
-            self.ddp, "static_graph", False)
+            getattr(self.ddp, "find_unused_parameters", False)
+            or getattr(self.ddp, "static_graph", False))
         if self.ddp is not None:  # DDP's buckets; a bucket steps once it is averaged
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             self._allreduce = default_hooks.allreduce_hook  # (DDP's own, averaged)
             self._ddp_buckets: Dict[Tuple[int, ...], int] = {}
+            comm = _weak_comm_hook(self._ddp_hook, self._allreduce)
             try:
-                self.ddp.register_comm_hook(None, _weak_comm_hook(self._ddp_hook,
-                                                                  self._allreduce))
+                self.ddp.register_comm_hook(None, comm)
             except RuntimeError as error:
                 if "only be called once" not in str(error):
                     raise
+                hooks = getattr(self.ddp, "_comm_hooks", None)  # (DDP's Python side kept it)
+                if isinstance(hooks, list) and hooks and hooks[-1][0] is comm:
+                    hooks.pop()
                 raise RuntimeError(
                     "in_backward: this DistributedDataParallel model has a comm hook already "
                     "(another optimizer's in_backward, or a communication hook such as "

@@ -5,8 +5,8 @@ moments; stochastic rounding with SGD's group step count), the ranks equal; and
 gradient accumulation under no_sync(); a dropped DDP model and optimizer are
 collected without remove(); an optimizer of some of the model's parameters leaves the
 others' averaged gradients to theirs; find_unused_parameters=True steps no parameter
-that got no gradient on any rank, bit for bit step(); and a second comm hook is refused
-by name."""
+that got no gradient on any rank, nor static_graph=True a layer never used, bit for bit
+step(); and a second comm hook is refused by name, nothing left attached."""
 
 import gc
 import time
@@ -80,6 +80,8 @@ def ranks(rank, world_size):
     results["partial"] = [partial(rank, attach) for attach in (False, True)]
     results["unused"] = [unused(rank, cls, kwargs, attach)
                          for cls, kwargs in CONFIGS[:2] for attach in (False, True)]
+    results["static"] = [unused(rank, *CONFIGS[0], attach, static=True)
+                         for attach in (False, True)]
     results["hooked"] = second_comm_hook()
     return results
 
@@ -115,19 +117,21 @@ class WithSide(nn.Module):
         return self.body(x) + self.side(x) if side else self.body(x)
 
 
-def unused(rank, cls, kwargs, attach):
+def unused(rank, cls, kwargs, attach, static=False):
     """DDP with find_unused_parameters=True: a layer unused in a step (on every rank)
-    does not step there, as step() skips its None gradient."""
+    does not step there, as step() skips its None gradient; with static_graph=True, a
+    layer never used (a static graph's usage does not change)."""
     torch.manual_seed(0)
     model = WithSide()
-    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+    ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=not static,
+              static_graph=static)
     opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, **kwargs)
     handle = optim.in_backward(opt, model=ddp) if attach else None
     for step in range(3):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(5, SIZES[0], generator=g).to(torch.bfloat16)
         y = torch.randn(5, SIZES[-1], generator=g)
-        (ddp(x, step == 0).float() - y).pow(2).mean().backward()
+        (ddp(x, step == 0 and not static).float() - y).pow(2).mean().backward()
         if handle is None:
             opt.step()
             opt.zero_grad()
@@ -142,10 +146,12 @@ def second_comm_hook():
     params = list(model.parameters())
     optim.in_backward(optim.AdamW(params[:2]), model=ddp)
     other = optim.AdamW(params[2:])
+    hooks = len(getattr(ddp, "_comm_hooks", []))
     try:
         optim.in_backward(other, model=ddp)
     except RuntimeError as error:
-        return str(error), other.in_backward is None
+        return str(error), other.in_backward is None and len(
+            getattr(ddp, "_comm_hooks", [])) == hooks
     return None
 
 
@@ -187,7 +193,7 @@ def fsdp_refusal():
 def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
     results = run_ranks(ranks, WORLD_SIZE)
     for key, value in results[0].items():
-        if key in ("fsdp", "collected", "unused", "hooked"):
+        if key in ("fsdp", "collected", "unused", "static", "hooked"):
             continue
         stepped, inside = value
         assert len(stepped) == len(inside), key
@@ -207,7 +213,7 @@ def test_ddp_buckets_step_bit_for_bit_as_step_and_fsdp2_is_refused():
         assert "has a comm hook already" in message and detached
         # find_unused_parameters: each config without and with in_backward, bit for bit
         runs = results[rank]["unused"]
-        for stepped, inside in (runs[0:2], runs[2:4]):
+        for stepped, inside in (runs[0:2], runs[2:4], results[rank]["static"]):
             assert len(stepped) == len(inside)
             for i, (a, b) in enumerate(zip(stepped, inside)):
                 assert a.dtype == b.dtype and torch.equal(a, b), ("unused", rank, i)
