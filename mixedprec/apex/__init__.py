@@ -21,12 +21,14 @@ placed first). What it supplies depends on whether a real Apex is installed:
   of Apex's releases before late 2019, and the top-level extension
   modules ``amp_C`` (:mod:`mixedprec.amp_C`), ``apex_C`` (:mod:`mixedprec.apex_C`)
   and ``fused_adam_cuda`` (:mod:`mixedprec.compat.fused_adam_cuda`, the FusedAdam
-  kernel of Apex's releases before late 2019). Other Apex packages (``apex.transformer``,
+  kernel of Apex's releases before late 2019; an installed one, built by Apex's
+  ``--deprecated_fused_adam`` or by another project, is used instead, Apex or not).
+  Other Apex packages (``apex.transformer``,
   ``apex.mlp``, ...) raise ``ModuleNotFoundError`` saying so.
 * **A real Apex installed** (one that ``import apex`` finds on :data:`sys.path`):
   the alias supplies only what Apex removed, :data:`REMOVED` (``apex.amp``,
   ``apex.fp16_utils``, ``apex.parallel`` and their submodules,
-  ``apex.optimizers.fp16_optimizer``, ``fused_adam_cuda``). ``apex`` itself, ``apex.optimizers``,
+  ``apex.optimizers.fp16_optimizer``). ``apex`` itself, ``apex.optimizers``,
   ``apex.normalization``, ``apex.contrib``, every other ``apex.*``, ``amp_C`` and
   ``apex_C`` are the real Apex's.
 
@@ -59,7 +61,8 @@ import types
 import warnings
 from typing import Dict, NamedTuple, Optional, Tuple
 
-__all__ = ["MODULES", "REMOVED", "Entry", "install", "uninstall", "is_installed"]
+__all__ = ["MODULES", "REMOVED", "UNLESS_INSTALLED", "Entry", "install", "uninstall",
+           "is_installed"]
 
 
 class Entry(NamedTuple):
@@ -187,8 +190,10 @@ MODULES: Dict[str, Entry] = {
 
 #: The Apex packages and modules Apex deleted: the alias supplies them (and their
 #: submodules) even when a real Apex is installed.
-REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel", "apex.optimizers.fp16_optimizer",
-           "fused_adam_cuda")
+REMOVED = ("apex.amp", "apex.fp16_utils", "apex.parallel", "apex.optimizers.fp16_optimizer")
+#: Top-level modules the alias supplies only where none is installed, with or without a
+#: real Apex (Apex builds ``fused_adam_cuda`` only with ``--deprecated_fused_adam``).
+UNLESS_INSTALLED = ("fused_adam_cuda",)
 
 _APEX = "apex"
 _TOP = (_APEX, "amp_C", "apex_C", "fused_adam_cuda")
@@ -347,7 +352,11 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         top = fullname.partition(".")[0]
         if top not in _TOP:
             return None
-        if not _removed(fullname) and _real_apex_installed():
+        if fullname in UNLESS_INSTALLED:
+            spec = _real_spec(fullname)
+            if spec is not None:
+                return spec
+        elif not _removed(fullname) and _real_apex_installed():
             if fullname != top:
                 return None  # the real Apex's own submodule
             spec = _real_spec(fullname)  # past the shim of `python -m mixedprec.apex`

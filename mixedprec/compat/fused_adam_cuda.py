@@ -13,9 +13,11 @@ Apex's kernel's, per element in float32 (or the parameter's float64):
     p = p - step_size * (m / denom + weight_decay * p)
 
 with ``step_size = lr * sqrt(1 - beta2**step) / (1 - beta1**step)`` (``lr`` without
-bias correction), computed on the host in float32 as Apex did. Equal to Apex's kernel up
-to its compiler's fused multiply-adds (a rounding a term). Plain PyTorch operations, on
-any device, with no host synchronisation; the arguments are checked first.
+bias correction), computed on the host in float32 as Apex did, and every constant
+(``beta1``, ``1 - beta1``, ``eps``, ``decay``, ...) a float32 as in Apex's kernel. Plain
+PyTorch operations, on any device, with no host synchronisation; the arguments are
+checked first. Where its compiler fused a multiply and an add, Apex's kernel rounded once
+where these round twice.
 """
 
 import math
@@ -87,18 +89,21 @@ def adam(p: Tensor, p_copy: Tensor, m: Tensor, v: Tensor, g: Tensor, lr: float, 
                          f"{bias_correction}")
     if grad_scale == 0:
         raise ValueError(f"{_WHERE}: expected grad_scale to be nonzero")
+    if bias_correction == 1 and step < 1:
+        raise ValueError(f"{_WHERE}: expected step >= 1 with bias_correction, got {step}")
+    f32 = np.float32  # (Apex: float constants; the powers taken in double)
+    b1, b2 = f32(beta1), f32(beta2)
     if bias_correction == 1:
-        if step < 1:
-            raise ValueError(f"{_WHERE}: expected step >= 1 with bias_correction, got {step}")
-        f32 = np.float32  # (Apex: float constants, the powers taken in double)
-        bc1, bc2 = f32(1 - float(f32(beta1)) ** step), f32(1 - float(f32(beta2)) ** step)
-        step_size = float(f32(f32(lr) * np.sqrt(bc2)) / bc1)
+        bc1, bc2 = f32(1 - float(b1) ** step), f32(1 - float(b2) ** step)
+        step_size = f32(f32(lr) * np.sqrt(bc2)) / bc1
     else:
-        step_size = float(np.float32(lr))
+        step_size = f32(lr)
+    b1, b2, w1, w2, eps, scale, decay, step_size = (float(x) for x in (
+        b1, b2, f32(1) - b1, f32(1) - b2, f32(eps), f32(grad_scale), f32(decay), step_size))
     with torch.no_grad():
-        grad = g.to(p.dtype) / grad_scale
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).add_(grad * grad, alpha=1 - beta2)
+        grad = g.to(p.dtype) / scale
+        m.mul_(b1).add_(grad, alpha=w1)
+        v.mul_(b2).add_(grad * grad, alpha=w2)
         denom = (v + eps).sqrt_() if mode == 0 else v.sqrt().add_(eps)
         update = (m / denom).add_(p, alpha=decay)
         p.sub_(update, alpha=step_size)

@@ -7,6 +7,7 @@ beside a (fake) installed Apex that keeps all but what Apex removed, and
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -257,9 +258,31 @@ def fake_apex(alias, tmp_path, monkeypatch):
     yield tmp_path
     alias.uninstall()
     for name in list(sys.modules):
-        if name.partition(".")[0] in ("apex", "amp_C", "apex_C"):
+        if name.partition(".")[0] in ("apex", "amp_C", "apex_C", "fused_adam_cuda"):
             del sys.modules[name]
     alias.install()
+
+
+@pytest.mark.parametrize("with_apex", [True, False], ids=["beside-apex", "alone"])
+def test_an_installed_fused_adam_cuda_is_used_and_else_mixedprecs(alias, fake_apex,
+                                                                   with_apex):
+    """fused_adam_cuda (Apex's --deprecated_fused_adam builds it, other projects too): an
+    installed one is imported, with or without a real Apex; where there is none (today's
+    Apex builds none), mixedprec's."""
+    import mixedprec.compat.fused_adam_cuda as ours
+
+    if not with_apex:
+        shutil.rmtree(fake_apex / "apex")
+    fresh(alias)
+    import fused_adam_cuda
+
+    assert fused_adam_cuda is ours
+    (fake_apex / "fused_adam_cuda.py").write_text("REAL = True\n")
+    del sys.modules["fused_adam_cuda"]
+    fresh(alias)
+    import fused_adam_cuda
+
+    assert fused_adam_cuda.REAL
 
 
 def test_real_apex_supplies_all_but_what_it_removed(alias, fake_apex):

@@ -13,17 +13,19 @@ from mixedprec.compat import fused_adam_cuda
 
 def apex_reference(p, m, v, g, lr, beta1, beta2, eps, scale, step, mode, bias_correction,
                    decay):
-    """Apex's kernel in float64, with its float32 step size."""
+    """Apex's kernel in float64, with its float32 constants and step size."""
     p, m, v, g = (t.double() for t in (p, m, v, g))
+    f32 = np.float32
     if bias_correction:
-        f32 = np.float32
         bc1, bc2 = f32(1 - float(f32(beta1)) ** step), f32(1 - float(f32(beta2)) ** step)
         step_size = float(f32(f32(lr) * np.sqrt(bc2)) / bc1)
     else:
-        step_size = float(np.float32(lr))
+        step_size = float(f32(lr))
+    w1, w2 = float(f32(1) - f32(beta1)), float(f32(1) - f32(beta2))
+    beta1, beta2, eps, scale, decay = (float(f32(x)) for x in (beta1, beta2, eps, scale, decay))
     g = g / scale
-    m = beta1 * m + (1 - beta1) * g
-    v = beta2 * v + (1 - beta2) * g * g
+    m = beta1 * m + w1 * g
+    v = beta2 * v + w2 * g * g
     denom = (v + eps).sqrt() if mode == 0 else v.sqrt() + eps
     return p - step_size * (m / denom + decay * p), m, v
 
