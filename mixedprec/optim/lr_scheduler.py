@@ -127,6 +127,22 @@ def _lengths(where: str, name: str, value: Any, length: int) -> list:
     return list(value)
 
 
+def _at_least(least: int) -> Callable[[str, str, Any], int]:
+    """A setting's check: an int >= ``least``."""
+    return lambda where, name, value: _int(where, name, value, least)
+
+
+def _factor(low_open: bool) -> Callable[[str, str, Any], float]:
+    """A setting's check: a real number in [0, 1], or in (0, 1] with ``low_open``."""
+    def check(where: str, name: str, value: Any) -> float:
+        value = _real(where, name, value)
+        if not (0 < value if low_open else 0 <= value) or value > 1:
+            raise ValueError(f"{where}: expected {name} in {'(' if low_open else '['}0, 1], "
+                             f"got {value!r}")
+        return value
+    return check
+
+
 class _Steppers:
     """An optimizer's schedulers in the order they stepped it: the one that stepped last,
     and those that another stepped after (held weakly: one that is gone is forgotten)."""
@@ -141,8 +157,19 @@ _STEPPERS: "weakref.WeakKeyDictionary[Optimizer, _Steppers]" = weakref.WeakKeyDi
 
 class LRScheduler(_torch.LRScheduler):
     """The base: ``last_epoch`` and the lrs on the device (see the module docstring).
-    Subclasses define :meth:`_lrs_at` and check their own saved entries in
-    :meth:`_check_entry`."""
+    Subclasses define :meth:`_lrs_at`, and the checks of their settings in
+    ``_SETTINGS`` (or of other saved entries in :meth:`_check_entry`)."""
+
+    #: A subclass's settings (its constructor's arguments, and the same entries of a
+    #: saved state): name -> check(where, name, value), which returns the value to set.
+    _SETTINGS: Dict[str, Callable[[str, str, Any], Any]] = {}
+
+    def _set_settings(self, **given: Any) -> None:
+        """The constructor's settings, each checked by ``_SETTINGS`` and set, before the
+        base's constructor: a bad one raises naming it."""
+        checked = {key: self._check_entry(type(self).__name__, key, value)
+                   for key, value in given.items()}
+        vars(self).update(checked)
 
     def __init__(self, optimizer: Optimizer, last_epoch: int = -1) -> None:  # noqa: D107
         name = type(self).__name__
@@ -331,6 +358,8 @@ class LRScheduler(_torch.LRScheduler):
 
     def _check_entry(self, where: str, key: str, value: Any) -> Any:
         """One saved entry, checked, as it will be set (subclasses add theirs)."""
+        if key in self._SETTINGS:
+            return self._SETTINGS[key](where, key, value)
         groups = len(self.optimizer.param_groups)
         device = self.last_epoch.device
         if key in ("last_epoch", "_seen", "_pending"):  # (-1: torch's, not yet begun)
@@ -437,26 +466,12 @@ class LinearLR(LRScheduler):
     def __init__(self, optimizer: Optimizer, start_factor: float = 1.0 / 3,
                  end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        where = "LinearLR"
-        self.start_factor = self._check_entry(where, "start_factor", start_factor)
-        self.end_factor = self._check_entry(where, "end_factor", end_factor)
-        self.total_iters = self._check_entry(where, "total_iters", total_iters)
+        self._set_settings(start_factor=start_factor, end_factor=end_factor,
+                           total_iters=total_iters)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "start_factor":
-            value = _real(where, key, value)
-            if not 0 < value <= 1:
-                raise ValueError(f"{where}: expected start_factor in (0, 1], got {value!r}")
-            return value
-        if key == "end_factor":
-            value = _real(where, key, value)
-            if not 0 <= value <= 1:
-                raise ValueError(f"{where}: expected end_factor in [0, 1], got {value!r}")
-            return value
-        if key == "total_iters":
-            return _int(where, key, value, 1)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(start_factor=_factor(low_open=True), end_factor=_factor(low_open=False),
+                     total_iters=_at_least(1))
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         done = _epoch(epoch).clamp(max=self.total_iters) / self.total_iters
@@ -470,16 +485,10 @@ class StepLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.step_size = self._check_entry("StepLR", "step_size", step_size)
-        self.gamma = self._check_entry("StepLR", "gamma", gamma)
+        self._set_settings(step_size=step_size, gamma=gamma)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "step_size":
-            return _int(where, key, value, 1)
-        if key == "gamma":
-            return _real(where, key, value)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(step_size=_at_least(1), gamma=_real)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         times = torch.div(epoch, self.step_size, rounding_mode="floor").to(torch.float64)
@@ -494,16 +503,14 @@ class MultiStepLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, milestones: Iterable[int], gamma: float = 0.1,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.milestones = self._check_entry("MultiStepLR", "milestones", milestones)
-        self.gamma = self._check_entry("MultiStepLR", "gamma", gamma)
+        self._set_settings(milestones=milestones, gamma=gamma)
         self._marks = torch.tensor(self.milestones, dtype=torch.int64)  # (moved once, below)
         super().__init__(optimizer, last_epoch)
 
+    _SETTINGS = dict(milestones=lambda where, key, value: sorted(_ints(where, key, value)),
+                     gamma=_real)
+
     def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "milestones":
-            return sorted(_ints(where, key, value))
-        if key == "gamma":
-            return _real(where, key, value)
         if key == "_marks":  # (the milestones on the device: checked as the milestones)
             if not isinstance(value, Tensor) or value.dim() != 1:
                 raise TypeError(f"{where}: expected _marks to be a 1-dim tensor of the "
@@ -544,16 +551,10 @@ class CosineAnnealingLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.T_max = self._check_entry("CosineAnnealingLR", "T_max", T_max)
-        self.eta_min = self._check_entry("CosineAnnealingLR", "eta_min", eta_min)
+        self._set_settings(T_max=T_max, eta_min=eta_min)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "T_max":
-            return _int(where, key, value, 1)
-        if key == "eta_min":
-            return _real(where, key, value)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(T_max=_at_least(1), eta_min=_real)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         wave = (1 + torch.cos(_epoch(epoch) * (math.pi / self.T_max))) / 2
@@ -568,10 +569,7 @@ class CosineAnnealingWarmRestarts(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        where = "CosineAnnealingWarmRestarts"
-        self.T_0 = self._check_entry(where, "T_0", T_0)
-        self.T_mult = self._check_entry(where, "T_mult", T_mult)
-        self.eta_min = self._check_entry(where, "eta_min", eta_min)
+        self._set_settings(T_0=T_0, T_mult=T_mult, eta_min=eta_min)
         self._cycles = self._cycle_starts()  # (moved to the count's device once)
         super().__init__(optimizer, last_epoch)
 
@@ -586,13 +584,9 @@ class CosineAnnealingWarmRestarts(LRScheduler):
             start, length = start + length, length * self.T_mult
         return torch.tensor([starts, lengths], dtype=torch.int64)
 
+    _SETTINGS = dict(T_0=_at_least(1), T_mult=_at_least(1), eta_min=_real)
+
     def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "T_0":
-            return _int(where, key, value, 1)
-        if key == "T_mult":
-            return _int(where, key, value, 1)
-        if key == "eta_min":
-            return _real(where, key, value)
         if key == "_cycles":  # (derived from T_0 and T_mult: rebuilt on loading)
             return None
         return super()._check_entry(where, key, value)
@@ -622,19 +616,10 @@ class ConstantLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, factor: float = 1.0 / 3, total_iters: int = 5,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.factor = self._check_entry("ConstantLR", "factor", factor)
-        self.total_iters = self._check_entry("ConstantLR", "total_iters", total_iters)
+        self._set_settings(factor=factor, total_iters=total_iters)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "factor":
-            value = _real(where, key, value)
-            if not 0 <= value <= 1:
-                raise ValueError(f"{where}: expected factor in [0, 1], got {value!r}")
-            return value
-        if key == "total_iters":
-            return _int(where, key, value, 0)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(factor=_factor(low_open=False), total_iters=_at_least(0))
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         e = _epoch(epoch)
@@ -648,13 +633,10 @@ class ExponentialLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, gamma: float,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.gamma = self._check_entry("ExponentialLR", "gamma", gamma)
+        self._set_settings(gamma=gamma)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "gamma":
-            return _real(where, key, value)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(gamma=_real)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         factor = torch.pow(self.gamma, _epoch(epoch))
@@ -667,16 +649,10 @@ class PolynomialLR(LRScheduler):
 
     def __init__(self, optimizer: Optimizer, total_iters: int = 5, power: float = 1.0,
                  last_epoch: int = -1) -> None:  # noqa: D107
-        self.total_iters = self._check_entry("PolynomialLR", "total_iters", total_iters)
-        self.power = self._check_entry("PolynomialLR", "power", power)
+        self._set_settings(total_iters=total_iters, power=power)
         super().__init__(optimizer, last_epoch)
 
-    def _check_entry(self, where: str, key: str, value: Any) -> Any:
-        if key == "total_iters":
-            return _int(where, key, value, 1)
-        if key == "power":
-            return _real(where, key, value)
-        return super()._check_entry(where, key, value)
+    _SETTINGS = dict(total_iters=_at_least(1), power=_real)
 
     def _lrs_at(self, epoch: Tensor) -> List[Tensor]:
         left = 1.0 - _epoch(epoch).clamp(max=self.total_iters) / self.total_iters
