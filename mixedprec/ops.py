@@ -34,6 +34,13 @@ MAX_TENSORS_PER_LAUNCH: int = _C.MAX_TENSORS_PER_LAUNCH
 #: The most chunks one launch of the engine takes.
 MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 
+# torch._dynamo.disable, imported at the first call (torch's own lazy form, which its
+# modules use: importing torch._dynamo takes 2.3 s, more than the rest of `import
+# mixedprec`); a torch without it gets torch._dynamo.disable itself. For the host-side
+# methods that torch.compile runs as torch's own counterparts run (not traced): the
+# GradScaler's step and update, the schedulers' step.
+not_traced = getattr(torch, "_disable_dynamo", None) or torch._dynamo.disable
+
 __all__ = [
     "is_dense",
     "int64_tensor",

@@ -12,14 +12,11 @@ from torch.amp.grad_scaler import OptState
 
 from . import grads
 from .loss_scale import DEFAULT_MIN_SCALE, LossScale
+from .ops import not_traced as _not_traced
 from .overflow import OverflowReport
 
 __all__ = ["GradScaler", "MissingStateKeys"]
 
-# torch._dynamo.disable, imported at the first call (torch's own lazy form, which its
-# modules use: importing torch._dynamo takes 2.3 s, more than the rest of `import
-# mixedprec`); a torch without it gets torch._dynamo.disable itself.
-_not_traced = getattr(torch, "_disable_dynamo", None) or torch._dynamo.disable
 
 # The keys of torch.amp.GradScaler's state dict, which load_state_dict needs.
 _TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",

@@ -53,6 +53,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch
 
+from ..ops import not_traced
+
 __all__ = ["LRScheduler", "LambdaLR", "LinearLR", "ConstantLR", "StepLR", "MultiStepLR",
            "ExponentialLR", "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
            "SequentialLR"]
@@ -225,6 +227,11 @@ class LRScheduler(_torch.LRScheduler):
         return self._lrs_at(self.last_epoch)
 
     # -- stepping ---------------------------------------------------------------------
+    # Not traced under torch.compile, as torch's schedulers are not: AOT autograd drops
+    # an in-place write into a 0-dim float64 input that the graph does not return (the
+    # groups' lrs: the lr stayed as it was under aot_eager and inductor), and a traced
+    # step was a graph of its own where torch's scheduler adds none.
+    @not_traced
     def step(self, epoch: Union[int, Tensor, None] = None) -> None:
         """Advances ``last_epoch`` by one if the optimizer applied a step since the
         previous call (on the device), and writes the lrs into the param groups.

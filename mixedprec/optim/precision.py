@@ -217,8 +217,8 @@ class Precision:
     def op_lean_args(self, group: Dict[str, Any], targets: List[Tensor],
                      comps: List[Tensor], salts: List[Tensor], eight: bool) -> Dict[str, Any]:
         """The keyword arguments of the lean modes for one fused op call."""
-        rounds = self.master == "stochastic" and bool(targets) and \
-            targets[0].dtype == torch.bfloat16
+        rounds = self.master == "stochastic" and len(targets) > 0 and \
+            targets[0].dtype == torch.bfloat16  # (len: dynamo traces it, not bool(list))
         seed = group.get("seed")
         return dict(kahan_comps=comps if self.master == "kahan" else None,
                     remainders=comps if self.master == "remainder" else None,

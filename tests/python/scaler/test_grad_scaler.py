@@ -904,10 +904,11 @@ def test_compiled_training_step_with_the_scaler_matches_eager():
         assert torch.equal(a, b)
 
 
-def test_compiled_step_breaks_no_more_than_torchs():
+@pytest.mark.parametrize("schedule", [False, True], ids=["", "with-a-schedule"])
+def test_compiled_step_breaks_no_more_than_torchs(schedule):
     """A training step compiled without fullgraph: with mixedprec's GradScaler and
-    optim.AdamW, no more graphs and graph breaks than with torch's GradScaler and fused
-    AdamW (torch._dynamo.explain's counts)."""
+    optim.AdamW (and a StepLR of each), no more graphs and graph breaks than with torch's
+    GradScaler and fused AdamW (torch._dynamo.explain's counts)."""
     counts = {}
     for kind in ("torch", "mixedprec"):
         torch._dynamo.reset()
@@ -916,9 +917,11 @@ def test_compiled_step_breaks_no_more_than_torchs():
         if kind == "torch":
             opt = torch.optim.AdamW(model.parameters(), fused=True)
             scaler = torch.amp.GradScaler("cpu")
+            sched = torch.optim.lr_scheduler.StepLR(opt, 2) if schedule else None
         else:
             opt = mixedprec.optim.AdamW(model.parameters())
             scaler = GradScaler("cpu")
+            sched = mixedprec.optim.lr_scheduler.StepLR(opt, 2) if schedule else None
 
         def train_step(x, y):
             loss = nn.functional.cross_entropy(model(x), y)
@@ -926,6 +929,8 @@ def test_compiled_step_breaks_no_more_than_torchs():
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
             return loss
 
         x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
