@@ -22,6 +22,7 @@ unsigned bit(at::ScalarType t) {
     case at::kShort: return kI16;
     case at::kFloat8_e4m3fn: return kF8E4M3;
     case at::kFloat8_e8m0fnu: return kE8M0;
+    case at::kByte: return kU8;
     default: return 0;
   }
 }
@@ -41,9 +42,9 @@ std::string dtype_name(at::ScalarType t) {
 
 std::string dtype_names(unsigned set) {
   std::string out;
-  const at::ScalarType all[] = {at::kFloat,  at::kHalf,          at::kBFloat16,
-                                at::kDouble, at::kInt,           at::kLong,
-                                at::kShort,  at::kFloat8_e4m3fn, at::kFloat8_e8m0fnu};
+  const at::ScalarType all[] = {
+      at::kFloat, at::kHalf,  at::kBFloat16,      at::kDouble,         at::kInt,
+      at::kLong,  at::kShort, at::kFloat8_e4m3fn, at::kFloat8_e8m0fnu, at::kByte};
   for (auto t : all) {
     if (!(set & bit(t))) continue;
     out += (out.empty() ? "" : ", ") + dtype_name(t);
@@ -265,7 +266,7 @@ void check_state_scales(Checker& c, at::TensorList states, const char* states_na
     return;
   }
   c.list(states, states_name, kF8E4M3, Access::kWrite);
-  c.list(*scales, scales_name, kE8M0, Access::kWrite);
+  c.list(*scales, scales_name, kE8M0 | kU8, Access::kWrite);
   TORCH_CHECK_VALUE(scales->size() == states.size(), c.op(), ": expected ", states.size(), " ",
                     scales_name, " (one per tensor of ", states_name, "), got ", scales->size());
   for (size_t i = 0; i < states.size(); ++i) {

@@ -28,6 +28,8 @@ enum DTypeSet : unsigned {
   kI16 = 64u,
   kF8E4M3 = 128u,  // float8_e4m3fn: 8-bit optimizer state's codes (lanes.h)
   kE8M0 = 256u,    // float8_e8m0fnu: their block scales
+  kU8 = 512u,      // uint8: the same scales as their bytes (optimizer state holds those:
+                   // torch.compile's inductor has no float8_e8m0fnu)
   kFloats = kF32 | kF16 | kBF16,
 };
 
@@ -117,7 +119,7 @@ void check_remainders(Checker& c, at::TensorList params, at::TensorList model_pa
 
 // The dtype of an optimizer's state lists (moments, momentum buffers): fp32 or bf16
 // (states, named states_name), or 8-bit (float8_e4m3fn codes, lanes.h) when `scales`
-// are given, one float8_e8m0fnu tensor per state tensor (block scales, named
+// are given, one float8_e8m0fnu or uint8 tensor per state tensor (block scales, named
 // scales_name); 8-bit states and their scales are contiguous, the states of a number
 // of elements divisible by kQuantBlock, their scales of one element per block.
 void check_state_scales(Checker& c, at::TensorList states, const char* states_name,

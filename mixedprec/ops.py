@@ -306,8 +306,9 @@ def fused_sgd_(
 
     ``momentum_scales``: 8-bit momentum buffers (``state_dtype=torch.float8_e4m3fn``):
     each buffer is float8_e4m3fn codes, contiguous, of a number of elements divisible
-    by 32, and its scales one contiguous float8_e8m0fnu tensor of one power-of-two
-    scale per block of 32 consecutive elements: value = code * scale. The op reads each
+    by 32, and its scales one contiguous uint8 (or float8_e8m0fnu) tensor of one
+    power-of-two scale per block of 32 consecutive elements (its byte, the biased
+    exponent): value = code * scale. The op reads each
     block, updates it in fp32, and writes the block's new scale (the smallest power of
     two that brings its largest magnitude within 448) and codes (rounded to nearest
     even, as torch's cast to float8_e4m3fn), or with ``state_seed`` stochastically:

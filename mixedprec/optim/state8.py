@@ -2,8 +2,10 @@
 parameters get them, their state entries, and the checks of a loaded state dict.
 
 A parameter with 8-bit moments keeps each moment as fp8 e4m3 codes of its shape and
-one power-of-two scale (``torch.float8_e8m0fnu``, the biased exponent) per block of
-32 consecutive elements, shape ``(shape[0], numel / shape[0] / 32)``: Adam's
+one power-of-two scale per block of 32 consecutive elements, shape ``(shape[0], numel /
+shape[0] / 32)``, as its byte (``torch.uint8``: the biased exponent, 2^(byte - 127), as
+``torch.float8_e8m0fnu`` reads it; that dtype ``.view`` gives, and loading takes; uint8
+because torch.compile's inductor has no float8_e8m0fnu): Adam's
 ``exp_avg`` with ``exp_avg_scale`` and ``exp_avg_sq_root`` (the root of the second
 moment) with ``exp_avg_sq_root_scale``; SGD's ``momentum_buffer`` with
 ``momentum_buffer_scale``. New state: codes 0, scale bytes 127 (1.0).
@@ -24,7 +26,8 @@ from torch import Tensor
 from ..distributed import is_dtensor
 
 E4M3 = torch.float8_e4m3fn
-E8M0 = torch.float8_e8m0fnu
+E8M0 = torch.float8_e8m0fnu  # (the scales' meaning; loading takes scales of it)
+SCALE = torch.uint8  # the scales as kept: their bytes
 BLOCK = 32
 MIN_NUMEL = 4096
 # Each 8-bit entry (codes) and the entry of its scales.
@@ -62,8 +65,7 @@ def new_scales(like: Tensor) -> Tensor:
     for a DTensor)."""
     local = _local(like)
     rows, cols = scale_shape(like)
-    out = torch.full((local.shape[0], cols), _ONE, dtype=torch.uint8,
-                     device=local.device).view(E8M0)
+    out = torch.full((local.shape[0], cols), _ONE, dtype=SCALE, device=local.device)
     if not is_dtensor(like):
         return out
     from torch.distributed.tensor import DTensor
@@ -135,7 +137,7 @@ def expected(p: Tensor, key: str, state_dtype: torch.dtype, where: str):
                    f"the parameter of shape {tuple(p.shape)} is not eligible for them")
             raise ValueError(f"{where}: an 8-bit moment entry, which only a parameter with "
                              f"8-bit moments (state_dtype=torch.float8_e4m3fn) keeps ({why})")
-        return (scale_shape(p), E8M0) if key.endswith("_scale") else (tuple(p.shape), E4M3)
+        return (scale_shape(p), SCALE) if key.endswith("_scale") else (tuple(p.shape), E4M3)
     if key in ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq"):
         if eight and key in SCALE_OF:
             return tuple(p.shape), E4M3

@@ -60,7 +60,9 @@ def assert_codes_close(actual, expected, msg=""):
 
 
 def assert_scales_equal(actual, expected, msg=""):
-    assert actual.dtype == E8M0 and actual.shape == expected.shape, msg
+    """Scales (the optimizer state's bytes, uint8; or e8m0, as an op call takes them)
+    against the reference's (e8m0), byte for byte."""
+    assert actual.dtype in (torch.uint8, E8M0) and actual.shape == expected.shape, msg
     assert torch.equal(actual.cpu().view(torch.uint8), expected.view(torch.uint8)), msg
 
 
@@ -534,21 +536,55 @@ def test_channels_last_after_8bit_state_is_refused_before_writing():
     assert opt.state[fresh.weight]["exp_avg"].dtype == torch.float32
 
 
-def test_an_8bit_step_compiles_in_one_graph():
-    """torch.compile(fullgraph=True) of the step gives the eager steps' params."""
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_an_8bit_step_compiles_in_one_graph(backend):
+    """torch.compile(fullgraph=True) of the step gives the eager steps' params and state,
+    under inductor too (it has no float8_e8m0fnu: the state keeps the scales' bytes)."""
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)
         model = nn.Linear(128, 64).to(BF16)  # (a 64 x 128 weight: 8-bit moments)
         opt = AdamW(model.parameters(), master="remainder", state_dtype=E4M3)
-        step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled \
+        step = torch.compile(opt.step, backend=backend, fullgraph=True) if compiled \
             else opt.step
         for _ in range(3):
             opt.zero_grad()
             model(torch.ones(2, 128, dtype=BF16)).float().sum().backward()
             step()
-        assert opt.state[model.weight]["exp_avg"].dtype == E4M3
-        results.append([p.detach().clone() for p in model.parameters()])
+        state = opt.state[model.weight]
+        assert state["exp_avg"].dtype == E4M3 and state["exp_avg_scale"].dtype == torch.uint8
+        results.append([p.detach().clone() for p in model.parameters()] + [
+            state[k].view(torch.uint8) for k in ("exp_avg", "exp_avg_scale",
+                                                  "exp_avg_sq_root", "exp_avg_sq_root_scale")])
     for a, b in zip(*results):
+        assert_bitwise_equal(b, a)
+
+
+def test_scales_saved_as_e8m0_load():
+    """State dicts of earlier releases hold the scales as float8_e8m0fnu: they load as
+    their bytes, and the steps go on as from the uint8 state dict."""
+    runs = []
+    for as_e8m0 in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(128, 64).to(BF16)
+        opt = AdamW(model.parameters(), state_dtype=E4M3, seed=1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 128, dtype=BF16)).float().sum().backward()
+            opt.step()
+        saved = opt.state_dict()
+        if as_e8m0:
+            for entry in saved["state"].values():
+                for key in ("exp_avg_scale", "exp_avg_sq_root_scale"):
+                    if key in entry:
+                        entry[key] = entry[key].view(E8M0)
+        opt = AdamW(model.parameters(), state_dtype=E4M3, seed=1)
+        opt.load_state_dict(saved)
+        assert opt.state[model.weight]["exp_avg_scale"].dtype == torch.uint8
+        opt.zero_grad()
+        model(torch.ones(2, 128, dtype=BF16)).float().sum().backward()
+        opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
         assert_bitwise_equal(b, a)
