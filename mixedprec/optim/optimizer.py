@@ -22,7 +22,7 @@ from .. import masters as mst
 from ..grads import update_grad
 from ..loss_scale import inverse
 from . import state as _state
-from . import torch_path
+from . import state8, torch_path
 from .plans import Plan, PlanCache
 from .precision import FLOAT_DTYPES, Masters, Precision, Work
 from .precision_report import PrecisionReport
@@ -365,12 +365,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format, and ``applied_steps``. Parameters that step together share
-        one step-count tensor in the optimizer; the state dict gives each its own."""
+        one step-count tensor in the optimizer; the state dict gives each its own. 8-bit
+        moments' scales as float8_e8m0fnu views of the state's bytes (state8.as_e8m0)."""
         state_dict = dict(super().state_dict(), applied_steps=self.applied_steps.clone())
-        state_dict["state"] = {
-            key: dict(value, step=value["step"].clone()) if isinstance(value, dict) and
-            isinstance(value.get("step"), Tensor) else value
-            for key, value in state_dict["state"].items()}
+        state_dict["state"] = {key: _saved_entries(value)
+                               for key, value in state_dict["state"].items()}
         return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -408,3 +407,17 @@ class Optimizer(torch.optim.Optimizer):
                      in_backward=None)
         super().__setstate__(state)
         self.param_groups[:] = map(self._upgrade_group, self.param_groups)
+
+
+def _saved_entries(value: Any) -> Any:
+    """A parameter's state as its state dict holds it: its own copy of a shared step
+    count, and 8-bit scales as float8_e8m0fnu views."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    if isinstance(out.get("step"), Tensor):
+        out["step"] = out["step"].clone()
+    for key in state8.SCALE_OF.values():
+        if isinstance(out.get(key), Tensor):
+            out[key] = state8.as_e8m0(out[key])
+    return out

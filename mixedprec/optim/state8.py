@@ -4,8 +4,8 @@ parameters get them, their state entries, and the checks of a loaded state dict.
 A parameter with 8-bit moments keeps each moment as fp8 e4m3 codes of its shape and
 one power-of-two scale per block of 32 consecutive elements, shape ``(shape[0], numel /
 shape[0] / 32)``, as its byte (``torch.uint8``: the biased exponent, 2^(byte - 127), as
-``torch.float8_e8m0fnu`` reads it; that dtype ``.view`` gives, and loading takes; uint8
-because torch.compile's inductor has no float8_e8m0fnu): Adam's
+``torch.float8_e8m0fnu`` reads it; uint8 because torch.compile's inductor has no
+float8_e8m0fnu; state dicts hold float8_e8m0fnu views of them, :func:`as_e8m0`): Adam's
 ``exp_avg`` with ``exp_avg_scale`` and ``exp_avg_sq_root`` (the root of the second
 moment) with ``exp_avg_sq_root_scale``; SGD's ``momentum_buffer`` with
 ``momentum_buffer_scale``. New state: codes 0, scale bytes 127 (1.0).
@@ -72,6 +72,22 @@ def new_scales(like: Tensor) -> Tensor:
 
     return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False,
                               shape=torch.Size((rows, cols)), stride=(cols, 1))
+
+
+def as_e8m0(scales: Tensor) -> Tensor:
+    """``scales`` (the state's bytes) as a float8_e8m0fnu view of the same storage (a
+    DTensor's with its mesh and placements): how state dicts hold them, as they did
+    before the state kept bytes, so that a checkpoint loaded in place (DCP) gets the
+    dtype it was saved with, byte for byte."""
+    if scales.dtype != SCALE:
+        return scales
+    if not is_dtensor(scales):
+        return scales.view(E8M0)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(scales.to_local().view(E8M0), scales.device_mesh,
+                              scales.placements, run_check=False, shape=scales.shape,
+                              stride=scales.stride())
 
 
 def decode(codes: Tensor, scales: Tensor) -> Tensor:
