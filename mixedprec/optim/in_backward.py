@@ -339,10 +339,10 @@ class InBackward:
             self._tasks = []
 
     def _after_ddp(self) -> None:
-        """DDP finding unused parameters: after its end of backward, which has given the
-        parameters some rank used their averaged gradients and left the others' as they
-        were (None after a step here), the buckets step those with a gradient, and
-        ``applied_steps`` counts the step."""
+        """DDP finding unused parameters (or with a static graph): after its end of
+        backward, which has given the parameters some rank used their averaged gradients
+        and left the others' as they were (None after a step here), the buckets step
+        those with a gradient, and ``applied_steps`` counts the step."""
         for index, bucket in enumerate(self.buckets):
             ready = [p for p in bucket.params if p.grad is not None]
             if ready:
@@ -475,6 +475,7 @@ def in_backward(optimizer: Optimizer, *, bucket_cap_mb: float = 25.0,
     meanwhile. With ``model``, a ``DistributedDataParallel`` model of the optimizer's
     parameters, DDP's own buckets step, each once DDP has averaged it (its comm hook:
     DDP keeps its buckets, so gradients take the memory they take under DDP; they are
-    zeroed rather than freed; with ``find_unused_parameters=True``, at the end of
-    backward). What it refuses and why: the module docstring."""
+    zeroed rather than freed; with ``find_unused_parameters=True`` or
+    ``static_graph=True``, at the end of backward). What it refuses and why: the module
+    docstring."""
     return InBackward(optimizer, bucket_cap_mb, model)

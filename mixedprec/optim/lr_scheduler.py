@@ -249,22 +249,20 @@ class LRScheduler(_torch.LRScheduler):
                 f"schedules {lrs} (a group added by add_param_group after it was made, as "
                 "a fine-tuning callback that unfreezes layers does); make the scheduler "
                 "again after adding the group")
-        steppers = None
-        if not torch.compiler.is_compiling():  # (host bookkeeping: not traced)
-            steppers = _STEPPERS.setdefault(self.optimizer, _Steppers())
-            last = steppers.last() if steppers.last is not None else None
-            if self in steppers.replaced and last is not None:
-                # (one that replaced this one and is gone since, a learning-rate finder's
-                # say, no longer counts)
-                name, other = type(self).__name__, type(last).__name__
-                raise RuntimeError(
-                    f"{name}.step: {other} has stepped this optimizer since this {name} "
-                    "last did, and mixedprec's schedules do not chain: each writes its "
-                    "closed-form lr, so the last one stepped would win, where torch's "
-                    "chained schedulers multiply. Write the product as one LambdaLR "
-                    "(lr_lambda=lambda e: warmup(e) * decay(e)), or use SequentialLR for one "
-                    f"schedule after another; a {other} that is done with can be deleted "
-                    "(docs/schedules.md)")
+        steppers = _STEPPERS.setdefault(self.optimizer, _Steppers())  # (host only)
+        last = steppers.last() if steppers.last is not None else None
+        if self in steppers.replaced and last is not None:
+            # (one that replaced this one and is gone since, a learning-rate finder's
+            # say, no longer counts)
+            name, other = type(self).__name__, type(last).__name__
+            raise RuntimeError(
+                f"{name}.step: {other} has stepped this optimizer since this {name} "
+                "last did, and mixedprec's schedules do not chain: each writes its "
+                "closed-form lr, so the last one stepped would win, where torch's "
+                "chained schedulers multiply. Write the product as one LambdaLR "
+                "(lr_lambda=lambda e: warmup(e) * decay(e)), or use SequentialLR for one "
+                f"schedule after another; a {other} that is done with can be deleted "
+                "(docs/schedules.md)")
         count = self.optimizer.applied_steps
         if count.device != self._seen.device:  # the model moved: follow it, once
             self._to(count.device)
@@ -282,11 +280,10 @@ class LRScheduler(_torch.LRScheduler):
             self.last_epoch.fill_(epoch)
         self._seen.copy_(count)  # (step(epoch) too: the next step() counts from here)
         self._write(self.get_lr())
-        if steppers is not None:
-            steppers.replaced.discard(self)
-            if last is not None and last is not self:
-                steppers.replaced.add(last)
-            steppers.last = weakref.ref(self)
+        steppers.replaced.discard(self)
+        if last is not None and last is not self:
+            steppers.replaced.add(last)
+        steppers.last = weakref.ref(self)
 
     # -- what torch's own SequentialLR calls --------------------------------------------
     def _initial_step(self) -> None:

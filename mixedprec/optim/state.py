@@ -248,8 +248,8 @@ def loaded_value(opt, p: Tensor, param_id: Any, key: str, value: Any) -> Any:
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{where} has shape {tuple(value.shape)}, expected "
                              f"{tuple(shape)} (the parameter's is {tuple(p.shape)})")
-        if key in state8.SCALE_OF.values() and value.dtype == state8.E8M0:
-            value = value.view(state8.SCALE)  # (scales saved as float8_e8m0fnu: their bytes)
+        if key in state8.SCALE_OF.values():
+            value = state8.as_bytes(value)
         if value.dtype != expected:
             hint = ""
             if key in _WIDENED_KEYS or key in state8.SCALE_OF:  # (a moment)

@@ -66,12 +66,16 @@ def new_scales(like: Tensor) -> Tensor:
     local = _local(like)
     rows, cols = scale_shape(like)
     out = torch.full((local.shape[0], cols), _ONE, dtype=SCALE, device=local.device)
-    if not is_dtensor(like):
-        return out
+    return _placed_as(out, like, (rows, cols), (cols, 1)) if is_dtensor(like) else out
+
+
+def _placed_as(local: Tensor, like: Tensor, shape, stride) -> Tensor:
+    """``local`` as the shard of a DTensor of ``shape`` and ``stride`` placed as
+    ``like``."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False,
-                              shape=torch.Size((rows, cols)), stride=(cols, 1))
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
 
 
 def as_e8m0(scales: Tensor) -> Tensor:
@@ -83,11 +87,12 @@ def as_e8m0(scales: Tensor) -> Tensor:
         return scales
     if not is_dtensor(scales):
         return scales.view(E8M0)
-    from torch.distributed.tensor import DTensor
+    return _placed_as(scales.to_local().view(E8M0), scales, scales.shape, scales.stride())
 
-    return DTensor.from_local(scales.to_local().view(E8M0), scales.device_mesh,
-                              scales.placements, run_check=False, shape=scales.shape,
-                              stride=scales.stride())
+
+def as_bytes(scales: Tensor) -> Tensor:
+    """Loaded scales as the state keeps them: a float8_e8m0fnu tensor as its bytes."""
+    return scales.view(SCALE) if scales.dtype == E8M0 else scales
 
 
 def decode(codes: Tensor, scales: Tensor) -> Tensor:
