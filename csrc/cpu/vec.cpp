@@ -34,8 +34,10 @@ Isa cpu_isa() {
 
 #if defined(MP_X86_ISA)
 const bool avx512_bf16_stores = cpu_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+const bool avx512_vbmi = cpu_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vbmi");
 #else
 const bool avx512_bf16_stores = false;
+const bool avx512_vbmi = false;
 #endif
 
 }  // namespace mixedprec::cpu

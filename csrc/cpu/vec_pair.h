@@ -303,6 +303,13 @@ template <typename T>
 MP_AVX512 Vec load(const T* p) {
   return {avx512::load(p), avx512::load(p + 16)};
 }
+// A block of 8-bit state: with VBMI through byte tables (avx512::e4m3_values_vbmi).
+MP_AVX512 Vec load(const E4m3* p) {
+  if (!avx512_vbmi) return {avx512::load(p), avx512::load(p + 16)};
+  Vec x;
+  avx512::e4m3_values_vbmi(p, x.a, x.b);
+  return x;
+}
 template <typename T>
 MP_AVX512 void store(T* p, Vec x) {
   avx512::store(p, x.a);

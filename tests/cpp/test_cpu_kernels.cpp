@@ -1273,6 +1273,71 @@ TEST(EightBitState, Avx512CodecMatchesTheScalarOne) {
 #endif
 
 #if defined(MP_X86_ISA)
+// The VBMI decode (byte tables: vec.h's e4m3_values_vbmi) against the AVX-512 one, bit
+// for bit (NaNs' payloads and signs included), every code in both halves of a block,
+// also with MXCSR's DAZ and FTZ set; and the 32 codes of two vectors stored as bytes
+// (store_codes' VBMI permutation where the CPU has it, else its narrowing stores).
+__attribute__((target(MP_AVX512_TARGET))) void vbmi_decode(const E4m3* p, uint32_t* out) {
+  VecF16 lo, hi;
+  cpu::avx512::e4m3_values_vbmi(p, lo, hi);
+  memcpy(out, &lo, sizeof(lo));
+  memcpy(out + 16, &hi, sizeof(hi));
+}
+__attribute__((target(MP_AVX512_TARGET))) void avx512_decode_bits(const E4m3* p, uint32_t* out) {
+  const VecF16 v = cpu::avx512::load(p);
+  memcpy(out, &v, sizeof(v));
+}
+__attribute__((target(MP_AVX512_TARGET))) void avx512_store_32_codes(const uint32_t* codes,
+                                                                     E4m3* out) {
+  cpu::avx512::store_codes(out, _mm512_loadu_si512(codes), _mm512_loadu_si512(codes + 16));
+}
+TEST(EightBitState, VbmiDecodeAndCodeStoresMatchTheAvx512Ones) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
+    GTEST_SKIP();
+  }
+  std::mt19937 gen(11);
+  uint32_t codes[32];
+  E4m3 out[32 + 8];
+  for (int round = 0; round < 1000; ++round) {
+    for (auto& c : codes) c = gen() & 0xffu;
+    for (auto& o : out) o.bits = 0x55;
+    avx512_store_32_codes(codes, out);
+    for (int i = 0; i < 32; ++i) ASSERT_EQ(out[i].bits, codes[i]) << round << " " << i;
+    for (int i = 32; i < 40; ++i) ASSERT_EQ(out[i].bits, 0x55) << "stored past the block";
+  }
+  if (!__builtin_cpu_supports("avx512vbmi")) GTEST_SKIP() << "no AVX512_VBMI: its decode untested";
+  const unsigned csr = _mm_getcsr();
+  for (const unsigned flush : {0u, 0x8040u}) {  // (FTZ | DAZ)
+    for (int first = 0; first < 256;
+         first += 16) {  // codes first.. in one half, the rest in the other
+      E4m3 block[32];
+      for (int i = 0; i < 32; ++i)
+        block[i].bits = static_cast<uint8_t>(first + i * 7 + (i >= 16) * 9);
+      uint32_t got[32], want[32];
+      _mm_setcsr(csr | flush);
+      vbmi_decode(block, got);
+      avx512_decode_bits(block, want);
+      avx512_decode_bits(block + 16, want + 16);
+      _mm_setcsr(csr);
+      for (int i = 0; i < 32; ++i) {
+        ASSERT_EQ(got[i], want[i]) << "code " << int{block[i].bits} << " flush " << flush;
+      }
+    }
+  }
+  E4m3 every[256];
+  for (int i = 0; i < 256; ++i) every[i].bits = static_cast<uint8_t>(i);
+  for (int i = 0; i < 256; i += 32) {
+    uint32_t got[32], want[32];
+    vbmi_decode(every + i, got);
+    avx512_decode_bits(every + i, want);
+    avx512_decode_bits(every + i + 16, want + 16);
+    for (int j = 0; j < 32; ++j) ASSERT_EQ(got[j], want[j]) << "code " << i + j;
+  }
+}
+#endif
+
+#if defined(MP_X86_ISA)
 // A group of blocks' codes and scales (vec_pair.h's store_blocks: the group's scales
 // found together, and the codes of the blocks whose largest magnitude is finite without
 // saturation or NaN codes) against lanes.h's store_block_of, block by block: n of the
