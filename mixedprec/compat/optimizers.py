@@ -139,7 +139,6 @@ class _ApexFace:
     def __getstate__(self) -> Dict[str, Any]:
         return dict(super().__getstate__(), set_grad_none=self.set_grad_none)
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One step of the core class; a param group whose ``lr`` is a negative number
         steps as in Apex (see :meth:`_negative_lr_step`)."""
@@ -161,6 +160,12 @@ class _ApexFace:
         flipped = [i for i, g in enumerate(self.param_groups) if _negative_number(g.get("lr"))]
         if not flipped:
             return run()
+        return self._flipped_step(run, flipped, outputs)
+
+    @torch.no_grad()
+    def _flipped_step(self, run: Callable[[], Any], flipped: List[int],
+                      outputs: Optional[List[Optional[List[Tensor]]]]) -> Any:
+        """_negative_lr_step's groups ``flipped`` (a negative lr) stepped and reversed."""
         if self.master in BF16_MODES:
             raise ValueError(f"{type(self).__name__}.step: param group {flipped[0]} has a "
                              f"negative lr ({self.param_groups[flipped[0]]['lr']}), which "

@@ -30,7 +30,12 @@ def hook_step(cls: type) -> None:
     (``_RecordFunctionFast``: about 0.6 us when nothing records; a profiler that records
     every thread, such as an on-demand one, still sees the range), where torch's
     ``record_function`` costs about 15 us of host time a step (bench/README.md, "torch's
-    step wrapper, entered only when something records")."""
+    step wrapper, entered only when something records").
+
+    A subclass's step that calls this class's (``super().step()``: the Apex faces, a
+    user's class) runs the hooks and the range once, in the subclass's wrapper: here the
+    call goes straight to the step. (torch's wrappers run them at both levels once both
+    classes have been instantiated.)"""
     step = cls.step
     if getattr(step, "hooked", False):
         return
@@ -41,6 +46,9 @@ def hook_step(cls: type) -> None:
 
     @functools.wraps(step)
     def wrapper(self, *args, **kwargs):
+        outer = type(self).step
+        if outer is not wrapper and getattr(outer, "hooked", False):
+            return step(self, *args, **kwargs)  # called from a subclass's wrapped step
         if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or \
                 global_hooks[0] or global_hooks[1] or fast_range is None or \
                 torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled():

@@ -916,3 +916,32 @@ def test_fused_novograd_state_dict_round_trip_resumes_bit_for_bit(device, dtype,
     with pytest.raises(ValueError, match="exp_avg_sq"):
         opt.load_state_dict(bad)
     assert_same_snapshot(full_snapshot(params, opt), before, "after a failed load")
+
+
+@pytest.mark.parametrize("face, core, kwargs", [
+    (FusedSGD, "SGD", {"lr": 0.1, "momentum": 0.9}),
+    (FusedAdam, "Adam", {"lr": 1e-3}),
+    (FusedAdagrad, "Adagrad", {"lr": 1e-2}),
+    (FusedNovoGrad, "NovoGrad", {"lr": 1e-2}),
+])
+def test_a_faces_step_runs_the_step_hooks_once_beside_the_core_class(face, core, kwargs):
+    """An Apex face's step calls its core class's, whose step is wrapped too once the core
+    class is in use in the process: the hooks run once a step, the face's."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    import mixedprec.optim
+
+    core_param = nn.Parameter(torch.randn(4))
+    core_param.grad = torch.randn(4)
+    getattr(mixedprec.optim, core)([core_param], **kwargs).step()
+    param = nn.Parameter(torch.randn(4))
+    param.grad = torch.randn(4)
+    opt = face([param], **kwargs)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(type(o).__name__))
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global"))
+    try:
+        opt.step()
+    finally:
+        handle.remove()
+    assert calls == ["global", face.__name__]

@@ -529,6 +529,25 @@ def test_step_hooks_run_once_a_step_as_torchs(cls, kwargs):
 
 
 @pytest.mark.parametrize("cls, kwargs", HOOKED)
+def test_a_subclass_step_calling_the_base_step_runs_the_hooks_once(cls, kwargs):
+    """A subclass whose step calls ``super().step()`` (the Apex faces, a user's class),
+    with the base class also in use in the process (so its step is wrapped too): the
+    hooks and the profiler range once a step, the subclass's (torch's wrappers run them
+    at both levels)."""
+    sub = type(f"My{cls.__name__}", (cls,), {"step": lambda self, closure=None:
+                                                 super(sub, self).step(closure)})
+    _trained("cpu", cls, kwargs, steps=1)  # the base class's step wrapped
+    _, opt = _trained("cpu", sub, kwargs, steps=1)
+    assert _hook_calls(opt, steps=1) == [
+        ("global pre", sub.__name__), ("pre", sub.__name__), ("post", sub.__name__),
+        ("global post", sub.__name__)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = [event.name for event in prof.events() if event.name.startswith("Optimizer.step#")]
+    assert names == [f"Optimizer.step#{sub.__name__}.step"]
+
+
+@pytest.mark.parametrize("cls, kwargs", HOOKED)
 def test_the_profiler_records_each_step_as_torchs(cls, kwargs):
     _, opt = _trained("cpu", cls, kwargs, steps=1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
