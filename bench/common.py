@@ -113,7 +113,7 @@ def cpu_flags() -> List[str]:
     """The vector-extension flags of the CPU (Linux: /proc/cpuinfo) that the kernels
     may use."""
     wanted = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-              "avx512dq", "avx512_bf16", "avx512_fp16", "amx_bf16")
+              "avx512dq", "avx512_bf16", "avx512vbmi", "avx512_fp16", "amx_bf16")
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
