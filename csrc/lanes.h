@@ -129,6 +129,14 @@ MP_HD float e4m3_value(uint32_t code) {
   if (mag == 0x7fu) v = NAN;
   return (code & 0x80u) != 0 ? -v : v;
 }
+// A magnitude's code from the integer path (abs_bits: the value's bits without the
+// sign, NaN and inf included, whose integer path stays below 2^32): saturated at 0x7e,
+// 0x7f for NaN. Selects, not a branch: the CUDA kernels issue a NaN test, its branch
+// and their reconvergence for every code otherwise (about 6 instructions a code).
+MP_HD uint32_t e4m3_clamped(uint32_t code, uint32_t abs_bits) {
+  code = code > 0x7eu ? 0x7eu : code;
+  return abs_bits > 0x7f800000u ? 0x7fu : code;
+}
 // The e4m3fn code of y, |y| <= 448 (or NaN: 0x7f with y's sign), to nearest even:
 // below 2^-6 (subnormal codes) y * 2^9 rounded to an integer (adding 1.5 * 2^23 rounds
 // it), else fp32's mantissa rounded to 3 bits. Past 448 it saturates (never reached:
@@ -140,7 +148,6 @@ MP_HD uint32_t e4m3_code(float y) {
   const uint32_t abs_bits = u & 0x7fffffffu;
   float a;
   memcpy(&a, &abs_bits, sizeof(a));
-  if (a != a) return sign | 0x7fu;
   uint32_t code;
   if (a < 0.015625f) {
     const float t = a * 512.f + 12582912.f;
@@ -150,7 +157,7 @@ MP_HD uint32_t e4m3_code(float y) {
   } else {
     code = ((abs_bits + 0x7ffffu + ((abs_bits >> 20) & 1u)) >> 20) - 960u;
   }
-  return sign | (code > 0x7eu ? 0x7eu : code);
+  return sign | e4m3_clamped(code, abs_bits);
 }
 
 // e4m3_code rounded stochastically: r's low 16 bits (uniform) plus one half are added
@@ -167,7 +174,6 @@ MP_HD uint32_t e4m3_code_stochastic(float y, uint32_t r) {
   const uint32_t abs_bits = u & 0x7fffffffu;
   float a;
   memcpy(&a, &abs_bits, sizeof(a));
-  if (a != a) return sign | 0x7fu;
   r &= 0xffffu;
   uint32_t code;
   if (a < 0.015625f) {
@@ -175,7 +181,7 @@ MP_HD uint32_t e4m3_code_stochastic(float y, uint32_t r) {
   } else {
     code = ((abs_bits + (r << 4) + 0x8u) >> 20) - 960u;
   }
-  return sign | (code > 0x7eu ? 0x7eu : code);
+  return sign | e4m3_clamped(code, abs_bits);
 }
 
 // The 16 random bits of local elements index .. index + n - 1 (rounding_bits of each

@@ -1384,8 +1384,9 @@ def longest_path(cfg: Cfg, loop: Dict, edges: Optional[Dict[int, List[int]]],
                  shortest: bool = False) -> Dict:
     """The most instructions one iteration can issue (the fewest with `shortest`): the
     longest path from the header to a latch over the loop's forward edges (all edges when
-    `edges` is None), with its global memory (LDG + STG), Philox multiply, shuffle and
-    load counts and its blocks; counts None where no iteration is feasible."""
+    `edges` is None), with its global memory (LDG + STG), Philox multiply, shuffle, load
+    and e4m3 decode (is_e4m3_unpack) counts and its blocks; counts None where no
+    iteration is feasible."""
     body, header = loop["body"], loop["header"]
 
     def out_edges(b):
@@ -1402,7 +1403,8 @@ def longest_path(cfg: Cfg, loop: Dict, edges: Optional[Dict[int, List[int]]],
     for b in reversed(topological(succ, header)):
         ins = cfg.block_ins(b)
         here = (len(ins), sum(map(is_memory, ins)), sum(map(is_philox, ins)),
-                sum(1 for i in ins if i.base == "SHFL"), sum(1 for i in ins if i.base == "LDG"))
+                sum(1 for i in ins if i.base == "SHFL"), sum(1 for i in ins if i.base == "LDG"),
+                sum(map(is_e4m3_unpack, ins)))
         top, pick = None, None
         if b in loop["latches"] and header in out_edges(b):
             top = here
@@ -1414,13 +1416,13 @@ def longest_path(cfg: Cfg, loop: Dict, edges: Optional[Dict[int, List[int]]],
     result = best.get(header)
     if result is None:
         return dict(instructions=None, memory=None, philox=None, shuffles=None, loads=None,
-                    blocks=[])
+                    unpacks=None, blocks=[])
     path, b = [], header
     while b is not None:
         path.append(b)
         b = choice[b]
     return dict(instructions=result[0], memory=result[1], philox=result[2],
-                shuffles=result[3], loads=result[4], blocks=path)
+                shuffles=result[3], loads=result[4], unpacks=result[5], blocks=path)
 
 
 def topological(succ: Dict[int, List[int]], start: int) -> List[int]:
@@ -1439,6 +1441,13 @@ def topological(succ: Dict[int, List[int]], start: int) -> List[int]:
 
 PHILOX_IMMEDIATES = {f"-0x{(1 << 32) - c:x}" for c in PHILOX_CONSTANTS} | {
     f"0x{c:x}" for c in PHILOX_CONSTANTS}
+
+
+def is_e4m3_unpack(ins: Ins) -> bool:
+    """The hardware's decode of two e4m3 codes to two fp16 values (sm_89 on:
+    cvt.rn.f16x2.e4m3x2, F2FP.F16.E4M3.UNPACK_B), which the 8-bit lists' loads use
+    (multi_tensor_block.cuh's e4m3_lane_values)."""
+    return ins.base == "F2FP" and "E4M3" in ins.mods and "UNPACK_B" in ins.mods
 
 
 def is_philox(ins: Ins) -> bool:
@@ -1704,6 +1713,7 @@ def analyse_kernel(mangled: str, demangled: str, body: List[Tuple[int, str]],
                          stores_per_element=(path["memory"] - path["loads"]) / elements,
                          philox_per_element=path["philox"] / elements,
                          shuffles_per_iteration=path["shuffles"],
+                         e4m3_unpacks_per_iteration=path["unpacks"],
                          unresolved_branches=len(path["unresolved"]))
             for device in DEVICES:
                 entry[f"budget_{device}"] = budget(nbytes, device)

@@ -154,6 +154,11 @@ def test_every_kernel_has_its_main_loop_and_every_mode_a_path(records):
             lists = r["types"].count("E4m3") - (1 if r["op"] == "AdamOp" else 0)
             assert all(m["shuffles_per_iteration"] == 3 * constants["unroll"] * lists
                        for m in analysed(r)), label(r)
+            # and a lane's 4 codes of each such list decoded by the hardware, two at a
+            # time (e4m3_lane_values: 2 conversions per list and span, in the vector and
+            # the element path alike)
+            assert all(m["e4m3_unpacks_per_iteration"] == 2 * constants["unroll"] * lists
+                       for m in analysed(r)), label(r)
         else:
             # apply_chunk: one vector load per list read (a Fixed kernel's: its mode's),
             # kUnroll of them
@@ -238,10 +243,15 @@ def test_the_report_modes_run_a_counting_copy_of_their_modes_loop(records):
     (the kept value's rounding, the lost and applied parts, their squares and the
     count: 8 to 30 instructions per element on the same kernel, no memory instruction
     in the loop; a counting kernel is compiled apart from its mode's, and ptxas may
-    schedule it otherwise: the stochastic ones, given more registers, take 2-5 more)."""
+    schedule it otherwise: the stochastic ones, given more registers, take 2-5 more,
+    and since the 8-bit codes' hardware decode (2026-12-03) the counting kernel of
+    stochastic params with 8-bit state 2.5 fewer than its plain one, whose longest path
+    takes two more arms the script leaves unresolved; so a counting kernel is held to
+    within 3 below its mode's, and each op's counting kernels to 8 more on average)."""
     by_kernel = {(r["op"], tuple(r["types"]), r["fixed"]): r for r in records
                  if r.get("op") in ("AdamOp", "SgdOp")}
     counted = generic = 0
+    extras = {}
     for r in records:
         if r.get("op") not in ("AdamOp", "SgdOp"):
             continue
@@ -260,7 +270,8 @@ def test_the_report_modes_run_a_counting_copy_of_their_modes_loop(records):
                 (base,) = [b for b in by_kernel[key]["modes"]
                            if b["mode"] == plain]
                 counted += 1
-                least = 1
+                least = -3
+                extras.setdefault(r["op"], []).append(m["per_element"] - base["per_element"])
             extra = m["per_element"] - base["per_element"]
             assert least <= extra <= 60, f"{label(r, m)}: {extra:+.1f} instructions per element"
             assert m["loads_per_element"] == base["loads_per_element"], label(r, m)
@@ -272,6 +283,8 @@ def test_the_report_modes_run_a_counting_copy_of_their_modes_loop(records):
     # each op: none, kahan and stochastic with fp32, bf16 and 8-bit state on their
     # counting kernels; on fp32 gradients of bf16 params, the generic kernels
     assert counted == 18 and generic >= 18, (counted, generic)
+    for op, each in extras.items():
+        assert sum(each) / len(each) >= 8, (op, each)
 
 
 def test_the_optimizers_kernels_take_the_stored_gradient_dtypes_only(records):
