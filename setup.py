@@ -66,10 +66,14 @@ def want_cuda() -> bool:
 
 
 def write_build_info(cuda: bool) -> None:
-    """mixedprec/_build_info.py: the torch this build is for, checked at import."""
+    """mixedprec/_build_info.py: the torch this build is for, checked at import, and
+    the CUDA architectures it compiled (TORCH_CUDA_ARCH_LIST; "" for DEFAULT_GENCODE,
+    whose sm_90 code comes from compute_80 PTX: test_sass_budget reads which of the
+    8-bit decodes that code has)."""
     with open(os.path.join(HERE, "mixedprec", "_build_info.py"), "w") as f:
         f.write("# Written by setup.py: the torch the extension was built against.\n"
-                f"TORCH_VERSION = {torch.__version__!r}\nWITH_CUDA = {cuda!r}\n")
+                f"TORCH_VERSION = {torch.__version__!r}\nWITH_CUDA = {cuda!r}\n"
+                f"CUDA_ARCH_LIST = {arch_list() if cuda else ''!r}\n")
 
 
 # -fmad=false: no FMA contraction on CUDA either, so that the CUDA kernels give the CPU

@@ -373,12 +373,17 @@ MP_DEVICE uint8_t* scales_of(void* const (&base)[sizeof...(Ts)]) {
 }
 
 // A lane's kILP codes (word: code j in byte j) as their values times their block's
-// scale, into x[j][k]. From sm_89 on through the hardware's conversion of two e4m3
+// scale, into x[j][k], as e4m3_value(code) * scale gives them, bit for bit. From sm_89
+// on (compute_89 PTX or later: TORCH_CUDA_ARCH_LIST=9.0, not setup.py's default, whose
+// sm_90 code comes from compute_80 PTX) through the hardware's conversion of two e4m3
 // codes to two fp16 values (cvt.rn.f16x2.e4m3x2), then to fp32: exact, as every e4m3
-// value is an fp16 one, in 3 instructions per two codes where e4m3_value's arithmetic
-// takes about 12 per code. A NaN code (0x7f, 0xff) gives a NaN both ways, and its
-// product with the scale is CUDA's canonical NaN either way. Before sm_89, and on the
-// host, e4m3_value.
+// value is an fp16 one, 3 instructions per two codes. A NaN code (0x7f, 0xff) gives a
+// NaN, and its product with the scale is CUDA's canonical NaN, as e4m3_value's is.
+// Otherwise (and on the host, where the C++ tests run it) in integer and float
+// arithmetic without a branch, about 8 instructions a code where e4m3_value took 12:
+// a code's magnitude bits placed as a float's (mag << 20) are its value times 2^-120,
+// a denormal float for the subnormal codes, which a product with +-2^120 (the code's
+// sign) makes exact; the NaN code's bits are e4m3_value's NaN.
 template <int D>
 MP_DEVICE void e4m3_lane_values(uint32_t word, float scale, float (&x)[kILP][D], int k) {
   static_assert(kILP == 4, "a lane's codes in one 32-bit word");
@@ -399,7 +404,13 @@ MP_DEVICE void e4m3_lane_values(uint32_t word, float scale, float (&x)[kILP][D],
   }
 #else
 #pragma unroll
-  for (int j = 0; j < kILP; ++j) x[j][k] = e4m3_value((word >> (8 * j)) & 0xffu) * scale;
+  for (int j = 0; j < kILP; ++j) {
+    const uint32_t code = word >> (8 * j);
+    const uint32_t mag = (code << 20) & 0x07f00000u, sign = (code << 24) & 0x80000000u;
+    const float value = mag == 0x07f00000u ? bits_float(sign | 0x7fc00000u)
+                                           : bits_float(mag) * bits_float(sign | 0x7b800000u);
+    x[j][k] = value * scale;
+  }
 #endif
 }
 

@@ -491,6 +491,34 @@ TEST(CudaBlocks, RemaindersMatchTheCpuEngine) {
 // the CPU engine's bytes, and a skipped step writes nothing. Adam's run too with
 // maximize, which no fixed mode holds: the generic kernel's block loop, one for both
 // alignments (multi_tensor_block.cuh's apply_blocks), on aligned and misaligned starts.
+// The 8-bit lists' decode of a lane's four codes (e4m3_lane_values, run here as the
+// kernels built without compute_89's conversion run it) against e4m3_value(code) *
+// scale, bit for bit: every code in every place of the word (NaN, subnormal and
+// signed-zero codes included), at scales from 2^-126 to 2^126 and the bytes no block
+// is given (0: zero, 254, 255: inf).
+TEST(CudaBlocks, EightBitDecodeIsTheScalarOnesBitForBit) {
+  for (const uint32_t scale_bits :
+       {0u, 1u, 2u, 100u, 127u, 134u, 135u, 200u, 247u, 253u, 254u, 255u}) {
+    const float scale = e8m0_value(scale_bits);
+    for (uint32_t code = 0; code < 256; ++code) {
+      for (int j = 0; j < kILP; ++j) {
+        const uint32_t word =
+            (code << (8 * j)) | (((code * 37u + 11u) & 0xffu) << (8 * ((j + 1) % kILP)));
+        float x[kILP][2];
+        e4m3_lane_values<2>(word, scale, x, 1);
+        for (int i = 0; i < kILP; ++i) {
+          const float want = e4m3_value((word >> (8 * i)) & 0xffu) * scale;
+          uint32_t got_bits, want_bits;
+          memcpy(&got_bits, &x[i][1], sizeof(got_bits));
+          memcpy(&want_bits, &want, sizeof(want_bits));
+          ASSERT_EQ(got_bits, want_bits)
+              << "code " << ((word >> (8 * i)) & 0xffu) << " scale byte " << scale_bits;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
   at::manual_seed(15);
   const std::vector<std::pair<int64_t, int64_t>> sizes = {
