@@ -383,7 +383,10 @@ MP_DEVICE uint8_t* scales_of(void* const (&base)[sizeof...(Ts)]) {
 // arithmetic without a branch, about 8 instructions a code where e4m3_value took 12:
 // a code's magnitude bits placed as a float's (mag << 20) are its value times 2^-120,
 // a denormal float for the subnormal codes, which a product with +-2^120 (the code's
-// sign) makes exact; the NaN code's bits are e4m3_value's NaN.
+// sign) makes exact; the NaN code's bits are e4m3_value's NaN. (Not e4m3_value's own
+// form: the CPU engine's scalar loads may run under DAZ (torch.set_flush_denormal),
+// which would zero those denormals; CUDA keeps them, setup.py's nvcc flags having no
+// -ftz.)
 template <int D>
 MP_DEVICE void e4m3_lane_values(uint32_t word, float scale, float (&x)[kILP][D], int k) {
   static_assert(kILP == 4, "a lane's codes in one 32-bit word");

@@ -485,12 +485,6 @@ TEST(CudaBlocks, RemaindersMatchTheCpuEngine) {
   expect_bitwise_equal(skipped[1], rems, "skipped remainders");
 }
 
-// 8-bit state (lanes.h): float8_e4m3fn moments and momentum with float8_e8m0fnu
-// block scales, beside fp32 masters with an fp16 model copy, bf16 params with
-// remainders and bf16 params rounded stochastically; the emulated CUDA blocks give
-// the CPU engine's bytes, and a skipped step writes nothing. Adam's run too with
-// maximize, which no fixed mode holds: the generic kernel's block loop, one for both
-// alignments (multi_tensor_block.cuh's apply_blocks), on aligned and misaligned starts.
 // The 8-bit lists' decode of a lane's four codes (e4m3_lane_values, run here as the
 // kernels built without compute_89's conversion run it) against e4m3_value(code) *
 // scale, bit for bit: every code in every place of the word (NaN, subnormal and
@@ -519,6 +513,12 @@ TEST(CudaBlocks, EightBitDecodeIsTheScalarOnesBitForBit) {
   }
 }
 
+// 8-bit state (lanes.h): float8_e4m3fn moments and momentum with float8_e8m0fnu
+// block scales, beside fp32 masters with an fp16 model copy, bf16 params with
+// remainders and bf16 params rounded stochastically; the emulated CUDA blocks give
+// the CPU engine's bytes, and a skipped step writes nothing. Adam's run too with
+// maximize, which no fixed mode holds: the generic kernel's block loop, one for both
+// alignments (multi_tensor_block.cuh's apply_blocks), on aligned and misaligned starts.
 TEST(CudaBlocks, EightBitStateMatchesTheCpuEngine) {
   at::manual_seed(15);
   const std::vector<std::pair<int64_t, int64_t>> sizes = {
