@@ -103,6 +103,10 @@ class _ApexFace:
     _APEX_KEYS: Dict[str, str] = {}
     #: Group keys of the core class that Apex's groups lacked.
     _FACE_KEYS: Tuple[str, ...] = ()
+    #: Whether Apex's step advanced ``group["step"]`` of a group with no gradient too
+    #: (FusedAdam's and FusedLAMB's: the count is the group's, advanced before the loop
+    #: over its parameters), so that bias correction follows the optimizer's steps.
+    _COUNTS_IDLE_GROUPS = False
     set_grad_none = True
 
     def _fused_dtype(self, p: Tensor) -> bool:
@@ -111,6 +115,12 @@ class _ApexFace:
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
         if params:  # (sparse gradients)
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+
+    def _idle_group(self, group: Dict[str, Any], scaling) -> None:
+        if self._COUNTS_IDLE_GROUPS:  # (as a step would: not when the scaler skips it)
+            device = group["params"][0].device
+            step, found_inf = self._group_step(group, device), self._scaling(device, scaling)[1]
+            step.add_(1.0 if found_inf is None else found_inf.reshape(1) == 0)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Zeroes the gradients; ``set_to_none`` defaults to ``set_grad_none``."""
@@ -325,7 +335,9 @@ class FusedAdam(_ApexFace, Adam):
 
     As in Apex, the step count belongs to the param group (``group["step"]``, a float32
     device tensor) rather than to each parameter: every parameter of a group is
-    assumed to step together. A group's parameters must share one device.
+    assumed to step together, and the count advances in every step, also for a group
+    none of whose parameters has a gradient (not when a scaler skips the step). A
+    group's parameters must share one device.
 
     Apex's 2019 surface (``apex.optimizers.FusedAdam`` of pytorch-pretrained-BERT), as
     keyword arguments: ``max_grad_norm`` (> 0: each group's gradients are clipped to
@@ -350,6 +362,7 @@ class FusedAdam(_ApexFace, Adam):
     _LEAN = True
     _APEX_KEYS = {"adam_w_mode": "decoupled_weight_decay"}
     _FACE_KEYS = ("decoupled_weight_decay",)
+    _COUNTS_IDLE_GROUPS = True
     multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)  # Apex's attribute
 
     @renamed(moment_dtype="state_dtype")
@@ -438,8 +451,12 @@ class FusedAdam(_ApexFace, Adam):
             with torch.enable_grad():
                 loss = closure()
         work = self._legacy_work(*legacy_args)
+        scaling = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         for group, items, outputs, norm in work:
-            self._legacy_group_step(group, items, outputs, norm, scale)
+            if items.params:
+                self._legacy_group_step(group, items, outputs, norm, scale)
+            elif group["params"]:
+                self._idle_group(group, scaling)
         for _, items, _, _ in work:  # master gradients are used by one step
             for p in items.params:
                 master = self.state[p].get("master_param")
@@ -531,8 +548,6 @@ class FusedAdam(_ApexFace, Adam):
         """One group's update on step's Apex 2019 path: gradients divided by ``scale``
         (and ``amp_scale_adjustment`` under amp), clipped to ``max_grad_norm``, all in
         the op's ``inv_scale`` on the device."""
-        if not items.params:
-            return
         device = items.params[0].device
         for i, (p, state) in enumerate(zip(items.params, items.states)):
             if state is None:
@@ -694,11 +709,13 @@ class FusedLAMB(_ApexFace, LAMB):
     Differences from Apex: the update is kept in a scratch buffer, so gradients are
     read and never written (Apex overwrote them with the update, rounded to their
     dtype); the step count is a float32 device tensor in ``group["step"]``, which a
-    step skipped on overflow does not advance; bf16 parameters and mixed dtypes in a
+    step skipped on overflow does not advance (every other step does, as in Apex, for a
+    group without gradients too); bf16 parameters and mixed dtypes in a
     group work; all parameters must share one device. Moments are float32.
     """
 
     _APEX_KEYS = {"adam_w_mode": "decoupled_weight_decay"}
+    _COUNTS_IDLE_GROUPS = True
 
     def __init__(self, params: Iterable, lr: float = 1e-3, bias_correction: bool = True,
                  betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,

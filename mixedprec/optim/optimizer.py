@@ -296,6 +296,8 @@ class Optimizer(torch.optim.Optimizer):
                     if plan.device not in scaled:
                         scaled[plan.device] = self._scaling(plan.device, scaling)
                     self._run_plan(group, plan.lists, grads, *scaled[plan.device])
+                elif counts and group["params"]:
+                    self._idle_group(group, scaling)
             if any(from_master for *_, from_master in planned):
                 for _, plan, _, _ in planned:  # master gradients are used by one step
                     for master in plan.with_masters:
@@ -322,8 +324,11 @@ class Optimizer(torch.optim.Optimizer):
                         self.state.pop(p, None)
                 if lists is not None and len(by_device) == 1 and plannable:
                     plans[index] = cache.make(group, lists, device, self.state, self.master)
-            if not by_device and plannable:  # no gradients in this group
-                plans[index] = cache.make(group, None, None, self.state, self.master)
+            if not by_device:  # no gradients in this group
+                if counts and group["params"]:
+                    self._idle_group(group, scaling)
+                if plannable:
+                    plans[index] = cache.make(group, None, None, self.state, self.master)
         for _, by_device in work:  # master gradients are used by one step
             for items in by_device.values():
                 for state in items.states:
@@ -353,6 +358,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _plan_holds(self, group: Dict[str, Any], plan: Plan) -> bool:
         return True  # (whether group settings a plan depends on are as planned)
+
+    def _idle_group(self, group: Dict[str, Any], scaling) -> None:
+        """A param group with parameters but no gradient in a step (``scaling``: the
+        step's (grad_scale, found_inf)): left as it is, as torch.optim leaves it."""
 
     def _torch_step(self, group: Dict[str, Any], params: List[Tensor], grads: List[Tensor]):
         raise NotImplementedError(f"{type(self).__name__}: no torch step for these params")

@@ -20,11 +20,18 @@ from helpers import (
     randn,
     scalar,
 )
-from references import ref_adagrad, ref_adam, ref_novograd, ref_sgd
+from references import ref_adagrad, ref_adam, ref_lamb, ref_novograd, ref_sgd
 from torch import nn
 
 from mixedprec import GradScaler, amp_C, ops
-from mixedprec.optimizers import FusedAdagrad, FusedAdam, FusedNovoGrad, FusedSGD
+from mixedprec.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
 
 TIGHT = TOLERANCES[torch.float32]
 SHAPES = [(5,), (3, 4), (2, 3, 2, 2), (70,)]
@@ -945,3 +952,56 @@ def test_a_faces_step_runs_the_step_hooks_once_beside_the_core_class(face, core,
     finally:
         handle.remove()
     assert calls == ["global", face.__name__]
+
+
+# Apex's FusedAdam and FusedLAMB advance a group's step count in every step(), before
+# their loop over its parameters: a group with no gradient yet (a layer unfrozen later)
+# still counts, and its first update takes the bias correction of the optimizer's step.
+IDLE_GROUP_CLASSES = [
+    pytest.param(FusedAdam, {}, id="FusedAdam"),
+    pytest.param(FusedAdam, {"max_grad_norm": 1e3}, id="FusedAdam-2019-path"),
+    pytest.param(FusedLAMB, {"weight_decay": 0.0}, id="FusedLAMB"),
+    pytest.param(FusedMixedPrecisionLamb, {"weight_decay": 0.0}, id="FusedMixedPrecisionLamb"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs", IDLE_GROUP_CLASSES)
+def test_a_group_without_gradients_still_counts_its_steps(device, cls, kwargs):
+    a = nn.Parameter(randn(40, torch.float32, device, seed=1))
+    b = nn.Parameter(randn(40, torch.float32, device, seed=2))
+    b0 = b.detach().double().clone()
+    opt = cls([{"params": [a]}, {"params": [b]}], lr=1e-2, **kwargs)
+    grad = randn(40, torch.float32, device, seed=3)
+    for i in range(4):  # b's first gradient at the 4th step (the 3rd and 4th use a plan)
+        a.grad = randn(40, torch.float32, device, seed=10 + i)
+        b.grad = grad.clone() if i == 3 else None
+        opt.step()
+    assert [float(g["step"]) for g in opt.param_groups] == [4.0, 4.0]
+    zeros = [torch.zeros(40, dtype=torch.float64, device=device)]
+    if cls is FusedAdam:
+        (want,), *_ = ref_adam([b0], [grad.double()], zeros, [zeros[0].clone()], 3, 1e-2)
+    else:
+        (want,), *_ = ref_lamb([b0], [grad.double()], zeros, [zeros[0].clone()], 3, 1e-2,
+                               weight_decay=0.0, global_grad_norm=float(grad.norm()))
+    torch.testing.assert_close(b.detach().double(), want, **TIGHT)
+
+
+def test_a_group_without_gradients_keeps_its_count_in_a_skipped_step(device):
+    a = nn.Parameter(randn(40, torch.float32, device, seed=1))
+    b = nn.Parameter(randn(40, torch.float32, device, seed=2))
+    opt = FusedAdam([{"params": [a]}, {"params": [b]}], lr=1e-2)
+    scaler = GradScaler(device, init_scale=4.0)
+    for bad in (False, True, False):
+        scaler.scale(a.sum()).backward()  # (the scaler's scale is made here)
+        a.grad.fill_(float("inf") if bad else 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert [float(g["step"]) for g in opt.param_groups] == [2.0, 2.0]
+
+
+def test_an_empty_group_has_no_step_count(device):
+    a = nn.Parameter(randn(40, torch.float32, device, seed=1))
+    opt = FusedAdam([{"params": [a]}, {"params": []}], lr=1e-2)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert "step" not in opt.param_groups[1] and float(opt.param_groups[0]["step"]) == 1.0
