@@ -113,8 +113,31 @@ class _ApexFace:
         return True
 
     def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        if params:  # (sparse gradients)
-            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        """What the fused step leaves to torch's implementation is refused: sparse
+        gradients (as in Apex), and a group setting the fused ops take as a number but
+        that holds a tensor (named, as Apex's kernels would have taken one: a number)."""
+        where = type(self).__name__
+        if not params:
+            return
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{where} does not support sparse gradients")
+        index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
+        where = f"{where}.step: param group {index}" if index is not None else f"{where}.step"
+        for key in self._SCALAR_KEYS:
+            values = group[key] if isinstance(group[key], tuple) else (group[key],)
+            if any(isinstance(v, Tensor) for v in values):
+                raise TypeError(f"{where}: expected {key} to be a float, got Tensor")
+        raise ValueError(f"{where}: these settings need torch's implementation, which "
+                         f"{type(self).__name__} does not take: differentiable="
+                         f"{group.get('differentiable')!r}; expected the fused step's")
+
+    def _set_apex_attribute(self, key: str, value: Any) -> None:
+        """An Apex attribute set after construction (``opt.use_nvlamb = True``): Apex's
+        step read it from the optimizer each time, so it applies to every param group
+        (the core's group key ``key``) and to groups added later."""
+        for holder in (self.defaults, *self.param_groups):
+            holder[key] = value
+        self.plans.invalidate()
 
     def _idle_group(self, group: Dict[str, Any], scaling) -> None:
         if self._COUNTS_IDLE_GROUPS:  # (as a step would: not when the scaler skips it)
@@ -217,13 +240,26 @@ def _negative_number(lr: Any) -> bool:
         -math.inf < lr < 0
 
 
+class _AmsgradError(RuntimeError, ValueError):
+    """``amsgrad=True`` given to an Apex face: Apex raised a RuntimeError there; a
+    ValueError too, as mixedprec refuses a bad argument."""
+
+
 def _check_apex(where: str, amsgrad: bool = False, **values: Any) -> None:
-    """Apex's argument checks: numbers >= 0, betas in [0, 1), no amsgrad."""
+    """Apex's argument checks: numbers >= 0 (``lr`` also a one-element float tensor, as
+    Apex's kernels took one and ``FusedAdam(capturable=True)`` made one), betas in
+    [0, 1), no amsgrad."""
     if amsgrad:
-        raise ValueError(f"{where} does not support amsgrad")
+        raise _AmsgradError(f"{where} does not support amsgrad; expected amsgrad=False")
     for name, value in values.items():
         if name == "betas":
             check_betas(where, value)
+        elif name == "lr" and isinstance(value, Tensor):
+            if value.numel() != 1 or not value.is_floating_point():
+                raise TypeError(f"{where}: expected lr to be a float or a one-element float "
+                                f"tensor, got a tensor of shape {tuple(value.shape)} and dtype "
+                                f"{value.dtype}")
+            check_nonnegative(where, name, float(value))  # sync-ok: read once, when built
         else:
             check_nonnegative(where, name, value)
 
@@ -321,7 +357,8 @@ class FusedAdam(_ApexFace, Adam):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         bias_correction: apply Adam's bias correction.
         adam_w_mode: decoupled weight decay (AdamW) when True.
-        amsgrad: not supported (a ValueError, as in Apex).
+        amsgrad: not supported (an error that is a RuntimeError, as in Apex, and a
+            ValueError).
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         capturable: accepted for Apex compatibility; every step already runs without
             host synchronisation (the step count lives on the device).
@@ -395,8 +432,13 @@ class FusedAdam(_ApexFace, Adam):
 
     @property
     def adam_w_mode(self) -> int:
-        """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2."""
+        """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2; setting it
+        sets every group's ``decoupled_weight_decay``."""
         return int(self.defaults["decoupled_weight_decay"])
+
+    @adam_w_mode.setter
+    def adam_w_mode(self, value: Any) -> None:
+        self._set_apex_attribute("decoupled_weight_decay", bool(value))
 
     @property
     def _dummy_overflow_buf(self) -> Tensor:
@@ -631,6 +673,14 @@ class FusedAdagrad(_ApexFace, Adagrad):
                          master=_master_of("FusedAdagrad", master_weights, None),
                          unscale_grads=False)
 
+    def _check_unfused(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        """Sparse gradients are refused, as in Apex; a group holding a tensor (an ``lr``
+        written as one, which Apex's kernel took as a number) steps through torch's
+        Adagrad, as :class:`mixedprec.optim.Adagrad` steps it."""
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        super(_ApexFace, self)._check_unfused(group, params)
+
     @property
     def adagrad_w_mode(self) -> bool:
         """Apex's attribute: decoupled weight decay (the core's decoupled_weight_decay)."""
@@ -648,7 +698,7 @@ class FusedNovoGrad(_ApexFace, NovoGrad):
         bias_correction, reg_inside_moment, grad_averaging, norm_type, init_zero: as
             :class:`mixedprec.optim.NovoGrad` (``reg_inside_moment`` is Apex's moment
             mode 0, its default False mode 1).
-        amsgrad: not supported (a ValueError; Apex raised RuntimeError).
+        amsgrad: not supported (a RuntimeError, as in Apex, and a ValueError).
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
 
@@ -678,12 +728,21 @@ class FusedNovoGrad(_ApexFace, NovoGrad):
 
     @property
     def moment_mode(self) -> int:
-        """Apex's attribute: 0 with ``reg_inside_moment``, else 1."""
+        """Apex's attribute: 0 with ``reg_inside_moment``, else 1 (setting it sets every
+        group's ``reg_inside_moment``, as Apex's step read it)."""
         return 0 if self.defaults["reg_inside_moment"] else 1
+
+    @moment_mode.setter
+    def moment_mode(self, value: Any) -> None:
+        self._set_apex_attribute("reg_inside_moment", not value)
 
     @property
     def reg_inside_moment(self) -> bool:
         return bool(self.defaults["reg_inside_moment"])
+
+    @reg_inside_moment.setter
+    def reg_inside_moment(self, value: Any) -> None:
+        self._set_apex_attribute("reg_inside_moment", bool(value))
 
 
 class FusedLAMB(_ApexFace, LAMB):
@@ -702,7 +761,7 @@ class FusedLAMB(_ApexFace, LAMB):
             (``self.defaults["max_grad_norm"]``, as in Apex); 0 turns clipping off
             (Apex would then zero the gradients).
         use_nvlamb: apply the trust ratio to parameters without weight decay too.
-        amsgrad: not supported (a ValueError).
+        amsgrad: not supported (a RuntimeError, as in Apex, and a ValueError).
         set_grad_none: what ``zero_grad()`` does by default (Apex's default: True).
         master_weights: keep fp32 masters of fp16/bf16 parameters (see FusedSGD).
 
@@ -733,13 +792,34 @@ class FusedLAMB(_ApexFace, LAMB):
                          unscale_grads=False)
 
 
+    @property
+    def adam_w_mode(self) -> int:
+        """Apex's attribute: 1 for decoupled weight decay, 0 for L2; setting it sets
+        every group's ``decoupled_weight_decay``, as Apex's step read it."""
+        return int(self.defaults["decoupled_weight_decay"])
+
+    @adam_w_mode.setter
+    def adam_w_mode(self, value: Any) -> None:
+        self._set_apex_attribute("decoupled_weight_decay", bool(value))
+
+    @property
+    def use_nvlamb(self) -> bool:
+        """Apex's attribute; setting it sets every group's ``use_nvlamb``."""
+        return bool(self.defaults["use_nvlamb"])
+
+    @use_nvlamb.setter
+    def use_nvlamb(self, value: Any) -> None:
+        self._set_apex_attribute("use_nvlamb", bool(value))
+
+
 class FusedMixedPrecisionLamb(FusedLAMB):
     """Apex's ``FusedMixedPrecisionLamb``: :class:`FusedLAMB` with fp32 masters of
     fp16/bf16 parameters (``master_weights=True``), with Apex's arguments.
 
     Args:
-        lr: a float, or a one-element tensor (read once, here: ``group["lr"]`` is then
-            a float, which LR schedulers change as usual).
+        lr: a float, or a one-element float tensor, kept as ``group["lr"]`` (as Apex
+            kept it; ``group["lr"].fill_(x)`` and LR schedulers change it on the
+            device).
         step: the step count the param groups start from (Apex's ``step``).
         reduced_precision_dtype: accepted (None, torch.float16 or torch.bfloat16);
             every fp16/bf16 parameter gets an fp32 master whatever its value (Apex
@@ -760,11 +840,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
                  amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True,
                  max_grad_norm: float = 1.0, use_nvlamb: bool = False,
                  reduced_precision_dtype: Optional[torch.dtype] = None):
-        if isinstance(lr, Tensor):
-            if lr.numel() != 1 or not lr.is_floating_point():
-                raise TypeError(f"expected lr to be a float or a one-element float tensor, "
-                                f"got a tensor of shape {tuple(lr.shape)} and dtype {lr.dtype}")
-            lr = float(lr)  # sync-ok: Apex's lr may be a device tensor; read once, here
         if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
             raise TypeError("expected reduced_precision_dtype to be None, torch.float16 or "
                             f"torch.bfloat16, got {reduced_precision_dtype}")

@@ -581,7 +581,9 @@ def test_fused_adagrad_op_bad_arguments_change_nothing(bad, error, name):
     pytest.param({"lr": -0.1}, ValueError, id="negative-lr"),
     pytest.param({"eps": -1e-10}, ValueError, id="negative-eps"),
     pytest.param({"weight_decay": float("nan")}, ValueError, id="nan-wd"),
-    pytest.param({"lr": torch.tensor(0.1)}, TypeError, id="tensor-lr"),
+    pytest.param({"lr": torch.tensor(-0.1)}, ValueError, id="negative-tensor-lr"),
+    pytest.param({"lr": torch.tensor([0.1, 0.2])}, TypeError, id="two-element-lr"),
+    pytest.param({"lr": torch.tensor(1)}, TypeError, id="integer-tensor-lr"),
 ])
 def test_fused_adagrad_bad_constructor_arguments(kwargs, error):
     with pytest.raises(error):
@@ -1005,3 +1007,101 @@ def test_an_empty_group_has_no_step_count(device):
     a.grad = torch.ones_like(a)
     opt.step()
     assert "step" not in opt.param_groups[1] and float(opt.param_groups[0]["step"]) == 1.0
+
+
+# A one-element tensor lr, as Apex's kernels took one (and FusedAdam(capturable=True) made
+# one): the same bits as the number, and written on the device afterwards it is followed.
+TENSOR_LR_CLASSES = [
+    pytest.param(FusedAdam, {}, torch.float32, id="FusedAdam"),
+    pytest.param(FusedAdam, {"capturable": True}, torch.float32, id="FusedAdam-capturable"),
+    pytest.param(FusedSGD, {"momentum": 0.9}, torch.float32, id="FusedSGD"),
+    pytest.param(FusedLAMB, {}, torch.float32, id="FusedLAMB"),
+    pytest.param(FusedMixedPrecisionLamb, {}, torch.bfloat16, id="FusedMixedPrecisionLamb"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, dtype", TENSOR_LR_CLASSES)
+def test_a_tensor_lr_steps_as_the_number(device, cls, kwargs, dtype):
+    results = []
+    for lr in (1e-2, torch.tensor(1e-2, device=device)):
+        p = nn.Parameter(randn((8, 8), dtype, device, seed=1))
+        opt = cls([p], lr=lr, **kwargs)
+        for i in range(3):
+            p.grad = randn((8, 8), dtype, device, seed=10 + i)
+            opt.step()
+        results.append(p.detach().clone())
+    assert_bitwise_equal(*results)
+    opt.param_groups[0]["lr"].fill_(0.0)  # (a tensor still: Apex's scripts write it so)
+    opt.param_groups[0]["weight_decay"] = 0.0
+    p.grad = randn((8, 8), dtype, device, seed=20)
+    opt.step()
+    assert_bitwise_equal(p.detach(), results[1])
+
+
+def test_fused_adagrad_steps_a_tensor_lr_as_torch_adagrad(device):
+    p = nn.Parameter(randn(16, torch.float32, device, seed=1))
+    q = nn.Parameter(p.detach().clone())
+    opt, ref = FusedAdagrad([p], lr=1e-2), torch.optim.Adagrad([q], lr=1e-2)
+    for o in (opt, ref):
+        o.param_groups[0]["lr"] = torch.tensor(3e-2)
+    for i in range(3):
+        p.grad = randn(16, torch.float32, device, seed=10 + i)
+        q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach(), **TIGHT)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
+def test_a_tensor_setting_is_named_and_changes_nothing(device, cls):
+    p = nn.Parameter(randn(16, torch.float32, device, seed=1))
+    model = nn.ParameterList([p])
+    opt = cls([p], lr=1e-2, momentum=0.9) if cls is FusedSGD else cls([p], lr=1e-2)
+    p.grad = randn(16, torch.float32, device, seed=2)
+    opt.step()
+    before = full_snapshot(model, opt)
+    opt.param_groups[0]["weight_decay"] = torch.tensor(0.1)
+    with pytest.raises(TypeError, match=r"param group 0: expected weight_decay to be a float"):
+        opt.step()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    assert_same_snapshot(full_snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad])
+def test_amsgrad_is_refused_as_apex_refused_it(cls):
+    p = nn.Parameter(torch.zeros(4))
+    for error in (RuntimeError, ValueError):  # (Apex's RuntimeError, and a bad argument)
+        with pytest.raises(error, match="does not support amsgrad"):
+            cls([p], amsgrad=True)
+
+
+# Apex's FusedLAMB, FusedAdam and FusedNovoGrad read these settings from the optimizer at
+# every step: set on it after construction they apply to every group.
+APEX_ATTRIBUTES = [
+    pytest.param(FusedLAMB, "use_nvlamb", True, {"use_nvlamb": True}, id="lamb-use_nvlamb"),
+    pytest.param(FusedLAMB, "adam_w_mode", 0, {"adam_w_mode": False}, id="lamb-adam_w_mode"),
+    pytest.param(FusedAdam, "adam_w_mode", 0, {"adam_w_mode": False}, id="adam-adam_w_mode"),
+    pytest.param(FusedNovoGrad, "reg_inside_moment", True, {"reg_inside_moment": True},
+                 id="novograd-reg_inside_moment"),
+    pytest.param(FusedNovoGrad, "moment_mode", 0, {"reg_inside_moment": True},
+                 id="novograd-moment_mode"),
+]
+
+
+@pytest.mark.parametrize("cls, name, value, built", APEX_ATTRIBUTES)
+def test_an_apex_attribute_set_later_applies_to_every_group(device, cls, name, value, built):
+    results = []
+    for later in (True, False):
+        ps = [nn.Parameter(randn(16, torch.float32, device, seed=s)) for s in (1, 2)]
+        groups = [{"params": [ps[0]]}, {"params": [ps[1]], "lr": 2e-2}]
+        opt = cls(groups, lr=1e-2, weight_decay=0.1, **({} if later else built))
+        if later:
+            setattr(opt, name, value)
+            assert getattr(opt, name) == value
+        for i in range(3):
+            for j, p in enumerate(ps):
+                p.grad = randn(16, torch.float32, device, seed=10 + 2 * i + j)
+            opt.step()
+        results.append([p.detach().clone() for p in ps])
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)

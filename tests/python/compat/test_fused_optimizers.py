@@ -84,7 +84,7 @@ BAD_ARGS = [
                  ValueError,
                  id="sgd-nesterov-dampening"),
     pytest.param(FusedSGD, {"lr": float("nan")}, ValueError, id="sgd-nan-lr"),
-    pytest.param(FusedSGD, {"lr": torch.tensor(0.1)}, TypeError, id="sgd-tensor-lr"),
+    pytest.param(FusedSGD, {"lr": torch.tensor([0.1, 0.2])}, TypeError, id="sgd-two-element-lr"),
     pytest.param(FusedAdam, {"lr": -1e-3}, ValueError, id="adam-negative-lr"),
     pytest.param(FusedAdam, {"betas": (1.0, 0.999)}, ValueError, id="adam-beta1-1"),
     pytest.param(FusedAdam, {"betas": (-0.1, 0.999)}, ValueError, id="adam-beta1-negative"),
@@ -92,7 +92,7 @@ BAD_ARGS = [
     pytest.param(FusedAdam, {"eps": -1e-8}, ValueError, id="adam-negative-eps"),
     pytest.param(FusedAdam, {"weight_decay": -1.0}, ValueError, id="adam-negative-wd"),
     pytest.param(FusedAdam, {"amsgrad": True}, ValueError, id="adam-amsgrad"),
-    pytest.param(FusedAdam, {"lr": torch.tensor(1e-3)}, TypeError, id="adam-tensor-lr"),
+    pytest.param(FusedAdam, {"lr": torch.tensor(-1e-3)}, ValueError, id="adam-negative-tensor-lr"),
 ]
 
 

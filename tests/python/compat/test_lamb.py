@@ -222,7 +222,7 @@ def test_mixed_precision_lamb_is_fused_lamb_with_masters(device):
     twin = copy.deepcopy(model)
     opt = FusedMixedPrecisionLamb(groups(model), lr=torch.tensor(1e-2, device=device), step=3,
                                   reduced_precision_dtype=F16)
-    ref = FusedLAMB(groups(twin), lr=1e-2, master_weights=True)
+    ref = FusedLAMB(groups(twin), lr=torch.tensor(1e-2, device=device), master_weights=True)
     for group in ref.param_groups:
         group["step"] = torch.full((1,), 3.0, device=device)
     for step in range(3):
