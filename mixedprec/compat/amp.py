@@ -382,11 +382,13 @@ class _OptimizerAmp:
         self.fused = isinstance(optimizer, Optimizer)
         self.masters = masters  # model param -> fp32 master (non-fused O2 only)
         self.model_of = {m: p for p, m in masters.items()}
+        self.versions: Dict[Tensor, int] = {}  # model param -> its version its master has
+        self.masters_follow()
         self.found_inf = self.carried = self.delayed = self.stash_scale = None
         self.stash: List[Optional[Tensor]] = []
         self.skip = False
         if not self.fused:
-            _guard_step(optimizer, self._should_skip)
+            _guard_step(optimizer, self._should_skip, self._follow_model)
         optimizer.register_step_post_hook(self._after_step)
         optimizer._amp_stash = _AmpStash(self)
         state.optimizers.append(self)
@@ -396,6 +398,21 @@ class _OptimizerAmp:
         """The parameters whose gradients backward writes (the model's, not masters)."""
         return [self.model_of.get(p, p) for g in self.optimizer().param_groups
                 for p in g["params"]]
+
+    def masters_follow(self) -> None:
+        """Records that the masters hold their model parameters' values as they are now."""
+        self.versions = {p: p._version for p in self.masters}
+
+    def _follow_model(self) -> None:
+        """Non-fused O2, before a step: a master whose model parameter was written since
+        (``model.load_state_dict`` after ``initialize``, an in-place edit under
+        ``torch.no_grad()``) takes its value, as Apex's masters, made at the first
+        ``scale_loss``, took the model's weights of then; stale, the step would write the
+        old weights back into the model."""
+        for p, master in self.masters.items():
+            if p._version != self.versions.get(p):
+                master.data.copy_(p.data)  # (as the step writes: no version of its own)
+                self.versions[p] = p._version
 
     def _should_skip(self) -> bool:
         """Non-fused only, before the step: whether the gradients overflowed. A skipped
@@ -417,6 +434,7 @@ class _OptimizerAmp:
                     delattr(optimizer, name)
         elif self.masters and not self.skip:
             _masters.copy_to_model(list(self.masters.values()), list(self.masters))
+            self.masters_follow()
         # As Apex's O2 step: the masters' gradients are used by one step. model.zero_grad()
         # (transformers' Trainer) never reaches them; kept, they would add up over steps.
         for master in self.step_masters(optimizer):
@@ -505,15 +523,18 @@ class _OptimizerAmp:
         opt.grad_scale, opt.found_inf = None, self.found_inf
 
 
-def _guard_step(optimizer: torch.optim.Optimizer, should_skip) -> None:
+def _guard_step(optimizer: torch.optim.Optimizer, should_skip, before=None) -> None:
     """Makes ``optimizer.step()`` return None without running when ``should_skip()``
-    says so: an instance attribute, a bound method as torch's LR schedulers expect
-    (they wrap ``optimizer.step.__func__``), as Apex's amp replaced ``step`` too."""
+    says so, and call ``before()`` (if given) first otherwise: an instance attribute, a bound
+    method as torch's LR schedulers expect (they wrap ``optimizer.step.__func__``), as
+    Apex's amp replaced ``step`` too."""
     original = optimizer.step
 
     def step(opt, *args: Any, **kwargs: Any) -> Any:
         if should_skip():
             return None
+        if before is not None:
+            before()
         return original(*args, **kwargs)
 
     if getattr(original, "_wrapped_by_lr_sched", False):
@@ -960,6 +981,7 @@ def load_state_dict(state_dict: Dict[str, Any]) -> None:
             if not check_only:
                 _masters.copy_to_model(saved, current)  # exactly
                 _masters.copy_to_model(current, list(amp.masters))
+                amp.masters_follow()  # (the model's weights are the masters', cast)
 
 
 class _CurrentAmpState:

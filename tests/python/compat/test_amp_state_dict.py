@@ -10,8 +10,11 @@ import pytest
 import torch
 from amp_common import (
     HALF_DTYPES,
+    OPTIMIZERS,
     assert_identical,
     clone_tree,
+    level_kwargs,
+    make_mlp,
     scaler_state,
     setup,
     snapshot,
@@ -61,6 +64,33 @@ def test_checkpoint_resume_is_bit_exact(device, opt_name, half, tmp_path):
     assert_identical(first + rest, ref_losses, "losses")
     assert_identical(snapshot(model, opt, buffers=True), reference, "state after resuming")
     assert scaler_state() == ref_scale
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_a_model_loaded_after_initialize_is_what_trains(device, half):
+    """O2 with a torch optimizer, resumed from the model's and the optimizer's state
+    dicts without amp's (as GNMT resumes): the steps start from the loaded weights (Apex
+    made the masters at the first scale_loss, from the model's weights then), as if
+    those weights had been the model's at initialize. Before, the masters made at
+    initialize wrote the other initial weights back at the first step."""
+    model, opt, _ = setup("O2", half, "Adam", device)
+    for s in range(3):
+        train_step(model, opt, s, device)
+    saved = clone_tree({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+    def resume(model, opt):
+        opt.load_state_dict(clone_tree(saved["optimizer"]))  # (torch's Adam steps its 'step')
+        losses = [train_step(model, opt, s, device) for s in range(3, 6)]
+        return losses, snapshot(model, opt)
+
+    model, opt, _ = setup("O2", half, "Adam", device, seed=123)
+    model.load_state_dict(saved["model"])  # after initialize
+    after = resume(model, opt)
+    model = make_mlp(123, device)
+    model.load_state_dict(saved["model"])  # before initialize (cast to fp32 exactly)
+    model, opt = amp.initialize(model, OPTIMIZERS["Adam"](model.parameters()),
+                                **level_kwargs("O2", half))
+    assert_identical(after, resume(model, opt), "resumed run")
 
 
 def test_amp_state_dict_carries_masters_of_torch_optimizers():
