@@ -104,6 +104,12 @@ _NORM_FILE = ("fused_layer_norm_affine", "fused_layer_norm", "mixed_dtype_fused_
               "manual_rms_norm", "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm",
               "MixedFusedRMSNorm")
 
+def _lists(prefix: str, *more: str) -> Entry:
+    """An ``apex.amp.lists`` module: Apex's names of the lists in compat.amp_lists."""
+    names = ("MODULE", "FP16_FUNCS", "FP32_FUNCS") + more
+    return Entry(_FACES + "amp_lists", names, renamed=tuple((n, f"{prefix}_{n}") for n in names))
+
+
 #: Apex module -> what it is made of, for every module of Apex's file layout (at its
 #: last release with amp) under the packages mixedprec provides.
 MODULES: Dict[str, Entry] = {
@@ -123,9 +129,9 @@ MODULES: Dict[str, Entry] = {
     "apex.amp.handle": Entry(_AMP, ("scale_loss", "disable_casts", "AmpHandle",
                                     "NoOpHandle")),
     "apex.amp.lists": Entry(_AMP),
-    "apex.amp.lists.functional_overrides": Entry(_AMP),
-    "apex.amp.lists.tensor_overrides": Entry(_AMP),
-    "apex.amp.lists.torch_overrides": Entry(_AMP),
+    "apex.amp.lists.functional_overrides": _lists("FUNCTIONAL", "BANNED_FUNCS"),
+    "apex.amp.lists.tensor_overrides": _lists("TENSOR", "CASTS", "SEQUENCE_CASTS"),
+    "apex.amp.lists.torch_overrides": _lists("TORCH", "CASTS", "SEQUENCE_CASTS"),
     "apex.amp.opt": Entry(_AMP),
     "apex.amp.rnn_compat": Entry(_AMP),
     "apex.amp.scaler": Entry(_AMP, ("LossScaler",)),

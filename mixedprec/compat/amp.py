@@ -222,9 +222,27 @@ class LossScaler:
         """Apex's count of steps since the last overflow or growth (reads the device)."""
         return self.core.trackers()["growth_tracker"]
 
-    _min_loss_scale = property(lambda self: self.core.min_scale)
-    _max_loss_scale = property(lambda self: self.core.max_scale)
-    _scale_seq_len = property(lambda self: self.core.growth_interval)
+    # Apex's settings, which scripts write after initialize (NVIDIA's GNMT sets
+    # _scale_seq_len, a float from argparse): checked, then the scale's own settings.
+    _min_loss_scale = property(lambda self: self.core.min_scale,
+                               lambda self, value: self.core.configure(min_scale=value))
+    _max_loss_scale = property(lambda self: self.core.max_scale,
+                               lambda self, value: self.core.configure(max_scale=value))
+
+    @property
+    def _scale_seq_len(self) -> int:
+        """Apex's growth window: the steps without overflow after which the scale grows
+        (the scale's ``growth_interval``); a write may be a whole float, as Apex's."""
+        return self.core.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: Any) -> None:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError("amp: expected _scale_seq_len (the loss scaler's growth window) "
+                             f"to be a whole number >= 1, got {value!r}")
+        self.core.configure(growth_interval=value)
 
     @property
     def _overflow_buf(self) -> Tensor:
@@ -637,6 +655,20 @@ def _patch_forward(model: nn.Module, props: Properties) -> None:
         model.forward = _AmpForward(model, original, autocast_dtype, input_dtype, output_dtype)
 
 
+class _Fp32StateDict:
+    """A model's state dict hook at O2/O3, as Apex's: the tensors of the cast dtype
+    (``dtype``) come out as float32 with the same values, so a checkpoint keeps the
+    fp32 dtypes it had before ``initialize`` (loading casts them back)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for key, value in state_dict.items():
+            if key.startswith(prefix) and isinstance(value, Tensor) and value.dtype == self.dtype:
+                state_dict[key] = value.float()
+
+
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     """Casts the floating-point tensors in nested lists, tuples and dicts."""
     if isinstance(value, Tensor):
@@ -808,6 +840,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         elif dtype is not None:
             m.to(dtype)
         _patch_forward(m, props)
+        if casting and not any(isinstance(h, _Fp32StateDict) and h.dtype == dtype
+                               for h in m._state_dict_hooks.values()):
+            m.register_state_dict_post_hook(_Fp32StateDict(dtype))
     for o in optimizer_list:
         masters: Dict[Tensor, Tensor] = {}
         if isinstance(o, Optimizer):

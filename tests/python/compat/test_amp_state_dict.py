@@ -5,6 +5,7 @@ load_state_dict's checks, all or nothing; the loss scalers as faces on LossScale
 Every test runs on the CPU; those taking the ``device`` fixture have a CUDA twin that
 skips on a machine without a GPU."""
 
+import itertools
 
 import pytest
 import torch
@@ -91,6 +92,27 @@ def test_a_model_loaded_after_initialize_is_what_trains(device, half):
     model, opt = amp.initialize(model, OPTIMIZERS["Adam"](model.parameters()),
                                 **level_kwargs("O2", half))
     assert_identical(after, resume(model, opt), "resumed run")
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_a_cast_model_saves_fp32_as_apex_did(level, half):
+    """Apex's O2StateDictHook: after initialize casts the model, model.state_dict() holds
+    fp32 tensors of the same values (checkpoints keep their dtypes); loaded back into the
+    cast model they give its weights bit for bit."""
+    model, opt, _ = setup(level, half, "Adam", "cpu")
+    train_step(model, opt, 0)
+    live = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    cast = {k: v.detach().clone() for k, v in live.items() if v.dtype == half}
+    assert cast, "the model was cast"
+    saved = model.state_dict()
+    assert_identical({k: saved[k] for k in cast}, {k: v.float() for k, v in cast.items()},
+                     "saved")
+    model.load_state_dict(saved)
+    live = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    assert_identical({k: live[k].detach() for k in cast}, cast, "reloaded")
+    amp.initialize(model, None, **level_kwargs(level, half))  # again: one hook, not two
+    assert len(model._state_dict_hooks) == 1
 
 
 def test_amp_state_dict_carries_masters_of_torch_optimizers():

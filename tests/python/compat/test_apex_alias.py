@@ -175,6 +175,37 @@ def test_legacy_import_forms(alias):
     assert LARC is larc_module  # Apex's apex.parallel did not import the class
 
 
+def test_amp_lists_hold_apexs_lists_and_take_edits(alias):
+    """apex.amp.lists.*_overrides hold Apex's lists, each module its own, which scripts
+    edit before initialize (NVIDIA's Tacotron2 moves 'softmax' between them)."""
+    import torch
+    from apex.amp.lists import functional_overrides as functional
+    from apex.amp.lists import tensor_overrides, torch_overrides
+
+    assert functional.MODULE is torch.nn.functional and torch_overrides.MODULE is torch
+    assert tensor_overrides.MODULE is torch.Tensor
+    assert "softmax" in functional.FP32_FUNCS and "linear" in functional.FP16_FUNCS
+    assert functional.BANNED_FUNCS[0][0] == "binary_cross_entropy"
+    assert "cat" in torch_overrides.SEQUENCE_CASTS and "__add__" in tensor_overrides.CASTS
+    assert torch_overrides.FP32_FUNCS is not functional.FP32_FUNCS
+    for module in (functional, torch_overrides, tensor_overrides):
+        for name in ("FP16_FUNCS", "FP32_FUNCS") + (
+                ("BANNED_FUNCS",) if module is functional else ("CASTS", "SEQUENCE_CASTS")):
+            lists = getattr(module, name)
+            assert lists or name == "SEQUENCE_CASTS" and module is tensor_overrides
+            assert all(hasattr(module.MODULE, n if isinstance(n, str) else n[0])
+                                 for n in lists), name  # (names of that module)
+    functional.FP32_FUNCS.remove("softmax")
+    functional.FP16_FUNCS.append("softmax")
+    try:
+        import apex.amp.lists.functional_overrides as again
+
+        assert "softmax" in again.FP16_FUNCS  # the same lists, wherever imported
+    finally:
+        functional.FP16_FUNCS.remove("softmax")
+        functional.FP32_FUNCS.append("softmax")
+
+
 def test_2019_apex_optimizers_fp16_optimizer(alias):
     """Apex's apex/optimizers/fp16_optimizer.py (releases before late 2019) is the 2019
     FP16_Optimizer, fp16_utils' LegacyFP16_Optimizer, in every import form."""

@@ -342,6 +342,31 @@ def test_loss_scale_attribute_write_takes_effect():
     assert scaler._scale_seq_len == 2000 and scaler._max_loss_scale == 2.0**24
 
 
+def test_growth_window_and_bounds_writes_take_effect():
+    """NVIDIA's GNMT writes the scaler's `_loss_scale` and `_scale_seq_len` (a float
+    from argparse) after initialize: the scale then grows after that many clean steps."""
+    model = make_model(**MLP)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale, scaler._scale_seq_len = 8.0, 4.0
+    assert scaler._scale_seq_len == 4
+    for bad in (2.5, 0, "4"):
+        with pytest.raises(ValueError, match="_scale_seq_len"):
+            scaler._scale_seq_len = bad
+    scaler._max_loss_scale = 16.0
+    for step in range(9):
+        loss = model(torch.randn(3, 4).half()).float().mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        assert scaler.loss_scale() == (8.0 if step < 3 else 16.0)  # (the ceiling from 4 on)
+    with pytest.raises(ValueError):
+        scaler._min_loss_scale = 32.0  # above the ceiling: refused, nothing changed
+    assert scaler._min_loss_scale < 16.0 and scaler.loss_scale() == 16.0
+
+
 def test_overflow_buf_and_update_scale_as_bert_uses_them():
     model = make_model(**MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
