@@ -21,6 +21,8 @@ __all__ = ["GradScaler", "MissingStateKeys"]
 # The keys of torch.amp.GradScaler's state dict, which load_state_dict needs.
 _TORCH_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                      "_growth_tracker")
+# What torch's step hands an optimizer that declares _step_supports_amp_scaling.
+_HANDED = ("grad_scale", "found_inf")
 
 
 class MissingStateKeys(KeyError, ValueError):
@@ -187,7 +189,10 @@ class GradScaler(torch.amp.GradScaler):
     @_not_traced
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """torch's ``step``; with ``skip_on_host``, an optimizer that skips on the device
-        is not called on an overflowing step (one host read of the flag)."""
+        is not called on an overflowing step (one host read of the flag). When the
+        optimizer's step raises, ``optimizer.grad_scale`` and ``found_inf`` are removed
+        (torch's step leaves them) and the clip is kept: a retry steps as this call
+        would have."""
         if self._enabled and getattr(self, "skip_on_host", False) and \
                 getattr(optimizer, "_step_supports_amp_scaling", False) and \
                 "closure" not in kwargs:
@@ -201,11 +206,26 @@ class GradScaler(torch.amp.GradScaler):
                 if any(bool(f) for f in flags):  # sync-ok: skip_on_host's one read
                     state["stage"] = OptState.STEPPED
                     return None
-        clip = self._per_optimizer_states[id(optimizer)].pop("clip", None) \
-            if self._enabled else None
-        if clip is not None:  # (torch's step multiplies its scale by this, then deletes it)
-            optimizer.grad_scale = getattr(optimizer, "grad_scale", 1) / clip
-        return super().step(optimizer, *args, **kwargs)
+        state = self._per_optimizer_states[id(optimizer)] if self._enabled else {}
+        kept = {k: state[k] for k in ("clip", "checked") if k in state}
+        handed = {k: getattr(optimizer, k) for k in _HANDED if hasattr(optimizer, k)}
+        try:
+            clip = state.pop("clip", None)
+            if clip is not None:  # (torch's step multiplies its scale by this, then deletes it)
+                optimizer.grad_scale = getattr(optimizer, "grad_scale", 1) / clip
+            return super().step(optimizer, *args, **kwargs)
+        except BaseException:
+            # torch's step deletes grad_scale and found_inf only after the optimizer's step
+            # returns: left there, a later step divided the gradients by the scale again.
+            # Both are as before the call, as is the clip, so that a retry steps as this
+            # call would have.
+            for name in _HANDED:
+                if name in handed:
+                    setattr(optimizer, name, handed[name])
+                elif hasattr(optimizer, name):
+                    delattr(optimizer, name)
+            state.update(kept)
+            raise
 
     @_not_traced
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,

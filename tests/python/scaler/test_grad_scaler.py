@@ -994,3 +994,40 @@ def test_skip_on_host_leaves_an_overflowing_step_uncalled(monkeypatch):
             assert torch.equal(s0[i][k], s1[i][k]), (i, k)
     with pytest.raises(TypeError, match="skip_on_host"):
         GradScaler("cpu", skip_on_host=1)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clip"])
+def test_a_step_that_raises_leaves_no_scale_on_the_optimizer(device, clip):
+    """scaler.step(opt) whose optimizer step raises (a negative lr, refused before any
+    update): torch's step deletes opt.grad_scale and opt.found_inf only after the step
+    returns, so they stayed, and the retried step divided the gradients by the scale
+    twice (failed before its fix). The retry, with the lr mended, steps as
+    torch.optim.SGD under torch's scaler where nothing raised, the clip included."""
+    model, ref = make_model(device), make_model(device)
+    opt = mixedprec.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = GradScaler(device, init_scale=2.0**10)
+    ref_scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+    for step in range(4):
+        for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            o.zero_grad()
+            s.scale(loss_of(m, step)).backward()
+            if clip and s is scaler:
+                s.clip_grad_norm_(o, 0.05)
+            elif clip:
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        if step == 1:
+            before = full_snapshot(model, opt)
+            opt.param_groups[0]["lr"] = -1.0
+            with pytest.raises(ValueError, match="lr"):
+                scaler.step(opt)
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            assert_same_snapshot(full_snapshot(model, opt), before, "after the error")
+            opt.param_groups[0]["lr"] = 0.1
+        for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
+            s.step(o)
+            s.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **TIGHT, msg=f"step {step}")
