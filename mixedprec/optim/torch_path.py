@@ -242,12 +242,27 @@ def step_pending(opt) -> None:
         return
     grad_scale = getattr(opt, "grad_scale", None)
     for group, params in pending:
+        unshare_steps(opt.state, group, params)
         grads = [p.grad for p in params]
         if grad_scale is not None:
             for grad in grads:
                 grad.mul_(inverse(grad_scale.to(grad.device)).to(grad.dtype))
         with torch.set_grad_enabled(bool(group.get("differentiable"))):
             opt._torch_step(group, params, grads)
+
+
+def unshare_steps(state_of: Dict[Tensor, Dict[str, Any]], group: Dict[str, Any],
+                  params: List[Tensor]) -> None:
+    """Each of ``params`` its own step-count tensor where it shares one with others of
+    the group (as the fused steps leave them: :func:`step_counts`): torch's
+    implementation advances each parameter's count in place, so a shared one advanced
+    once per holder (3 parameters: by 3 a step)."""
+    holders = step_holders(state_of, group)
+    for p in params:
+        state = state_of.get(p)
+        step = state.get("step") if state else None
+        if isinstance(step, Tensor) and holders[id(step)] > 1:
+            state["step"] = step.clone()
 
 
 def is_fused_param(p: Tensor) -> bool:

@@ -285,6 +285,36 @@ def test_loaded_state_dict_steps_are_not_shared():
     assert [float(s["step"]) for s in theirs.state.values()] == [3.0] * 4
 
 
+@pytest.mark.parametrize("name,key,value", [
+    ("Adam", "betas", (torch.tensor(0.9), torch.tensor(0.999))),
+    ("Adam", "eps", torch.tensor(1e-8)),
+    ("AdamW", "weight_decay", torch.tensor(0.01)),
+    ("Adagrad", "lr_decay", 0.1),
+], ids=["Adam-betas", "Adam-eps", "AdamW-weight_decay", "Adagrad-lr_decay"])
+def test_a_group_sent_to_torchs_step_after_fused_steps_counts_each_parameter(name, key,
+                                                                            value):
+    """After fused steps (one step-count tensor shared by the group's parameters), a
+    setting the fused ops do not take sends the group to torch's implementation, which
+    advanced the shared count once per parameter (4 parameters: 4 a step; failed before
+    its fix). Each parameter counts its own steps, one of them frozen in the first such
+    step, as torch.optim's do, step for step."""
+    ours_cls, torch_cls = getattr(optim, name), getattr(torch.optim, name)
+    params = model_params()
+    ref = clone(params)
+    ours, theirs = ours_cls(params, lr=0.01), torch_cls(ref, lr=0.01, foreach=False)
+    for step in range(5):
+        if step == 2:
+            ours.param_groups[0][key] = theirs.param_groups[0][key] = value
+        frozen = (1,) if step == 2 else ()
+        for p, q, g in zip(params, ref, grads_for(params, step, frozen)):
+            p.grad, q.grad = (None, None) if g is None else (g.clone(), g.clone())
+        ours.step()
+        theirs.step()
+        for p, q in zip(params, ref):
+            assert float(ours.state[p]["step"]) == float(theirs.state[q]["step"]), step
+            torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6, msg=f"step {step}")
+
+
 def test_older_state_dict_gets_the_newer_keys():
     params = model_params()
     opt = optim.Adam(params)
