@@ -65,6 +65,7 @@ class Adam(Optimizer):
                    "exp_avg_sq_root_scale")
     _STATE_TOGETHER = (("step",), ("exp_avg",), ("exp_avg_sq", "exp_avg_sq_root"))
     _TORCH_STEP_KEEPS = "params"
+    _TORCH_STEP_SAME_DTYPE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _LEAN = True
     _8BIT_KEYS = state8.ADAM_KEYS
     _NEWER_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,

@@ -57,6 +57,10 @@ class Optimizer(torch.optim.Optimizer):
     #: state of their dtype) or "fp32 masters" (that, on the fp32 masters of fp16/bf16
     #: parameters under master="fp32"); torch_path.check_torch_stepped refuses the rest.
     _TORCH_STEP_KEEPS: Optional[str] = None
+    #: The state entries ``_torch_step`` takes only in the parameter's dtype (torch's Adam:
+    #: its lerp_ takes one dtype); torch_path.check_torch_stepped refuses them in another,
+    #: as the fused steps may have made them (fp32 moments of a bf16 parameter).
+    _TORCH_STEP_SAME_DTYPE: Tuple[str, ...] = ()
 
     def __init__(self, params, defaults: Dict[str, Any], *, master: str = "fp32",
                  state_dtype: torch.dtype = torch.float32, seed: Optional[int] = None,

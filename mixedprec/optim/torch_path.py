@@ -294,9 +294,11 @@ def check_torch_stepped(opt, where: str, group: Dict[str, Any], master: str,
     update and naming it, is what would otherwise fail after other parameters stepped
     (no torch step) or be dropped: fp32 masters or a bf16 mode of an fp16/bf16
     parameter (``master="none"`` is stepped as torch.optim steps it), a ``state_dtype``
-    other than the default and the parameter's, and the precision report. (An fp32
-    parameter is its own master and keeps fp32 state, as those that 8-bit moments leave
-    out do.)"""
+    other than the default and the parameter's, the precision report, and state that
+    the torch step takes in the parameter's dtype only (``_TORCH_STEP_SAME_DTYPE``) in
+    another, made by fused steps before (:func:`other_dtype`: Adam's fp32 moments of a
+    bf16 parameter under ``master="none"``). (An fp32 parameter is its own master and
+    keeps fp32 state, as those that 8-bit moments leave out do.)"""
     if group.get("differentiable"):
         return
     keeps, fused_group = opt._TORCH_STEP_KEEPS, opt._fused_group(group)
@@ -314,6 +316,8 @@ def check_torch_stepped(opt, where: str, group: Dict[str, Any], master: str,
             why = f"which keeps its state in its dtype: not state_dtype={state_dtype}"
         elif low and report is not None:
             why = "which does not count for the precision report"
+        elif other_dtype(opt, p):
+            why = f"which takes its state in its dtype only: not {other_dtype(opt, p)}"
         else:
             continue
         error, strided = ValueError, False
@@ -329,11 +333,42 @@ def check_torch_stepped(opt, where: str, group: Dict[str, Any], master: str,
         else:
             error, what = TypeError, "has a sparse gradient, which the fused ops do not take"
         fixes = ["make it contiguous"] if strided else []
-        if keeps and low:
+        if other_dtype(opt, p) and not fused_group:
+            fixes.append(f"set {tensor_settings(opt, group)} of param group "
+                         f"{group_index(opt, group)} as numbers")
+        elif keeps and low:
             fixes.append(f"use master='none' and state_dtype={p.dtype}")
         raise error(f"{where}: a {p.dtype} parameter of shape {tuple(p.shape)} {what}, so it "
                     f"needs torch.optim's implementation of the step, {why}"
                     + (f" ({' or '.join(fixes)})" if fixes else ""))
+
+
+def other_dtype(opt, p: Tensor) -> str:
+    """Which state of ``p`` torch's step cannot take (``opt._TORCH_STEP_SAME_DTYPE`` in
+    another dtype than p's: fp32 moments that fused steps made for a bf16 parameter
+    under master="none", or bf16 ones of an fp32 parameter), as "the torch.float32
+    'exp_avg' its fused steps made"; else ""."""
+    state = opt.state.get(p) or {}
+    for key in opt._TORCH_STEP_SAME_DTYPE:
+        value = state.get(key)
+        if isinstance(value, Tensor) and value.dtype != p.dtype:
+            return f"the {value.dtype} {key!r} its fused steps made"
+    return ""
+
+
+def tensor_settings(opt, group: Dict[str, Any]) -> str:
+    """The group's settings that are tensors where the fused ops take numbers."""
+    names = [key for key in opt._SCALAR_KEYS if any(
+        isinstance(v, Tensor) for v in (group[key] if isinstance(group[key], tuple)
+                                        else (group[key],)))]
+    return " and ".join(names) or "the settings"
+
+
+def group_index(opt, group: Dict[str, Any]) -> int:
+    """``group``'s place in ``opt.param_groups`` (the next one for a group being added)."""
+    whole = whole_group(group)
+    return next((i for i, g in enumerate(opt.param_groups) if g is whole),
+                len(opt.param_groups))
 
 
 def unfused(opt, group: Dict[str, Any]) -> List[Tensor]:

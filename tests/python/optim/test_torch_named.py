@@ -712,6 +712,37 @@ def test_tensor_hyperparameters_refuse_fp32_masters_of_bf16_parameters():
     train(optim.AdamW(params, betas=betas, master="none"), params, 2)
 
 
+@pytest.mark.parametrize("key,value", [
+    ("betas", (torch.tensor(0.9), torch.tensor(0.999))),
+    ("eps", torch.tensor(1e-8)),
+    ("weight_decay", torch.tensor(0.01)),
+])
+def test_a_tensor_setting_after_fused_steps_refuses_their_fp32_moments(key, value):
+    """master="none" with bf16 parameters keeps fp32 moments in the fused steps; a tensor
+    setting then sends one group to torch's implementation, which takes state of the
+    parameter's dtype only: it failed after the other group had stepped and
+    applied_steps had advanced (failed before its fix). Refused before anything
+    changes, naming the group and the setting; numbers again, it steps."""
+    params = model_params(torch.bfloat16)
+    opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], master="none")
+    train(opt, params, 2)
+    opt.param_groups[1][key] = value
+    for p, g in zip(params, grads_for(params, 2)):
+        p.grad = g
+    before = state_dict_snapshot(params, opt)
+    steps = [float(s["step"]) for s in opt.state.values()]
+    with pytest.raises(ValueError, match=rf"^AdamW.step: a torch.bfloat16 parameter .* "
+                                         rf"not the torch.float32 'exp_avg' its fused steps "
+                                         rf"made \(set {key} of param group 1 as numbers\)"):
+        opt.step()
+    assert_state_dict_unchanged(params, opt, before)
+    assert int(opt.applied_steps) == 2
+    assert [float(s["step"]) for s in opt.state.values()] == steps
+    opt.param_groups[1][key] = optim.AdamW([torch.zeros(1)]).defaults[key]
+    opt.step()
+    assert int(opt.applied_steps) == 3
+
+
 def test_in_backward_refuses_a_differentiable_group():
     params = model_params()
     opt = optim.AdamW([{"params": params[:2]}, {"params": params[2:], "differentiable": True}])
