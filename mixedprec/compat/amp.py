@@ -403,6 +403,7 @@ class _OptimizerAmp:
         self.versions: Dict[Tensor, int] = {}  # model param -> its version its master has
         self.masters_follow()
         self.found_inf = self.carried = self.delayed = self.stash_scale = None
+        self.decides = True  # False after a delay_overflow_check exit: the script skips
         self.stash: List[Optional[Tensor]] = []
         self.skip = False
         if not self.fused:
@@ -436,7 +437,7 @@ class _OptimizerAmp:
         """Non-fused only, before the step: whether the gradients overflowed. A skipped
         step does not run at all (any optimizer, even one that would update without
         gradients); its gradients are dropped and amp's bookkeeping is reset."""
-        flag = self.found_inf
+        flag = self.found_inf if self.decides else None
         self.skip = flag is not None and flag.item() != 0  # sync-ok: once a step, as Apex
         if self.skip:
             optimizer = self.optimizer()
@@ -517,15 +518,23 @@ class _OptimizerAmp:
             self.carried = None
         self.restore(self.carried)
 
-    def add_flag(self, found_inf: Optional[Tensor], device: torch.device) -> None:
-        """Joins one loss's overflow flag (None: a static scale, which never skips)."""
-        if self.found_inf is None:
+    def add_flag(self, found_inf: Optional[Tensor], device: torch.device,
+                 decides: bool = True) -> None:
+        """Joins one loss's overflow flag (None: a static scale, which never skips).
+        ``decides`` False (``delay_overflow_check``): the flag skips no step, the script
+        checks and skips itself; the flag then starts again at 0."""
+        if self.found_inf is None or not decides:
             self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if found_inf is not None:
             self.found_inf.add_(found_inf)
+        self.decides = decides
         if self.fused:  # the one channel to it, as torch.amp.GradScaler uses it
             opt = self.optimizer()
-            opt.grad_scale, opt.found_inf = self.carried, self.found_inf
+            opt.grad_scale, opt.found_inf = self.carried, self.flag()
+
+    def flag(self) -> Optional[Tensor]:
+        """The overflow flag that skips the step on the device (None: none skips it)."""
+        return self.found_inf if self.decides else None
 
     def unscale_for_clipping(self) -> None:
         """``master_params`` of a fused optimizer: unscales the gradients now, into its
@@ -538,7 +547,7 @@ class _OptimizerAmp:
                    if "master_param" in opt.state.get(p, {})}
         _unscale(params, masters, self.found_inf, self.carried)
         self.carried = None
-        opt.grad_scale, opt.found_inf = None, self.found_inf
+        opt.grad_scale, opt.found_inf = None, self.flag()
 
 
 def _guard_step(optimizer: torch.optim.Optimizer, should_skip, before=None) -> None:
@@ -879,7 +888,11 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
     optimizers' gradients are unscaled (into the fp32 masters at O2); then the scale is
     updated. An overflow skips the steps of all the optimizers given. With
     ``delay_unscale=True`` the gradients stay scaled and unchecked until the next exit
-    of the same loss. Apex's ``model`` and ``delay_overflow_check`` have no effect."""
+    of the same loss. With ``delay_overflow_check=True`` the gradients are unscaled
+    but neither the scale nor any step follows this exit's check: the script checks
+    the gradients itself and calls the scaler's ``update_scale()`` (NVIDIA's BERT
+    pretraining, which checks after its all-reduce), as in Apex. Apex's ``model`` has
+    no effect."""
     optimizer_list = _as_list(optimizers)
     for o in optimizer_list:
         if not isinstance(o, torch.optim.Optimizer):
@@ -919,9 +932,11 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
         else:
             amp.after_backward(scale, found_inf, check)
             amp.delayed = None
+    decides = check and not delay_overflow_check  # (else the script's update_scale() does)
     for amp in amps:  # found_inf is complete: an overflow anywhere skips every step
-        amp.add_flag(found_inf if check else None, scale.device)
-    if check:
+        amp.add_flag(found_inf if decides else None, scale.device,
+                     decides=not delay_overflow_check)
+    if decides:
         scaler.update(found_inf)
         state = amps[0].state
         state.overflow.record_step(found_inf, scale, scaler.core.scale)

@@ -392,6 +392,52 @@ def test_overflow_buf_and_update_scale_as_bert_uses_them():
     assert static.update_scale() is False and static.loss_scale() == 128.0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-adam", "fused-adam"])
+def test_delay_overflow_check_leaves_the_scale_to_the_script(fused):
+    """NVIDIA's BERT pretraining (allreduce_post_accumulation): scale_loss(...,
+    delay_overflow_check=True) over the micro-batches, then its own check of the master
+    gradients and scaler.update_scale(), then optimizer.step() unless that found an
+    overflow. As in Apex, the scale moves once per optimizer step, by update_scale only,
+    and amp skips no step itself (it updated at every exit: three times a step here)."""
+    import mixedprec.amp_C as amp_C
+
+    model = make_model(**MLP)
+    opt = (FusedAdam(model.parameters(), lr=1e-3) if fused
+           else torch.optim.Adam(model.parameters(), lr=1e-3))
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale, scaler._scale_seq_len = 2.0**8, 2  # (no fp16 overflow of its own)
+    overflow_buf = torch.zeros(1, dtype=torch.int32)
+    scales, steps = [], 0
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        for micro in range(2):
+            loss = model(torch.randn(3, 4, generator=gen).half()).float().mean()
+            with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
+                scaled.backward()
+        masters = [p.grad for p in amp.master_params(opt) if p.grad is not None]
+        if step == 2:
+            masters[0].view(-1)[0] = float("inf")  # (the all-reduce's overflow, say)
+        overflow_buf.zero_()
+        multi_tensor_applier(amp_C.multi_tensor_scale, overflow_buf,
+                             [masters, [torch.empty_like(g) for g in masters]], 1.0)
+        old, scaler._overflow_buf = scaler._overflow_buf, overflow_buf
+        had_overflow = scaler.update_scale()
+        scaler._overflow_buf = old
+        if not had_overflow:
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            steps += 1
+            assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        for p in amp.master_params(opt):
+            p.grad = None
+        for p in model.parameters():
+            p.grad = None
+        scales.append(scaler.loss_scale())
+    assert steps == 4
+    assert scales == [2.0**8, 2.0**9, 2.0**8, 2.0**8, 2.0**9]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-sgd", "fused-adam"])
 def test_amp_stash_lists(fused):
     model = make_model(**MLP)
