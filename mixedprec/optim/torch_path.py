@@ -7,6 +7,7 @@ sparse gradients, hyperparameters the fused ops do not take, and the groups with
 import functools
 import inspect
 import math
+import numbers
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -97,8 +98,8 @@ def check_lr(where: str, lr: Any) -> None:
             raise ValueError(f"{where}: expected a tensor lr to hold one floating-point value, "
                              f"got {lr.dtype} of shape {tuple(lr.shape)}"
                              + (" on the meta device (no value)" if lr.is_meta else ""))
-    elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or \
-            not 0 <= lr < float("inf"):
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real) or \
+            not 0 <= lr < float("inf"):  # (numpy's numbers too, as torch takes them)
         raise ValueError(f"{where}: expected lr to be a finite number >= 0 or a tensor, "
                          f"got {lr!r}")
 
@@ -408,7 +409,7 @@ class Subset(dict):
 
 def check_nonnegative(where: str, name: str, value: Any) -> None:
     """A hyperparameter that must be a finite number >= 0."""
-    if isinstance(value, (Tensor, bool)) or not isinstance(value, (int, float)):
+    if isinstance(value, (Tensor, bool)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where}: expected {name} to be a float, got {type(value).__name__}")
     if not 0.0 <= value < math.inf:
         raise ValueError(f"{where}: expected {name} to be a finite number >= 0, got {value}")

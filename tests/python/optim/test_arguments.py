@@ -150,3 +150,35 @@ def test_8bit_moments_refuse_amsgrad_everywhere(cls):
     with pytest.raises(ValueError, match="amsgrad=True"):
         opt.add_param_group({"params": params(), "amsgrad": True})
     assert snapshot(opt) == before
+
+
+NUMPY_SETTINGS = [
+    pytest.param("Adam", {"lr": "float32"}, id="adam-lr-float32"),
+    pytest.param("Adam", {"lr": "int64"}, id="adam-lr-int64"),
+    pytest.param("AdamW", {"weight_decay": "float32"}, id="adamw-weight_decay-float32"),
+    pytest.param("SGD", {"lr": "float32", "momentum": "float32"}, id="sgd-float32"),
+    pytest.param("Adagrad", {"lr": "float32"}, id="adagrad-lr-float32"),
+]
+
+
+@pytest.mark.parametrize("name, numpy_settings", NUMPY_SETTINGS)
+def test_numpy_numbers_are_taken_as_torch_takes_them(name, numpy_settings):
+    """Settings that are numpy scalars (from a config or a numpy schedule), at
+    construction and written into a group later: the same bits as Python numbers."""
+    np = pytest.importorskip("numpy")
+    plain = {"lr": 0.01 if "int64" not in numpy_settings.values() else 0, "momentum": 0.9,
+             "weight_decay": 0.1}
+    plain = {k: v for k, v in plain.items() if k in numpy_settings}
+    given = {k: getattr(np, kind)(plain[k]) for k, kind in numpy_settings.items()}
+    results = []
+    for settings, later in ((plain, False), (given, False), (given, True)):
+        p = nn.Parameter(torch.linspace(-1, 1, 16))
+        opt = getattr(optim, name)([p], **(plain if later else settings))
+        for i in range(3):
+            if later and i == 1:
+                opt.param_groups[0].update(settings)
+            p.grad = torch.linspace(-1, 1, 16) * (i + 1)
+            opt.step()
+        results.append(p.detach().clone())
+    assert_bitwise_equal(results[0], results[1])
+    assert_bitwise_equal(results[0], results[2])
