@@ -28,7 +28,10 @@ class Adagrad(Optimizer):
     gradients here). ``sum`` is float32 beside 16-bit parameters. A group with
     ``lr_decay != 0``, ``maximize`` or a tensor ``lr``, float64 and complex parameters
     and sparse gradients go through torch's own implementation (on the fp32 masters
-    where there are some; it reads ``found_inf`` on the host).
+    where there are some; it reads ``found_inf`` on the host). As in
+    :class:`mixedprec.optim.Adam`, the parameters that step together share one
+    step-count tensor: an in-place write to one's count (``state[p]["step"].zero_()``)
+    changes theirs; set a new tensor to change one parameter's count.
     """
 
     _TORCH_CLASS = torch.optim.Adagrad

@@ -56,7 +56,12 @@ class Adam(Optimizer):
     tensor ``betas``, ``weight_decay`` or ``eps`` (for fp16/bf16 ones: master="none"
     only, ``torch_path.check_torch_stepped``). Parameters that step together share one
     step-count tensor inside the optimizer; ``state_dict()`` gives each its own, as
-    torch does.
+    torch does. So an in-place write to one parameter's count
+    (``optimizer.state[p]["step"].zero_()``) changes the count of every parameter of
+    its group that shares it (torch.optim's would change p's only); to restart p's
+    count alone, set a new tensor (``optimizer.state[p]["step"] = torch.tensor(0.)``)
+    or clear p's state (``optimizer.state[p].clear()``). State entries set, replaced
+    or removed between steps are read at the next step, as torch.optim reads them.
     """
 
     _TORCH_CLASS = torch.optim.Adam

@@ -84,6 +84,7 @@ class Optimizer(torch.optim.Optimizer):
         # (group, params) that torch's implementation steps, found during a step
         self._pending: List[Tuple[Dict[str, Any], List[Tensor]]] = []
         super().__init__(params, defaults)
+        self.state = _state.tracked(self.state)  # (counts its edits: PlanCache.keep)
         #: The number of steps applied (not skipped by a scaler's ``found_inf``): a 0-dim
         #: int64 tensor advanced on the device; mixedprec.optim.lr_scheduler reads it.
         self.applied_steps = torch.zeros((), dtype=torch.int64,
@@ -340,7 +341,7 @@ class Optimizer(torch.optim.Optimizer):
                         state["master_param"].grad = None
         cache.invalidate()
         if not compiling:
-            cache.plans.update(plans)
+            cache.keep(plans, self)
         if counts:
             _state.count_applied(self, scaling[1])
 

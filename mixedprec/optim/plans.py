@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..grads import update_grad
 from .precision import FLOAT_DTYPES
+from .state import ParamStates, tracked
 
 
 class Plan(NamedTuple):
@@ -87,6 +88,8 @@ class PlanCache:
         self.plans: Dict[int, Plan] = {}
         #: The caches of the buckets that step inside backward (:meth:`part`).
         self.parts: List["PlanCache"] = []
+        #: The optimizer state's count of edits when the plans were made (:meth:`keep`).
+        self.edits = -1
 
     def invalidate(self) -> None:
         """Forgets the op calls kept from the last step, and those of its parts: for
@@ -95,6 +98,18 @@ class PlanCache:
         self.plans.clear()
         for part in self.parts:
             part.invalidate()
+
+    def keep(self, plans: Dict[int, Plan], opt: Any) -> None:
+        """Keeps the ``plans`` a step made on the full path (after :meth:`invalidate`),
+        with the count of edits of ``opt.state`` (:class:`~.state.ParamStates`) at the
+        end of that step: an entry replaced or removed since then (a parameter's state
+        cleared or set anew, a moment or step count replaced) makes the next step take
+        the full path, which reads the state as it is, as torch.optim reads it at every
+        step. A state that counts no edits (a plain dict set as ``optimizer.state``)
+        is made a ParamStates here, its parameters' dicts copied."""
+        opt.state = tracked(opt.state)
+        self.plans.update(plans)
+        self.edits = opt.state.edits.count
 
     def part(self) -> "PlanCache":
         """A cache of its own (a bucket's, inside backward) that :meth:`invalidate`
@@ -135,15 +150,18 @@ class PlanCache:
 
         A plan holds the op's lists of masters, moments, buffers and model params, so
         a step only gathers the gradients. It is reused while the optimizer's state
-        dict is the same object of the same size, ``master`` is unchanged, the group's
+        dict is the same object of the same size, none of its entries, nor of its
+        parameters' state dicts, was replaced or removed since the step that made it
+        (:meth:`keep`: one comparison of counts), ``master`` is unchanged, the group's
         parameters have the dtypes, devices and (un)set gradients they had, the group
         settings the plan depends on hold (``holds``), and nothing called
         :meth:`invalidate` (``load_state_dict``, ``add_param_group``,
-        ``configure``). State entries must be replaced through those, not by
-        assigning to ``optimizer.state[p][key]``."""
+        ``configure``)."""
         plans = self.plans
         if len(plans) != len(param_groups) or torch.compiler.is_compiling():
             return None  # (a compiled step is traced once: it needs no plans)
+        if type(state_of) is not ParamStates or state_of.edits.count != self.edits:
+            return None  # (a state entry replaced or removed: the full path reads it)
         state_key = (id(state_of), len(state_of), master)
         planned = []
         for index, group in enumerate(param_groups):
