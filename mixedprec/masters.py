@@ -37,17 +37,20 @@ def make_master(p: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def retake_master(master: Tensor, p: Tensor) -> bool:
+def retake_master(master: Tensor, p: Tensor, was: Optional[torch.dtype] = None) -> bool:
     """Brings ``master`` up to ``p`` after ``p`` was written outside the optimizer, in
     place and on the device (no host synchronisation): an element where ``p`` still holds
     the master's rounding keeps the master's fp32 value (a write of the same values, such
     as copying a model onto itself, loses no precision), every other element takes
-    ``p``'s value. False, and nothing changed, when ``master`` no longer matches ``p``'s
-    shape or device (a new master is then needed)."""
+    ``p``'s value. ``was``: the dtype ``p`` had when it held the master's rounding (a
+    model converted since, fp16 to bf16: the master rounded through it). False, and
+    nothing changed, when ``master`` no longer matches ``p``'s shape or device (a new
+    master is then needed)."""
     if master.shape != p.shape or master.device != p.device:
         return False
     value = p.detach()
-    master.copy_(torch.where(master.to(value.dtype) == value, master,
+    rounded = master.to(was) if was is not None and was != value.dtype else master
+    master.copy_(torch.where(rounded.to(value.dtype) == value, master,
                              value.to(torch.float32)))
     return True
 

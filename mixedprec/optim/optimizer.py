@@ -31,7 +31,17 @@ from .precision_report import PrecisionReport
 class Optimizer(torch.optim.Optimizer):
     """The base of :mod:`mixedprec.optim`'s optimizers (see the module docstring), with
     the keyword-only extras ``master``, ``state_dtype``, ``seed`` and
-    ``unscale_grads``."""
+    ``unscale_grads``.
+
+    With ``master="fp32"`` an fp16/bf16 parameter's value lives in its fp32 master,
+    which each step writes back into the parameter. The master follows writes to the
+    parameter between steps that torch records: in-place edits under
+    ``torch.no_grad()`` (``with torch.no_grad(): p.clamp_(-c, c)``, ``p.mul_(mask)``,
+    ``p.copy_(new)``, ``model.load_state_dict(...)``) and new data (``p.data = new``,
+    the model moved or converted). An in-place edit through ``.data``
+    (``p.data.clamp_(...)``, ``p.data.copy_(new)``) is not recorded (``.data`` is
+    another tensor with its own version counter): the next step overwrites it with
+    the master. Edit parameters in place under ``torch.no_grad()`` instead."""
 
     # torch.amp.GradScaler hands the optimizer `grad_scale` and `found_inf`.
     _step_supports_amp_scaling = True

@@ -290,14 +290,21 @@ class Precision:
         return ops.rounding_words(rows, device)
 
 
+def _seen(p: Tensor) -> Tuple[int, int, torch.dtype]:
+    """What a master's record holds of its parameter (:class:`Masters`): its version
+    counter, its storage address and its dtype."""
+    return p._version, p.data_ptr(), p.dtype
+
+
 class Masters:
     """The fp32 masters of an optimizer's fp16/bf16 parameters (``state["master_param"]``),
-    kept in step with their parameters: ``versions`` maps id(master) to the version
-    counter of its parameter when the master was last in step with it (the fused
-    update writes the parameter without bumping it)."""
+    kept in step with their parameters: ``versions`` maps id(master) to (the version
+    counter, the storage address, the dtype) of its parameter when the master was last
+    in step with it (the fused update writes the parameter in place without bumping
+    its counter)."""
 
     def __init__(self):
-        self.versions: Dict[int, int] = {}
+        self.versions: Dict[int, Tuple[int, int, torch.dtype]] = {}
 
     def forget(self, master: Tensor) -> None:
         self.versions.pop(id(master), None)
@@ -306,7 +313,7 @@ class Masters:
         """A fresh fp32 master of ``p`` in its ``state``."""
         master = state["master_param"] = mst.make_master(p)
         if not torch.compiler.is_compiling():  # (id() is not traceable)
-            self.versions[id(master)] = p._version
+            self.versions[id(master)] = _seen(p)
         return master
 
     def get(self, p: Tensor, state: Dict[str, Any], precision: Precision) -> Optional[Tensor]:
@@ -315,11 +322,14 @@ class Masters:
         The master follows the parameter: created when the model was cast to 16 bits
         after the optimizer was built, moved and re-laid-out with it, dropped while the
         parameter is fp32 (it is then its own master), and brought up to the parameter
-        when the parameter was written outside the optimizer (its version counter
-        moved: ``load_state_dict`` on the model, an in-place edit under ``no_grad``;
-        edits through ``.data`` do not count): the elements written take the
-        parameter's value, the others keep their fp32 value
-        (:func:`mixedprec.masters.retake_master`)."""
+        when the parameter was written outside the optimizer: its version counter
+        moved (``load_state_dict`` on the model, an in-place edit under ``no_grad``),
+        or it holds other data (``p.data = new``, a model moved or converted: its
+        storage address changed). The elements written take the parameter's value,
+        the others keep their fp32 value (:func:`mixedprec.masters.retake_master`).
+        In-place edits through ``.data`` (``p.data.clamp_(...)``) move no counter and
+        keep the storage: they are not seen, and the next step writes the master over
+        them (edit under ``torch.no_grad()`` instead: ``p.clamp_(...)``)."""
         precision.convert(p, state, self)
         if precision.master != "fp32" or not mst.needs_master(p):
             if state.get("master_param") is not None:
@@ -329,15 +339,20 @@ class Masters:
         if master is None:
             return self.new(p, state)
         # (Under torch.compile the version counter is not traceable: not checked there.)
-        if not torch.compiler.is_compiling() and (
-                self.versions.setdefault(id(master), p._version) != p._version):
-            del self.versions[id(master)]
-            if not mst.retake_master(master, p):
-                return self.new(p, state)
-            self.versions[id(master)] = p._version
+        if not torch.compiler.is_compiling():
+            seen = _seen(p)
+            was = self.versions.setdefault(id(master), seen)
+            if was != seen:  # written, or other data: the master takes what changed
+                del self.versions[id(master)]
+                if master.shape != p.shape:
+                    return self.new(p, state)
+                master = state["master_param"] = mst.follow_layout(master, p)
+                mst.retake_master(master, p, was=was[2])
+                self.versions[id(master)] = seen
+                return master
         moved = mst.follow_layout(master, p)
         if moved is not master:
-            self.versions[id(moved)] = self.versions.pop(id(master), p._version)
+            self.versions[id(moved)] = self.versions.pop(id(master), _seen(p))
             state["master_param"] = moved
         return moved
 

@@ -1125,6 +1125,59 @@ def test_a_master_is_rebuilt_after_a_dtype_round_trip(device, cls, kwargs):
     torch.testing.assert_close(before, trained.bfloat16().float(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
+def test_a_master_follows_data_assigned_to_its_parameter(device, cls, kwargs, dtype):
+    """``p.data = new`` after some steps (re-initialisation in legacy and fine-tuning
+    scripts): the master takes the new values as from an in-place write under
+    ``no_grad`` (bit for bit), and the run goes on as torch.optim's on an fp32 twin
+    given the same values; the same values assigned in new storage (as ``model.to()``
+    gives) keep the master's fp32 bits. Before: the next step wrote the old master
+    back into p (|w| 0.25 where 5.0 was assigned)."""
+    model = make_model(device, dtype)
+    twin, other = fp32_twin(model), copy.deepcopy(model)
+    opt = cls(model.parameters(), master="fp32", **kwargs)
+    other_opt = cls(other.parameters(), master="fp32", **kwargs)
+    twin_opt = torch_optimizer(cls, twin.parameters(), kwargs)
+    train(model, opt, twin, twin_opt, 3)
+    lockstep([(other, other_opt)], 3)
+    new = torch.full_like(model.fc1.weight, 0.5)
+    new[0] = -0.25
+    model.fc1.weight.data = new
+    twin.fc1.weight.data = new.float()
+    with torch.no_grad():
+        other.fc1.weight.copy_(new)
+    model.fc2.bias.data = model.fc2.bias.detach().clone()
+    train(model, opt, twin, twin_opt, 3, start=3)
+    assert_tracks_torch(model, opt, twin, twin_opt)
+    lockstep([(other, other_opt)], 3, start=3)
+    assert_same_snapshot(full_snapshot(model, opt), full_snapshot(other, other_opt))
+
+
+@pytest.mark.parametrize("cls, kwargs", STRIDE_OPTIMIZERS)
+def test_a_master_keeps_its_bits_when_the_model_is_converted_between_half_dtypes(
+        device, cls, kwargs):
+    """model.bfloat16() after fp16 steps gives each parameter new storage, which the
+    master follows (retake_master): it keeps its fp32 value wherever the parameter
+    holds it rounded through fp16 then bf16, here everywhere."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8).to(device, torch.float16)
+    opt = cls(model.parameters(), lr=0.1, master="fp32", **kwargs)
+    x = torch.randn(4, 16, device=device)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x.half()).float().sum().backward()
+        opt.step()
+    masters = [opt.state[p]["master_param"].clone() for p in model.parameters()]
+    model.bfloat16()
+    opt.zero_grad()
+    model(x.bfloat16()).float().sum().backward()
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    for p, master in zip(model.parameters(), masters):
+        assert_bitwise_equal(opt.state[p]["master_param"], master)
+
+
 def test_a_master_follows_weights_loaded_into_the_model(device):
     torch.manual_seed(0)
     model = nn.Linear(4, 3).to(device, torch.float16)
