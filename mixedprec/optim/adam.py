@@ -133,8 +133,8 @@ class Adam(Optimizer):
                 maxes = [self._state_tensor(state, "max_exp_avg_sq", t, dtype)
                          for state, t in zip(part.states, targets)] if group.get("amsgrad") \
                     else []
-                comps = precision.lean_state(part.states, targets, self._state_tensor) \
-                    if lean else []
+                comps = precision.lean_state(part.states, targets, self._state_tensor,
+                                             self.masters) if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
                 tallies = tallies_of(self.precision_report, part.params)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..grads import update_grad
-from .precision import FLOAT_DTYPES
+from .precision import FLOAT_DTYPES, LEAN_KEPT
 from .state import ParamStates, tracked
 
 
@@ -21,9 +21,10 @@ class Plan(NamedTuple):
     state_key: Tuple[int, int, str]  # the state dict's id and size, the master mode
     # per group param: ([storage addresses], [versions] or None), so that a parameter
     # converted, moved or re-laid-out (all of which give it new storage) takes the full
-    # path, and one written outside a step too where the group has fp32 masters (which
-    # the full path brings up to their params: Masters.get); None: no master, nothing
-    # kept that such a write changes. (A parameter's dtype is not read: a conversion
+    # path, and one written outside a step too where the group has fp32 masters, Kahan
+    # compensations or remainders (which the full path brings up to their params:
+    # Masters.get, Masters.follow_lean); None: none of them, nothing kept that such a
+    # write changes. (A parameter's dtype is not read: a conversion
     # gives it new storage, and torch keeps a gradient's dtype its parameter's, which
     # ``grad_meta`` holds.)
     signature: Tuple[List[int], Optional[List[int]]]
@@ -136,7 +137,7 @@ class PlanCache:
         contiguous = [p.is_contiguous() for p in read]
         with_masters = [m for m in masters if m is not None]
         return Plan((id(state_of), len(state_of), master),
-                     _signature(params, versions=bool(with_masters)),
+                     _signature(params, versions=bool(with_masters) or master in LEAN_KEPT),
                      [p.stride() for p in params], masters, stepped, _boxed(lists), device,
                      all(stepped), with_masters,
                      ([g.dtype for g in grads if g is not None], contiguous,

@@ -32,6 +32,9 @@ BF16_MODES = ("kahan", "stochastic", "remainder")
 STATE_DTYPES = (torch.float32, torch.bfloat16, state8.E4M3)
 # The state entry of each bf16 parameter in the modes that keep one.
 _LEAN_STATE = {"kahan": ("kahan_comp", torch.bfloat16), "remainder": ("remainder", torch.int16)}
+#: The master modes that keep part of a parameter's value beside it (a compensation or
+#: a remainder), which a write to the parameter between steps makes stale.
+LEAN_KEPT = tuple(_LEAN_STATE)
 
 
 class Work(NamedTuple):
@@ -204,15 +207,19 @@ class Precision:
             calls.append((items.pick(positions), positions, *kind))
         return calls
 
-    def lean_state(self, states: List[Dict[str, Any]], params: List[Tensor], state_tensor
-                   ) -> List[Tensor]:
+    def lean_state(self, states: List[Dict[str, Any]], params: List[Tensor], state_tensor,
+                   masters: "Masters") -> List[Tensor]:
         """The Kahan compensation or remainder of each parameter (``state_tensor(state,
         key, like, dtype)`` creates it as zeros where absent) in the modes that keep
-        one; else none."""
+        one, each brought up to a parameter written since (:meth:`Masters.follow_lean`);
+        else none."""
         if self.master not in _LEAN_STATE:
             return []
         key, dtype = _LEAN_STATE[self.master]
-        return [state_tensor(state, key, p, dtype) for state, p in zip(states, params)]
+        kept = [state_tensor(state, key, p, dtype) for state, p in zip(states, params)]
+        for p, comp in zip(params, kept):
+            masters.follow_lean(p, comp)
+        return kept
 
     def op_lean_args(self, group: Dict[str, Any], targets: List[Tensor],
                      comps: List[Tensor], salts: List[Tensor], eight: bool) -> Dict[str, Any]:
@@ -308,6 +315,24 @@ class Masters:
 
     def forget(self, master: Tensor) -> None:
         self.versions.pop(id(master), None)
+
+    def follow_lean(self, p: Tensor, kept: Tensor) -> None:
+        """The Kahan compensation or remainder ``kept`` of bf16 ``p``, after p was written
+        outside the optimizer (its version counter or storage moved since the step that
+        last kept it: an in-place edit under ``no_grad``, ``model.load_state_dict``,
+        ``p.data = new``): zeroed where p is now 0 or not finite, so that p is its
+        master's value there (a remainder joined to a zeroed p made a NaN: p's bits 0
+        less a negative remainder; a compensation, a value p was not given); elsewhere
+        kept, below the written value's bf16 bits (the same values written again, as a
+        resume that loads the model after the optimizer does, keep their exact masters)."""
+        if torch.compiler.is_compiling():  # (id() and the counter are not traceable)
+            return
+        seen = _seen(p)
+        was = self.versions.setdefault(id(kept), seen)
+        if was != seen:
+            with torch.no_grad():
+                kept.masked_fill_((p == 0) | ~torch.isfinite(p), 0)
+            self.versions[id(kept)] = seen
 
     def new(self, p: Tensor, state: Dict[str, Any]) -> Tensor:
         """A fresh fp32 master of ``p`` in its ``state``."""

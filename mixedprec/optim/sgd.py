@@ -83,8 +83,8 @@ class SGD(Optimizer):
                     dtype = precision.moment_dtype()
                     buffers = [self._state_tensor(state, "momentum_buffer", t, dtype)
                                for state, t in zip(part.states, targets)] if momentum else []
-                comps = precision.lean_state(part.states, targets, self._state_tensor) \
-                    if lean else []
+                comps = precision.lean_state(part.states, targets, self._state_tensor,
+                                             self.masters) if lean else []
                 salts = precision.salts(type(self).__name__, group, part.params, device,
                                         eight) if lean or eight else []
                 tallies = tallies_of(self.precision_report, part.params)

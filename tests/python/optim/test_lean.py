@@ -355,3 +355,22 @@ def test_kahan_rejects_a_model_cast_later_before_any_write():
     with pytest.raises(TypeError, match="master='kahan'.*float16"):
         opt.step()
     assert_same_snapshot(full_snapshot(model, opt), before)
+
+
+@pytest.mark.parametrize("master", ["kahan", "remainder"])
+def test_a_parameter_zeroed_between_steps_stays_zero(device, master):
+    """A pruning mask applied under no_grad between steps (planned ones around it): the
+    zeroed elements are their masters' values, 0, at a step of lr 0; a compensation or
+    remainder kept from before would have made them small values, or NaN."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(256, generator=gen).to(device, torch.bfloat16))
+    opt = optim.AdamW([p], lr=1e-2, master=master)
+    for _ in range(3):
+        p.grad = torch.randn(256, generator=gen).to(device, torch.bfloat16)
+        opt.step()
+    with torch.no_grad():
+        p.mul_((torch.arange(256, device=device) % 2).to(torch.bfloat16))
+    opt.param_groups[0].update(lr=0.0, weight_decay=0.0)
+    p.grad = torch.randn(256, generator=gen).to(device, torch.bfloat16)
+    opt.step()
+    assert torch.equal(p.detach()[::2].float().cpu(), torch.zeros(128))

@@ -861,10 +861,11 @@ def test_kept_op_call_after_load_state_dict_and_add_param_group(device, cls, kwa
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_kept_op_call_after_a_parameter_is_written_outside_a_step(device, cls, kwargs, dtype,
                                                                   master):
-    # An in-place write under no_grad (its version counter moves): with fp32 masters the
-    # next step takes the full path, whose masters take the written values; without, the
-    # op call is kept (it reads the parameters as they are, and nothing it holds was
-    # made from their values). Either way the steps are the full path's.
+    # An in-place write under no_grad (its version counter moves): with fp32 masters or
+    # remainders the next step takes the full path, whose masters take the written
+    # values (Masters.get, Masters.follow_lean); without, the op call is kept (it reads
+    # the parameters as they are, and nothing it holds was made from their values).
+    # Either way the steps are the full path's.
     model = make_model(device, dtype)
     opt = cls(model.parameters(), master=master, **kwargs)
     twin, twin_opt = full_path_twin(cls, kwargs, model, master)
@@ -877,7 +878,7 @@ def test_kept_op_call_after_a_parameter_is_written_outside_a_step(device, cls, k
     kept = opt.plans.planned(opt.param_groups, opt.state, opt.master, opt._plan_holds)
     masters = any(state.get("master_param") is not None for state in opt.state.values())
     assert masters == (dtype != torch.float32 and master == "fp32")
-    assert (kept is None) == masters
+    assert (kept is None) == (dtype != torch.float32 and master in ("fp32", "remainder"))
     opt.step()
     twin_opt.step()
     lockstep([(model, opt), (twin, twin_opt)], 2, start=4)

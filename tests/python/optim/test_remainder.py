@@ -217,6 +217,32 @@ def test_remainder_is_the_fp32_master_bit_for_bit(device, cls, kwargs):
           "one unit off bf16(master)")
 
 
+@pytest.mark.parametrize("cls, kwargs", [CONFIGS[1], CONFIGS[4]])
+def test_parameters_written_between_steps_keep_the_bit_identity(device, cls, kwargs):
+    """Writes to the parameters between steps, under no_grad: half of each zeroed (a
+    pruning mask), then the same values written again (a model's load_state_dict after
+    the optimizer's, on resume). The remainders follow as the fp32 masters do: zeroed
+    where the parameter was (a stale negative remainder joined to a zeroed bf16 made a
+    NaN), kept where the values are the same; (param, remainder) stays the fp32 master
+    bit for bit through the planned steps around them."""
+    pair = Pair(make_params(device), make_params(device),
+                lambda ps, master: cls(ps, master=master, **kwargs))
+    for step in range(12):
+        with torch.no_grad():
+            for p in pair.p32 + pair.pr:
+                if step == 4 and p.dtype == BF16:
+                    mask = torch.arange(p.numel(), device=p.device).reshape(p.shape) % 2
+                    p.mul_(mask.to(p.dtype))
+                elif step == 8:
+                    p.copy_(p.detach().clone())
+        grads = [g.nan_to_num(0.0, 0.0, 0.0) for g in fixed_grads(pair.pr, step)]
+        pair.feed(grads)
+        pair.opt32.step()
+        pair.optr.step()
+        assert not any(q.isnan().any() for q in pair.pr), f"step {step}"
+        pair.check(f"step {step}")
+
+
 @pytest.mark.parametrize("cls, kwargs", CONFIGS)
 def test_remainder_through_a_grad_scaler_with_overflows(device, cls, kwargs):
     """A scaled run (fp16-style: the loss scale backs off on the injected infs and NaNs
