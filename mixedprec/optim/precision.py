@@ -316,6 +316,24 @@ class Masters:
     def forget(self, master: Tensor) -> None:
         self.versions.pop(id(master), None)
 
+    @staticmethod
+    @torch.no_grad()
+    def hand_over(master: Tensor, p: Tensor, was: Optional[torch.dtype]) -> None:
+        """``p``, an fp16/bf16 parameter of ``master`` cast to fp32 since (``model.float()``;
+        or a state dict with masters loaded into an fp32 model: ``was`` None), takes the
+        master's value where it holds the master's rounding to ``was`` (its dtype then;
+        None: to bf16 or fp16), keeping the bits below it, as master='remainder' and
+        'kahan' hand theirs over; elements written since keep their values. It is then
+        its own master."""
+        master = mst.follow_layout(master, p)
+        if master.shape != p.shape or master.device != p.device:
+            return
+        value = p.detach()
+        held = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
+        for dtype in (torch.bfloat16, torch.float16) if was is None else (was,):
+            held |= master.to(dtype).to(value.dtype) == value
+        p.copy_(torch.where(held, master, value))
+
     def follow_lean(self, p: Tensor, kept: Tensor) -> None:
         """The Kahan compensation or remainder ``kept`` of bf16 ``p``, after p was written
         outside the optimizer (its version counter or storage moved since the step that
@@ -358,7 +376,10 @@ class Masters:
         precision.convert(p, state, self)
         if precision.master != "fp32" or not mst.needs_master(p):
             if state.get("master_param") is not None:
-                self.forget(state.pop("master_param"))
+                master = state.pop("master_param")
+                was = self.versions.pop(id(master), None)
+                if p.dtype == torch.float32 and not torch.compiler.is_compiling():
+                    self.hand_over(master, p, None if was is None else was[2])
             return None
         master = state.get("master_param")
         if master is None:

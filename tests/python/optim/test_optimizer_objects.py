@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixedprec import optim
+from mixedprec.masters import join_remainder
 from mixedprec.optim.state import ParamState, ParamStates
 
 STEPS = 30
@@ -883,6 +884,41 @@ def test_kept_op_call_after_a_parameter_is_written_outside_a_step(device, cls, k
     twin_opt.step()
     lockstep([(model, opt), (twin, twin_opt)], 2, start=4)
     assert_same_snapshot(full_snapshot(model, opt), full_snapshot(twin, twin_opt))
+
+
+@pytest.mark.parametrize("how", ["float", "load"])
+@pytest.mark.parametrize("master", ["fp32", "remainder", "kahan"])
+def test_a_model_cast_to_fp32_takes_its_masters_values(device, master, how):
+    """A bf16 model cast to fp32 mid-run (``model.float()``), or resumed in fp32 from a
+    bf16 run's state dicts: each parameter takes the exact value its optimizer kept
+    (the fp32 master, the joined remainder, the Kahan sum), not its bf16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(16, 16).to(device, torch.bfloat16)
+    opt = optim.AdamW(lin.parameters(), lr=1e-2, master=master)
+    x = torch.randn(8, 16, generator=gen).to(device, torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad()
+        lin(x).float().square().mean().backward()
+        opt.step()
+    state = opt.state[lin.weight]
+    exact = {"fp32": lambda: state["master_param"].clone(),
+             "remainder": lambda: join_remainder(lin.weight.detach(), state["remainder"]),
+             "kahan": lambda: lin.weight.detach().float() + state["kahan_comp"].float()
+             }[master]()
+    assert not torch.equal(exact, lin.weight.detach().float())  # (bits below bf16's)
+    if how == "load":
+        saved = {"model": lin.state_dict(), "opt": opt.state_dict()}
+        lin = nn.Linear(16, 16).to(device)
+        lin.load_state_dict(saved["model"])
+        opt = optim.AdamW(lin.parameters(), lr=1e-2, master=master)
+        opt.load_state_dict(saved["opt"])
+    else:
+        lin.float()
+    opt.param_groups[0].update(lr=0.0, weight_decay=0.0)
+    opt.zero_grad()
+    lin(x.float()).square().mean().backward()
+    opt.step()
+    assert_bitwise_equal(lin.weight.detach(), exact)
 
 
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
