@@ -263,8 +263,11 @@ class Precision:
                 p.copy_(high)
         elif whole is not None and p.dtype == torch.float32:
             p.copy_(whole)
-        elif whole is not None and self.master == "fp32" and bf16:
-            state.setdefault("master_param", whole)
+        elif whole is not None and self.master == "fp32" and bf16 and \
+                "master_param" not in state:
+            state["master_param"] = whole
+            if not torch.compiler.is_compiling():  # (p holds the pair's rounding: in step)
+                masters.versions[id(whole)] = _seen(p)
 
     def salts(self, where: str, group: Dict[str, Any], params: List[Tensor],
               device: torch.device, eight: bool = False) -> List[Tensor]:
@@ -387,13 +390,15 @@ class Masters:
         # (Under torch.compile the version counter is not traceable: not checked there.)
         if not torch.compiler.is_compiling():
             seen = _seen(p)
-            was = self.versions.setdefault(id(master), seen)
-            if was != seen:  # written, or other data: the master takes what changed
-                del self.versions[id(master)]
+            was = self.versions.get(id(master))
+            # written, other data, or a master not seen before (loaded, or an optimizer's
+            # copy: p may have been written since): the master takes what differs
+            if was != seen:
+                self.versions.pop(id(master), None)
                 if master.shape != p.shape:
                     return self.new(p, state)
                 master = state["master_param"] = mst.follow_layout(master, p)
-                mst.retake_master(master, p, was=was[2])
+                mst.retake_master(master, p, was=(was or seen)[2])
                 self.versions[id(master)] = seen
                 return master
         moved = mst.follow_layout(master, p)

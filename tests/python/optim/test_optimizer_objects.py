@@ -921,6 +921,39 @@ def test_a_model_cast_to_fp32_takes_its_masters_values(device, master, how):
     assert_bitwise_equal(lin.weight.detach(), exact)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "load"])
+def test_an_edit_before_the_first_step_after_a_copy_or_a_load_is_kept(device, how):
+    """fp32 masters that the optimizer has not stepped with yet (a deepcopy of it, a
+    state dict loaded): a parameter written before that first step (a pruning mask
+    under no_grad) keeps the write, and the other elements their exact masters."""
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(16, 16).to(device, torch.bfloat16)
+    opt = optim.AdamW(lin.parameters(), lr=1e-2)
+    x = torch.randn(8, 16, generator=gen).to(device, torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad()
+        lin(x).float().square().mean().backward()
+        opt.step()
+    if how == "deepcopy":
+        lin, opt = copy.deepcopy((lin, opt))
+    else:
+        saved = opt.state_dict()
+        opt = optim.AdamW(lin.parameters(), lr=1e-2)
+        opt.load_state_dict(saved)
+    master = opt.state[lin.weight]["master_param"].clone()
+    mask = (torch.arange(256, device=device) % 2).reshape(16, 16)
+    with torch.no_grad():
+        lin.weight.mul_(mask.to(torch.bfloat16))
+    want = torch.where(mask.bool(), master, lin.weight.detach().float())
+    opt.param_groups[0].update(lr=0.0, weight_decay=0.0)
+    opt.zero_grad()
+    lin(x).float().square().mean().backward()
+    opt.step()
+    # (values: the lr-0 step may turn a -0 into +0, as torch's Adam does)
+    torch.testing.assert_close(opt.state[lin.weight]["master_param"], want, rtol=0, atol=0)
+    torch.testing.assert_close(lin.weight.detach(), want.to(torch.bfloat16), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_kept_op_call_after_the_model_is_cast_or_the_state_reset(device, cls, kwargs):
     model = make_model(device)
