@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import masters as mst
@@ -177,6 +178,27 @@ class ParamStates(defaultdict):
 
     def __repr__(self) -> str:
         return f"ParamStates({dict.__repr__(self)})"
+
+
+# Both flatten as the dict and defaultdict they are, for what walks a state with
+# torch's pytree (tree_map, tree_leaves: benchmarks, checkpointing code); unflattened,
+# they are plain dicts, as a state dict holds them.
+def _flatten(states: dict) -> Tuple[list, list]:
+    return list(states.values()), list(states.keys())
+
+
+def _flatten_with_keys(states: dict) -> Tuple[list, list]:
+    return [(pytree.MappingKey(k), v) for k, v in states.items()], list(states.keys())
+
+
+def _unflatten(values, keys) -> dict:
+    return dict(zip(keys, values))
+
+
+for _cls in (ParamState, ParamStates):
+    pytree.register_pytree_node(_cls, _flatten, _unflatten,
+                                serialized_type_name=f"mixedprec.optim.state.{_cls.__name__}",
+                                flatten_with_keys_fn=_flatten_with_keys)
 
 
 def tracked(states: Any) -> ParamStates:
