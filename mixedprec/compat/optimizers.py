@@ -240,6 +240,20 @@ def _negative_number(lr: Any) -> bool:
         -math.inf < lr < 0
 
 
+def _apex_attribute(key: str, to_apex: Callable[[Any], Any] = bool,
+                    to_core: Callable[[Any], Any] = bool, doc: str = "") -> property:
+    """An attribute that Apex's step read from the optimizer: the core's group setting
+    ``key`` (of the defaults), as Apex's value; set, it sets every group's
+    (:meth:`_ApexFace._set_apex_attribute`)."""
+    return property(lambda self: to_apex(self.defaults[key]),
+                    lambda self, value: self._set_apex_attribute(key, to_core(value)), doc=doc)
+
+
+#: FusedAdam's and FusedLAMB's: 1 for decoupled weight decay (AdamW), 0 for L2.
+_ADAM_W_MODE = _apex_attribute("decoupled_weight_decay", int, bool,
+                               "Apex's attribute: 1 for decoupled weight decay, 0 for L2.")
+
+
 class _AmsgradError(RuntimeError, ValueError):
     """``amsgrad=True`` given to an Apex face: Apex raised a RuntimeError there; a
     ValueError too, as mixedprec refuses a bad argument."""
@@ -430,15 +444,7 @@ class FusedAdam(_ApexFace, Adam):
             "FusedAdam", master_weights, master), state_dtype=state_dtype, seed=seed,
             unscale_grads=False)
 
-    @property
-    def adam_w_mode(self) -> int:
-        """Apex's attribute: 1 for decoupled weight decay (AdamW), 0 for L2; setting it
-        sets every group's ``decoupled_weight_decay``."""
-        return int(self.defaults["decoupled_weight_decay"])
-
-    @adam_w_mode.setter
-    def adam_w_mode(self, value: Any) -> None:
-        self._set_apex_attribute("decoupled_weight_decay", bool(value))
+    adam_w_mode = _ADAM_W_MODE
 
     @property
     def _dummy_overflow_buf(self) -> Tensor:
@@ -726,23 +732,9 @@ class FusedNovoGrad(_ApexFace, NovoGrad):
                          master=_master_of("FusedNovoGrad", master_weights, None),
                          unscale_grads=False)
 
-    @property
-    def moment_mode(self) -> int:
-        """Apex's attribute: 0 with ``reg_inside_moment``, else 1 (setting it sets every
-        group's ``reg_inside_moment``, as Apex's step read it)."""
-        return 0 if self.defaults["reg_inside_moment"] else 1
-
-    @moment_mode.setter
-    def moment_mode(self, value: Any) -> None:
-        self._set_apex_attribute("reg_inside_moment", not value)
-
-    @property
-    def reg_inside_moment(self) -> bool:
-        return bool(self.defaults["reg_inside_moment"])
-
-    @reg_inside_moment.setter
-    def reg_inside_moment(self, value: Any) -> None:
-        self._set_apex_attribute("reg_inside_moment", bool(value))
+    moment_mode = _apex_attribute("reg_inside_moment", lambda v: 0 if v else 1, lambda v: not v,
+                                  "Apex's attribute: 0 with ``reg_inside_moment``, else 1.")
+    reg_inside_moment = _apex_attribute("reg_inside_moment")
 
 
 class FusedLAMB(_ApexFace, LAMB):
@@ -792,24 +784,9 @@ class FusedLAMB(_ApexFace, LAMB):
                          unscale_grads=False)
 
 
-    @property
-    def adam_w_mode(self) -> int:
-        """Apex's attribute: 1 for decoupled weight decay, 0 for L2; setting it sets
-        every group's ``decoupled_weight_decay``, as Apex's step read it."""
-        return int(self.defaults["decoupled_weight_decay"])
+    adam_w_mode = _ADAM_W_MODE
 
-    @adam_w_mode.setter
-    def adam_w_mode(self, value: Any) -> None:
-        self._set_apex_attribute("decoupled_weight_decay", bool(value))
-
-    @property
-    def use_nvlamb(self) -> bool:
-        """Apex's attribute; setting it sets every group's ``use_nvlamb``."""
-        return bool(self.defaults["use_nvlamb"])
-
-    @use_nvlamb.setter
-    def use_nvlamb(self, value: Any) -> None:
-        self._set_apex_attribute("use_nvlamb", bool(value))
+    use_nvlamb = _apex_attribute("use_nvlamb")
 
 
 class FusedMixedPrecisionLamb(FusedLAMB):

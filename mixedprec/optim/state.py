@@ -46,94 +46,12 @@ class _Edits:
 _ABSENT = object()
 
 
-class ParamState(dict):
-    """A parameter's state (``optimizer.state[p]``): a dict that counts, in its
-    optimizer's :class:`_Edits`, every entry set to another object, deleted or popped
-    (``state["exp_avg"] = torch.zeros_like(p)``, ``state.clear()``, ...), so that the
-    next step makes its op call again from the state as it is instead of reusing the
-    tensors of the last one (:meth:`mixedprec.optim.plans.PlanCache.planned`). Writing
-    an entry's object again counts nothing, nor does an in-place change of a tensor (the
-    op call holds the tensor itself). It pickles, copies and saves as a dict does."""
+class _CountsEdits:
+    """What :class:`ParamState` and :class:`ParamStates` share: the dict methods that
+    remove entries or set them, each counting an edit (``_edited``) through the class's
+    own ``__setitem__`` or directly."""
 
-    __slots__ = ("_edits",)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._edits: Optional[_Edits] = None  # (set by the ParamStates that holds it)
-
-    def _edited(self) -> None:
-        if self._edits is not None:
-            self._edits.count += 1
-
-    def __setitem__(self, key, value):
-        if dict.get(self, key, _ABSENT) is not value:
-            self._edited()
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key):
-        dict.__delitem__(self, key)
-        self._edited()
-
-    def pop(self, key, *default):
-        if key in self:
-            self._edited()
-        return dict.pop(self, key, *default)
-
-    def popitem(self):
-        item = dict.popitem(self)
-        self._edited()
-        return item
-
-    def clear(self):
-        if self:
-            self._edited()
-        dict.clear(self)
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self._edited()
-        return dict.setdefault(self, key, default)
-
-    def update(self, *args, **kwargs):
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def __reduce__(self):  # (a dict's entries, without the count: pickle, deepcopy)
-        return ParamState, (), None, None, iter(self.items())
-
-
-class ParamStates(defaultdict):
-    """``optimizer.state``: torch's ``defaultdict`` of parameter -> state dict, whose
-    state dicts are :class:`ParamState` s counting their edits in one :class:`_Edits`
-    (``edits``), as do its own entries set to another object, deleted or popped
-    (``optimizer.state[p] = {}``). A dict set as a parameter's state is taken as a
-    ParamState copy of it (a ParamState that is no other optimizer's: as it is)."""
-
-    def __init__(self, default_factory: Any = None, *args, **kwargs):
-        super().__init__(ParamState)  # (whatever the factory: __missing__ makes the entry)
-        #: The edits counted (:class:`_Edits`).
-        self.edits = _Edits()
-        self.update(*args, **kwargs)
-
-    def _edited(self) -> None:
-        self.edits.count += 1
-
-    def __missing__(self, key):
-        self[key] = ParamState()
-        return dict.__getitem__(self, key)
-
-    def __setitem__(self, key, value):
-        if isinstance(value, dict):
-            if type(value) is not ParamState or value._edits not in (None, self.edits):
-                value = ParamState(value)
-            value._edits = self.edits
-        if dict.get(self, key, _ABSENT) is not value:
-            self._edited()
-        dict.__setitem__(self, key, value)
+    __slots__ = ()
 
     def __delitem__(self, key):
         dict.__delitem__(self, key)
@@ -167,14 +85,69 @@ class ParamStates(defaultdict):
         self.update(other)
         return self
 
+    def __reduce__(self):  # (the entries, without the count: pickle, deepcopy)
+        return type(self), (), None, None, iter(self.items())
+
+
+class ParamState(_CountsEdits, dict):
+    """A parameter's state (``optimizer.state[p]``): a dict that counts, in its
+    optimizer's :class:`_Edits`, every entry set to another object, deleted or popped
+    (``state["exp_avg"] = torch.zeros_like(p)``, ``state.clear()``, ...), so that the
+    next step makes its op call again from the state as it is instead of reusing the
+    tensors of the last one (:meth:`mixedprec.optim.plans.PlanCache.planned`). Writing
+    an entry's object again counts nothing, nor does an in-place change of a tensor (the
+    op call holds the tensor itself). It pickles, copies and saves as a dict does."""
+
+    __slots__ = ("_edits",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._edits: Optional[_Edits] = None  # (set by the ParamStates that holds it)
+
+    def _edited(self) -> None:
+        if self._edits is not None:
+            self._edits.count += 1
+
+    def __setitem__(self, key, value):
+        if dict.get(self, key, _ABSENT) is not value:
+            self._edited()
+        dict.__setitem__(self, key, value)
+
+
+class ParamStates(_CountsEdits, defaultdict):
+    """``optimizer.state``: torch's ``defaultdict`` of parameter -> state dict, whose
+    state dicts are :class:`ParamState` s counting their edits in one :class:`_Edits`
+    (``edits``), as do its own entries set to another object, deleted or popped
+    (``optimizer.state[p] = {}``). A dict set as a parameter's state is taken as a
+    ParamState copy of it (a ParamState that is no other optimizer's: as it is)."""
+
+    def __init__(self, default_factory: Any = None, *args, **kwargs):
+        super().__init__(ParamState)  # (whatever the factory: __missing__ makes the entry)
+        #: The edits counted (:class:`_Edits`).
+        self.edits = _Edits()
+        self.update(*args, **kwargs)
+
+    def _edited(self) -> None:
+        self.edits.count += 1
+
+    def __missing__(self, key):
+        self[key] = ParamState()
+        return dict.__getitem__(self, key)
+
+    def __setitem__(self, key, value):
+        if isinstance(value, dict):
+            if type(value) is not ParamState or value._edits not in (None, self.edits):
+                value = ParamState(value)
+            value._edits = self.edits
+        if dict.get(self, key, _ABSENT) is not value:
+            self._edited()
+        dict.__setitem__(self, key, value)
+
     def copy(self) -> defaultdict:
         """A shallow copy, as a plain ``defaultdict`` (the same state dicts, no count)."""
         return defaultdict(dict, self)
 
     __copy__ = copy
-
-    def __reduce__(self):  # (the entries, without the count: pickle, deepcopy)
-        return ParamStates, (), None, None, iter(self.items())
 
     def __repr__(self) -> str:
         return f"ParamStates({dict.__repr__(self)})"
