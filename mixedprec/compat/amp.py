@@ -425,12 +425,14 @@ class _OptimizerAmp:
     def _follow_model(self) -> None:
         """Non-fused O2, before a step: a master whose model parameter was written since
         (``model.load_state_dict`` after ``initialize``, an in-place edit under
-        ``torch.no_grad()``) takes its value, as Apex's masters, made at the first
+        ``torch.no_grad()``) takes the values written, as Apex's masters, made at the first
         ``scale_loss``, took the model's weights of then; stale, the step would write the
         old weights back into the model."""
         for p, master in self.masters.items():
             if p._version != self.versions.get(p):
-                master.data.copy_(p.data)  # (as the step writes: no version of its own)
+                # (the elements that still hold the master's rounding keep its fp32 value:
+                # DDP's first broadcast, a load of the same weights change nothing)
+                _masters.retake_master(master.data, p.data)
                 self.versions[p] = p._version
 
     def _should_skip(self) -> bool:

@@ -155,7 +155,7 @@ class ParamStates(_CountsEdits, defaultdict):
 
 # Both flatten as the dict and defaultdict they are, for what walks a state with
 # torch's pytree (tree_map, tree_leaves: benchmarks, checkpointing code); unflattened,
-# they are plain dicts, as a state dict holds them.
+# they are a plain dict and torch's defaultdict(dict), as torch.optim's state maps to.
 def _flatten(states: dict) -> Tuple[list, list]:
     return list(states.values()), list(states.keys())
 
@@ -164,14 +164,11 @@ def _flatten_with_keys(states: dict) -> Tuple[list, list]:
     return [(pytree.MappingKey(k), v) for k, v in states.items()], list(states.keys())
 
 
-def _unflatten(values, keys) -> dict:
-    return dict(zip(keys, values))
-
-
-for _cls in (ParamState, ParamStates):
-    pytree.register_pytree_node(_cls, _flatten, _unflatten,
-                                serialized_type_name=f"mixedprec.optim.state.{_cls.__name__}",
-                                flatten_with_keys_fn=_flatten_with_keys)
+for _cls, _made in ((ParamState, dict), (ParamStates, lambda pairs: defaultdict(dict, pairs))):
+    pytree.register_pytree_node(
+        _cls, _flatten, lambda values, keys, made=_made: made(zip(keys, values)),
+        serialized_type_name=f"mixedprec.optim.state.{_cls.__name__}",
+        flatten_with_keys_fn=_flatten_with_keys)
 
 
 def tracked(states: Any) -> ParamStates:

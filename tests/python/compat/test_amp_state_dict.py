@@ -84,7 +84,14 @@ def test_a_model_loaded_after_initialize_is_what_trains(device, half):
         losses = [train_step(model, opt, s, device) for s in range(3, 6)]
         return losses, snapshot(model, opt)
 
-    model, opt, _ = setup("O2", half, "Adam", device, seed=123)
+    # (initial weights far from the saved ones: a master keeps its fp32 value where the
+    # loaded weight is its rounding, as fp32 masters do after any write)
+    model = make_mlp(123, device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0).add_(5.0)
+    model, opt = amp.initialize(model, OPTIMIZERS["Adam"](model.parameters()),
+                                **level_kwargs("O2", half))
     model.load_state_dict(saved["model"])  # after initialize
     after = resume(model, opt)
     model = make_mlp(123, device)
@@ -92,6 +99,21 @@ def test_a_model_loaded_after_initialize_is_what_trains(device, half):
     model, opt = amp.initialize(model, OPTIMIZERS["Adam"](model.parameters()),
                                 **level_kwargs("O2", half))
     assert_identical(after, resume(model, opt), "resumed run")
+
+
+@pytest.mark.parametrize("half", HALF_DTYPES)
+def test_a_write_of_the_same_weights_keeps_the_exact_masters(device, half):
+    """O2 with a torch optimizer: the model's own weights written again after
+    initialize (DDP's first broadcast, a load of the same checkpoint) leave the fp32
+    masters exact: the run is the undisturbed one's bit for bit."""
+    runs = []
+    for rewrite in (False, True):
+        model, opt, _ = setup("O2", half, "Adam", device)
+        if rewrite:
+            model.load_state_dict(model.state_dict())
+        losses = [train_step(model, opt, s, device) for s in range(3)]
+        runs.append((losses, snapshot(model, opt)))
+    assert_identical(runs[1], runs[0], "rewritten run")
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])

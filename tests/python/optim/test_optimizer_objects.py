@@ -921,6 +921,24 @@ def test_a_model_cast_to_fp32_takes_its_masters_values(device, master, how):
     assert_bitwise_equal(lin.weight.detach(), exact)
 
 
+def test_a_state_mapped_by_pytree_is_torchs_defaultdict():
+    """torch's pytree walks optimizer.state as the dict it is (tree_leaves: its tensors)
+    and maps it back to a defaultdict(dict), as torch.optim's state: a parameter with no
+    state yet then steps."""
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    ps = [nn.Parameter(torch.ones(4)) for _ in range(2)]
+    opt = optim.AdamW(ps, lr=0.1)
+    ps[0].grad = torch.ones(4)
+    opt.step()
+    assert len(tree_leaves(opt.state)) == 3  # step, exp_avg, exp_avg_sq
+    opt.state = tree_map(torch.clone, opt.state)
+    assert isinstance(opt.state, collections.defaultdict) and opt.state.default_factory is dict
+    ps[1].grad = torch.ones(4)
+    opt.step()
+    assert set(opt.state[ps[1]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "load"])
 def test_an_edit_before_the_first_step_after_a_copy_or_a_load_is_kept(device, how):
     """fp32 masters that the optimizer has not stepped with yet (a deepcopy of it, a
