@@ -224,8 +224,10 @@ class LossScaler:
 
     # Apex's settings, which scripts write after initialize (NVIDIA's GNMT sets
     # _scale_seq_len, a float from argparse): checked, then the scale's own settings.
-    _min_loss_scale = property(lambda self: self.core.min_scale,
-                               lambda self, value: self.core.configure(min_scale=value))
+    _min_loss_scale = property(  # (None: the default floor, as initialize takes it)
+        lambda self: self.core.min_scale,
+        lambda self, value: self.core.configure(
+            min_scale=DEFAULT_MIN_SCALE if value is None else value))
     _max_loss_scale = property(lambda self: self.core.max_scale,
                                lambda self, value: self.core.configure(max_scale=value))
 

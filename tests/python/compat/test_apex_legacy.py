@@ -365,6 +365,9 @@ def test_growth_window_and_bounds_writes_take_effect():
     with pytest.raises(ValueError):
         scaler._min_loss_scale = 32.0  # above the ceiling: refused, nothing changed
     assert scaler._min_loss_scale < 16.0 and scaler.loss_scale() == 16.0
+    scaler._min_loss_scale = 4.0
+    scaler._min_loss_scale = None  # (Apex's default, written back: the default floor)
+    assert scaler._min_loss_scale == 2.0**-24
 
 
 def test_overflow_buf_and_update_scale_as_bert_uses_them():
