@@ -51,6 +51,7 @@ from ..loss_scale import DEFAULT_MIN_SCALE, LossScale, check_scale, inverse
 from ..optim import BF16_MODES, MASTER_MODES, STATE_DTYPES, Optimizer
 from ..overflow import OverflowReport, format_report
 from .fp16_utils import convert_network, half_dtype
+from .parallel import LARC
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -554,6 +555,33 @@ class _OptimizerAmp:
         opt.grad_scale, opt.found_inf = None, self.flag()
 
 
+def _unwrap(optimizer: Any, where: str) -> torch.optim.Optimizer:
+    """The optimizer amp keeps the books of: ``optimizer``, or the one a ``LARC`` wraps
+    (Apex's amp took a LARC in place of an optimizer)."""
+    inner = optimizer.optim if isinstance(optimizer, LARC) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"{where}: expected optimizers to be a torch.optim.Optimizer (or a LARC "
+                        f"around one) or a list of them, got {type(optimizer).__name__}")
+    return inner
+
+
+def _larc_steps_unscaled(larc: LARC, amp: "_OptimizerAmp") -> None:
+    """A LARC around a fused optimizer adapts unscaled gradients, as under Apex's amp:
+    its step first unscales them (into the fp32 masters' ``.grad`` at O2), as
+    ``master_params`` does; the fused step then reads no scale. Other optimizers'
+    gradients are unscaled at ``scale_loss``'s exit already."""
+    larc._amp_stash = amp.optimizer()._amp_stash
+    if not amp.fused:
+        return
+    original = larc.step
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        amp.unscale_for_clipping()
+        return original(*args, **kwargs)
+
+    larc.step = types.MethodType(step, larc)
+
+
 def _guard_step(optimizer: torch.optim.Optimizer, should_skip, before=None) -> None:
     """Makes ``optimizer.step()`` return None without running when ``should_skip()``
     says so, and call ``before()`` (if given) first otherwise: an instance attribute, a bound
@@ -775,7 +803,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     global _current
     optimizer_list = _as_list(optimizers or [])
     if not enabled:
-        _disabled.update(optimizer_list)
+        _disabled.update(o.optim if isinstance(o, LARC) else o for o in optimizer_list)
         return models if optimizers is None else (models, optimizers)
     model_list = _as_list(models)
     for m in model_list:
@@ -784,10 +812,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                              "; apply parallel wrappers to the models amp.initialize returns")
         if not isinstance(m, nn.Module):
             raise TypeError(f"amp.initialize: expected models to be nn.Module, got {type(m)}")
+    wrappers = optimizer_list
+    optimizer_list = [_unwrap(o, "amp.initialize") for o in wrappers]
     for o in optimizer_list:
-        if not isinstance(o, torch.optim.Optimizer):
-            raise TypeError("amp.initialize: expected optimizers to be torch.optim.Optimizer, "
-                            f"got {type(o).__name__}")
         if o in _optimizer_amp:
             raise ValueError("amp.initialize: this optimizer was already passed to "
                              "amp.initialize; build a new one for new models")
@@ -875,6 +902,9 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                         o.state[masters[p]] = o.state.pop(p)
                 group["params"] = [masters.get(p, p) for p in group["params"]]
         _OptimizerAmp(o, state, masters)
+    for wrapper, o in zip(wrappers, optimizer_list):
+        if wrapper is not o:
+            _larc_steps_unscaled(wrapper, _optimizer_amp[o])
     if props.patch_torch_functions:
         for module, name, wrap in _registered_casts:
             setattr(module, name, wrap(getattr(module, name)))
@@ -897,11 +927,7 @@ def scale_loss(loss: Tensor, optimizers, loss_id: int = 0, model=None,
     the gradients itself and calls the scaler's ``update_scale()`` (NVIDIA's BERT
     pretraining, which checks after its all-reduce), as in Apex. Apex's ``model`` has
     no effect."""
-    optimizer_list = _as_list(optimizers)
-    for o in optimizer_list:
-        if not isinstance(o, torch.optim.Optimizer):
-            raise TypeError("amp.scale_loss: expected optimizers to be an optimizer or a list "
-                            f"of them, got {type(o).__name__}")
+    optimizer_list = [_unwrap(o, "amp.scale_loss") for o in _as_list(optimizers)]
     amps = [_optimizer_amp.get(o) for o in optimizer_list]
     if not amps or all(a is None and o in _disabled for a, o in zip(amps, optimizer_list)):
         yield loss  # amp is off for these optimizers (initialize(enabled=False))
@@ -963,6 +989,7 @@ def overflow_report(names: Any = None, scale: bool = True) -> Dict[str, Any]:
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
     """The fp32 parameters the optimizer updates (its masters at O2), with unscaled
     ``.grad``, e.g. for clipping between ``scale_loss`` and ``step``."""
+    optimizer = _unwrap(optimizer, "amp.master_params")
     amp = _optimizer_amp.get(optimizer)
     if amp is not None and amp.fused:
         amp.unscale_for_clipping()

@@ -67,7 +67,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     On the CPU (gloo), where ``torch.nn.SyncBatchNorm`` refuses to synchronise, the
     statistics are synchronised here (:func:`_sync_batch_norm`), as Apex's Python
-    SyncBatchNorm did on any device its process group served."""
+    SyncBatchNorm did on any device its process group served. In eval mode without
+    running statistics (``track_running_stats=False``) the batch statistics are
+    synchronised too, as in Apex (torch's SyncBatchNorm uses each rank's own there)."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, channel_last=False,
@@ -89,9 +91,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     def _normalize(self, input: Tensor) -> Tensor:
         """Batch norm of ``[N, C, ...]`` input, synchronised in training as
-        ``torch.nn.SyncBatchNorm``, also on the devices it refuses (the CPU)."""
-        if input.device.type in _TORCH_SYNC_DEVICES or not self.training or \
-                not (dist.is_available() and dist.is_initialized()):
+        ``torch.nn.SyncBatchNorm``, also on the devices it refuses (the CPU), and in eval
+        mode without running statistics (batch statistics then), as Apex's."""
+        batch_stats = self.training or self.running_mean is None
+        if not batch_stats or not (dist.is_available() and dist.is_initialized()) or \
+                self.training and input.device.type in _TORCH_SYNC_DEVICES:
             return super().forward(input)
         group = self.process_group or dist.group.WORLD
         if dist.get_world_size(group) == 1:  # (torch's own path without synchronising)
@@ -264,8 +268,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     ``find_unused_parameters``, ``gradient_as_bucket_view``, ``bucket_cap_mb``, ...)
     is passed through; an explicit ``bucket_cap_mb`` wins over ``message_size`` and
     ``delay_allreduce``. As in Apex, parameters are broadcast from rank 0 when the
-    module is wrapped; unlike Apex's, models with parameters that get no gradient
-    need ``find_unused_parameters=True``.
+    module is wrapped. Unlike Apex's: buffers (batch norm's running statistics) are
+    broadcast from rank 0 then and before every forward, torch's
+    ``broadcast_buffers=True`` (pass ``broadcast_buffers=False`` to keep each rank's
+    own, as Apex did); models with parameters that get no gradient need
+    ``find_unused_parameters=True``.
     """
 
     def __init__(
@@ -445,11 +452,14 @@ def extract_tensors(maybe_tensor: Any, tensor_list: List[Tensor]) -> None:
 
 
 def _per_tensor_norms(tensors: List[Tensor]) -> Tensor:
-    """fp32 L2 norm of each tensor (all on one device), as a vector on that device."""
+    """The L2 norm of each tensor (all on one device), as an fp32 vector on that device
+    (fp64 when a tensor is fp64)."""
     if all(ops.is_dense(t) and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
            for t in tensors):
         return ops.multi_tensor_l2norm(tensors, None, per_tensor=True)[1]
-    return torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])
+    # (in float64 when a tensor is: its norm is then not rounded to fp32)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack([torch.linalg.vector_norm(t, dtype=dtype) for t in tensors])
 
 
 class LARC:
@@ -469,7 +479,9 @@ class LARC:
     group and device for the parameters, one for the gradients) and the
     "both norms nonzero" test is a device-side select, not a Python ``if``. The
     properties and methods forward to the wrapped optimizer as Apex's do; ``step``
-    also takes an optional ``closure``.
+    also takes an optional ``closure``, run first. Norms are fp32 (fp64 for fp64
+    tensors). ``amp.initialize`` and ``amp.scale_loss`` take a LARC as Apex's did; it
+    then adapts unscaled gradients, those of the fp32 masters at O2.
     """
 
     def __init__(self, optimizer: Any, trust_coefficient: float = 0.02, clip: bool = True,
@@ -513,7 +525,13 @@ class LARC:
         self.optim.add_param_group(param_group)
 
     def step(self, closure: Optional[Callable[[], Any]] = None):
-        """Adapts the gradients, then steps the wrapped optimizer."""
+        """Runs ``closure`` (if given: it computes the gradients), adapts the gradients,
+        then steps the wrapped optimizer; returns the closure's loss, else what the
+        wrapped step returns."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         weight_decays = []
         with torch.no_grad():
             for group in self.optim.param_groups:
@@ -523,14 +541,29 @@ class LARC:
                     group["weight_decay"] = 0
                 self._adapt(group, weight_decay)
         try:
-            return self.optim.step() if closure is None else self.optim.step(closure)
+            result = self.optim.step()
+            return result if closure is None else loss
         finally:
             for group, weight_decay in zip(self.optim.param_groups, weight_decays):
                 if "weight_decay" in group:
                     group["weight_decay"] = weight_decay
 
+    def _stepped(self, group: Dict[str, Any]) -> List[Tensor]:
+        """The tensors the wrapped step updates from their ``.grad``: a parameter, or its
+        fp32 master in a mixedprec optimizer's state when the master holds the (unscaled)
+        gradient (amp at O2, after ``master_params`` or before LARC's step)."""
+        state = self.optim.state
+        out = []
+        for p in group["params"]:
+            master = state[p].get("master_param") if p in state else None
+            if isinstance(master, Tensor) and master.grad is not None:
+                out.append(master)
+            elif p.grad is not None:
+                out.append(p)
+        return out
+
     def _adapt(self, group: Dict[str, Any], weight_decay: float) -> None:
-        with_grads = [p for p in group["params"] if p.grad is not None]
+        with_grads = self._stepped(group)
         for (members,) in _grads.by_device(with_grads).values():
             params = [p.data for p in members]
             grads = [p.grad.data for p in members]

@@ -171,8 +171,8 @@ def test_scaled_loss_has_the_shape_of_the_loss():
     (("loss", "opt"), dict(loss_id="0"), "expected loss_id to be an int, got '0'"),
     (("loss", "opt"), dict(loss_id=0.5), "expected loss_id to be an int, got 0.5"),
     ((3.0, "opt"), {}, "expected loss to be a tensor, got float"),
-    (("loss", None), {}, "expected optimizers to be an optimizer or a list of them, got "
-                         "NoneType")])
+    (("loss", None), {}, r"expected optimizers to be a torch.optim.Optimizer \(or a LARC "
+                         r"around one\) or a list of them, got NoneType")])
 def test_scale_loss_names_a_bad_argument(args, kwargs, match):
     """Before: a bare TypeError from a comparison or an index, an AttributeError
     ('device'), or 'cannot create weak reference to NoneType'."""

@@ -128,6 +128,73 @@ def test_larc_step_does_not_synchronize():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_larc_closure_runs_before_the_adaptation():
+    """A closure computes the gradients LARC then adapts (as torch's optimizers run it
+    first); run by the wrapped step instead, it would replace the adapted gradients."""
+    params, grads = larc_setup("cpu")
+    before = [p.detach().clone() for p in params]
+    optimizer = LARC(torch.optim.SGD(params, lr=0.5, weight_decay=1e-2))
+    for p in params:
+        p.grad = None
+
+    def closure():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        return torch.ones(())
+
+    assert optimizer.step(closure) == 1
+    expected = ref_larc_grads(before, grads, 0.5, 1e-2, 0.02, True, 1e-8)
+    for p, ref_g, p0 in zip(params, expected, before):
+        torch.testing.assert_close(p.detach().double(), p0.double() - 0.5 * ref_g,
+                                   atol=1e-6, rtol=1e-5)
+
+
+def test_larc_norms_of_float64_parameters_are_float64():
+    params = [torch.full((3,), 1 + 2**-40, dtype=torch.float64, requires_grad=True)]
+    params[0].grad = torch.full((3,), 1e-3, dtype=torch.float64)
+    optimizer = LARC(torch.optim.SGD(params, lr=1.0), trust_coefficient=1.0, clip=False,
+                     eps=0.0)
+    optimizer.step()
+    # local = |p| / |g| exactly in float64: the gradient becomes p (up to float64 rounding)
+    torch.testing.assert_close(params[0].detach(), torch.zeros(3, dtype=torch.float64),
+                               atol=1e-14, rtol=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_amp_initialize_and_scale_loss_take_larc(opt_level):
+    """As Apex's amp: a LARC around the optimizer goes through initialize (returned as
+    given) and scale_loss, and LARC adapts unscaled gradients (the fp32 masters' at O2):
+    torch's SGD and mixedprec's FusedSGD at a scale of 128 step as torch's SGD at a scale
+    of 1, the adapted step and not the plain one."""
+    from amp_common import OPTIMIZERS, batch, make_mlp
+
+    from mixedprec import amp
+
+    def run(name, loss_scale, larc=True):
+        model = make_mlp(0)
+        optimizer = OPTIMIZERS[name](model.parameters())
+        if larc:
+            optimizer = LARC(optimizer, trust_coefficient=0.02)
+        model, returned = amp.initialize(model, optimizer, opt_level=opt_level,
+                                         loss_scale=loss_scale, verbosity=0)
+        assert returned is optimizer
+        for step in range(3):
+            optimizer.zero_grad()
+            x, y = batch(step)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+        masters = [m.detach().clone() for m in amp.master_params(optimizer)]
+        return [p.detach().float() for p in model.parameters()], masters
+
+    expected = run("SGD", 1.0)
+    for name in ("SGD", "FusedSGD"):
+        torch.testing.assert_close(run(name, 128.0), expected, atol=1e-4, rtol=1e-3)
+    plain = run("SGD", 1.0, larc=False)
+    assert not torch.allclose(plain[1][0], expected[1][0], atol=1e-3)
+
+
 # --- SyncBatchNorm -------------------------------------------------------------------
 
 

@@ -3,7 +3,8 @@ torch.nn.SyncBatchNorm refuses to synchronise: each rank's half of a batch is no
 with the statistics of the whole batch, the gradients of the input, weight and bias and
 the running statistics are those of one BatchNorm over the whole batch, channels-first
 and channel-last (Apex's [N, ..., C]); a process group of one rank is torch's own
-BatchNorm, bit for bit; and eval mode uses the running statistics."""
+BatchNorm, bit for bit; eval mode uses the running statistics, or without them the
+whole batch's statistics."""
 
 import pytest
 import torch
@@ -66,6 +67,9 @@ def ranks(rank, world_size):
     alone = convert_syncbn_model(build(3, nn.BatchNorm2d), process_group=groups[rank])
     results["alone"] = run(alone, x, weights)
     results["reference_alone"] = run(build(3, nn.BatchNorm2d), x, weights)
+    # Without running statistics, eval mode normalises with the batch's, synchronised too
+    # (as Apex's SyncBatchNorm; torch's synchronises in training only).
+    results["eval_batch_stats"] = build(3, SyncBatchNorm, track_running_stats=False).eval()(x)
     return results
 
 
@@ -95,6 +99,11 @@ def test_sync_batch_norm_on_the_cpu_equals_batch_norm_over_the_whole_batch():
             halves = [results[r][name][0][step] for r in range(WORLD_SIZE)]
             torch.testing.assert_close(sum(h[2] for h in halves), w)
             torch.testing.assert_close(sum(h[3] for h in halves), b)
+    x, _ = data(SHAPES["channels_first"])
+    whole = build(3, nn.BatchNorm2d, track_running_stats=False).eval()(x)
+    for rank in range(WORLD_SIZE):
+        torch.testing.assert_close(results[rank]["eval_batch_stats"],
+                                   whole.chunk(WORLD_SIZE)[rank])
     for rank in range(WORLD_SIZE):
         got, want = results[rank]["alone"], results[rank]["reference_alone"]
         for a, b in zip(got[0], want[0]):
