@@ -217,7 +217,10 @@ def _children(name: str) -> Tuple[str, ...]:
 
 
 class _ApexModule(types.ModuleType):
-    """An Apex module of the alias: its names are those of :data:`MODULES`, looked up in
+    """An Apex module of the alias: its names are those of :data:`MODULES`. The names an
+    Apex file defined (``Entry.names``) are in its ``__dict__`` from the start, as they
+    were in Apex's module (scripts test ``'state_dict' in amp.__dict__``); the others
+    (``whole`` entries' further names, the ``__all__`` of ``import *``) are looked up in
     the mixedprec module that holds them when asked for."""
 
     def __getattr__(self, name: str):
@@ -274,6 +277,10 @@ def _make_module(name: str) -> types.ModuleType:
         doc = f"Apex's {name}, provided by mixedprec (see mixedprec.apex): names of {entry.target}."
     module = _ApexModule(name, doc)
     setattr(module, _MARK, True)
+    target = importlib.import_module(entry.target)
+    for apex_name in entry.names:  # (a name mixedprec lacks stays out: __getattr__ says so)
+        if hasattr(target, entry.source(apex_name)):
+            vars(module)[apex_name] = getattr(target, entry.source(apex_name))
     return module
 
 

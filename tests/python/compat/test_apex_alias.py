@@ -152,6 +152,13 @@ def test_every_import_form(alias, module_name):
     star = {}
     exec(f"from {module_name} import *", star)
     assert {n for n in found if not n.startswith("_")} <= set(star)  # public names
+    # In the module's __dict__, as in Apex's modules: timm's ApexScaler saves amp's state
+    # only if `'state_dict' in amp.__dict__` (else its checkpoints lose the loss scale).
+    module = sys.modules[module_name]
+    if isinstance(module, alias._ApexModule):
+        held = vars(module)
+        absent = sorted(n for n, value in found.items() if held.get(n) is not value)
+        assert not absent, f"{module_name}.__dict__ lacks {absent}"
 
 
 def test_legacy_import_forms(alias):
