@@ -332,6 +332,19 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
             self.register_comm_hook(self._apex_options, _apex_allreduce_hook)
 
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        """torch's DDP refuses a CPU module holding any ``torch.nn.SyncBatchNorm``; this
+        module's :class:`SyncBatchNorm` synchronises on the CPU itself (gloo), as Apex's
+        did under Apex's DDP, so only torch's own class is refused there."""
+        if self.device_type != "cpu":
+            return
+        for layer in module.modules():
+            if isinstance(layer, nn.SyncBatchNorm) and not isinstance(layer, SyncBatchNorm):
+                raise ValueError(
+                    "DistributedDataParallel: torch.nn.SyncBatchNorm works with GPU modules "
+                    "only; on the CPU use mixedprec.parallel.SyncBatchNorm "
+                    "(mixedprec.parallel.convert_syncbn_model)")
+
     @property
     def allreduce_buffers(self) -> List[Tensor]:
         """With ``retain_allreduce_buffers=True``: the flat buffers of the last

@@ -109,3 +109,36 @@ def test_sync_batch_norm_on_the_cpu_equals_batch_norm_over_the_whole_batch():
         for a, b in zip(got[0], want[0]):
             assert all(torch.equal(s, t) for s, t in zip(a, b))
         assert all(torch.equal(s, t) for s, t in zip(got[1:], want[1:]))
+
+
+def conv_bn():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, momentum=0.3)).double()
+
+
+def ddp_ranks(rank, world_size):
+    """Apex's pattern: convert_syncbn_model, then apex.parallel's DistributedDataParallel,
+    on the CPU (torch's DDP refuses a CPU module with torch's SyncBatchNorm)."""
+    from mixedprec.parallel import DistributedDataParallel
+
+    x, _ = (t.chunk(world_size)[rank] for t in data(SHAPES["channels_first"]))
+    model = DistributedDataParallel(convert_syncbn_model(conv_bn()))
+    model(x).square().sum().backward()
+    bn = model.module[1]
+    with pytest.raises(ValueError, match="mixedprec.parallel.SyncBatchNorm"):  # torch's class
+        DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(conv_bn()))
+    return ([p.grad for p in model.parameters()], bn.running_mean.clone(),
+            bn.running_var.clone())
+
+
+def test_apex_ddp_takes_sync_batch_norm_on_the_cpu():
+    results = run_ranks(ddp_ranks, WORLD_SIZE)
+    reference = conv_bn()
+    x, _ = data(SHAPES["channels_first"])
+    reference(x).square().sum().backward()
+    for grads, mean, var in results:
+        # each rank's loss is its half's; DDP averages: half the whole batch's gradient
+        for g, r in zip(grads, reference.parameters()):
+            torch.testing.assert_close(g * WORLD_SIZE, r.grad)
+        torch.testing.assert_close(mean, reference[1].running_mean)
+        torch.testing.assert_close(var, reference[1].running_var)
