@@ -556,8 +556,9 @@ def test_lean_quick(bench_lean, tmp_path):
     models = ("digits,digits-mlp,lm,resnet18" if importlib.util.find_spec("torchvision")
               else "digits,digits-mlp,lm")
     threads = torch.get_num_threads()
+    # One thread: pytest runs a worker per core, and bench/lean.py defaults to two.
     assert bench_lean.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
-                            "--models", models]) == 0
+                            "--threads", "1", "--models", models]) == 0
     assert torch.get_num_threads() == threads  # restored
     data = json.loads((tmp_path / "lean-cpu.json").read_text())
     assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
@@ -643,7 +644,7 @@ def test_lean_merge(bench_lean, tmp_path):
     """``--merge``: the modes run now replace the saved ones, the others (and the
     models not run now) are kept; a saved run of other sizes is refused."""
     pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
-    base = ["--quick", "--device", "cpu", "--out", str(tmp_path)]
+    base = ["--quick", "--device", "cpu", "--out", str(tmp_path), "--threads", "1"]
     assert bench_lean.main(base + ["--models", "digits,lm", "--modes", "fp32,bf16-master"]) == 0
     before = json.loads((tmp_path / "lean-cpu.json").read_text())
     assert bench_lean.main(base + ["--models", "digits", "--modes", "bf16-master,fp32-fp8mom",
