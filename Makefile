@@ -130,6 +130,9 @@ $(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
 # on the venv's path (what setuptools' editable mode writes), without building the
 # extension a second time; `.venv/bin/python -c "import mixedprec"` then works from
 # anywhere. Undo with `rm .venv/lib/python*/site-packages/mixedprec-checkout.pth`.
+# A second checkout that shares this .venv (a symlink, for an A/B build) points the
+# file at itself when it builds: `make develop` here points it back (test_install's
+# path test fails until then).
 .PHONY: develop
 develop: $(VENV_STAMP)
 	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/mixedprec-checkout.pth"
