@@ -555,11 +555,17 @@ def test_lean_quick(bench_lean, tmp_path):
     pytest.importorskip("sklearn", reason="the digits model needs scikit-learn")
     models = ("digits,digits-mlp,lm,resnet18" if importlib.util.find_spec("torchvision")
               else "digits,digits-mlp,lm")
+    # The bench at one thread (pytest runs a worker per core; bench/lean.py defaults to
+    # two), the caller at another count, so that its restoring is seen whatever the
+    # worker's share of the cores.
     threads = torch.get_num_threads()
-    # One thread: pytest runs a worker per core, and bench/lean.py defaults to two.
-    assert bench_lean.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
-                            "--threads", "1", "--models", models]) == 0
-    assert torch.get_num_threads() == threads  # restored
+    torch.set_num_threads(threads + 1)
+    try:
+        assert bench_lean.main(["--quick", "--device", "cpu", "--out", str(tmp_path),
+                                "--threads", "1", "--models", models]) == 0
+        assert torch.get_num_threads() == threads + 1  # restored
+    finally:
+        torch.set_num_threads(threads)
     data = json.loads((tmp_path / "lean-cpu.json").read_text())
     assert data["smoke"] is True and ENV_KEYS <= set(data["env"])
     assert list(data["results"]) == models.split(",")
