@@ -4,6 +4,11 @@
 // code loops over on the host), on CPU tensors: test_cuda_blocks.cpp compares it with
 // the CPU engine, test_memory_traffic.cpp records its memory accesses. Include it
 // before anything else of csrc/ (CUDA's index variables must be declared first).
+//
+// The op entries on this engine, and every kernel under them, are compiled once, in
+// emulated_cuda.cpp, and declared extern below: the two test files used to compile
+// them each (the engine was a type of each file's own), two thirds of each file's
+// time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,9 +29,8 @@ inline EmulatedDim3 threadIdx, blockIdx, blockDim;
 #include "ops/all.h"
 
 namespace mixedprec::cuda {
-namespace {
 
-int g_launches = 0;  // launches of the emulated engine
+inline int g_launches = 0;  // launches of the emulated engine
 
 // The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
 // the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
@@ -58,5 +62,22 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   }
 };
 
-}  // namespace
 }  // namespace mixedprec::cuda
+
+// The entries the tests run on it (the L2 norm's second and third stages are warp
+// reductions the host does not run: EmulatedCudaEngine keeps the CPU engine's l2norm).
+#define MP_EMULATED_ENTRIES(X)  \
+  X(multi_tensor_unscale_)      \
+  X(multi_tensor_unscale_to_)   \
+  X(multi_tensor_check_finite_) \
+  X(multi_tensor_copy_)         \
+  X(fused_sgd_)                 \
+  X(fused_adam_)                \
+  X(fused_lamb_)                \
+  X(fused_adagrad_)             \
+  X(fused_novograd_)
+#define MP_EXTERN_EMULATED_ENTRY(name)                                                  \
+  extern template decltype(mixedprec::entry::name<mixedprec::cuda::EmulatedCudaEngine>) \
+      mixedprec::entry::name<mixedprec::cuda::EmulatedCudaEngine>;
+MP_EMULATED_ENTRIES(MP_EXTERN_EMULATED_ENTRY)
+#undef MP_EXTERN_EMULATED_ENTRY
