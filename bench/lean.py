@@ -153,7 +153,9 @@ def counterpart(mode: str) -> Optional[str]:
         return None
     return mode[:-len("-fp8mom")]
 
-# Sizes: full run (eleven modes: 686 s on 1 thread of a shared AMD EPYC) and --quick (~10 s).
+# Sizes: full run (eleven modes: 686 s on 1 thread of a shared AMD EPYC) and --quick (~10 s
+# a model; ResNet-18 one step a mode, untimed warm-up left out: a CPU without AVX512_BF16
+# runs bf16 convolutions' backward through torch's slow_conv2d, ~1 s a step on an AVX2 EPYC).
 FULL = dict(seeds=3, digits_steps=1200, digits_batch=32, digits_lr=3e-4,
             mlp_steps=1200, mlp_batch=32, mlp_lr=1e-3, mlp_hidden=416,
             lm_steps=400, lm_batch=16, lm_seq=64, lm_d=96, lm_layers=2, lm_heads=4,
@@ -163,7 +165,7 @@ QUICK = dict(seeds=1, digits_steps=30, digits_batch=32, digits_lr=3e-4,
              mlp_steps=30, mlp_batch=32, mlp_lr=1e-3, mlp_hidden=128,
              lm_steps=20, lm_batch=4, lm_seq=32, lm_d=32, lm_layers=1, lm_heads=2,
              lm_lr=2e-3, lm_eval_every=10, lm_eval_batches=2, lm_corpus_mb=0.3,
-             rn_steps=1, rn_warmup=1, rn_batch=2, rn_image=32)
+             rn_steps=1, rn_warmup=0, rn_batch=2, rn_image=32)
 
 
 def lr_at(step: int, total: int, lr: float) -> float:
