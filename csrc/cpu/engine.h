@@ -198,6 +198,36 @@ inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
   }
 }
 
+// The lists that a pass which delays its stores (MP_PASS's DELAY) stores one vector
+// late, after the next vector's op.apply: in a Fixed mode (pointwise.h), the params or
+// the model copy when held narrower than fp32, unless the mode writes a compensation
+// (kahan, remainder). Those lists are the last the functor computes, at the end of the
+// vector's chain of square root and divisions: their conversion (about a dozen
+// instructions a pair for a bf16 store on AVX2) would otherwise wait there, ahead of
+// the next vector's loads and math in the reorder buffer. In kahan and remainder,
+// delaying the params, with their compensation or without, ranged from 3% faster to 5%
+// slower (bench/README.md, "Stores one vector late").
+template <typename... Ts, size_t... K>
+constexpr unsigned narrow_lists(std::index_sequence<K...>) {
+  return ((!std::is_same_v<Ts, float> ? 1u << K : 0u) | ... | 0u);
+}
+template <typename Op, typename... Ts>
+constexpr unsigned delayed_lists() {
+  if constexpr (IsFixed<Op>::value) {
+    if constexpr (((Op::kPresent >> Op::kCompList) & 1u) != 0) return 0u;
+    return Op::kPresent & Op::kWrites & (1u | 1u << Op::kModelList) &
+           narrow_lists<Ts...>(std::index_sequence_for<Ts...>{});
+  }
+  return 0u;
+}
+// (MP_PASS) the held vector's delayed lists, stored at element held_at
+#define MP_STORE_HELD(NS)                                                                 \
+  ((((kDelayed >> K) & 1u) && present<Op, K>(std::get<K>(v))                              \
+        ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + held_at, held[K]) \
+                                   : NS::store(std::get<K>(v) + held_at, held[K]))        \
+        : void()),                                                                        \
+   ...)
+
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
 // the rest one at a time. op comes by value, so that its fields are loop invariants.
 // A per-tensor list is broadcast once, before the loop. `flatten` inlines the calls
@@ -207,7 +237,9 @@ inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
 // how a stochastic Fixed mode gets its rounding bits, several vectors' at once, up to
 // DRAWS::kAhead (apply_drawn; vec_pair.h's PairedDraws of the pass's vector, or
 // EvenOddDraws for the pass whose pair holds its elements even and odd).
-#define MP_PASS(NAME, TARGET, NS, DRAWS)                                                    \
+// DELAY: the lists of delayed_lists are stored one vector late, after the next vector's
+// op.apply (see there; the AVX2 pair passes).
+#define MP_PASS(NAME, TARGET, NS, DRAWS, DELAY)                                             \
   template <typename Op, typename... Ts, size_t... K>                                       \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,               \
                   std::index_sequence<K...> seq) {                                          \
@@ -225,6 +257,9 @@ inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
     [[maybe_unused]] typename DRAWS::Drawn drawn[DRAWS::kAhead];                            \
     /* drawn[drawn_next .. drawn_count - 1]: the next vectors' bits */                      \
     [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                   \
+    constexpr unsigned kDelayed = DELAY ? delayed_lists<Op, Ts...>() : 0u;                  \
+    [[maybe_unused]] Vec held[D] = {}; /* the last vector's lists of kDelayed */            \
+    [[maybe_unused]] int64_t held_at = -1;                                                  \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
@@ -243,26 +278,34 @@ inline auto apply_drawn(const Op& op, V* x, int64_t i, int64_t end, T* tally,
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
       bad |= apply_drawn<DRAWS>(op, x, i, end, tally, drawn, drawn_next, drawn_count);      \
-      ((((Op::kWrites >> K) & 1u) && present<Op, K>(std::get<K>(v))                         \
+      (((((Op::kWrites & ~kDelayed) >> K) & 1u) && present<Op, K>(std::get<K>(v))           \
             ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + i, x[K])        \
                                        : NS::store(std::get<K>(v) + i, x[K]))               \
             : void()),                                                                      \
        ...);                                                                                \
+      if constexpr (kDelayed != 0) {                                                        \
+        if (held_at >= 0) MP_STORE_HELD(NS);                                                \
+        ((((kDelayed >> K) & 1u) ? (void)(held[K] = x[K]) : void()), ...);                  \
+        held_at = i;                                                                        \
+      }                                                                                     \
     }                                                                                       \
+    if (kDelayed != 0 && held_at >= 0) MP_STORE_HELD(NS);                                   \
     add_tallies<Op>(data, sums, i - begin);                                                 \
     return NS::any(bad) | elementwise(op, p, i, end, seq);                                  \
   }
 
 #if defined(MP_X86_ISA)
-MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2, NoDraws)
-MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512, NoDraws)
+MP_PASS(pass_avx2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2, NoDraws, false)
+MP_PASS(pass_avx512, __attribute__((target(MP_AVX512_TARGET), flatten)), avx512, NoDraws, false)
 MP_PASS(pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx512bf16"), flatten)), avx512x2,
-        PairedDraws<VecF32>)
-MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2, PairedDraws<VecF8x2>)
+        PairedDraws<VecF32>, false)
+MP_PASS(pass_avx2x2, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2, PairedDraws<VecF8x2>,
+        true)
 MP_PASS(pass_avx2x2_even_odd, __attribute__((target(MP_AVX2_TARGET), flatten)), avx2x2_even_odd,
-        EvenOddDraws)
+        EvenOddDraws, true)
 #endif
 #undef MP_PASS
+#undef MP_STORE_HELD
 
 // The cache lines kPrefetchBytes ahead of a block of kQuantBlock elements of storage T
 // (one line for each 64 bytes of it; an 8-bit list's 32 bytes: on every other block).
