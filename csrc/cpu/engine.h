@@ -220,12 +220,13 @@ constexpr unsigned delayed_lists() {
   }
   return 0u;
 }
-// (MP_PASS) the held vector's delayed lists, stored at element held_at
-#define MP_STORE_HELD(NS)                                                                 \
-  ((((kDelayed >> K) & 1u) && present<Op, K>(std::get<K>(v))                              \
-        ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + held_at, held[K]) \
-                                   : NS::store(std::get<K>(v) + held_at, held[K]))        \
-        : void()),                                                                        \
+// (MP_PASS, MP_BLOCK_PASS) the lists of MASK that are present, from vectors X, stored at
+// element AT
+#define MP_STORE_LISTS(NS, MASK, AT, X)                                               \
+  (((((MASK) >> K) & 1u) && present<Op, K>(std::get<K>(v))                            \
+        ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + (AT), (X)[K]) \
+                                   : NS::store(std::get<K>(v) + (AT), (X)[K]))        \
+        : void()),                                                                    \
    ...)
 
 // fn(op, data, begin, end): op over elements begin..end-1, a vector at a time, then
@@ -278,18 +279,14 @@ constexpr unsigned delayed_lists() {
                        ? NS::load(std::get<K>(v) + i)                                       \
                        : Vec{})...};                                                        \
       bad |= apply_drawn<DRAWS>(op, x, i, end, tally, drawn, drawn_next, drawn_count);      \
-      (((((Op::kWrites & ~kDelayed) >> K) & 1u) && present<Op, K>(std::get<K>(v))           \
-            ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + i, x[K])        \
-                                       : NS::store(std::get<K>(v) + i, x[K]))               \
-            : void()),                                                                      \
-       ...);                                                                                \
+      MP_STORE_LISTS(NS, Op::kWrites & ~kDelayed, i, x);                                    \
       if constexpr (kDelayed != 0) {                                                        \
-        if (held_at >= 0) MP_STORE_HELD(NS);                                                \
+        if (held_at >= 0) MP_STORE_LISTS(NS, kDelayed, held_at, held);                      \
         ((((kDelayed >> K) & 1u) ? (void)(held[K] = x[K]) : void()), ...);                  \
         held_at = i;                                                                        \
       }                                                                                     \
     }                                                                                       \
-    if (kDelayed != 0 && held_at >= 0) MP_STORE_HELD(NS);                                   \
+    if (kDelayed != 0 && held_at >= 0) MP_STORE_LISTS(NS, kDelayed, held_at, held);         \
     add_tallies<Op>(data, sums, i - begin);                                                 \
     return NS::any(bad) | elementwise(op, p, i, end, seq);                                  \
   }
@@ -305,7 +302,6 @@ MP_PASS(pass_avx2x2_even_odd, __attribute__((target(MP_AVX2_TARGET), flatten)), 
         EvenOddDraws, true)
 #endif
 #undef MP_PASS
-#undef MP_STORE_HELD
 
 // The cache lines kPrefetchBytes ahead of a block of kQuantBlock elements of storage T
 // (one line for each 64 bytes of it; an 8-bit list's 32 bytes: on every other block).
@@ -341,6 +337,8 @@ inline void block_prefetch(const T* p) {
     constexpr int J = static_cast<int>(kQuantBlock / W);                                          \
     constexpr int D = sizeof...(K);                                                               \
     constexpr int NB = kBlockedLists<Ts...>;                                                      \
+    /* the lists written but not 8-bit: stored at once */                                         \
+    constexpr unsigned kStoredAtOnce = Op::kWrites & ~((kBlocked<Ts> ? 1u << K : 0u) | ... | 0u); \
     constexpr int G = NS::kGroup;                                                                 \
     static_assert(NS::kBlocksAhead % G == 0, "the bits of whole groups are drawn at once");       \
     const std::tuple<VecStorage<Op, K, Ts>*...> v{                                                \
@@ -385,11 +383,7 @@ inline void block_prefetch(const T* p) {
                                            : NS::load(std::get<K>(v) + at))                       \
                            : Vec{})...};                                                          \
           bad |= apply_drawn<DRAWS>(op, x, at, end, tally, drawn, drawn_next, drawn_count);       \
-          ((((Op::kWrites >> K) & 1u) && !kBlocked<Ts> && present<Op, K>(std::get<K>(v))          \
-                ? (stored_rounded<Op, K>() ? NS::store_rounded(std::get<K>(v) + at, x[K])         \
-                                           : NS::store(std::get<K>(v) + at, x[K]))                \
-                : void()),                                                                        \
-           ...);                                                                                  \
+          MP_STORE_LISTS(NS, kStoredAtOnce, at, x);                                               \
           ((kBlocked<Ts> ? (void)(kept[q][j][block_rank<K, Ts...>()] = x[K]) : void()), ...);     \
         }                                                                                         \
       }                                                                                           \
@@ -413,6 +407,7 @@ MP_BLOCK_PASS(block_pass_avx512x2, __attribute__((target(MP_AVX512_TARGET ",avx5
 #endif
 MP_BLOCK_PASS(block_pass_scalar, , scalar, NoDraws)
 #undef MP_BLOCK_PASS
+#undef MP_STORE_LISTS
 
 template <typename Op, typename... Ts, size_t... K>
 int pass(const Op& op, void* const* data, int64_t begin, int64_t end,
