@@ -259,8 +259,7 @@ constexpr unsigned delayed_lists() {
     /* drawn[drawn_next .. drawn_count - 1]: the next vectors' bits */                      \
     [[maybe_unused]] int drawn_next = 0, drawn_count = 0;                                   \
     constexpr unsigned kDelayed = DELAY ? delayed_lists<Op, Ts...>() : 0u;                  \
-    [[maybe_unused]] Vec held[D] = {}; /* the last vector's lists of kDelayed */            \
-    [[maybe_unused]] int64_t held_at = -1;                                                  \
+    [[maybe_unused]] Vec held[D] = {}; /* vector i - W's lists of kDelayed */               \
     int64_t i = begin;                                                                      \
     for (; i + W <= end; i += W) {                                                          \
       ((streamed_list<Op, K>() && present<Op, K>(std::get<K>(v))                            \
@@ -281,12 +280,11 @@ constexpr unsigned delayed_lists() {
       bad |= apply_drawn<DRAWS>(op, x, i, end, tally, drawn, drawn_next, drawn_count);      \
       MP_STORE_LISTS(NS, Op::kWrites & ~kDelayed, i, x);                                    \
       if constexpr (kDelayed != 0) {                                                        \
-        if (held_at >= 0) MP_STORE_LISTS(NS, kDelayed, held_at, held);                      \
+        if (i > begin) MP_STORE_LISTS(NS, kDelayed, i - W, held);                           \
         ((((kDelayed >> K) & 1u) ? (void)(held[K] = x[K]) : void()), ...);                  \
-        held_at = i;                                                                        \
       }                                                                                     \
     }                                                                                       \
-    if (kDelayed != 0 && held_at >= 0) MP_STORE_LISTS(NS, kDelayed, held_at, held);         \
+    if (kDelayed != 0 && i > begin) MP_STORE_LISTS(NS, kDelayed, i - W, held);              \
     add_tallies<Op>(data, sums, i - begin);                                                 \
     return NS::any(bad) | elementwise(op, p, i, end, seq);                                  \
   }

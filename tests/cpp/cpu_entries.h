@@ -7,9 +7,10 @@
 #include "cpu/engine.h"
 #include "ops/all.h"
 
-#define MP_EXTERN_CPU_ENTRY(name)                                             \
-  extern template decltype(mixedprec::entry::name<mixedprec::cpu::CpuEngine>) \
-      mixedprec::entry::name<mixedprec::cpu::CpuEngine>;
+// Entry `name` on engine E, for an explicit instantiation: `template MP_ENTRY(E, name);`
+// makes it, `extern template MP_ENTRY(E, name);` declares it made elsewhere.
+#define MP_ENTRY(E, name) decltype(mixedprec::entry::name<E>) mixedprec::entry::name<E>
+#define MP_EXTERN_CPU_ENTRY(name) extern template MP_ENTRY(mixedprec::cpu::CpuEngine, name);
 
 MP_EXTERN_CPU_ENTRY(update_loss_scale_)
 MP_EXTERN_CPU_ENTRY(multi_tensor_unscale_)

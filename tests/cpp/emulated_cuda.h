@@ -76,8 +76,7 @@ struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   X(fused_lamb_)                \
   X(fused_adagrad_)             \
   X(fused_novograd_)
-#define MP_EXTERN_EMULATED_ENTRY(name)                                                  \
-  extern template decltype(mixedprec::entry::name<mixedprec::cuda::EmulatedCudaEngine>) \
-      mixedprec::entry::name<mixedprec::cuda::EmulatedCudaEngine>;
+#define MP_EXTERN_EMULATED_ENTRY(name) \
+  extern template MP_ENTRY(mixedprec::cuda::EmulatedCudaEngine, name);
 MP_EMULATED_ENTRIES(MP_EXTERN_EMULATED_ENTRY)
 #undef MP_EXTERN_EMULATED_ENTRY
