@@ -2,7 +2,8 @@
 
 Each fenced ```` ```python ```` block of README.md and docs/*.md is one test case: its
 text, as it stands in the Markdown, is written to a file in a fresh directory and run
-there with this interpreter (``sys.executable``), ``PYTHONPATH`` the repository root,
+there with this interpreter (``sys.executable``, as a new process would run it:
+forked.run_python), ``PYTHONPATH`` the repository root,
 ``CUDA_VISIBLE_DEVICES=""`` (so that the CPU runs it, as a machine without a GPU
 would), and a time limit of ``TIMEOUT`` seconds. It must exit with status 0. The
 recipes are small (tiny models, a few steps) and pick the GPU when there is one and
@@ -29,11 +30,11 @@ import ast
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import List, NamedTuple
 
 import pytest
+from forked import run_python
 from helpers import missing_modules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,8 +163,7 @@ def test_recipe_runs_as_written(block, tmp_path):
     script = tmp_path / "recipe.py"
     script.write_text(block.code, encoding="utf-8")
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=recipe_env(),
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        done = run_python([script], cwd=tmp_path, env=recipe_env(), timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
             else (e.stdout or "")

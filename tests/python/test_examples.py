@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import run_python
 from helpers import missing_modules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +34,8 @@ def run(args, cwd, timeout=TIMEOUT, expect_rc=0):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"  # tiny models; more threads only fight over the cores
     env["PYTHONUNBUFFERED"] = "1"  # a run that hangs still shows how far it got
-    try:
-        proc = subprocess.run([sys.executable] + [str(a) for a in args], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+    try:  # (as a new process runs it: forked.run_python)
+        proc = run_python(args, cwd=cwd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         output = "".join(s if isinstance(s, str) else (s or b"").decode(errors="replace")
                          for s in (e.stdout, e.stderr))

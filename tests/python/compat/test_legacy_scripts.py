@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked import run_python
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = Path(__file__).resolve().parent / "legacy_scripts"
@@ -46,14 +47,14 @@ def test_legacy_script_runs_unmodified(script, device, tmp_path):
     if device == "cuda" and script in CPU_ONLY:
         pytest.skip(f"{script} stays on the CPU: {CPU_ONLY[script]}")
     marker, scratch = CASES[script]
-    args = [sys.executable, "-m", "mixedprec.apex", str(SCRIPTS / script)]
+    args = ["-m", "mixedprec.apex", SCRIPTS / script]
     if scratch:
-        args.append(str(tmp_path))
+        args.append(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the script sees no GPU and picks the CPU
-    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=180)
+    # (python -m mixedprec.apex SCRIPT, as a new process runs it: forked.run_python)
+    result = run_python(args, cwd=tmp_path, env=env, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     # the marker and the device the script ran on: a "cuda" run that fell back fails here
     assert f"{marker} {device}" in result.stdout, result.stdout + result.stderr
