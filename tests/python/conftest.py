@@ -21,9 +21,10 @@ for folder in (HERE, *(HERE / layer for layer in LAYERS)):
 # Under pytest-xdist (make py-test: -n auto, a worker per core), each worker gets its
 # share of the cores for torch's intra-op threads, so that the workers do not
 # oversubscribe the machine. Tests that depend on a thread count set their own.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+from forked import worker_threads  # noqa: E402  (found on the sys.path set above)
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    torch.set_num_threads(worker_threads())
 
 
 @pytest.fixture(params=["cpu", "cuda"])

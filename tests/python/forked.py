@@ -47,11 +47,17 @@ _READ_AT_START = ("PYTHON", "LANG", "LC_", "LD_", "MALLOC_", "TMPDIR", "OMP_", "
 _CHILD_VARIABLES = ("PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")
 
 
-def default_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """``env`` (default: this process's) with OMP_NUM_THREADS set when it is not."""
-    env = dict(os.environ if env is None else env)
+def worker_threads() -> int:
+    """This pytest worker's share of the cores (pytest-xdist: a worker per core)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def default_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """``env`` (default: this process's) with OMP_NUM_THREADS (worker_threads) set when it
+    is not."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", str(worker_threads()))
     return env
 
 
@@ -69,11 +75,11 @@ def frozen_difference(env: Dict[str, str]) -> List[str]:
 
 class _Server:
     def __init__(self):
-        self.env = default_env()
-        self.proc = subprocess.Popen([sys.executable, str(_SERVER_SCRIPT)], env=self.env,
+        env = default_env()
+        self.proc = subprocess.Popen([sys.executable, str(_SERVER_SCRIPT)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
-        self.frozen = _frozen(self.env)
+        self.frozen = _frozen(env)
         self.lines: "queue.Queue[str]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -139,9 +145,8 @@ def run_python(args: Sequence, *, cwd=None, env: Optional[Dict[str, str]] = None
         forked = forks(args, env)
         log = os.environ.get("MIXEDPREC_TEST_FORK_LOG")  # (a line per run: how it ran)
         if log:
+            why = "" if forked else " ".join(frozen_difference(env))
             with open(log, "a") as f:
-                why = "" if forked or not args or args[0].startswith("-") and args[0] not in (
-                    "-c", "-m") else " ".join(frozen_difference(env))
                 f.write(f"{'forked' if forked else 'fresh'} {' '.join(args)[:80]!r} {why}\n")
         if not forked:
             return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,

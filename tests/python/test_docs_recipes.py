@@ -144,9 +144,7 @@ def recipe_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO)
     env["CUDA_VISIBLE_DEVICES"] = ""
-    # the recipes share the machine with the other pytest workers
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    # (OMP_NUM_THREADS: run_python's, the worker's share of the cores)
     # nothing is downloaded: the recipes build their models from configs
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
                TOKENIZERS_PARALLELISM="false")
