@@ -2,9 +2,11 @@
 // op family, so that an edit of an entry or a functor does not rebuild it. The backends
 // register their kernels (the entries of csrc/ops/*.h) in their units (ops/unit.h:
 // csrc/cpu/register*.cpp, csrc/cuda/register*.cu), the CPU's also those of calls
-// without tensors; fake (Meta) kernels and autograd live in mixedprec/ops.py.
+// without tensors; fake (Meta) kernels and autograd live in mixedprec/ops.py. One class,
+// not an op, is declared here too: the optimizers' plan check (plan_check.h).
 #include <torch/library.h>
 
+#include "plan_check.h"
 #include "python_gil.h"
 
 namespace mixedprec {
@@ -70,4 +72,8 @@ TORCH_LIBRARY(mixedprec, m) {
       "float beta1, float beta2, float eps, float weight_decay, bool bias_correction, "
       "bool grad_averaging, bool reg_inside_moment, int norm_type, bool init_zero, "
       "Tensor? inv_scale, Tensor? found_inf) -> ()");
+  m.class_<mixedprec::PlanCheck>("PlanCheck")
+      .def(torch::init<const c10::List<at::Tensor>&, const c10::List<std::optional<at::Tensor>>&,
+                       c10::List<at::Tensor>, bool>())
+      .def("gradients", &mixedprec::PlanCheck::gradients);
 }

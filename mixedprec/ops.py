@@ -33,6 +33,10 @@ CHUNK_SIZE: int = _C.CHUNK_SIZE
 MAX_TENSORS_PER_LAUNCH: int = _C.MAX_TENSORS_PER_LAUNCH
 #: The most chunks one launch of the engine takes.
 MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
+#: The optimizers' plan check, a class and not an op (csrc/plan_check.h):
+#: ``PlanCheck(params, grads, masters, versions)``, made with a plan, and
+#: ``.gradients(params)``, the group's gradients when the plan still holds (else None).
+PlanCheck = torch.classes.mixedprec.PlanCheck
 
 # torch._dynamo.disable, imported at the first call (torch's own lazy form, which its
 # modules use: importing torch._dynamo takes 2.3 s, more than the rest of `import
@@ -42,6 +46,7 @@ MAX_BLOCKS_PER_LAUNCH: int = _C.MAX_BLOCKS_PER_LAUNCH
 not_traced = getattr(torch, "_disable_dynamo", None) or torch._dynamo.disable
 
 __all__ = [
+    "PlanCheck",
     "is_dense",
     "int64_tensor",
     "rounding_words",

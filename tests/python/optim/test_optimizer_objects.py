@@ -829,6 +829,106 @@ def test_kept_op_call_holds_its_tensor_lists_boxed_once(device, cls, kwargs):
     assert all(id(t) in held for lst in boxed for t in lst)
 
 
+def _contiguous_grad(p):
+    p.grad = torch.randn(p.shape, device=p.device, dtype=p.dtype)
+
+
+def _other_dtype_grad(p):
+    p.grad_dtype = None  # (torch 2.11 refuses a gradient of another dtype without it)
+    p.grad = p.grad.to(torch.float64 if p.dtype == torch.float32 else torch.float32)
+
+
+def _new_storage(p):
+    p.data = p.data.clone()
+
+
+def _write(p):
+    with torch.no_grad():
+        p.mul_(0.5)
+
+
+# What changes between two steps (applied to params[1]), and whether the plan's native
+# check still hands the gradients back by itself (else the Python check answers).
+PLAN_CHANGES = {
+    "nothing": (lambda params, masters: None, True),
+    "a gradient gone": (lambda params, masters: setattr(params[1], "grad", None), False),
+    "a gradient added": (lambda params, masters: _contiguous_grad(params[2]), False),
+    "a gradient's dtype": (lambda params, masters: _other_dtype_grad(params[1]), False),
+    "a gradient transposed": (lambda params, masters: setattr(
+        params[1], "grad", torch.randn_like(params[1]).t().contiguous().t()), False),
+    "a channels_last gradient made contiguous": (
+        lambda params, masters: _contiguous_grad(params[3]), False),
+    "a sparse gradient": (lambda params, masters: setattr(
+        params[1], "grad", params[1].grad.to_sparse()), False),
+    "new storage": (lambda params, masters: _new_storage(params[1]), False),
+    "a write outside a step": (lambda params, masters: _write(params[1]), False),
+    "a master's gradient": (lambda params, masters: setattr(
+        masters[0], "grad", torch.ones_like(masters[0])), False),
+    "a parameter replaced by a tensor without storage": (
+        lambda params, masters: params.__setitem__(1, torch.empty(
+            params[1].shape, dtype=params[1].dtype, device="meta")), False),
+}
+
+
+@pytest.mark.parametrize("dtype, master", MODEL_DTYPES)
+@pytest.mark.parametrize("change", list(PLAN_CHANGES))
+def test_the_plans_native_check_answers_as_the_python_check(device, dtype, master, change):
+    """A plan's native check (ops.PlanCheck) hands back the gradients only where the
+    Python check's list comparisons would have, the very gradient tensors; anything
+    else is the Python check's to answer (a plan that no longer holds, or a check
+    gradient by gradient): the step's answer is the same with and without it."""
+    from mixedprec.optim import plans
+    params = [nn.Parameter(torch.randn(shape, device=device).to(dtype))
+              for shape in ((4, 3), (3, 5), (2,), (2, 3, 2, 2))]
+    params[3].data = params[3].data.contiguous(memory_format=torch.channels_last)
+    opt = optim.SGD(params, lr=0.1, momentum=0.9, master=master)
+    for _ in range(2):
+        for p in params[:2] + params[3:]:
+            p.grad = torch.randn_like(p)  # (params[3]'s: channels_last, as it is)
+        opt.step()
+    plan = opt.plans.plans[0]
+    assert plan.check is not None and not plan.all_stepped
+    assert not params[3].is_contiguous() and params[3].grad.is_contiguous(
+        memory_format=torch.channels_last)
+    masters = plan.with_masters
+    assert bool(masters) == (master == "fp32")
+    if not masters and change == "a master's gradient":
+        pytest.skip("no masters")
+    group = list(params)
+    mutate, native_holds = PLAN_CHANGES[change]
+    mutate(group, masters)
+    if change == "a write outside a step" and not masters:
+        native_holds = True  # (without masters the versions are not compared)
+    native = plan.check.gradients(group)
+    assert (native is not None) == native_holds
+    ours = plans._planned_gradients(group, plan)
+    python = plans._planned_gradients(group, plan._replace(check=None))
+    assert (ours is None) == (python is None)
+    if ours is not None:
+        assert ours[1] == python[1] and len(ours[0]) == len(python[0])
+        assert all(a is b for a, b in zip(ours[0], python[0]))
+    if native is not None:
+        assert all(a is p.grad for a, p in zip(native, params[:2] + params[3:]))
+
+
+def test_the_plans_native_check_is_left_out_for_tensor_subclasses():
+    """Parameters of a tensor subclass (DTensor, fake tensors) keep their own dispatch:
+    their plans have the Python check only, and step as before."""
+    class Tagged(torch.Tensor):
+        pass
+    param = nn.Parameter(torch.randn(3).as_subclass(Tagged))
+    plain = nn.Parameter(param.detach().clone().as_subclass(torch.Tensor))
+    opt, twin_opt = optim.SGD([param], lr=0.1), optim.SGD([plain], lr=0.1)
+    for _ in range(3):
+        param.grad = torch.ones(3)
+        plain.grad = torch.ones(3)
+        opt.step()
+        twin_opt.step()
+    assert opt.plans.plans[0].check is None and twin_opt.plans.plans[0].check is not None
+    assert _planned(opt) is not None
+    assert_bitwise_equal(param.detach().as_subclass(torch.Tensor), plain.detach())
+
+
 @pytest.mark.parametrize("cls, kwargs", OPTIMIZERS)
 def test_kept_op_call_after_load_state_dict_and_add_param_group(device, cls, kwargs):
     model, other = make_model(device, torch.float16), make_model(device, torch.float16, seed=7)
