@@ -124,28 +124,6 @@ Groups<D> group_by_dtype(const std::array<at::TensorList, D>& lists) {
   return out;
 }
 
-template <class Engine>
-void run_scale(at::TensorList src, at::TensorList dst, const float* inv_scale, float* found_inf) {
-  ScaleOp op;
-  op.inv_scale_ptr = inv_scale;
-  for (const auto& g : group_by_dtype<2>({src, dst})) {
-    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "multi_tensor_scale", src_t, [&] {
-      MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "multi_tensor_scale", dst_t, [&] {
-        Engine::template run<ScaleOp, src_t, dst_t>(g, op, nullptr, found_inf);
-      });
-    });
-  }
-}
-
-template <class Engine>
-void run_check_finite(at::TensorList tensors, float* found_inf) {
-  for (const auto& g : group_by_dtype<1>({tensors})) {
-    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "multi_tensor_check_finite_", scalar_t, [&] {
-      Engine::template run<CheckFiniteOp, scalar_t>(g, CheckFiniteOp{}, nullptr, found_inf);
-    });
-  }
-}
-
 // Runs op on lists stored as Ts. A tallying functor (pointwise.h) learns here whether
 // its params (list 0) are bf16: its `rounds_bf16`.
 template <class Engine, typename Op, typename... Ts>

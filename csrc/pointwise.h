@@ -48,9 +48,10 @@
 // vector loops, the CUDA engine's kernels), and keep the generic code for the other
 // modes. The bits are the same.
 //
-// The optimizers' functors are in pointwise_adam.h (AdamOp) and pointwise_optimizers.h
-// (SGD, LAMB, Adagrad, NovoGrad), each included by the registration units of its
-// family only (csrc/ops/unit.h): an edit of one rebuilds those units, not every one.
+// The functors are in pointwise_lists.h (the list ops: unscale, finite check, copy),
+// pointwise_adam.h (AdamOp) and pointwise_optimizers.h (SGD, LAMB, Adagrad, NovoGrad),
+// each included by the registration units of its family only (csrc/ops/unit.h): an edit
+// of one rebuilds those units, not every one.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -433,39 +434,6 @@ int in_counted_mode(const Op& op, unsigned lists, bool counted, F&& f) {
     return f(functor);
   });
 }
-
-// dst = src * inv_scale (inv_scale may be absent: a plain cast copy). Reports
-// non-finite inputs when the engine is given a found_inf.
-struct ScaleOp {
-  static constexpr int kDepth = 2;  // src, dst
-  static constexpr unsigned kReads = 0b01;
-  static constexpr unsigned kWrites = 0b10;
-
-  const float* inv_scale_ptr = nullptr;
-  float inv_scale = 1.f;
-
-  MP_HD void resolve() {
-    if (inv_scale_ptr != nullptr) inv_scale = *inv_scale_ptr;
-  }
-  template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(V* x) const {
-    x[1] = x[0] * inv_scale;
-    return Lanes<V>::not_finite(x[0]);
-  }
-};
-
-// A read-only overflow check: reports non-finite elements, writes nothing else.
-struct CheckFiniteOp {
-  static constexpr int kDepth = 1;
-  static constexpr unsigned kReads = 0b1;
-  static constexpr unsigned kWrites = 0b0;
-
-  MP_HD void resolve() {}
-  template <typename V>
-  MP_HD typename Lanes<V>::Flag apply(const V* x) const {
-    return Lanes<V>::not_finite(x[0]);
-  }
-};
 
 // The optimizers' lists as run_optimizer (dispatch.h) stores them: list 2 is the
 // first state list (fp32, or bf16 where the op has kLeanState), kModelList the model

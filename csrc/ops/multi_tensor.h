@@ -13,9 +13,35 @@
 #include <tuple>
 
 #include "../dispatch.h"
+#include "../pointwise_lists.h"
 #include "kernel.h"
 
 namespace mixedprec {
+
+// The drivers of the list ops' functors (pointwise_lists.h): each group of equal dtypes
+// onto the engine.
+template <class Engine>
+void run_scale(at::TensorList src, at::TensorList dst, const float* inv_scale, float* found_inf) {
+  ScaleOp op;
+  op.inv_scale_ptr = inv_scale;
+  for (const auto& g : group_by_dtype<2>({src, dst})) {
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "multi_tensor_scale", src_t, [&] {
+      MP_DISPATCH_FLOATS(g[1][0].scalar_type(), "multi_tensor_scale", dst_t, [&] {
+        Engine::template run<ScaleOp, src_t, dst_t>(g, op, nullptr, found_inf);
+      });
+    });
+  }
+}
+
+template <class Engine>
+void run_check_finite(at::TensorList tensors, float* found_inf) {
+  for (const auto& g : group_by_dtype<1>({tensors})) {
+    MP_DISPATCH_FLOATS(g[0][0].scalar_type(), "multi_tensor_check_finite_", scalar_t, [&] {
+      Engine::template run<CheckFiniteOp, scalar_t>(g, CheckFiniteOp{}, nullptr, found_inf);
+    });
+  }
+}
+
 namespace entry {
 
 template <class Engine>

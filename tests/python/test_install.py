@@ -217,6 +217,40 @@ def test_the_extension_includes_torch_headers_narrowly():
     assert not found, found
 
 
+# Each family's functors and the registration units that include them (csrc/README.md,
+# "Adding an op"): an edit of one rebuilds those two units, not the extension.
+FAMILY_FUNCTORS = {
+    "pointwise_lists.h": {"cpu/register.cpp", "cuda/register.cu"},
+    "pointwise_adam.h": {"cpu/register_adam.cpp", "cuda/register_adam.cu"},
+    "pointwise_optimizers.h": {"cpu/register_optimizers.cpp", "cuda/register_optimizers.cu"},
+}
+
+
+def _local_includes(path, seen):
+    """The csrc headers `path` includes, transitively ("..." includes)."""
+    import re
+    for name in re.findall(r'^\s*#include "([^"]+)"', path.read_text(), re.M):
+        header = (path.parent / name).resolve()
+        if header not in seen and header.is_file():
+            seen.add(header)
+            _local_includes(header, seen)
+    return seen
+
+
+def test_a_familys_functors_are_compiled_by_its_units_only():
+    """A functor edit rebuilds its family's CPU and CUDA units only (issue 31: the list
+    ops' functors were in pointwise.h, which every unit includes, so an edit of the
+    unscale rebuilt the whole extension), and every functor is in a family's header."""
+    csrc = REPO / "csrc"
+    sources = [p for p in sorted(csrc.rglob("*")) if p.suffix in (".cpp", ".cu")]
+    for header, units in FAMILY_FUNCTORS.items():
+        including = {str(p.relative_to(csrc)) for p in sources
+                     if (csrc / header).resolve() in _local_includes(p, set())}
+        assert including == units, (header, including)
+    shared = (csrc / "pointwise.h").read_text()
+    assert "kDepth =" not in shared, "a functor in pointwise.h, which every unit includes"
+
+
 @in_repo_venv
 def test_the_venv_holds_the_bytecode_of_its_packages():
     """Before: uv installed the venv's packages without their bytecode, and these machines

@@ -26,6 +26,7 @@ NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 # Every functor of csrc/pointwise*.h, resolved and applied to one element in a kernel.
 PROBE = r"""
 #include "pointwise_adam.h"
+#include "pointwise_lists.h"
 #include "pointwise_optimizers.h"
 using namespace mixedprec;
 template <class Op>
