@@ -38,7 +38,13 @@ export PATH := $(VENV)/bin:$(PATH)
 VENV_STAMP := $(VENV)/.deps-v6-torch-$(TORCH_VERSION)-torchvision-$(TORCHVISION_VERSION)
 # Holds 1 when the CUDA kernels were built, else 0; one stamp per MIXEDPREC_CUDA.
 EXT_STAMP := build/ext-cuda$(MIXEDPREC_CUDA).stamp
-SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort)
+# The sources as the last make saw them: a source added, removed or renamed changes the
+# list, and the build then links the sources there are (--force below: setuptools
+# relinks though no source is newer; ninja still compiles only what changed).
+SOURCE_LIST := build/ext-sources.txt
+$(shell mkdir -p build && { echo '$(SOURCES)' | cmp -s - $(SOURCE_LIST) || \
+	echo '$(SOURCES)' > $(SOURCE_LIST); })
 
 # The frameworks tests/python/integrations/ runs against (test dependencies only: the
 # package needs torch alone; without them those tests skip).
@@ -115,10 +121,10 @@ lint: $(VENV_STAMP)
 	if [ $$status = 0 ]; then echo "lint: ruff and clang-format clean"; fi; \
 	exit $$status
 
-$(EXT_STAMP): $(VENV_STAMP) $(SOURCES)
+$(EXT_STAMP): $(VENV_STAMP) $(SOURCES) $(SOURCE_LIST)
 	mkdir -p build && rm -f build/ext-cuda*.stamp
 	$(PY) scripts/build_checks.py > $@.tmp
-	{ $(PY) setup.py build_ext --inplace --build-temp build/ext 2>&1; \
+	{ $(PY) setup.py build_ext --inplace --force --build-temp build/ext 2>&1; \
 		echo $$? > build/ext-build.rc; } | \
 		tee build/ext-build.log
 	exit "$$(cat build/ext-build.rc)"
