@@ -10,8 +10,11 @@
 // which applies `op` to every element (list k stored as Ts[k]; an empty list is
 // absent), writes nothing when *skip != 0, and sets *found_inf = 1 when any
 // apply() reported a non-finite input; l2norm (the engine's own, not pointwise);
-// increment_step and update_loss_scale, which run the functions of pointwise.h of
-// that name on the device; and Guard, which makes a device current.
+//   template <typename F, typename... Args>
+//   static void run_single(Args... args);
+// which runs F::apply(args...) once, in one thread on the device (the step counter's
+// IncrementStep, the loss scale's UpdateLossScale); and Guard, which makes a device
+// current.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -294,8 +297,8 @@ struct NoTensorEngine {
   static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList, const float*, bool, at::Device) {
     unsupported();
   }
-  static void increment_step(float*, const float*) { unsupported(); }
-  static void update_loss_scale(float*, int32_t*, int32_t*, const float*, const LossScaleArgs&) {
+  template <typename F, typename... Args>
+  static void run_single(Args...) {
     unsupported();
   }
 };

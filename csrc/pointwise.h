@@ -504,37 +504,12 @@ MP_HD void tally_update(V* tally, const V& start, const V& p, const V& param, co
 // - the learning rate is `lr`, or the float at lr_ptr (a device tensor, read by
 //   resolve()) when set, so that a captured CUDA graph follows a scheduler.
 
-// fused_adam_'s step counter: incremented once per call, unless skipped.
-MP_HD void increment_step(float* step, const float* found_inf) {
-  if (found_inf == nullptr || *found_inf == 0.f) *step += 1.f;
-}
-
-struct LossScaleArgs {
-  double growth_factor, backoff_factor, min_scale, max_scale;
-  int32_t growth_interval, hysteresis;
+// The optimizers' step counter: incremented once per call, unless skipped. A
+// one-thread function (Engine::run_single); the loss scale's is in pointwise_lists.h.
+struct IncrementStep {
+  MP_HD static void apply(float* step, const float* found_inf) {
+    if (found_inf == nullptr || *found_inf == 0.f) *step += 1.f;
+  }
 };
-
-// Dynamic loss scaling with hysteresis, a floor and a ceiling. Products are formed
-// in double and rounded once to float, as torch's _amp_update_scale_ does.
-MP_HD void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
-                             const float* found_inf, const LossScaleArgs& a) {
-  if (*found_inf != 0.f) {
-    *hysteresis_tracker -= 1;
-    if (*hysteresis_tracker <= 0) {
-      const double backed_off = static_cast<double>(*scale) * a.backoff_factor;
-      *scale = static_cast<float>(backed_off > a.min_scale ? backed_off : a.min_scale);
-    }
-    *growth_tracker = 0;
-    return;
-  }
-  *hysteresis_tracker = a.hysteresis;
-  *growth_tracker += 1;
-  if (*growth_tracker >= a.growth_interval) {
-    const double grown = static_cast<double>(*scale) * a.growth_factor;
-    const float capped = static_cast<float>(grown < a.max_scale ? grown : a.max_scale);
-    if (is_finite(capped)) *scale = capped;
-    *growth_tracker = 0;
-  }
-}
 
 }  // namespace mixedprec

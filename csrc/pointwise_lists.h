@@ -39,4 +39,35 @@ struct CheckFiniteOp {
   }
 };
 
+struct LossScaleArgs {
+  double growth_factor, backoff_factor, min_scale, max_scale;
+  int32_t growth_interval, hysteresis;
+};
+
+// Dynamic loss scaling with hysteresis, a floor and a ceiling (update_loss_scale_,
+// csrc/ops/loss_scale.h), a one-thread function (Engine::run_single). Products are
+// formed in double and rounded once to float, as torch's _amp_update_scale_ does.
+struct UpdateLossScale {
+  MP_HD static void apply(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                          const float* found_inf, const LossScaleArgs& a) {
+    if (*found_inf != 0.f) {
+      *hysteresis_tracker -= 1;
+      if (*hysteresis_tracker <= 0) {
+        const double backed_off = static_cast<double>(*scale) * a.backoff_factor;
+        *scale = static_cast<float>(backed_off > a.min_scale ? backed_off : a.min_scale);
+      }
+      *growth_tracker = 0;
+      return;
+    }
+    *hysteresis_tracker = a.hysteresis;
+    *growth_tracker += 1;
+    if (*growth_tracker >= a.growth_interval) {
+      const double grown = static_cast<double>(*scale) * a.growth_factor;
+      const float capped = static_cast<float>(grown < a.max_scale ? grown : a.max_scale);
+      if (is_finite(capped)) *scale = capped;
+      *growth_tracker = 0;
+    }
+  }
+};
+
 }  // namespace mixedprec

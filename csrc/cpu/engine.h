@@ -479,13 +479,9 @@ struct CpuEngine {
     explicit Guard(const at::Device&) {}
   };
 
-  static void increment_step(float* step, const float* found_inf) {
-    mixedprec::increment_step(step, found_inf);
-  }
-
-  static void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
-                                const float* found_inf, const LossScaleArgs& args) {
-    mixedprec::update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
+  template <typename F, typename... Args>
+  static void run_single(Args... args) {
+    F::apply(args...);
   }
 
   // In l2norm.cpp.

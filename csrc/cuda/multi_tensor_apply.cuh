@@ -30,18 +30,10 @@ __global__ void __launch_bounds__(kBlockSize, MinBlocks<Op>::value)
   pointwise_block<Op, Ts...>(meta, op, skip, found_inf, std::index_sequence_for<Ts...>{});
 }
 
-// Single-thread kernels of the step counter and the loss scale; templates so that
-// the header can define them in every file that includes it.
-template <int Unused = 0>
-__global__ void increment_step_kernel(float* step, const float* found_inf) {
-  increment_step(step, found_inf);
-}
-
-template <int Unused = 0>
-__global__ void update_loss_scale_kernel(float* scale, int32_t* growth_tracker,
-                                         int32_t* hysteresis_tracker, const float* found_inf,
-                                         LossScaleArgs args) {
-  update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, args);
+// The one-thread kernel of run_single (the step counter, the loss scale).
+template <typename F, typename... Args>
+__global__ void single_thread_kernel(Args... args) {
+  F::apply(args...);
 }
 
 // The Engine (csrc/dispatch.h) for CUDA: launches on the current stream of the
@@ -73,15 +65,9 @@ struct CudaEngine {
   static std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, const float* inv_scale,
                                                    bool per_tensor, at::Device device);
 
-  static void increment_step(float* step, const float* found_inf) {
-    increment_step_kernel<><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(step, found_inf);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-
-  static void update_loss_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
-                                const float* found_inf, const LossScaleArgs& args) {
-    update_loss_scale_kernel<><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        scale, growth_tracker, hysteresis_tracker, found_inf, args);
+  template <typename F, typename... Args>
+  static void run_single(Args... args) {
+    single_thread_kernel<F, Args...><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };

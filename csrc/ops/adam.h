@@ -94,7 +94,7 @@ void fused_adam_(at::TensorList params, at::TensorList grads, at::TensorList exp
   if (params.empty()) return;
 
   const typename Engine::Guard guard(step.device());
-  Engine::increment_step(step.data_ptr<float>(), optional_ptr(found_inf));
+  Engine::template run_single<IncrementStep>(step.data_ptr<float>(), optional_ptr(found_inf));
   AdamOp op;
   op.lr = lr;
   op.beta1 = beta1;

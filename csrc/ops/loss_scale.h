@@ -1,5 +1,5 @@
 // The dynamic loss scale's entry: the update of the scale and its trackers, on the
-// device (csrc/pointwise.h's update_loss_scale). Signature: the schema in csrc/ops.cpp.
+// device (csrc/pointwise_lists.h's UpdateLossScale). Signature: the schema in csrc/ops.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../dispatch.h"
+#include "../pointwise_lists.h"
 #include "kernel.h"
 
 namespace mixedprec {
@@ -45,9 +46,9 @@ void update_loss_scale_(const at::Tensor& scale, const at::Tensor& growth_tracke
   args.max_scale = max_scale;
   args.growth_interval = static_cast<int32_t>(growth_interval);
   args.hysteresis = static_cast<int32_t>(hysteresis);
-  Engine::update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-                            hysteresis_tracker.data_ptr<int32_t>(),
-                            found_inf.const_data_ptr<float>(), args);
+  Engine::template run_single<UpdateLossScale>(
+      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+      hysteresis_tracker.data_ptr<int32_t>(), found_inf.const_data_ptr<float>(), args);
 }
 
 }  // namespace entry

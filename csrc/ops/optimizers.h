@@ -190,7 +190,7 @@ void fused_lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp
   const at::Device device = step.device();
   const typename Engine::Guard guard(device);
   const float* skip = optional_ptr(found_inf);
-  Engine::increment_step(step.data_ptr<float>(), skip);
+  Engine::template run_single<IncrementStep>(step.data_ptr<float>(), skip);
 
   constexpr int64_t kAlign = 16;  // floats: 64 bytes
   std::vector<int64_t> offsets;
@@ -316,7 +316,7 @@ void fused_novograd_(at::TensorList params, at::TensorList grads, at::TensorList
   if (!init_zero) blended = at::where(step.eq(0), norms, blended);
   if (found_inf.has_value()) blended = at::where(found_inf->ne(0), exp_avg_sq, blended);
   exp_avg_sq.copy_(blended);
-  Engine::increment_step(step.data_ptr<float>(), optional_ptr(found_inf));
+  Engine::template run_single<IncrementStep>(step.data_ptr<float>(), optional_ptr(found_inf));
 
   std::vector<at::Tensor> per_tensor;
   for (int64_t i = 0; i < exp_avg_sq.numel(); ++i) per_tensor.push_back(exp_avg_sq.narrow(0, i, 1));

@@ -33,8 +33,8 @@ namespace mixedprec::cuda {
 inline int g_launches = 0;  // launches of the emulated engine
 
 // The Engine (csrc/dispatch.h) with CudaEngine's block code, on the host. It keeps
-// the CPU engine's Guard, increment_step and update_loss_scale: CUDA's one-thread
-// kernels call the same functions of pointwise.h.
+// the CPU engine's Guard and run_single: CUDA's one-thread kernel calls the same
+// F::apply.
 struct EmulatedCudaEngine : mixedprec::cpu::CpuEngine {
   template <typename Op, typename... Ts>
   static void run(const Lists<sizeof...(Ts)>& lists, const Op& op, const float* skip,

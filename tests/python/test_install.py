@@ -249,6 +249,9 @@ def test_a_familys_functors_are_compiled_by_its_units_only():
         assert including == units, (header, including)
     shared = (csrc / "pointwise.h").read_text()
     assert "kDepth =" not in shared, "a functor in pointwise.h, which every unit includes"
+    # The loss scale's update is the list family's too (it was a function of pointwise.h,
+    # and an edit of it rebuilt every unit).
+    assert "LossScale" not in shared, "the loss scale's math in pointwise.h"
 
 
 @in_repo_venv
