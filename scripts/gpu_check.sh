@@ -50,8 +50,12 @@
 # stopped, recorded as KILLED, and the summary is printed. A test step passes only when
 # at least one test passed (pytest's "no tests ran" is a failure) and a sanitizer step
 # only when the tool printed its summary with 0 errors. Everything is also written to
-# ${OUT:-/tmp}/gpu_check.log. Exits 1 when any step failed, timed out or was killed; 2 on
-# an unknown step or option. --dry-run prints the plan and runs nothing.
+# ${OUT:-/tmp}/gpu_check.log. Where OUT is set, the script ends (TERM and INT included)
+# by packing everything else it left in $OUT (the steps' logs, bench/'s results) into
+# $OUT/gpu_check-files.tar.gz: a lent machine sends back at most 8 files of $OUT, and the
+# call of 2026-11-29 lost its result files to that. Exits 1 when any step failed, timed
+# out or was killed; 2 on an unknown step or option. --dry-run prints the plan and runs
+# nothing.
 #
 # Uses python3 (torch 2.11 built for CUDA 13.0), nvcc, ninja, cmake, pytest and
 # compute-sanitizer from the machine; downloads nothing. Variables:
@@ -531,8 +535,24 @@ failed_steps() {
   grep -cE '^(FAIL|TIMEOUT|KILLED) ' "$SUMMARY_FILE"
 }
 
+# pack_results: where $OUT is set, every file the run left there but the log and the
+# summary goes into $OUT/gpu_check-files.tar.gz (see the top), and out of $OUT.
+pack_results() {
+  local archive=gpu_check-files.tar.gz
+  local -a files
+  [ -n "${OUT:-}" ] || return 0
+  mapfile -t files < <(cd "$OUTDIR" && find . -type f ! -name gpu_check.log \
+    ! -name gpu_check.summary ! -name "$archive" | sort)
+  [ ${#files[@]} -gt 0 ] || return 0
+  if tar -czf "$OUTDIR/$archive" -C "$OUTDIR" "${files[@]}"; then
+    (cd "$OUTDIR" && rm -f "${files[@]}" && find . -mindepth 1 -type d -empty -delete)
+    echo "the run's other files (${#files[@]}): $OUTDIR/$archive"
+  fi
+}
+
 on_exit() {
   print_summary
+  pack_results
   rm -rf "$STATE"
 }
 

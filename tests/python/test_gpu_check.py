@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -284,6 +285,16 @@ def summary(out):
     return {line.split()[1]: (line.split()[0], line) for line in lines}, lines
 
 
+def packed(out):
+    """{path: text} of the run's archive, after checking that $OUT holds only the log,
+    the summary and that archive (a lent machine sends back at most 8 files)."""
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_check-files.tar.gz", "gpu_check.log", "gpu_check.summary"]
+    with tarfile.open(out / "gpu_check-files.tar.gz") as tar:
+        return {m.name.removeprefix("./"): tar.extractfile(m).read().decode()
+                for m in tar.getmembers() if m.isfile()}
+
+
 def gone(pid, within=3.0):
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -320,9 +331,30 @@ def test_a_step_past_its_limit_is_a_timeout_and_the_others_are_kept(machine):
     assert "==== summary" in proc.stdout
     assert "steps: 4 passed, 0 failed, 2 timed out, 0 killed, 0 skipped" in proc.stdout
     assert (out / "gpu_check.log").read_text().count("TIMEOUT selfcheck") == 1
-    # The steps run at once each left their log.
-    assert "3 passed" in (out / "gpu_check-pytest.log").read_text()
+    # The steps run at once each left their log, packed with the run's other files.
+    assert "3 passed" in packed(out)["gpu_check-pytest.log"]
     assert gone(int((stubs / "selfcheck.pid").read_text()))
+
+
+@needs_bash
+def test_the_run_leaves_its_log_its_summary_and_one_archive(machine):
+    """Five steps at once leave five logs, and the benchmarks their results under
+    $OUT/bench: with the log and the summary, more than the 8 files a lent machine sends
+    back (the call of 2026-11-29 lost its result files so). The run packs them."""
+    env, out, _, script = machine
+    (out / "bench").mkdir(parents=True)
+    (out / "bench" / "ops-gpu.json").write_text('{"rows": []}')
+    steps = ["pytest", "memcheck", "racecheck", "synccheck", "bench-memory"]
+    proc = subprocess.run([BASH, str(script), "+".join(steps)], capture_output=True,
+                          text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = packed(out)
+    assert set(files) == {"bench/ops-gpu.json", *(f"gpu_check-{s}.log" for s in steps)}
+    assert files["bench/ops-gpu.json"] == '{"rows": []}'
+    assert "ERROR SUMMARY: 0 errors" in files["gpu_check-memcheck.log"]
+    assert f"the run's other files (6): {out}/gpu_check-files.tar.gz" in proc.stdout
+    # The log still holds every step's output (printed when the steps were done).
+    assert (out / "gpu_check.log").read_text().count("==== memcheck:") == 1
 
 
 @needs_bash
