@@ -225,8 +225,9 @@ struct Lanes<VecF8x2> : PairLanes<VecF8> {
 // are consecutive from a multiple of 8 in the whole tensor; else 0 (the pass then hands
 // the functor the index, as ever). One chain is ten dependent rounds, a few cycles
 // each, which the update's own chain cannot hide; side by side, the chains run at the
-// multiplier's and the shuffles' throughput. On AVX-512 two (a 64-lane step spilled);
-// on AVX2 eight, 128 elements a call (bench/README.md, "Philox bits drawn ahead").
+// multiplier's and the shuffles' throughput. Eight on both: 256 elements a call on
+// AVX-512 (two until 2026-12-04: eight made "stochastic" 6-9% faster on Zen 4), 128 on
+// AVX2 (bench/README.md, "Philox bits drawn ahead", "Eight chains on AVX-512 too").
 // index(i): what the pass hands the functor for a vector it drew no bits for. (A pass
 // that draws none: engine.h's NoDraws.)
 template <typename V>
@@ -234,17 +235,23 @@ struct PairedDraws;
 template <>
 struct PairedDraws<VecF32> {
   static constexpr bool value = true;
-  static constexpr int kAhead = 2;
+  static constexpr int kAhead = 8;
   using Drawn = DrawnVector<VecU16>;
+  template <int N>
+  MP_AVX512 static int draw_n(const RoundingKey& key, int64_t index, Drawn* out) {
+    const int64_t g = key.global(index);
+    if (g % 8 != 0 || !key.consecutive(index, 32 * N)) return 0;
+    __m512i bits[N];
+    philox_avx512::rounding_blocks<N>(key, static_cast<uint64_t>(g) / 8, bits);
+    for (int j = 0; j < N; ++j) out[j].bits = (VecU16)bits[j];
+    return N;
+  }
   MP_AVX512 static int draw(const RoundingKey& key, int64_t index, int64_t end,
                             Drawn (&out)[kAhead]) {
-    const int64_t g = key.global(index);
-    if (index + 64 > end || g % 8 != 0 || !key.consecutive(index, 64)) return 0;
-    __m512i bits[2];
-    philox_avx512::rounding_blocks<2>(key, static_cast<uint64_t>(g) / 8, bits);
-    out[0].bits = (VecU16)bits[0];
-    out[1].bits = (VecU16)bits[1];
-    return 2;
+    if (index + 32 * kAhead <= end) {
+      if (const int n = draw_n<kAhead>(key, index, out)) return n;
+    }
+    return index + 64 <= end ? draw_n<2>(key, index, out) : 0;
   }
   static int64_t index(int64_t i) { return i; }
 };

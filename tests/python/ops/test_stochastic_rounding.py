@@ -279,8 +279,8 @@ torch.save(params, sys.argv[1])
 
 # The AVX-512 pass of stochastic rounding takes 32 lanes a step (4 Philox blocks per
 # call), and the Fixed modes' passes draw several vectors' bits per call (vec_pair.h's
-# PairedDraws: 64 elements on AVX-512; on AVX2 128, or 32 near a chunk's end or where a
-# run is shorter): tensors around multiples of 32 and 128, shards at offsets that are
+# PairedDraws: 256 elements on AVX-512 and 128 on AVX2, or 64 and 32 near a chunk's end
+# or where a run is shorter): tensors around multiples of 32 and 128, shards at offsets that are
 # multiples of 8 (4 blocks at once) or not, runs that end inside a 32-lane step but not
 # a 16-lane one, and runs of 40 and 48 (two vectors' bits at once, not eight); through
 # SGD's pass and through AdamW's.
