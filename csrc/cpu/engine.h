@@ -324,8 +324,8 @@ inline void block_prefetch(const T* p) {
 // written. NS::BlockBits holds a block's rounding bits in the form NS::store_blocks
 // takes them; NS::blocks_bits draws those of the next NS::kBlocksAhead blocks at once
 // (of those before `end`; a whole number of groups). DRAWS: the params' rounding bits,
-// as MP_PASS's (AVX2's eight vectors', four blocks, at once; AVX-512's two, two blocks;
-// the scalar pass's per element, in the functor).
+// as MP_PASS's (eight vectors' at once: four blocks on AVX2, eight on AVX-512; the
+// scalar pass's per element, in the functor).
 #define MP_BLOCK_PASS(NAME, TARGET, NS, DRAWS)                                                    \
   template <typename Op, typename... Ts, size_t... K>                                             \
   TARGET int NAME(const Op op, void* const* data, int64_t begin, int64_t end,                     \
