@@ -240,10 +240,15 @@ def struct_layout(name: str, bodies: Dict[str, str], memo=None) -> Dict:
 
 
 @functools.lru_cache(maxsize=None)
+def functor_headers(repo: Path = REPO) -> List[Path]:
+    """csrc/pointwise.h and the family headers beside it (pointwise_*.h)."""
+    return sorted((repo / "csrc").glob("pointwise*.h"))
+
+
 def functors(repo: Path = REPO) -> Dict[str, Dict]:
     """The layout and list masks of every functor of csrc/pointwise*.h."""
     bodies = struct_bodies((repo / "csrc/philox.h").read_text())
-    for header in sorted((repo / "csrc").glob("pointwise*.h")):
+    for header in functor_headers(repo):
         bodies.update(struct_bodies(header.read_text()))
     memo: Dict = {}
     return {name: struct_layout(name, bodies, memo) for name in bodies
@@ -369,9 +374,8 @@ def fixed_modes(repo: Path = REPO) -> Dict[str, Dict]:
     known = {"AdamOp", "SgdOp"}  # the functors FIXED_SOURCE checks
     out = {}
     layouts = functors(repo)
-    for header in ("pointwise.h", "pointwise_lists.h", "pointwise_adam.h",
-                   "pointwise_optimizers.h"):
-        for name, body in struct_bodies((repo / "csrc" / header).read_text()).items():
+    for header in functor_headers(repo):
+        for name, body in struct_bodies(header.read_text()).items():
             found = re.search(r"using FixedModes\s*=\s*(.*?);", body, re.S)
             if not found:
                 continue
