@@ -587,7 +587,9 @@ torch.save(out, sys.argv[2])
 
 def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
     """The CPU loops are built for AVX-512, AVX2 and baseline x86-64 and picked at run
-    time (ATEN_CPU_CAPABILITY lowers the choice): each must give the same bits."""
+    time (ATEN_CPU_CAPABILITY lowers the choice): each must give the same bits, the
+    vector loops with their software prefetches and without (MIXEDPREC_CPU_PREFETCH, whose
+    default depends on the CPU's maker: vec.h's software_prefetch)."""
     if device == "cuda":
         pytest.skip("the CPU engine's instruction sets")
     import os
@@ -606,18 +608,19 @@ def test_every_instruction_set_gives_the_same_bits(device, tmp_path):
     script = tmp_path / "isa.py"
     script.write_text(ISA_SCRIPT)
     vector = vector_capabilities()
+    runs = [("default", "1")] + [(c, prefetch) for c in vector for prefetch in ("0", "1")]
     results = {}
-    for capability in ["default", *vector]:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-        path = tmp_path / f"{capability}.pt"
+    for capability, prefetch in runs:
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, MIXEDPREC_CPU_PREFETCH=prefetch)
+        path = tmp_path / f"{capability}-{prefetch}.pt"
         subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(path)],
                        env=env, check=True, timeout=120)
-        results[capability] = torch.load(path)
-    for capability in vector:
-        for dtype, lists in results["default"].items():
-            for i, (base, other) in enumerate(zip(lists, results[capability][dtype])):
+        results[capability, prefetch] = torch.load(path)
+    for run in runs[1:]:
+        for dtype, lists in results[runs[0]].items():
+            for i, (base, other) in enumerate(zip(lists, results[run][dtype])):
                 for j, (a, b) in enumerate(zip(base, other)):
-                    assert_bitwise_equal(b, a, msg=f"{capability} {dtype} list {i}[{j}]")
+                    assert_bitwise_equal(b, a, msg=f"{run} {dtype} list {i}[{j}]")
 
 
 # AdamW in every master mode and moment dtype, through the optimizer: the CPU engine
