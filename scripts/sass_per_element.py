@@ -239,12 +239,12 @@ def struct_layout(name: str, bodies: Dict[str, str], memo=None) -> Dict:
     return memo[name]
 
 
-@functools.lru_cache(maxsize=None)
 def functor_headers(repo: Path = REPO) -> List[Path]:
     """csrc/pointwise.h and the family headers beside it (pointwise_*.h)."""
     return sorted((repo / "csrc").glob("pointwise*.h"))
 
 
+@functools.lru_cache(maxsize=None)
 def functors(repo: Path = REPO) -> Dict[str, Dict]:
     """The layout and list masks of every functor of csrc/pointwise*.h."""
     bodies = struct_bodies((repo / "csrc/philox.h").read_text())

@@ -35,15 +35,11 @@ Isa cpu_isa() {
 
 #if defined(MP_X86_ISA)
 namespace {
-// vec.h's software_prefetch: MIXEDPREC_CPU_PREFETCH=0 or 1 if set so, else off on AMD's
-// cores with AVX-512 (Zen 4 and later: their hardware prefetchers alone streamed
-// faster), on elsewhere (measured faster with it: Sapphire Rapids; about even: the
-// first Zen generation; bench/README.md, "Software prefetch on AMD's AVX-512 cores").
-// Another value of the variable is ignored.
+// (vec.h's software_prefetch; another value of the variable is ignored)
 bool choose_software_prefetch() {
-  const char* set = std::getenv("MIXEDPREC_CPU_PREFETCH");
-  if (set != nullptr && std::string(set) == "0") return false;
-  if (set != nullptr && std::string(set) == "1") return true;
+  const char* env = std::getenv("MIXEDPREC_CPU_PREFETCH");
+  const std::string set = env == nullptr ? "" : env;
+  if (set == "0" || set == "1") return set == "1";
   return !(__builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f"));
 }
 }  // namespace

@@ -38,14 +38,14 @@ extern const bool avx512_vbmi;
 namespace mixedprec::cpu {
 // The vector loops prefetch each stream this far ahead: one thread then streams about
 // 20% faster than with the hardware prefetcher alone (measured on a Xeon with AVX-512,
-// L2 norm and copy of 25M elements), as fast as torch's own kernels. Not on AMD's
-// AVX-512 cores, where the hardware prefetcher alone was faster (software_prefetch).
+// L2 norm and copy of 25M elements), as fast as torch's own kernels.
 constexpr int kPrefetchBytes = 4096;
 
 // Whether the vector loops prefetch (prefetch_ahead), set once at load (vec.cpp): not
-// on AMD's cores with AVX-512 (Zen 4: the list ops 10-30% and AdamW's memory-bound
-// modes 2-15% faster without), else on; MIXEDPREC_CPU_PREFETCH=0 or 1 sets it. The same
-// bits either way: a prefetch only moves cache lines.
+// on AMD's cores with AVX-512, where the hardware prefetcher alone streamed faster (Zen
+// 4: the list ops 10-30% and AdamW's memory-bound modes 2-15%; bench/README.md,
+// "Software prefetch on AMD's AVX-512 cores"), else on; MIXEDPREC_CPU_PREFETCH=0 or 1
+// sets it. The same bits either way: a prefetch only moves cache lines.
 extern const bool software_prefetch;
 
 // Asks for the cache line kPrefetchBytes past p.
